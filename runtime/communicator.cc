@@ -1,0 +1,61 @@
+#include "runtime/communicator.h"
+
+#include "runtime/error.h"
+
+namespace remat {
+
+const char* to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kAvg: return "avg";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kMin: return "min";
+  }
+  return "?";
+}
+
+namespace {
+
+class CompletedWork final : public Work {
+ public:
+  bool isCompleted() override { return true; }
+  void wait() override {}
+};
+
+}  // namespace
+
+std::shared_ptr<Work> completed_work() { return std::make_shared<CompletedWork>(); }
+
+void Communicator::unsupported(const char* op) const {
+  throw CommError(str("communication backend '", backendName(), "' does not implement ",
+                      op));
+}
+
+std::shared_ptr<Work> Communicator::allReduce(at::Tensor&, const AllReduceOptions&) {
+  unsupported("allReduce");
+}
+std::shared_ptr<Work> Communicator::allGather(at::Tensor&, const at::Tensor&,
+                                              const AllGatherOptions&) {
+  unsupported("allGather");
+}
+std::shared_ptr<Work> Communicator::allGather(std::vector<at::Tensor>&, const at::Tensor&,
+                                              const AllGatherOptions&) {
+  unsupported("allGather (list)");
+}
+std::shared_ptr<Work> Communicator::reduceScatter(at::Tensor&, const at::Tensor&,
+                                                  const ReduceScatterOptions&) {
+  unsupported("reduceScatter");
+}
+std::shared_ptr<Work> Communicator::broadcast(at::Tensor&, const BroadcastOptions&) {
+  unsupported("broadcast");
+}
+std::shared_ptr<Work> Communicator::barrier(const BarrierOptions&) { unsupported("barrier"); }
+std::shared_ptr<Work> Communicator::send(const at::Tensor&, int, const SendRecvOptions&) {
+  unsupported("send");
+}
+std::shared_ptr<Work> Communicator::recv(at::Tensor&, int, const SendRecvOptions&) {
+  unsupported("recv");
+}
+std::shared_ptr<Communicator> Communicator::split(int, int) { unsupported("split"); }
+
+}  // namespace remat

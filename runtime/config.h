@@ -1,0 +1,130 @@
+// remat's configuration, read from JSON into typed structs.
+//
+// Key names and defaults are DeepSpeed's wherever DeepSpeed has the key;
+// remat's own keys are documented in docs/config.md. Validation is strict:
+// an unknown key names its full path and the closest valid key, a wrong type
+// names path, expected and actual type, malformed JSON gives line and column.
+//
+//   remat::Config cfg = remat::load_config("configs/default.json",
+//                                          {"activation_checkpointing.variant=full"});
+//   remat::BatchSizes batch = cfg.resolve_batch(layout.dp());
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace remat {
+
+struct OptimizerConfig {
+  std::string type = "AdamW";  // AdamW | Adam | SGD
+  double lr = 1e-3;
+  std::array<double, 2> betas = {0.9, 0.999};
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  double momentum = 0.0;  // SGD
+  bool nesterov = false;  // SGD
+};
+
+struct SchedulerConfig {
+  std::string type = "none";  // none | WarmupLR | WarmupDecayLR
+  double warmup_min_lr = 0.0;
+  double warmup_max_lr = 1e-3;
+  int64_t warmup_num_steps = 1000;
+  std::string warmup_type = "log";  // log | linear
+  int64_t total_num_steps = 0;      // WarmupDecayLR only; required there
+};
+
+struct Bf16Config {
+  bool enabled = false;
+};
+
+struct ZeroConfig {
+  int stage = 0;
+  int64_t reduce_bucket_size = 500000000;
+  int64_t stage3_prefetch_bucket_size = 50000000;
+  int64_t stage3_param_persistence_threshold = 100000;
+  bool overlap_comm = false;
+  bool contiguous_gradients = true;
+};
+
+// The ops whose outputs selective_op checkpointing keeps by default.
+std::vector<std::string> default_save_ops();
+
+struct ActivationCheckpointingConfig {
+  bool partition_activations = false;
+  bool cpu_checkpointing = false;
+  bool contiguous_memory_optimization = false;
+  std::optional<int64_t> number_checkpoints;
+  bool synchronize_checkpoint_boundary = false;
+  bool profile = false;
+  // remat extensions.
+  std::string variant = "none";  // none | full | selective_layer | selective_op
+  int every_k = 1;               // selective_layer: checkpoint every k-th block
+  std::vector<std::string> save_ops = default_save_ops();
+};
+
+struct TensorParallelConfig {
+  int size = 1;
+};
+
+struct ModelConfig {
+  int n_layer = 4;
+  int n_head = 4;
+  int d_model = 128;
+  int d_ff = 512;
+  int seq_len = 64;
+  double dropout = 0.1;
+};
+
+struct DataConfig {
+  std::string path;  // empty: the embedded default corpus
+  double train_fraction = 0.9;
+};
+
+// Resolved batch sizes: train = micro × accumulation × data-parallel size.
+struct BatchSizes {
+  int64_t train_batch_size = 0;
+  int64_t micro_batch_per_gpu = 0;
+  int64_t gradient_accumulation_steps = 0;
+};
+
+struct Config {
+  std::optional<int64_t> train_batch_size;
+  std::optional<int64_t> train_micro_batch_size_per_gpu;
+  std::optional<int64_t> gradient_accumulation_steps;
+  double gradient_clipping = 0.0;  // 0: off
+  int steps_per_print = 10;
+  OptimizerConfig optimizer;
+  SchedulerConfig scheduler;
+  Bf16Config bf16;
+  ZeroConfig zero_optimization;
+  ActivationCheckpointingConfig activation_checkpointing;
+  TensorParallelConfig tensor_parallel;
+  ModelConfig model;
+  DataConfig data;
+
+  // Fills in the batch sizes that were left out, given the data-parallel size.
+  // Inconsistent values are a ConfigError that shows the arithmetic.
+  BatchSizes resolve_batch(int data_parallel_size) const;
+
+  // The effective configuration (defaults filled in) as pretty JSON.
+  std::string to_json() const;
+};
+
+// Parses JSON text. `source` names it in errors (a path, "<default>").
+// `overrides` are "a.b.c=value" strings applied on top, validated the same way;
+// value is JSON (8, true, "x", [1,2]) or else taken as a plain string.
+Config parse_config(const std::string& text, const std::string& source,
+                    const std::vector<std::string>& overrides = {});
+
+// Reads and parses a file; an unreadable file is a ConfigError.
+Config load_config(const std::string& path,
+                   const std::vector<std::string>& overrides = {});
+
+// The configuration embedded in the binaries (configs/default.json).
+const std::string& default_config_text();
+
+}  // namespace remat

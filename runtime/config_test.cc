@@ -1,0 +1,252 @@
+#include "runtime/config.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "runtime/error.h"
+
+namespace remat {
+namespace {
+
+using ::testing::HasSubstr;
+
+// The message of the ConfigError that `fn` throws (fails if it throws none).
+template <typename F>
+std::string config_error(F fn) {
+  try {
+    fn();
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected a ConfigError";
+  return "";
+}
+
+Config parse(const std::string& text, std::vector<std::string> overrides = {}) {
+  return parse_config(text, "test.json", overrides);
+}
+
+TEST(Config, DefaultsAreDeepSpeeds) {
+  Config c = parse("{}");
+  EXPECT_FALSE(c.train_batch_size.has_value());
+  EXPECT_EQ(c.gradient_clipping, 0.0);
+  EXPECT_FALSE(c.bf16.enabled);
+  EXPECT_EQ(c.zero_optimization.stage, 0);
+  EXPECT_EQ(c.zero_optimization.reduce_bucket_size, 500000000);
+  EXPECT_EQ(c.zero_optimization.stage3_prefetch_bucket_size, 50000000);
+  EXPECT_EQ(c.zero_optimization.stage3_param_persistence_threshold, 100000);
+  EXPECT_FALSE(c.zero_optimization.overlap_comm);
+  EXPECT_TRUE(c.zero_optimization.contiguous_gradients);
+  const auto& ac = c.activation_checkpointing;
+  EXPECT_FALSE(ac.partition_activations);
+  EXPECT_FALSE(ac.cpu_checkpointing);
+  EXPECT_FALSE(ac.contiguous_memory_optimization);
+  EXPECT_FALSE(ac.number_checkpoints.has_value());
+  EXPECT_FALSE(ac.synchronize_checkpoint_boundary);
+  EXPECT_FALSE(ac.profile);
+  EXPECT_EQ(ac.variant, "none");
+  EXPECT_EQ(ac.save_ops, default_save_ops());
+  EXPECT_EQ(c.tensor_parallel.size, 1);
+}
+
+TEST(Config, ReadsEveryKnownSection) {
+  Config c = parse(R"({
+    "train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+    "gradient_clipping": 1.5,
+    "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": true}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 7, "warmup_type": "linear"}},
+    "bf16": {"enabled": true},
+    "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e8, "overlap_comm": true},
+    "activation_checkpointing": {"partition_activations": true, "cpu_checkpointing": true,
+      "contiguous_memory_optimization": true, "number_checkpoints": 8,
+      "synchronize_checkpoint_boundary": true, "profile": true,
+      "variant": "selective_op", "every_k": 3, "save_ops": ["aten::mm"]},
+    "tensor_parallel": {"size": 2},
+    "model": {"n_layer": 8, "n_head": 2, "d_model": 64, "d_ff": 256, "seq_len": 32, "dropout": 0.0},
+    "data": {"path": "corpus.txt", "train_fraction": 0.8}
+  })");
+  EXPECT_EQ(*c.train_batch_size, 32);
+  EXPECT_EQ(c.gradient_clipping, 1.5);
+  EXPECT_EQ(c.optimizer.type, "SGD");
+  EXPECT_EQ(c.optimizer.lr, 0.1);
+  EXPECT_EQ(c.optimizer.momentum, 0.9);
+  EXPECT_TRUE(c.optimizer.nesterov);
+  EXPECT_EQ(c.scheduler.warmup_num_steps, 7);
+  EXPECT_EQ(c.scheduler.warmup_type, "linear");
+  EXPECT_TRUE(c.bf16.enabled);
+  EXPECT_EQ(c.zero_optimization.stage, 3);
+  EXPECT_EQ(c.zero_optimization.reduce_bucket_size, 500000000);
+  EXPECT_TRUE(c.zero_optimization.overlap_comm);
+  EXPECT_EQ(*c.activation_checkpointing.number_checkpoints, 8);
+  EXPECT_EQ(c.activation_checkpointing.variant, "selective_op");
+  EXPECT_EQ(c.activation_checkpointing.every_k, 3);
+  EXPECT_EQ(c.activation_checkpointing.save_ops, std::vector<std::string>{"aten::mm"});
+  EXPECT_EQ(c.tensor_parallel.size, 2);
+  EXPECT_EQ(c.model.n_layer, 8);
+  EXPECT_EQ(c.data.path, "corpus.txt");
+}
+
+TEST(Config, EmbeddedDefaultParsesAndRoundTrips) {
+  Config c = parse_config(default_config_text(), "<default>");
+  Config again = parse_config(c.to_json(), "<dump>");
+  EXPECT_EQ(again.to_json(), c.to_json());
+  EXPECT_EQ(again.optimizer.betas, c.optimizer.betas);
+}
+
+TEST(Config, MalformedJsonGivesLineAndColumn) {
+  auto msg = config_error([] { parse("{\n  \"bf16\": {\"enabled\": true,}\n}"); });
+  EXPECT_THAT(msg, HasSubstr("config error in test.json: malformed JSON"));
+  EXPECT_THAT(msg, HasSubstr("line 2, column"));
+}
+
+TEST(Config, DuplicateKeyIsAnError) {
+  auto msg = config_error([] { parse(R"({"bf16": {"enabled": true, "enabled": false}})"); });
+  EXPECT_THAT(msg, HasSubstr("key 'enabled' appears twice"));
+}
+
+TEST(Config, TopLevelMustBeAnObject) {
+  EXPECT_THAT(config_error([] { parse("[1, 2]"); }),
+              HasSubstr("the top level must be a JSON object, got array"));
+}
+
+TEST(Config, UnknownTopLevelKeyNamesClosest) {
+  auto msg = config_error([] { parse(R"({"train_batch_sise": 8})"); });
+  EXPECT_THAT(msg, HasSubstr("unknown key 'train_batch_sise'; did you mean 'train_batch_size'?"));
+}
+
+TEST(Config, UnknownNestedKeyNamesFullPathAndClosest) {
+  auto msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"partition_activatons": true}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("unknown key 'activation_checkpointing.partition_activatons'; "
+                             "did you mean 'activation_checkpointing.partition_activations'?"));
+  msg = config_error([] { parse(R"({"optimizer": {"params": {"weight_decy": 0.1}}})"); });
+  EXPECT_THAT(msg, HasSubstr("'optimizer.params.weight_decy'; did you mean "
+                             "'optimizer.params.weight_decay'?"));
+}
+
+TEST(Config, WrongTypeNamesPathExpectedAndActual) {
+  auto msg = config_error([] { parse(R"({"model": {"n_layer": "4"}})"); });
+  EXPECT_THAT(msg, HasSubstr("'model.n_layer' must be integer, got string \"4\""));
+  msg = config_error([] { parse(R"({"bf16": {"enabled": 1}})"); });
+  EXPECT_THAT(msg, HasSubstr("'bf16.enabled' must be boolean, got integer 1"));
+  msg = config_error([] { parse(R"({"zero_optimization": {"reduce_bucket_size": 2.5}})"); });
+  EXPECT_THAT(msg, HasSubstr("'zero_optimization.reduce_bucket_size' must be integer, got number 2.5"));
+  msg = config_error([] { parse(R"({"bf16": true})"); });
+  EXPECT_THAT(msg, HasSubstr("'bf16' must be object, got boolean true"));
+  msg = config_error([] { parse(R"({"optimizer": {"params": {"betas": [0.9]}}})"); });
+  EXPECT_THAT(msg, HasSubstr("'optimizer.params.betas' must be array of 2 numbers"));
+}
+
+TEST(Config, ChoicesNameTheClosest) {
+  auto msg = config_error([] { parse(R"({"activation_checkpointing": {"variant": "ful"}})"); });
+  EXPECT_THAT(msg, HasSubstr("'activation_checkpointing.variant' = \"ful\" is not one of none, "
+                             "full, selective_layer, selective_op; did you mean \"full\"?"));
+  msg = config_error([] { parse(R"({"optimizer": {"type": "adamw"}})"); });
+  EXPECT_THAT(msg, HasSubstr("did you mean \"AdamW\"?"));
+}
+
+TEST(Config, OverridesApplyWithValidation) {
+  Config c = parse("{}", {"model.n_layer=8", "activation_checkpointing.variant=full",
+                          "bf16.enabled=true", "data.path=123",
+                          "optimizer.params.betas=[0.8, 0.9]"});
+  EXPECT_EQ(c.model.n_layer, 8);
+  EXPECT_EQ(c.activation_checkpointing.variant, "full");
+  EXPECT_TRUE(c.bf16.enabled);
+  EXPECT_EQ(c.data.path, "123");  // a string key keeps what was typed
+  EXPECT_EQ(c.optimizer.betas[0], 0.8);
+
+  auto msg = config_error([] { parse("{}", {"model.n_layr=8"}); });
+  EXPECT_THAT(msg, HasSubstr("--set model.n_layr=8: unknown key 'model.n_layr'; did you mean "
+                             "'model.n_layer'?"));
+  msg = config_error([] { parse("{}", {"model.n_layer=eight"}); });
+  EXPECT_THAT(msg, HasSubstr("'model.n_layer' must be integer, got string \"eight\""));
+  msg = config_error([] { parse("{}", {"model.n_layer.x=1"}); });
+  EXPECT_THAT(msg, HasSubstr("'model.n_layer' is a integer, not a section"));
+  msg = config_error([] { parse("{}", {"model.n_layer"}); });
+  EXPECT_THAT(msg, HasSubstr("overrides are written key.path=value"));
+}
+
+TEST(Config, CrossFieldChecks) {
+  EXPECT_THAT(config_error([] {
+                parse(R"({"activation_checkpointing": {"contiguous_memory_optimization": true}})");
+              }),
+              HasSubstr("'activation_checkpointing.number_checkpoints' is not set"));
+  EXPECT_THAT(config_error([] { parse(R"({"activation_checkpointing": {"every_k": 0}})"); }),
+              HasSubstr("'activation_checkpointing.every_k' = 0 must be at least 1"));
+  EXPECT_THAT(config_error([] { parse(R"({"activation_checkpointing": {"save_ops": ["mm"]}})"); }),
+              HasSubstr("entry \"mm\" is not an operator name like \"aten::mm\""));
+  EXPECT_THAT(config_error([] { parse(R"({"zero_optimization": {"stage": 4}})"); }),
+              HasSubstr("'zero_optimization.stage' = 4 must be 0, 1, 2 or 3"));
+  EXPECT_THAT(config_error([] { parse(R"({"tensor_parallel": {"size": 0}})"); }),
+              HasSubstr("'tensor_parallel.size' = 0 must be at least 1"));
+  EXPECT_THAT(config_error([] { parse(R"({"model": {"d_model": 100, "n_head": 3}})"); }),
+              HasSubstr("'model.d_model' (100) must be divisible by 'model.n_head' (3)"));
+  EXPECT_THAT(config_error([] { parse(R"({"train_batch_size": 0})"); }),
+              HasSubstr("'train_batch_size' = 0 must be at least 1"));
+  EXPECT_THAT(config_error([] {
+                parse(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}})");
+              }),
+              HasSubstr("needs 'scheduler.params.total_num_steps' (0) greater than"));
+}
+
+TEST(Config, BatchSizesAnyTwoDetermineTheThird) {
+  auto batch = [](const std::string& text, int dp) { return parse(text).resolve_batch(dp); };
+  BatchSizes b = batch(R"({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4})", 2);
+  EXPECT_EQ(b.gradient_accumulation_steps, 4);
+  b = batch(R"({"train_batch_size": 32, "gradient_accumulation_steps": 2})", 4);
+  EXPECT_EQ(b.micro_batch_per_gpu, 4);
+  b = batch(R"({"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2})", 3);
+  EXPECT_EQ(b.train_batch_size, 18);
+  b = batch(R"({"train_batch_size": 8})", 2);
+  EXPECT_EQ(b.micro_batch_per_gpu, 4);
+  EXPECT_EQ(b.gradient_accumulation_steps, 1);
+  b = batch(R"({"train_micro_batch_size_per_gpu": 5})", 3);
+  EXPECT_EQ(b.train_batch_size, 15);
+  b = batch(R"({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": 2})", 2);
+  EXPECT_EQ(b.train_batch_size, 16);
+}
+
+TEST(Config, InconsistentBatchSizesShowTheArithmetic) {
+  auto msg = config_error([] {
+    parse(R"({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+              "gradient_accumulation_steps": 2})").resolve_batch(2);
+  });
+  EXPECT_THAT(msg, HasSubstr("train_batch_size (32) must equal train_micro_batch_size_per_gpu (4) "
+                             "x gradient_accumulation_steps (2) x data-parallel size (2) = 16"));
+  msg = config_error([] {
+    parse(R"({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4})").resolve_batch(2);
+  });
+  EXPECT_THAT(msg, HasSubstr("train_batch_size (30) is not divisible by "
+                             "train_micro_batch_size_per_gpu (4) x data-parallel size (2) = 8"));
+  msg = config_error([] { parse(R"({"gradient_accumulation_steps": 2})").resolve_batch(1); });
+  EXPECT_THAT(msg, HasSubstr("set train_batch_size or train_micro_batch_size_per_gpu"));
+}
+
+TEST(Config, UnreadableFileIsAnError) {
+  EXPECT_THAT(config_error([] { load_config("/nonexistent/remat.json"); }),
+              HasSubstr("cannot read '/nonexistent/remat.json'"));
+}
+
+TEST(Config, LoadsAFileAndNamesItInErrors) {
+  std::string path = ::testing::TempDir() + "/remat_config_test.json";
+  {
+    std::ofstream out(path);
+    out << R"({"model": {"n_layer": 2}})";
+  }
+  EXPECT_EQ(load_config(path).model.n_layer, 2);
+  {
+    std::ofstream out(path);
+    out << R"({"modle": {}})";
+  }
+  EXPECT_THAT(config_error([&] { load_config(path); }),
+              HasSubstr("config error in " + path + ": unknown key 'modle'; did you mean 'model'?"));
+  std::remove(path.c_str());
+}
+
+}  // namespace
+}  // namespace remat

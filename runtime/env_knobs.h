@@ -1,0 +1,29 @@
+// Every environment variable remat reads, in one place.
+#pragma once
+
+#include <chrono>
+#include <optional>
+#include <string>
+
+namespace remat::knobs {
+
+// Log level: trace, debug, info (default), warn, error, critical, off.
+inline constexpr const char* kLogLevel = "REMAT_LOG_LEVEL";
+// 1: before each collective, ranks compare op, sequence number, dtype and shape
+// and raise an error naming both ranks on a mismatch.
+inline constexpr const char* kDebugCollectives = "REMAT_DEBUG_COLLECTIVES";
+// Seconds a collective may take before wait() throws remat::TimeoutError.
+inline constexpr const char* kCommTimeoutSeconds = "REMAT_COMM_TIMEOUT_S";
+// 0: build-time CUDA detection is skipped (read by Bazel's configure step).
+inline constexpr const char* kCuda = "REMAT_CUDA";
+
+// The variable's value, or nullopt when unset or empty.
+std::optional<std::string> get(const char* name);
+
+// True for 1/true/yes/on (any case); false when unset. Anything else is an error.
+bool get_bool(const char* name);
+
+// Default collective timeout: REMAT_COMM_TIMEOUT_S, else 300 s.
+std::chrono::milliseconds comm_timeout();
+
+}  // namespace remat::knobs

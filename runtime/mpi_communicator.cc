@@ -1,0 +1,506 @@
+#include "runtime/mpi_communicator.h"
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <climits>
+#include <cstring>
+#include <functional>
+#include <thread>
+
+#include "runtime/env_knobs.h"
+#include "runtime/error.h"
+#include "runtime/logging.h"
+#include "runtime/tensor_checks.h"
+
+namespace remat {
+namespace {
+
+// The choke point for MPI return codes.
+void mpi_check(int rc, const std::string& context) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(rc, text, &length);
+  throw CommError(str("MPI error in ", context, ": ", std::string(text, length)));
+}
+
+// ---------------------------------------------------------------------------
+// Reductions on 16-bit floats: MPI has no bfloat16 or float16, so both travel
+// as 2-byte opaque types and reduce through user ops that widen to float.
+
+MPI_Datatype g_bf16 = MPI_DATATYPE_NULL;
+MPI_Datatype g_fp16 = MPI_DATATYPE_NULL;
+MPI_Op g_half_ops[3] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};  // sum, max, min
+
+template <typename T, typename F>
+void combine(void* in, void* inout, int n, F f) {
+  auto* a = static_cast<const T*>(in);
+  auto* b = static_cast<T*>(inout);
+  for (int i = 0; i < n; ++i) b[i] = T(f(static_cast<float>(a[i]), static_cast<float>(b[i])));
+}
+
+template <typename F>
+void half_op(void* in, void* inout, int* len, MPI_Datatype* type, F f) {
+  if (*type == g_bf16) {
+    combine<c10::BFloat16>(in, inout, *len, f);
+  } else {
+    combine<c10::Half>(in, inout, *len, f);
+  }
+}
+
+void half_sum(void* in, void* inout, int* len, MPI_Datatype* type) {
+  half_op(in, inout, len, type, [](float a, float b) { return a + b; });
+}
+void half_max(void* in, void* inout, int* len, MPI_Datatype* type) {
+  half_op(in, inout, len, type, [](float a, float b) { return std::max(a, b); });
+}
+void half_min(void* in, void* inout, int* len, MPI_Datatype* type) {
+  half_op(in, inout, len, type, [](float a, float b) { return std::min(a, b); });
+}
+
+void ensure_half_types() {
+  if (g_bf16 != MPI_DATATYPE_NULL) return;
+  mpi_check(MPI_Type_contiguous(2, MPI_BYTE, &g_bf16), "creating the bfloat16 type");
+  mpi_check(MPI_Type_commit(&g_bf16), "committing the bfloat16 type");
+  mpi_check(MPI_Type_contiguous(2, MPI_BYTE, &g_fp16), "creating the float16 type");
+  mpi_check(MPI_Type_commit(&g_fp16), "committing the float16 type");
+  mpi_check(MPI_Op_create(&half_sum, 1, &g_half_ops[0]), "creating the 16-bit sum");
+  mpi_check(MPI_Op_create(&half_max, 1, &g_half_ops[1]), "creating the 16-bit max");
+  mpi_check(MPI_Op_create(&half_min, 1, &g_half_ops[2]), "creating the 16-bit min");
+}
+
+struct Reduction {
+  MPI_Datatype type;
+  MPI_Op op;
+  bool divide_after = false;  // kAvg: sum, then divide by the group size
+};
+
+Reduction reduction_for(at::ScalarType dtype, ReduceOp op, const char* what) {
+  if (op == ReduceOp::kAvg && !at::isFloatingType(dtype)) {
+    throw CommError(str(what, ": ReduceOp avg needs a floating-point tensor, got ",
+                        c10::toString(dtype), "; use sum and divide yourself"));
+  }
+  int index = op == ReduceOp::kMax ? 1 : op == ReduceOp::kMin ? 2 : 0;
+  MPI_Op builtin = index == 1 ? MPI_MAX : index == 2 ? MPI_MIN : MPI_SUM;
+  bool avg = op == ReduceOp::kAvg;
+  switch (dtype) {
+    case at::kFloat: return {MPI_FLOAT, builtin, avg};
+    case at::kDouble: return {MPI_DOUBLE, builtin, avg};
+    case at::kInt: return {MPI_INT32_T, builtin, false};
+    case at::kLong: return {MPI_INT64_T, builtin, false};
+    case at::kByte: return {MPI_UINT8_T, builtin, false};
+    // For bool, sum and max are "any", min is "all".
+    case at::kBool: return {MPI_C_BOOL, index == 2 ? MPI_LAND : MPI_LOR, false};
+    case at::kBFloat16:
+      ensure_half_types();
+      return {g_bf16, g_half_ops[index], avg};
+    case at::kHalf:
+      ensure_half_types();
+      return {g_fp16, g_half_ops[index], avg};
+    default:
+      throw CommError(str(what, ": dtype ", c10::toString(dtype),
+                          " is not supported by reductions; use float32, float64, "
+                          "bfloat16, float16, int32, int64, uint8 or bool"));
+  }
+}
+
+int to_count(int64_t n, const char* what) {
+  if (n > INT_MAX) {
+    throw CommError(str(what, ": ", n, " elements/bytes exceed MPI's int count (", INT_MAX,
+                        "); split the tensor into smaller pieces"));
+  }
+  return static_cast<int>(n);
+}
+
+// The buffer an in-place op writes into: the tensor itself when contiguous,
+// else a contiguous copy that `finish` copies back.
+at::Tensor writable(at::Tensor& t, std::vector<std::function<void()>>& finish) {
+  if (t.is_contiguous()) return t;
+  at::Tensor buffer = t.contiguous();
+  finish.push_back([t, buffer]() mutable { t.copy_(buffer); });
+  return buffer;
+}
+
+class MpiWork final : public Work {
+ public:
+  MpiWork(std::string what, int rank, int size, Timeout timeout, bool cancellable)
+      : what_(std::move(what)), rank_(rank), size_(size), timeout_(timeout),
+        cancellable_(cancellable) {}
+
+  std::vector<MPI_Request> requests;
+  std::vector<at::Tensor> keep_alive;
+  std::vector<std::function<void()>> finish;
+
+  bool isCompleted() override {
+    if (!error_.empty()) throw CommError(error_);
+    if (done_) return true;
+    int flag = 0;
+    if (!requests.empty()) {
+      mpi_check(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &flag,
+                            MPI_STATUSES_IGNORE),
+                what_);
+    } else {
+      flag = 1;
+    }
+    if (flag) {
+      done_ = true;
+      for (auto& f : finish) f();
+      finish.clear();
+      keep_alive.clear();
+    }
+    return done_;
+  }
+
+  void wait() override {
+    auto start = std::chrono::steady_clock::now();
+    int polls = 0;
+    while (!isCompleted()) {
+      // Spin briefly, then yield: ranks are often oversubscribed on few cores.
+      if (++polls > 1000) {
+        if (std::chrono::steady_clock::now() - start > timeout_) {
+          error_ = str(what_, " on rank ", rank_, " of ", size_, " did not complete within ",
+                       timeout_.count() / 1000.0,
+                       " s: a peer may have exited, stalled, or called a different "
+                       "collective. Run with REMAT_DEBUG_COLLECTIVES=1 to compare the "
+                       "calls across ranks, or raise REMAT_COMM_TIMEOUT_S");
+          // A point-to-point request can be withdrawn, so its buffer is free
+          // again; a collective cannot, and the job should end (run_main).
+          if (cancellable_) {
+            for (auto& request : requests) {
+              MPI_Cancel(&request);
+              MPI_Wait(&request, MPI_STATUS_IGNORE);
+            }
+            keep_alive.clear();
+            finish.clear();
+          }
+          throw TimeoutError(error_);
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(polls > 100000 ? 200 : 5));
+      }
+    }
+  }
+
+ private:
+  std::string what_;
+  int rank_;
+  int size_;
+  Timeout timeout_;
+  bool cancellable_;
+  bool done_ = false;
+  std::string error_;
+};
+
+std::string shape_of(const at::Tensor& t) {
+  std::string out = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
+  return out + "]";
+}
+
+std::string describe(const at::Tensor& t) {
+  return str("dtype=", c10::toString(t.scalar_type()), ", shape=", shape_of(t));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+
+MpiSession::MpiSession() {
+  if (initialized()) return;
+  int provided = 0;
+  mpi_check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
+  owns_ = true;
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+}
+
+MpiSession::~MpiSession() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (owns_ && !finalized) MPI_Finalize();
+}
+
+bool MpiSession::initialized() {
+  int flag = 0;
+  MPI_Initialized(&flag);
+  return flag != 0;
+}
+
+void MpiSession::abort(int code) {
+  if (initialized()) MPI_Abort(MPI_COMM_WORLD, code);
+  std::exit(code);
+}
+
+struct MpiCommunicator::Launch {
+  const char* op;
+  std::string signature;  // compared across ranks in debug mode
+  bool collective = true;
+  Timeout timeout{0};
+  std::vector<at::Tensor> tensors;  // checked for device, kept alive
+  std::function<void(MpiWork&)> start;
+};
+
+std::shared_ptr<MpiCommunicator> MpiCommunicator::world() {
+  REMAT_CHECK(MpiSession::initialized(),
+              "MPI is not initialised: create a remat::MpiSession (or call "
+              "remat::Runtime::init) before asking for a communicator");
+  MPI_Comm dup;
+  mpi_check(MPI_Comm_dup(MPI_COMM_WORLD, &dup), "duplicating MPI_COMM_WORLD");
+  return std::shared_ptr<MpiCommunicator>(new MpiCommunicator(dup));
+}
+
+MpiCommunicator::MpiCommunicator(MPI_Comm comm) : Communicator(0, 1), comm_(comm) {
+  MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+  mpi_check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+  mpi_check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+  debug_ = knobs::get_bool(knobs::kDebugCollectives);
+  default_timeout_ = knobs::comm_timeout();
+  if (debug_) mpi_check(MPI_Comm_dup(comm_, &check_comm_), "duplicating for debug checks");
+}
+
+MpiCommunicator::~MpiCommunicator() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return;
+  if (check_comm_ != MPI_COMM_NULL) MPI_Comm_free(&check_comm_);
+  if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+}
+
+void MpiCommunicator::verifyCollective(const std::string& description, Timeout timeout) {
+  constexpr int kLength = 512;
+  if (check_comm_ == MPI_COMM_NULL) {
+    mpi_check(MPI_Comm_dup(comm_, &check_comm_), "duplicating for debug checks");
+  }
+  std::vector<char> mine(kLength, 0);
+  std::memcpy(mine.data(), description.data(), std::min<size_t>(description.size(), kLength - 1));
+  std::vector<char> all(static_cast<size_t>(kLength) * size_, 0);
+  MpiWork work(str("debug check before ", description), rank_, size_,
+               timeout.count() > 0 ? timeout : default_timeout_, /*cancellable=*/false);
+  work.requests.resize(1);
+  mpi_check(MPI_Iallgather(mine.data(), kLength, MPI_CHAR, all.data(), kLength, MPI_CHAR,
+                           check_comm_, &work.requests[0]),
+            "debug check");
+  work.wait();
+  for (int r = 0; r < size_; ++r) {
+    std::string theirs(all.data() + static_cast<size_t>(r) * kLength);
+    if (theirs != mine.data()) {
+      throw CommError(str("collective mismatch on a communicator of ", size_, " ranks: rank ",
+                          rank_, " called ", mine.data(), " but rank ", r, " called ", theirs,
+                          ". Every rank must call the same collectives in the same order "
+                          "with the same dtypes and shapes"));
+    }
+  }
+}
+
+std::shared_ptr<Work> MpiCommunicator::launch(Launch&& l) {
+  for (const auto& t : l.tensors) {
+    check_tensor_device(t, /*want_cuda=*/false, l.op, "mpi");
+  }
+  std::string what = l.collective ? str(l.op, "(seq=", seq_, ", ", l.signature, ")")
+                                   : str(l.op, "(", l.signature, ")");
+  if (l.collective) ++seq_;
+  Timeout timeout = l.timeout.count() > 0 ? l.timeout : default_timeout_;
+  if (debug_ && l.collective) verifyCollective(what, timeout);
+  auto work = std::make_shared<MpiWork>(what, rank_, size_, timeout,
+                                        /*cancellable=*/!l.collective);
+  work->keep_alive = l.tensors;
+  l.start(*work);
+  return work;
+}
+
+std::shared_ptr<Work> MpiCommunicator::allReduce(at::Tensor& tensor, const AllReduceOptions& opts) {
+  Launch l{"allReduce", str(describe(tensor), ", op=", to_string(opts.op))};
+  l.timeout = opts.timeout;
+  l.tensors = {tensor};
+  l.start = [&, opts](MpiWork& work) {
+    Reduction red = reduction_for(tensor.scalar_type(), opts.op, "allReduce");
+    at::Tensor buffer = writable(tensor, work.finish);
+    work.keep_alive.push_back(buffer);
+    if (red.divide_after) {
+      int n = size_;
+      work.finish.insert(work.finish.begin(), [buffer, n]() mutable { buffer.div_(n); });
+    }
+    work.requests.resize(1);
+    mpi_check(MPI_Iallreduce(MPI_IN_PLACE, buffer.data_ptr(), to_count(buffer.numel(), "allReduce"),
+                             red.type, red.op, comm_, &work.requests[0]),
+              "allReduce");
+  };
+  return launch(std::move(l));
+}
+
+std::shared_ptr<Work> MpiCommunicator::allGather(at::Tensor& output, const at::Tensor& input,
+                                                 const AllGatherOptions& opts) {
+  check_same_dtype(output, input, "allGather");
+  REMAT_CHECK_EQ(output.numel(), input.numel() * size_,
+                 "allGather: the output must hold size() inputs");
+  Launch l{"allGather", describe(input)};
+  l.timeout = opts.timeout;
+  l.tensors = {output, input};
+  l.start = [&](MpiWork& work) {
+    at::Tensor in = input.contiguous();
+    at::Tensor out = writable(output, work.finish);
+    work.keep_alive.push_back(in);
+    work.keep_alive.push_back(out);
+    int bytes = to_count(in.numel() * in.element_size(), "allGather");
+    work.requests.resize(1);
+    mpi_check(MPI_Iallgather(in.data_ptr(), bytes, MPI_BYTE, out.data_ptr(), bytes, MPI_BYTE,
+                             comm_, &work.requests[0]),
+              "allGather");
+  };
+  return launch(std::move(l));
+}
+
+std::shared_ptr<Work> MpiCommunicator::allGather(std::vector<at::Tensor>& outputs,
+                                                 const at::Tensor& input,
+                                                 const AllGatherOptions& opts) {
+  REMAT_CHECK_EQ(static_cast<int>(outputs.size()), size_,
+                 "allGather: the output list needs one tensor per rank");
+  std::string shapes;
+  for (const auto& o : outputs) {
+    check_same_dtype(o, input, "allGather");
+    shapes += (shapes.empty() ? "" : " ") + shape_of(o);
+  }
+  REMAT_CHECK_EQ(outputs[rank_].numel(), input.numel(),
+                 "allGather: outputs[rank] must match this rank's input");
+  Launch l{"allGatherList", str("dtype=", c10::toString(input.scalar_type()), ", outputs=", shapes)};
+  l.timeout = opts.timeout;
+  l.tensors = outputs;
+  l.tensors.push_back(input);
+  l.start = [&](MpiWork& work) {
+    int64_t element = input.element_size();
+    std::vector<int> counts(size_), displs(size_);
+    int64_t total = 0;
+    for (int r = 0; r < size_; ++r) {
+      counts[r] = to_count(outputs[r].numel() * element, "allGather");
+      displs[r] = to_count(total, "allGather");
+      total += outputs[r].numel() * element;
+    }
+    at::Tensor in = input.contiguous();
+    at::Tensor flat = at::empty({total / std::max<int64_t>(element, 1)}, input.options());
+    work.keep_alive.push_back(in);
+    work.keep_alive.push_back(flat);
+    std::vector<at::Tensor> outs = outputs;
+    work.finish.push_back([outs, flat]() mutable {
+      int64_t offset = 0;
+      for (auto& o : outs) {
+        o.copy_(flat.narrow(0, offset, o.numel()).view(o.sizes()));
+        offset += o.numel();
+      }
+    });
+    work.requests.resize(1);
+    mpi_check(MPI_Iallgatherv(in.data_ptr(), counts[rank_], MPI_BYTE, flat.data_ptr(),
+                              counts.data(), displs.data(), MPI_BYTE, comm_, &work.requests[0]),
+              "allGather");
+  };
+  return launch(std::move(l));
+}
+
+std::shared_ptr<Work> MpiCommunicator::reduceScatter(at::Tensor& output, const at::Tensor& input,
+                                                     const ReduceScatterOptions& opts) {
+  check_same_dtype(output, input, "reduceScatter");
+  REMAT_CHECK_EQ(input.numel(), output.numel() * size_,
+                 "reduceScatter: the input must hold size() outputs (pad it to a multiple)");
+  Launch l{"reduceScatter", str(describe(input), ", op=", to_string(opts.op))};
+  l.timeout = opts.timeout;
+  l.tensors = {output, input};
+  l.start = [&, opts](MpiWork& work) {
+    Reduction red = reduction_for(input.scalar_type(), opts.op, "reduceScatter");
+    at::Tensor in = input.contiguous();
+    at::Tensor out = writable(output, work.finish);
+    work.keep_alive.push_back(in);
+    work.keep_alive.push_back(out);
+    if (red.divide_after) {
+      int n = size_;
+      work.finish.insert(work.finish.begin(), [out, n]() mutable { out.div_(n); });
+    }
+    work.requests.resize(1);
+    mpi_check(MPI_Ireduce_scatter_block(in.data_ptr(), out.data_ptr(),
+                                        to_count(out.numel(), "reduceScatter"), red.type,
+                                        red.op, comm_, &work.requests[0]),
+              "reduceScatter");
+  };
+  return launch(std::move(l));
+}
+
+std::shared_ptr<Work> MpiCommunicator::broadcast(at::Tensor& tensor, const BroadcastOptions& opts) {
+  if (opts.root < 0 || opts.root >= size_) {
+    throw CommError(str("broadcast: root ", opts.root, " is not a rank of this communicator (0..",
+                        size_ - 1, ")"));
+  }
+  Launch l{"broadcast", str(describe(tensor), ", root=", opts.root)};
+  l.timeout = opts.timeout;
+  l.tensors = {tensor};
+  l.start = [&, opts](MpiWork& work) {
+    at::Tensor buffer = writable(tensor, work.finish);
+    work.keep_alive.push_back(buffer);
+    work.requests.resize(1);
+    mpi_check(MPI_Ibcast(buffer.data_ptr(), to_count(buffer.nbytes(), "broadcast"), MPI_BYTE,
+                         opts.root, comm_, &work.requests[0]),
+              "broadcast");
+  };
+  return launch(std::move(l));
+}
+
+std::shared_ptr<Work> MpiCommunicator::barrier(const BarrierOptions& opts) {
+  Launch l{"barrier", ""};
+  l.timeout = opts.timeout;
+  l.start = [&](MpiWork& work) {
+    work.requests.resize(1);
+    mpi_check(MPI_Ibarrier(comm_, &work.requests[0]), "barrier");
+  };
+  return launch(std::move(l));
+}
+
+namespace {
+
+void check_peer(int peer, int rank, int size, const char* op) {
+  if (peer < 0 || peer >= size || peer == rank) {
+    throw CommError(str(op, ": peer ", peer, " must be another rank of this communicator (0..",
+                        size - 1, ", not ", rank, ")"));
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<Work> MpiCommunicator::send(const at::Tensor& tensor, int dst,
+                                            const SendRecvOptions& opts) {
+  check_peer(dst, rank_, size_, "send");
+  Launch l{"send", str(describe(tensor), ", dst=", dst, ", tag=", opts.tag), false};
+  l.timeout = opts.timeout;
+  l.tensors = {tensor};
+  l.start = [&, dst, opts](MpiWork& work) {
+    at::Tensor buffer = tensor.contiguous();
+    work.keep_alive.push_back(buffer);
+    work.requests.resize(1);
+    mpi_check(MPI_Isend(buffer.data_ptr(), to_count(buffer.nbytes(), "send"), MPI_BYTE, dst,
+                        opts.tag, comm_, &work.requests[0]),
+              "send");
+  };
+  return launch(std::move(l));
+}
+
+std::shared_ptr<Work> MpiCommunicator::recv(at::Tensor& tensor, int src, const SendRecvOptions& opts) {
+  check_peer(src, rank_, size_, "recv");
+  Launch l{"recv", str(describe(tensor), ", src=", src, ", tag=", opts.tag), false};
+  l.timeout = opts.timeout;
+  l.tensors = {tensor};
+  l.start = [&, src, opts](MpiWork& work) {
+    at::Tensor buffer = writable(tensor, work.finish);
+    work.keep_alive.push_back(buffer);
+    work.requests.resize(1);
+    mpi_check(MPI_Irecv(buffer.data_ptr(), to_count(buffer.nbytes(), "recv"), MPI_BYTE, src,
+                        opts.tag, comm_, &work.requests[0]),
+              "recv");
+  };
+  return launch(std::move(l));
+}
+
+std::shared_ptr<Communicator> MpiCommunicator::split(int color, int key) {
+  if (debug_) verifyCollective(str("split(seq=", seq_, ")"), default_timeout_);
+  ++seq_;
+  MPI_Comm sub = MPI_COMM_NULL;
+  mpi_check(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub), "split");
+  if (sub == MPI_COMM_NULL) return nullptr;
+  return std::shared_ptr<MpiCommunicator>(new MpiCommunicator(sub));
+}
+
+}  // namespace remat

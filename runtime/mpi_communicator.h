@@ -1,0 +1,84 @@
+// Communicator over MPI for CPU tensors.
+//
+// Collectives use MPI's nonblocking calls (MPI_Iallreduce, ...); Open MPI
+// progresses them inside MPI calls, which Work::isCompleted() and wait() make.
+// All calls on one communicator must come from one thread at a time.
+#pragma once
+
+#include <mpi.h>
+
+#include <memory>
+#include <string>
+
+#include "runtime/communicator.h"
+
+namespace remat {
+
+// Initialises MPI for the process's lifetime (MPI_Init_thread on construction,
+// MPI_Finalize on destruction) unless something else already did.
+class MpiSession {
+ public:
+  MpiSession();
+  ~MpiSession();
+  MpiSession(const MpiSession&) = delete;
+  MpiSession& operator=(const MpiSession&) = delete;
+
+  static bool initialized();
+  // Ends every rank of the job (after a fatal error on one rank).
+  [[noreturn]] static void abort(int code);
+
+ private:
+  bool owns_ = false;
+};
+
+class MpiCommunicator final : public Communicator {
+ public:
+  // A communicator over all processes (a duplicate of MPI_COMM_WORLD).
+  static std::shared_ptr<MpiCommunicator> world();
+
+  ~MpiCommunicator() override;
+
+  std::string backendName() const override { return "mpi"; }
+
+  std::shared_ptr<Work> allReduce(at::Tensor& tensor,
+                                  const AllReduceOptions& opts = {}) override;
+  std::shared_ptr<Work> allGather(at::Tensor& output, const at::Tensor& input,
+                                  const AllGatherOptions& opts = {}) override;
+  std::shared_ptr<Work> allGather(std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                                  const AllGatherOptions& opts = {}) override;
+  std::shared_ptr<Work> reduceScatter(at::Tensor& output, const at::Tensor& input,
+                                      const ReduceScatterOptions& opts = {}) override;
+  std::shared_ptr<Work> broadcast(at::Tensor& tensor,
+                                  const BroadcastOptions& opts = {}) override;
+  std::shared_ptr<Work> barrier(const BarrierOptions& opts = {}) override;
+  std::shared_ptr<Work> send(const at::Tensor& tensor, int dst,
+                             const SendRecvOptions& opts = {}) override;
+  std::shared_ptr<Work> recv(at::Tensor& tensor, int src,
+                             const SendRecvOptions& opts = {}) override;
+  std::shared_ptr<Communicator> split(int color, int key) override;
+
+  // Debug mode (REMAT_DEBUG_COLLECTIVES=1): every rank passes a description of
+  // the collective it is about to run; a mismatch throws CommError naming both
+  // ranks and both descriptions. Used by the NCCL backend too.
+  void verifyCollective(const std::string& description, Timeout timeout);
+
+  bool debugCollectives() const { return debug_; }
+  Timeout defaultTimeout() const { return default_timeout_; }
+  MPI_Comm mpiComm() const { return comm_; }
+
+ private:
+  explicit MpiCommunicator(MPI_Comm comm);
+
+  struct Launch;
+  // The one place every MPI collective goes through: checks arguments' device,
+  // numbers the call, runs the debug check, starts it, wraps errors.
+  std::shared_ptr<Work> launch(Launch&& launch);
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Comm check_comm_ = MPI_COMM_NULL;  // debug-mode traffic, apart from data
+  uint64_t seq_ = 0;
+  bool debug_ = false;
+  Timeout default_timeout_{0};
+};
+
+}  // namespace remat

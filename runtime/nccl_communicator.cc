@@ -1,0 +1,357 @@
+#include "runtime/nccl_communicator.h"
+
+#include <ATen/ATen.h>
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <functional>
+#include <thread>
+
+#include "runtime/compat.h"
+#include "runtime/error.h"
+#include "runtime/tensor_checks.h"
+
+#if defined(REMAT_WITH_C10_CUDA)
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace remat {
+namespace {
+
+// The choke points for CUDA and NCCL return codes.
+void cuda_check(cudaError_t rc, const std::string& context) {
+  if (rc == cudaSuccess) return;
+  throw CommError(str("CUDA error in ", context, ": ", cudaGetErrorString(rc)));
+}
+
+void nccl_check(ncclResult_t rc, ncclComm_t comm, const std::string& context) {
+  if (rc == ncclSuccess || rc == ncclInProgress) return;
+  std::string detail = comm != nullptr ? ncclGetLastError(comm) : "";
+  throw CommError(str("NCCL error in ", context, ": ", ncclGetErrorString(rc),
+                      detail.empty() ? "" : " (" + detail + ")"));
+}
+
+// The stream LibTorch computes on. Builds against a CUDA LibTorch define
+// REMAT_WITH_C10_CUDA; otherwise the legacy default stream, which orders with
+// every blocking stream.
+cudaStream_t compute_stream() {
+#if defined(REMAT_WITH_C10_CUDA)
+  return c10::cuda::getCurrentCUDAStream().stream();
+#else
+  return cudaStreamLegacy;
+#endif
+}
+
+ncclDataType_t nccl_type(at::ScalarType t, const char* op) {
+  switch (t) {
+    case at::kFloat: return ncclFloat32;
+    case at::kDouble: return ncclFloat64;
+    case at::kHalf: return ncclFloat16;
+    case at::kBFloat16: return ncclBfloat16;
+    case at::kInt: return ncclInt32;
+    case at::kLong: return ncclInt64;
+    case at::kByte:
+    case at::kBool: return ncclUint8;
+    default:
+      throw CommError(str(op, ": dtype ", c10::toString(t),
+                          " is not supported by the nccl backend"));
+  }
+}
+
+ncclRedOp_t nccl_op(ReduceOp op, at::ScalarType t, const char* what) {
+  if (op == ReduceOp::kAvg && !at::isFloatingType(t)) {
+    throw CommError(str(what, ": ReduceOp avg needs a floating-point tensor, got ",
+                        c10::toString(t), "; use sum and divide yourself"));
+  }
+  if (t == at::kBool) return op == ReduceOp::kMin ? ncclMin : ncclMax;  // all / any
+  switch (op) {
+    case ReduceOp::kSum: return ncclSum;
+    case ReduceOp::kAvg: return ncclAvg;
+    case ReduceOp::kMax: return ncclMax;
+    case ReduceOp::kMin: return ncclMin;
+  }
+  return ncclSum;
+}
+
+void check_contiguous(const at::Tensor& t, const char* op) {
+  if (!t.is_contiguous()) {
+    throw CommError(str(op, ": the nccl backend needs contiguous tensors; call .contiguous() "
+                        "first (and copy the result back for in-place ops)"));
+  }
+}
+
+struct NcclState {
+  ncclComm_t comm = nullptr;
+  cudaStream_t stream = nullptr;
+  bool aborted = false;
+};
+
+class NcclWork final : public Work {
+ public:
+  NcclWork(std::shared_ptr<NcclState> state, std::string what, Timeout timeout,
+           std::vector<at::Tensor> keep)
+      : state_(std::move(state)), what_(std::move(what)), timeout_(timeout),
+        keep_(std::move(keep)) {
+    cuda_check(cudaEventCreateWithFlags(&done_event_, cudaEventDisableTiming), what_);
+    cuda_check(cudaEventRecord(done_event_, state_->stream), what_);
+  }
+  ~NcclWork() override { cudaEventDestroy(done_event_); }
+
+  bool isCompleted() override {
+    if (!error_.empty()) throw CommError(error_);
+    if (done_) return true;
+    ncclResult_t async = ncclSuccess;
+    nccl_check(ncclCommGetAsyncError(state_->comm, &async), state_->comm, what_);
+    if (async != ncclSuccess && async != ncclInProgress) {
+      error_ = str(what_, " failed: ", ncclGetErrorString(async), " (",
+                   ncclGetLastError(state_->comm), ")");
+      abort();
+      throw CommError(error_);
+    }
+    cudaError_t rc = cudaEventQuery(done_event_);
+    if (rc == cudaErrorNotReady) return false;
+    cuda_check(rc, what_);
+    done_ = true;
+    // Later work on the compute stream sees the result.
+    cuda_check(cudaStreamWaitEvent(compute_stream(), done_event_, 0), what_);
+    keep_.clear();
+    return true;
+  }
+
+  void wait() override {
+    auto start = std::chrono::steady_clock::now();
+    while (!isCompleted()) {
+      if (std::chrono::steady_clock::now() - start > timeout_) {
+        error_ = str(what_, " did not complete within ", timeout_.count() / 1000.0,
+                     " s; the NCCL communicator was aborted. A peer may have exited, "
+                     "stalled, or called a different collective: run with "
+                     "REMAT_DEBUG_COLLECTIVES=1, or raise REMAT_COMM_TIMEOUT_S");
+        abort();
+        throw TimeoutError(error_);
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+
+ private:
+  void abort() {
+    if (!state_->aborted) {
+      ncclCommAbort(state_->comm);
+      state_->aborted = true;
+    }
+  }
+
+  std::shared_ptr<NcclState> state_;
+  std::string what_;
+  Timeout timeout_;
+  std::vector<at::Tensor> keep_;
+  cudaEvent_t done_event_ = nullptr;
+  bool done_ = false;
+  std::string error_;
+};
+
+std::string shape_of(const at::Tensor& t) {
+  std::string out = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
+  return out + "]";
+}
+
+class NcclCommunicator final : public Communicator {
+ public:
+  explicit NcclCommunicator(std::shared_ptr<MpiCommunicator> bootstrap)
+      : Communicator(bootstrap->rank(), bootstrap->size()),
+        bootstrap_(std::move(bootstrap)),
+        state_(std::make_shared<NcclState>()) {
+    ncclUniqueId id;
+    if (rank_ == 0) nccl_check(ncclGetUniqueId(&id), nullptr, "ncclGetUniqueId");
+    int rc = MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, bootstrap_->mpiComm());
+    if (rc != MPI_SUCCESS) throw CommError("broadcasting the NCCL unique id over MPI failed");
+    nccl_check(ncclCommInitRank(&state_->comm, size_, id, rank_), nullptr, "ncclCommInitRank");
+    cuda_check(cudaStreamCreateWithFlags(&state_->stream, cudaStreamNonBlocking),
+               "creating the communication stream");
+  }
+
+  ~NcclCommunicator() override {
+    if (state_->comm != nullptr && !state_->aborted) ncclCommDestroy(state_->comm);
+    if (state_->stream != nullptr) cudaStreamDestroy(state_->stream);
+  }
+
+  std::string backendName() const override { return "nccl"; }
+
+  std::shared_ptr<Work> allReduce(at::Tensor& t, const AllReduceOptions& opts) override {
+    return launch("allReduce", str(describe(t), ", op=", to_string(opts.op)), opts.timeout, {t},
+                  [&](cudaStream_t s) {
+                    return ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(),
+                                         nccl_type(t.scalar_type(), "allReduce"),
+                                         nccl_op(opts.op, t.scalar_type(), "allReduce"),
+                                         state_->comm, s);
+                  });
+  }
+
+  std::shared_ptr<Work> allGather(at::Tensor& out, const at::Tensor& in,
+                                  const AllGatherOptions& opts) override {
+    check_same_dtype(out, in, "allGather");
+    REMAT_CHECK_EQ(out.numel(), in.numel() * size_, "allGather: the output must hold size() inputs");
+    return launch("allGather", describe(in), opts.timeout, {out, in}, [&](cudaStream_t s) {
+      return ncclAllGather(in.data_ptr(), out.data_ptr(), in.numel(),
+                           nccl_type(in.scalar_type(), "allGather"), state_->comm, s);
+    });
+  }
+
+  std::shared_ptr<Work> allGather(std::vector<at::Tensor>& outs, const at::Tensor& in,
+                                  const AllGatherOptions& opts) override {
+    REMAT_CHECK_EQ(static_cast<int>(outs.size()), size_,
+                   "allGather: the output list needs one tensor per rank");
+    std::string shapes;
+    for (const auto& o : outs) {
+      check_same_dtype(o, in, "allGather");
+      shapes += (shapes.empty() ? "" : " ") + shape_of(o);
+    }
+    REMAT_CHECK_EQ(outs[rank_].numel(), in.numel(),
+                   "allGather: outputs[rank] must match this rank's input");
+    std::vector<at::Tensor> keep = outs;
+    keep.push_back(in);
+    // Sizes may differ across ranks: one broadcast per rank, grouped.
+    return launch("allGatherList",
+                  str("dtype=", c10::toString(in.scalar_type()), ", outputs=", shapes),
+                  opts.timeout, keep, [&](cudaStream_t s) {
+                    ncclDataType_t type = nccl_type(in.scalar_type(), "allGather");
+                    nccl_check(ncclGroupStart(), state_->comm, "allGather");
+                    for (int r = 0; r < size_; ++r) {
+                      const void* send = r == rank_ ? in.data_ptr() : nullptr;
+                      nccl_check(ncclBroadcast(send, outs[r].data_ptr(), outs[r].numel(), type,
+                                               r, state_->comm, s),
+                                 state_->comm, "allGather");
+                    }
+                    return ncclGroupEnd();
+                  });
+  }
+
+  std::shared_ptr<Work> reduceScatter(at::Tensor& out, const at::Tensor& in,
+                                      const ReduceScatterOptions& opts) override {
+    check_same_dtype(out, in, "reduceScatter");
+    REMAT_CHECK_EQ(in.numel(), out.numel() * size_,
+                   "reduceScatter: the input must hold size() outputs (pad it to a multiple)");
+    return launch("reduceScatter", str(describe(in), ", op=", to_string(opts.op)), opts.timeout,
+                  {out, in}, [&](cudaStream_t s) {
+                    return ncclReduceScatter(in.data_ptr(), out.data_ptr(), out.numel(),
+                                             nccl_type(in.scalar_type(), "reduceScatter"),
+                                             nccl_op(opts.op, in.scalar_type(), "reduceScatter"),
+                                             state_->comm, s);
+                  });
+  }
+
+  std::shared_ptr<Work> broadcast(at::Tensor& t, const BroadcastOptions& opts) override {
+    if (opts.root < 0 || opts.root >= size_) {
+      throw CommError(str("broadcast: root ", opts.root,
+                          " is not a rank of this communicator (0..", size_ - 1, ")"));
+    }
+    return launch("broadcast", str(describe(t), ", root=", opts.root), opts.timeout, {t},
+                  [&](cudaStream_t s) {
+                    return ncclBroadcast(t.data_ptr(), t.data_ptr(), t.numel(),
+                                         nccl_type(t.scalar_type(), "broadcast"), opts.root,
+                                         state_->comm, s);
+                  });
+  }
+
+  std::shared_ptr<Work> barrier(const BarrierOptions& opts) override {
+    if (!barrier_buffer_.defined()) {
+      barrier_buffer_ = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA));
+    }
+    AllReduceOptions all;
+    all.timeout = opts.timeout;
+    return allReduce(barrier_buffer_, all);
+  }
+
+  std::shared_ptr<Work> send(const at::Tensor& t, int dst, const SendRecvOptions& opts) override {
+    check_peer(dst, "send");
+    return launch("send", str(describe(t), ", dst=", dst), opts.timeout, {t},
+                  [&](cudaStream_t s) {
+                    return ncclSend(t.data_ptr(), t.numel(), nccl_type(t.scalar_type(), "send"),
+                                    dst, state_->comm, s);
+                  },
+                  /*collective=*/false);
+  }
+
+  std::shared_ptr<Work> recv(at::Tensor& t, int src, const SendRecvOptions& opts) override {
+    check_peer(src, "recv");
+    return launch("recv", str(describe(t), ", src=", src), opts.timeout, {t},
+                  [&](cudaStream_t s) {
+                    return ncclRecv(t.data_ptr(), t.numel(), nccl_type(t.scalar_type(), "recv"),
+                                    src, state_->comm, s);
+                  },
+                  /*collective=*/false);
+  }
+
+  std::shared_ptr<Communicator> split(int color, int key) override {
+    auto sub = std::dynamic_pointer_cast<MpiCommunicator>(bootstrap_->split(color, key));
+    if (!sub) return nullptr;
+    return std::make_shared<NcclCommunicator>(std::move(sub));
+  }
+
+ private:
+  static std::string describe(const at::Tensor& t) {
+    return str("dtype=", c10::toString(t.scalar_type()), ", shape=", shape_of(t));
+  }
+
+  void check_peer(int peer, const char* op) const {
+    if (peer < 0 || peer >= size_ || peer == rank_) {
+      throw CommError(str(op, ": peer ", peer, " must be another rank of this communicator (0..",
+                          size_ - 1, ", not ", rank_, ")"));
+    }
+  }
+
+  // The one place every NCCL call goes through: argument checks, sequence
+  // numbers, the debug check, stream ordering, return codes, the Work.
+  std::shared_ptr<Work> launch(const char* op, const std::string& signature, Timeout timeout,
+                               std::vector<at::Tensor> tensors,
+                               const std::function<ncclResult_t(cudaStream_t)>& call,
+                               bool collective = true) {
+    if (state_->aborted) {
+      throw CommError(str(op, ": this NCCL communicator was aborted after an earlier error"));
+    }
+    for (const auto& t : tensors) {
+      check_tensor_device(t, /*want_cuda=*/true, op, "nccl");
+      check_contiguous(t, op);
+    }
+    std::string what = collective ? str(op, "(seq=", seq_, ", ", signature, ")")
+                                  : str(op, "(", signature, ")");
+    if (collective) ++seq_;
+    Timeout limit = timeout.count() > 0 ? timeout : bootstrap_->defaultTimeout();
+    if (bootstrap_->debugCollectives() && collective) bootstrap_->verifyCollective(what, limit);
+
+    cudaEvent_t ready;
+    cuda_check(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), what);
+    cuda_check(cudaEventRecord(ready, compute_stream()), what);
+    cuda_check(cudaStreamWaitEvent(state_->stream, ready, 0), what);
+    cudaEventDestroy(ready);
+    nccl_check(call(state_->stream), state_->comm, what);
+    return std::make_shared<NcclWork>(state_, what, limit, std::move(tensors));
+  }
+
+  std::shared_ptr<MpiCommunicator> bootstrap_;
+  std::shared_ptr<NcclState> state_;
+  uint64_t seq_ = 0;
+  at::Tensor barrier_buffer_;
+};
+
+}  // namespace
+
+bool nccl_available() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver" error
+    return false;
+  }
+  return count > 0;
+}
+
+std::shared_ptr<Communicator> make_nccl_communicator(std::shared_ptr<MpiCommunicator> bootstrap) {
+  if (!nccl_available()) {
+    throw CommError("the nccl backend needs a CUDA device and none is visible; use the mpi backend");
+  }
+  return std::make_shared<NcclCommunicator>(std::move(bootstrap));
+}
+
+}  // namespace remat

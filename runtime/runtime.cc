@@ -1,0 +1,76 @@
+#include "runtime/runtime.h"
+
+#include <cstdio>
+#include <memory>
+
+#include "runtime/error.h"
+#include "runtime/logging.h"
+#include "runtime/mpi_communicator.h"
+#include "runtime/nccl_communicator.h"
+
+#if defined(REMAT_WITH_NCCL)
+#include <cuda_runtime_api.h>
+#endif
+
+namespace remat {
+
+Backend parse_backend(const std::string& name) {
+  if (name == "auto") return Backend::kAuto;
+  if (name == "mpi") return Backend::kMpi;
+  if (name == "nccl") return Backend::kNccl;
+  throw ConfigError(str("unknown communication backend '", name, "': use auto, mpi or nccl"));
+}
+
+Runtime& Runtime::init() {
+  static Runtime runtime;
+  return runtime;
+}
+
+Runtime::Runtime() {
+  static MpiSession session;  // lives until exit; finalizes MPI then
+  env_ = detect_process_env();
+  int mpi_rank = 0, mpi_size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &mpi_rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &mpi_size);
+  if (env_.world_size != mpi_size || env_.rank != mpi_rank) {
+    throw ConfigError(str("the launcher says rank ", env_.rank, " of ", env_.world_size,
+                          " (from ", env_.source, " variables) but MPI says rank ", mpi_rank,
+                          " of ", mpi_size, ": launch several processes with mpirun -np N"));
+  }
+  set_log_rank(env_.rank, env_.world_size);
+#if defined(REMAT_WITH_NCCL)
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0) {
+    cudaSetDevice(env_.local_rank % devices);
+    log().debug("using CUDA device {} of {}", env_.local_rank % devices, devices);
+  } else {
+    cudaGetLastError();
+  }
+#endif
+}
+
+std::shared_ptr<Communicator> Runtime::world(Backend backend) {
+  auto mpi = MpiCommunicator::world();
+  if (backend == Backend::kMpi || (backend == Backend::kAuto && !nccl_available())) return mpi;
+  return make_nccl_communicator(mpi);
+}
+
+int run_main(const std::function<int()>& body) {
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    const char* kind = dynamic_cast<const TimeoutError*>(&e)  ? "timeout"
+                       : dynamic_cast<const CommError*>(&e)   ? "communication error"
+                       : dynamic_cast<const ConfigError*>(&e) ? "configuration error"
+                       : dynamic_cast<const Error*>(&e)       ? "error"
+                                                              : "unexpected error";
+    std::fprintf(stderr, "%s remat %s: %s\n", log_prefix().c_str(), kind, e.what());
+    std::fflush(stderr);
+    int size = 1;
+    if (MpiSession::initialized()) MPI_Comm_size(MPI_COMM_WORLD, &size);
+    if (size > 1) MpiSession::abort(1);
+    return 1;
+  }
+}
+
+}  // namespace remat

@@ -1,0 +1,52 @@
+// Process start-up: MPI, the process environment, logging, the CUDA device,
+// and the world communicator.
+//
+//   int main(int argc, char** argv) {
+//     return remat::run_main([&] {
+//       auto& rt = remat::Runtime::init();
+//       auto world = rt.world();           // nccl on a GPU build with a GPU, else mpi
+//       ...
+//       return 0;
+//     });
+//   }
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "runtime/communicator.h"
+#include "runtime/process_env.h"
+
+namespace remat {
+
+enum class Backend { kAuto, kMpi, kNccl };
+
+// Parses "auto", "mpi" or "nccl"; anything else is a ConfigError.
+Backend parse_backend(const std::string& name);
+
+class Runtime {
+ public:
+  // Idempotent. Starts MPI, checks the launcher's variables against it, tags
+  // the log with the rank, picks the CUDA device from the local rank.
+  static Runtime& init();
+
+  const ProcessEnv& env() const { return env_; }
+  int rank() const { return env_.rank; }
+  int world_size() const { return env_.world_size; }
+
+  // A new communicator over all ranks. kAuto: nccl when compiled in and a GPU
+  // is visible, else mpi.
+  std::shared_ptr<Communicator> world(Backend backend = Backend::kAuto);
+
+ private:
+  Runtime();
+  ProcessEnv env_;
+};
+
+// Runs `body`, turning an escaping exception into a clear message on stderr
+// and exit code 1. With several ranks it also ends the peers (MPI_Abort), so
+// one rank's error never leaves the others hanging.
+int run_main(const std::function<int()>& body);
+
+}  // namespace remat

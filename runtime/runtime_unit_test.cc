@@ -1,0 +1,166 @@
+// Errors, environment, knobs, logging and layout arithmetic (no MPI needed).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <map>
+
+#include "runtime/env_knobs.h"
+#include "runtime/error.h"
+#include "runtime/layout.h"
+#include "runtime/logging.h"
+#include "runtime/process_env.h"
+
+namespace remat {
+namespace {
+
+using ::testing::HasSubstr;
+
+template <typename E, typename F>
+std::string error_of(F fn) {
+  try {
+    fn();
+  } catch (const E& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an exception";
+  return "";
+}
+
+TEST(Errors, CheckEqPrintsBothSidesAndLocation) {
+  int a = 3, b = 4;
+  auto msg = error_of<Error>([&] { REMAT_CHECK_EQ(a, b, "numel of ", "x"); });
+  EXPECT_THAT(msg, HasSubstr("numel of x: expected a == b (3 vs 4) at "));
+  EXPECT_THAT(msg, HasSubstr("runtime_unit_test.cc:"));
+  msg = error_of<Error>([&] { REMAT_CHECK_LT(b, a); });
+  EXPECT_THAT(msg, HasSubstr("expected b < a (4 vs 3)"));
+  msg = error_of<Error>([&] { REMAT_CHECK(a > b, "a was ", a); });
+  EXPECT_THAT(msg, HasSubstr("a was 3: expected a > b at"));
+  REMAT_CHECK_EQ(a, 3);  // passing checks do nothing
+}
+
+TEST(Errors, Hierarchy) {
+  EXPECT_THROW(throw TimeoutError("t"), CommError);
+  EXPECT_THROW(throw CommError("c"), Error);
+  EXPECT_THROW(throw ConfigError("c"), Error);
+  EXPECT_THROW(throw Error("e"), std::runtime_error);
+}
+
+using Vars = std::map<std::string, std::string>;
+
+ProcessEnv detect(const Vars& vars) {
+  return detect_process_env([&](const char* name) -> std::optional<std::string> {
+    auto it = vars.find(name);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  });
+}
+
+TEST(ProcessEnvTest, SingleProcessByDefault) {
+  ProcessEnv env = detect({});
+  EXPECT_EQ(env.rank, 0);
+  EXPECT_EQ(env.world_size, 1);
+  EXPECT_EQ(env.source, "single");
+}
+
+TEST(ProcessEnvTest, ReadsOpenMpiVariables) {
+  ProcessEnv env = detect({{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "4"},
+                           {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                           {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}, {"RANK", "0"}});
+  EXPECT_EQ(env.source, "openmpi");
+  EXPECT_EQ(env.rank, 3);
+  EXPECT_EQ(env.world_size, 4);
+  EXPECT_EQ(env.local_rank, 1);
+  EXPECT_EQ(env.local_world_size, 2);
+}
+
+TEST(ProcessEnvTest, ReadsRankWorldSizeConvention) {
+  ProcessEnv env = detect({{"RANK", "2"}, {"WORLD_SIZE", "3"}, {"LOCAL_RANK", "0"}});
+  EXPECT_EQ(env.source, "env");
+  EXPECT_EQ(env.rank, 2);
+  EXPECT_EQ(env.world_size, 3);
+  EXPECT_EQ(env.local_rank, 0);
+}
+
+TEST(ProcessEnvTest, BadValuesAreClearErrors) {
+  EXPECT_THAT(error_of<ConfigError>([] { detect({{"RANK", "4"}, {"WORLD_SIZE", "4"}}); }),
+              HasSubstr("RANK=4 is out of range for WORLD_SIZE=4: ranks run from 0 to 3"));
+  EXPECT_THAT(error_of<ConfigError>([] { detect({{"RANK", "x"}, {"WORLD_SIZE", "4"}}); }),
+              HasSubstr("RANK='x' is not a non-negative integer"));
+  EXPECT_THAT(error_of<ConfigError>([] { detect({{"RANK", "1"}}); }),
+              HasSubstr("WORLD_SIZE is not set while RANK is"));
+  EXPECT_THAT(error_of<ConfigError>([] {
+                detect({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "2"},
+                        {"LOCAL_WORLD_SIZE", "2"}});
+              }),
+              HasSubstr("LOCAL_RANK=2 is out of range for LOCAL_WORLD_SIZE=2"));
+}
+
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }
+  ~ScopedEnv() { unsetenv(name_); }
+
+ private:
+  const char* name_;
+};
+
+TEST(Knobs, BadValuesAreClearErrors) {
+  {
+    ScopedEnv env(knobs::kDebugCollectives, "maybe");
+    EXPECT_THAT(error_of<ConfigError>([] { knobs::get_bool(knobs::kDebugCollectives); }),
+                HasSubstr("REMAT_DEBUG_COLLECTIVES='maybe' is not a boolean"));
+  }
+  {
+    ScopedEnv env(knobs::kCommTimeoutSeconds, "-3");
+    EXPECT_THAT(error_of<ConfigError>([] { knobs::comm_timeout(); }),
+                HasSubstr("REMAT_COMM_TIMEOUT_S='-3' is not a positive number of seconds"));
+  }
+  {
+    ScopedEnv env(knobs::kCommTimeoutSeconds, "1.5");
+    EXPECT_EQ(knobs::comm_timeout().count(), 1500);
+  }
+  {
+    ScopedEnv env(knobs::kLogLevel, "loud");
+    EXPECT_THAT(error_of<ConfigError>([] { log_level_from_env(); }),
+                HasSubstr("REMAT_LOG_LEVEL='loud' is not a log level"));
+  }
+  {
+    ScopedEnv env(knobs::kLogLevel, "debug");
+    EXPECT_EQ(log_level_from_env(), spdlog::level::debug);
+  }
+  EXPECT_FALSE(knobs::get_bool("REMAT_SURELY_UNSET_VARIABLE"));
+}
+
+TEST(Logging, PrefixCarriesRankAndLayout) {
+  set_log_rank(3, 4);
+  EXPECT_EQ(log_prefix(), "[rank 3/4]");
+  set_log_layout(1, 2, 1, 2);
+  EXPECT_EQ(log_prefix(), "[rank 3/4 tp 1/2 dp 1/2]");
+  set_log_rank(0, 1);
+}
+
+TEST(ParallelDimsTest, ValidLayouts) {
+  ParallelDims dims = ParallelDims::from_world(8, 2);
+  EXPECT_EQ(dims.dp, 4);
+  EXPECT_EQ(dims.tp, 2);
+  EXPECT_TRUE(dims.tp_enabled());
+  EXPECT_TRUE(dims.dp_enabled());
+  EXPECT_FALSE(ParallelDims::from_world(3, 3).dp_enabled());
+  EXPECT_EQ(dims.to_string(), "dp=4 x tp=2 (world 8)");
+}
+
+TEST(ParallelDimsTest, ErrorsListEveryFactorAndTheWorldSize) {
+  EXPECT_THAT(error_of<ConfigError>([] { ParallelDims(2, 3, 4); }),
+              HasSubstr("dp=2 x tp=3 = 6 does not match the world size 4"));
+  EXPECT_THAT(error_of<ConfigError>([] { ParallelDims(2, 3, 4); }),
+              HasSubstr("one of 1, 2, 4 for world size 4"));
+  EXPECT_THAT(error_of<ConfigError>([] { ParallelDims::from_world(6, 4); }),
+              HasSubstr("tensor_parallel.size=4 does not divide the world size 6: choose one "
+                        "of 1, 2, 3, 6"));
+  EXPECT_THAT(error_of<ConfigError>([] { ParallelDims::from_world(4, 0); }),
+              HasSubstr("tensor_parallel.size=0 does not divide"));
+}
+
+}  // namespace
+}  // namespace remat

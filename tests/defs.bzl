@@ -1,0 +1,33 @@
+"""Test rules: gtest binaries alone, and under mpirun at several world sizes."""
+
+def remat_cc_test(name, srcs, deps = [], **kwargs):
+    """A single-process gtest binary with remat's summary line."""
+    native.cc_test(
+        name = name,
+        srcs = srcs,
+        deps = deps + ["//tests:gtest_main"],
+        **kwargs
+    )
+
+def remat_mpi_test(name, srcs, deps = [], world_sizes = [1, 2, 3, 4], tags = [], **kwargs):
+    """A gtest binary run by mpirun once per world size: NAME_np1, NAME_np2, ..."""
+    native.cc_binary(
+        name = name + "_bin",
+        srcs = srcs,
+        deps = deps + ["//tests:mpi_gtest_main"],
+        testonly = True,
+        tags = tags,
+    )
+    tests = []
+    for np in world_sizes:
+        native.sh_test(
+            name = "%s_np%d" % (name, np),
+            srcs = ["//tests:mpirun_test.sh"],
+            args = [str(np), "$(location :%s_bin)" % name],
+            data = [":%s_bin" % name],
+            # Open MPI's shared-memory transport crashes inside linux-sandbox.
+            tags = tags + ["mpi", "no-sandbox"],
+            **kwargs
+        )
+        tests.append(":%s_np%d" % (name, np))
+    native.test_suite(name = name, tests = tests, tags = tags)

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Whole-job failure modes under mpirun: each case must end with a nonzero exit
+# and a clear message within a bounded time, never hang or segfault.
+# Prints "[remat-test] N passed, M failed" like the gtest binaries.
+set -uo pipefail
+peer_exit="$1"
+stalled_peer="$2"
+remat_run="$3"
+mpirun_test="$4"
+passed=0
+failed=0
+
+# expect NAME EXPECTED_TEXT COMMAND...: nonzero exit (not a timeout, not a
+# signal) and EXPECTED_TEXT in the output.
+expect() {
+  local name="$1" text="$2"
+  shift 2
+  local out rc
+  out=$(timeout 90 "$@" 2>&1)
+  rc=$?
+  if [[ $rc -ne 0 && $rc -ne 124 && $rc -lt 128 ]] && grep -qF -- "$text" <<<"$out"; then
+    echo "[ PASSED ] $name (exit $rc)"
+    passed=$((passed + 1))
+  else
+    echo "[ FAILED ] $name (exit $rc, wanted nonzero with: $text)"
+    echo "$out" | tail -20
+    failed=$((failed + 1))
+  fi
+}
+
+expect "peer exits during a collective" "exited" \
+  "$mpirun_test" 2 "$peer_exit"
+REMAT_COMM_TIMEOUT_S=2 expect "stalled peer times out" "remat timeout: allReduce(seq=0" \
+  "$mpirun_test" 2 "$stalled_peer"
+expect "unknown config key" "unknown key 'model.n_layr'; did you mean 'model.n_layer'?" \
+  "$mpirun_test" 2 "$remat_run" --set model.n_layr=8
+expect "tensor_parallel.size does not divide the world" \
+  "tensor_parallel.size=2 does not divide the world size 3" \
+  "$mpirun_test" 3 "$remat_run" --set tensor_parallel.size=2
+expect "malformed config file" "malformed JSON: parse error at line 1, column 2" \
+  bash -c "echo '{,}' > \"\${TEST_TMPDIR:-/tmp}/bad.json\" && \"$remat_run\" --config \"\${TEST_TMPDIR:-/tmp}/bad.json\""
+expect "inconsistent batch sizes" "train_batch_size (10) must equal train_micro_batch_size_per_gpu (8) x gradient_accumulation_steps (1) x data-parallel size (1) = 8" \
+  "$remat_run" --set train_batch_size=10
+expect "launcher variables disagree with MPI" "launch several processes with mpirun" \
+  env RANK=0 WORLD_SIZE=2 "$remat_run"
+expect "unknown backend" "unknown communication backend 'gloo'" \
+  "$remat_run" --backend gloo
+
+echo "[remat-test] $passed passed, $failed failed"
+[[ $failed -eq 0 ]]
