@@ -22,7 +22,7 @@ def remat_mpi_test(name, srcs, deps = [], world_sizes = [1, 2, 3, 4], tags = [],
     for np in world_sizes:
         native.sh_test(
             name = "%s_np%d" % (name, np),
-            srcs = ["//tests:mpirun_test.sh"],
+            srcs = ["//tools:mpirun.sh"],
             args = [str(np), "$(location :%s_bin)" % name],
             data = [":%s_bin" % name],
             # Open MPI's shared-memory transport crashes inside linux-sandbox.

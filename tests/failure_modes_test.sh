@@ -6,7 +6,7 @@ set -uo pipefail
 peer_exit="$1"
 stalled_peer="$2"
 remat_run="$3"
-mpirun_test="$4"
+mpirun="$4"
 passed=0
 failed=0
 
@@ -29,14 +29,14 @@ expect() {
 }
 
 expect "peer exits during a collective" "exited" \
-  "$mpirun_test" 2 "$peer_exit"
+  "$mpirun" 2 "$peer_exit"
 REMAT_COMM_TIMEOUT_S=2 expect "stalled peer times out" "remat timeout: allReduce(seq=0" \
-  "$mpirun_test" 2 "$stalled_peer"
+  "$mpirun" 2 "$stalled_peer"
 expect "unknown config key" "unknown key 'model.n_layr'; did you mean 'model.n_layer'?" \
-  "$mpirun_test" 2 "$remat_run" --set model.n_layr=8
+  "$mpirun" 2 "$remat_run" --set model.n_layr=8
 expect "tensor_parallel.size does not divide the world" \
   "tensor_parallel.size=2 does not divide the world size 3" \
-  "$mpirun_test" 3 "$remat_run" --set tensor_parallel.size=2
+  "$mpirun" 3 "$remat_run" --set tensor_parallel.size=2
 expect "malformed config file" "malformed JSON: parse error at line 1, column 2" \
   bash -c "echo '{,}' > \"\${TEST_TMPDIR:-/tmp}/bad.json\" && \"$remat_run\" --config \"\${TEST_TMPDIR:-/tmp}/bad.json\""
 expect "inconsistent batch sizes" "train_batch_size (10) must equal train_micro_batch_size_per_gpu (8) x gradient_accumulation_steps (1) x data-parallel size (1) = 8" \

@@ -1,0 +1,19 @@
+// Without CUDA at configure time the nccl backend explains its absence.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "runtime/error.h"
+#include "runtime/mpi_communicator.h"
+#include "runtime/nccl_communicator.h"
+#include "runtime/runtime.h"
+
+TEST(Nccl, AbsentFromThisBuild) {
+  remat::Runtime::init();
+  EXPECT_FALSE(remat::nccl_available());
+  try {
+    remat::make_nccl_communicator(remat::MpiCommunicator::world());
+    ADD_FAILURE() << "expected CommError";
+  } catch (const remat::CommError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("not in this build"));
+  }
+}

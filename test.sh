@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Installs what is missing, builds everything, runs every test (unit and
+# multi-rank under mpirun), and ends with "N passed, M failed" counting test
+# cases across all targets. GPU-tagged tests run only where a GPU is visible.
+set -uo pipefail
+cd "$(dirname "$0")"
+tools/install_deps.sh || exit 1
+
+filters="-gpu"
+if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then filters=""; fi
+
+log=$(mktemp)
+bazel build //... 2>&1 | tee "$log" | grep -E '^(ERROR|FAILED)|error:' ; build_rc=${PIPESTATUS[0]}
+if [[ $build_rc -ne 0 ]]; then
+  tail -40 "$log"
+  echo "build failed"
+  echo "0 passed, 1 failed"
+  exit 1
+fi
+
+marker=$(mktemp)
+bazel test //... --test_tag_filters="$filters" --nocache_test_results 2>&1 | tee "$log" \
+  | grep -E '^//|^Executed|^(ERROR|FAILED)'
+test_rc=${PIPESTATUS[0]}
+
+# Add up the "[remat-test] N passed, M failed" line of each target that ran.
+passed=0
+failed=0
+echo
+echo "test cases per target:"
+while IFS= read -r file; do
+  target="//$(dirname "${file#bazel-testlogs/}" | sed 's|/\([^/]*\)$|:\1|')"
+  line=$(grep -a '^\[remat-test\] [0-9]* passed, [0-9]* failed' "$file" | tail -1)
+  if [[ -z "$line" ]]; then
+    echo "  $target  no summary (crashed or timed out): counted as 1 failed"
+    failed=$((failed + 1))
+    continue
+  fi
+  p=$(sed -E 's/.* ([0-9]+) passed, ([0-9]+) failed/\1/' <<<"$line")
+  f=$(sed -E 's/.* ([0-9]+) passed, ([0-9]+) failed/\2/' <<<"$line")
+  printf '  %-48s passed %4d  failed %d\n' "$target" "$p" "$f"
+  passed=$((passed + p))
+  failed=$((failed + f))
+done < <(find -L bazel-testlogs -name test.log -newer "$marker" | sort)
+rm -f "$marker" "$log"
+
+if [[ $test_rc -ne 0 && $failed -eq 0 ]]; then
+  echo "bazel test failed (exit $test_rc) without a failing case: counted as 1 failed"
+  failed=1
+fi
+echo "$passed passed, $failed failed"
+[[ $failed -eq 0 ]]

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs remat's build and test dependencies from Debian's archive when any
+# is missing. Idempotent and silent when everything is present.
+set -euo pipefail
+
+packages=(
+  g++
+  bazel-bootstrap    # Bazel 4.2.3
+  bazel-platforms
+  libtorch-dev       # LibTorch 1.13 (CPU)
+  libopenmpi-dev
+  openmpi-bin
+  libspdlog-dev
+  nlohmann-json3-dev
+  libgtest-dev
+  libgmock-dev
+  libcli11-dev
+)
+
+missing=()
+for pkg in "${packages[@]}"; do
+  status=$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null || true)
+  [[ "$status" == "install ok installed" ]] || missing+=("$pkg")
+done
+[[ ${#missing[@]} -eq 0 ]] && exit 0
+
+sudo=""
+if [[ $(id -u) -ne 0 ]]; then
+  command -v sudo >/dev/null || { echo "remat: need root (or sudo) to install: ${missing[*]}" >&2; exit 1; }
+  sudo="sudo"
+fi
+echo "remat: installing ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq >/dev/null
+$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
