@@ -8,6 +8,7 @@
 #include <cstdlib>
 
 #include "runtime/error.h"
+#include "tests/error_of.h"
 #include "runtime/layout.h"
 #include "runtime/nccl_communicator.h"
 #include "runtime/runtime.h"
@@ -16,19 +17,9 @@ namespace remat {
 namespace {
 
 using ::testing::HasSubstr;
+using remat::testing::error_of;
 
 std::shared_ptr<Communicator> world() { return Runtime::init().world(Backend::kMpi); }
-
-template <typename E, typename F>
-std::string error_of(F fn) {
-  try {
-    fn();
-  } catch (const E& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an exception";
-  return "";
-}
 
 const std::vector<at::ScalarType> kArithmeticTypes = {
     at::kFloat, at::kDouble, at::kBFloat16, at::kHalf, at::kInt, at::kLong, at::kByte};
@@ -217,7 +208,7 @@ TEST(Collectives, ArgumentErrorsAreClear) {
   at::Tensor in = at::zeros({4}), wrong = at::zeros({4 * n + 1});
   EXPECT_THAT(error_of<Error>([&] { comm->allGather(wrong, in); }),
               HasSubstr("allGather: the output must hold size() inputs: expected "
-                        "output.numel() == input.numel() * size_ (" +
+                        "output.numel() == input.numel() * size (" +
                         std::to_string(4 * n + 1) + " vs " + std::to_string(4 * n) + ")"));
   at::Tensor doubles = at::zeros({4 * n}, at::kDouble);
   EXPECT_THAT(error_of<CommError>([&] { comm->allGather(doubles, in); }),

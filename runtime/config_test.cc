@@ -7,22 +7,16 @@
 #include <fstream>
 
 #include "runtime/error.h"
+#include "tests/error_of.h"
 
 namespace remat {
 namespace {
 
 using ::testing::HasSubstr;
 
-// The message of the ConfigError that `fn` throws (fails if it throws none).
 template <typename F>
 std::string config_error(F fn) {
-  try {
-    fn();
-  } catch (const ConfigError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected a ConfigError";
-  return "";
+  return remat::testing::error_of<ConfigError>(fn);
 }
 
 Config parse(const std::string& text, std::vector<std::string> overrides = {}) {

@@ -191,16 +191,6 @@ class MpiWork final : public Work {
   std::string error_;
 };
 
-std::string shape_of(const at::Tensor& t) {
-  std::string out = "[";
-  for (int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
-  return out + "]";
-}
-
-std::string describe(const at::Tensor& t) {
-  return str("dtype=", c10::toString(t.scalar_type()), ", shape=", shape_of(t));
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -329,9 +319,7 @@ std::shared_ptr<Work> MpiCommunicator::allReduce(at::Tensor& tensor, const AllRe
 
 std::shared_ptr<Work> MpiCommunicator::allGather(at::Tensor& output, const at::Tensor& input,
                                                  const AllGatherOptions& opts) {
-  check_same_dtype(output, input, "allGather");
-  REMAT_CHECK_EQ(output.numel(), input.numel() * size_,
-                 "allGather: the output must hold size() inputs");
+  check_gather_flat(output, input, size_);
   Launch l{"allGather", describe(input)};
   l.timeout = opts.timeout;
   l.tensors = {output, input};
@@ -352,16 +340,7 @@ std::shared_ptr<Work> MpiCommunicator::allGather(at::Tensor& output, const at::T
 std::shared_ptr<Work> MpiCommunicator::allGather(std::vector<at::Tensor>& outputs,
                                                  const at::Tensor& input,
                                                  const AllGatherOptions& opts) {
-  REMAT_CHECK_EQ(static_cast<int>(outputs.size()), size_,
-                 "allGather: the output list needs one tensor per rank");
-  std::string shapes;
-  for (const auto& o : outputs) {
-    check_same_dtype(o, input, "allGather");
-    shapes += (shapes.empty() ? "" : " ") + shape_of(o);
-  }
-  REMAT_CHECK_EQ(outputs[rank_].numel(), input.numel(),
-                 "allGather: outputs[rank] must match this rank's input");
-  Launch l{"allGatherList", str("dtype=", c10::toString(input.scalar_type()), ", outputs=", shapes)};
+  Launch l{"allGatherList", check_gather_list(outputs, input, rank_, size_)};
   l.timeout = opts.timeout;
   l.tensors = outputs;
   l.tensors.push_back(input);
@@ -396,9 +375,7 @@ std::shared_ptr<Work> MpiCommunicator::allGather(std::vector<at::Tensor>& output
 
 std::shared_ptr<Work> MpiCommunicator::reduceScatter(at::Tensor& output, const at::Tensor& input,
                                                      const ReduceScatterOptions& opts) {
-  check_same_dtype(output, input, "reduceScatter");
-  REMAT_CHECK_EQ(input.numel(), output.numel() * size_,
-                 "reduceScatter: the input must hold size() outputs (pad it to a multiple)");
+  check_scatter(output, input, size_);
   Launch l{"reduceScatter", str(describe(input), ", op=", to_string(opts.op))};
   l.timeout = opts.timeout;
   l.tensors = {output, input};
@@ -422,10 +399,7 @@ std::shared_ptr<Work> MpiCommunicator::reduceScatter(at::Tensor& output, const a
 }
 
 std::shared_ptr<Work> MpiCommunicator::broadcast(at::Tensor& tensor, const BroadcastOptions& opts) {
-  if (opts.root < 0 || opts.root >= size_) {
-    throw CommError(str("broadcast: root ", opts.root, " is not a rank of this communicator (0..",
-                        size_ - 1, ")"));
-  }
+  check_root(opts.root, size_, "broadcast");
   Launch l{"broadcast", str(describe(tensor), ", root=", opts.root)};
   l.timeout = opts.timeout;
   l.tensors = {tensor};
@@ -449,17 +423,6 @@ std::shared_ptr<Work> MpiCommunicator::barrier(const BarrierOptions& opts) {
   };
   return launch(std::move(l));
 }
-
-namespace {
-
-void check_peer(int peer, int rank, int size, const char* op) {
-  if (peer < 0 || peer >= size || peer == rank) {
-    throw CommError(str(op, ": peer ", peer, " must be another rank of this communicator (0..",
-                        size - 1, ", not ", rank, ")"));
-  }
-}
-
-}  // namespace
 
 std::shared_ptr<Work> MpiCommunicator::send(const at::Tensor& tensor, int dst,
                                             const SendRecvOptions& opts) {

@@ -151,12 +151,6 @@ class NcclWork final : public Work {
   std::string error_;
 };
 
-std::string shape_of(const at::Tensor& t) {
-  std::string out = "[";
-  for (int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
-  return out + "]";
-}
-
 class NcclCommunicator final : public Communicator {
  public:
   explicit NcclCommunicator(std::shared_ptr<MpiCommunicator> bootstrap)
@@ -191,8 +185,7 @@ class NcclCommunicator final : public Communicator {
 
   std::shared_ptr<Work> allGather(at::Tensor& out, const at::Tensor& in,
                                   const AllGatherOptions& opts) override {
-    check_same_dtype(out, in, "allGather");
-    REMAT_CHECK_EQ(out.numel(), in.numel() * size_, "allGather: the output must hold size() inputs");
+    check_gather_flat(out, in, size_);
     return launch("allGather", describe(in), opts.timeout, {out, in}, [&](cudaStream_t s) {
       return ncclAllGather(in.data_ptr(), out.data_ptr(), in.numel(),
                            nccl_type(in.scalar_type(), "allGather"), state_->comm, s);
@@ -201,21 +194,11 @@ class NcclCommunicator final : public Communicator {
 
   std::shared_ptr<Work> allGather(std::vector<at::Tensor>& outs, const at::Tensor& in,
                                   const AllGatherOptions& opts) override {
-    REMAT_CHECK_EQ(static_cast<int>(outs.size()), size_,
-                   "allGather: the output list needs one tensor per rank");
-    std::string shapes;
-    for (const auto& o : outs) {
-      check_same_dtype(o, in, "allGather");
-      shapes += (shapes.empty() ? "" : " ") + shape_of(o);
-    }
-    REMAT_CHECK_EQ(outs[rank_].numel(), in.numel(),
-                   "allGather: outputs[rank] must match this rank's input");
+    std::string signature = check_gather_list(outs, in, rank_, size_);
     std::vector<at::Tensor> keep = outs;
     keep.push_back(in);
     // Sizes may differ across ranks: one broadcast per rank, grouped.
-    return launch("allGatherList",
-                  str("dtype=", c10::toString(in.scalar_type()), ", outputs=", shapes),
-                  opts.timeout, keep, [&](cudaStream_t s) {
+    return launch("allGatherList", signature, opts.timeout, keep, [&](cudaStream_t s) {
                     ncclDataType_t type = nccl_type(in.scalar_type(), "allGather");
                     nccl_check(ncclGroupStart(), state_->comm, "allGather");
                     for (int r = 0; r < size_; ++r) {
@@ -230,9 +213,7 @@ class NcclCommunicator final : public Communicator {
 
   std::shared_ptr<Work> reduceScatter(at::Tensor& out, const at::Tensor& in,
                                       const ReduceScatterOptions& opts) override {
-    check_same_dtype(out, in, "reduceScatter");
-    REMAT_CHECK_EQ(in.numel(), out.numel() * size_,
-                   "reduceScatter: the input must hold size() outputs (pad it to a multiple)");
+    check_scatter(out, in, size_);
     return launch("reduceScatter", str(describe(in), ", op=", to_string(opts.op)), opts.timeout,
                   {out, in}, [&](cudaStream_t s) {
                     return ncclReduceScatter(in.data_ptr(), out.data_ptr(), out.numel(),
@@ -243,10 +224,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   std::shared_ptr<Work> broadcast(at::Tensor& t, const BroadcastOptions& opts) override {
-    if (opts.root < 0 || opts.root >= size_) {
-      throw CommError(str("broadcast: root ", opts.root,
-                          " is not a rank of this communicator (0..", size_ - 1, ")"));
-    }
+    check_root(opts.root, size_, "broadcast");
     return launch("broadcast", str(describe(t), ", root=", opts.root), opts.timeout, {t},
                   [&](cudaStream_t s) {
                     return ncclBroadcast(t.data_ptr(), t.data_ptr(), t.numel(),
@@ -265,7 +243,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   std::shared_ptr<Work> send(const at::Tensor& t, int dst, const SendRecvOptions& opts) override {
-    check_peer(dst, "send");
+    check_peer(dst, rank_, size_, "send");
     return launch("send", str(describe(t), ", dst=", dst), opts.timeout, {t},
                   [&](cudaStream_t s) {
                     return ncclSend(t.data_ptr(), t.numel(), nccl_type(t.scalar_type(), "send"),
@@ -275,7 +253,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   std::shared_ptr<Work> recv(at::Tensor& t, int src, const SendRecvOptions& opts) override {
-    check_peer(src, "recv");
+    check_peer(src, rank_, size_, "recv");
     return launch("recv", str(describe(t), ", src=", src), opts.timeout, {t},
                   [&](cudaStream_t s) {
                     return ncclRecv(t.data_ptr(), t.numel(), nccl_type(t.scalar_type(), "recv"),
@@ -291,17 +269,6 @@ class NcclCommunicator final : public Communicator {
   }
 
  private:
-  static std::string describe(const at::Tensor& t) {
-    return str("dtype=", c10::toString(t.scalar_type()), ", shape=", shape_of(t));
-  }
-
-  void check_peer(int peer, const char* op) const {
-    if (peer < 0 || peer >= size_ || peer == rank_) {
-      throw CommError(str(op, ": peer ", peer, " must be another rank of this communicator (0..",
-                          size_ - 1, ", not ", rank_, ")"));
-    }
-  }
-
   // The one place every NCCL call goes through: argument checks, sequence
   // numbers, the debug check, stream ordering, return codes, the Work.
   std::shared_ptr<Work> launch(const char* op, const std::string& signature, Timeout timeout,

@@ -7,6 +7,7 @@
 
 #include "runtime/env_knobs.h"
 #include "runtime/error.h"
+#include "tests/error_of.h"
 #include "runtime/layout.h"
 #include "runtime/logging.h"
 #include "runtime/process_env.h"
@@ -15,17 +16,7 @@ namespace remat {
 namespace {
 
 using ::testing::HasSubstr;
-
-template <typename E, typename F>
-std::string error_of(F fn) {
-  try {
-    fn();
-  } catch (const E& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an exception";
-  return "";
-}
+using remat::testing::error_of;
 
 TEST(Errors, CheckEqPrintsBothSidesAndLocation) {
   int a = 3, b = 4;

@@ -22,4 +22,61 @@ void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* op) 
   }
 }
 
+namespace {
+
+std::string shape_of(const at::Tensor& t) {
+  std::string out = "[";
+  for (int64_t i = 0; t.defined() && i < t.dim(); ++i) {
+    out += (i ? ", " : "") + std::to_string(t.size(i));
+  }
+  return out + "]";
+}
+
+}  // namespace
+
+std::string describe(const at::Tensor& t) {
+  if (!t.defined()) return "undefined";
+  return str("dtype=", c10::toString(t.scalar_type()), ", shape=", shape_of(t));
+}
+
+void check_gather_flat(const at::Tensor& output, const at::Tensor& input, int size) {
+  check_same_dtype(output, input, "allGather");
+  REMAT_CHECK_EQ(output.numel(), input.numel() * size,
+                 "allGather: the output must hold size() inputs");
+}
+
+std::string check_gather_list(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                              int rank, int size) {
+  REMAT_CHECK_EQ(static_cast<int>(outputs.size()), size,
+                 "allGather: the output list needs one tensor per rank");
+  std::string shapes;
+  for (const auto& o : outputs) {
+    check_same_dtype(o, input, "allGather");
+    shapes += (shapes.empty() ? "" : " ") + shape_of(o);
+  }
+  REMAT_CHECK_EQ(outputs[rank].numel(), input.numel(),
+                 "allGather: outputs[rank] must match this rank's input");
+  return str("dtype=", c10::toString(input.scalar_type()), ", outputs=", shapes);
+}
+
+void check_scatter(const at::Tensor& output, const at::Tensor& input, int size) {
+  check_same_dtype(output, input, "reduceScatter");
+  REMAT_CHECK_EQ(input.numel(), output.numel() * size,
+                 "reduceScatter: the input must hold size() outputs (pad it to a multiple)");
+}
+
+void check_root(int root, int size, const char* op) {
+  if (root < 0 || root >= size) {
+    throw CommError(str(op, ": root ", root, " is not a rank of this communicator (0..",
+                        size - 1, ")"));
+  }
+}
+
+void check_peer(int peer, int rank, int size, const char* op) {
+  if (peer < 0 || peer >= size || peer == rank) {
+    throw CommError(str(op, ": peer ", peer, " must be another rank of this communicator (0..",
+                        size - 1, ", not ", rank, ")"));
+  }
+}
+
 }  // namespace remat
