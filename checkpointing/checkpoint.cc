@@ -1,0 +1,366 @@
+#include "checkpointing/checkpoint.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/cuda.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+
+#include "checkpointing/op_recorder.h"
+#include "rng/rng_tracker.h"
+#include "runtime/config.h"
+#include "runtime/error.h"
+#include "runtime/logging.h"
+
+namespace remat {
+
+CheckpointOptions& default_checkpoint_options() {
+  static CheckpointOptions options;
+  return options;
+}
+
+void configure_checkpointing(const ActivationCheckpointingConfig& config) {
+  auto& options = default_checkpoint_options();
+  options.synchronize = config.synchronize_checkpoint_boundary;
+  options.profile = config.profile;
+}
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using Clock = std::chrono::steady_clock;
+
+double ms_since(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+std::atomic<int64_t> g_recomputes{0};
+std::mutex g_profile_mutex;
+std::map<std::string, RegionProfile> g_profile;
+
+void add_profile(const std::string& name, const RegionProfile& delta) {
+  std::lock_guard<std::mutex> lock(g_profile_mutex);
+  auto& p = g_profile[name];
+  p.calls += delta.calls;
+  p.recomputes += delta.recomputes;
+  p.forward_ms += delta.forward_ms;
+  p.recompute_ms += delta.recompute_ms;
+  p.backward_ms += delta.backward_ms;
+}
+
+// ---------------------------------------------------------------------------
+// Tensors inside nested values: collected in a fixed order and put back in the
+// same order. Undefined tensors count as None, not as tensors.
+
+void collect_tensors(const c10::IValue& v, std::vector<at::Tensor>& out, const std::string& where) {
+  if (v.isTensor()) {
+    if (v.toTensor().defined()) out.push_back(v.toTensor());
+  } else if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorList().vec()) {
+      if (t.defined()) out.push_back(t);
+    }
+  } else if (v.isList()) {
+    for (const auto& item : v.toListRef()) collect_tensors(item, out, where);
+  } else if (v.isTuple()) {
+    for (const auto& item : v.toTupleRef().elements()) collect_tensors(item, out, where);
+  } else if (v.isGenericDict() || v.isObject() || v.isFuture() || v.isCapsule()) {
+    throw Error(str(where, ": values of type ", v.tagKind(),
+                    " are not supported; capture them in fn instead of passing them"));
+  }
+}
+
+at::Tensor next_tensor(const std::vector<at::Tensor>& values, size_t& index) {
+  REMAT_CHECK_LT(index, values.size(), "checkpoint: tensor structure changed");
+  return values[index++];
+}
+
+c10::IValue replace_tensors(const c10::IValue& v, const std::vector<at::Tensor>& values,
+                            size_t& index) {
+  if (v.isTensor()) {
+    return v.toTensor().defined() ? c10::IValue(next_tensor(values, index)) : v;
+  }
+  if (v.isTensorList()) {
+    c10::List<at::Tensor> list;
+    for (const at::Tensor& t : v.toTensorList().vec()) {
+      list.push_back(t.defined() ? next_tensor(values, index) : t);
+    }
+    return c10::IValue(list);
+  }
+  if (v.isList()) {
+    auto source = v.toList();
+    c10::impl::GenericList list(source.elementType());
+    for (const auto& item : v.toListRef()) list.push_back(replace_tensors(item, values, index));
+    return c10::IValue(list);
+  }
+  if (v.isTuple()) {
+    std::vector<c10::IValue> items;
+    for (const auto& item : v.toTupleRef().elements()) {
+      items.push_back(replace_tensors(item, values, index));
+    }
+    return c10::IValue(c10::ivalue::Tuple::create(std::move(items)));
+  }
+  return v;
+}
+
+c10::IValue with_tensors(const c10::IValue& v, const std::vector<at::Tensor>& values) {
+  size_t index = 0;
+  c10::IValue out = replace_tensors(v, values, index);
+  REMAT_CHECK_EQ(index, values.size(), "checkpoint: tensor structure changed");
+  return out;
+}
+
+// Storage-free stand-ins, so that the region's structure holds no data.
+std::vector<at::Tensor> placeholders(size_t n) {
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < n; ++i) out.push_back(at::empty({0}, at::TensorOptions().device(at::kMeta)));
+  return out;
+}
+
+struct OutputMeta {
+  std::vector<int64_t> sizes;
+  at::ScalarType dtype;
+  at::Device device;
+};
+
+std::string describe(const OutputMeta& m) {
+  return str(c10::toString(m.dtype), " ", c10::IntArrayRef(m.sizes), " on ", m.device.str());
+}
+
+void synchronize_if(bool enabled) {
+  if (enabled && torch::cuda::is_available()) torch::cuda::synchronize();
+}
+
+std::string join(const std::vector<std::string>& ops) {
+  std::string out;
+  for (const auto& op : ops) out += (out.empty() ? "" : " ") + op;
+  return out;
+}
+
+// Everything a region needs between forward and backward.
+struct Region {
+  CheckpointFn fn;
+  CheckpointOptions options;
+  c10::IValue args;  // tuple of the arguments, tensors replaced by placeholders
+  size_t n_tensors = 0;
+  bool has_dummy = false;
+  std::vector<bool> input_requires_grad;
+  RngSnapshot rng;
+  c10::IValue forward_output;  // handed back to the caller, then dropped
+  std::vector<OutputMeta> outputs;
+  std::vector<std::string> forward_ops;
+};
+
+// Restores the RNG the forward saw and puts back the current one afterwards.
+class RngReplay {
+ public:
+  RngReplay(const Region& region) : active_(region.options.preserve_rng_state) {
+    if (!active_) return;
+    now_ = capture_rng();
+    restore_rng(region.rng);
+  }
+  ~RngReplay() {
+    if (active_) restore_rng(now_);
+  }
+
+ private:
+  bool active_;
+  RngSnapshot now_;
+};
+
+struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
+  // Inputs come as a TensorList: autograd tracks tensors only in that form.
+  static variable_list forward(AutogradContext* ctx, std::shared_ptr<Region> region,
+                               at::TensorList inputs) {
+    auto start = Clock::now();
+    synchronize_if(region->options.synchronize);
+    if (region->options.preserve_rng_state) region->rng = capture_rng();
+    variable_list real(inputs.begin(), inputs.begin() + region->n_tensors);
+    ctx->save_for_backward(real);
+    c10::IValue output;
+    {
+      at::NoGradGuard no_grad;
+      std::unique_ptr<OpRecorder> recorder;
+      if (region->options.debug) recorder = std::make_unique<OpRecorder>();
+      output = region->fn(with_tensors(region->args, real).toTupleRef().elements().vec());
+      if (recorder) region->forward_ops = recorder->ops();
+    }
+    std::vector<at::Tensor> outs;
+    collect_tensors(output, outs, region->options.name + " output");
+    variable_list non_differentiable;
+    for (auto& t : outs) {
+      region->outputs.push_back({t.sizes().vec(), t.scalar_type(), t.device()});
+      if (!at::isFloatingType(t.scalar_type()) && !at::isComplexType(t.scalar_type())) {
+        non_differentiable.push_back(t);
+      }
+    }
+    ctx->mark_non_differentiable(non_differentiable);
+    region->forward_output = output;
+    ctx->saved_data["region"] =
+        c10::IValue::make_capsule(c10::make_intrusive<RegionHolder>(region));
+    synchronize_if(region->options.synchronize);
+    if (region->options.profile) {
+      RegionProfile delta;
+      delta.calls = 1;
+      delta.forward_ms = ms_since(start);
+      add_profile(region->options.name, delta);
+    }
+    return outs;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    auto start = Clock::now();
+    auto holder = ctx->saved_data["region"].toCapsule();
+    auto region = static_cast<RegionHolder*>(holder.get())->region;
+    const std::string& name = region->options.name;
+    if (!torch::autograd::Engine::get_default_engine().is_checkpoint_valid()) {
+      throw Error(str(name, ": torch::autograd::grad (or backward with `inputs`) cannot run "
+                      "through a checkpointed region, whose recompute accumulates into .grad(); "
+                      "call backward() on the loss and read the gradients from .grad()"));
+    }
+    variable_list saved;
+    try {
+      saved = ctx->get_saved_variables();
+    } catch (const c10::Error& e) {
+      throw Error(str(name, ": backward ran through this region a second time, but its saved "
+                      "inputs were released by the first backward; pass retain_graph=true to "
+                      "the first backward() to backpropagate twice (detail: ",
+                      e.what_without_backtrace(), ")"));
+    }
+    synchronize_if(region->options.synchronize);
+
+    variable_list detached;
+    for (size_t i = 0; i < saved.size(); ++i) {
+      at::Tensor d = saved[i].detach();
+      d.requires_grad_(region->input_requires_grad[i]);
+      detached.push_back(d);
+    }
+    c10::IValue output;
+    std::unique_ptr<OpRecorder> recorder;
+    {
+      RngReplay replay(*region);
+      at::AutoGradMode grad(true);
+      if (region->options.debug) recorder = std::make_unique<OpRecorder>();
+      output = region->fn(with_tensors(region->args, detached).toTupleRef().elements().vec());
+    }
+    g_recomputes++;
+    double recompute_ms = ms_since(start);
+    if (recorder) {
+      log().debug("{} forward ops: {}", name, join(region->forward_ops));
+      log().debug("{} recompute ops: {}", name, join(recorder->ops()));
+      if (recorder->ops() != region->forward_ops) {
+        log().warn("{}: the recompute ran other ops than the forward (see debug log)", name);
+      }
+    }
+    std::vector<at::Tensor> outs;
+    collect_tensors(output, outs, name + " output");
+    if (region->options.determinism_check) check_outputs(*region, outs);
+
+    variable_list roots, grads;
+    for (size_t i = 0; i < outs.size() && i < grad_outputs.size(); ++i) {
+      if (outs[i].requires_grad() && grad_outputs[i].defined()) {
+        roots.push_back(outs[i]);
+        grads.push_back(grad_outputs[i]);
+      }
+    }
+    if (!roots.empty()) torch::autograd::backward(roots, grads);
+
+    variable_list result{at::Tensor()};  // for the region argument
+    for (auto& d : detached) result.push_back(d.requires_grad() ? d.grad() : at::Tensor());
+    if (region->has_dummy) result.emplace_back();
+    synchronize_if(region->options.synchronize);
+    if (region->options.profile) {
+      RegionProfile delta;
+      delta.recomputes = 1;
+      delta.recompute_ms = recompute_ms;
+      delta.backward_ms = ms_since(start);
+      add_profile(name, delta);
+    }
+    return result;
+  }
+
+  static void check_outputs(const Region& region, const std::vector<at::Tensor>& outs) {
+    const std::string& name = region.options.name;
+    if (outs.size() != region.outputs.size()) {
+      throw Error(str(name, ": the recompute returned ", outs.size(),
+                      " tensors but the forward returned ", region.outputs.size(),
+                      "; fn must compute the same thing both times (data-dependent control "
+                      "flow or state changed between forward and backward?)"));
+    }
+    for (size_t i = 0; i < outs.size(); ++i) {
+      OutputMeta now{outs[i].sizes().vec(), outs[i].scalar_type(), outs[i].device()};
+      const OutputMeta& then = region.outputs[i];
+      if (now.sizes != then.sizes || now.dtype != then.dtype || now.device != then.device) {
+        throw Error(str(name, ": output ", i, " of the recompute is ", describe(now),
+                        " but the forward produced ", describe(then),
+                        "; fn must compute the same thing both times (turn the check off with "
+                        "CheckpointOptions::determinism_check = false only if you know why)"));
+      }
+    }
+  }
+
+  // Lets the region ride in ctx->saved_data.
+  struct RegionHolder : torch::CustomClassHolder {
+    explicit RegionHolder(std::shared_ptr<Region> r) : region(std::move(r)) {}
+    std::shared_ptr<Region> region;
+  };
+};
+
+}  // namespace
+
+c10::IValue checkpoint_ivalues(const CheckpointFn& fn, std::vector<c10::IValue> args,
+                               const CheckpointOptions& options) {
+  if (!at::GradMode::is_enabled()) return fn(args);  // evaluation: keep nothing
+
+  auto region = std::make_shared<Region>();
+  region->fn = fn;
+  region->options = options;
+  c10::IValue packed(c10::ivalue::Tuple::create(std::move(args)));
+  std::vector<at::Tensor> inputs;
+  collect_tensors(packed, inputs, options.name + " argument");
+  region->n_tensors = inputs.size();
+  region->args = with_tensors(packed, placeholders(inputs.size()));
+  bool any_requires_grad = false;
+  for (const auto& t : inputs) {
+    region->input_requires_grad.push_back(t.requires_grad());
+    any_requires_grad = any_requires_grad || t.requires_grad();
+  }
+  // With no input requiring grad the region would be cut off from backward and
+  // parameters used inside fn would get no gradient: a dummy input keeps it on
+  // the graph.
+  if (!any_requires_grad) {
+    inputs.push_back(at::empty({0}).requires_grad_(true));
+    region->has_dummy = true;
+  }
+  variable_list outs = CheckpointFunction::apply(region, at::TensorList(inputs));
+  c10::IValue result = with_tensors(region->forward_output, outs);
+  region->forward_output = c10::IValue();
+  return result;
+}
+
+std::map<std::string, RegionProfile> checkpoint_profile() {
+  std::lock_guard<std::mutex> lock(g_profile_mutex);
+  return g_profile;
+}
+
+void log_checkpoint_profile_step(int64_t step) {
+  std::map<std::string, RegionProfile> profile;
+  {
+    std::lock_guard<std::mutex> lock(g_profile_mutex);
+    profile.swap(g_profile);
+  }
+  for (const auto& [name, p] : profile) {
+    log_rank0().info(
+        "step {} checkpoint profile {}: {} calls, {} recomputes, forward {:.3f} ms, recompute "
+        "{:.3f} ms, backward {:.3f} ms",
+        step, name, p.calls, p.recomputes, p.forward_ms, p.recompute_ms, p.backward_ms);
+  }
+}
+
+int64_t checkpoint_recompute_count() { return g_recomputes.load(); }
+
+}  // namespace remat

@@ -1,0 +1,189 @@
+// Activation checkpointing regions: remat::checkpoint(fn, args...).
+//
+// Forward runs `fn` without recording a graph and keeps only its inputs;
+// backward restores the RNG state the forward saw (default generators and the
+// tracker's states), runs `fn` again with grad, backpropagates through it and
+// returns the inputs' gradients. Parameters used inside `fn` receive their
+// gradients too, even when no input requires grad. Without grad mode (eval)
+// `fn` simply runs and nothing is kept.
+//
+//   at::Tensor y = remat::checkpoint([&](const at::Tensor& x) { return block->forward(x); }, x);
+//   auto [h, aux] = remat::checkpoint(
+//       [&](const at::Tensor& x, int64_t k, c10::optional<at::Tensor> mask) {
+//         return std::make_tuple(f(x, k, mask), k + 1);
+//       }, x, 3, c10::nullopt);
+//
+// Arguments and results may be tensors (requiring grad or not, undefined),
+// optional tensors, int, int64, double, bool, strings, and vectors/tuples of
+// these. The region is reentrant (a custom autograd Function), so
+// torch::autograd::grad through it is refused with a clear error; use
+// backward() and read .grad().
+#pragma once
+
+#include <ATen/core/ivalue.h>
+
+#include <functional>
+#include <map>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace remat {
+
+struct ActivationCheckpointingConfig;
+
+struct CheckpointOptions {
+  // Replay the forward's RNG state during recompute (dropout matches bitwise).
+  bool preserve_rng_state = true;
+  // Compare the recomputed outputs' shape, dtype and device with the forward's.
+  bool determinism_check = true;
+  // Log the op sequences of forward and recompute (debug level).
+  bool debug = false;
+  // Synchronize the device at region boundaries (synchronize_checkpoint_boundary).
+  bool synchronize = false;
+  // Time forward, recompute and backward per region (see checkpoint_profile()).
+  bool profile = false;
+  // Names the region in errors, logs and the profile.
+  std::string name = "checkpoint";
+};
+
+// The options checkpoint() uses when given none; configure_checkpointing sets
+// them from the config's activation_checkpointing section.
+CheckpointOptions& default_checkpoint_options();
+void configure_checkpointing(const ActivationCheckpointingConfig& config);
+
+using CheckpointFn = std::function<c10::IValue(const std::vector<c10::IValue>&)>;
+
+// The untyped core: `fn` takes and returns IValues.
+c10::IValue checkpoint_ivalues(const CheckpointFn& fn, std::vector<c10::IValue> args,
+                               const CheckpointOptions& options = default_checkpoint_options());
+
+// Per-region timings, aggregated until reset.
+struct RegionProfile {
+  int64_t calls = 0;
+  int64_t recomputes = 0;
+  double forward_ms = 0;
+  double recompute_ms = 0;
+  double backward_ms = 0;  // recompute plus the backward through it
+};
+std::map<std::string, RegionProfile> checkpoint_profile();
+// Logs the aggregate (one line per region) and starts a new one: call once a step.
+void log_checkpoint_profile_step(int64_t step);
+
+// How many times checkpoint regions recomputed on this thread (for tests and
+// metrics).
+int64_t checkpoint_recompute_count();
+
+namespace detail {
+
+template <typename T>
+struct IValueCodec {
+  static c10::IValue encode(const T& v) { return c10::IValue(v); }
+  static T decode(const c10::IValue& v) { return v.to<T>(); }
+};
+
+template <>
+struct IValueCodec<int> {
+  static c10::IValue encode(int v) { return c10::IValue(static_cast<int64_t>(v)); }
+  static int decode(const c10::IValue& v) { return static_cast<int>(v.toInt()); }
+};
+
+template <>
+struct IValueCodec<float> {
+  static c10::IValue encode(float v) { return c10::IValue(static_cast<double>(v)); }
+  static float decode(const c10::IValue& v) { return static_cast<float>(v.toDouble()); }
+};
+
+template <>
+struct IValueCodec<const char*> {
+  static c10::IValue encode(const char* v) { return c10::IValue(std::string(v)); }
+};
+
+template <typename T>
+struct IValueCodec<std::vector<T>> {
+  static c10::IValue encode(const std::vector<T>& v) {
+    if constexpr (std::is_same_v<T, at::Tensor> || std::is_same_v<T, int64_t> ||
+                  std::is_same_v<T, double> || std::is_same_v<T, bool>) {
+      return c10::IValue(v);
+    } else {
+      std::vector<c10::IValue> items;
+      for (const auto& x : v) items.push_back(IValueCodec<T>::encode(x));
+      return c10::IValue(c10::ivalue::Tuple::create(std::move(items)));
+    }
+  }
+  static std::vector<T> decode(const c10::IValue& v) {
+    std::vector<T> out;
+    if (v.isTuple()) {
+      for (const auto& x : v.toTupleRef().elements()) out.push_back(IValueCodec<T>::decode(x));
+    } else {
+      for (const auto& x : v.toListRef()) out.push_back(IValueCodec<T>::decode(x));
+    }
+    return out;
+  }
+};
+
+template <typename... Ts>
+struct IValueCodec<std::tuple<Ts...>> {
+  static c10::IValue encode(const std::tuple<Ts...>& t) {
+    std::vector<c10::IValue> items;
+    std::apply([&](const auto&... x) { (items.push_back(IValueCodec<std::decay_t<decltype(x)>>::encode(x)), ...); }, t);
+    return c10::IValue(c10::ivalue::Tuple::create(std::move(items)));
+  }
+  static std::tuple<Ts...> decode(const c10::IValue& v) {
+    const auto& items = v.toTupleRef().elements();
+    return decode_items(items, std::index_sequence_for<Ts...>{});
+  }
+  template <size_t... I>
+  static std::tuple<Ts...> decode_items(const std::vector<c10::IValue>& items,
+                                        std::index_sequence<I...>) {
+    return std::tuple<Ts...>(IValueCodec<Ts>::decode(items[I])...);
+  }
+};
+
+template <typename T>
+struct IValueCodec<std::pair<T, T>> {
+  static c10::IValue encode(const std::pair<T, T>& p) {
+    return IValueCodec<std::tuple<T, T>>::encode(std::make_tuple(p.first, p.second));
+  }
+  static std::pair<T, T> decode(const c10::IValue& v) {
+    auto t = IValueCodec<std::tuple<T, T>>::decode(v);
+    return {std::get<0>(t), std::get<1>(t)};
+  }
+};
+
+template <typename T>
+using Plain = std::remove_cv_t<std::remove_reference_t<T>>;
+
+template <typename... Ts, size_t... I>
+std::tuple<Ts...> decode_args(const std::vector<c10::IValue>& in, std::index_sequence<I...>) {
+  return std::tuple<Ts...>(IValueCodec<Ts>::decode(in[I])...);
+}
+
+}  // namespace detail
+
+// The typed front: fn is called with the same argument types it was given.
+template <typename F, typename... Args>
+auto checkpoint_with(const CheckpointOptions& options, F&& fn, Args&&... args) {
+  using Result = detail::Plain<std::invoke_result_t<F&, detail::Plain<Args>...>>;
+  std::vector<c10::IValue> packed{detail::IValueCodec<detail::Plain<Args>>::encode(args)...};
+  // The body outlives this call (backward recomputes with it): keep a copy of fn.
+  CheckpointFn body = [fn = std::decay_t<F>(std::forward<F>(fn))](
+                          const std::vector<c10::IValue>& in) mutable -> c10::IValue {
+    return std::apply(
+        [&](auto... decoded) {
+          return detail::IValueCodec<Result>::encode(fn(std::move(decoded)...));
+        },
+        detail::decode_args<detail::Plain<Args>...>(in, std::index_sequence_for<Args...>{}));
+  };
+  return detail::IValueCodec<Result>::decode(checkpoint_ivalues(body, std::move(packed), options));
+}
+
+template <typename F, typename... Args>
+auto checkpoint(F&& fn, Args&&... args) {
+  return checkpoint_with(default_checkpoint_options(), std::forward<F>(fn),
+                         std::forward<Args>(args)...);
+}
+
+}  // namespace remat

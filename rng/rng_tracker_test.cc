@@ -1,0 +1,114 @@
+#include "rng/rng_tracker.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "runtime/error.h"
+#include "tests/error_of.h"
+
+namespace remat {
+namespace {
+
+using ::testing::HasSubstr;
+using remat::testing::error_of;
+
+TEST(RngTracker, DuplicateNameOrSeedIsAnError) {
+  RNGStatesTracker tracker;
+  tracker.add("a", 1);
+  EXPECT_THAT(error_of<Error>([&] { tracker.add("a", 2); }),
+              HasSubstr("a state named 'a' exists already"));
+  EXPECT_THAT(error_of<Error>([&] { tracker.add("b", 1); }),
+              HasSubstr("seed 1 is used by state 'a' already"));
+  EXPECT_THAT(error_of<Error>([&] { auto g = tracker.fork("c"); }),
+              HasSubstr("no state named 'c' (known: a)"));
+  tracker.reset();
+  tracker.add("a", 1);  // allowed again after reset
+}
+
+TEST(RngTracker, ForkDrawsFromTheNamedStateAndRestoresTheDefault) {
+  RNGStatesTracker tracker;
+  torch::manual_seed(5);
+  tracker.add("s", 99);
+  at::Tensor inside;
+  {
+    auto guard = tracker.fork("s");
+    inside = torch::rand({8});
+  }
+  at::Tensor after = torch::rand({8});
+  torch::manual_seed(99);
+  EXPECT_TRUE(torch::equal(inside, torch::rand({8})));  // the state was seeded with 99
+  torch::manual_seed(5);
+  EXPECT_TRUE(torch::equal(after, torch::rand({8})));  // the default stream was untouched
+}
+
+TEST(RngTracker, NestedForksBehaveLikeUnnested) {
+  auto draws = [](bool nested) {
+    RNGStatesTracker tracker;
+    torch::manual_seed(1);
+    tracker.add("a", 10);
+    tracker.add("b", 20);
+    std::vector<at::Tensor> out;
+    if (nested) {
+      auto ga = tracker.fork("a");
+      out.push_back(torch::rand({3}));  // a
+      {
+        auto gb = tracker.fork("b");
+        out.push_back(torch::rand({3}));  // b
+        auto ga2 = tracker.fork("a");
+        out.push_back(torch::rand({3}));  // a continues
+      }
+      out.push_back(torch::rand({3}));  // a continues
+    } else {
+      { auto g = tracker.fork("a"); out.push_back(torch::rand({3})); }
+      { auto g = tracker.fork("b"); out.push_back(torch::rand({3})); }
+      { auto g = tracker.fork("a"); out.push_back(torch::rand({3})); }
+      { auto g = tracker.fork("a"); out.push_back(torch::rand({3})); }
+    }
+    out.push_back(torch::rand({3}));  // default
+    return out;
+  };
+  auto nested = draws(true), flat = draws(false);
+  ASSERT_EQ(nested.size(), flat.size());
+  for (size_t i = 0; i < nested.size(); ++i) EXPECT_TRUE(torch::equal(nested[i], flat[i])) << i;
+}
+
+TEST(RngTracker, GetAndSetStatesRoundTrip) {
+  RNGStatesTracker tracker;
+  tracker.add("s", 3);
+  auto saved = tracker.get_states();
+  at::Tensor first;
+  { auto g = tracker.fork("s"); first = torch::rand({4}); }
+  tracker.set_states(saved);
+  { auto g = tracker.fork("s"); EXPECT_TRUE(torch::equal(first, torch::rand({4}))); }
+  auto g = tracker.fork("s");
+  EXPECT_THAT(error_of<Error>([&] { tracker.set_states(saved); }),
+              HasSubstr("set_states() inside a fork (of 's')"));
+}
+
+TEST(RngTracker, ModelParallelSeeds) {
+  for (int tp_rank : {0, 1, 3}) {
+    model_parallel_manual_seed(1000, tp_rank);
+    at::Tensor default_draw = torch::rand({4});
+    at::Tensor tracked;
+    { auto g = get_rng_tracker().fork(); tracked = torch::rand({4}); }
+    torch::manual_seed(1000);
+    EXPECT_TRUE(torch::equal(default_draw, torch::rand({4})));
+    torch::manual_seed(1000 + 2718 + tp_rank);
+    EXPECT_TRUE(torch::equal(tracked, torch::rand({4}))) << "tp_rank " << tp_rank;
+  }
+}
+
+TEST(RngTracker, CaptureAndRestoreEverything) {
+  model_parallel_manual_seed(11, 0);
+  RngSnapshot snap = capture_rng();
+  at::Tensor a = torch::rand({3});
+  at::Tensor b;
+  { auto g = get_rng_tracker().fork(); b = torch::rand({3}); }
+  restore_rng(snap);
+  EXPECT_TRUE(torch::equal(a, torch::rand({3})));
+  { auto g = get_rng_tracker().fork(); EXPECT_TRUE(torch::equal(b, torch::rand({3}))); }
+}
+
+}  // namespace
+}  // namespace remat
