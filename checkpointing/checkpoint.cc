@@ -11,6 +11,7 @@
 #include <mutex>
 
 #include "checkpointing/op_recorder.h"
+#include "checkpointing/selective_op.h"
 #include "rng/rng_tracker.h"
 #include "runtime/config.h"
 #include "runtime/error.h"
@@ -40,6 +41,7 @@ double ms_since(Clock::time_point start) {
 }
 
 std::atomic<int64_t> g_recomputes{0};
+std::atomic<int64_t> g_saved_bytes{0};
 std::mutex g_profile_mutex;
 std::map<std::string, RegionProfile> g_profile;
 
@@ -153,6 +155,10 @@ struct Region {
   c10::IValue forward_output;  // handed back to the caller, then dropped
   std::vector<OutputMeta> outputs;
   std::vector<std::string> forward_ops;
+  SelectiveCache selective;
+  int64_t saved_bytes = 0;  // counted in g_saved_bytes while the region lives
+
+  ~Region() { g_saved_bytes -= saved_bytes + selective.bytes; }
 };
 
 // Restores the RNG the forward saw and puts back the current one afterwards.
@@ -181,14 +187,22 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     if (region->options.preserve_rng_state) region->rng = capture_rng();
     variable_list real(inputs.begin(), inputs.begin() + region->n_tensors);
     ctx->save_for_backward(real);
+    for (const auto& t : real) region->saved_bytes += t.nbytes();
     c10::IValue output;
     {
       at::NoGradGuard no_grad;
       std::unique_ptr<OpRecorder> recorder;
       if (region->options.debug) recorder = std::make_unique<OpRecorder>();
+      std::unique_ptr<SelectiveOpScope> selective;
+      if (region->options.save_ops) {
+        selective = std::make_unique<SelectiveOpScope>(*region->options.save_ops,
+                                                       region->selective,
+                                                       SelectiveOpScope::Mode::kRecord);
+      }
       output = region->fn(with_tensors(region->args, real).toTupleRef().elements().vec());
       if (recorder) region->forward_ops = recorder->ops();
     }
+    g_saved_bytes += region->saved_bytes + region->selective.bytes;
     std::vector<at::Tensor> outs;
     collect_tensors(output, outs, region->options.name + " output");
     variable_list non_differentiable;
@@ -245,7 +259,19 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       RngReplay replay(*region);
       at::AutoGradMode grad(true);
       if (region->options.debug) recorder = std::make_unique<OpRecorder>();
+      std::unique_ptr<SelectiveOpScope> selective;
+      if (region->options.save_ops) {
+        selective = std::make_unique<SelectiveOpScope>(*region->options.save_ops,
+                                                       region->selective,
+                                                       SelectiveOpScope::Mode::kReplay);
+      }
       output = region->fn(with_tensors(region->args, detached).toTupleRef().elements().vec());
+    }
+    if (region->selective.next != region->selective.entries.size()) {
+      throw Error(str(name, ": the recompute used ", region->selective.next, " of the ",
+                      region->selective.entries.size(),
+                      " op outputs the forward saved; the region must run the same ops both "
+                      "times"));
     }
     g_recomputes++;
     double recompute_ms = ms_since(start);
@@ -362,5 +388,7 @@ void log_checkpoint_profile_step(int64_t step) {
 }
 
 int64_t checkpoint_recompute_count() { return g_recomputes.load(); }
+
+int64_t checkpoint_saved_bytes() { return g_saved_bytes.load(); }
 
 }  // namespace remat

@@ -24,6 +24,8 @@
 
 #include <functional>
 #include <map>
+#include <memory>
+#include <set>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -47,6 +49,9 @@ struct CheckpointOptions {
   bool profile = false;
   // Names the region in errors, logs and the profile.
   std::string name = "checkpoint";
+  // selective_op: these ops' outputs are kept from the forward and reused by the
+  // recompute (see selective_op.h and resolve_save_ops). Null: recompute all.
+  std::shared_ptr<const std::set<std::string>> save_ops;
 };
 
 // The options checkpoint() uses when given none; configure_checkpointing sets
@@ -69,6 +74,10 @@ struct RegionProfile {
   double backward_ms = 0;  // recompute plus the backward through it
 };
 std::map<std::string, RegionProfile> checkpoint_profile();
+
+// Bytes of tensors that live checkpoint regions hold for backward: their saved
+// inputs plus, for selective_op, the kept op outputs.
+int64_t checkpoint_saved_bytes();
 // Logs the aggregate (one line per region) and starts a new one: call once a step.
 void log_checkpoint_profile_step(int64_t step);
 

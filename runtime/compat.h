@@ -7,7 +7,18 @@
   (TORCH_VERSION_MAJOR > (major) ||        \
    (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
+#include <cstddef>
+#include <cstdint>
+
 namespace remat::compat {
+
+// c10::MemoryReportingInfoBase::reportMemoryUsage's running totals: int64_t in
+// 1.13, size_t from 2.0 on.
+#if REMAT_TORCH_AT_LEAST(2, 0)
+using MemoryTotal = size_t;
+#else
+using MemoryTotal = int64_t;
+#endif
 
 // "1.13.1", "2.4.0", ...
 inline const char* torch_version() { return TORCH_VERSION; }

@@ -1,0 +1,143 @@
+#include "checkpointing/policy.h"
+
+#include <torch/nn/modules/container/modulelist.h>
+
+#include <mutex>
+#include <unordered_map>
+
+#include "checkpointing/selective_op.h"
+#include "runtime/config.h"
+#include "runtime/error.h"
+#include "runtime/logging.h"
+
+namespace remat {
+namespace {
+
+std::mutex g_mutex;
+std::unordered_map<const torch::nn::Module*, CheckpointOptions> g_plans;
+
+// "torch::nn::Linear" rather than the class name "torch::nn::LinearImpl".
+std::string type_of(const torch::nn::Module& m) {
+  std::string name = m.name();
+  const std::string suffix = "Impl";
+  if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
+    name.resize(name.size() - suffix.size());
+  }
+  return name;
+}
+
+std::string children_of(const torch::nn::Module& m) {
+  std::string out;
+  for (const auto& item : m.named_children()) {
+    out += (out.empty() ? "" : ", ") + item.key() + " (" + type_of(*item.value()) + ")";
+  }
+  return out.empty() ? "none" : out;
+}
+
+// The ModuleList at a dotted path, or an Error naming the children that exist.
+std::shared_ptr<torch::nn::ModuleListImpl> find_blocks(torch::nn::Module& model,
+                                                       const std::string& path) {
+  std::shared_ptr<torch::nn::Module> node;
+  torch::nn::Module* current = &model;
+  std::string walked;
+  size_t start = 0;
+  while (start <= path.size()) {
+    size_t dot = path.find('.', start);
+    std::string part = path.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+    auto children = current->named_children();
+    if (!children.contains(part)) {
+      throw Error(str("activation checkpointing: the model has no submodule '",
+                      walked.empty() ? part : walked + "." + part, "'; the children of ",
+                      walked.empty() ? "the model" : "'" + walked + "'", " are: ",
+                      children_of(*current), ". Name the ModuleList of blocks in "
+                      "PolicyOptions::blocks"));
+    }
+    node = children[part];
+    current = node.get();
+    walked = walked.empty() ? part : walked + "." + part;
+    if (dot == std::string::npos) break;
+    start = dot + 1;
+  }
+  auto list = std::dynamic_pointer_cast<torch::nn::ModuleListImpl>(node);
+  if (!list) {
+    throw Error(str("activation checkpointing: '", path, "' is a ", type_of(*node),
+                    ", not a torch::nn::ModuleList; the children of the model are: ",
+                    children_of(model)));
+  }
+  return list;
+}
+
+}  // namespace
+
+PolicyOptions PolicyOptions::from_config(const ActivationCheckpointingConfig& config) {
+  PolicyOptions options;
+  options.variant = config.variant;
+  options.every_k = config.every_k;
+  options.save_ops = config.save_ops;
+  options.checkpoint.synchronize = config.synchronize_checkpoint_boundary;
+  options.checkpoint.profile = config.profile;
+  return options;
+}
+
+void remove_activation_checkpointing(torch::nn::Module& model) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_plans.erase(&model);
+  for (const auto& m : model.modules(/*include_self=*/false)) g_plans.erase(m.get());
+}
+
+int apply_activation_checkpointing(torch::nn::Module& model, const PolicyOptions& options) {
+  remove_activation_checkpointing(model);
+  std::vector<std::pair<std::string, const torch::nn::Module*>> chosen;
+  CheckpointOptions base = options.checkpoint;
+
+  if (options.ac_condition) {
+    for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+      if (options.ac_condition(item.key(), *item.value())) {
+        chosen.emplace_back(item.key(), item.value().get());
+      }
+    }
+  } else {
+    const std::string& v = options.variant;
+    if (v != "none" && v != "full" && v != "selective_layer" && v != "selective_op") {
+      throw Error(str("activation checkpointing: unknown variant '", v,
+                      "'; use none, full, selective_layer or selective_op"));
+    }
+    if (v == "selective_layer" && options.every_k < 1) {
+      throw Error(str("activation checkpointing: every_k=", options.every_k,
+                      " must be at least 1 (1 checkpoints every block)"));
+    }
+    if (v == "none") return 0;
+    auto blocks = find_blocks(model, options.blocks);
+    int k = v == "selective_layer" ? options.every_k : 1;
+    for (size_t i = 0; i < blocks->size(); ++i) {
+      if (static_cast<int>(i) % k == 0) {
+        chosen.emplace_back(str(options.blocks, ".", i), blocks->ptr(i).get());
+      }
+    }
+    if (v == "selective_op") {
+      base.save_ops = std::make_shared<const SaveOps>(
+          resolve_save_ops(options.save_ops.empty() ? default_save_ops() : options.save_ops));
+    }
+  }
+  std::lock_guard<std::mutex> lock(g_mutex);
+  for (const auto& [fqn, module] : chosen) {
+    CheckpointOptions plan = base;
+    plan.name = fqn;
+    g_plans[module] = plan;
+  }
+  log_rank0().info("applied activation checkpointing ({}) to {} modules",
+                   options.ac_condition ? std::string("ac_condition") : options.variant,
+                   chosen.size());
+  return static_cast<int>(chosen.size());
+}
+
+namespace detail {
+
+const CheckpointOptions* checkpoint_plan_for(const torch::nn::Module* module) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_plans.find(module);
+  return it == g_plans.end() ? nullptr : &it->second;
+}
+
+}  // namespace detail
+}  // namespace remat

@@ -1,0 +1,237 @@
+// Policies on an 8-block transformer-like stack written with plain LibTorch
+// modules: bitwise parity with the plain run, recompute counts, saved-op reuse
+// below autograd, and peak activation memory.
+#include <ATen/record_function.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "checkpointing/checkpoint.h"
+#include "checkpointing/op_recorder.h"
+#include "checkpointing/policy.h"
+#include "checkpointing/selective_op.h"
+#include "models/stack.h"
+#include "rng/rng_tracker.h"
+#include "runtime/config.h"
+#include "runtime/error.h"
+#include "runtime/memory.h"
+#include "tests/error_of.h"
+
+namespace remat {
+namespace {
+
+using ::testing::HasSubstr;
+using remat::testing::error_of;
+using models::Stack;
+using models::StackOptions;
+
+constexpr int64_t kBatch = 4, kSeq = 32, kLayers = 8;
+
+Stack make_stack(double dropout = 0.1) {
+  torch::manual_seed(0);
+  StackOptions o;
+  o.n_layer = kLayers;
+  o.dropout = dropout;
+  return Stack(o);
+}
+
+at::Tensor make_input() {
+  torch::manual_seed(1);
+  return torch::randn({kBatch, kSeq, 64}, torch::requires_grad());
+}
+
+// One training step from a fixed RNG state: output, input grad, parameter grads.
+std::vector<at::Tensor> step(Stack& model, const at::Tensor& x) {
+  model_parallel_manual_seed(123, 0);
+  model->zero_grad(/*set_to_none=*/true);
+  if (x.grad().defined()) x.mutable_grad().reset();
+  at::Tensor y = model->forward(x);
+  y.pow(2).mean().backward();
+  std::vector<at::Tensor> out{y.detach(), x.grad().clone()};
+  for (const auto& p : model->parameters()) out.push_back(p.grad().clone());
+  return out;
+}
+
+PolicyOptions variant(const std::string& name, int k = 1) {
+  PolicyOptions o;
+  o.variant = name;
+  o.every_k = k;
+  return o;
+}
+
+class Policies : public ::testing::Test {
+ protected:
+  void TearDown() override { remove_activation_checkpointing(*model); }
+  Stack model = make_stack();
+  at::Tensor x = make_input();
+};
+
+TEST_F(Policies, EveryVariantMatchesThePlainRunBitwise) {
+  auto plain = step(model, x);
+  for (auto [name, k, marked] : {std::tuple{"full", 1, 8}, {"selective_layer", 2, 4},
+                                 {"selective_layer", 3, 3}, {"selective_op", 1, 8}}) {
+    EXPECT_EQ(apply_activation_checkpointing(*model, variant(name, k)), marked) << name;
+    auto ckpt = step(model, x);
+    ASSERT_EQ(plain.size(), ckpt.size());
+    for (size_t i = 0; i < plain.size(); ++i) {
+      EXPECT_TRUE(torch::equal(plain[i], ckpt[i])) << name << " k=" << k << " tensor " << i;
+    }
+  }
+}
+
+TEST_F(Policies, RecomputeCounts) {
+  for (auto [name, k, expected] : {std::tuple{"none", 1, 0}, {"full", 1, 8},
+                                   {"selective_layer", 2, 4}, {"selective_op", 1, 8}}) {
+    apply_activation_checkpointing(*model, variant(name, k));
+    at::Tensor loss = model->forward(x).pow(2).mean();
+    int64_t before = checkpoint_recompute_count();
+    loss.backward();
+    EXPECT_EQ(checkpoint_recompute_count() - before, expected) << name;
+  }
+}
+
+// Counts aten ops during backward: every dispatcher entry, and entries that ran
+// the real kernel under a selective_op region.
+struct KernelCounter {
+  static thread_local std::map<std::string, int>* calls;
+  static thread_local std::map<std::string, int>* kernels;
+  std::map<std::string, int> call_counts, kernel_counts;
+  at::CallbackHandle handle;
+  KernelCounter() {
+    calls = &call_counts;
+    kernels = &kernel_counts;
+    handle = at::addThreadLocalCallback(
+        at::RecordFunctionCallback([](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+          (*calls)[fn.name()]++;
+          if (selective_op_kernel_running()) (*kernels)[fn.name()]++;
+          return nullptr;
+        }).scopes({at::RecordScope::FUNCTION}));
+  }
+  ~KernelCounter() { at::removeCallback(handle); }
+};
+thread_local std::map<std::string, int>* KernelCounter::calls = nullptr;
+thread_local std::map<std::string, int>* KernelCounter::kernels = nullptr;
+
+TEST_F(Policies, SelectiveOpRunsNoSavedOpDuringBackwardButRecomputesTheRest) {
+  apply_activation_checkpointing(*model, variant("selective_op"));
+  at::Tensor loss = model->forward(x).pow(2).mean();
+  KernelCounter counter;
+  loss.backward();
+  // The recompute asked for the matmuls (the dispatcher saw them: the C++
+  // Linear on 3-d input runs aten::mm, attention runs aten::bmm)...
+  EXPECT_GT(counter.call_counts["aten::mm"], 0);
+  EXPECT_GT(counter.call_counts["aten::bmm"], 0);
+  // ...but none of their kernels ran inside a region: the outputs came from the forward.
+  EXPECT_EQ(counter.kernel_counts["aten::addmm"], 0);
+  EXPECT_EQ(counter.kernel_counts["aten::mm"], 0);
+  EXPECT_EQ(counter.kernel_counts["aten::bmm"], 0);
+  // Unsaved ops did run again.
+  EXPECT_GT(counter.kernel_counts["aten::_softmax"], 0);
+  EXPECT_GT(counter.kernel_counts["aten::gelu"], 0);
+  EXPECT_GT(counter.kernel_counts["aten::native_layer_norm"], 0);
+}
+
+TEST_F(Policies, FullRecomputeRunsTheMatmulsAgain) {
+  apply_activation_checkpointing(*model, variant("full"));
+  at::Tensor loss = model->forward(x).pow(2).mean();
+  OpRecorder recorder;
+  loss.backward();
+  // The 4 linear matmuls of 8 blocks run again in backward, on top of the
+  // gradient matmuls (2 per linear).
+  EXPECT_GE(recorder.count("aten::mm"), 8 * 4 + 8 * 4 * 2);
+}
+
+TEST_F(Policies, PredicateOverModuleNames) {
+  PolicyOptions o;
+  o.ac_condition = [](const std::string& fqn, const torch::nn::Module&) {
+    return fqn == "blocks.1" || fqn == "blocks.5";
+  };
+  EXPECT_EQ(apply_activation_checkpointing(*model, o), 2);
+  auto plain_model = make_stack();
+  at::Tensor loss = model->forward(x).pow(2).mean();
+  int64_t before = checkpoint_recompute_count();
+  loss.backward();
+  EXPECT_EQ(checkpoint_recompute_count() - before, 2);
+}
+
+TEST_F(Policies, KeysModeAndBehaviourUnchanged) {
+  std::vector<std::string> keys_before;
+  for (const auto& p : model->named_parameters()) keys_before.push_back(p.key());
+  apply_activation_checkpointing(*model, variant("full"));
+  std::vector<std::string> keys_after;
+  for (const auto& p : model->named_parameters()) keys_after.push_back(p.key());
+  EXPECT_EQ(keys_before, keys_after);
+  EXPECT_EQ(keys_after.front(), "blocks.0.ln1.weight");
+  EXPECT_TRUE(model->is_training());
+  model->eval();
+  at::Tensor marked = model->forward(x);  // eval: dropout off, deterministic
+  remove_activation_checkpointing(*model);
+  EXPECT_TRUE(torch::equal(marked, model->forward(x)));
+  EXPECT_FALSE(model->is_training());
+}
+
+TEST_F(Policies, ErrorsNameWhatToChange) {
+  PolicyOptions o = variant("full");
+  o.blocks = "layers";
+  EXPECT_THAT(error_of<Error>([&] { apply_activation_checkpointing(*model, o); }),
+              HasSubstr("the model has no submodule 'layers'; the children of the model are: "
+                        "blocks (torch::nn::ModuleList), ln_f (torch::nn::LayerNorm)"));
+  o.blocks = "blocks.0.qkv";
+  EXPECT_THAT(error_of<Error>([&] { apply_activation_checkpointing(*model, o); }),
+              HasSubstr("'blocks.0.qkv' is a torch::nn::Linear, not a torch::nn::ModuleList"));
+  EXPECT_THAT(error_of<Error>([&] { apply_activation_checkpointing(*model, variant("selective_layer", 0)); }),
+              HasSubstr("every_k=0 must be at least 1"));
+  EXPECT_THAT(error_of<Error>([&] { apply_activation_checkpointing(*model, variant("fully")); }),
+              HasSubstr("unknown variant 'fully'"));
+  o = variant("selective_op");
+  o.save_ops = {"aten::mmm"};
+  EXPECT_THAT(error_of<Error>([&] { apply_activation_checkpointing(*model, o); }),
+              HasSubstr("unknown operator 'aten::mmm'"));
+  EXPECT_THAT(error_of<Error>([&] { apply_activation_checkpointing(*model, o); }),
+              HasSubstr("did you mean 'aten::mm'?"));
+}
+
+TEST_F(Policies, FromConfig) {
+  Config cfg = parse_config(R"({"activation_checkpointing": {"variant": "selective_layer", "every_k": 4}})",
+                            "test");
+  EXPECT_EQ(apply_activation_checkpointing(*model, PolicyOptions::from_config(cfg.activation_checkpointing)), 2);
+}
+
+// Peak live bytes of one step above the step's start, gradients pre-allocated
+// so that both runs count the same parameter-gradient memory.
+int64_t peak_of_step(Stack& model, const at::Tensor& x) {
+  model->zero_grad(/*set_to_none=*/false);
+  MemoryTracker mem;
+  model->forward(x).pow(2).mean().backward();
+  return mem.peak();
+}
+
+TEST(PolicyMemory, FullCheckpointPeakIsBelowNoneAndNearTheEstimate) {
+  Stack model = make_stack(/*dropout=*/0.0);
+  at::Tensor x = make_input();
+  model->forward(x).pow(2).mean().backward();  // allocate parameter gradients
+  int64_t none = peak_of_step(model, x);
+  apply_activation_checkpointing(*model, variant("full"));
+  int64_t full = peak_of_step(model, x);
+  remove_activation_checkpointing(*model);
+
+  // Estimate: the boundary tensor of each region plus one block's
+  // intermediates (one plain block's forward + backward peak).
+  int64_t boundary = x.numel() * x.element_size();
+  StackOptions o;
+  o.n_layer = 1;
+  o.dropout = 0.0;
+  Stack one(o);
+  one->forward(x).pow(2).mean().backward();
+  int64_t one_block = peak_of_step(one, x);
+  double estimate = static_cast<double>(kLayers * boundary + one_block);
+  std::printf("peak activation bytes: none %lld, full %lld, estimate %.0f (%lld x %lld + %lld)\n",
+              static_cast<long long>(none), static_cast<long long>(full), estimate,
+              static_cast<long long>(kLayers), static_cast<long long>(boundary),
+              static_cast<long long>(one_block));
+  EXPECT_LT(full, none);
+  EXPECT_LE(std::abs(full - estimate) / estimate, 0.10);
+}
+
+}  // namespace
+}  // namespace remat
