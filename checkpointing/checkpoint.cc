@@ -186,7 +186,6 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     synchronize_if(region->options.synchronize);
     if (region->options.preserve_rng_state) region->rng = capture_rng();
     variable_list real(inputs.begin(), inputs.begin() + region->n_tensors);
-    ctx->save_for_backward(real);
     for (const auto& t : real) region->saved_bytes += t.nbytes();
     c10::IValue output;
     {
@@ -202,6 +201,18 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       output = region->fn(with_tensors(region->args, real).toTupleRef().elements().vec());
       if (recorder) region->forward_ops = recorder->ops();
     }
+    // Inputs and kept op outputs go to autograd, which frees them after a
+    // backward without retain_graph.
+    variable_list to_save = real;
+    for (auto& entry : region->selective.entries) {
+      for (auto& v : entry.returns) {
+        if (v.isTensor() && v.toTensor().defined()) {
+          to_save.push_back(v.toTensor());
+          v = c10::IValue(at::empty({0}, at::TensorOptions().device(at::kMeta)));
+        }
+      }
+    }
+    ctx->save_for_backward(to_save);
     g_saved_bytes += region->saved_bytes + region->selective.bytes;
     std::vector<at::Tensor> outs;
     collect_tensors(output, outs, region->options.name + " output");
@@ -247,6 +258,16 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     }
     synchronize_if(region->options.synchronize);
 
+    // Put the kept op outputs back into the cache (same order as saved).
+    {
+      size_t next = region->n_tensors;
+      for (auto& entry : region->selective.entries) {
+        for (auto& v : entry.returns) {
+          if (v.isTensor() && v.toTensor().defined()) v = c10::IValue(saved.at(next++));
+        }
+      }
+      saved.resize(region->n_tensors);
+    }
     variable_list detached;
     for (size_t i = 0; i < saved.size(); ++i) {
       at::Tensor d = saved[i].detach();
@@ -266,6 +287,14 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
                                                        SelectiveOpScope::Mode::kReplay);
       }
       output = region->fn(with_tensors(region->args, detached).toTupleRef().elements().vec());
+    }
+    // The cache lets go of the kept outputs again: autograd owns them.
+    for (auto& entry : region->selective.entries) {
+      for (auto& v : entry.returns) {
+        if (v.isTensor() && v.toTensor().defined() && !v.toTensor().is_meta()) {
+          v = c10::IValue(at::empty({0}, at::TensorOptions().device(at::kMeta)));
+        }
+      }
     }
     if (region->selective.next != region->selective.entries.size()) {
       throw Error(str(name, ": the recompute used ", region->selective.next, " of the ",

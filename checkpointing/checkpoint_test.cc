@@ -387,3 +387,65 @@ TEST(CheckpointSequential, CheckpointedSegmentsRunTwiceTheLastOnce) {
 
 }  // namespace
 }  // namespace remat
+
+namespace remat {
+namespace {
+
+TEST(SelectiveOp, RetainGraphReplaysTwiceBitwise) {
+  torch::manual_seed(0);
+  torch::nn::Linear lin(8, 8);
+  at::Tensor x = torch::randn({2, 3, 8}, torch::requires_grad());
+  auto f = [&](const at::Tensor& in) { return torch::gelu(lin->forward(in)); };
+  f(x).pow(2).sum().backward();
+  at::Tensor plain = x.grad().clone();
+  x.mutable_grad().reset();
+  CheckpointOptions options;
+  options.save_ops = std::make_shared<const std::set<std::string>>(std::set<std::string>{"aten::mm"});
+  at::Tensor loss = checkpoint_with(options, f, x).pow(2).sum();
+  loss.backward({}, /*retain_graph=*/true);
+  EXPECT_TRUE(torch::equal(x.grad(), plain));
+  loss.backward();
+  EXPECT_TRUE(torch::equal(x.grad(), plain * 2));
+}
+
+TEST(SelectiveOp, ReplayOfAnotherCallIsAClearError) {
+  at::Tensor x = torch::randn({4, 4}, torch::requires_grad());
+  int calls = 0;
+  auto f = [&](const at::Tensor& in) {
+    ++calls;
+    return calls == 1 ? in.mm(in) : in.narrow(0, 0, 2).mm(in);
+  };
+  CheckpointOptions options;
+  options.determinism_check = false;
+  options.save_ops = std::make_shared<const std::set<std::string>>(std::set<std::string>{"aten::mm"});
+  at::Tensor y = checkpoint_with(options, f, x);
+  auto msg = error_of<Error>([&] { y.sum().backward(); });
+  EXPECT_THAT(msg, HasSubstr("selective_op: the recompute called aten::mm("));
+  EXPECT_THAT(msg, HasSubstr("the region must run the same ops in the same order both times"));
+}
+
+}  // namespace
+}  // namespace remat
+
+namespace remat {
+namespace {
+
+TEST(Checkpoint, DebugOptionRecordsOpSequencesWithoutChangingResults) {
+  torch::manual_seed(0);
+  torch::nn::Linear lin(4, 4);
+  at::Tensor x = torch::randn({2, 4}, torch::requires_grad());
+  auto f = [&](const at::Tensor& in) { return torch::tanh(lin->forward(in)); };
+  f(x).sum().backward();
+  at::Tensor plain = x.grad().clone();
+  x.mutable_grad().reset();
+  CheckpointOptions options;
+  options.debug = true;
+  options.name = "debugged";
+  OpRecorder outer;  // recorders nest: the region's own recorder does not hide ops from this one
+  checkpoint_with(options, f, x).sum().backward();
+  EXPECT_TRUE(torch::equal(x.grad(), plain));
+  EXPECT_GE(outer.count("aten::tanh"), 2);  // forward and recompute
+}
+
+}  // namespace
+}  // namespace remat

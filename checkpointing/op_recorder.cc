@@ -13,21 +13,25 @@ thread_local OpRecorder* current = nullptr;
 
 struct OpRecorderAccess {
   static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
-    if (current != nullptr) current->ops_.emplace_back(fn.name());
+    // Every live recorder on this thread sees the op: nesting hides nothing.
+    for (OpRecorder* r = current; r != nullptr; r = r->previous_) r->ops_.emplace_back(fn.name());
     return nullptr;
   }
 };
 
-OpRecorder::OpRecorder() : previous_(current) {
+// Only the outermost recorder registers the callback; inner ones join its chain.
+OpRecorder::OpRecorder() : previous_(current), handle_(0) {
   current = this;
-  handle_ = at::addThreadLocalCallback(
-      at::RecordFunctionCallback(&OpRecorderAccess::on_start)
-          .needsInputs(false)
-          .scopes({at::RecordScope::FUNCTION}));
+  if (previous_ == nullptr) {
+    handle_ = at::addThreadLocalCallback(
+        at::RecordFunctionCallback(&OpRecorderAccess::on_start)
+            .needsInputs(false)
+            .scopes({at::RecordScope::FUNCTION}));
+  }
 }
 
 OpRecorder::~OpRecorder() {
-  at::removeCallback(handle_);
+  if (previous_ == nullptr) at::removeCallback(handle_);
   current = previous_;
 }
 

@@ -1,4 +1,5 @@
 // Records the names of the aten ops this thread runs while it is alive.
+// Recorders nest: an inner one does not hide ops from an outer one.
 //
 //   OpRecorder rec;
 //   y = torch::matmul(x, w);

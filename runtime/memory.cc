@@ -16,14 +16,22 @@ struct MemoryTracker::Reporter : public c10::MemoryReportingInfoBase {
   static constexpr size_t kSlots = 2;  // CPU, CUDA
   std::array<int64_t, kSlots> live{};
   std::array<int64_t, kSlots> high{};
+  // The reporter this one shadows (an enclosing tracker, or the profiler's);
+  // reports are passed on so that nesting loses nothing.
+  std::shared_ptr<c10::DebugInfoBase> outer;
 
   static size_t slot(c10::DeviceType type) { return type == c10::DeviceType::CUDA ? 1 : 0; }
 
-  void reportMemoryUsage(void* /*ptr*/, int64_t alloc_size, compat::MemoryTotal /*total_allocated*/,
-                         compat::MemoryTotal /*total_reserved*/, c10::Device device) override {
+  void reportMemoryUsage(void* ptr, int64_t alloc_size, compat::MemoryTotal total_allocated,
+                         compat::MemoryTotal total_reserved, c10::Device device) override {
     size_t s = slot(device.type());
     live[s] += alloc_size;
     high[s] = std::max(high[s], live[s]);
+    if (auto* next = dynamic_cast<c10::MemoryReportingInfoBase*>(outer.get())) {
+      if (next->memoryProfilingEnabled()) {
+        next->reportMemoryUsage(ptr, alloc_size, total_allocated, total_reserved, device);
+      }
+    }
   }
 
   bool memoryProfilingEnabled() const override { return true; }
@@ -35,8 +43,22 @@ struct MemoryTracker::Guard {
       : guard(c10::DebugInfoKind::PROFILER_STATE, std::move(r)) {}
 };
 
-MemoryTracker::MemoryTracker()
-    : reporter_(std::make_shared<Reporter>()), guard_(std::make_unique<Guard>(reporter_)) {}
+namespace {
+
+std::shared_ptr<c10::DebugInfoBase> current_profiler_state() {
+  auto info = c10::ThreadLocalDebugInfo::current();
+  if (!info) return nullptr;
+  // ThreadLocalDebugInfo::get returns a raw pointer; keep the owning chain.
+  c10::DebugInfoBase* raw = c10::ThreadLocalDebugInfo::get(c10::DebugInfoKind::PROFILER_STATE);
+  return raw == nullptr ? nullptr : std::shared_ptr<c10::DebugInfoBase>(info, raw);
+}
+
+}  // namespace
+
+MemoryTracker::MemoryTracker() : reporter_(std::make_shared<Reporter>()) {
+  reporter_->outer = current_profiler_state();
+  guard_ = std::make_unique<Guard>(reporter_);
+}
 
 MemoryTracker::~MemoryTracker() = default;
 

@@ -1,0 +1,65 @@
+#include "runtime/memory.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "checkpointing/checkpoint.h"
+
+namespace remat {
+namespace {
+
+TEST(Memory, CountsAllocationsAndFreesOfThisThread) {
+  MemoryTracker mem;
+  EXPECT_EQ(mem.current(), 0);
+  {
+    at::Tensor a = torch::empty({1000}, torch::kFloat);
+    EXPECT_GE(mem.current(), 4000);
+    at::Tensor b = torch::empty({500}, torch::kDouble);
+    EXPECT_GE(mem.current(), 8000);
+  }
+  EXPECT_EQ(mem.current(), 0);
+  EXPECT_GE(mem.peak(), 8000);
+  mem.reset_peak();
+  EXPECT_EQ(mem.peak(), 0);
+}
+
+TEST(Memory, TensorsFromBeforeTheTrackerAreNotCounted) {
+  at::Tensor before = torch::empty({1000});
+  MemoryTracker mem;
+  before = at::Tensor();  // freed, but allocated before: not counted
+  EXPECT_EQ(mem.current(), 0);
+}
+
+TEST(Memory, NestedTrackersBothSeeTheTraffic) {
+  MemoryTracker outer;
+  at::Tensor a = torch::empty({256});
+  {
+    MemoryTracker inner;
+    at::Tensor b = torch::empty({512});
+    EXPECT_GE(inner.current(), 2048);
+    EXPECT_LT(inner.current(), 3072);
+    EXPECT_GE(outer.current(), 3072);
+  }
+  EXPECT_GE(outer.current(), 1024);
+  EXPECT_LT(outer.current(), 2048);
+}
+
+TEST(Memory, CheckpointRegionsReportTheirSavedBytes) {
+  at::Tensor x = torch::randn({64, 32}, torch::requires_grad());
+  auto w = torch::randn({32, 32}, torch::requires_grad());
+  const int64_t before = checkpoint_saved_bytes();
+  at::Tensor y = checkpoint([&](const at::Tensor& in) { return torch::tanh(in.mm(w)); }, x);
+  EXPECT_EQ(checkpoint_saved_bytes() - before, 64 * 32 * 4);  // the input only
+  CheckpointOptions selective;
+  selective.save_ops = std::make_shared<const std::set<std::string>>(std::set<std::string>{"aten::mm"});
+  at::Tensor z = checkpoint_with(selective, [&](const at::Tensor& in) { return torch::tanh(in.mm(w)); }, y);
+  // The second region keeps its input and the saved mm output.
+  EXPECT_EQ(checkpoint_saved_bytes() - before, 64 * 32 * 4 * 3);
+  z.sum().backward();
+  y = at::Tensor();
+  z = at::Tensor();
+  EXPECT_EQ(checkpoint_saved_bytes(), before);  // released with the graph
+}
+
+}  // namespace
+}  // namespace remat
