@@ -178,6 +178,45 @@ class RngReplay {
   RngSnapshot now_;
 };
 
+// Runs the region's fn on `tensors` with the selective-op cache recording or
+// replaying, and the op recorder on when debugging (its ops go to `ops`).
+c10::IValue run_fn(Region& region, const variable_list& tensors, SelectiveOpScope::Mode mode,
+                   std::vector<std::string>& ops) {
+  std::unique_ptr<OpRecorder> recorder;
+  if (region.options.debug) recorder = std::make_unique<OpRecorder>();
+  std::unique_ptr<SelectiveOpScope> selective;
+  if (region.options.save_ops) {
+    selective = std::make_unique<SelectiveOpScope>(*region.options.save_ops, region.selective, mode);
+  }
+  c10::IValue output = region.fn(with_tensors(region.args, tensors).toTupleRef().elements().vec());
+  if (recorder) ops = recorder->ops();
+  return output;
+}
+
+// Moves the cache's tensors out (to hand them to autograd), leaving placeholders.
+variable_list take_cached_tensors(SelectiveCache& cache) {
+  variable_list out;
+  for (auto& entry : cache.entries) {
+    for (auto& v : entry.returns) {
+      if (v.isTensor() && v.toTensor().defined() && !v.toTensor().is_meta()) {
+        out.push_back(v.toTensor());
+        v = c10::IValue(at::empty({0}, at::TensorOptions().device(at::kMeta)));
+      }
+    }
+  }
+  return out;
+}
+
+// Puts tensors taken by take_cached_tensors back, in the same order.
+void put_cached_tensors(SelectiveCache& cache, const variable_list& tensors) {
+  size_t next = 0;
+  for (auto& entry : cache.entries) {
+    for (auto& v : entry.returns) {
+      if (v.isTensor() && v.toTensor().defined()) v = c10::IValue(tensors.at(next++));
+    }
+  }
+}
+
 struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
   // Inputs come as a TensorList: autograd tracks tensors only in that form.
   static variable_list forward(AutogradContext* ctx, std::shared_ptr<Region> region,
@@ -190,28 +229,12 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     c10::IValue output;
     {
       at::NoGradGuard no_grad;
-      std::unique_ptr<OpRecorder> recorder;
-      if (region->options.debug) recorder = std::make_unique<OpRecorder>();
-      std::unique_ptr<SelectiveOpScope> selective;
-      if (region->options.save_ops) {
-        selective = std::make_unique<SelectiveOpScope>(*region->options.save_ops,
-                                                       region->selective,
-                                                       SelectiveOpScope::Mode::kRecord);
-      }
-      output = region->fn(with_tensors(region->args, real).toTupleRef().elements().vec());
-      if (recorder) region->forward_ops = recorder->ops();
+      output = run_fn(*region, real, SelectiveOpScope::Mode::kRecord, region->forward_ops);
     }
     // Inputs and kept op outputs go to autograd, which frees them after a
     // backward without retain_graph.
     variable_list to_save = real;
-    for (auto& entry : region->selective.entries) {
-      for (auto& v : entry.returns) {
-        if (v.isTensor() && v.toTensor().defined()) {
-          to_save.push_back(v.toTensor());
-          v = c10::IValue(at::empty({0}, at::TensorOptions().device(at::kMeta)));
-        }
-      }
-    }
+    for (auto& t : take_cached_tensors(region->selective)) to_save.push_back(t);
     ctx->save_for_backward(to_save);
     g_saved_bytes += region->saved_bytes + region->selective.bytes;
     std::vector<at::Tensor> outs;
@@ -258,16 +281,10 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     }
     synchronize_if(region->options.synchronize);
 
-    // Put the kept op outputs back into the cache (same order as saved).
-    {
-      size_t next = region->n_tensors;
-      for (auto& entry : region->selective.entries) {
-        for (auto& v : entry.returns) {
-          if (v.isTensor() && v.toTensor().defined()) v = c10::IValue(saved.at(next++));
-        }
-      }
-      saved.resize(region->n_tensors);
-    }
+    // The kept op outputs follow the inputs in the saved list.
+    put_cached_tensors(region->selective,
+                       variable_list(saved.begin() + region->n_tensors, saved.end()));
+    saved.resize(region->n_tensors);
     variable_list detached;
     for (size_t i = 0; i < saved.size(); ++i) {
       at::Tensor d = saved[i].detach();
@@ -275,27 +292,13 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       detached.push_back(d);
     }
     c10::IValue output;
-    std::unique_ptr<OpRecorder> recorder;
+    std::vector<std::string> recompute_ops;
     {
       RngReplay replay(*region);
       at::AutoGradMode grad(true);
-      if (region->options.debug) recorder = std::make_unique<OpRecorder>();
-      std::unique_ptr<SelectiveOpScope> selective;
-      if (region->options.save_ops) {
-        selective = std::make_unique<SelectiveOpScope>(*region->options.save_ops,
-                                                       region->selective,
-                                                       SelectiveOpScope::Mode::kReplay);
-      }
-      output = region->fn(with_tensors(region->args, detached).toTupleRef().elements().vec());
+      output = run_fn(*region, detached, SelectiveOpScope::Mode::kReplay, recompute_ops);
     }
-    // The cache lets go of the kept outputs again: autograd owns them.
-    for (auto& entry : region->selective.entries) {
-      for (auto& v : entry.returns) {
-        if (v.isTensor() && v.toTensor().defined() && !v.toTensor().is_meta()) {
-          v = c10::IValue(at::empty({0}, at::TensorOptions().device(at::kMeta)));
-        }
-      }
-    }
+    take_cached_tensors(region->selective);  // autograd owns them again
     if (region->selective.next != region->selective.entries.size()) {
       throw Error(str(name, ": the recompute used ", region->selective.next, " of the ",
                       region->selective.entries.size(),
@@ -304,10 +307,10 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     }
     g_recomputes++;
     double recompute_ms = ms_since(start);
-    if (recorder) {
+    if (region->options.debug) {
       log().debug("{} forward ops: {}", name, join(region->forward_ops));
-      log().debug("{} recompute ops: {}", name, join(recorder->ops()));
-      if (recorder->ops() != region->forward_ops) {
+      log().debug("{} recompute ops: {}", name, join(recompute_ops));
+      if (recompute_ops != region->forward_ops) {
         log().warn("{}: the recompute ran other ops than the forward (see debug log)", name);
       }
     }
