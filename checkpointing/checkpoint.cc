@@ -405,13 +405,15 @@ std::map<std::string, RegionProfile> checkpoint_profile() {
   return g_profile;
 }
 
-void log_checkpoint_profile_step(int64_t step) {
+std::map<std::string, RegionProfile> take_checkpoint_profile() {
   std::map<std::string, RegionProfile> profile;
-  {
-    std::lock_guard<std::mutex> lock(g_profile_mutex);
-    profile.swap(g_profile);
-  }
-  for (const auto& [name, p] : profile) {
+  std::lock_guard<std::mutex> lock(g_profile_mutex);
+  profile.swap(g_profile);
+  return profile;
+}
+
+void log_checkpoint_profile_step(int64_t step) {
+  for (const auto& [name, p] : take_checkpoint_profile()) {
     log_rank0().info(
         "step {} checkpoint profile {}: {} calls, {} recomputes, forward {:.3f} ms, recompute "
         "{:.3f} ms, backward {:.3f} ms",

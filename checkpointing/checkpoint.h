@@ -78,6 +78,8 @@ std::map<std::string, RegionProfile> checkpoint_profile();
 // Bytes of tensors that live checkpoint regions hold for backward: their saved
 // inputs plus, for selective_op, the kept op outputs.
 int64_t checkpoint_saved_bytes();
+// The aggregate so far, which then starts again from zero.
+std::map<std::string, RegionProfile> take_checkpoint_profile();
 // Logs the aggregate (one line per region) and starts a new one: call once a step.
 void log_checkpoint_profile_step(int64_t step);
 

@@ -224,6 +224,13 @@ const std::vector<Field>& schema() {
       object("data", &Config::data,
              {leaf("path", &DataConfig::path),
               leaf("train_fraction", &DataConfig::train_fraction)}),
+      object("train", &Config::train,
+             {leaf("steps", &TrainConfig::steps),
+              leaf("seed", &TrainConfig::seed),
+              leaf("eval_interval", &TrainConfig::eval_interval),
+              leaf("eval_batches", &TrainConfig::eval_batches),
+              leaf("save_interval", &TrainConfig::save_interval),
+              leaf("sample_chars", &TrainConfig::sample_chars)}),
   };
   return fields;
 }
@@ -510,6 +517,14 @@ void check_values(const Config& c, const std::string& source) {
   }
   if (m.dropout < 0 || m.dropout >= 1) {
     fail(source, str("'model.dropout' = ", m.dropout, " must be in [0, 1)"));
+  }
+  const auto& t = c.train;
+  for (auto [path, v] : {std::pair{"train.steps", t.steps}, {"train.seed", t.seed},
+                         {"train.eval_interval", t.eval_interval},
+                         {"train.eval_batches", t.eval_batches},
+                         {"train.save_interval", t.save_interval},
+                         {"train.sample_chars", t.sample_chars}}) {
+    if (v < 0) fail(source, str("'", path, "' = ", v, " must be >= 0"));
   }
   if (c.data.train_fraction <= 0 || c.data.train_fraction >= 1) {
     fail(source, str("'data.train_fraction' = ", c.data.train_fraction, " must be in (0, 1)"));

@@ -84,6 +84,16 @@ struct DataConfig {
   double train_fraction = 0.9;
 };
 
+// remat-train's loop (extension).
+struct TrainConfig {
+  int64_t steps = 200;
+  int64_t seed = 1234;
+  int64_t eval_interval = 50;  // 0: no evaluation
+  int64_t eval_batches = 4;
+  int64_t save_interval = 0;   // 0: save only when --save-dir is given, at the end
+  int64_t sample_chars = 200;  // generated after training (0: none)
+};
+
 // Resolved batch sizes: train = micro × accumulation × data-parallel size.
 struct BatchSizes {
   int64_t train_batch_size = 0;
@@ -105,6 +115,7 @@ struct Config {
   TensorParallelConfig tensor_parallel;
   ModelConfig model;
   DataConfig data;
+  TrainConfig train;
 
   // Fills in the batch sizes that were left out, given the data-parallel size.
   // Inconsistent values are a ConfigError that shows the arithmetic.

@@ -14,6 +14,9 @@ inline constexpr const char* kLogLevel = "REMAT_LOG_LEVEL";
 inline constexpr const char* kDebugCollectives = "REMAT_DEBUG_COLLECTIVES";
 // Seconds a collective may take before wait() throws remat::TimeoutError.
 inline constexpr const char* kCommTimeoutSeconds = "REMAT_COMM_TIMEOUT_S";
+// remat-train's progress display: bar (one updating line) or lines (periodic
+// lines). remat-run sets it from whether its own stdout is a terminal.
+inline constexpr const char* kProgress = "REMAT_PROGRESS";
 // 0: build-time CUDA detection is skipped (read by Bazel's configure step).
 inline constexpr const char* kCuda = "REMAT_CUDA";
 

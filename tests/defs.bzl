@@ -22,9 +22,11 @@ def remat_mpi_test(name, srcs, deps = [], world_sizes = [1, 2, 3, 4], tags = [],
     for np in world_sizes:
         native.sh_test(
             name = "%s_np%d" % (name, np),
-            srcs = ["//tools:mpirun.sh"],
-            args = [str(np), "$(location :%s_bin)" % name],
+            srcs = ["//launch:remat-run.sh"],
+            args = ["-np", str(np), "--", "$(location :%s_bin)" % name],
             data = [":%s_bin" % name],
+            # A hung collective fails the test within a minute instead of hanging it.
+            env = {"REMAT_COMM_TIMEOUT_S": "60"},
             # Open MPI's shared-memory transport crashes inside linux-sandbox.
             tags = tags + ["mpi", "no-sandbox"],
             **kwargs

@@ -5,8 +5,8 @@
 set -uo pipefail
 peer_exit="$1"
 stalled_peer="$2"
-remat_run="$3"
-mpirun="$4"
+remat_smoke="$3"
+remat_run="$4"
 passed=0
 failed=0
 
@@ -29,22 +29,22 @@ expect() {
 }
 
 expect "peer exits during a collective" "exited" \
-  "$mpirun" 2 "$peer_exit"
+  "$remat_run" -np 2 -- "$peer_exit"
 REMAT_COMM_TIMEOUT_S=2 expect "stalled peer times out" "remat timeout: allReduce(seq=0" \
-  "$mpirun" 2 "$stalled_peer"
+  "$remat_run" -np 2 -- "$stalled_peer"
 expect "unknown config key" "unknown key 'model.n_layr'; did you mean 'model.n_layer'?" \
-  "$mpirun" 2 "$remat_run" --set model.n_layr=8
+  "$remat_run" -np 2 -- "$remat_smoke" --set model.n_layr=8
 expect "tensor_parallel.size does not divide the world" \
   "tensor_parallel.size=2 does not divide the world size 3" \
-  "$mpirun" 3 "$remat_run" --set tensor_parallel.size=2
+  "$remat_run" -np 3 -- "$remat_smoke" --set tensor_parallel.size=2
 expect "malformed config file" "malformed JSON: parse error at line 1, column 2" \
-  bash -c "echo '{,}' > \"\${TEST_TMPDIR:-/tmp}/bad.json\" && \"$remat_run\" --config \"\${TEST_TMPDIR:-/tmp}/bad.json\""
-expect "inconsistent batch sizes" "train_batch_size (10) must equal train_micro_batch_size_per_gpu (8) x gradient_accumulation_steps (1) x data-parallel size (1) = 8" \
-  "$remat_run" --set train_batch_size=10
+  bash -c "echo '{,}' > \"\${TEST_TMPDIR:-/tmp}/bad.json\" && \"$remat_smoke\" --config \"\${TEST_TMPDIR:-/tmp}/bad.json\""
+expect "inconsistent batch sizes" "train_batch_size (10) must equal train_micro_batch_size_per_gpu (16) x gradient_accumulation_steps (1) x data-parallel size (1) = 16" \
+  "$remat_smoke" --set train_batch_size=10
 expect "launcher variables disagree with MPI" "launch several processes with mpirun" \
-  env RANK=0 WORLD_SIZE=2 "$remat_run"
+  env RANK=0 WORLD_SIZE=2 "$remat_smoke"
 expect "unknown backend" "unknown communication backend 'gloo'" \
-  "$remat_run" --backend gloo
+  "$remat_smoke" --backend gloo
 
 echo "[remat-test] $passed passed, $failed failed"
 [[ $failed -eq 0 ]]

@@ -1,9 +1,8 @@
-// remat-run: the main job. Until the training job lands it is a multi-rank
-// smoke run of the runtime: it loads the configuration, builds the parallel
-// layout, runs one of each collective with closed-form expected values, and
-// prints what every rank saw.
+// remat-smoke: a multi-rank smoke run of the runtime. It loads the
+// configuration, builds the parallel layout, runs one of each collective with
+// closed-form expected values, and prints what every rank saw.
 //
-//   mpirun -np 2 remat-run [--config FILE] [--set key=value ...] [--backend auto|mpi|nccl]
+//   remat-run -np 2 -- remat-smoke [--config FILE] [--set key=value ...] [--backend auto|mpi|nccl]
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 
@@ -20,7 +19,7 @@
 namespace {
 
 int smoke(int argc, char** argv) {
-  CLI::App app{"remat-run: start remat's runtime on every rank and check the collectives"};
+  CLI::App app{"remat-smoke: start remat's runtime on every rank and check the collectives"};
   std::string config_path;
   std::vector<std::string> overrides;
   std::string backend_name = "auto";

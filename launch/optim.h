@@ -1,0 +1,27 @@
+// The optimizer and learning-rate schedule the config asks for.
+#pragma once
+
+#include <torch/optim/optimizer.h>
+
+#include <memory>
+#include <vector>
+
+namespace remat {
+
+struct OptimizerConfig;
+struct SchedulerConfig;
+
+// LibTorch's AdamW, Adam or SGD with the config's parameters.
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerConfig& config,
+                                                        std::vector<at::Tensor> params);
+
+// The learning rate of `step` (1-based): the optimizer's lr without a
+// scheduler; DeepSpeed's WarmupLR (warm up from warmup_min_lr to warmup_max_lr
+// over warmup_num_steps, log or linear, then constant) and WarmupDecayLR (the
+// same, then linear decay to warmup_min_lr at total_num_steps).
+double learning_rate(const OptimizerConfig& optimizer, const SchedulerConfig& scheduler,
+                     int64_t step);
+
+void set_learning_rate(torch::optim::Optimizer& optimizer, double lr);
+
+}  // namespace remat

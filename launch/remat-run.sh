@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# remat-run: launch a program on N ranks with mpirun.
+#
+#   remat-run -np N [--hostfile F] [other mpirun options] -- PROGRAM ARGS...
+#
+# Adds what mpirun needs: --allow-run-as-root when run as root; on one machine
+# (no --hostfile/--host) shared-memory transport, and --oversubscribe with no
+# core binding when N exceeds the cores; every REMAT_* variable is passed to
+# the ranks. Prints the command it runs.
+set -euo pipefail
+
+die() {
+  echo "remat-run: $*" >&2
+  exit 2
+}
+
+usage() {
+  sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
+}
+
+np=""
+single_node=1
+mpi_args=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    -np | -n | --np)
+      [[ $# -ge 2 ]] || die "$1 needs a number of ranks"
+      np="$2"
+      shift 2
+      ;;
+    --hostfile | --machinefile | -hostfile | --host | -host | -H)
+      single_node=0
+      mpi_args+=("$1" "$2")
+      shift 2
+      ;;
+    -h | --help)
+      usage
+      exit 0
+      ;;
+    --)
+      shift
+      break
+      ;;
+    *)
+      mpi_args+=("$1")
+      shift
+      ;;
+  esac
+done
+
+[[ -n "$np" ]] || die "say how many ranks: remat-run -np N -- PROGRAM ARGS"
+[[ "$np" =~ ^[1-9][0-9]*$ ]] || die "-np '$np' is not a positive number of ranks"
+[[ $# -gt 0 ]] || die "no program to run: put it after --, e.g. remat-run -np 2 -- remat-train"
+command -v mpirun >/dev/null ||
+  die "mpirun not found: install Open MPI (Debian/Ubuntu: apt-get install openmpi-bin)"
+
+# Under Bazel's test runner, keep Open MPI's session files in the test's tmp dir.
+[[ -n "${TEST_TMPDIR:-}" ]] && export TMPDIR="$TEST_TMPDIR"
+
+# Ranks see a pty under mpirun whatever the real stdout is: say which it is.
+if [[ -z "${REMAT_PROGRESS:-}" ]]; then
+  if [[ -t 1 ]]; then export REMAT_PROGRESS=bar; else export REMAT_PROGRESS=lines; fi
+fi
+
+cmd=(mpirun -np "$np")
+[[ $(id -u) -eq 0 ]] && cmd+=(--allow-run-as-root)
+if [[ $single_node -eq 1 ]]; then
+  cmd+=(--mca btl self,vader --mca btl_vader_single_copy_mechanism none)
+  if [[ "$np" -gt "$(nproc)" ]]; then
+    cmd+=(--oversubscribe --bind-to none)
+  fi
+fi
+while IFS= read -r name; do
+  cmd+=(-x "$name")
+done < <(env | sed -n 's/^\(REMAT_[A-Za-z0-9_]*\)=.*/\1/p')
+cmd+=("${mpi_args[@]}" "$@")
+echo "remat-run: ${cmd[*]}" >&2
+exec "${cmd[@]}"

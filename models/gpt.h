@@ -1,0 +1,65 @@
+// A GPT-style decoder: token + position embeddings, blocks of (LayerNorm ->
+// causal self-attention -> dropout -> residual, LayerNorm -> MLP with GELU ->
+// dropout -> residual) in a ModuleList named "blocks", a final LayerNorm and
+// an LM head. Blocks run through remat::forward, so checkpointing policies
+// apply to them by name.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+
+#include <string>
+
+#include "models/stack.h"
+
+namespace remat {
+struct ModelConfig;
+}
+
+namespace remat::models {
+
+struct GptOptions {
+  int64_t vocab_size = 0;
+  int64_t n_layer = 4;
+  int64_t n_head = 4;
+  int64_t d_model = 128;
+  int64_t d_ff = 512;
+  int64_t seq_len = 64;
+  double dropout = 0.1;
+
+  static GptOptions from_config(const ModelConfig& config, int64_t vocab_size);
+  std::string to_string() const;  // compared when a save is resumed
+};
+
+class GptImpl : public torch::nn::Module {
+ public:
+  // Weights are drawn from the default generator: seed it first for a
+  // reproducible model (N(0, 0.02) for linears and embeddings).
+  explicit GptImpl(const GptOptions& options);
+
+  // idx: [batch, time] token ids, time <= seq_len. Returns logits [batch, time, vocab].
+  at::Tensor forward(const at::Tensor& idx);
+
+  // Mean cross-entropy of the next-token prediction.
+  at::Tensor loss(const at::Tensor& idx, const at::Tensor& targets);
+
+  // Appends `n` tokens sampled at `temperature` from `gen` (eval mode, no grad).
+  at::Tensor generate(at::Tensor idx, int64_t n, double temperature, at::Generator gen);
+
+  const GptOptions& options() const { return options_; }
+  int64_t num_parameters() const;
+
+  torch::nn::ModuleList blocks{nullptr};
+
+ private:
+  GptOptions options_;
+  torch::nn::Embedding tok_emb_{nullptr}, pos_emb_{nullptr};
+  torch::nn::LayerNorm ln_f_{nullptr};
+  torch::nn::Linear head_{nullptr};
+};
+TORCH_MODULE(Gpt);
+
+}  // namespace remat::models

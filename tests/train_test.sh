@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# remat-train end to end under remat-run (2 ranks): every config runs, the loss
+# sequence is bitwise the same under every checkpointing variant, the default
+# config learns, a resumed run continues bitwise, and bad inputs fail clearly.
+# Prints "[remat-test] N passed, M failed".
+set -uo pipefail
+train="$1"
+run="$2"
+configs_dir="$(dirname "$3")"
+tmp="${TEST_TMPDIR:-$(mktemp -d)}"
+export REMAT_COMM_TIMEOUT_S=60 REMAT_LOG_LEVEL=warn
+passed=0
+failed=0
+pass() { echo "[ PASSED ] $1"; passed=$((passed + 1)); }
+fail() { echo "[ FAILED ] $1"; shift; printf '%s\n' "$@" | tail -20; failed=$((failed + 1)); }
+
+# The loss column of a metrics file, exactly as printed (round-trip precision).
+losses() { sed -E 's/.*"loss":([^,}]*).*/\1/' "$1"; }
+# A small model so that 20-step runs take seconds.
+small=(--set model.n_layer=2 --set model.seq_len=32 --set model.d_model=32 --set model.d_ff=64
+       --set train_micro_batch_size_per_gpu=4 --set train.eval_interval=0 --set train.sample_chars=0)
+
+# 1. Every config runs 3 steps.
+for cfg in "$configs_dir"/*.json; do
+  name=$(basename "$cfg")
+  if out=$("$run" -np 2 -- "$train" --config "$cfg" --steps 3 --set train.sample_chars=10 \
+      --set train.eval_interval=3 2>&1) && grep -q "held-out loss" <<<"$out"; then
+    pass "config $name runs 3 steps"
+  else
+    fail "config $name runs 3 steps" "$out"
+  fi
+done
+
+# 2. Dropout 0.1, 2 ranks, 20 steps: the same losses bitwise under every variant.
+reference=""
+for variant in none full selective_layer selective_op; do
+  m="$tmp/parity_$variant.jsonl"
+  out=$("$run" -np 2 -- "$train" --config "$configs_dir/default.json" --steps 20 "${small[@]}" \
+      --set model.dropout=0.1 --set activation_checkpointing.variant=$variant \
+      --set activation_checkpointing.every_k=2 --metrics "$m" 2>&1)
+  if [[ $? -ne 0 || $(wc -l <"$m") -ne 20 ]]; then
+    fail "parity run $variant" "$out"
+    continue
+  fi
+  if [[ -z "$reference" ]]; then
+    reference=$(losses "$m")
+    pass "parity run $variant (reference)"
+  elif [[ "$(losses "$m")" == "$reference" ]]; then
+    pass "losses under $variant equal none's bitwise over 20 steps"
+  else
+    fail "losses under $variant equal none's bitwise over 20 steps" \
+      "$(paste <(echo "$reference") <(losses "$m") | head -5)"
+  fi
+done
+
+# 3. The default config learns: over its first 40 steps (of 120) the loss falls
+#    by at least 30% (measured: about 40% by step 30).
+m="$tmp/learn.jsonl"
+out=$("$run" -np 2 -- "$train" --config "$configs_dir/default.json" --steps 40 \
+    --set train.eval_interval=0 --set train.sample_chars=0 --metrics "$m" 2>&1)
+first=$(losses "$m" | head -1)
+last=$(losses "$m" | tail -1)
+if awk -v a="$first" -v b="$last" 'BEGIN { exit !(b <= 0.7 * a) }'; then
+  pass "default config: loss falls by >= 30% in 40 steps ($first -> $last)"
+else
+  fail "default config: loss falls by >= 30% in 40 steps ($first -> $last)" "$out"
+fi
+
+# 4. Save at step 10, resume: steps 11-20 equal the uninterrupted run bitwise.
+save="$tmp/save"
+whole="$tmp/whole.jsonl"
+resumed="$tmp/resumed.jsonl"
+out1=$("$run" -np 2 -- "$train" --config "$configs_dir/default.json" --steps 20 "${small[@]}" \
+    --set train.save_interval=10 --save-dir "$save" --metrics "$whole" 2>&1)
+out2=$("$run" -np 2 -- "$train" --config "$configs_dir/default.json" --steps 20 "${small[@]}" \
+    --resume "$save/step_00000010" --metrics "$resumed" 2>&1)
+if [[ -f "$save/step_00000010/manifest.json" && $(wc -l <"$resumed") -eq 10 &&
+      "$(losses "$whole" | tail -10)" == "$(losses "$resumed")" ]]; then
+  pass "resume from step 10 reproduces steps 11-20 bitwise"
+else
+  fail "resume from step 10 reproduces steps 11-20 bitwise" "$out1" "$out2" \
+    "$(paste <(losses "$whole" | tail -10) <(losses "$resumed"))"
+fi
+
+# 5. Bad inputs: a nonzero exit and the message that says what to change.
+expect() {
+  local name="$1" text="$2"
+  shift 2
+  local out rc
+  out=$(timeout 120 "$@" 2>&1)
+  rc=$?
+  if [[ $rc -ne 0 && $rc -ne 124 && $rc -lt 128 ]] && grep -qF -- "$text" <<<"$out"; then
+    pass "$name"
+  else
+    fail "$name (exit $rc, wanted: $text)" "$out"
+  fi
+}
+expect "missing config file" "cannot read '$tmp/nope.json'" \
+  "$run" -np 2 -- "$train" --config "$tmp/nope.json"
+expect "unknown config key" "unknown key 'model.n_layr'; did you mean 'model.n_layer'?" \
+  "$train" --config "$configs_dir/default.json" --set model.n_layr=3
+expect "missing data file" "cannot read data.path '$tmp/no-corpus.txt'" \
+  "$train" --config "$configs_dir/default.json" --set data.path="$tmp/no-corpus.txt"
+expect "resume with another world size" "was made by 2 ranks but this run has 1" \
+  "$train" --config "$configs_dir/default.json" "${small[@]}" --resume "$save"
+expect "resume with another model shape" "holds a model with vocab=" \
+  "$run" -np 2 -- "$train" --config "$configs_dir/default.json" "${small[@]}" \
+  --set model.n_layer=3 --resume "$save"
+mkdir -p "$tmp/empty"
+expect "resume from a folder without a save" "holds no complete save (no manifest.json" \
+  "$train" --config "$configs_dir/default.json" --resume "$tmp/empty"
+cp -r "$save/step_00000010" "$tmp/corrupt"
+head -c 100 "$save/step_00000010/rank_0.pt" >"$tmp/corrupt/rank_0.pt"
+expect "resume from a truncated file" "is corrupt or truncated" \
+  "$run" -np 2 -- "$train" --config "$configs_dir/default.json" "${small[@]}" --resume "$tmp/corrupt"
+expect "launcher without a program" "no program to run" "$run" -np 2
+expect "launcher without -np" "say how many ranks" "$run" -- "$train"
+
+echo "[remat-test] $passed passed, $failed failed"
+[[ $failed -eq 0 ]]
