@@ -30,14 +30,8 @@ GptImpl::GptImpl(const GptOptions& o) : options_(o) {
   REMAT_CHECK_GT(o.vocab_size, 0, "GPT vocabulary size");
   tok_emb_ = register_module("tok_emb", torch::nn::Embedding(o.vocab_size, o.d_model));
   pos_emb_ = register_module("pos_emb", torch::nn::Embedding(o.seq_len, o.d_model));
-  StackOptions block;
-  block.n_layer = o.n_layer;
-  block.n_head = o.n_head;
-  block.d_model = o.d_model;
-  block.d_ff = o.d_ff;
-  block.dropout = o.dropout;
   blocks = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t i = 0; i < o.n_layer; ++i) blocks->push_back(Block(block));
+  for (int64_t i = 0; i < o.n_layer; ++i) blocks->push_back(Block(static_cast<const StackOptions&>(o)));
   ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model})));
   head_ = register_module("head",
                           torch::nn::Linear(torch::nn::LinearOptions(o.d_model, o.vocab_size).bias(false)));

@@ -21,14 +21,10 @@ struct ModelConfig;
 
 namespace remat::models {
 
-struct GptOptions {
+// The blocks' sizes plus what the embeddings need.
+struct GptOptions : StackOptions {
   int64_t vocab_size = 0;
-  int64_t n_layer = 4;
-  int64_t n_head = 4;
-  int64_t d_model = 128;
-  int64_t d_ff = 512;
   int64_t seq_len = 64;
-  double dropout = 0.1;
 
   static GptOptions from_config(const ModelConfig& config, int64_t vocab_size);
   std::string to_string() const;  // compared when a save is resumed

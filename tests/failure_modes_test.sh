@@ -7,26 +7,7 @@ peer_exit="$1"
 stalled_peer="$2"
 remat_smoke="$3"
 remat_run="$4"
-passed=0
-failed=0
-
-# expect NAME EXPECTED_TEXT COMMAND...: nonzero exit (not a timeout, not a
-# signal) and EXPECTED_TEXT in the output.
-expect() {
-  local name="$1" text="$2"
-  shift 2
-  local out rc
-  out=$(timeout 90 "$@" 2>&1)
-  rc=$?
-  if [[ $rc -ne 0 && $rc -ne 124 && $rc -lt 128 ]] && grep -qF -- "$text" <<<"$out"; then
-    echo "[ PASSED ] $name (exit $rc)"
-    passed=$((passed + 1))
-  else
-    echo "[ FAILED ] $name (exit $rc, wanted nonzero with: $text)"
-    echo "$out" | tail -20
-    failed=$((failed + 1))
-  fi
-}
+source "$(dirname "$0")/testlib.sh"
 
 expect "peer exits during a collective" "exited" \
   "$remat_run" -np 2 -- "$peer_exit"
@@ -46,5 +27,4 @@ expect "launcher variables disagree with MPI" "launch several processes with mpi
 expect "unknown backend" "unknown communication backend 'gloo'" \
   "$remat_smoke" --backend gloo
 
-echo "[remat-test] $passed passed, $failed failed"
-[[ $failed -eq 0 ]]
+summary

@@ -9,10 +9,7 @@ run="$2"
 configs_dir="$(dirname "$3")"
 tmp="${TEST_TMPDIR:-$(mktemp -d)}"
 export REMAT_COMM_TIMEOUT_S=60 REMAT_LOG_LEVEL=warn
-passed=0
-failed=0
-pass() { echo "[ PASSED ] $1"; passed=$((passed + 1)); }
-fail() { echo "[ FAILED ] $1"; shift; printf '%s\n' "$@" | tail -20; failed=$((failed + 1)); }
+source "$(dirname "$0")/testlib.sh"
 
 # The loss column of a metrics file, exactly as printed (round-trip precision).
 losses() { sed -E 's/.*"loss":([^,}]*).*/\1/' "$1"; }
@@ -83,18 +80,6 @@ else
 fi
 
 # 5. Bad inputs: a nonzero exit and the message that says what to change.
-expect() {
-  local name="$1" text="$2"
-  shift 2
-  local out rc
-  out=$(timeout 120 "$@" 2>&1)
-  rc=$?
-  if [[ $rc -ne 0 && $rc -ne 124 && $rc -lt 128 ]] && grep -qF -- "$text" <<<"$out"; then
-    pass "$name"
-  else
-    fail "$name (exit $rc, wanted: $text)" "$out"
-  fi
-}
 expect "missing config file" "cannot read '$tmp/nope.json'" \
   "$run" -np 2 -- "$train" --config "$tmp/nope.json"
 expect "unknown config key" "unknown key 'model.n_layr'; did you mean 'model.n_layer'?" \
@@ -106,6 +91,9 @@ expect "resume with another world size" "was made by 2 ranks but this run has 1"
 expect "resume with another model shape" "holds a model with vocab=" \
   "$run" -np 2 -- "$train" --config "$configs_dir/default.json" "${small[@]}" \
   --set model.n_layer=3 --resume "$save"
+: >"$tmp/empty.txt"
+expect "empty data file" "data: '$tmp/empty.txt' is empty" \
+  "$train" --config "$configs_dir/default.json" --set data.path="$tmp/empty.txt"
 mkdir -p "$tmp/empty"
 expect "resume from a folder without a save" "holds no complete save (no manifest.json" \
   "$train" --config "$configs_dir/default.json" --resume "$tmp/empty"
@@ -115,6 +103,7 @@ expect "resume from a truncated file" "is corrupt or truncated" \
   "$run" -np 2 -- "$train" --config "$configs_dir/default.json" "${small[@]}" --resume "$tmp/corrupt"
 expect "launcher without a program" "no program to run" "$run" -np 2
 expect "launcher without -np" "say how many ranks" "$run" -- "$train"
+expect "launcher without mpirun" "install Open MPI (Debian/Ubuntu: apt-get install openmpi-bin)" \
+  env PATH=/nonexistent /bin/bash "$run" -np 2 -- "$train"
 
-echo "[remat-test] $passed passed, $failed failed"
-[[ $failed -eq 0 ]]
+summary

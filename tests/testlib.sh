@@ -1,0 +1,38 @@
+# Shared by the whole-job test scripts: case accounting and the "expect a clear
+# error" check. Source it, then call summary at the end.
+passed=0
+failed=0
+
+pass() {
+  echo "[ PASSED ] $1"
+  passed=$((passed + 1))
+}
+
+# fail NAME [DETAIL...]: the last lines of each detail are printed.
+fail() {
+  echo "[ FAILED ] $1"
+  shift
+  printf '%s\n' "$@" | tail -20
+  failed=$((failed + 1))
+}
+
+# expect NAME TEXT COMMAND...: the command must end with a nonzero exit (not a
+# timeout, not a signal) and print TEXT.
+expect() {
+  local name="$1" text="$2"
+  shift 2
+  local out rc
+  out=$(timeout 120 "$@" 2>&1)
+  rc=$?
+  if [[ $rc -ne 0 && $rc -ne 124 && $rc -lt 128 ]] && grep -qF -- "$text" <<<"$out"; then
+    pass "$name (exit $rc)"
+  else
+    fail "$name (exit $rc, wanted a nonzero exit and: $text)" "$out"
+  fi
+}
+
+# Prints the line ./test.sh adds up and returns nonzero on any failure.
+summary() {
+  echo "[remat-test] $passed passed, $failed failed"
+  [[ $failed -eq 0 ]]
+}
