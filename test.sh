@@ -44,6 +44,30 @@ while IFS= read -r file; do
 done < <(find -L bazel-testlogs -name test.log -newer "$marker" | sort)
 rm -f "$marker" "$log"
 
+# The CMake build beside Bazel (tests are not run twice): build and install
+# everything, then build and run a project that uses find_package(remat).
+cmake_log=build/cmake.log
+mkdir -p build
+if { cmake -S . -B build/cmake -G Ninja -DCMAKE_INSTALL_PREFIX="$PWD/build/install" &&
+     cmake --build build/cmake -j"$(nproc)" && cmake --install build/cmake; } >"$cmake_log" 2>&1; then
+  printf '  %-48s passed %4d  failed %d\n' "cmake build and install" 1 0
+  passed=$((passed + 1))
+  if { cmake -S tests/cmake_consumer -B build/consumer -G Ninja \
+         -DCMAKE_PREFIX_PATH="$PWD/build/install" && cmake --build build/consumer &&
+       build/consumer/consumer; } >>"$cmake_log" 2>&1; then
+    printf '  %-48s passed %4d  failed %d\n' "find_package(remat) consumer" 1 0
+    passed=$((passed + 1))
+  else
+    tail -20 "$cmake_log"
+    printf '  %-48s passed %4d  failed %d\n' "find_package(remat) consumer" 0 1
+    failed=$((failed + 1))
+  fi
+else
+  tail -30 "$cmake_log"
+  printf '  %-48s passed %4d  failed %d\n' "cmake build and install" 0 1
+  failed=$((failed + 1))
+fi
+
 if [[ $test_rc -ne 0 && $failed -eq 0 ]]; then
   echo "bazel test failed (exit $test_rc) without a failing case: counted as 1 failed"
   failed=1

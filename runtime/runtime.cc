@@ -4,9 +4,13 @@
 #include <memory>
 
 #include "runtime/error.h"
+#include "runtime/local_communicator.h"
 #include "runtime/logging.h"
+
+#if defined(REMAT_WITH_MPI)
 #include "runtime/mpi_communicator.h"
 #include "runtime/nccl_communicator.h"
+#endif
 
 #if defined(REMAT_WITH_NCCL)
 #include <cuda_runtime_api.h>
@@ -27,11 +31,19 @@ Runtime& Runtime::init() {
 }
 
 Runtime::Runtime() {
-  static MpiSession session;  // lives until exit; finalizes MPI then
   env_ = detect_process_env();
   int mpi_rank = 0, mpi_size = 1;
+#if defined(REMAT_WITH_MPI)
+  static MpiSession session;  // lives until exit; finalizes MPI then
   MPI_Comm_rank(MPI_COMM_WORLD, &mpi_rank);
   MPI_Comm_size(MPI_COMM_WORLD, &mpi_size);
+#else
+  if (env_.world_size > 1) {
+    throw ConfigError(str("this remat was built without MPI, so it runs one process; the "
+                          "launcher asked for ", env_.world_size,
+                          " (from ", env_.source, " variables): rebuild with MPI"));
+  }
+#endif
   if (env_.world_size != mpi_size || env_.rank != mpi_rank) {
     throw ConfigError(str("the launcher says rank ", env_.rank, " of ", env_.world_size,
                           " (from ", env_.source, " variables) but MPI says rank ", mpi_rank,
@@ -50,9 +62,17 @@ Runtime::Runtime() {
 }
 
 std::shared_ptr<Communicator> Runtime::world(Backend backend) {
+#if defined(REMAT_WITH_MPI)
   auto mpi = MpiCommunicator::world();
   if (backend == Backend::kMpi || (backend == Backend::kAuto && !nccl_available())) return mpi;
   return make_nccl_communicator(mpi);
+#else
+  if (backend != Backend::kAuto) {
+    throw ConfigError("this remat was built without MPI: only the local (one-process) "
+                      "backend exists; pass --backend auto or rebuild with MPI");
+  }
+  return std::make_shared<LocalCommunicator>();
+#endif
 }
 
 int run_main(const std::function<int()>& body) {
@@ -66,9 +86,11 @@ int run_main(const std::function<int()>& body) {
                                                               : "unexpected error";
     std::fprintf(stderr, "%s remat %s: %s\n", log_prefix().c_str(), kind, e.what());
     std::fflush(stderr);
+#if defined(REMAT_WITH_MPI)
     int size = 1;
     if (MpiSession::initialized()) MPI_Comm_size(MPI_COMM_WORLD, &size);
     if (size > 1) MpiSession::abort(1);
+#endif
     return 1;
   }
 }

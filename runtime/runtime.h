@@ -36,7 +36,7 @@ class Runtime {
   int world_size() const { return env_.world_size; }
 
   // A new communicator over all ranks. kAuto: nccl when compiled in and a GPU
-  // is visible, else mpi.
+  // is visible, else mpi; in a build without MPI, the one-process local backend.
   std::shared_ptr<Communicator> world(Backend backend = Backend::kAuto);
 
  private:

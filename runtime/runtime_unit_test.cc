@@ -155,3 +155,47 @@ TEST(ParallelDimsTest, ErrorsListEveryFactorAndTheWorldSize) {
 
 }  // namespace
 }  // namespace remat
+
+#include <ATen/ATen.h>
+
+#include "runtime/local_communicator.h"
+
+namespace remat {
+namespace {
+
+TEST(LocalCommunicatorTest, OneRankCollectivesAreIdentities) {
+  LocalCommunicator comm;
+  EXPECT_EQ(comm.size(), 1);
+  EXPECT_EQ(comm.backendName(), "local");
+  at::Tensor t = at::arange(6, at::kFloat);
+  comm.allReduce(t, {ReduceOp::kAvg})->wait();
+  EXPECT_TRUE(at::equal(t, at::arange(6, at::kFloat)));
+  at::Tensor out = at::empty({6});
+  comm.allGather(out, t)->wait();
+  EXPECT_TRUE(at::equal(out, t));
+  std::vector<at::Tensor> outs{at::empty({2, 3})};
+  comm.allGather(outs, t.view({2, 3}))->wait();
+  EXPECT_TRUE(at::equal(outs[0], t.view({2, 3})));
+  at::Tensor part = at::empty({6});
+  comm.reduceScatter(part, t)->wait();
+  EXPECT_TRUE(at::equal(part, t));
+  comm.barrier()->wait();
+  EXPECT_TRUE(comm.split(0, 0));
+  EXPECT_FALSE(comm.split(-1, 0));
+}
+
+TEST(LocalCommunicatorTest, ErrorsMatchTheOtherBackends) {
+  LocalCommunicator comm;
+  at::Tensor ints = at::ones({2}, at::kInt), wrong = at::empty({3});
+  EXPECT_THAT(error_of<CommError>([&] { comm.allReduce(ints, {ReduceOp::kAvg}); }),
+              HasSubstr("ReduceOp avg needs a floating-point tensor, got Int"));
+  EXPECT_THAT(error_of<Error>([&] { comm.allGather(wrong, at::ones({2})); }),
+              HasSubstr("allGather: the output must hold size() inputs"));
+  EXPECT_THAT(error_of<CommError>([&] { comm.broadcast(wrong, {1}); }),
+              HasSubstr("broadcast: root 1 is not a rank of this communicator (0..0)"));
+  EXPECT_THAT(error_of<CommError>([&] { comm.send(wrong, 0); }),
+              HasSubstr("communication backend 'local' does not implement send"));
+}
+
+}  // namespace
+}  // namespace remat

@@ -5,6 +5,8 @@ set -euo pipefail
 
 packages=(
   g++
+  cmake
+  ninja-build
   bazel-bootstrap    # Bazel 4.2.3
   bazel-platforms
   libtorch-dev       # LibTorch 1.13 (CPU)

@@ -1,0 +1,54 @@
+#include "runtime/local_communicator.h"
+
+#include <ATen/ATen.h>
+
+#include "runtime/error.h"
+#include "runtime/tensor_checks.h"
+
+namespace remat {
+
+// With one rank every reduction is the identity (avg included); the checks are
+// the same as the real backends' so that code moving to MPI fails the same way.
+std::shared_ptr<Work> LocalCommunicator::allReduce(at::Tensor& tensor, const AllReduceOptions& opts) {
+  if (!tensor.defined()) throw CommError("allReduce: got an undefined tensor");
+  if (opts.op == ReduceOp::kAvg && !at::isFloatingType(tensor.scalar_type())) {
+    throw CommError(str("allReduce: ReduceOp avg needs a floating-point tensor, got ",
+                        c10::toString(tensor.scalar_type()), "; use sum and divide yourself"));
+  }
+  return completed_work();
+}
+
+std::shared_ptr<Work> LocalCommunicator::allGather(at::Tensor& output, const at::Tensor& input,
+                                                   const AllGatherOptions&) {
+  check_gather_flat(output, input, 1);
+  output.view(-1).copy_(input.reshape(-1));
+  return completed_work();
+}
+
+std::shared_ptr<Work> LocalCommunicator::allGather(std::vector<at::Tensor>& outputs,
+                                                   const at::Tensor& input, const AllGatherOptions&) {
+  check_gather_list(outputs, input, 0, 1);
+  outputs[0].copy_(input.view(outputs[0].sizes()));
+  return completed_work();
+}
+
+std::shared_ptr<Work> LocalCommunicator::reduceScatter(at::Tensor& output, const at::Tensor& input,
+                                                       const ReduceScatterOptions&) {
+  check_scatter(output, input, 1);
+  output.view(-1).copy_(input.reshape(-1));
+  return completed_work();
+}
+
+std::shared_ptr<Work> LocalCommunicator::broadcast(at::Tensor&, const BroadcastOptions& opts) {
+  check_root(opts.root, 1, "broadcast");
+  return completed_work();
+}
+
+std::shared_ptr<Work> LocalCommunicator::barrier(const BarrierOptions&) { return completed_work(); }
+
+std::shared_ptr<Communicator> LocalCommunicator::split(int color, int) {
+  if (color < 0) return nullptr;
+  return std::make_shared<LocalCommunicator>();
+}
+
+}  // namespace remat
