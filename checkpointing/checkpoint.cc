@@ -4,8 +4,10 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/cuda.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <mutex>
@@ -15,6 +17,7 @@
 #include "rng/rng_tracker.h"
 #include "runtime/config.h"
 #include "runtime/error.h"
+#include "runtime/layout.h"
 #include "runtime/logging.h"
 
 namespace remat {
@@ -24,10 +27,51 @@ CheckpointOptions& default_checkpoint_options() {
   return options;
 }
 
-void configure_checkpointing(const ActivationCheckpointingConfig& config) {
+void configure(const ParallelLayout* mpu, const ActivationCheckpointingConfig& config) {
   auto& options = default_checkpoint_options();
   options.synchronize = config.synchronize_checkpoint_boundary;
   options.profile = config.profile;
+  InputStorageOptions storage;
+  if (config.partition_activations) {
+    if (mpu == nullptr) {
+      throw ConfigError("activation_checkpointing.partition_activations needs the tensor-parallel "
+                        "group: pass the parallel layout (mpu) to remat::configure");
+    }
+    storage.partition_group = mpu->tp_group();
+  }
+  storage.offload = config.cpu_checkpointing;
+  storage.offload_min_bytes = config.offload_min_bytes;
+  storage.offload_max_in_flight = config.offload_max_in_flight;
+  storage.offload_keep_last = config.offload_keep_last;
+  if (config.contiguous_memory_optimization) {
+    if (!config.number_checkpoints) {
+      throw ConfigError("activation_checkpointing.contiguous_memory_optimization needs "
+                        "activation_checkpointing.number_checkpoints: set it to the number of "
+                        "checkpointed regions per forward");
+    }
+    if (!config.partition_activations && !config.cpu_checkpointing) {
+      throw ConfigError("activation_checkpointing.contiguous_memory_optimization lays out the "
+                        "partitioned or offloaded copies of checkpoint inputs: turn on "
+                        "partition_activations or cpu_checkpointing too, or turn it off");
+    }
+    storage.contiguous = std::make_shared<ContiguousBuffers>(*config.number_checkpoints);
+  }
+  options.storage = storage;
+  if (config.partition_activations || config.cpu_checkpointing) {
+    log_rank0().info("checkpointing configured: partition_activations {} (tensor-parallel size {}), "
+                     "cpu_checkpointing {}, contiguous_memory_optimization {}",
+                     config.partition_activations, mpu ? mpu->dims().tp : 1, config.cpu_checkpointing,
+                     config.contiguous_memory_optimization);
+  }
+}
+
+void configure_checkpointing(const ActivationCheckpointingConfig& config) {
+  configure(nullptr, config);
+}
+
+void reset_checkpoint_buffers() {
+  auto& contiguous = default_checkpoint_options().storage.contiguous;
+  if (contiguous) contiguous->reset();
 }
 
 namespace {
@@ -156,10 +200,24 @@ struct Region {
   std::vector<OutputMeta> outputs;
   std::vector<std::string> forward_ops;
   SelectiveCache selective;
+  // Inputs stored partitioned or offloaded; their places in the saved list
+  // hold undefined tensors.
+  std::unique_ptr<StoredInputs> stored;
   int64_t saved_bytes = 0;  // counted in g_saved_bytes while the region lives
 
   ~Region() { g_saved_bytes -= saved_bytes + selective.bytes; }
 };
+
+std::mutex g_regions_mutex;
+std::vector<std::weak_ptr<Region>> g_regions;  // regions with stored inputs
+
+void track_region(const std::shared_ptr<Region>& region) {
+  std::lock_guard<std::mutex> lock(g_regions_mutex);
+  g_regions.erase(std::remove_if(g_regions.begin(), g_regions.end(),
+                                 [](const auto& w) { return w.expired(); }),
+                  g_regions.end());
+  g_regions.push_back(region);
+}
 
 // Restores the RNG the forward saw and puts back the current one afterwards.
 class RngReplay {
@@ -225,7 +283,22 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     synchronize_if(region->options.synchronize);
     if (region->options.preserve_rng_state) region->rng = capture_rng();
     variable_list real(inputs.begin(), inputs.begin() + region->n_tensors);
-    for (const auto& t : real) region->saved_bytes += t.nbytes();
+    // Inputs kept as they are go to autograd; stored ones to region->stored.
+    variable_list to_save = real;
+    if (region->options.storage.active()) {
+      std::vector<bool> store;
+      for (const auto& t : real) store.push_back(StoredInputs::stores(t, region->options.storage));
+      if (std::count(store.begin(), store.end(), true) > 0) {
+        region->stored = std::make_unique<StoredInputs>(real, store, region->options.storage,
+                                                        region->options.name);
+        region->saved_bytes += region->stored->kept_bytes();
+        for (size_t i = 0; i < store.size(); ++i) {
+          if (store[i]) to_save[i] = at::Tensor();
+        }
+        track_region(region);
+      }
+    }
+    for (const auto& t : to_save) region->saved_bytes += t.defined() ? t.nbytes() : 0;
     c10::IValue output;
     {
       at::NoGradGuard no_grad;
@@ -233,7 +306,6 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     }
     // Inputs and kept op outputs go to autograd, which frees them after a
     // backward without retain_graph.
-    variable_list to_save = real;
     for (auto& t : take_cached_tensors(region->selective)) to_save.push_back(t);
     ctx->save_for_backward(to_save);
     g_saved_bytes += region->saved_bytes + region->selective.bytes;
@@ -285,6 +357,12 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     put_cached_tensors(region->selective,
                        variable_list(saved.begin() + region->n_tensors, saved.end()));
     saved.resize(region->n_tensors);
+    if (region->stored) {
+      auto restored = region->stored->restore();
+      for (size_t i = 0; i < saved.size(); ++i) {
+        if (restored[i].defined()) saved[i] = restored[i];
+      }
+    }
     variable_list detached;
     for (size_t i = 0; i < saved.size(); ++i) {
       at::Tensor d = saved[i].detach();
@@ -326,6 +404,14 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       }
     }
     if (!roots.empty()) torch::autograd::backward(roots, grads);
+    // Like autograd's saved tensors, stored inputs go after a backward that
+    // does not retain the graph.
+    if (region->stored && !torch::autograd::get_current_graph_task_keep_graph()) {
+      const int64_t stored_bytes = region->stored->kept_bytes();
+      region->stored->release();
+      region->saved_bytes -= stored_bytes;
+      g_saved_bytes -= stored_bytes;
+    }
 
     variable_list result{at::Tensor()};  // for the region argument
     for (auto& d : detached) result.push_back(d.requires_grad() ? d.grad() : at::Tensor());
@@ -424,5 +510,18 @@ void log_checkpoint_profile_step(int64_t step) {
 int64_t checkpoint_recompute_count() { return g_recomputes.load(); }
 
 int64_t checkpoint_saved_bytes() { return g_saved_bytes.load(); }
+
+std::vector<at::Tensor> checkpoint_stored_tensors() {
+  std::vector<at::Tensor> out;
+  std::lock_guard<std::mutex> lock(g_regions_mutex);
+  for (const auto& w : g_regions) {
+    if (auto region = w.lock()) {
+      if (region->stored) {
+        for (auto& t : region->stored->held_tensors()) out.push_back(t);
+      }
+    }
+  }
+  return out;
+}
 
 }  // namespace remat

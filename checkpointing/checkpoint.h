@@ -32,9 +32,12 @@
 #include <utility>
 #include <vector>
 
+#include "checkpointing/saved_inputs.h"
+
 namespace remat {
 
 struct ActivationCheckpointingConfig;
+class ParallelLayout;
 
 struct CheckpointOptions {
   // Replay the forward's RNG state during recompute (dropout matches bitwise).
@@ -52,12 +55,31 @@ struct CheckpointOptions {
   // selective_op: these ops' outputs are kept from the forward and reused by the
   // recompute (see selective_op.h and resolve_save_ops). Null: recompute all.
   std::shared_ptr<const std::set<std::string>> save_ops;
+  // Partitioned, offloaded and contiguous storage of the inputs (saved_inputs.h).
+  InputStorageOptions storage;
 };
 
-// The options checkpoint() uses when given none; configure_checkpointing sets
-// them from the config's activation_checkpointing section.
+// The options checkpoint() uses when given none (and that policies start from).
 CheckpointOptions& default_checkpoint_options();
-void configure_checkpointing(const ActivationCheckpointingConfig& config);
+
+// Sets the default options from the config's activation_checkpointing section:
+// partition_activations (over mpu's tensor-parallel group), cpu_checkpointing
+// (with offload_min_bytes, offload_max_in_flight, offload_keep_last),
+// contiguous_memory_optimization with number_checkpoints,
+// synchronize_checkpoint_boundary and profile. Call it before building
+// policies (PolicyOptions copies the defaults). `mpu` may be null when
+// partition_activations is off. Errors name the key to change.
+//
+//   remat::ParallelLayout layout(world, remat::ParallelDims::from_world(world->size(), 2));
+//   remat::configure(&layout, cfg.activation_checkpointing);
+//   y = remat::checkpoint(block_fn, x);   // x kept as 1/2 per rank
+void configure(const ParallelLayout* mpu, const ActivationCheckpointingConfig& config);
+void configure_checkpointing(const ActivationCheckpointingConfig& config);  // configure(nullptr, config)
+
+// Frees the contiguous checkpoint buffers of the default options (regions
+// alive now keep their own slots). Call it between phases that checkpoint
+// inputs of other shapes.
+void reset_checkpoint_buffers();
 
 using CheckpointFn = std::function<c10::IValue(const std::vector<c10::IValue>&)>;
 
@@ -76,8 +98,12 @@ struct RegionProfile {
 std::map<std::string, RegionProfile> checkpoint_profile();
 
 // Bytes of tensors that live checkpoint regions hold for backward: their saved
-// inputs plus, for selective_op, the kept op outputs.
+// inputs (partitioned: this rank's shares; offloaded: counted on the host)
+// plus, for selective_op, the kept op outputs.
 int64_t checkpoint_saved_bytes();
+
+// Tensors that live regions hold for their stored inputs (tests).
+std::vector<at::Tensor> checkpoint_stored_tensors();
 // The aggregate so far, which then starts again from zero.
 std::map<std::string, RegionProfile> take_checkpoint_profile();
 // Logs the aggregate (one line per region) and starts a new one: call once a step.

@@ -22,6 +22,7 @@
 #include "launch/optim.h"
 #include "launch/train_state.h"
 #include "models/gpt.h"
+#include "parallel/layers.h"
 #include "rng/rng_tracker.h"
 #include "runtime/config.h"
 #include "runtime/env_knobs.h"
@@ -40,22 +41,24 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
 
-// What remat-train does not do yet is refused, not ignored.
+// What remat-train does not do yet is refused, not ignored; settings that
+// would have no effect are pointed out.
 void check_supported(const Config& c) {
   auto refuse = [](const std::string& key, const std::string& when) {
     throw ConfigError(str("remat-train: ", key, " is not supported yet (", when, "); remove it"));
   };
-  if (c.tensor_parallel.size != 1) refuse("tensor_parallel.size > 1", "it comes with tensor parallelism");
   if (c.zero_optimization.stage != 0) refuse("zero_optimization.stage > 0", "it comes with sharding");
   if (c.bf16.enabled) refuse("bf16.enabled", "it comes with sharding");
-  if (c.activation_checkpointing.partition_activations) {
-    refuse("activation_checkpointing.partition_activations", "it comes with tensor parallelism");
+  const auto& ac = c.activation_checkpointing;
+  if (ac.variant == "none" &&
+      (ac.partition_activations || ac.cpu_checkpointing || ac.contiguous_memory_optimization)) {
+    log_rank0().warn("activation_checkpointing.variant is none, so partition_activations, "
+                     "cpu_checkpointing and contiguous_memory_optimization have no region to "
+                     "act on; set variant to full, selective_layer or selective_op");
   }
-  if (c.activation_checkpointing.cpu_checkpointing) {
-    refuse("activation_checkpointing.cpu_checkpointing", "it comes with offloading");
-  }
-  if (c.activation_checkpointing.contiguous_memory_optimization) {
-    refuse("activation_checkpointing.contiguous_memory_optimization", "it comes with partitioning");
+  if (ac.partition_activations && c.tensor_parallel.size == 1) {
+    log_rank0().warn("activation_checkpointing.partition_activations with tensor_parallel.size 1 "
+                     "keeps whole inputs (there is no group to split them across)");
   }
 }
 
@@ -157,10 +160,17 @@ int train(int argc, char** argv) {
   const bool rank0 = world->rank() == 0;
 
   at::manual_seed(tc.seed);
-  models::Gpt model(models::GptOptions::from_config(config.model, data.vocab_size()));
+  auto model_options = models::GptOptions::from_config(config.model, data.vocab_size());
+  const auto& tp_group = layout.tp_group();
+  if (layout.dims().tp_enabled()) model_options.tensor_parallel = tp_group;
+  models::Gpt model(model_options);
   const std::string signature = model->options().to_string();
   model_parallel_manual_seed(static_cast<uint64_t>(tc.seed), layout);
+  const auto sharded = parallel::sharded_parameters(*model);
 
+  // The JSON section takes effect by itself: partitioning, offload and
+  // contiguous buffers become the defaults every region starts from.
+  configure(&layout, config.activation_checkpointing);
   PolicyOptions policy = PolicyOptions::from_config(config.activation_checkpointing);
   policy.checkpoint.profile = true;  // recompute time goes into the metrics
   int regions = apply_activation_checkpointing(*model, policy);
@@ -170,8 +180,8 @@ int train(int argc, char** argv) {
     position = load_train_state(resume_dir, *model, *optimizer, signature, *world);
     log_rank0().info("resumed from '{}' at step {}", resume_dir, position.step);
   }
-  log_rank0().info("data {} ({} bytes, vocabulary {}), model {} ({} parameters), checkpointing {} "
-                   "({} regions), batch {} = micro {} x accumulation {} x dp {}",
+  log_rank0().info("data {} ({} bytes, vocabulary {}), model {} ({} parameters on this rank), "
+                   "checkpointing {} ({} regions), batch {} = micro {} x accumulation {} x dp {}",
                    data.source(), data.train_size() + data.val_size(), data.vocab_size(), signature,
                    model->num_parameters(), config.activation_checkpointing.variant, regions,
                    batch.train_batch_size, batch.micro_batch_per_gpu,
@@ -197,6 +207,8 @@ int train(int argc, char** argv) {
     const int64_t base = memory.current();
     memory.reset_peak();
     take_checkpoint_profile();
+    const StoredInputStats stored_before = stored_input_stats();
+    const int64_t tp_comm_before = parallel::tensor_parallel_comm_bytes();
     auto start = Clock::now();
     optimizer->zero_grad();
     double fwd_ms = 0, bwd_ms = 0, loss_sum = 0;
@@ -228,7 +240,13 @@ int train(int argc, char** argv) {
       }
       comm_bytes += flat.nbytes();
     }
-    if (config.gradient_clipping > 0) torch::nn::utils::clip_grad_norm_(params, config.gradient_clipping);
+    if (config.gradient_clipping > 0) {
+      if (layout.dims().tp_enabled()) {
+        parallel::clip_grad_norm(params, sharded, config.gradient_clipping, tp_group);
+      } else {
+        torch::nn::utils::clip_grad_norm_(params, config.gradient_clipping);
+      }
+    }
     optimizer->step();
     at::Tensor loss_t = at::full({1}, loss_sum, at::kDouble);
     if (dp_group->size() > 1) {
@@ -236,6 +254,9 @@ int train(int argc, char** argv) {
       comm_bytes += loss_t.nbytes();
     }
     const double loss = loss_t.item<double>();
+    const StoredInputStats stored_after = stored_input_stats();
+    const int64_t gathered = stored_after.gathered_bytes - stored_before.gathered_bytes;
+    comm_bytes += gathered + parallel::tensor_parallel_comm_bytes() - tp_comm_before;
     const double step_ms = ms_between(start, Clock::now());
     double recompute_ms = 0;
     for (const auto& [name, p] : take_checkpoint_profile()) recompute_ms += p.recompute_ms;
@@ -250,7 +271,9 @@ int train(int argc, char** argv) {
                           {"step_ms", step_ms},     {"fwd_ms", fwd_ms},
                           {"bwd_ms", bwd_ms},       {"recompute_ms", recompute_ms},
                           {"mem_base_bytes", base}, {"mem_peak_bytes", memory.peak()},
-                          {"ckpt_saved_bytes", saved}, {"ckpt_offloaded_bytes", 0},
+                          {"ckpt_saved_bytes", saved},
+                          {"ckpt_offloaded_bytes", stored_after.offloaded_bytes - stored_before.offloaded_bytes},
+                          {"ckpt_gathered_bytes", gathered},
                           {"comm_bytes", comm_bytes}};
       metrics << m.dump() << "\n" << std::flush;
     }
@@ -276,14 +299,16 @@ int train(int argc, char** argv) {
   if (rank0) {
     std::printf("loss: first %.4f, last %.4f; peak activation memory per step %s\n", first_loss,
                 last_loss, human_bytes(static_cast<double>(max_peak)).c_str());
-    if (tc.sample_chars > 0) {
-      at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(tc.seed));
-      at::Tensor prompt = data.encode("The ").unsqueeze(0);
-      at::Tensor text = model->generate(prompt, tc.sample_chars, 0.8, gen);
-      std::printf("--- sample ---\n%s\n--------------\n", data.decode(text).c_str());
-    }
-    std::fflush(stdout);
   }
+  // Every rank samples (tensor-parallel ranks compute the logits together);
+  // rank 0 prints.
+  if (tc.sample_chars > 0 && (rank0 || layout.dims().tp_enabled())) {
+    at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(tc.seed));
+    at::Tensor prompt = data.encode("The ").unsqueeze(0);
+    at::Tensor text = model->generate(prompt, tc.sample_chars, 0.8, gen);
+    if (rank0) std::printf("--- sample ---\n%s\n--------------\n", data.decode(text).c_str());
+  }
+  std::fflush(stdout);
   world->barrier()->wait();
   return 0;
 }

@@ -1,7 +1,7 @@
 #include "models/gpt.h"
 
 #include <ATen/ATen.h>
-#include <torch/nn/init.h>
+#include <ATen/CPUGeneratorImpl.h>
 
 #include "checkpointing/policy.h"
 #include "runtime/config.h"
@@ -26,41 +26,75 @@ std::string GptOptions::to_string() const {
              " d_ff=", d_ff, " seq_len=", seq_len);
 }
 
-GptImpl::GptImpl(const GptOptions& o) : options_(o) {
+GptImpl::GptImpl(const GptOptions& o) : options_(o), tp_(parallel::group_size(o.tensor_parallel)) {
   REMAT_CHECK_GT(o.vocab_size, 0, "GPT vocabulary size");
-  tok_emb_ = register_module("tok_emb", torch::nn::Embedding(o.vocab_size, o.d_model));
+  // One draw seeds the initialisation, whatever the layers' constructors draw.
+  const uint64_t init_seed = static_cast<uint64_t>(at::randint(1LL << 62, {1}, at::kLong).item<int64_t>());
+  const auto& group = o.tensor_parallel;
+  if (tp_ == 1) {
+    tok_emb_ = register_module("tok_emb", torch::nn::Embedding(o.vocab_size, o.d_model));
+  } else {
+    tok_emb_tp_ = register_module("tok_emb", parallel::VocabParallelEmbedding(o.vocab_size, o.d_model, group));
+  }
   pos_emb_ = register_module("pos_emb", torch::nn::Embedding(o.seq_len, o.d_model));
   blocks = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < o.n_layer; ++i) blocks->push_back(Block(static_cast<const StackOptions&>(o)));
   ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model})));
-  head_ = register_module("head",
-                          torch::nn::Linear(torch::nn::LinearOptions(o.d_model, o.vocab_size).bias(false)));
+  if (tp_ == 1) {
+    head_ = register_module(
+        "head", torch::nn::Linear(torch::nn::LinearOptions(o.d_model, o.vocab_size).bias(false)));
+  } else {
+    head_tp_ = register_module(
+        "head", parallel::ColumnParallelLinear(
+                    parallel::ParallelLinearOptions(o.d_model, o.vocab_size).bias(false), group));
+  }
+  at::Generator gen = at::detail::createCPUGenerator(init_seed);
+  auto draw = [&](c10::IntArrayRef sizes) { return at::empty(sizes).normal_(0.0, 0.02, gen); };
   torch::NoGradGuard no_grad;
   for (auto& m : modules(/*include_self=*/false)) {
     if (auto* linear = m->as<torch::nn::Linear>()) {
-      torch::nn::init::normal_(linear->weight, 0.0, 0.02);
-      if (linear->bias.defined()) torch::nn::init::zeros_(linear->bias);
+      linear->weight.copy_(draw(linear->weight.sizes()));
+      if (linear->bias.defined()) linear->bias.zero_();
     } else if (auto* emb = m->as<torch::nn::Embedding>()) {
-      torch::nn::init::normal_(emb->weight, 0.0, 0.02);
+      emb->weight.copy_(draw(emb->weight.sizes()));
+    } else if (auto* tp = dynamic_cast<parallel::TensorParallelModule*>(m.get())) {
+      tp->load_full_weight(draw(tp->full_weight_sizes()));
+      for (auto& p : m->parameters(/*recurse=*/false)) {
+        if (p.dim() == 1) p.zero_();  // biases
+      }
     }
   }
 }
 
-at::Tensor GptImpl::forward(const at::Tensor& idx) {
+at::Tensor GptImpl::trunk(const at::Tensor& idx) {
   const int64_t t = idx.size(1);
   if (t > options_.seq_len) {
     throw Error(str("GPT: sequence of ", t, " tokens exceeds model.seq_len=", options_.seq_len));
   }
   at::Tensor pos = at::arange(t, idx.options().dtype(at::kLong));
-  at::Tensor x = at::dropout(tok_emb_->forward(idx) + pos_emb_->forward(pos), options_.dropout,
-                             is_training());
+  at::Tensor tok = tp_ == 1 ? tok_emb_->forward(idx) : tok_emb_tp_->forward(idx);
+  at::Tensor x = at::dropout(tok + pos_emb_->forward(pos), options_.dropout, is_training());
   for (size_t i = 0; i < blocks->size(); ++i) x = remat::forward(blocks->ptr<BlockImpl>(i), x);
-  return head_->forward(ln_f_->forward(x));
+  return ln_f_->forward(x);
+}
+
+at::Tensor GptImpl::forward(const at::Tensor& idx) {
+  at::Tensor x = trunk(idx);
+  if (tp_ == 1) return head_->forward(x);
+  return parallel::gather_from_tensor_parallel_region(head_tp_->forward(x), options_.tensor_parallel,
+                                                      options_.vocab_size);
 }
 
 at::Tensor GptImpl::loss(const at::Tensor& idx, const at::Tensor& targets) {
-  at::Tensor logits = forward(idx);
-  return at::cross_entropy_loss(logits.view({-1, options_.vocab_size}), targets.view({-1}));
+  if (tp_ == 1) {
+    at::Tensor logits = forward(idx);
+    return at::cross_entropy_loss(logits.view({-1, options_.vocab_size}), targets.view({-1}));
+  }
+  at::Tensor logits = head_tp_->forward(trunk(idx));
+  const auto start = parallel::partition_range(options_.vocab_size, tp_, parallel::group_rank(options_.tensor_parallel)).start;
+  return parallel::vocab_parallel_cross_entropy(logits.view({-1, logits.size(-1)}), targets.view({-1}),
+                                                start, options_.tensor_parallel)
+      .mean();
 }
 
 at::Tensor GptImpl::generate(at::Tensor idx, int64_t n, double temperature, at::Generator gen) {

@@ -30,13 +30,20 @@ struct GptOptions : StackOptions {
   std::string to_string() const;  // compared when a save is resumed
 };
 
+// With options.tensor_parallel of size tp > 1 the blocks are tensor parallel
+// (see Block), the token embedding is vocab-parallel and the LM head
+// column-parallel; the loss is computed on vocabulary-split logits.
 class GptImpl : public torch::nn::Module {
  public:
-  // Weights are drawn from the default generator: seed it first for a
-  // reproducible model (N(0, 0.02) for linears and embeddings).
+  // Weights are N(0, 0.02) (linears and embeddings; biases zero), drawn in
+  // module order from a generator seeded by one draw from the default
+  // generator: seed that first for a reproducible model. Tensor-parallel
+  // layers keep their shard of the same full weights, so the model computes
+  // the same function at every tensor-parallel size.
   explicit GptImpl(const GptOptions& options);
 
-  // idx: [batch, time] token ids, time <= seq_len. Returns logits [batch, time, vocab].
+  // idx: [batch, time] token ids, time <= seq_len. Returns logits [batch, time, vocab]
+  // (gathered across tensor-parallel ranks).
   at::Tensor forward(const at::Tensor& idx);
 
   // Mean cross-entropy of the next-token prediction.
@@ -51,10 +58,16 @@ class GptImpl : public torch::nn::Module {
   torch::nn::ModuleList blocks{nullptr};
 
  private:
+  // Embeddings, blocks and the final LayerNorm: [batch, time, d_model].
+  at::Tensor trunk(const at::Tensor& idx);
+
   GptOptions options_;
+  int tp_ = 1;
   torch::nn::Embedding tok_emb_{nullptr}, pos_emb_{nullptr};
   torch::nn::LayerNorm ln_f_{nullptr};
   torch::nn::Linear head_{nullptr};
+  parallel::VocabParallelEmbedding tok_emb_tp_{nullptr};
+  parallel::ColumnParallelLinear head_tp_{nullptr};
 };
 TORCH_MODULE(Gpt);
 

@@ -5,31 +5,72 @@
 #include <cmath>
 
 #include "checkpointing/policy.h"
+#include "rng/rng_tracker.h"
+#include "runtime/error.h"
 
 namespace remat::models {
 
-BlockImpl::BlockImpl(const StackOptions& o) : options_(o) {
+BlockImpl::BlockImpl(const StackOptions& o) : options_(o), tp_(parallel::group_size(o.tensor_parallel)) {
+  if (o.n_head % tp_ != 0 || o.d_ff % tp_ != 0) {
+    throw ConfigError(str("tensor parallelism over ", tp_, " ranks splits attention heads and MLP "
+                          "units evenly: model.n_head (", o.n_head, ") and model.d_ff (", o.d_ff,
+                          ") must be multiples of tensor_parallel.size (", tp_, ")"));
+  }
+  using parallel::ParallelLinearOptions;
+  const auto& group = o.tensor_parallel;
   ln1_ = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model})));
-  qkv_ = register_module("qkv", torch::nn::Linear(o.d_model, 3 * o.d_model));
-  proj_ = register_module("proj", torch::nn::Linear(o.d_model, o.d_model));
+  if (tp_ == 1) {
+    qkv_ = register_module("qkv", torch::nn::Linear(o.d_model, 3 * o.d_model));
+    proj_ = register_module("proj", torch::nn::Linear(o.d_model, o.d_model));
+  } else {
+    // qkv's rows are [q | k | v]: stride 3 gives each rank its heads of all three.
+    qkv_tp_ = register_module("qkv", parallel::ColumnParallelLinear(
+                                         ParallelLinearOptions(o.d_model, 3 * o.d_model).stride(3), group));
+    proj_tp_ = register_module("proj", parallel::RowParallelLinear(
+                                           ParallelLinearOptions(o.d_model, o.d_model).input_is_parallel(true), group));
+  }
   ln2_ = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model})));
-  fc1_ = register_module("fc1", torch::nn::Linear(o.d_model, o.d_ff));
-  fc2_ = register_module("fc2", torch::nn::Linear(o.d_ff, o.d_model));
+  if (tp_ == 1) {
+    fc1_ = register_module("fc1", torch::nn::Linear(o.d_model, o.d_ff));
+    fc2_ = register_module("fc2", torch::nn::Linear(o.d_ff, o.d_model));
+  } else {
+    fc1_tp_ = register_module("fc1", parallel::ColumnParallelLinear(ParallelLinearOptions(o.d_model, o.d_ff), group));
+    fc2_tp_ = register_module("fc2", parallel::RowParallelLinear(
+                                         ParallelLinearOptions(o.d_ff, o.d_model).input_is_parallel(true), group));
+  }
+}
+
+at::Tensor BlockImpl::attention(const at::Tensor& x) {
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
+  const int64_t H = options_.n_head / tp_, D = C / options_.n_head;  // heads on this rank
+  auto heads = [&](const at::Tensor& t) { return t.view({B, T, H, D}).transpose(1, 2); };
+  at::Tensor a = ln1_->forward(x);
+  auto qkv = (tp_ == 1 ? qkv_->forward(a) : qkv_tp_->forward(a)).chunk(3, -1);
+  at::Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
+  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(D));
+  at::Tensor causal = at::ones({T, T}, x.options().dtype(at::kBool)).triu(1);
+  scores = scores.masked_fill(causal, -std::numeric_limits<float>::infinity());
+  at::Tensor attn = at::softmax(scores, -1);
+  if (tp_ == 1) {
+    attn = at::dropout(attn, options_.dropout, is_training());
+  } else {
+    // Heads differ across tensor-parallel ranks, so do their dropout masks.
+    auto fork = get_rng_tracker().fork(kModelParallelRng);
+    attn = at::dropout(attn, options_.dropout, is_training());
+  }
+  at::Tensor y = at::matmul(attn, v).transpose(1, 2).contiguous().view({B, T, H * D});
+  return tp_ == 1 ? proj_->forward(y) : proj_tp_->forward(y);
+}
+
+at::Tensor BlockImpl::mlp(const at::Tensor& h) {
+  at::Tensor a = ln2_->forward(h);
+  if (tp_ == 1) return fc2_->forward(at::gelu(fc1_->forward(a)));
+  return fc2_tp_->forward(at::gelu(fc1_tp_->forward(a)));
 }
 
 at::Tensor BlockImpl::forward(const at::Tensor& x) {
-  const int64_t B = x.size(0), T = x.size(1), C = x.size(2), H = options_.n_head;
-  auto heads = [&](const at::Tensor& t) { return t.view({B, T, H, C / H}).transpose(1, 2); };
-  auto qkv = qkv_->forward(ln1_->forward(x)).chunk(3, -1);
-  at::Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
-  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(C / H));
-  at::Tensor causal = at::ones({T, T}, x.options().dtype(at::kBool)).triu(1);
-  scores = scores.masked_fill(causal, -std::numeric_limits<float>::infinity());
-  at::Tensor attn = at::dropout(at::softmax(scores, -1), options_.dropout, is_training());
-  at::Tensor y = at::matmul(attn, v).transpose(1, 2).contiguous().view({B, T, C});
-  at::Tensor h = x + at::dropout(proj_->forward(y), options_.dropout, is_training());
-  at::Tensor m = fc2_->forward(at::gelu(fc1_->forward(ln2_->forward(h))));
-  return h + at::dropout(m, options_.dropout, is_training());
+  at::Tensor h = x + at::dropout(attention(x), options_.dropout, is_training());
+  return h + at::dropout(mlp(h), options_.dropout, is_training());
 }
 
 StackImpl::StackImpl(const StackOptions& o) {

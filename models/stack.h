@@ -8,6 +8,10 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
+#include <memory>
+
+#include "parallel/layers.h"
+
 namespace remat::models {
 
 struct StackOptions {
@@ -16,19 +20,35 @@ struct StackOptions {
   int64_t n_head = 4;
   int64_t d_ff = 256;
   double dropout = 0.1;
+  // The tensor-parallel group (null or size 1: none). With a group of size tp,
+  // each rank holds n_head / tp heads and d_ff / tp hidden units; dropout on
+  // the attention probabilities (inside the tensor-parallel region) draws from
+  // the RNG tracker's model-parallel state, the other dropouts from the
+  // default generator.
+  parallel::Group tensor_parallel;
 };
 
 // LayerNorm -> causal self-attention -> dropout -> residual,
-// LayerNorm -> MLP (GELU) -> dropout -> residual.
+// LayerNorm -> MLP (GELU) -> dropout -> residual. With tensor parallelism qkv
+// and fc1 are column-parallel, proj and fc2 row-parallel (one all-reduce each
+// for attention and MLP, forward and backward).
 class BlockImpl : public torch::nn::Module {
  public:
   explicit BlockImpl(const StackOptions& options);
   at::Tensor forward(const at::Tensor& x);
 
  private:
+  at::Tensor attention(const at::Tensor& x);
+  at::Tensor mlp(const at::Tensor& h);
+
   StackOptions options_;
+  int tp_ = 1;
   torch::nn::LayerNorm ln1_{nullptr}, ln2_{nullptr};
+  // tp == 1
   torch::nn::Linear qkv_{nullptr}, proj_{nullptr}, fc1_{nullptr}, fc2_{nullptr};
+  // tp > 1, registered under the same names
+  parallel::ColumnParallelLinear qkv_tp_{nullptr}, fc1_tp_{nullptr};
+  parallel::RowParallelLinear proj_tp_{nullptr}, fc2_tp_{nullptr};
 };
 TORCH_MODULE(Block);
 

@@ -208,6 +208,10 @@ const std::vector<Field>& schema() {
               leaf("synchronize_checkpoint_boundary",
                    &ActivationCheckpointingConfig::synchronize_checkpoint_boundary),
               leaf("profile", &ActivationCheckpointingConfig::profile),
+              leaf("offload_min_bytes", &ActivationCheckpointingConfig::offload_min_bytes),
+              leaf("offload_max_in_flight",
+                   &ActivationCheckpointingConfig::offload_max_in_flight),
+              leaf("offload_keep_last", &ActivationCheckpointingConfig::offload_keep_last),
               leaf("variant", &ActivationCheckpointingConfig::variant,
                    {"none", "full", "selective_layer", "selective_op"}),
               leaf("every_k", &ActivationCheckpointingConfig::every_k),
@@ -491,6 +495,20 @@ void check_values(const Config& c, const std::string& source) {
          "number of checkpointed regions per forward (e.g. model.n_layer)");
   }
   positive("activation_checkpointing.number_checkpoints", ac.number_checkpoints);
+  if (ac.contiguous_memory_optimization && !ac.partition_activations && !ac.cpu_checkpointing) {
+    fail(source,
+         "'activation_checkpointing.contiguous_memory_optimization' lays out the partitioned or "
+         "offloaded copies of checkpoint inputs: set 'partition_activations' or "
+         "'cpu_checkpointing' to true as well, or set it to false");
+  }
+  if (ac.offload_min_bytes < 0) {
+    fail(source, str("'activation_checkpointing.offload_min_bytes' = ", ac.offload_min_bytes,
+                     " must be >= 0"));
+  }
+  if (ac.offload_max_in_flight < 1) {
+    fail(source, str("'activation_checkpointing.offload_max_in_flight' = ",
+                     ac.offload_max_in_flight, " must be at least 1"));
+  }
   if (ac.every_k < 1) {
     fail(source, str("'activation_checkpointing.every_k' = ", ac.every_k,
                      " must be at least 1 (1 checkpoints every block)"));

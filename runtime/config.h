@@ -61,6 +61,9 @@ struct ActivationCheckpointingConfig {
   bool synchronize_checkpoint_boundary = false;
   bool profile = false;
   // remat extensions.
+  int64_t offload_min_bytes = 16384;  // cpu_checkpointing: smaller inputs stay
+  int offload_max_in_flight = 2;      // cpu_checkpointing: copies in flight at once
+  bool offload_keep_last = true;      // cpu_checkpointing: the last region's inputs stay
   std::string variant = "none";  // none | full | selective_layer | selective_op
   int every_k = 1;               // selective_layer: checkpoint every k-th block
   std::vector<std::string> save_ops = default_save_ops();

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# remat-train end to end under remat-run (2 ranks): every config runs, the loss
-# sequence is bitwise the same under every checkpointing variant, the default
-# config learns, a resumed run continues bitwise, and bad inputs fail clearly.
+# remat-train end to end under remat-run: every config runs, the loss sequence is
+# bitwise the same under every checkpointing variant (data parallel on 2 ranks,
+# and dp 2 x tp 2 on 4 with partitioned, contiguous and offloaded regions), the
+# default config learns, resumed runs continue bitwise, and bad inputs fail clearly.
 # Prints "[remat-test] N passed, M failed".
 set -uo pipefail
 train="$1"
@@ -79,7 +80,85 @@ else
     "$(paste <(losses "$whole" | tail -10) <(losses "$resumed"))"
 fi
 
-# 5. Bad inputs: a nonzero exit and the message that says what to change.
+# 5. Tensor parallelism on 4 ranks (dp 2 x tp 2), dropout 0.1 inside and
+#    outside the tensor-parallel regions: the same losses bitwise without
+#    checkpointing and with full, partitioned, partitioned + contiguous,
+#    offload, and partitioned + offload + contiguous regions.
+ac=activation_checkpointing
+declare -A tp_variants=(
+  [none]="--set $ac.variant=none"
+  [full]="--set $ac.variant=full"
+  [partitioned]="--set $ac.variant=full --set $ac.partition_activations=true"
+  [partitioned_contiguous]="--set $ac.variant=full --set $ac.partition_activations=true --set $ac.contiguous_memory_optimization=true --set $ac.number_checkpoints=2"
+  [offload]="--set $ac.variant=full --set $ac.cpu_checkpointing=true --set $ac.offload_min_bytes=0"
+  [partitioned_offload_contiguous]="--set $ac.variant=full --set $ac.partition_activations=true --set $ac.cpu_checkpointing=true --set $ac.offload_min_bytes=0 --set $ac.offload_keep_last=false --set $ac.contiguous_memory_optimization=true --set $ac.number_checkpoints=2"
+)
+reference=""
+for variant in none full partitioned partitioned_contiguous offload partitioned_offload_contiguous; do
+  m="$tmp/tp_$variant.jsonl"
+  # shellcheck disable=SC2086
+  out=$("$run" -np 4 -- "$train" --config "$configs_dir/default.json" --steps 20 "${small[@]}" \
+      --set tensor_parallel.size=2 --set model.dropout=0.1 ${tp_variants[$variant]} --metrics "$m" 2>&1)
+  if [[ $? -ne 0 || $(wc -l <"$m") -ne 20 ]]; then
+    fail "tp=2 run $variant" "$out"
+  elif [[ -z "$reference" ]]; then
+    reference=$(losses "$m")
+    pass "tp=2 run $variant (reference)"
+  elif [[ "$(losses "$m")" == "$reference" ]]; then
+    pass "tp=2 on 4 ranks: losses under $variant equal none's bitwise over 20 steps"
+  else
+    fail "tp=2 on 4 ranks: losses under $variant equal none's bitwise over 20 steps" \
+      "$(paste <(echo "$reference") <(losses "$m") | head -5)"
+  fi
+done
+saved() { sed -E 's/.*"ckpt_saved_bytes":([0-9]+).*/\1/' "$1" | head -1; }
+whole_bytes=$(saved "$tmp/tp_full.jsonl")
+part_bytes=$(saved "$tmp/tp_partitioned.jsonl")
+if [[ -n "$whole_bytes" && "$whole_bytes" -gt 0 && $((part_bytes * 2)) -eq "$whole_bytes" ]]; then
+  pass "partitioned regions keep half the bytes at tp=2 ($part_bytes of $whole_bytes)"
+else
+  fail "partitioned regions keep half the bytes at tp=2 ($part_bytes of $whole_bytes)"
+fi
+
+# tp=4: every rank one tensor-parallel group; partitioned equals full.
+m4a="$tmp/tp4_full.jsonl"
+m4b="$tmp/tp4_part.jsonl"
+out1=$("$run" -np 4 -- "$train" --config "$configs_dir/default.json" --steps 5 "${small[@]}" \
+    --set tensor_parallel.size=4 --metrics "$m4a" 2>&1)
+out2=$("$run" -np 4 -- "$train" --config "$configs_dir/default.json" --steps 5 "${small[@]}" \
+    --set tensor_parallel.size=4 --set $ac.partition_activations=true --metrics "$m4b" 2>&1)
+if [[ $(wc -l <"$m4a") -eq 5 && "$(losses "$m4a")" == "$(losses "$m4b")" ]]; then
+  pass "tp=4: partitioned losses equal full's bitwise"
+else
+  fail "tp=4: partitioned losses equal full's bitwise" "$out1" "$out2"
+fi
+
+# Save and resume with tensor parallelism: each rank its own shard.
+tsave="$tmp/tp_save"
+whole="$tmp/tp_whole.jsonl"
+resumed="$tmp/tp_resumed.jsonl"
+out1=$("$run" -np 2 -- "$train" --config "$configs_dir/tp2_partitioned.json" --steps 10 \
+    "${small[@]}" --set train.save_interval=5 --save-dir "$tsave" --metrics "$whole" 2>&1)
+out2=$("$run" -np 2 -- "$train" --config "$configs_dir/tp2_partitioned.json" --steps 10 \
+    "${small[@]}" --resume "$tsave/step_00000005" --metrics "$resumed" 2>&1)
+if [[ $(wc -l <"$resumed") -eq 5 && "$(losses "$whole" | tail -5)" == "$(losses "$resumed")" ]]; then
+  pass "tp=2: resume from step 5 reproduces steps 6-10 bitwise"
+else
+  fail "tp=2: resume from step 5 reproduces steps 6-10 bitwise" "$out1" "$out2"
+fi
+
+# 6. Bad inputs: a nonzero exit and the message that says what to change.
+expect "tensor_parallel.size that does not divide the world" \
+  "tensor_parallel.size=3 does not divide the world size 4: choose one of 1, 2, 4" \
+  "$run" -np 4 -- "$train" --config "$configs_dir/default.json" --set tensor_parallel.size=3
+expect "heads not divisible across tensor-parallel ranks" \
+  "model.n_head (2) and model.d_ff (256) must be multiples of tensor_parallel.size (4)" \
+  "$run" -np 4 -- "$train" --config "$configs_dir/default.json" --set tensor_parallel.size=4 \
+  --set model.n_head=2
+expect "contiguous buffers without number_checkpoints" \
+  "'activation_checkpointing.number_checkpoints' is not set" \
+  "$train" --config "$configs_dir/tp2_partitioned.json" \
+  --set activation_checkpointing.contiguous_memory_optimization=true
 expect "missing config file" "cannot read '$tmp/nope.json'" \
   "$run" -np 2 -- "$train" --config "$tmp/nope.json"
 expect "unknown config key" "unknown key 'model.n_layr'; did you mean 'model.n_layer'?" \

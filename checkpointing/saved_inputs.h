@@ -1,0 +1,144 @@
+// What a checkpoint region keeps of its inputs between forward and recompute.
+//
+// Plain regions keep their input tensors as they are. With the options below,
+// every floating-point tensor input (other than leaf tensors that require
+// grad: parameters stay alive anyway) is stored instead:
+//
+// - partition (partition_activations): each rank of the tensor-parallel group
+//   keeps ceil(numel / size) elements of the flattened input, the last share
+//   padded with zeros; the recompute all-gathers the shares. The inputs must
+//   be the same on every rank of the group (the hidden states of a
+//   tensor-parallel transformer are).
+// - offload (cpu_checkpointing): the kept tensor (or share) moves to host
+//   memory, pinned when it came from a GPU and copied on a side stream; it
+//   returns ahead of its recompute: when a region's backward begins, the
+//   previous region's inputs start coming back (and, partitioned, their
+//   all-gather starts). The last region's inputs stay on the device (they
+//   are needed first) unless offload_keep_last is false; tensors under
+//   offload_min_bytes stay; bool and integer tensors pass through untouched.
+//   On a CPU-only build the same path copies into separate host tensors.
+// - contiguous (contiguous_memory_optimization): the kept shares and offloaded
+//   copies go into one preallocated buffer per argument position with a slot
+//   for each of number_checkpoints regions.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace remat {
+
+class Communicator;
+class ContiguousBuffers;
+
+struct InputStorageOptions {
+  // Keep 1/size of each input on each rank of this group (null or size 1: whole).
+  std::shared_ptr<Communicator> partition_group;
+  bool offload = false;
+  int64_t offload_min_bytes = 16384;
+  int offload_max_in_flight = 2;
+  bool offload_keep_last = true;
+  // Slots for the kept tensors (null: each is its own allocation).
+  std::shared_ptr<ContiguousBuffers> contiguous;
+
+  bool partitioned() const;
+  // Whether any input is stored rather than kept as it is.
+  bool active() const { return partitioned() || offload; }
+};
+
+// Preallocated storage for the kept tensors of up to `number_checkpoints`
+// live regions: one buffer per argument position (allocated at first use,
+// sized by the first region's tensor at that position), one slot per region.
+class ContiguousBuffers {
+ public:
+  explicit ContiguousBuffers(int64_t number_checkpoints);
+  int64_t number_checkpoints() const { return number_checkpoints_; }
+
+  // A slot index for a new region; Error when all are held by live regions.
+  int64_t acquire(const std::string& region);
+  void release(int64_t slot, uint64_t generation);
+  uint64_t generation() const { return generation_; }
+  int64_t slots_in_use() const;
+
+  // Slot `slot` of position `position`'s buffer: `numel` elements of `like`'s
+  // dtype on `device` (pinned host memory when `pinned`).
+  at::Tensor view(int64_t slot, size_t position, int64_t numel, at::ScalarType dtype,
+                  at::Device device, bool pinned, const std::string& region);
+
+  // Frees the buffers; regions alive now keep their own slots' storage.
+  void reset();
+  // Bytes of the buffers allocated now.
+  int64_t allocated_bytes() const;
+
+ private:
+  struct Buffer {
+    at::Tensor storage;  // [number_checkpoints, slot_numel]
+    int64_t slot_numel = 0;
+  };
+  int64_t number_checkpoints_;
+  std::vector<bool> in_use_;
+  std::vector<Buffer> buffers_;
+  uint64_t generation_ = 0;
+};
+
+// Process-wide counters of stored inputs (for tests, metrics and benchmarks).
+struct StoredInputStats {
+  int64_t kept_bytes = 0;          // now: bytes live regions keep for stored inputs
+  int64_t kept_padding_bytes = 0;  // now: of which padding of the last share
+  int64_t gathered_bytes = 0;      // total: bytes of all-gather outputs on recompute
+  int64_t offloaded_bytes = 0;     // total: bytes copied to host
+  int64_t fetched_bytes = 0;       // total: bytes copied back from host
+  int64_t offload_copies = 0;      // total: tensors copied to host
+  int64_t fetch_copies = 0;        // total: tensors copied back
+};
+StoredInputStats stored_input_stats();
+
+// The inputs of one region (see above). Created at the region's forward,
+// restored at its recompute.
+class StoredInputs {
+ public:
+  // `inputs` are the region's tensor inputs in order; `store[i]` says which are
+  // stored (see stores()). Registers the region in the prefetch chain.
+  StoredInputs(const std::vector<at::Tensor>& inputs, const std::vector<bool>& store,
+               InputStorageOptions options, std::string region);
+  ~StoredInputs();
+  StoredInputs(const StoredInputs&) = delete;
+  StoredInputs& operator=(const StoredInputs&) = delete;
+
+  // Whether `t` would be stored under `options` (else kept as it is).
+  static bool stores(const at::Tensor& t, const InputStorageOptions& options);
+
+  // The stored inputs, full size, in order (positions with store[i] false are
+  // undefined). Starts the previous region's fetch first. Each call fetches
+  // and gathers again: once per backward.
+  std::vector<at::Tensor> restore();
+
+  // Frees what is kept (after a backward that does not retain the graph).
+  void release();
+  bool released() const { return released_; }
+
+  // Tensors held now, for tests (kept shares, host copies, prefetched data).
+  std::vector<at::Tensor> held_tensors() const;
+  int64_t kept_bytes() const;
+
+  struct Entry;
+  struct Chain;
+
+ private:
+  friend struct Chain;
+  void offload_now();
+  void prefetch();
+
+  InputStorageOptions options_;
+  std::string region_;
+  std::vector<std::unique_ptr<Entry>> entries_;  // one per input; null when not stored
+  int64_t slot_ = -1;
+  uint64_t slot_generation_ = 0;
+  bool offload_pending_ = false;
+  bool prefetched_ = false;
+  bool released_ = false;
+};
+
+}  // namespace remat

@@ -1,0 +1,289 @@
+#include "parallel/layers.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <cmath>
+#include <unordered_set>
+
+#include "runtime/communicator.h"
+#include "runtime/error.h"
+
+namespace remat::parallel {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+void check_full(const at::Tensor& full, const std::vector<int64_t>& want, const char* layer) {
+  if (full.sizes().vec() != want) {
+    throw Error(str(layer, ": load_full_weight got a ", full.sizes(), " tensor; the full weight is ",
+                    c10::IntArrayRef(want)));
+  }
+}
+
+// Gathers dim-0 shards (rows), uneven allowed, into one tensor in rank order.
+at::Tensor gather_rows(const at::Tensor& local, int64_t full_rows, const Group& group) {
+  const int n = group_size(group);
+  if (n == 1) return local.detach().clone();
+  std::vector<at::Tensor> parts;
+  for (int r = 0; r < n; ++r) {
+    auto sizes = local.sizes().vec();
+    sizes[0] = partition_range(full_rows, n, r).length;
+    parts.push_back(at::empty(sizes, local.options()));
+  }
+  group->allGather(parts, local.detach().contiguous())->wait();
+  return at::cat(parts, 0);
+}
+
+}  // namespace
+
+// --- ColumnParallelLinear ---------------------------------------------------
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(const ParallelLinearOptions& o, Group group)
+    : options_(o), group_(std::move(group)) {
+  REMAT_CHECK_GE(o.stride(), 1, "ColumnParallelLinear stride");
+  if (o.out_features() % o.stride() != 0) {
+    throw Error(str("ColumnParallelLinear: out_features ", o.out_features(),
+                    " is not a multiple of stride ", o.stride()));
+  }
+  if (o.gather_output() && o.stride() > 1 && group_size(group_) > 1) {
+    throw Error("ColumnParallelLinear: gather_output with stride > 1 would interleave the "
+                "blocks; gather each block's output instead");
+  }
+  at::Tensor full = at::empty({o.out_features(), o.in_features()});
+  weight = register_parameter("weight", shard(full).clone());
+  if (o.bias()) bias = register_parameter("bias", at::zeros({weight.size(0)}));
+  torch::NoGradGuard no_grad;
+  load_full_weight(at::empty({o.out_features(), o.in_features()}).normal_(0.0, 0.02));
+}
+
+at::Tensor ColumnParallelLinearImpl::shard(const at::Tensor& full) const {
+  const int n = group_size(group_), r = group_rank(group_);
+  const int64_t block = options_.out_features() / options_.stride();
+  std::vector<at::Tensor> pieces;
+  for (int64_t s = 0; s < options_.stride(); ++s) {
+    Range range = partition_range(block, n, r);
+    pieces.push_back(full.narrow(0, s * block + range.start, range.length));
+  }
+  return pieces.size() == 1 ? pieces[0] : at::cat(pieces, 0);
+}
+
+std::vector<int64_t> ColumnParallelLinearImpl::full_weight_sizes() const {
+  return {options_.out_features(), options_.in_features()};
+}
+
+void ColumnParallelLinearImpl::load_full_weight(const at::Tensor& full) {
+  check_full(full, full_weight_sizes(), "ColumnParallelLinear");
+  torch::NoGradGuard no_grad;
+  weight.copy_(shard(full));
+}
+
+at::Tensor ColumnParallelLinearImpl::gather_full_weight() const {
+  const int n = group_size(group_);
+  const int64_t block = options_.out_features() / options_.stride();
+  // Every rank's rows in rank order, then each rank's rows cut back into blocks.
+  std::vector<int64_t> rows_of(n);
+  for (int r = 0; r < n; ++r) rows_of[r] = partition_range(block, n, r).length * options_.stride();
+  at::Tensor local = weight.detach().contiguous();
+  std::vector<at::Tensor> parts;
+  for (int r = 0; r < n; ++r) parts.push_back(at::empty({rows_of[r], local.size(1)}, local.options()));
+  if (n > 1) {
+    group_->allGather(parts, local)->wait();
+  } else {
+    parts[0] = local.clone();
+  }
+  std::vector<at::Tensor> blocks;
+  for (int64_t s = 0; s < options_.stride(); ++s) {
+    for (int r = 0; r < n; ++r) {
+      const int64_t len = partition_range(block, n, r).length;
+      blocks.push_back(parts[r].narrow(0, s * len, len));
+    }
+  }
+  return at::cat(blocks, 0);
+}
+
+std::vector<at::Tensor> ColumnParallelLinearImpl::sharded_parameters() const {
+  if (group_size(group_) == 1) return {};
+  std::vector<at::Tensor> out{weight};
+  if (bias.defined()) out.push_back(bias);
+  return out;
+}
+
+at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
+  at::Tensor y = at::linear(copy_to_tensor_parallel_region(x, group_), weight, bias);
+  if (options_.gather_output()) y = gather_from_tensor_parallel_region(y, group_, options_.out_features());
+  return y;
+}
+
+// --- RowParallelLinear ------------------------------------------------------
+
+RowParallelLinearImpl::RowParallelLinearImpl(const ParallelLinearOptions& o, Group group)
+    : options_(o), group_(std::move(group)) {
+  Range range = partition_range(o.in_features(), group_size(group_), group_rank(group_));
+  weight = register_parameter("weight", at::empty({o.out_features(), range.length}));
+  if (o.bias()) bias = register_parameter("bias", at::zeros({o.out_features()}));
+  load_full_weight(at::empty({o.out_features(), o.in_features()}).normal_(0.0, 0.02));
+}
+
+std::vector<int64_t> RowParallelLinearImpl::full_weight_sizes() const {
+  return {options_.out_features(), options_.in_features()};
+}
+
+void RowParallelLinearImpl::load_full_weight(const at::Tensor& full) {
+  check_full(full, full_weight_sizes(), "RowParallelLinear");
+  Range range = partition_range(options_.in_features(), group_size(group_), group_rank(group_));
+  torch::NoGradGuard no_grad;
+  weight.copy_(full.narrow(1, range.start, range.length));
+}
+
+at::Tensor RowParallelLinearImpl::gather_full_weight() const {
+  // Columns: gather the transposed shards as rows.
+  return gather_rows(weight.t().contiguous(), options_.in_features(), group_).t().contiguous();
+}
+
+std::vector<at::Tensor> RowParallelLinearImpl::sharded_parameters() const {
+  if (group_size(group_) == 1) return {};
+  return {weight};
+}
+
+at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
+  at::Tensor xp = options_.input_is_parallel() ? x : scatter_to_tensor_parallel_region(x, group_);
+  if (xp.size(-1) != weight.size(1)) {
+    throw Error(str("RowParallelLinear: input has ", xp.size(-1),
+                    " features on this rank but the weight's share expects ", weight.size(1),
+                    " (in_features ", options_.in_features(), " over ", group_size(group_),
+                    " ranks)"));
+  }
+  if (group_size(group_) == 1) return at::linear(xp, weight, bias);
+  at::Tensor y = reduce_from_tensor_parallel_region(at::linear(xp, weight), group_);
+  return bias.defined() ? y + bias : y;
+}
+
+// --- VocabParallelEmbedding -------------------------------------------------
+
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t vocab_size, int64_t dim, Group group)
+    : vocab_size_(vocab_size), dim_(dim), group_(std::move(group)) {
+  range_ = partition_range(vocab_size, group_size(group_), group_rank(group_));
+  weight = register_parameter("weight", at::empty({range_.length, dim}));
+  load_full_weight(at::empty({vocab_size, dim}).normal_(0.0, 0.02));
+}
+
+std::vector<int64_t> VocabParallelEmbeddingImpl::full_weight_sizes() const {
+  return {vocab_size_, dim_};
+}
+
+void VocabParallelEmbeddingImpl::load_full_weight(const at::Tensor& full) {
+  check_full(full, full_weight_sizes(), "VocabParallelEmbedding");
+  torch::NoGradGuard no_grad;
+  weight.copy_(full.narrow(0, range_.start, range_.length));
+}
+
+at::Tensor VocabParallelEmbeddingImpl::gather_full_weight() const {
+  return gather_rows(weight, vocab_size_, group_);
+}
+
+std::vector<at::Tensor> VocabParallelEmbeddingImpl::sharded_parameters() const {
+  if (group_size(group_) == 1) return {};
+  return {weight};
+}
+
+at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& idx) {
+  if (group_size(group_) == 1) return at::embedding(weight, idx);
+  at::Tensor outside = (idx < range_.start).logical_or(idx >= range_.start + range_.length);
+  at::Tensor local = (idx - range_.start).masked_fill(outside, 0);
+  at::Tensor out = at::embedding(weight, local).masked_fill(outside.unsqueeze(-1), 0.0);
+  return reduce_from_tensor_parallel_region(out, group_);
+}
+
+// --- vocab_parallel_cross_entropy -------------------------------------------
+
+namespace {
+
+struct GroupHolder : torch::CustomClassHolder {
+  explicit GroupHolder(Group g) : group(std::move(g)) {}
+  Group group;
+};
+
+struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits,
+                            const at::Tensor& target, int64_t vocab_start, Group group) {
+    at::Tensor x = logits.detach();
+    at::Tensor max = std::get<0>(x.max(-1));
+    group->allReduce(max, {ReduceOp::kMax})->wait();
+    at::Tensor shifted = x - max.unsqueeze(-1);
+    const int64_t share = x.size(-1);
+    at::Tensor outside = (target < vocab_start).logical_or(target >= vocab_start + share);
+    at::Tensor local = (target - vocab_start).masked_fill(outside, 0);
+    at::Tensor predicted =
+        shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0);
+    at::Tensor exp = shifted.exp();
+    at::Tensor sum_exp = exp.sum(-1);
+    // One all-reduce for both sums.
+    at::Tensor sums = at::stack({predicted, sum_exp});
+    group->allReduce(sums)->wait();
+    at::Tensor loss = sums[1].log() - sums[0];
+    exp.div_(sums[1].unsqueeze(-1));  // softmax of this rank's share
+    ctx->save_for_backward({exp, local, outside});
+    return loss;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    at::Tensor grad = saved[0].clone();
+    at::Tensor inside = saved[2].logical_not().to(grad.scalar_type());
+    grad.scatter_add_(-1, saved[1].unsqueeze(-1), -inside.unsqueeze(-1));
+    grad.mul_(grads[0].unsqueeze(-1));
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& target,
+                                        int64_t vocab_start, const Group& group) {
+  REMAT_CHECK_EQ(logits.dim(), 2, "vocab_parallel_cross_entropy: logits must be [N, share]");
+  REMAT_CHECK_EQ(target.dim(), 1, "vocab_parallel_cross_entropy: target must be [N]");
+  REMAT_CHECK_EQ(logits.size(0), target.size(0), "vocab_parallel_cross_entropy: N");
+  if (group_size(group) == 1) {
+    return at::cross_entropy_loss(logits, target, {}, at::Reduction::None);
+  }
+  return VocabParallelCrossEntropy::apply(logits, target, vocab_start, group);
+}
+
+// --- helpers ----------------------------------------------------------------
+
+std::vector<at::Tensor> sharded_parameters(const torch::nn::Module& module) {
+  std::vector<at::Tensor> out;
+  for (const auto& m : module.modules(/*include_self=*/true)) {
+    if (auto* tp = dynamic_cast<const TensorParallelModule*>(m.get())) {
+      for (auto& p : tp->sharded_parameters()) out.push_back(p);
+    }
+  }
+  return out;
+}
+
+double clip_grad_norm(const std::vector<at::Tensor>& parameters,
+                      const std::vector<at::Tensor>& sharded, double max_norm, const Group& group) {
+  std::unordered_set<const void*> is_sharded;
+  for (const auto& p : sharded) is_sharded.insert(p.unsafeGetTensorImpl());
+  at::Tensor sq = at::zeros({2}, at::kDouble);  // [sharded, replicated]
+  for (const auto& p : parameters) {
+    if (!p.grad().defined()) continue;
+    double n = p.grad().norm().item<double>();
+    sq[is_sharded.count(p.unsafeGetTensorImpl()) ? 0 : 1] += n * n;
+  }
+  at::Tensor sharded_sq = sq.narrow(0, 0, 1).clone();
+  if (group_size(group) > 1) group->allReduce(sharded_sq)->wait();
+  const double total = std::sqrt(sharded_sq.item<double>() + sq[1].item<double>());
+  const double coef = max_norm / (total + 1e-6);
+  if (coef < 1) {
+    torch::NoGradGuard no_grad;
+    for (const auto& p : parameters) {
+      if (p.grad().defined()) p.grad().mul_(coef);
+    }
+  }
+  return total;
+}
+
+}  // namespace remat::parallel

@@ -1,0 +1,138 @@
+// Tensor-parallel layers (Megatron's scheme) over a tensor-parallel group.
+//
+//   ColumnParallelLinear  weight rows (output features) split across ranks;
+//                         input copied into the region, output kept split
+//                         unless gather_output.
+//   RowParallelLinear     weight columns (input features) split; the partial
+//                         products are summed by an all-reduce, then the bias.
+//   VocabParallelEmbedding  vocabulary rows split; each rank looks up its own
+//                         rows, zeros elsewhere, and the sum is all-reduced.
+//   vocab_parallel_cross_entropy  the loss over vocabulary-split logits
+//                         without gathering them.
+//
+// Weights are initialised from a full-size tensor drawn on every rank
+// (load_full_weight), each rank keeping its shard, so a model built at any
+// tensor-parallel size holds the same full weights and computes the same
+// function. With a null group or a group of size 1 the layers are plain ones.
+//
+//   auto fc1 = ColumnParallelLinear(ParallelLinearOptions(d, 4 * d), layout.tp_group());
+//   auto fc2 = RowParallelLinear(ParallelLinearOptions(4 * d, d).input_is_parallel(true), group);
+//   y = fc2(at::gelu(fc1(x)));
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <vector>
+
+#include "parallel/mappings.h"
+
+namespace remat::parallel {
+
+struct ParallelLinearOptions {
+  ParallelLinearOptions(int64_t in, int64_t out) : in_features_(in), out_features_(out) {}
+  TORCH_ARG(int64_t, in_features);
+  TORCH_ARG(int64_t, out_features);
+  TORCH_ARG(bool, bias) = true;
+  // Column: all-gather the output to full width (else each rank keeps its share).
+  TORCH_ARG(bool, gather_output) = false;
+  // Column: the output features are `stride` equal blocks (q | k | v), each split
+  // across ranks on its own, so that a rank holds its share of every block.
+  TORCH_ARG(int64_t, stride) = 1;
+  // Row: the input already arrives split along its last dimension.
+  TORCH_ARG(bool, input_is_parallel) = false;
+};
+
+// What a sharded layer has in common: the full weight it is cut from and the
+// parameters that differ across tensor-parallel ranks (the others are
+// replicated, with equal gradients on every rank).
+class TensorParallelModule {
+ public:
+  virtual ~TensorParallelModule() = default;
+  virtual std::vector<int64_t> full_weight_sizes() const = 0;
+  // Keeps this rank's shard of `full` (same on every rank) as the weight.
+  virtual void load_full_weight(const at::Tensor& full) = 0;
+  // The full weight, gathered from every rank (collective over the group).
+  virtual at::Tensor gather_full_weight() const = 0;
+  virtual std::vector<at::Tensor> sharded_parameters() const = 0;
+};
+
+class ColumnParallelLinearImpl : public torch::nn::Module, public TensorParallelModule {
+ public:
+  ColumnParallelLinearImpl(const ParallelLinearOptions& options, Group group);
+  at::Tensor forward(const at::Tensor& x);
+
+  std::vector<int64_t> full_weight_sizes() const override;
+  void load_full_weight(const at::Tensor& full) override;
+  at::Tensor gather_full_weight() const override;
+  std::vector<at::Tensor> sharded_parameters() const override;
+  int64_t local_out_features() const { return weight.size(0); }
+
+  at::Tensor weight, bias;
+
+ private:
+  // This rank's rows of a tensor whose dim 0 has out_features rows.
+  at::Tensor shard(const at::Tensor& full) const;
+
+  ParallelLinearOptions options_;
+  Group group_;
+};
+TORCH_MODULE(ColumnParallelLinear);
+
+class RowParallelLinearImpl : public torch::nn::Module, public TensorParallelModule {
+ public:
+  RowParallelLinearImpl(const ParallelLinearOptions& options, Group group);
+  at::Tensor forward(const at::Tensor& x);
+
+  std::vector<int64_t> full_weight_sizes() const override;
+  void load_full_weight(const at::Tensor& full) override;
+  at::Tensor gather_full_weight() const override;
+  std::vector<at::Tensor> sharded_parameters() const override;
+
+  at::Tensor weight, bias;  // the bias is replicated
+
+ private:
+  ParallelLinearOptions options_;
+  Group group_;
+};
+TORCH_MODULE(RowParallelLinear);
+
+class VocabParallelEmbeddingImpl : public torch::nn::Module, public TensorParallelModule {
+ public:
+  VocabParallelEmbeddingImpl(int64_t vocab_size, int64_t dim, Group group);
+  // idx: token ids in [0, vocab_size). Returns [..., dim], the same on every rank.
+  at::Tensor forward(const at::Tensor& idx);
+
+  std::vector<int64_t> full_weight_sizes() const override;
+  void load_full_weight(const at::Tensor& full) override;
+  at::Tensor gather_full_weight() const override;
+  std::vector<at::Tensor> sharded_parameters() const override;
+  Range vocab_range() const { return range_; }
+
+  at::Tensor weight;
+
+ private:
+  int64_t vocab_size_, dim_;
+  Range range_;
+  Group group_;
+};
+TORCH_MODULE(VocabParallelEmbedding);
+
+// Per-token cross-entropy of logits split along the vocabulary: `logits` is
+// [N, share] holding columns [vocab_start, vocab_start + share) of the full
+// [N, vocab] logits, `target` [N] holds full-vocabulary ids. Returns [N] losses,
+// the same on every rank; the gradient flows to each rank's share only.
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& target,
+                                        int64_t vocab_start, const Group& group);
+
+// The parameters of `module` and its descendants that are sharded across the
+// tensor-parallel group (weights of the layers above, column biases).
+std::vector<at::Tensor> sharded_parameters(const torch::nn::Module& module);
+
+// Clips gradients by the global L2 norm over a tensor-parallel model: sharded
+// parameters' squares are summed across the group, replicated ones counted
+// once. Returns the norm before clipping, the same on every rank.
+double clip_grad_norm(const std::vector<at::Tensor>& parameters,
+                      const std::vector<at::Tensor>& sharded, double max_norm, const Group& group);
+
+}  // namespace remat::parallel

@@ -1,0 +1,147 @@
+#include "parallel/mappings.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <atomic>
+
+#include "runtime/communicator.h"
+#include "runtime/error.h"
+
+namespace remat::parallel {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+std::atomic<int64_t> g_comm_bytes{0};
+
+// Lets the group ride in ctx->saved_data.
+struct GroupHolder : torch::CustomClassHolder {
+  explicit GroupHolder(Group g) : group(std::move(g)) {}
+  Group group;
+};
+
+void keep_group(AutogradContext* ctx, const Group& group) {
+  ctx->saved_data["group"] = c10::IValue::make_capsule(c10::make_intrusive<GroupHolder>(group));
+}
+
+const Group& group_of(AutogradContext* ctx) {
+  return static_cast<GroupHolder*>(ctx->saved_data["group"].toCapsule().get())->group;
+}
+
+at::Tensor all_reduce(const at::Tensor& x, const Group& group) {
+  at::Tensor out = x.contiguous().clone();
+  group->allReduce(out)->wait();
+  g_comm_bytes += out.nbytes();
+  return out;
+}
+
+// Concatenates every rank's x along the last dimension; rank r's last
+// dimension is partition_range(full, size, r).length.
+at::Tensor all_gather_last(const at::Tensor& x, const Group& group, int64_t full) {
+  const int n = group->size();
+  std::vector<at::Tensor> parts;
+  for (int r = 0; r < n; ++r) {
+    auto sizes = x.sizes().vec();
+    sizes.back() = partition_range(full, n, r).length;
+    parts.push_back(at::empty(sizes, x.options()));
+  }
+  at::Tensor input = x.contiguous();
+  group->allGather(parts, input)->wait();
+  g_comm_bytes += input.nbytes();
+  return at::cat(parts, -1);
+}
+
+at::Tensor own_chunk(const at::Tensor& x, const Group& group) {
+  Range range = partition_range(x.size(-1), group->size(), group->rank());
+  return x.narrow(-1, range.start, range.length).contiguous();
+}
+
+struct CopyToRegion : torch::autograd::Function<CopyToRegion> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Group group) {
+    keep_group(ctx, group);
+    return x;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {all_reduce(grads[0], group_of(ctx)), at::Tensor()};
+  }
+};
+
+struct ReduceFromRegion : torch::autograd::Function<ReduceFromRegion> {
+  static at::Tensor forward(AutogradContext*, const at::Tensor& x, Group group) {
+    return all_reduce(x, group);
+  }
+  static variable_list backward(AutogradContext*, variable_list grads) {
+    return {grads[0], at::Tensor()};
+  }
+};
+
+struct ScatterToRegion : torch::autograd::Function<ScatterToRegion> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Group group) {
+    keep_group(ctx, group);
+    ctx->saved_data["full"] = x.size(-1);
+    return own_chunk(x, group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {all_gather_last(grads[0], group_of(ctx), ctx->saved_data["full"].toInt()),
+            at::Tensor()};
+  }
+};
+
+struct GatherFromRegion : torch::autograd::Function<GatherFromRegion> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Group group,
+                            int64_t full) {
+    keep_group(ctx, group);
+    return all_gather_last(x, group, full);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {own_chunk(grads[0], group_of(ctx)), at::Tensor(), at::Tensor()};
+  }
+};
+
+bool fast_path(const Group& group) { return group_size(group) == 1; }
+
+}  // namespace
+
+int group_size(const Group& group) { return group ? group->size() : 1; }
+int group_rank(const Group& group) { return group ? group->rank() : 0; }
+
+Range partition_range(int64_t n, int parts, int rank) {
+  REMAT_CHECK_GE(parts, 1, "partition_range: number of parts");
+  REMAT_CHECK(rank >= 0 && rank < parts, "partition_range: rank ", rank, " of ", parts);
+  const int64_t base = n / parts, extra = n % parts;
+  return {rank * base + std::min<int64_t>(rank, extra), base + (rank < extra ? 1 : 0)};
+}
+
+at::Tensor copy_to_tensor_parallel_region(const at::Tensor& x, const Group& group) {
+  if (fast_path(group)) return x;
+  return CopyToRegion::apply(x, group);
+}
+
+at::Tensor reduce_from_tensor_parallel_region(const at::Tensor& x, const Group& group) {
+  if (fast_path(group)) return x;
+  return ReduceFromRegion::apply(x, group);
+}
+
+at::Tensor scatter_to_tensor_parallel_region(const at::Tensor& x, const Group& group) {
+  if (fast_path(group)) return x;
+  return ScatterToRegion::apply(x, group);
+}
+
+at::Tensor gather_from_tensor_parallel_region(const at::Tensor& x, const Group& group,
+                                              int64_t full) {
+  if (fast_path(group)) return x;
+  if (full < 0) full = x.size(-1) * group->size();
+  Range mine = partition_range(full, group->size(), group->rank());
+  if (x.size(-1) != mine.length) {
+    throw Error(str("gather_from_tensor_parallel_region: rank ", group->rank(), " holds ",
+                    x.size(-1), " of ", full, " columns but its share is ", mine.length,
+                    " (shares are split as evenly as possible, the first ranks taking one more)"));
+  }
+  return GatherFromRegion::apply(x, group, full);
+}
+
+int64_t tensor_parallel_comm_bytes() { return g_comm_bytes.load(); }
+
+}  // namespace remat::parallel

@@ -1,0 +1,51 @@
+// Tensor-parallel communication as named autograd pairs.
+//
+//   copy_to_tensor_parallel_region      identity forward,        all-reduce backward
+//   reduce_from_tensor_parallel_region  all-reduce forward,      identity backward
+//   scatter_to_tensor_parallel_region   keep own last-dim chunk, all-gather backward
+//   gather_from_tensor_parallel_region  all-gather last dim,     keep own chunk backward
+//
+// `group` is the tensor-parallel communicator (layout.tp_group()). A null group
+// or a group of size 1 is the fast path: the input comes back unchanged and no
+// autograd node is added. Every rank of the group must make the same calls in
+// the same order, forward and backward (the usual collective contract).
+//
+// Last-dimension chunks may be uneven: rank r holds partition_range(n, size, r).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+
+namespace remat {
+class Communicator;
+}
+
+namespace remat::parallel {
+
+using Group = std::shared_ptr<Communicator>;
+
+int group_size(const Group& group);
+int group_rank(const Group& group);
+
+// Rank `rank`'s share of `n` items split across `parts`: the first n % parts
+// ranks get one more. `start` is the offset of the share.
+struct Range {
+  int64_t start = 0;
+  int64_t length = 0;
+};
+Range partition_range(int64_t n, int parts, int rank);
+
+at::Tensor copy_to_tensor_parallel_region(const at::Tensor& x, const Group& group);
+at::Tensor reduce_from_tensor_parallel_region(const at::Tensor& x, const Group& group);
+at::Tensor scatter_to_tensor_parallel_region(const at::Tensor& x, const Group& group);
+// `full`: the gathered last-dimension size; -1 when every rank holds the same
+// size (then full = size x x.size(-1)).
+at::Tensor gather_from_tensor_parallel_region(const at::Tensor& x, const Group& group,
+                                              int64_t full = -1);
+
+// Bytes the mappings moved through collectives on this process (cumulative).
+int64_t tensor_parallel_comm_bytes();
+
+}  // namespace remat::parallel

@@ -1,0 +1,218 @@
+// Tensor-parallel mappings and layers under mpirun at world sizes 1, 2 and 4,
+// the whole world being one tensor-parallel group. Closed forms where the
+// values allow them; against the plain layer otherwise.
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/nn/modules/embedding.h>
+
+#include "parallel/layers.h"
+#include "parallel/mappings.h"
+#include "runtime/error.h"
+#include "runtime/layout.h"
+#include "runtime/runtime.h"
+#include "tests/error_of.h"
+
+namespace remat::parallel {
+namespace {
+
+using ::testing::HasSubstr;
+using remat::testing::error_of;
+
+Group world() {
+  static Group w = Runtime::init().world(Backend::kMpi);
+  return w;
+}
+
+// Float32 results of sums taken in another order agree to a few ulps of the
+// magnitudes involved (values here are O(1), sums of at most 64 terms).
+constexpr double kTol = 1e-5;
+
+TEST(Mappings, PartitionRangeCoversEveryItemOnce) {
+  for (int parts : {1, 2, 3, 4, 7}) {
+    for (int64_t n : {0, 1, 5, 8, 37}) {
+      int64_t next = 0;
+      for (int r = 0; r < parts; ++r) {
+        Range range = partition_range(n, parts, r);
+        EXPECT_EQ(range.start, next);
+        EXPECT_LE(range.length, (n + parts - 1) / parts);
+        EXPECT_GE(range.length, n / parts);
+        next += range.length;
+      }
+      EXPECT_EQ(next, n);
+    }
+  }
+}
+
+TEST(Mappings, CopyToIsIdentityForwardAllReduceBackward) {
+  auto g = world();
+  const int n = g->size(), r = g->rank();
+  at::Tensor x = at::ones({3, 4}).requires_grad_(true);
+  at::Tensor y = copy_to_tensor_parallel_region(x, g);
+  EXPECT_TRUE(at::equal(y, x));
+  (y * (r + 1)).sum().backward();
+  EXPECT_TRUE(at::equal(x.grad(), at::full({3, 4}, n * (n + 1) / 2.0)));
+}
+
+TEST(Mappings, ReduceFromIsAllReduceForwardIdentityBackward) {
+  auto g = world();
+  const int n = g->size(), r = g->rank();
+  at::Tensor x = at::full({2, 5}, r + 1.0).requires_grad_(true);
+  at::Tensor y = reduce_from_tensor_parallel_region(x, g);
+  EXPECT_TRUE(at::equal(y, at::full({2, 5}, n * (n + 1) / 2.0)));
+  (y * 3).sum().backward();
+  EXPECT_TRUE(at::equal(x.grad(), at::full({2, 5}, 3.0)));
+}
+
+TEST(Mappings, ScatterAndGatherAlongTheLastDimensionUneven) {
+  auto g = world();
+  const int n = g->size(), r = g->rank();
+  const int64_t cols = 2 * n + 1;  // uneven on purpose
+  at::Tensor full = at::arange(3 * cols, at::kFloat).view({3, cols});
+  at::Tensor x = full.clone().requires_grad_(true);
+  at::Tensor mine = scatter_to_tensor_parallel_region(x, g);
+  Range range = partition_range(cols, n, r);
+  EXPECT_TRUE(at::equal(mine, full.narrow(1, range.start, range.length)));
+  at::Tensor back = gather_from_tensor_parallel_region(mine, g, cols);
+  EXPECT_TRUE(at::equal(back, full));
+  // Gather's backward keeps this rank's chunk of (r + 1); scatter's backward
+  // gathers the chunks, so column c holds (owner of c) + 1.
+  (back * (r + 1)).sum().backward();
+  at::Tensor want = at::empty({3, cols});
+  for (int q = 0; q < n; ++q) {
+    Range rq = partition_range(cols, n, q);
+    want.narrow(1, rq.start, rq.length).fill_(q + 1);
+  }
+  EXPECT_TRUE(at::equal(x.grad(), want));
+}
+
+TEST(Mappings, GatherRefusesAWrongShare) {
+  auto g = world();
+  if (g->size() == 1) {  // the fast path hands the input back untouched
+    at::Tensor t = at::ones({2, 3});
+    EXPECT_TRUE(gather_from_tensor_parallel_region(t, g, 100).is_same(t));
+    return;
+  }
+  EXPECT_THAT(error_of<Error>([&] { gather_from_tensor_parallel_region(at::ones({2, 3}), g, 100); }),
+              HasSubstr("holds 3 of 100 columns"));
+}
+
+TEST(Layers, ColumnAndRowParallelMatchThePlainLinearAndGatherTheSameWeights) {
+  auto g = world();
+  at::manual_seed(7);
+  const int64_t in = 8, hidden = 12, out = 6;
+  ColumnParallelLinear col(ParallelLinearOptions(in, hidden), g);
+  RowParallelLinear row(ParallelLinearOptions(hidden, out).input_is_parallel(true), g);
+  // Full weights drawn the same on every rank.
+  at::Tensor w1 = at::randn({hidden, in}), w2 = at::randn({out, hidden});
+  col->load_full_weight(w1);
+  row->load_full_weight(w2);
+  EXPECT_TRUE(at::equal(col->gather_full_weight(), w1));
+  EXPECT_TRUE(at::equal(row->gather_full_weight(), w2));
+  {
+    torch::NoGradGuard no_grad;
+    col->bias.fill_(0.25);
+    row->bias.fill_(-0.5);
+  }
+  at::Tensor x = at::randn({4, in});
+  at::Tensor xp = x.clone().requires_grad_(true), xr = x.clone().requires_grad_(true);
+  at::Tensor yp = row(at::gelu(col(xp)));
+  at::Tensor yr = at::linear(at::gelu(at::linear(xr, w1, at::full({hidden}, 0.25))), w2,
+                             at::full({out}, -0.5));
+  EXPECT_TRUE(at::allclose(yp, yr, kTol, kTol)) << (yp - yr).abs().max();
+  yp.sum().backward();
+  yr.sum().backward();
+  EXPECT_TRUE(at::allclose(xp.grad(), xr.grad(), kTol, kTol));
+  EXPECT_EQ(sharded_parameters(*col).size(), g->size() > 1 ? 2u : 0u);  // weight, bias
+  EXPECT_EQ(sharded_parameters(*row).size(), g->size() > 1 ? 1u : 0u);  // weight only
+}
+
+TEST(Layers, StridedColumnKeepsEachRanksShareOfEveryBlock) {
+  auto g = world();
+  const int n = g->size(), r = g->rank();
+  const int64_t d = 8;  // rows per block of q | k | v; divisible by 1, 2 and 4
+  ColumnParallelLinear qkv(ParallelLinearOptions(2, 3 * d).stride(3).bias(false), g);
+  at::Tensor full = at::arange(3 * d * 2, at::kFloat).view({3 * d, 2});
+  qkv->load_full_weight(full);
+  const int64_t share = d / n;
+  for (int64_t s = 0; s < 3; ++s) {
+    EXPECT_TRUE(at::equal(qkv->weight.narrow(0, s * share, share),
+                          full.narrow(0, s * d + r * share, share)))
+        << "block " << s;
+  }
+  EXPECT_TRUE(at::equal(qkv->gather_full_weight(), full));
+}
+
+TEST(Layers, GatherOutputGivesTheFullWidthUneven) {
+  auto g = world();
+  const int64_t out = 2 * g->size() + 1;
+  ColumnParallelLinear col(ParallelLinearOptions(3, out).gather_output(true), g);
+  at::Tensor w = at::randn({out, 3});
+  col->load_full_weight(w);
+  at::Tensor x = at::randn({5, 3});
+  at::Tensor y = col(x);
+  ASSERT_EQ(y.size(-1), out);
+  EXPECT_TRUE(at::allclose(y, at::linear(x, w, at::zeros({out})), kTol, kTol));
+}
+
+TEST(Layers, VocabParallelEmbeddingEqualsThePlainLookupBitwise) {
+  auto g = world();
+  const int64_t vocab = 37, dim = 5;  // uneven across 2 and 4 ranks
+  VocabParallelEmbedding emb(vocab, dim, g);
+  at::Tensor w = at::randn({vocab, dim});
+  emb->load_full_weight(w);
+  EXPECT_TRUE(at::equal(emb->gather_full_weight(), w));
+  at::Tensor idx = at::arange(vocab, at::kLong).view({1, vocab}).repeat({2, 1});
+  // Each row is held by one rank; the others add exact zeros.
+  EXPECT_TRUE(at::equal(emb(idx), at::embedding(w, idx)));
+}
+
+TEST(Layers, VocabParallelCrossEntropyMatchesTheFullLoss) {
+  auto g = world();
+  const int64_t vocab = 37, tokens = 11;
+  at::manual_seed(3);
+  at::Tensor logits = at::randn({tokens, vocab}) * 3;
+  at::Tensor target = at::randint(vocab, {tokens}, at::kLong);
+  Range range = partition_range(vocab, g->size(), g->rank());
+  at::Tensor mine = logits.narrow(1, range.start, range.length).clone().requires_grad_(true);
+  at::Tensor full = logits.clone().requires_grad_(true);
+  at::Tensor loss_p = vocab_parallel_cross_entropy(mine, target, range.start, g);
+  at::Tensor loss_f = at::cross_entropy_loss(full, target, {}, at::Reduction::None);
+  EXPECT_TRUE(at::allclose(loss_p, loss_f, kTol, kTol)) << (loss_p - loss_f).abs().max();
+  (loss_p * at::arange(tokens, at::kFloat)).sum().backward();
+  (loss_f * at::arange(tokens, at::kFloat)).sum().backward();
+  EXPECT_TRUE(at::allclose(mine.grad(), full.grad().narrow(1, range.start, range.length), kTol, kTol));
+}
+
+TEST(Layers, RowParallelRefusesAnInputOfTheWrongWidth) {
+  auto g = world();
+  RowParallelLinear row(ParallelLinearOptions(8, 3).input_is_parallel(true), g);
+  EXPECT_THAT(error_of<Error>([&] { row(at::ones({2, 9})); }),
+              HasSubstr("the weight's share expects"));
+}
+
+TEST(Layers, ClipGradNormCountsShardsOnceAcrossTheGroup) {
+  auto g = world();
+  const int n = g->size();
+  // A sharded parameter whose gradient is 1 everywhere on each rank (4
+  // elements per rank) and a replicated one with gradient 2 (1 element).
+  at::Tensor sharded = at::zeros({4}).requires_grad_(true);
+  at::Tensor replicated = at::zeros({1}).requires_grad_(true);
+  sharded.mutable_grad() = at::ones({4});
+  replicated.mutable_grad() = at::full({1}, 2.0);
+  std::vector<at::Tensor> sharded_list = n > 1 ? std::vector<at::Tensor>{sharded} : std::vector<at::Tensor>{};
+  const double norm = clip_grad_norm({sharded, replicated}, sharded_list, 1e9, g);
+  const double want = std::sqrt((n > 1 ? 4.0 * n : 4.0) + 4.0);
+  EXPECT_NEAR(norm, want, 1e-9);
+  clip_grad_norm({sharded, replicated}, sharded_list, want / 2, g);
+  EXPECT_NEAR(replicated.grad().item<double>(), 1.0, 1e-5);
+}
+
+TEST(Layout, AWorldThatTheTensorParallelSizeDoesNotDivideIsRefused) {
+  const int n = world()->size();
+  EXPECT_THAT(error_of<ConfigError>([&] { ParallelDims::from_world(n, 3); }),
+              HasSubstr(n == 4 ? "choose one of 1, 2, 4" : (n == 2 ? "choose one of 1, 2" : "choose one of 1")));
+}
+
+}  // namespace
+}  // namespace remat::parallel
