@@ -38,6 +38,7 @@ ContiguousBuffers::ContiguousBuffers(int64_t number_checkpoints)
 }
 
 int64_t ContiguousBuffers::acquire(const std::string& region) {
+  std::lock_guard<std::mutex> lock(mutex_);
   for (int64_t i = 0; i < number_checkpoints_; ++i) {
     if (!in_use_[i]) {
       in_use_[i] = true;
@@ -52,16 +53,19 @@ int64_t ContiguousBuffers::acquire(const std::string& region) {
 }
 
 void ContiguousBuffers::release(int64_t slot, uint64_t generation) {
+  std::lock_guard<std::mutex> lock(mutex_);
   if (generation == generation_ && slot >= 0 && slot < number_checkpoints_) in_use_[slot] = false;
 }
 
 int64_t ContiguousBuffers::slots_in_use() const {
+  std::lock_guard<std::mutex> lock(mutex_);
   return std::count(in_use_.begin(), in_use_.end(), true);
 }
 
 at::Tensor ContiguousBuffers::view(int64_t slot, size_t position, int64_t numel,
                                    at::ScalarType dtype, at::Device device, bool pinned,
                                    const std::string& region) {
+  std::lock_guard<std::mutex> lock(mutex_);
   if (buffers_.size() <= position) buffers_.resize(position + 1);
   Buffer& b = buffers_[position];
   const bool fits = b.storage.defined() && b.storage.scalar_type() == dtype &&
@@ -69,7 +73,7 @@ at::Tensor ContiguousBuffers::view(int64_t slot, size_t position, int64_t numel,
   if (!fits) {
     // Reallocating would move the slots of live regions: only when none is
     // held besides the one asking.
-    if (b.storage.defined() && slots_in_use() > 1) {
+    if (b.storage.defined() && std::count(in_use_.begin(), in_use_.end(), true) > 1) {
       throw Error(str("contiguous_memory_optimization: argument ", position, " of region '",
                       region, "' needs ", numel, " elements of ", c10::toString(dtype), " on ",
                       device.str(), " but its buffer's slots hold ", b.slot_numel, " of ",
@@ -85,12 +89,14 @@ at::Tensor ContiguousBuffers::view(int64_t slot, size_t position, int64_t numel,
 }
 
 void ContiguousBuffers::reset() {
+  std::lock_guard<std::mutex> lock(mutex_);
   buffers_.clear();
   std::fill(in_use_.begin(), in_use_.end(), false);
   ++generation_;
 }
 
 int64_t ContiguousBuffers::allocated_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
   int64_t n = 0;
   for (const auto& b : buffers_) n += b.storage.defined() ? b.storage.nbytes() : 0;
   return n;

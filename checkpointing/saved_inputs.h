@@ -26,6 +26,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <vector>
 
 namespace remat {
@@ -81,6 +83,9 @@ class ContiguousBuffers {
   std::vector<bool> in_use_;
   std::vector<Buffer> buffers_;
   uint64_t generation_ = 0;
+  // Regions take slots in forward and free them in backward, which may run on
+  // another thread (autograd's device threads).
+  mutable std::mutex mutex_;
 };
 
 // Process-wide counters of stored inputs (for tests, metrics and benchmarks).
