@@ -15,6 +15,7 @@ namespace {
 
 std::mutex g_mutex;
 std::unordered_map<const torch::nn::Module*, CheckpointOptions> g_plans;
+std::unordered_map<const torch::nn::Module*, std::shared_ptr<UnitWrapper>> g_wrappers;
 
 // "torch::nn::Linear" rather than the class name "torch::nn::LinearImpl".
 std::string type_of(const torch::nn::Module& m) {
@@ -78,6 +79,30 @@ PolicyOptions PolicyOptions::from_config(const ActivationCheckpointingConfig& co
   options.checkpoint.profile = config.profile;
   return options;
 }
+
+void set_unit_wrapper(const torch::nn::Module* module, std::shared_ptr<UnitWrapper> wrapper) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (wrapper) {
+    g_wrappers[module] = std::move(wrapper);
+  } else {
+    g_wrappers.erase(module);
+  }
+}
+
+namespace detail {
+
+UnitWrapper* unit_wrapper_for(const torch::nn::Module* module) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_wrappers.find(module);
+  return it == g_wrappers.end() ? nullptr : it->second.get();
+}
+
+void wrapped_unit_signature_error(const torch::nn::Module* module) {
+  throw Error(str("remat::forward: ", type_of(*module), " is a sharded unit, and sharded units "
+                  "take one tensor and return one tensor; wrap its other arguments in the module"));
+}
+
+}  // namespace detail
 
 void remove_activation_checkpointing(torch::nn::Module& model) {
   std::lock_guard<std::mutex> lock(g_mutex);

@@ -60,4 +60,23 @@ void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
   for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
 }
 
+int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer) {
+  int64_t n = 0;
+  auto add = [&](const at::Tensor& t) { n += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0; };
+  for (const auto& [key, state] : optimizer.state()) {
+    if (auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(state.get())) {
+      add(s->exp_avg());
+      add(s->exp_avg_sq());
+      add(s->max_exp_avg_sq());
+    } else if (auto* s = dynamic_cast<const torch::optim::AdamParamState*>(state.get())) {
+      add(s->exp_avg());
+      add(s->exp_avg_sq());
+      add(s->max_exp_avg_sq());
+    } else if (auto* s = dynamic_cast<const torch::optim::SGDParamState*>(state.get())) {
+      add(s->momentum_buffer());
+    }
+  }
+  return n;
+}
+
 }  // namespace remat

@@ -24,4 +24,8 @@ double learning_rate(const OptimizerConfig& optimizer, const SchedulerConfig& sc
 
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr);
 
+// Bytes of the optimizer's per-parameter state tensors (Adam's moments, SGD's
+// momentum buffers).
+int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer);
+
 }  // namespace remat

@@ -23,6 +23,7 @@
 #include "launch/train_state.h"
 #include "models/gpt.h"
 #include "parallel/layers.h"
+#include "parallel/zero.h"
 #include "rng/rng_tracker.h"
 #include "runtime/config.h"
 #include "runtime/env_knobs.h"
@@ -47,8 +48,7 @@ void check_supported(const Config& c) {
   auto refuse = [](const std::string& key, const std::string& when) {
     throw ConfigError(str("remat-train: ", key, " is not supported yet (", when, "); remove it"));
   };
-  if (c.zero_optimization.stage != 0) refuse("zero_optimization.stage > 0", "it comes with sharding");
-  if (c.bf16.enabled) refuse("bf16.enabled", "it comes with sharding");
+  if (c.bf16.enabled) refuse("bf16.enabled", "it comes with bf16 compute on fp32 master shards");
   const auto& ac = c.activation_checkpointing;
   if (ac.variant == "none" &&
       (ac.partition_activations || ac.cpu_checkpointing || ac.contiguous_memory_optimization)) {
@@ -174,10 +174,16 @@ int train(int argc, char** argv) {
   PolicyOptions policy = PolicyOptions::from_config(config.activation_checkpointing);
   policy.checkpoint.profile = true;  // recompute time goes into the metrics
   int regions = apply_activation_checkpointing(*model, policy);
-  auto optimizer = make_optimizer(config.optimizer, model->parameters());
+  // Sharding over the data-parallel group (stage 3) or plain data parallel
+  // (stage 0); the optimizer steps what the sharding hands it.
+  std::vector<std::shared_ptr<torch::nn::Module>> units;
+  for (const auto& block : *model->blocks) units.push_back(block);
+  ZeroModel zero(*model, units, layout.dp_group(), ZeroOptions::from_config(config.zero_optimization),
+                 sharded);
+  auto optimizer = make_optimizer(config.optimizer, zero.parameters());
   TrainPosition position;
   if (!resume_dir.empty()) {
-    position = load_train_state(resume_dir, *model, *optimizer, signature, *world);
+    position = load_train_state(resume_dir, zero.state(), *optimizer, signature, *world);
     log_rank0().info("resumed from '{}' at step {}", resume_dir, position.step);
   }
   log_rank0().info("data {} ({} bytes, vocabulary {}), model {} ({} parameters on this rank), "
@@ -192,7 +198,6 @@ int train(int argc, char** argv) {
     metrics.open(metrics_path, position.step > 0 ? std::ios::app : std::ios::trunc);
     if (!metrics) throw ConfigError(str("cannot write --metrics file '", metrics_path, "'"));
   }
-  auto params = model->parameters();
   const auto& dp_group = layout.dp_group();
   Progress progress(position.step, tc.steps, config.steps_per_print, rank0);
   const int64_t tokens_per_step = batch.train_batch_size * config.model.seq_len;
@@ -209,6 +214,8 @@ int train(int argc, char** argv) {
     take_checkpoint_profile();
     const StoredInputStats stored_before = stored_input_stats();
     const int64_t tp_comm_before = parallel::tensor_parallel_comm_bytes();
+    const int64_t zero_comm_before = zero.stats().collective_bytes();
+    zero.reset_peak();
     auto start = Clock::now();
     optimizer->zero_grad();
     double fwd_ms = 0, bwd_ms = 0, loss_sum = 0;
@@ -218,35 +225,19 @@ int train(int argc, char** argv) {
                                      position.window, batch.micro_batch_per_gpu);
       position.window += batch.micro_batch_per_gpu;
       auto t0 = Clock::now();
-      at::Tensor loss = model->loss(x, y) / static_cast<double>(batch.gradient_accumulation_steps);
+      zero.begin_forward();
+      at::Tensor loss = zero.finish_forward(
+          model->loss(x, y) / static_cast<double>(batch.gradient_accumulation_steps));
       saved = std::max(saved, checkpoint_saved_bytes());
       auto t1 = Clock::now();
       loss.backward();
+      zero.finish_backward(/*synchronize=*/micro + 1 == batch.gradient_accumulation_steps);
       auto t2 = Clock::now();
       fwd_ms += ms_between(t0, t1);
       bwd_ms += ms_between(t1, t2);
       loss_sum += loss.item<double>();
     }
-    if (dp_group->size() > 1) {
-      // Average gradients over data-parallel ranks in one flat buffer.
-      std::vector<at::Tensor> grads;
-      for (auto& p : params) grads.push_back(p.grad().view(-1));
-      at::Tensor flat = at::cat(grads);
-      dp_group->allReduce(flat, {ReduceOp::kAvg})->wait();
-      int64_t offset = 0;
-      for (auto& p : params) {
-        p.mutable_grad().view(-1).copy_(flat.narrow(0, offset, p.numel()));
-        offset += p.numel();
-      }
-      comm_bytes += flat.nbytes();
-    }
-    if (config.gradient_clipping > 0) {
-      if (layout.dims().tp_enabled()) {
-        parallel::clip_grad_norm(params, sharded, config.gradient_clipping, tp_group);
-      } else {
-        torch::nn::utils::clip_grad_norm_(params, config.gradient_clipping);
-      }
-    }
+    if (config.gradient_clipping > 0) zero.clip_grad_norm(config.gradient_clipping, tp_group);
     optimizer->step();
     at::Tensor loss_t = at::full({1}, loss_sum, at::kDouble);
     if (dp_group->size() > 1) {
@@ -256,7 +247,9 @@ int train(int argc, char** argv) {
     const double loss = loss_t.item<double>();
     const StoredInputStats stored_after = stored_input_stats();
     const int64_t gathered = stored_after.gathered_bytes - stored_before.gathered_bytes;
-    comm_bytes += gathered + parallel::tensor_parallel_comm_bytes() - tp_comm_before;
+    const ZeroStats zs = zero.stats();
+    comm_bytes += gathered + parallel::tensor_parallel_comm_bytes() - tp_comm_before +
+                  zs.collective_bytes() - zero_comm_before;
     const double step_ms = ms_between(start, Clock::now());
     double recompute_ms = 0;
     for (const auto& [name, p] : take_checkpoint_profile()) recompute_ms += p.recompute_ms;
@@ -274,7 +267,12 @@ int train(int argc, char** argv) {
                           {"ckpt_saved_bytes", saved},
                           {"ckpt_offloaded_bytes", stored_after.offloaded_bytes - stored_before.offloaded_bytes},
                           {"ckpt_gathered_bytes", gathered},
-                          {"comm_bytes", comm_bytes}};
+                          {"comm_bytes", comm_bytes},
+                          {"zero_comm_bytes", zs.collective_bytes() - zero_comm_before},
+                          {"param_bytes", zs.param_bytes},
+                          {"grad_bytes", zs.grad_bytes},
+                          {"optimizer_state_bytes", optimizer_state_bytes(*optimizer)},
+                          {"peak_gathered_param_bytes", zs.peak_gathered_bytes}};
       metrics << m.dump() << "\n" << std::flush;
     }
     progress.step(step, loss, tokens_per_s, memory.peak() - base);
@@ -285,13 +283,15 @@ int train(int argc, char** argv) {
       double val = 0;
       for (int64_t i = 0; i < tc.eval_batches; ++i) {
         auto [x, y] = data.val_batch(i, batch.micro_batch_per_gpu);
+        zero.begin_forward();
         val += model->loss(x, y).item<double>();
+        zero.end_evaluation();
       }
       progress.line(str("step ", step, ": held-out loss ", val / std::max<int64_t>(tc.eval_batches, 1)));
     }
     position.step = step;
     if (!save_dir.empty() && ((tc.save_interval > 0 && step % tc.save_interval == 0) || step == tc.steps)) {
-      save_train_state(save_dir, position, *model, *optimizer, signature, *world);
+      save_train_state(save_dir, position, zero.state(), *optimizer, signature, *world);
       progress.line(str("saved step ", step, " to ", save_dir));
     }
   }
@@ -300,12 +300,14 @@ int train(int argc, char** argv) {
     std::printf("loss: first %.4f, last %.4f; peak activation memory per step %s\n", first_loss,
                 last_loss, human_bytes(static_cast<double>(max_peak)).c_str());
   }
-  // Every rank samples (tensor-parallel ranks compute the logits together);
-  // rank 0 prints.
-  if (tc.sample_chars > 0 && (rank0 || layout.dims().tp_enabled())) {
+  // Every rank samples (tensor-parallel ranks compute the logits together,
+  // sharded ones gather parameters together); rank 0 prints.
+  if (tc.sample_chars > 0) {
     at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(tc.seed));
     at::Tensor prompt = data.encode("The ").unsqueeze(0);
+    zero.begin_forward();
     at::Tensor text = model->generate(prompt, tc.sample_chars, 0.8, gen);
+    zero.end_evaluation();
     if (rank0) std::printf("--- sample ---\n%s\n--------------\n", data.decode(text).c_str());
   }
   std::fflush(stdout);

@@ -13,9 +13,11 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
 
 #include "rng/rng_tracker.h"
 #include "runtime/communicator.h"
+#include "runtime/env_knobs.h"
 #include "runtime/error.h"
 
 namespace remat {
@@ -41,6 +43,9 @@ void write_atomically(const std::string& path, const std::string& bytes) {
     if (!out) throw Error(str("save: writing '", tmp, "' failed (disk full?)"));
   }
   fsync_path(tmp, false);
+  if (auto pause = knobs::get(knobs::kFaultSavePauseMs)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::stoll(*pause)));
+  }
   fs::rename(tmp, path);
   fsync_path(fs::path(path).parent_path().string(), true);
 }

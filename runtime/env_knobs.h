@@ -17,6 +17,10 @@ inline constexpr const char* kCommTimeoutSeconds = "REMAT_COMM_TIMEOUT_S";
 // remat-train's progress display: bar (one updating line) or lines (periodic
 // lines). remat-run sets it from whether its own stdout is a terminal.
 inline constexpr const char* kProgress = "REMAT_PROGRESS";
+// Fault-injection seam for tests: milliseconds remat-train's save pauses after
+// writing each temporary file and before renaming it into place, so a test can
+// kill a save in progress. Unset: no pause.
+inline constexpr const char* kFaultSavePauseMs = "REMAT_FAULT_SAVE_PAUSE_MS";
 // 0: build-time CUDA detection is skipped (read by Bazel's configure step).
 inline constexpr const char* kCuda = "REMAT_CUDA";
 

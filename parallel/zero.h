@@ -1,0 +1,141 @@
+// ZeRO-3 / FSDP style parameter sharding over the data-parallel group, and
+// plain data parallelism (stage 0) behind the same interface.
+//
+// Stage 3: the model is cut into units, each given submodule (the transformer
+// blocks) and the rest of the model as the root unit. A unit's parameters
+// (per kind: sharded across tensor-parallel ranks or not) are flattened into
+// one buffer padded to a multiple of the data-parallel size; each rank keeps
+// one shard, which is what the optimizer steps (fp32). The module's
+// parameters stay registered, with their storage filled only while gathered:
+//
+//   forward   gather the unit (prefetched while the previous unit computed),
+//             run it, free it;
+//   backward  gather again before the unit's backward (a checkpointed unit
+//             recomputes on this one gather), prefetch the unit before it,
+//             then reduce-scatter the gradients into the shard's gradient
+//             (averaged over data-parallel ranks) and free parameters and
+//             gradients.
+//
+// The root unit is gathered for the forward (begin_forward) and its backward
+// (finish_forward wraps the loss), and reduced in finish_backward. Parameters
+// with fewer than param_persistence_threshold elements stay whole on every rank
+// (gradients all-reduced). Units are called through remat::forward, which
+// routes them through the sharding (checkpointing/policy.h).
+//
+// Stage 0: every rank holds every parameter; finish_backward all-reduces the
+// gradients (averaged) in buckets of reduce_bucket_size elements.
+//
+//   remat::ZeroModel zero(*model, blocks, layout.dp_group(), ZeroOptions::from_config(cfg.zero_optimization));
+//   auto optimizer = make_optimizer(cfg.optimizer, zero.parameters());
+//   zero.begin_forward();
+//   at::Tensor loss = zero.finish_forward(model->loss(x, y));
+//   loss.backward();
+//   zero.finish_backward();
+//   optimizer->step();
+#pragma once
+
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace remat {
+
+class Communicator;
+struct ZeroConfig;
+
+struct ZeroOptions {
+  int stage = 3;  // 0 or 3
+  int64_t param_persistence_threshold = 100000;  // elements
+  int64_t reduce_bucket_size = 500000000;        // elements per reduce collective
+  int64_t prefetch_bucket_size = 50000000;       // prefetch a unit of at most this many elements
+
+  static ZeroOptions from_config(const ZeroConfig& config);
+};
+
+// Per-rank bytes, now and over the collectives issued so far.
+struct ZeroStats {
+  int64_t param_bytes = 0;          // shards and persistent parameters
+  int64_t grad_bytes = 0;           // their gradients now
+  int64_t gathered_bytes = 0;       // full unit parameters alive now
+  int64_t peak_gathered_bytes = 0;  // since reset_peak()
+  int64_t allgather_bytes = 0;      // total: output bytes of parameter all-gathers
+  int64_t reducescatter_bytes = 0;  // total: input bytes of gradient reduce-scatters
+  int64_t allreduce_bytes = 0;      // total: 2 x bytes all-reduced (reduce-scatter + all-gather)
+  int64_t collective_bytes() const { return allgather_bytes + reducescatter_bytes + allreduce_bytes; }
+};
+
+class ZeroModel {
+ public:
+  // `units` are submodules of `model` (each transformer block); `sharded_tp`
+  // lists parameters that differ across tensor-parallel ranks (for the
+  // gradient norm; parallel::sharded_parameters).
+  ZeroModel(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
+            std::shared_ptr<Communicator> dp_group, ZeroOptions options,
+            std::vector<at::Tensor> sharded_tp = {});
+  ~ZeroModel();
+  ZeroModel(const ZeroModel&) = delete;
+  ZeroModel& operator=(const ZeroModel&) = delete;
+
+  int stage() const { return options_.stage; }
+  // What the optimizer steps: the shards and the persistent parameters
+  // (stage 0: the model's parameters).
+  std::vector<at::Tensor> parameters() const;
+  // The same tensors as a module, for saving and loading training state.
+  torch::nn::Module& state() { return state_ ? *state_ : model_; }
+
+  // Gathers the root unit for a forward.
+  void begin_forward();
+  // Frees the root unit; its backward (from the returned loss) gathers it again.
+  at::Tensor finish_forward(const at::Tensor& loss);
+  // After backward: reduces what is left (root unit; and with `synchronize`,
+  // the last micro-step of a gradient-accumulation step: persistent
+  // parameters, stage 0: everything) and checks that every unit that ran was
+  // reduced.
+  void finish_backward(bool synchronize = true);
+  // Frees the root unit after a forward without backward (evaluation).
+  void end_evaluation();
+
+  // Clips gradients by the global L2 norm (shards summed over the
+  // data-parallel group, tensor-parallel shards over `tp_group` too).
+  // Returns the norm before clipping.
+  double clip_grad_norm(double max_norm, const std::shared_ptr<Communicator>& tp_group);
+
+  ZeroStats stats() const;
+  void reset_peak();
+  // Gathers per unit so far (forward, backward and evaluation), by unit name
+  // ("root", "blocks.0", ...).
+  std::map<std::string, int64_t> gather_counts() const;
+  // Parameter elements of each unit (unpadded), by unit name.
+  std::map<std::string, int64_t> unit_numels() const;
+  // Padded elements of each unit's flat buffers (the all-gather size), by unit name.
+  std::map<std::string, int64_t> unit_padded_numels() const;
+
+  struct Unit;
+
+ private:
+  friend class ZeroUnitWrapper;
+  void gather(Unit& unit, bool wait);
+  void wait_gathered(Unit& unit);
+  void free(Unit& unit);
+  void reduce(Unit& unit);
+  void all_reduce_buckets(const std::vector<at::Tensor>& params);
+  Unit* next_unit(const Unit& unit, int direction);
+  void track_gathered(int64_t delta);
+
+  torch::nn::Module& model_;
+  std::shared_ptr<Communicator> dp_;
+  ZeroOptions options_;
+  std::vector<std::unique_ptr<Unit>> units_;  // blocks in order, then the root
+  std::vector<at::Tensor> persistent_;
+  std::vector<at::Tensor> all_params_;        // stage 0
+  std::vector<at::Tensor> sharded_tp_;
+  std::shared_ptr<torch::nn::Module> state_;
+  int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
+  int64_t allgather_bytes_ = 0, reducescatter_bytes_ = 0, allreduce_bytes_ = 0;
+};
+
+}  // namespace remat
