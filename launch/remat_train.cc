@@ -42,13 +42,8 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
 
-// What remat-train does not do yet is refused, not ignored; settings that
-// would have no effect are pointed out.
+// Settings that would have no effect are pointed out.
 void check_supported(const Config& c) {
-  auto refuse = [](const std::string& key, const std::string& when) {
-    throw ConfigError(str("remat-train: ", key, " is not supported yet (", when, "); remove it"));
-  };
-  if (c.bf16.enabled) refuse("bf16.enabled", "it comes with bf16 compute on fp32 master shards");
   const auto& ac = c.activation_checkpointing;
   if (ac.variant == "none" &&
       (ac.partition_activations || ac.cpu_checkpointing || ac.contiguous_memory_optimization)) {
@@ -178,7 +173,7 @@ int train(int argc, char** argv) {
   // (stage 0); the optimizer steps what the sharding hands it.
   std::vector<std::shared_ptr<torch::nn::Module>> units;
   for (const auto& block : *model->blocks) units.push_back(block);
-  ZeroModel zero(*model, units, layout.dp_group(), ZeroOptions::from_config(config.zero_optimization),
+  ZeroModel zero(*model, units, layout.dp_group(), ZeroOptions::from_config(config.zero_optimization, config.bf16.enabled),
                  sharded);
   auto optimizer = make_optimizer(config.optimizer, zero.parameters());
   TrainPosition position;

@@ -87,10 +87,11 @@ at::Tensor GptImpl::forward(const at::Tensor& idx) {
 
 at::Tensor GptImpl::loss(const at::Tensor& idx, const at::Tensor& targets) {
   if (tp_ == 1) {
-    at::Tensor logits = forward(idx);
+    // The loss in float32 whatever the compute dtype (bf16 under ZeRO stage 3).
+    at::Tensor logits = forward(idx).to(at::kFloat);
     return at::cross_entropy_loss(logits.view({-1, options_.vocab_size}), targets.view({-1}));
   }
-  at::Tensor logits = head_tp_->forward(trunk(idx));
+  at::Tensor logits = head_tp_->forward(trunk(idx)).to(at::kFloat);
   const auto start = parallel::partition_range(options_.vocab_size, tp_, parallel::group_rank(options_.tensor_parallel)).start;
   return parallel::vocab_parallel_cross_entropy(logits.view({-1, logits.size(-1)}), targets.view({-1}),
                                                 start, options_.tensor_parallel)
@@ -105,7 +106,7 @@ at::Tensor GptImpl::generate(at::Tensor idx, int64_t n, double temperature, at::
     at::Tensor context = idx.size(1) > options_.seq_len
                              ? idx.narrow(1, idx.size(1) - options_.seq_len, options_.seq_len)
                              : idx;
-    at::Tensor logits = forward(context).select(1, -1) / std::max(temperature, 1e-6);
+    at::Tensor logits = forward(context).select(1, -1).to(at::kFloat) / std::max(temperature, 1e-6);
     at::Tensor next = at::multinomial(at::softmax(logits, -1), 1, false, gen);
     idx = at::cat({idx, next}, 1);
   }

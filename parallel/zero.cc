@@ -17,7 +17,11 @@
 
 namespace remat {
 
-ZeroOptions ZeroOptions::from_config(const ZeroConfig& c) {
+ZeroOptions ZeroOptions::from_config(const ZeroConfig& c, bool bf16) {
+  if (bf16 && c.stage != 3) {
+    throw ConfigError("bf16.enabled computes in bf16 from fp32 master shards: it needs "
+                      "zero_optimization.stage 3 (set it, or turn bf16 off)");
+  }
   if (c.stage == 1 || c.stage == 2) {
     throw ConfigError(str("zero_optimization.stage ", c.stage,
                           " is not implemented: use 0 (data parallel, all-reduce) or 3 "
@@ -28,6 +32,7 @@ ZeroOptions ZeroOptions::from_config(const ZeroConfig& c) {
   o.param_persistence_threshold = c.stage3_param_persistence_threshold;
   o.reduce_bucket_size = std::max<int64_t>(c.reduce_bucket_size, 1);
   o.prefetch_bucket_size = c.stage3_prefetch_bucket_size;
+  o.bf16 = bf16;
   return o;
 }
 
@@ -208,6 +213,9 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
   unit_params.emplace_back("root", root);
   unit_modules.push_back(nullptr);
 
+  REMAT_CHECK(!options_.bf16 || options_.stage == 3, "ZeroModel: bf16 needs stage 3");
+  if (options_.bf16) options_.param_persistence_threshold = 0;  // every parameter gets an fp32 master
+  const at::ScalarType compute = options_.bf16 ? at::kBFloat16 : at::kFloat;
   state_ = std::make_shared<torch::nn::Module>("ZeroState");
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < unit_params.size(); ++i) {
@@ -238,6 +246,7 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
         g.full.narrow(0, g.offsets[k], g.params[k].numel()).copy_(g.params[k].reshape({-1}));
       }
       g.shard = g.full.narrow(0, r * g.shard_numel, g.shard_numel).clone().requires_grad_(true);
+      if (compute != at::kFloat) g.full = at::zeros({g.padded}, g.full.options().dtype(compute));
       for (size_t k = 0; k < g.params.size(); ++k) {
         auto& p = g.params[k];
         p.set_data(g.full.narrow(0, g.offsets[k], p.numel()).view(p.sizes()));
@@ -263,9 +272,10 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
     for (const auto& g : u->groups) sharded += g.numel;
   }
   log_rank0().info("zero stage 3: {} units, {} of {} parameter elements sharded over {} "
-                   "data-parallel ranks ({} kept whole: below stage3_param_persistence_threshold {})",
+                   "data-parallel ranks ({} kept whole: below stage3_param_persistence_threshold {}); "
+                   "compute in {}, shards in float32",
                    units_.size(), sharded, total, n, total - sharded,
-                   options_.param_persistence_threshold);
+                   options_.param_persistence_threshold, c10::toString(compute));
 }
 
 ZeroModel::~ZeroModel() {
@@ -301,7 +311,7 @@ void ZeroModel::gather(Unit& unit, bool wait) {
     unit.gathers++;
     for (auto& g : unit.groups) {
       allocate_storage(g.full, g.bytes());
-      at::Tensor input = g.shard.detach();
+      at::Tensor input = g.shard.detach().to(g.full.scalar_type());
       g.pending = dp_->allGather(g.full, input);
       allgather_bytes_ += g.bytes();
       track_gathered(g.bytes());
@@ -332,7 +342,7 @@ void ZeroModel::free(Unit& unit) {
 void ZeroModel::reduce(Unit& unit) {
   const int n = dp_->size();
   for (auto& g : unit.groups) {
-    at::Tensor flat = at::zeros({g.padded}, g.full.options());
+    at::Tensor flat = at::zeros({g.padded}, g.shard.options().requires_grad(false));
     for (size_t k = 0; k < g.params.size(); ++k) {
       auto& p = g.params[k];
       if (p.grad().defined()) flat.narrow(0, g.offsets[k], p.numel()).copy_(p.grad().reshape({-1}));

@@ -52,8 +52,11 @@ struct ZeroOptions {
   int64_t param_persistence_threshold = 100000;  // elements
   int64_t reduce_bucket_size = 500000000;        // elements per reduce collective
   int64_t prefetch_bucket_size = 50000000;       // prefetch a unit of at most this many elements
+  // Stage 3 only: gathered parameters (so the compute) in bf16, shards and the
+  // optimizer in fp32; every parameter is sharded (none kept whole in fp32).
+  bool bf16 = false;
 
-  static ZeroOptions from_config(const ZeroConfig& config);
+  static ZeroOptions from_config(const ZeroConfig& config, bool bf16 = false);
 };
 
 // Per-rank bytes, now and over the collectives issued so far.

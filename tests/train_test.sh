@@ -197,6 +197,22 @@ else
     "$(tail -5 "$tmp/kill.log")"
 fi
 
+# bf16 compute from fp32 master shards: runs, learns, and stays near float32.
+mb="$tmp/zero_bf16.jsonl"
+mf="$tmp/zero_fp32.jsonl"
+out1=$("$run" -np 2 -- "$train" --config "$configs_dir/zero3.json" --steps 10 "${small[@]}" \
+    --set bf16.enabled=true --metrics "$mb" 2>&1)
+out2=$("$run" -np 2 -- "$train" --config "$configs_dir/zero3.json" --steps 10 "${small[@]}" \
+    --metrics "$mf" 2>&1)
+if [[ $(wc -l <"$mb" 2>/dev/null) -eq 10 ]] &&
+   paste <(losses "$mf") <(losses "$mb") | awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 0.05) bad = 1 } END { exit bad }' &&
+   awk -v a="$(losses "$mb" | head -1)" -v b="$(losses "$mb" | tail -1)" 'BEGIN { exit !(b < a) }'; then
+  pass "zero3 bf16: 10 steps learn and stay within 0.05 of float32"
+else
+  fail "zero3 bf16: 10 steps learn and stay within 0.05 of float32" "$out1" "$out2" \
+    "$(paste <(losses "$mf") <(losses "$mb") | head -5)"
+fi
+
 # 7. Bad inputs: a nonzero exit and the message that says what to change.
 expect "tensor_parallel.size that does not divide the world" \
   "tensor_parallel.size=3 does not divide the world size 4: choose one of 1, 2, 4" \
@@ -205,6 +221,8 @@ expect "heads not divisible across tensor-parallel ranks" \
   "model.n_head (2) and model.d_ff (256) must be multiples of tensor_parallel.size (4)" \
   "$run" -np 4 -- "$train" --config "$configs_dir/default.json" --set tensor_parallel.size=4 \
   --set model.n_head=2
+expect "bf16 without stage 3" "it needs zero_optimization.stage 3" \
+  "$train" --config "$configs_dir/default.json" --set bf16.enabled=true
 expect "an unimplemented zero stage" "use 0 (data parallel, all-reduce) or 3" \
   "$train" --config "$configs_dir/zero3.json" --set zero_optimization.stage=2
 expect "contiguous buffers without number_checkpoints" \
