@@ -222,7 +222,7 @@ expect "heads not divisible across tensor-parallel ranks" \
   "$run" -np 4 -- "$train" --config "$configs_dir/default.json" --set tensor_parallel.size=4 \
   --set model.n_head=2
 expect "bf16 without stage 3" "it needs zero_optimization.stage 3" \
-  "$train" --config "$configs_dir/default.json" --set bf16.enabled=true
+  "$train" --config "$configs_dir/default.json" --set zero_optimization.stage=0 --set bf16.enabled=true
 expect "an unimplemented zero stage" "use 0 (data parallel, all-reduce) or 3" \
   "$train" --config "$configs_dir/zero3.json" --set zero_optimization.stage=2
 expect "contiguous buffers without number_checkpoints" \
