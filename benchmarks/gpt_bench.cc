@@ -1,0 +1,187 @@
+// The GPT of models/gpt.cc under each checkpointing variant: peak activation
+// bytes (one step per variant and depth, c10's allocator reports through
+// MemoryTracker) and step time (variants interleaved step by step, warm-up
+// dropped). One JSON object per line, the same fields as
+// benchmarks/torch_gpt.py writes for PyTorch. bench.sh runs both.
+//
+//   bazel-bin/benchmarks/gpt_bench --layers 2,4,8 --variants none,full,every_k2,selective_op,offload \
+//       [--steps 20] [--warmup 3] [--memory-only] [--out FILE]
+//   remat-run -np 2 -- bazel-bin/benchmarks/gpt_bench --tp 2 --variants full,partitioned ...
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <CLI/CLI.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "checkpointing/checkpoint.h"
+#include "checkpointing/policy.h"
+#include "models/gpt.h"
+#include "rng/rng_tracker.h"
+#include "runtime/config.h"
+#include "runtime/error.h"
+#include "runtime/layout.h"
+#include "runtime/memory.h"
+#include "runtime/runtime.h"
+
+namespace remat {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  for (std::string item; std::getline(in, item, ',');) out.push_back(item);
+  return out;
+}
+
+// The activation_checkpointing section of a variant.
+ActivationCheckpointingConfig config_of(const std::string& variant) {
+  ActivationCheckpointingConfig c;
+  if (variant == "none") {
+    c.variant = "none";
+  } else if (variant == "full") {
+    c.variant = "full";
+  } else if (variant == "every_k2") {
+    c.variant = "selective_layer";
+    c.every_k = 2;
+  } else if (variant == "selective_op") {
+    c.variant = "selective_op";
+  } else if (variant == "offload") {
+    c.variant = "full";
+    c.cpu_checkpointing = true;
+  } else if (variant == "partitioned") {
+    c.variant = "full";
+    c.partition_activations = true;
+  } else {
+    throw ConfigError(str("gpt_bench: unknown variant '", variant,
+                          "' (none, full, every_k2, selective_op, offload, partitioned)"));
+  }
+  return c;
+}
+
+int bench(int argc, char** argv) {
+  CLI::App app{"gpt_bench: the GPT under each checkpointing variant"};
+  std::string layers = "4", variants = "none,full,every_k2,selective_op,offload", out_path = "-";
+  int steps = 20, warmup = 3, tp = 1;
+  bool memory_only = false;
+  models::GptOptions o;
+  o.vocab_size = 128;
+  o.seq_len = 64;
+  o.d_model = 128;
+  o.n_head = 4;
+  o.d_ff = 512;
+  o.dropout = 0.1;
+  int64_t batch = 4, seed = 1234;
+  app.add_option("--layers", layers, "comma-separated depths");
+  app.add_option("--variants", variants, "none, full, every_k2, selective_op, offload, partitioned");
+  app.add_option("--steps", steps, "measured steps per variant and depth")->check(CLI::NonNegativeNumber);
+  app.add_option("--warmup", warmup)->check(CLI::NonNegativeNumber);
+  app.add_flag("--memory-only", memory_only, "one measured step per variant");
+  app.add_option("--tp", tp, "tensor-parallel size (run under remat-run with that many ranks)");
+  app.add_option("--batch", batch)->check(CLI::PositiveNumber);
+  app.add_option("--seq", o.seq_len)->check(CLI::PositiveNumber);
+  app.add_option("--d-model", o.d_model)->check(CLI::PositiveNumber);
+  app.add_option("--heads", o.n_head)->check(CLI::PositiveNumber);
+  app.add_option("--d-ff", o.d_ff)->check(CLI::PositiveNumber);
+  app.add_option("--vocab", o.vocab_size)->check(CLI::PositiveNumber);
+  app.add_option("--dropout", o.dropout);
+  app.add_option("--seed", seed);
+  app.add_option("--out", out_path, "JSON lines (appended); - for stdout");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  MemoryTracker memory;
+  auto& runtime = Runtime::init();
+  at::set_num_threads(1);
+  auto world = runtime.world();
+  ParallelLayout layout(world, ParallelDims(world->size() / tp, tp, world->size()));
+  std::ofstream file;
+  const bool print = world->rank() == 0;
+  if (print && out_path != "-") file.open(out_path, std::ios::app);
+  std::ostream& out = out_path == "-" ? std::cout : file;
+
+  for (const auto& depth : split(layers)) {
+    o.n_layer = std::stoll(depth);
+    if (tp > 1) o.tensor_parallel = layout.tp_group();
+    at::manual_seed(seed);
+    models::Gpt model(o);
+    model->train();
+    model_parallel_manual_seed(static_cast<uint64_t>(seed), layout);
+    at::Generator data = at::detail::createCPUGenerator(static_cast<uint64_t>(seed + 1));
+    at::Tensor idx = at::randint(o.vocab_size, {batch, o.seq_len}, data, at::kLong);
+    at::Tensor targets = idx.roll(-1, 1);
+    std::map<std::string, PolicyOptions> plans;
+    for (const auto& v : split(variants)) {
+      auto c = config_of(v);
+      configure(&layout, c);
+      plans[v] = PolicyOptions::from_config(c);
+    }
+    struct Result {
+      double fwd_ms, step_ms, loss;
+      int64_t peak, saved;
+    };
+    auto step = [&](const std::string& v) {
+      if (plans[v].variant == "none") {
+        remove_activation_checkpointing(*model);
+      } else {
+        apply_activation_checkpointing(*model, plans[v]);
+      }
+      for (auto& p : model->parameters()) {
+        if (p.grad().defined()) p.mutable_grad().zero_();
+      }
+      const int64_t base = memory.current();
+      memory.reset_peak();
+      auto t0 = Clock::now();
+      at::Tensor loss = model->loss(idx, targets);
+      auto t1 = Clock::now();
+      const int64_t saved = checkpoint_saved_bytes();
+      loss.backward();
+      auto t2 = Clock::now();
+      using ms = std::chrono::duration<double, std::milli>;
+      return Result{ms(t1 - t0).count(), ms(t2 - t0).count(), loss.item<double>(),
+                    memory.peak() - base, saved};
+    };
+    step("none");  // allocates the parameter gradients
+    auto emit = [&](const std::string& v, const char* kind, int s, const Result& r) {
+      if (!print) return;
+      nlohmann::json j = {{"framework", "remat"}, {"variant", v},     {"layers", o.n_layer},
+                          {"kind", kind},         {"loss", r.loss},   {"tp", tp}};
+      if (std::string(kind) == "memory") {
+        j["peak_bytes"] = r.peak;
+        j["ckpt_saved_bytes"] = r.saved;
+      } else {
+        j["step"] = s;
+        j["fwd_ms"] = r.fwd_ms;
+        j["step_ms"] = r.step_ms;
+      }
+      out << j.dump() << "\n";
+    };
+    for (const auto& v : split(variants)) emit(v, "memory", 0, step(v));
+    if (!memory_only) {
+      for (int s = 0; s < warmup + steps; ++s) {
+        for (const auto& v : split(variants)) {
+          Result r = step(v);
+          if (s >= warmup) emit(v, "time", s - warmup, r);
+        }
+      }
+    }
+    out.flush();
+    remove_activation_checkpointing(*model);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace remat
+
+int main(int argc, char** argv) {
+  return remat::run_main([&] { return remat::bench(argc, argv); });
+}

@@ -1,0 +1,220 @@
+"""Turns gpt_bench and torch_gpt.py results into docs/benchmarks.md and PNG plots.
+
+    /usr/bin/python3 benchmarks/report.py RESULTS.jsonl CONFIG.json docs/benchmarks.md docs/img
+"""
+import json
+import math
+import statistics
+import sys
+from collections import defaultdict
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+MiB = 2**20
+
+
+def analytic(cfg, variant, L):
+    """Predicted peak activation bytes: what the regions keep plus one block's
+    intermediates (and the embedding and head activations), float32.
+
+    Per block, autograd keeps (B batch, T time, C width, H heads, F MLP width):
+    LayerNorm outputs and statistics, q|k|v (3BTC), the softmax output and the
+    dropped-out probabilities (2 BHTT), the attention output (BTC), the
+    residual h (BTC), fc1 and GELU outputs (2 BTF), and 1-byte dropout masks
+    (BHTT + 2 BTC). A checkpoint region keeps only its input (BTC)."""
+    B, T, C, H, F, V = cfg["batch"], cfg["seq"], cfg["d_model"], cfg["heads"], cfg["d_ff"], cfg["vocab"]
+    btc, bhtt = B * T * C, B * H * T * T
+    block = 4 * (7 * btc + 4 * B * T + 2 * bhtt + 2 * B * T * F) + (bhtt + 2 * btc)  # without its input
+    boundary = 4 * btc
+    # Embeddings (ids, dropout mask) and head (last block's output, ln_f stats
+    # and output, log-softmax output).
+    ends = 8 * (B * T + T) + btc + 4 * (btc + 2 * B * T + btc + B * T * V)
+    # selective_op keeps the outputs of mm/addmm/bmm: q|k|v, scores, attention
+    # output, proj, fc1, fc2.
+    kept = 4 * (3 * btc + bhtt + btc + btc + B * T * F + btc)
+    if variant == "none":
+        return L * (boundary + block) + ends
+    if variant in ("full", "offload", "full_reentrant", "full_nonreentrant"):
+        return L * boundary + block + ends
+    if variant.startswith("every_k2"):
+        ck = (L + 1) // 2
+        return ck * boundary + (L - ck) * (boundary + block) + block + ends
+    if variant == "selective_op":
+        return L * (boundary + kept) + block + ends
+    return None
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def main():
+    results_path, cfg_path, md_path, img_dir = sys.argv[1:5]
+    cfg = json.load(open(cfg_path))
+    rows = [json.loads(l) for l in open(results_path) if l.strip()]
+    mem = {}
+    times = defaultdict(lambda: defaultdict(list))
+    fwd = defaultdict(lambda: defaultdict(list))
+    tp_rows = {}
+    check = {}
+    for r in rows:
+        if r.get("kind") == "check":
+            check[r["framework"]] = r["loss"]
+        elif r.get("tp", 1) > 1:
+            tp_rows[r["variant"]] = r
+        elif r["kind"] == "memory":
+            mem[(r["framework"], r["variant"], r["layers"])] = r["peak_bytes"]
+        else:
+            times[r["framework"]][r["variant"]].append(r["step_ms"])
+            fwd[r["framework"]][r["variant"]].append(r["fwd_ms"])
+    layers = sorted({k[2] for k in mem})
+    series = sorted({(k[0], k[1]) for k in mem}, key=lambda s: (s[0] != "remat", s[1]))
+    L_t = cfg["time_layers"]
+
+    out = []
+    w = out.append
+    w("# Benchmarks: remat against PyTorch's own checkpointing\n")
+    w("Written by `./bench.sh` from one run on this machine "
+      f"({cfg['machine']}); do not edit by hand.\n")
+    w("## Setup\n")
+    w(f"- The GPT of `models/gpt.cc`: batch {cfg['batch']}, sequence {cfg['seq']}, d_model "
+      f"{cfg['d_model']}, {cfg['heads']} heads, d_ff {cfg['d_ff']}, vocabulary {cfg['vocab']}, "
+      f"dropout {cfg['dropout']}, float32, 1 thread, seed {cfg['seed']}. PyTorch: the same model in "
+      "`benchmarks/torch_gpt.py`, Debian's python3-torch "
+      f"{cfg['torch_version']} (the same ATen kernels as libtorch-dev), `torch.utils.checkpoint` with "
+      "`use_reentrant` true and false at the same block boundaries.")
+    if "remat" in check and "pytorch" in check:
+        d = abs(check["remat"] - check["pytorch"])
+        w(f"- Same function: the first step's loss without dropout is {check['remat']!r} in remat "
+          f"and {check['pytorch']!r} in PyTorch (difference {d:.2g}).")
+    w("- Peak activation bytes = peak live tensor bytes during one training step minus the live "
+      "bytes at its start, parameter gradients already allocated. remat: `MemoryTracker` "
+      "(c10's allocator reports). PyTorch: the profiler's memory events (the same reports), "
+      "summed in order. One step per variant and depth (the counts do not vary).")
+    w(f"- Time: at L = {L_t}, variants interleaved step by step within each framework's process, "
+      f"{cfg['warmup']} warm-up steps dropped, {cfg['steps']} measured steps per variant; median "
+      "[min, max]. ρ = (T_variant − T_none) / T_forward,none, per framework.")
+    w("- The analytic prediction counts what autograd keeps per block (see `analytic()` in "
+      "`benchmarks/report.py`): each region's input, plus one block's intermediates during its "
+      "recompute, plus the embedding and head activations. It leaves out transient gradient "
+      "buffers, so measured peaks sit above it.\n")
+
+    w("## Peak activation memory against depth\n")
+    w("| L | " + " | ".join(f"{f} {v}" for f, v in series) + " |")
+    w("|---" * (len(series) + 1) + "|")
+    for L in layers:
+        cells = []
+        for f, v in series:
+            b = mem.get((f, v, L))
+            none = mem.get((f, "none", L))
+            pred = analytic(cfg, v, L)
+            if b is None:
+                cells.append("")
+                continue
+            cell = f"{b / MiB:.2f} MiB ({b / none:.3f} of none)" if none else f"{b / MiB:.2f} MiB"
+            if pred:
+                cell += f"; predicted {pred / MiB:.2f} ({b / pred:.3f})"
+            cells.append(cell)
+        w(f"| {L} | " + " | ".join(cells) + " |")
+    w("\n![peak activation bytes against depth](img/peak_vs_layers.png)\n")
+
+    w(f"## Step time at L = {L_t}\n")
+    w("| framework | variant | step ms, median [min, max] | time vs none | ρ | remat vs PyTorch |")
+    w("|---|---|---|---|---|---|")
+    ratio = {}
+    rho = {}
+    for f in ("remat", "pytorch"):
+        if "none" not in times[f]:
+            continue
+        t_none, f_none = median(times[f]["none"]), median(fwd[f]["none"])
+        for v, ts in sorted(times[f].items(), key=lambda kv: kv[0] != "none"):
+            t = median(ts)
+            ratio[(f, v)] = t / t_none
+            rho[(f, v)] = (t - t_none) / f_none
+            other = ""
+            if f == "remat":
+                peer = {"none": "none", "full": "full_reentrant", "every_k2": "every_k2_reentrant"}.get(v)
+                if peer and peer in times["pytorch"]:
+                    other = f"{t / median(times['pytorch'][peer]):.3f} (vs {peer})"
+            w(f"| {f} | {v} | {t:.1f} [{min(ts):.1f}, {max(ts):.1f}] | {t / t_none:.3f} | "
+              f"{rho[(f, v)]:.3f} | {other} |")
+    w("\n![time relative to no checkpointing](img/time_ratio.png)\n")
+
+    if tp_rows:
+        w("## Partitioned checkpoints at tensor-parallel size 2 (2 ranks, per rank)\n")
+        w("| variant | ckpt_saved_bytes | peak activation |")
+        w("|---|---|---|")
+        for v, r in sorted(tp_rows.items()):
+            w(f"| {v} | {r['ckpt_saved_bytes']} | {r['peak_bytes'] / MiB:.2f} MiB |")
+        w("")
+
+    w("## Targets\n")
+    targets = []
+    L_max = layers[-1]
+    full = {L: mem.get(("remat", "full", L)) for L in layers}
+    pt = {L: min(x for x in (mem.get(("pytorch", "full_reentrant", L)), mem.get(("pytorch", "full_nonreentrant", L))) if x)
+          for L in layers if mem.get(("pytorch", "full_reentrant", L))}
+    le_pt = all(full[L] <= pt[L] for L in pt)
+    worst = max((full[L] / pt[L] for L in pt), default=float("nan"))
+    targets.append(("full-checkpoint peak activation ≤ PyTorch's (the lower of its two modes) at every L",
+                    le_pt, f"worst remat / PyTorch = {worst:.3f}"))
+    within = [full[L] / analytic(cfg, "full", L) for L in layers]
+    targets.append(("full-checkpoint peak within 10% of the analytic minimum at every L",
+                    all(x <= 1.10 for x in within), "measured / predicted: " + ", ".join(f"{x:.3f}" for x in within)))
+    if ("remat", "full") in rho:
+        pt_rho = min(rho.get(("pytorch", v), math.inf) for v in ("full_reentrant", "full_nonreentrant"))
+        targets.append(("full-checkpoint ρ ≤ 1.05", rho[("remat", "full")] <= 1.05, f"ρ = {rho[('remat', 'full')]:.3f}"))
+        targets.append(("full-checkpoint ρ ≤ PyTorch's", rho[("remat", "full")] <= pt_rho,
+                        f"remat {rho[('remat', 'full')]:.3f}, PyTorch best {pt_rho:.3f}"))
+    sel = mem.get(("remat", "selective_op", L_t)), mem.get(("remat", "none", L_t))
+    if all(sel) and ("remat", "selective_op") in ratio:
+        targets.append(("selective_op activation memory ≤ 0.5 × none", sel[0] <= 0.5 * sel[1], f"{sel[0] / sel[1]:.3f} × none at L = {L_t}"))
+        targets.append(("selective_op step time ≤ 1.10 × none", ratio[("remat", "selective_op")] <= 1.10,
+                        f"{ratio[('remat', 'selective_op')]:.3f} × none"))
+    if "full" in tp_rows and "partitioned" in tp_rows:
+        a, b = tp_rows["full"]["ckpt_saved_bytes"], tp_rows["partitioned"]["ckpt_saved_bytes"]
+        targets.append(("partitioned per-rank checkpoint bytes = 1/mp of unpartitioned (mp = 2)", 2 * b == a, f"{b} of {a}"))
+    w("| target | met | measured |")
+    w("|---|---|---|")
+    for name, ok, detail in targets:
+        w(f"| {name} | {'met' if ok else 'not met'} | {detail} |")
+    w("")
+    w(cfg.get("notes", ""))
+    open(md_path, "w").write("\n".join(out) + "\n")
+    for name, ok, detail in targets:
+        print(f"target {'MET    ' if ok else 'NOT MET'} {name}: {detail}")
+
+    # Plots.
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for f, v in series:
+        ys = [mem.get((f, v, L)) for L in layers]
+        ax.plot(layers, [y / MiB if y else None for y in ys], marker="o" if f == "remat" else "x",
+                linestyle="-" if f == "remat" else "--", label=f"{f} {v}")
+    ax.set_xlabel("layers L")
+    ax.set_ylabel("peak activation (MiB)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(layers)
+    ax.set_xticklabels([str(L) for L in layers])
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Peak activation bytes per training step")
+    fig.tight_layout()
+    fig.savefig(f"{img_dir}/peak_vs_layers.png", dpi=110)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = [f"{f}\n{v}" for (f, v) in ratio]
+    ax.bar(range(len(ratio)), list(ratio.values()), color=["tab:blue" if f == "remat" else "tab:orange" for f, _ in ratio])
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(ratio)))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel(f"step time / none (L = {L_t})")
+    ax.set_title("Step time relative to no checkpointing (median)")
+    fig.tight_layout()
+    fig.savefig(f"{img_dir}/time_ratio.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()
