@@ -23,15 +23,16 @@ def analytic(cfg, variant, L):
     Per block, autograd keeps (B batch, T time, C width, H heads, F MLP width):
     LayerNorm outputs and statistics, q|k|v (3BTC), the softmax output and the
     dropped-out probabilities (2 BHTT), the attention output (BTC), the
-    residual h (BTC), fc1 and GELU outputs (2 BTF), and 1-byte dropout masks
+    residual h (BTC), fc1 and GELU outputs (2 BTF), and the dropout masks,
+    which ATen's CPU dropout keeps as float32 tensors of the input's size
     (BHTT + 2 BTC). A checkpoint region keeps only its input (BTC)."""
     B, T, C, H, F, V = cfg["batch"], cfg["seq"], cfg["d_model"], cfg["heads"], cfg["d_ff"], cfg["vocab"]
     btc, bhtt = B * T * C, B * H * T * T
-    block = 4 * (7 * btc + 4 * B * T + 2 * bhtt + 2 * B * T * F) + (bhtt + 2 * btc)  # without its input
+    block = 4 * (7 * btc + 4 * B * T + 2 * bhtt + 2 * B * T * F) + 4 * (bhtt + 2 * btc)  # without its input
     boundary = 4 * btc
     # Embeddings (ids, dropout mask) and head (last block's output, ln_f stats
     # and output, log-softmax output).
-    ends = 8 * (B * T + T) + btc + 4 * (btc + 2 * B * T + btc + B * T * V)
+    ends = 8 * (B * T + T) + 4 * btc + 4 * (btc + 2 * B * T + btc + B * T * V)
     # selective_op keeps the outputs of mm/addmm/bmm: q|k|v, scores, attention
     # output, proj, fc1, fc2.
     kept = 4 * (3 * btc + bhtt + btc + btc + B * T * F + btc)
@@ -40,8 +41,10 @@ def analytic(cfg, variant, L):
     if variant in ("full", "offload", "full_reentrant", "full_nonreentrant"):
         return L * boundary + block + ends
     if variant.startswith("every_k2"):
+        # The peak is at the start of backward: a checkpointed block recomputes
+        # only after the blocks above it have freed their intermediates.
         ck = (L + 1) // 2
-        return ck * boundary + (L - ck) * (boundary + block) + block + ends
+        return ck * boundary + (L - ck) * (boundary + block) + ends
     if variant == "selective_op":
         return L * (boundary + kept) + block + ends
     return None
@@ -103,22 +106,24 @@ def main():
       "buffers, so measured peaks sit above it.\n")
 
     w("## Peak activation memory against depth\n")
-    w("| L | " + " | ".join(f"{f} {v}" for f, v in series) + " |")
-    w("|---" * (len(series) + 1) + "|")
-    for L in layers:
+    w("Each cell: measured MiB (fraction of the same framework's none; analytic prediction "
+      "in MiB, measured / predicted).\n")
+    w("| framework | variant | " + " | ".join(f"L = {L}" for L in layers) + " |")
+    w("|---|---" + "|---" * len(layers) + "|")
+    for f, v in series:
         cells = []
-        for f, v in series:
+        for L in layers:
             b = mem.get((f, v, L))
             none = mem.get((f, "none", L))
             pred = analytic(cfg, v, L)
             if b is None:
                 cells.append("")
                 continue
-            cell = f"{b / MiB:.2f} MiB ({b / none:.3f} of none)" if none else f"{b / MiB:.2f} MiB"
+            cell = f"{b / MiB:.2f} ({b / none:.3f}" if none else f"{b / MiB:.2f} ("
             if pred:
-                cell += f"; predicted {pred / MiB:.2f} ({b / pred:.3f})"
-            cells.append(cell)
-        w(f"| {L} | " + " | ".join(cells) + " |")
+                cell += f"; {pred / MiB:.2f}, {b / pred:.3f}"
+            cells.append(cell + ")")
+        w(f"| {f} | {v} | " + " | ".join(cells) + " |")
     w("\n![peak activation bytes against depth](img/peak_vs_layers.png)\n")
 
     w(f"## Step time at L = {L_t}\n")
@@ -182,7 +187,20 @@ def main():
     for name, ok, detail in targets:
         w(f"| {name} | {'met' if ok else 'not met'} | {detail} |")
     w("")
-    w(cfg.get("notes", ""))
+    w("## Notes on the figures\n")
+    w("- Each remat region keeps two RNG states for the replay (the default CPU generator and "
+      "the tracker's model-parallel state, 5056 bytes each); PyTorch's regions keep one. With "
+      "small regions this is visible next to the 128 KiB region inputs.")
+    w("- Measured peaks include transient gradient buffers of the backward (gradients of the "
+      "logits, of a block's outputs and inputs while they are combined), which the analytic "
+      "minimum leaves out; their share falls as L grows.")
+    w("- selective_op keeps private copies of six matmul outputs per block (q|k|v, the "
+      "attention scores of size B·H·T·T, the attention output, proj, fc1, fc2) so that the "
+      "recompute replays them; at this shape that is more than half of what a block keeps "
+      "without checkpointing, so the 0.5 × none target needs a shorter save_ops list "
+      "(e.g. without `aten::bmm`).")
+    w("- On this CPU-only machine offloaded copies are CPU memory too: the offload variant "
+      "shows the cost of the copies, not the device memory it frees on a GPU.")
     open(md_path, "w").write("\n".join(out) + "\n")
     for name, ok, detail in targets:
         print(f"target {'MET    ' if ok else 'NOT MET'} {name}: {detail}")
