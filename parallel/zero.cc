@@ -143,6 +143,10 @@ class ZeroUnitWrapper final : public UnitWrapper {
     }
     static variable_list backward(AutogradContext* ctx, variable_list grads) {
       auto p = kept(ctx);
+      // Once a block's backward begins the head's is done; the embeddings'
+      // backward needs no weights: the root's parameters can go (its
+      // gradients stay until finish_backward reduces them).
+      if (p.unit->module != nullptr) p.zero->free(*p.zero->units_.back());
       p.zero->gather(*p.unit, /*wait=*/true);
       // The unit before this one is needed next: fetch it during this backward.
       if (auto* previous = p.zero->next_unit(*p.unit, -1)) p.zero->gather(*previous, /*wait=*/false);
@@ -159,19 +163,30 @@ class ZeroUnitWrapper final : public UnitWrapper {
 at::Tensor ZeroUnitWrapper::run(const at::Tensor& x,
                                 const std::function<at::Tensor(const at::Tensor&)>& body) {
   auto& u = *unit_;
+  // The root unit's parameters served the embeddings; the head needs them
+  // again after the last block, which fetches them ahead.
+  zero_->free(*zero_->units_.back());
   zero_->gather(u, /*wait=*/true);
+  ZeroModel::Unit* next = zero_->next_unit(u, +1);
+  if (next != nullptr) zero_->gather(*next, /*wait=*/false);
+  // The head runs right after the last block, outside any unit call: its
+  // parameters must have arrived by then.
+  auto head_ready = [&] {
+    if (next != nullptr && next->module == nullptr) zero_->wait_gathered(*next);
+  };
   if (!at::GradMode::is_enabled()) {  // evaluation: no backward will come
     at::Tensor y = body(x);
     zero_->free(u);
+    head_ready();
     return y;
   }
-  if (auto* next = zero_->next_unit(u, +1)) zero_->gather(*next, /*wait=*/false);
   const auto z = static_cast<int64_t>(reinterpret_cast<intptr_t>(zero_));
   const auto p = static_cast<int64_t>(reinterpret_cast<intptr_t>(unit_));
   // The dummy keeps Enter on the graph when x does not require grad.
   static thread_local at::Tensor dummy = at::empty({0}).requires_grad_(true);
   at::Tensor y = Exit::apply(body(Enter::apply(x, dummy, z, p)), z, p);
   zero_->free(u);
+  head_ready();
   u.ran = true;
   return y;
 }
@@ -305,10 +320,16 @@ void ZeroModel::track_gathered(int64_t delta) {
   peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
 }
 
+void ZeroModel::track_gathered_units(int delta) {
+  gathered_units_ += delta;
+  peak_gathered_units_ = std::max(peak_gathered_units_, gathered_units_);
+}
+
 void ZeroModel::gather(Unit& unit, bool wait) {
   if (!unit.gathered) {
     unit.gathered = true;
     unit.gathers++;
+    track_gathered_units(+1);
     for (auto& g : unit.groups) {
       allocate_storage(g.full, g.bytes());
       at::Tensor input = g.shard.detach().to(g.full.scalar_type());
@@ -337,6 +358,7 @@ void ZeroModel::free(Unit& unit) {
     track_gathered(-g.bytes());
   }
   unit.gathered = false;
+  track_gathered_units(-1);
 }
 
 void ZeroModel::reduce(Unit& unit) {
@@ -404,6 +426,7 @@ ZeroModel::Unit* ZeroModel::next_unit(const Unit& unit, int direction) {
   const int64_t blocks = static_cast<int64_t>(units_.size()) - 1;
   int64_t i = unit.module == nullptr ? blocks : static_cast<int64_t>(unit.index);
   i += direction;
+  if (i == blocks && direction > 0) return units_.back().get();  // the head needs it next
   if (i < 0 || i >= blocks) return nullptr;
   Unit* next = units_[i].get();
   if (next->padded_numel() > options_.prefetch_bucket_size) return nullptr;
@@ -417,8 +440,11 @@ void ZeroModel::begin_forward() {
 at::Tensor ZeroModel::finish_forward(const at::Tensor& loss) {
   if (options_.stage == 0) return loss;
   Unit& root = *units_.back();
-  free(root);
-  if (!at::GradMode::is_enabled() || !loss.requires_grad()) return loss;
+  if (!at::GradMode::is_enabled() || !loss.requires_grad()) {
+    free(root);
+    return loss;
+  }
+  // The root stays gathered for the head's backward (the first to run).
   root.ran = true;
   const auto z = static_cast<int64_t>(reinterpret_cast<intptr_t>(this));
   const auto p = static_cast<int64_t>(reinterpret_cast<intptr_t>(&root));
@@ -521,13 +547,17 @@ ZeroStats ZeroModel::stats() const {
   }
   s.gathered_bytes = gathered_bytes_;
   s.peak_gathered_bytes = peak_gathered_bytes_;
+  s.peak_gathered_units = peak_gathered_units_;
   s.allgather_bytes = allgather_bytes_;
   s.reducescatter_bytes = reducescatter_bytes_;
   s.allreduce_bytes = allreduce_bytes_;
   return s;
 }
 
-void ZeroModel::reset_peak() { peak_gathered_bytes_ = gathered_bytes_; }
+void ZeroModel::reset_peak() {
+  peak_gathered_bytes_ = gathered_bytes_;
+  peak_gathered_units_ = gathered_units_;
+}
 
 std::map<std::string, int64_t> ZeroModel::gather_counts() const {
   std::map<std::string, int64_t> out;

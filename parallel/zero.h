@@ -16,8 +16,12 @@
 //             (averaged over data-parallel ranks) and free parameters and
 //             gradients.
 //
-// The root unit is gathered for the forward (begin_forward) and its backward
-// (finish_forward wraps the loss), and reduced in finish_backward. Parameters
+// The root unit serves the embeddings (gathered by begin_forward, freed when
+// the first block starts) and the head (fetched while the last block runs,
+// kept through the head's backward, freed when the first block's backward
+// begins), and is reduced in finish_backward: so its parameters must be used
+// only before the first unit and after the last one. At most two units are
+// gathered at once. Parameters
 // with fewer than param_persistence_threshold elements stay whole on every rank
 // (gradients all-reduced). Units are called through remat::forward, which
 // routes them through the sharding (checkpointing/policy.h).
@@ -65,6 +69,7 @@ struct ZeroStats {
   int64_t grad_bytes = 0;           // their gradients now
   int64_t gathered_bytes = 0;       // full unit parameters alive now
   int64_t peak_gathered_bytes = 0;  // since reset_peak()
+  int peak_gathered_units = 0;      // units gathered at once, since reset_peak()
   int64_t allgather_bytes = 0;      // total: output bytes of parameter all-gathers
   int64_t reducescatter_bytes = 0;  // total: input bytes of gradient reduce-scatters
   int64_t allreduce_bytes = 0;      // total: 2 x bytes all-reduced (reduce-scatter + all-gather)
@@ -128,6 +133,7 @@ class ZeroModel {
   void all_reduce_buckets(const std::vector<at::Tensor>& params);
   Unit* next_unit(const Unit& unit, int direction);
   void track_gathered(int64_t delta);
+  void track_gathered_units(int delta);
 
   torch::nn::Module& model_;
   std::shared_ptr<Communicator> dp_;
@@ -138,6 +144,7 @@ class ZeroModel {
   std::vector<at::Tensor> sharded_tp_;
   std::shared_ptr<torch::nn::Module> state_;
   int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
+  int gathered_units_ = 0, peak_gathered_units_ = 0;
   int64_t allgather_bytes_ = 0, reducescatter_bytes_ = 0, allreduce_bytes_ = 0;
 };
 
