@@ -19,6 +19,7 @@
 #include "runtime/layout.h"
 #include "runtime/runtime.h"
 #include "tests/error_of.h"
+#include "tests/parallel_setup.h"
 
 namespace remat {
 namespace {
@@ -26,25 +27,10 @@ namespace {
 using ::testing::HasSubstr;
 using remat::testing::error_of;
 
-std::shared_ptr<Communicator> world() {
-  static auto w = Runtime::init().world(Backend::kMpi);
-  return w;
-}
+using remat::testing::layout;
+using remat::testing::world;
 
-const ParallelLayout& layout(int tp) {
-  static std::map<int, std::unique_ptr<ParallelLayout>> layouts;
-  auto& l = layouts[tp];
-  if (!l) l = std::make_unique<ParallelLayout>(world(), ParallelDims::from_world(world()->size(), tp));
-  return *l;
-}
-
-std::vector<int> tp_sizes() {
-  std::vector<int> out;
-  for (int tp : {1, 2, 4}) {
-    if (world()->size() % tp == 0) out.push_back(tp);
-  }
-  return out;
-}
+std::vector<int> tp_sizes() { return remat::testing::tp_sizes(4); }
 
 ActivationCheckpointingConfig ac(const std::string& variant) {
   ActivationCheckpointingConfig c;
@@ -67,16 +53,7 @@ struct Trace {
 constexpr int64_t kVocab = 37;  // uneven across 2 and 4 ranks
 
 models::GptOptions gpt_options(int tp, double dropout) {
-  models::GptOptions o;
-  o.vocab_size = kVocab;
-  o.seq_len = 12;
-  o.n_layer = 3;
-  o.n_head = 4;
-  o.d_model = 16;
-  o.d_ff = 32;
-  o.dropout = dropout;
-  if (tp > 1) o.tensor_parallel = layout(tp).tp_group();
-  return o;
+  return remat::testing::small_gpt(kVocab, 3, dropout, tp);
 }
 
 // `steps` SGD steps of a GPT at tensor-parallel size tp, checkpointed as

@@ -43,7 +43,7 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
 }
 
 // Settings that would have no effect are pointed out.
-void check_supported(const Config& c) {
+void warn_ineffective(const Config& c) {
   const auto& ac = c.activation_checkpointing;
   if (ac.variant == "none" &&
       (ac.partition_activations || ac.cpu_checkpointing || ac.contiguous_memory_optimization)) {
@@ -142,7 +142,7 @@ int train(int argc, char** argv) {
   Config config = config_path.empty()
                       ? parse_config(default_config_text(), "<embedded default>", overrides)
                       : load_config(config_path, overrides);
-  check_supported(config);
+  warn_ineffective(config);
   if (steps_flag) config.train.steps = *steps_flag;
   if (seed_flag) config.train.seed = *seed_flag;
   const auto& tc = config.train;

@@ -200,11 +200,6 @@ at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& idx) {
 
 namespace {
 
-struct GroupHolder : torch::CustomClassHolder {
-  explicit GroupHolder(Group g) : group(std::move(g)) {}
-  Group group;
-};
-
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits,
                             const at::Tensor& target, int64_t vocab_start, Group group) {

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/nn/module.h>
 #include <torch/types.h>  // clip_grad.h needs torch::Tensor declared first
 #include <torch/nn/utils/clip_grad.h>
 

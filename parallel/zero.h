@@ -38,13 +38,17 @@
 //   optimizer->step();
 #pragma once
 
-#include <torch/nn/module.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
+
+namespace torch::nn {
+class Module;
+}
 
 namespace remat {
 

@@ -19,6 +19,7 @@
 #include "runtime/layout.h"
 #include "runtime/runtime.h"
 #include "tests/error_of.h"
+#include "tests/parallel_setup.h"
 
 namespace remat {
 namespace {
@@ -26,23 +27,10 @@ namespace {
 using ::testing::HasSubstr;
 using remat::testing::error_of;
 
-std::shared_ptr<Communicator> world() {
-  static auto w = Runtime::init().world(Backend::kMpi);
-  return w;
-}
+using remat::testing::layout;
+using remat::testing::world;
 
-const ParallelLayout& layout(int tp) {
-  static std::map<int, std::unique_ptr<ParallelLayout>> layouts;
-  auto& l = layouts[tp];
-  if (!l) l = std::make_unique<ParallelLayout>(world(), ParallelDims::from_world(world()->size(), tp));
-  return *l;
-}
-
-std::vector<int> tp_sizes() {
-  std::vector<int> out{1};
-  if (world()->size() % 2 == 0) out.push_back(2);
-  return out;
-}
+std::vector<int> tp_sizes() { return remat::testing::tp_sizes(2); }
 
 struct TrainRun {
   std::vector<double> losses;
@@ -75,15 +63,7 @@ TrainRun train(const TrainSetup& s) {
   ac.variant = s.variant;
   ac.partition_activations = s.partition;
   configure(&l, ac);
-  models::GptOptions o;
-  o.vocab_size = 29;
-  o.seq_len = 12;
-  o.n_layer = 3;
-  o.n_head = 4;
-  o.d_model = 16;
-  o.d_ff = 32;
-  o.dropout = s.dropout;
-  if (s.tp > 1) o.tensor_parallel = l.tp_group();
+  models::GptOptions o = remat::testing::small_gpt(29, 3, s.dropout, s.tp);
   at::manual_seed(21);
   models::Gpt model(o);
   model_parallel_manual_seed(21, l.tp_rank());
@@ -274,14 +254,7 @@ TEST(Zero, Bf16ComputesFromFp32MasterShards) {
 
 TEST(Zero, MisuseIsAClearError) {
   const auto& l = layout(1);
-  models::GptOptions o;
-  o.vocab_size = 11;
-  o.seq_len = 4;
-  o.n_layer = 2;
-  o.n_head = 2;
-  o.d_model = 8;
-  o.d_ff = 8;
-  models::Gpt model(o);
+  models::Gpt model(remat::testing::small_gpt(11, 2, 0.0));
   std::vector<std::shared_ptr<torch::nn::Module>> units;
   for (const auto& b : *model->blocks) units.push_back(b);
   ZeroOptions zo;

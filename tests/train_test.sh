@@ -30,27 +30,45 @@ for cfg in "$configs_dir"/*.json; do
   fi
 done
 
+# Runs remat-train for 20 steps once per variant and checks that every
+# variant's losses equal the first one's bitwise.
+#   parity PREFIX LABEL NP ORDER VARIANTS [COMMON ARGS...]
+# ORDER: name of an array of variants; VARIANTS: name of an associative array
+# variant -> its extra arguments. Metrics go to $tmp/PREFIX_<variant>.jsonl.
+parity() {
+  local prefix=$1 label=$2 np=$3
+  local -n order=$4 extra=$5
+  shift 5
+  local reference="" v m out
+  for v in "${order[@]}"; do
+    m="$tmp/${prefix}_$v.jsonl"
+    # shellcheck disable=SC2086
+    out=$("$run" -np "$np" -- "$train" --config "$configs_dir/default.json" --steps 20 \
+        "${small[@]}" "$@" ${extra[$v]} --metrics "$m" 2>&1)
+    if [[ $? -ne 0 || $(wc -l <"$m") -ne 20 ]]; then
+      fail "$label run $v" "$out"
+    elif [[ -z "$reference" ]]; then
+      reference=$(losses "$m")
+      pass "$label run $v (reference)"
+    elif [[ "$(losses "$m")" == "$reference" ]]; then
+      pass "$label: losses under $v equal ${order[0]}'s bitwise over 20 steps"
+    else
+      fail "$label: losses under $v equal ${order[0]}'s bitwise over 20 steps" \
+        "$(paste <(echo "$reference") <(losses "$m") | head -5)"
+    fi
+  done
+}
+
 # 2. Dropout 0.1, 2 ranks, 20 steps: the same losses bitwise under every variant.
-reference=""
-for variant in none full selective_layer selective_op; do
-  m="$tmp/parity_$variant.jsonl"
-  out=$("$run" -np 2 -- "$train" --config "$configs_dir/default.json" --steps 20 "${small[@]}" \
-      --set model.dropout=0.1 --set activation_checkpointing.variant=$variant \
-      --set activation_checkpointing.every_k=2 --metrics "$m" 2>&1)
-  if [[ $? -ne 0 || $(wc -l <"$m") -ne 20 ]]; then
-    fail "parity run $variant" "$out"
-    continue
-  fi
-  if [[ -z "$reference" ]]; then
-    reference=$(losses "$m")
-    pass "parity run $variant (reference)"
-  elif [[ "$(losses "$m")" == "$reference" ]]; then
-    pass "losses under $variant equal none's bitwise over 20 steps"
-  else
-    fail "losses under $variant equal none's bitwise over 20 steps" \
-      "$(paste <(echo "$reference") <(losses "$m") | head -5)"
-  fi
-done
+ac=activation_checkpointing
+dp_order=(none full selective_layer selective_op)
+declare -A dp_variants=(
+  [none]="--set $ac.variant=none"
+  [full]="--set $ac.variant=full"
+  [selective_layer]="--set $ac.variant=selective_layer --set $ac.every_k=2"
+  [selective_op]="--set $ac.variant=selective_op"
+)
+parity parity "2 ranks" 2 dp_order dp_variants --set model.dropout=0.1
 
 # 3. The default config learns: over its first 40 steps (of 120) the loss falls
 #    by at least 30% (measured: about 40% by step 30).
@@ -85,7 +103,6 @@ fi
 #    outside the tensor-parallel regions: the same losses bitwise without
 #    checkpointing and with full, partitioned, partitioned + contiguous,
 #    offload, and partitioned + offload + contiguous regions.
-ac=activation_checkpointing
 declare -A tp_variants=(
   [none]="--set $ac.variant=none"
   [full]="--set $ac.variant=full"
@@ -94,24 +111,8 @@ declare -A tp_variants=(
   [offload]="--set $ac.variant=full --set $ac.cpu_checkpointing=true --set $ac.offload_min_bytes=0"
   [partitioned_offload_contiguous]="--set $ac.variant=full --set $ac.partition_activations=true --set $ac.cpu_checkpointing=true --set $ac.offload_min_bytes=0 --set $ac.offload_keep_last=false --set $ac.contiguous_memory_optimization=true --set $ac.number_checkpoints=2"
 )
-reference=""
-for variant in none full partitioned partitioned_contiguous offload partitioned_offload_contiguous; do
-  m="$tmp/tp_$variant.jsonl"
-  # shellcheck disable=SC2086
-  out=$("$run" -np 4 -- "$train" --config "$configs_dir/default.json" --steps 20 "${small[@]}" \
-      --set tensor_parallel.size=2 --set model.dropout=0.1 ${tp_variants[$variant]} --metrics "$m" 2>&1)
-  if [[ $? -ne 0 || $(wc -l <"$m") -ne 20 ]]; then
-    fail "tp=2 run $variant" "$out"
-  elif [[ -z "$reference" ]]; then
-    reference=$(losses "$m")
-    pass "tp=2 run $variant (reference)"
-  elif [[ "$(losses "$m")" == "$reference" ]]; then
-    pass "tp=2 on 4 ranks: losses under $variant equal none's bitwise over 20 steps"
-  else
-    fail "tp=2 on 4 ranks: losses under $variant equal none's bitwise over 20 steps" \
-      "$(paste <(echo "$reference") <(losses "$m") | head -5)"
-  fi
-done
+tp_order=(none full partitioned partitioned_contiguous offload partitioned_offload_contiguous)
+parity tp "tp=2 on 4 ranks" 4 tp_order tp_variants --set tensor_parallel.size=2 --set model.dropout=0.1
 saved() { sed -E 's/.*"ckpt_saved_bytes":([0-9]+).*/\1/' "$1" | head -1; }
 whole_bytes=$(saved "$tmp/tp_full.jsonl")
 part_bytes=$(saved "$tmp/tp_partitioned.jsonl")
