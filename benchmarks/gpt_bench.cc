@@ -4,8 +4,8 @@
 // dropped). One JSON object per line, the same fields as
 // benchmarks/torch_gpt.py writes for PyTorch. bench.sh runs both.
 //
-//   bazel-bin/benchmarks/gpt_bench --layers 2,4,8 --variants none,full,every_k2,selective_op,offload \
-//       [--steps 20] [--warmup 3] [--memory-only] [--out FILE]
+//   bazel-bin/benchmarks/gpt_bench --layers 2,4,8 --variants none,full,every_k2,selective_op,offload
+//       [--steps 20] [--warmup 3] [--memory-only] [--out FILE]   (one command line)
 //   remat-run -np 2 -- bazel-bin/benchmarks/gpt_bench --tp 2 --variants full,partitioned ...
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

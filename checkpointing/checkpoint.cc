@@ -203,9 +203,22 @@ struct Region {
   // Inputs stored partitioned or offloaded; their places in the saved list
   // hold undefined tensors.
   std::unique_ptr<StoredInputs> stored;
-  int64_t saved_bytes = 0;  // counted in g_saved_bytes while the region lives
+  // Each input's version counter and its version at the forward: a change in
+  // place before the recompute is an error (autograd skips its own check for
+  // the inputs stored here, and its message would blame a second backward).
+  std::vector<c10::VariableVersion> input_versions;
+  std::vector<uint32_t> versions_at_forward;
+  // The node the forward's outputs lead to (compared, never followed).
+  const torch::autograd::Node* node = nullptr;
 
-  ~Region() { g_saved_bytes -= saved_bytes + selective.bytes; }
+  // Bytes counted in g_saved_bytes for this region: only what was added is
+  // taken away, so a forward that throws half-way leaves the total as it was.
+  void count(int64_t bytes) {
+    counted_bytes += bytes;
+    g_saved_bytes += bytes;
+  }
+  int64_t counted_bytes = 0;
+  ~Region() { g_saved_bytes -= counted_bytes; }
 };
 
 std::mutex g_regions_mutex;
@@ -283,37 +296,53 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     synchronize_if(region->options.synchronize);
     if (region->options.preserve_rng_state) region->rng = capture_rng();
     variable_list real(inputs.begin(), inputs.begin() + region->n_tensors);
+    for (const auto& t : real) {
+      region->input_versions.push_back(t.unsafeGetTensorImpl()->version_counter());
+      region->versions_at_forward.push_back(t.is_inference() ? 0 : t._version());
+    }
     // Inputs kept as they are go to autograd; stored ones to region->stored.
     variable_list to_save = real;
+    int64_t saved_bytes = 0;
     if (region->options.storage.active()) {
-      std::vector<bool> store;
-      for (const auto& t : real) store.push_back(StoredInputs::stores(t, region->options.storage));
+      auto store = StoredInputs::select(real, region->options.storage, region->options.name);
       if (std::count(store.begin(), store.end(), true) > 0) {
         region->stored = std::make_unique<StoredInputs>(real, store, region->options.storage,
                                                         region->options.name);
-        region->saved_bytes += region->stored->kept_bytes();
+        saved_bytes += region->stored->kept_bytes();
         for (size_t i = 0; i < store.size(); ++i) {
           if (store[i]) to_save[i] = at::Tensor();
         }
         track_region(region);
       }
     }
-    for (const auto& t : to_save) region->saved_bytes += t.defined() ? t.nbytes() : 0;
+    for (const auto& t : to_save) saved_bytes += covered_bytes(t);
     c10::IValue output;
-    {
+    try {
       at::NoGradGuard no_grad;
       output = run_fn(*region, real, SelectiveOpScope::Mode::kRecord, region->forward_ops);
+    } catch (...) {
+      // fn drew from the generators before it threw: put them back, so a
+      // failed call leaves the RNG where it found it.
+      if (region->options.preserve_rng_state) restore_rng(region->rng);
+      throw;
     }
     // Inputs and kept op outputs go to autograd, which frees them after a
     // backward without retain_graph.
     for (auto& t : take_cached_tensors(region->selective)) to_save.push_back(t);
     ctx->save_for_backward(to_save);
-    g_saved_bytes += region->saved_bytes + region->selective.bytes;
+    region->count(saved_bytes + region->selective.bytes);
     std::vector<at::Tensor> outs;
     collect_tensors(output, outs, region->options.name + " output");
     variable_list non_differentiable;
     for (auto& t : outs) {
       region->outputs.push_back({t.sizes().vec(), t.scalar_type(), t.device()});
+      // autograd attaches the outputs to this region's node. fn may return a
+      // tensor the region did not create (an input, a view of one, a
+      // parameter, a captured tensor, or one tensor twice): attaching that
+      // tensor itself would rewrite its history, and the recompute, returning
+      // it again, would lead back into this node. A fresh alias per output
+      // takes the history instead; values and storage are shared.
+      t = t.detach();
       if (!at::isFloatingType(t.scalar_type()) && !at::isComplexType(t.scalar_type())) {
         non_differentiable.push_back(t);
       }
@@ -346,11 +375,17 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     try {
       saved = ctx->get_saved_variables();
     } catch (const c10::Error& e) {
-      throw Error(str(name, ": backward ran through this region a second time, but its saved "
-                      "inputs were released by the first backward; pass retain_graph=true to "
-                      "the first backward() to backpropagate twice (detail: ",
-                      e.what_without_backtrace(), ")"));
+      const std::string detail = e.what_without_backtrace();
+      if (detail.find("a second time") != std::string::npos) {
+        throw Error(str(name, ": backward ran through this region a second time, but its saved "
+                        "inputs were released by the first backward; pass retain_graph=true to "
+                        "the first backward() to backpropagate twice (detail: ", detail, ")"));
+      }
+      check_versions(*region);  // the clearer message when an input changed in place
+      throw Error(str(name, ": the region's saved tensors cannot be read: ", detail));
     }
+    // Inputs stored outside autograd have no check of their own.
+    check_versions(*region);
     synchronize_if(region->options.synchronize);
 
     // The kept op outputs follow the inputs in the saved list.
@@ -399,18 +434,22 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     variable_list roots, grads;
     for (size_t i = 0; i < outs.size() && i < grad_outputs.size(); ++i) {
       if (outs[i].requires_grad() && grad_outputs[i].defined()) {
+        if (region->node != nullptr && outs[i].grad_fn().get() == region->node) {
+          throw Error(str(name, ": the recompute returned (as output ", i, ") a tensor that this "
+                          "region itself produced in its forward; backward through it would "
+                          "enter the region again. fn must compute its outputs from its "
+                          "arguments, not return results of an earlier call"));
+        }
         roots.push_back(outs[i]);
         grads.push_back(grad_outputs[i]);
       }
     }
     if (!roots.empty()) torch::autograd::backward(roots, grads);
-    // Like autograd's saved tensors, stored inputs go after a backward that
-    // does not retain the graph.
-    if (region->stored && !torch::autograd::get_current_graph_task_keep_graph()) {
-      const int64_t stored_bytes = region->stored->kept_bytes();
-      region->stored->release();
-      region->saved_bytes -= stored_bytes;
-      g_saved_bytes -= stored_bytes;
+    // After a backward that does not retain the graph autograd has freed what
+    // it kept (inputs, selective-op outputs); stored inputs go the same way.
+    if (!torch::autograd::get_current_graph_task_keep_graph()) {
+      if (region->stored) region->stored->release();
+      region->count(-region->counted_bytes);
     }
 
     variable_list result{at::Tensor()};  // for the region argument
@@ -425,6 +464,23 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       add_profile(name, delta);
     }
     return result;
+  }
+
+  // An input changed in place since the forward would be recomputed from the
+  // changed value: refuse, naming the input and what to do.
+  static void check_versions(const Region& region) {
+    for (size_t i = 0; i < region.input_versions.size(); ++i) {
+      const auto& version = region.input_versions[i];
+      if (!version.enabled()) continue;  // an inference tensor
+      const uint32_t now = version.current_version();
+      if (now != region.versions_at_forward[i]) {
+        throw Error(str(region.options.name, ": tensor argument ", i, " was modified in place "
+                        "after the region's forward (its version went from ",
+                        region.versions_at_forward[i], " to ", now, "); the recompute needs the "
+                        "value the forward saw: clone() the tensor before changing it in place, "
+                        "or change a copy"));
+      }
+    }
   }
 
   static void check_outputs(const Region& region, const std::vector<at::Tensor>& outs) {
@@ -481,6 +537,12 @@ c10::IValue checkpoint_ivalues(const CheckpointFn& fn, std::vector<c10::IValue> 
     region->has_dummy = true;
   }
   variable_list outs = CheckpointFunction::apply(region, at::TensorList(inputs));
+  for (const auto& t : outs) {
+    if (t.grad_fn()) {
+      region->node = t.grad_fn().get();
+      break;
+    }
+  }
   c10::IValue result = with_tensors(region->forward_output, outs);
   region->forward_output = c10::IValue();
   return result;

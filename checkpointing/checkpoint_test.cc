@@ -31,7 +31,9 @@ void expect_all_equal(const std::vector<at::Tensor>& a, const std::vector<at::Te
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) {
     ASSERT_EQ(a[i].defined(), b[i].defined()) << "tensor " << i;
-    if (a[i].defined()) EXPECT_TRUE(torch::equal(a[i], b[i])) << "tensor " << i << " differs";
+    if (a[i].defined()) {
+      EXPECT_TRUE(torch::equal(a[i], b[i])) << "tensor " << i << " differs";
+    }
   }
 }
 

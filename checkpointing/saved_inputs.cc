@@ -10,20 +10,50 @@
 #include "checkpointing/host_transfer.h"
 #include "runtime/communicator.h"
 #include "runtime/error.h"
+#include "runtime/logging.h"
 
 namespace remat {
 namespace {
 
 struct Counters {
   std::atomic<int64_t> kept_bytes{0}, kept_padding_bytes{0}, gathered_bytes{0},
-      offloaded_bytes{0}, fetched_bytes{0}, offload_copies{0}, fetch_copies{0};
+      offloaded_bytes{0}, fetched_bytes{0}, offload_copies{0}, fetch_copies{0},
+      left_small_bytes{0};
 } g_stats;
 
 int64_t bytes_of(int64_t numel, at::ScalarType dtype) {
   return numel * static_cast<int64_t>(c10::elementSize(dtype));
 }
 
+// Elements of storage from a tensor's first element to its last.
+int64_t span_numel(const at::Tensor& t) {
+  if (t.numel() == 0) return 0;
+  int64_t span = 1;
+  for (int64_t d = 0; d < t.dim(); ++d) span += (t.size(d) - 1) * t.stride(d);
+  return span;
+}
+
+// Counts bytes left on the device for being small; the first time in the
+// process at info level (what to change), then at debug level.
+void note_left_small(const std::string& region, int64_t bytes, int64_t min_bytes) {
+  static std::atomic<bool> told{false};
+  g_stats.left_small_bytes += bytes;
+  if (!told.exchange(true)) {
+    log().info("cpu_checkpointing: {} leaves {} bytes on the device for being under "
+               "offload_min_bytes = {} (set activation_checkpointing.offload_min_bytes to 0 to "
+               "offload them; further cases at debug level)",
+               region, bytes, min_bytes);
+  } else {
+    log().debug("cpu_checkpointing: {} leaves {} bytes on the device (offload_min_bytes {})",
+                region, bytes, min_bytes);
+  }
+}
+
 }  // namespace
+
+int64_t covered_bytes(const at::Tensor& t) {
+  return t.defined() ? bytes_of(span_numel(t), t.scalar_type()) : 0;
+}
 
 bool InputStorageOptions::partitioned() const {
   return partition_group != nullptr && partition_group->size() > 1;
@@ -106,7 +136,7 @@ StoredInputStats stored_input_stats() {
   return {g_stats.kept_bytes.load(),     g_stats.kept_padding_bytes.load(),
           g_stats.gathered_bytes.load(), g_stats.offloaded_bytes.load(),
           g_stats.fetched_bytes.load(),  g_stats.offload_copies.load(),
-          g_stats.fetch_copies.load()};
+          g_stats.fetch_copies.load(),   g_stats.left_small_bytes.load()};
 }
 
 // ---------------------------------------------------------------------------
@@ -117,7 +147,9 @@ struct StoredInputs::Entry {
   at::ScalarType dtype;
   at::Device device{at::kCPU};
   int64_t numel = 0;
-  int64_t share = 0;    // elements kept (partitioned: ceil(numel / size))
+  // Whole (not partitioned): the view's strides over the span it covers.
+  std::vector<int64_t> strides;
+  int64_t share = 0;    // elements kept (partitioned: ceil(numel / size); else the span)
   int64_t padding = 0;  // of which zero padding
   at::Tensor kept;      // on the device: the share, or the whole tensor
   at::Tensor host;      // the host copy, once offloaded (kept is then undefined)
@@ -129,6 +161,11 @@ struct StoredInputs::Entry {
   std::shared_ptr<Work> gathering;
 
   int64_t kept_bytes() const { return bytes_of(share, dtype); }
+  // The input's shape over `flat`: a gathered or fetched copy of what was kept.
+  at::Tensor shaped(const at::Tensor& flat) const {
+    if (strides.empty()) return flat.reshape({-1}).narrow(0, 0, numel).view(sizes);
+    return flat.as_strided(sizes, strides, flat.storage_offset());
+  }
   void wait_all() {
     if (to_host) to_host->wait();
     if (fetching) fetching->wait();
@@ -169,7 +206,23 @@ bool StoredInputs::stores(const at::Tensor& t, const InputStorageOptions& option
   if (!t.defined() || !at::isFloatingType(t.scalar_type())) return false;
   if (t.is_leaf() && t.requires_grad()) return false;  // a parameter: alive anyway
   if (options.partitioned()) return true;
-  return options.offload && static_cast<int64_t>(t.nbytes()) >= options.offload_min_bytes;
+  return options.offload && covered_bytes(t) >= options.offload_min_bytes;
+}
+
+std::vector<bool> StoredInputs::select(const std::vector<at::Tensor>& inputs,
+                                       const InputStorageOptions& options,
+                                       const std::string& region) {
+  std::vector<bool> store;
+  int64_t small = 0;
+  for (const auto& t : inputs) {
+    store.push_back(stores(t, options));
+    const bool floating = t.defined() && at::isFloatingType(t.scalar_type());
+    if (!store.back() && options.offload && floating && !(t.is_leaf() && t.requires_grad())) {
+      small += covered_bytes(t);
+    }
+  }
+  if (small > 0) note_left_small(region, small, options.offload_min_bytes);
+  return store;
 }
 
 StoredInputs::StoredInputs(const std::vector<at::Tensor>& inputs, const std::vector<bool>& store,
@@ -212,7 +265,9 @@ StoredInputs::StoredInputs(const std::vector<at::Tensor>& inputs, const std::vec
       e->kept.narrow(0, 0, length).copy_(flat.narrow(0, start, length));
       if (e->padding > 0) e->kept.narrow(0, length, e->padding).zero_();
     } else {
-      e->share = e->numel;
+      // Kept as it is (an alias) until offloaded; offloading moves the span.
+      e->share = span_numel(x);
+      e->strides = x.strides().vec();
       e->kept = x.detach();
     }
     g_stats.kept_bytes += e->kept_bytes();
@@ -247,8 +302,14 @@ void StoredInputs::offload_now() {
   for (auto& e : entries_) {
     if (!e) continue;
     const size_t pos = position++;
-    if (!e->kept.defined() || e->kept_bytes() < options_.offload_min_bytes) continue;
-    at::Tensor flat = e->kept.reshape({-1});
+    if (!e->kept.defined() || e->share == 0) continue;
+    if (e->kept_bytes() < options_.offload_min_bytes) {
+      note_left_small(region_, e->kept_bytes(), options_.offload_min_bytes);
+      continue;
+    }
+    at::Tensor flat = e->strides.empty()
+                          ? e->kept.reshape({-1})
+                          : e->kept.as_strided({e->share}, {1}, e->kept.storage_offset());
     e->host = options_.contiguous
                   ? options_.contiguous->view(slot_, pos, e->share, e->dtype, at::kCPU,
                                               detail::wants_pinned(e->device), region_)
@@ -306,17 +367,15 @@ std::vector<at::Tensor> StoredInputs::restore() {
   for (size_t i = 0; i < entries_.size(); ++i) {
     auto& e = entries_[i];
     if (!e) continue;
-    at::Tensor flat;
     if (e->gathering) {
       e->gathering->wait();
-      flat = e->gathered;
+      out[i] = e->shaped(e->gathered);
     } else if (e->fetching) {
       e->fetching->order_before_use();
-      flat = e->fetched;
+      out[i] = e->shaped(e->fetched);
     } else {
-      flat = e->kept;
+      out[i] = e->strides.empty() ? e->shaped(e->kept) : e->kept;  // whole: the alias itself
     }
-    out[i] = flat.reshape({-1}).narrow(0, 0, e->numel).view(e->sizes);
     e->fetched = at::Tensor();
     e->fetching = nullptr;
     e->gathered = at::Tensor();

@@ -15,8 +15,15 @@
 //   previous region's inputs start coming back (and, partitioned, their
 //   all-gather starts). The last region's inputs stay on the device (they
 //   are needed first) unless offload_keep_last is false; tensors under
-//   offload_min_bytes stay; bool and integer tensors pass through untouched.
-//   On a CPU-only build the same path copies into separate host tensors.
+//   offload_min_bytes stay (0 by default: every input moves, as DeepSpeed's
+//   cpu_checkpointing promises); bool and integer tensors pass through
+//   untouched. A view moves the span of storage its elements cover, not its
+//   expanded size, and comes back with its sizes and strides. On a CPU-only
+//   build the same path copies into separate host tensors.
+//
+// Whatever the form, the recompute sees the input as the forward saw it: an
+// input changed in place in between is an error at backward (checkpoint.cc
+// compares version counters), as it is for tensors autograd keeps.
 // - contiguous (contiguous_memory_optimization): the kept shares and offloaded
 //   copies go into one preallocated buffer per argument position with a slot
 //   for each of number_checkpoints regions.
@@ -39,7 +46,11 @@ struct InputStorageOptions {
   // Keep 1/size of each input on each rank of this group (null or size 1: whole).
   std::shared_ptr<Communicator> partition_group;
   bool offload = false;
-  int64_t offload_min_bytes = 16384;
+  // Offloaded tensors (or shares) smaller than this stay on the device. The
+  // default 0 moves every input, as DeepSpeed's cpu_checkpointing does;
+  // 1024 (torchtune's min_offload_size) keeps tiny tensors whose copy costs
+  // more latency than the memory is worth.
+  int64_t offload_min_bytes = 0;
   int offload_max_in_flight = 2;
   bool offload_keep_last = true;
   // Slots for the kept tensors (null: each is its own allocation).
@@ -97,8 +108,13 @@ struct StoredInputStats {
   int64_t fetched_bytes = 0;       // total: bytes copied back from host
   int64_t offload_copies = 0;      // total: tensors copied to host
   int64_t fetch_copies = 0;        // total: tensors copied back
+  int64_t left_small_bytes = 0;    // total: bytes left on the device under offload_min_bytes
 };
 StoredInputStats stored_input_stats();
+
+// Bytes of the storage span a tensor's elements cover: its size for a dense
+// tensor, less for an expanded one (stride 0), more for one with gaps.
+int64_t covered_bytes(const at::Tensor& t);
 
 // The inputs of one region (see above). Created at the region's forward,
 // restored at its recompute.
@@ -114,6 +130,10 @@ class StoredInputs {
 
   // Whether `t` would be stored under `options` (else kept as it is).
   static bool stores(const at::Tensor& t, const InputStorageOptions& options);
+  // stores() for each of a region's inputs; counts (and logs) those that
+  // offloading leaves on the device for being under offload_min_bytes.
+  static std::vector<bool> select(const std::vector<at::Tensor>& inputs,
+                                  const InputStorageOptions& options, const std::string& region);
 
   // The stored inputs, full size, in order (positions with store[i] false are
   // undefined). Starts the previous region's fetch first. Each call fetches

@@ -386,5 +386,79 @@ TEST(StoredInputs, ASecondBackwardAfterReleaseIsAClearError) {
   EXPECT_THAT(message, HasSubstr("retain_graph=true"));
 }
 
+// Partitioned storage copies each share at the forward; an input changed in
+// place afterwards is still the clear error a plain region gives, on every
+// rank, never a gradient from the changed value.
+TEST(StoredInputs, PartitionedInputChangedInPlaceIsAClearError) {
+  const auto& group = layout(tp_sizes().back()).tp_group();
+  for (bool offload : {false, true}) {
+    for (bool contiguous : {false, true}) {
+      CheckpointOptions options;
+      options.storage.partition_group = group;
+      options.storage.offload = offload;
+      options.storage.offload_min_bytes = 0;
+      if (contiguous) options.storage.contiguous = std::make_shared<ContiguousBuffers>(3);
+      for (int changed : {0, 2}) {
+        {
+          at::Tensor leaf = chain_input(6, 10);
+          Chain c = run_chain(leaf * 1.0, 3, options);
+          {
+            at::NoGradGuard no_grad;
+            c.inputs[changed].add_(1);
+          }
+          auto message = error_of<Error>([&] { c.out.sum().backward(); });
+          EXPECT_THAT(message, HasSubstr("modified in place"))
+              << "offload " << offload << " contiguous " << contiguous << " region " << changed;
+        }
+        EXPECT_EQ(stored_input_stats().kept_bytes, 0);
+        if (contiguous) {
+          EXPECT_EQ(options.storage.contiguous->slots_in_use(), 0);
+        }
+      }
+    }
+  }
+}
+
+// fn throwing in a partitioned (and contiguous) region's forward leaves the
+// counters, the slots and the RNG as they were; the region alive before is intact.
+TEST(StoredInputs, PartitionedRegionThatThrowsLeavesEverythingAsBefore) {
+  const auto& group = layout(tp_sizes().back()).tp_group();
+  model_parallel_manual_seed(9, 0);
+  for (bool contiguous : {false, true}) {
+    CheckpointOptions options;
+    options.storage.partition_group = group;
+    if (contiguous) options.storage.contiguous = std::make_shared<ContiguousBuffers>(2);
+    at::Tensor leaf = chain_input(5, 7);
+    Chain earlier = run_chain(leaf * 1.0, 1, options);
+    const int64_t saved = checkpoint_saved_bytes();
+    const auto stats = stored_input_stats();
+    const int64_t slots = contiguous ? options.storage.contiguous->slots_in_use() : 0;
+    const RngSnapshot rng = capture_rng();
+    at::Tensor expected_next = at::rand({4});
+    restore_rng(rng);
+    auto message = error_of<std::runtime_error>([&] {
+      checkpoint_with(
+          options,
+          [](const at::Tensor& t) -> at::Tensor {
+            at::Tensor h = at::dropout(t, 0.5, /*train=*/true);
+            if (h.numel() > 0) throw std::runtime_error("fn failed half-way");
+            return h;
+          },
+          earlier.out * 1.0);
+    });
+    EXPECT_THAT(message, HasSubstr("fn failed half-way"));
+    EXPECT_EQ(checkpoint_saved_bytes(), saved) << "contiguous " << contiguous;
+    EXPECT_EQ(stored_input_stats().kept_bytes, stats.kept_bytes);
+    EXPECT_EQ(stored_input_stats().kept_padding_bytes, stats.kept_padding_bytes);
+    if (contiguous) {
+      EXPECT_EQ(options.storage.contiguous->slots_in_use(), slots);
+    }
+    EXPECT_TRUE(at::equal(at::rand({4}), expected_next)) << "the generator moved";
+    earlier.out.sum().backward();
+    EXPECT_TRUE(leaf.grad().defined());
+    EXPECT_EQ(stored_input_stats().kept_bytes, 0);
+  }
+}
+
 }  // namespace
 }  // namespace remat

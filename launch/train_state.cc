@@ -15,10 +15,12 @@
 #include <sstream>
 #include <thread>
 
+#include "rng/rng_state_io.h"
 #include "rng/rng_tracker.h"
 #include "runtime/communicator.h"
 #include "runtime/env_knobs.h"
 #include "runtime/error.h"
+#include "runtime/logging.h"
 
 namespace remat {
 namespace fs = std::filesystem;
@@ -75,16 +77,7 @@ void save_train_state(const std::string& dir, const TrainPosition& position,
   torch::serialize::OutputArchive archive, model_archive, optimizer_archive, rng_archive;
   model.save(model_archive);
   optimizer.save(optimizer_archive);
-  GeneratorStates defaults = capture_default_generators();
-  rng_archive.write("default/cpu", defaults.cpu);
-  if (defaults.cuda.defined()) rng_archive.write("default/cuda", defaults.cuda.cpu());
-  std::string names;
-  for (const auto& [name, state] : get_rng_tracker().get_states()) {
-    names += (names.empty() ? "" : "\n") + name;
-    rng_archive.write("tracker/" + name + "/cpu", state.cpu);
-    if (state.cuda.defined()) rng_archive.write("tracker/" + name + "/cuda", state.cuda.cpu());
-  }
-  rng_archive.write("tracker_names", c10::IValue(names));
+  write_rng_snapshot(rng_archive, capture_rng());
   archive.write("model", model_archive);
   archive.write("optimizer", optimizer_archive);
   archive.write("rng", rng_archive);
@@ -148,23 +141,20 @@ TrainPosition load_train_state(const std::string& dir, torch::nn::Module& model,
     archive.read("model", model_archive);
     archive.read("optimizer", optimizer_archive);
     archive.read("rng", rng_archive);
-    c10::IValue step, window, names;
+    c10::IValue step, window;
     archive.read("step", step);
     archive.read("window", window);
     model.load(model_archive);
     optimizer.load(optimizer_archive);
-    GeneratorStates defaults;
-    rng_archive.read("default/cpu", defaults.cpu);
-    set_default_generators(defaults);
-    rng_archive.read("tracker_names", names);
-    std::map<std::string, GeneratorStates> tracker;
-    std::stringstream list(names.toStringRef());
-    std::string name;
-    while (std::getline(list, name)) {
-      if (name.empty()) continue;
-      rng_archive.read("tracker/" + name + "/cpu", tracker[name].cpu);
+    RngSnapshot rng = read_rng_snapshot(rng_archive);
+    const bool cuda_here = capture_default_generators().cuda.defined();
+    if (rng.defaults.cuda.defined() != cuda_here) {
+      log().warn("resume: the save in '{}' {} CUDA generator states but this process {} a GPU: "
+                 "random draws on the GPU do not continue bitwise",
+                 folder, rng.defaults.cuda.defined() ? "holds" : "holds no",
+                 cuda_here ? "has" : "has no");
     }
-    get_rng_tracker().set_states(tracker);
+    restore_rng(rng);
     position.step = step.toInt();
     position.window = window.toInt();
   } catch (const c10::Error& e) {

@@ -61,7 +61,8 @@ struct ActivationCheckpointingConfig {
   bool synchronize_checkpoint_boundary = false;
   bool profile = false;
   // remat extensions.
-  int64_t offload_min_bytes = 16384;  // cpu_checkpointing: smaller inputs stay
+  // cpu_checkpointing: smaller inputs stay; 0 moves all, as DeepSpeed does.
+  int64_t offload_min_bytes = 0;
   int offload_max_in_flight = 2;      // cpu_checkpointing: copies in flight at once
   bool offload_keep_last = true;      // cpu_checkpointing: the last region's inputs stay
   std::string variant = "none";  // none | full | selective_layer | selective_op
