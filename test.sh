@@ -30,7 +30,8 @@ echo
 echo "test cases per target:"
 while IFS= read -r file; do
   target="//$(dirname "${file#bazel-testlogs/}" | sed 's|/\([^/]*\)$|:\1|')"
-  line=$(grep -a '^\[remat-test\] [0-9]* passed, [0-9]* failed' "$file" | tail -1)
+  # Anywhere on a line: another rank's output may share it.
+  line=$(grep -aoE '\[remat-test\] [0-9]+ passed, [0-9]+ failed' "$file" | tail -1)
   if [[ -z "$line" ]]; then
     echo "  $target  no summary (crashed or timed out): counted as 1 failed"
     failed=$((failed + 1))
@@ -71,6 +72,29 @@ fi
 if [[ $test_rc -ne 0 && $failed -eq 0 ]]; then
   echo "bazel test failed (exit $test_rc) without a failing case: counted as 1 failed"
   failed=1
+fi
+
+# The second platform: Debian 13 with LibTorch 2.6, Open MPI 5 and g++ 14 in a
+# chroot (tools/debian13.sh), the same test.sh there. REMAT_SKIP_DEBIAN13=1
+# skips it for quick local runs; CI never sets it.
+echo "Debian 12 (LibTorch $(dpkg-query -W -f='${Version}' libtorch-dev 2>/dev/null)): $passed passed, $failed failed"
+if [[ "${REMAT_SKIP_DEBIAN13:-0}" != 1 ]]; then
+  leg_log=build/debian13.log
+  tools/debian13.sh >"$leg_log" 2>&1
+  line=$(grep -aE '^[0-9]+ passed, [0-9]+ failed$' "$leg_log" | tail -1)
+  if [[ -z "$line" ]]; then
+    tail -40 "$leg_log"
+    echo "Debian 13 leg: no summary (see $leg_log): counted as 1 failed"
+    failed=$((failed + 1))
+  else
+    grep -aE '^  (//|cmake|find_package)' "$leg_log" | sed 's/^/  [debian 13] /'
+    grep -a '^debian13:' "$leg_log"
+    p=$(sed -E 's/([0-9]+) passed.*/\1/' <<<"$line")
+    f=$(sed -E 's/.* ([0-9]+) failed/\1/' <<<"$line")
+    echo "Debian 13 (LibTorch 2.6): $p passed, $f failed"
+    passed=$((passed + p))
+    failed=$((failed + f))
+  fi
 fi
 echo "$passed passed, $failed failed"
 [[ $failed -eq 0 ]]

@@ -15,9 +15,13 @@
 //
 // Arguments and results may be tensors (requiring grad or not, undefined),
 // optional tensors, int, int64, double, bool, strings, and vectors/tuples of
-// these. The region is reentrant (a custom autograd Function), so
-// torch::autograd::grad through it is refused with a clear error; use
-// backward() and read .grad().
+// these. Results may be tensors fn did not create (an input, a view, a
+// parameter, a captured tensor): the caller gets a fresh alias of each, and
+// the tensor itself keeps its history. An input changed in place before
+// backward is an error naming it; fn throwing leaves counters, buffers and the
+// RNG as before the call. The region is reentrant (a custom autograd
+// Function), so torch::autograd::grad through it is refused with a clear
+// error; use backward() and read .grad().
 #pragma once
 
 #include <ATen/core/ivalue.h>
@@ -98,8 +102,10 @@ struct RegionProfile {
 std::map<std::string, RegionProfile> checkpoint_profile();
 
 // Bytes of tensors that live checkpoint regions hold for backward: their saved
-// inputs (partitioned: this rank's shares; offloaded: counted on the host)
-// plus, for selective_op, the kept op outputs.
+// inputs (partitioned: this rank's shares; offloaded: counted on the host;
+// views: the storage span they cover) plus, for selective_op, the kept op
+// outputs. A region stops counting once a backward that does not retain the
+// graph has run through it.
 int64_t checkpoint_saved_bytes();
 
 // Tensors that live regions hold for their stored inputs (tests).
@@ -109,7 +115,7 @@ std::map<std::string, RegionProfile> take_checkpoint_profile();
 // Logs the aggregate (one line per region) and starts a new one: call once a step.
 void log_checkpoint_profile_step(int64_t step);
 
-// How many times checkpoint regions recomputed on this thread (for tests and
+// How many times checkpoint regions recomputed in this process (for tests and
 // metrics).
 int64_t checkpoint_recompute_count();
 

@@ -56,6 +56,13 @@ command -v mpirun >/dev/null ||
 
 # Under Bazel's test runner, keep Open MPI's session files in the test's tmp dir.
 [[ -n "${TEST_TMPDIR:-}" ]] && export TMPDIR="$TEST_TMPDIR"
+# Open MPI 5 will not start without a home directory, and Bazel's test runner
+# leaves HOME unset: take the user's from the password database.
+if [[ -z "${HOME:-}" ]]; then
+  HOME=$(getent passwd "$(id -u)" | cut -d: -f6)
+  [[ -d "$HOME" ]] || HOME=${TMPDIR:-/tmp}
+  export HOME
+fi
 
 # Ranks see a pty under mpirun whatever the real stdout is: say which it is.
 if [[ -z "${REMAT_PROGRESS:-}" ]]; then

@@ -3,9 +3,11 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <optional>
 
 #include "checkpointing/policy.h"
 #include "rng/rng_tracker.h"
+#include "runtime/compat.h"
 #include "runtime/error.h"
 
 namespace remat::models {
@@ -47,18 +49,20 @@ at::Tensor BlockImpl::attention(const at::Tensor& x) {
   at::Tensor a = ln1_->forward(x);
   auto qkv = (tp_ == 1 ? qkv_->forward(a) : qkv_tp_->forward(a)).chunk(3, -1);
   at::Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
+  // Heads differ across tensor-parallel ranks, so do their dropout masks.
+  std::optional<RNGStatesTracker::ForkGuard> fork;
+  if (tp_ > 1) fork.emplace(get_rng_tracker().fork(kModelParallelRng));
+  const double p = is_training() ? options_.dropout : 0.0;
+#if REMAT_HAS_SDPA
+  at::Tensor y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, p, /*is_causal=*/true);
+#else
   at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(D));
   at::Tensor causal = at::ones({T, T}, x.options().dtype(at::kBool)).triu(1);
   scores = scores.masked_fill(causal, -std::numeric_limits<float>::infinity());
-  at::Tensor attn = at::softmax(scores, -1);
-  if (tp_ == 1) {
-    attn = at::dropout(attn, options_.dropout, is_training());
-  } else {
-    // Heads differ across tensor-parallel ranks, so do their dropout masks.
-    auto fork = get_rng_tracker().fork(kModelParallelRng);
-    attn = at::dropout(attn, options_.dropout, is_training());
-  }
-  at::Tensor y = at::matmul(attn, v).transpose(1, 2).contiguous().view({B, T, H * D});
+  at::Tensor y = at::matmul(at::dropout(at::softmax(scores, -1), p, p > 0), v);
+#endif
+  fork.reset();
+  y = y.transpose(1, 2).contiguous().view({B, T, H * D});
   return tp_ == 1 ? proj_->forward(y) : proj_tp_->forward(y);
 }
 

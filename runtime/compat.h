@@ -20,6 +20,14 @@ using MemoryTotal = size_t;
 using MemoryTotal = int64_t;
 #endif
 
+// at::scaled_dot_product_attention (2.0 on): the fused kernels on GPU, the
+// flash-for-CPU or math path here. 1.13 has none; attention is written out.
+#if REMAT_TORCH_AT_LEAST(2, 0)
+#define REMAT_HAS_SDPA 1
+#else
+#define REMAT_HAS_SDPA 0
+#endif
+
 // "1.13.1", "2.4.0", ...
 inline const char* torch_version() { return TORCH_VERSION; }
 

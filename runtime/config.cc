@@ -21,6 +21,7 @@ std::vector<std::string> default_save_ops() {
           "aten::_scaled_dot_product_attention",
           "aten::_scaled_dot_product_flash_attention",
           "aten::_scaled_dot_product_efficient_attention",
+          "aten::_scaled_dot_product_flash_attention_for_cpu",
           "aten::max"};
 }
 

@@ -7,6 +7,8 @@
 #include <mpi.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 
 #include "runtime/runtime.h"
 #include "tests/summary.h"
@@ -31,6 +33,10 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Bazel's premature-exit file is one path for all ranks: only rank 0 keeps
+  // it, or the ranks race to delete it and print errors into rank 0's summary.
+  const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+  if (rank != nullptr && std::string(rank) != "0") unsetenv("TEST_PREMATURE_EXIT_FILE");
   ::testing::InitGoogleTest(&argc, argv);
   return remat::run_main([&] {
     auto& runtime = remat::Runtime::init();
