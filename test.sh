@@ -69,6 +69,16 @@ else
   failed=$((failed + 1))
 fi
 
+# The floors of docs/architecture.md: no package includes one above it.
+if tools/check_layering.sh >"build/layering.log" 2>&1; then
+  printf '  %-48s passed %4d  failed %d\n' "layering (docs/architecture.md)" 1 0
+  passed=$((passed + 1))
+else
+  cat build/layering.log
+  printf '  %-48s passed %4d  failed %d\n' "layering (docs/architecture.md)" 0 1
+  failed=$((failed + 1))
+fi
+
 if [[ $test_rc -ne 0 && $failed -eq 0 ]]; then
   echo "bazel test failed (exit $test_rc) without a failing case: counted as 1 failed"
   failed=1
@@ -87,7 +97,7 @@ if [[ "${REMAT_SKIP_DEBIAN13:-0}" != 1 ]]; then
     echo "Debian 13 leg: no summary (see $leg_log): counted as 1 failed"
     failed=$((failed + 1))
   else
-    grep -aE '^  (//|cmake|find_package)' "$leg_log" | sed 's/^/  [debian 13] /'
+    grep -aE '^  (//|cmake|find_package|layering)' "$leg_log" | sed 's/^/  [debian 13] /'
     grep -a '^debian13:' "$leg_log"
     p=$(sed -E 's/([0-9]+) passed.*/\1/' <<<"$line")
     f=$(sed -E 's/.* ([0-9]+) failed/\1/' <<<"$line")

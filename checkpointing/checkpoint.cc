@@ -14,6 +14,7 @@
 
 #include "checkpointing/op_recorder.h"
 #include "checkpointing/selective_op.h"
+#include "nn/autograd_state.h"
 #include "rng/rng_tracker.h"
 #include "runtime/config.h"
 #include "runtime/error.h"
@@ -349,8 +350,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     }
     ctx->mark_non_differentiable(non_differentiable);
     region->forward_output = output;
-    ctx->saved_data["region"] =
-        c10::IValue::make_capsule(c10::make_intrusive<RegionHolder>(region));
+    keep_in(ctx, "region", region);
     synchronize_if(region->options.synchronize);
     if (region->options.profile) {
       RegionProfile delta;
@@ -363,8 +363,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     auto start = Clock::now();
-    auto holder = ctx->saved_data["region"].toCapsule();
-    auto region = static_cast<RegionHolder*>(holder.get())->region;
+    std::shared_ptr<Region> region = kept_in<std::shared_ptr<Region>>(ctx, "region");
     const std::string& name = region->options.name;
     if (!torch::autograd::Engine::get_default_engine().is_checkpoint_valid()) {
       throw Error(str(name, ": torch::autograd::grad (or backward with `inputs`) cannot run "
@@ -503,11 +502,6 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     }
   }
 
-  // Lets the region ride in ctx->saved_data.
-  struct RegionHolder : torch::CustomClassHolder {
-    explicit RegionHolder(std::shared_ptr<Region> r) : region(std::move(r)) {}
-    std::shared_ptr<Region> region;
-  };
 };
 
 }  // namespace

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "checkpointing/saved_inputs.h"
+#include "nn/ivalue_codec.h"
 
 namespace remat {
 
@@ -85,7 +86,7 @@ void configure_checkpointing(const ActivationCheckpointingConfig& config);  // c
 // inputs of other shapes.
 void reset_checkpoint_buffers();
 
-using CheckpointFn = std::function<c10::IValue(const std::vector<c10::IValue>&)>;
+using CheckpointFn = IValueFn;
 
 // The untyped core: `fn` takes and returns IValues.
 c10::IValue checkpoint_ivalues(const CheckpointFn& fn, std::vector<c10::IValue> args,
@@ -119,107 +120,14 @@ void log_checkpoint_profile_step(int64_t step);
 // metrics).
 int64_t checkpoint_recompute_count();
 
-namespace detail {
-
-template <typename T>
-struct IValueCodec {
-  static c10::IValue encode(const T& v) { return c10::IValue(v); }
-  static T decode(const c10::IValue& v) { return v.to<T>(); }
-};
-
-template <>
-struct IValueCodec<int> {
-  static c10::IValue encode(int v) { return c10::IValue(static_cast<int64_t>(v)); }
-  static int decode(const c10::IValue& v) { return static_cast<int>(v.toInt()); }
-};
-
-template <>
-struct IValueCodec<float> {
-  static c10::IValue encode(float v) { return c10::IValue(static_cast<double>(v)); }
-  static float decode(const c10::IValue& v) { return static_cast<float>(v.toDouble()); }
-};
-
-template <>
-struct IValueCodec<const char*> {
-  static c10::IValue encode(const char* v) { return c10::IValue(std::string(v)); }
-};
-
-template <typename T>
-struct IValueCodec<std::vector<T>> {
-  static c10::IValue encode(const std::vector<T>& v) {
-    if constexpr (std::is_same_v<T, at::Tensor> || std::is_same_v<T, int64_t> ||
-                  std::is_same_v<T, double> || std::is_same_v<T, bool>) {
-      return c10::IValue(v);
-    } else {
-      std::vector<c10::IValue> items;
-      for (const auto& x : v) items.push_back(IValueCodec<T>::encode(x));
-      return c10::IValue(c10::ivalue::Tuple::create(std::move(items)));
-    }
-  }
-  static std::vector<T> decode(const c10::IValue& v) {
-    std::vector<T> out;
-    if (v.isTuple()) {
-      for (const auto& x : v.toTupleRef().elements()) out.push_back(IValueCodec<T>::decode(x));
-    } else {
-      for (const auto& x : v.toListRef()) out.push_back(IValueCodec<T>::decode(x));
-    }
-    return out;
-  }
-};
-
-template <typename... Ts>
-struct IValueCodec<std::tuple<Ts...>> {
-  static c10::IValue encode(const std::tuple<Ts...>& t) {
-    std::vector<c10::IValue> items;
-    std::apply([&](const auto&... x) { (items.push_back(IValueCodec<std::decay_t<decltype(x)>>::encode(x)), ...); }, t);
-    return c10::IValue(c10::ivalue::Tuple::create(std::move(items)));
-  }
-  static std::tuple<Ts...> decode(const c10::IValue& v) {
-    const auto& items = v.toTupleRef().elements();
-    return decode_items(items, std::index_sequence_for<Ts...>{});
-  }
-  template <size_t... I>
-  static std::tuple<Ts...> decode_items(const std::vector<c10::IValue>& items,
-                                        std::index_sequence<I...>) {
-    return std::tuple<Ts...>(IValueCodec<Ts>::decode(items[I])...);
-  }
-};
-
-template <typename T>
-struct IValueCodec<std::pair<T, T>> {
-  static c10::IValue encode(const std::pair<T, T>& p) {
-    return IValueCodec<std::tuple<T, T>>::encode(std::make_tuple(p.first, p.second));
-  }
-  static std::pair<T, T> decode(const c10::IValue& v) {
-    auto t = IValueCodec<std::tuple<T, T>>::decode(v);
-    return {std::get<0>(t), std::get<1>(t)};
-  }
-};
-
-template <typename T>
-using Plain = std::remove_cv_t<std::remove_reference_t<T>>;
-
-template <typename... Ts, size_t... I>
-std::tuple<Ts...> decode_args(const std::vector<c10::IValue>& in, std::index_sequence<I...>) {
-  return std::tuple<Ts...>(IValueCodec<Ts>::decode(in[I])...);
-}
-
-}  // namespace detail
 
 // The typed front: fn is called with the same argument types it was given.
 template <typename F, typename... Args>
 auto checkpoint_with(const CheckpointOptions& options, F&& fn, Args&&... args) {
   using Result = detail::Plain<std::invoke_result_t<F&, detail::Plain<Args>...>>;
   std::vector<c10::IValue> packed{detail::IValueCodec<detail::Plain<Args>>::encode(args)...};
-  // The body outlives this call (backward recomputes with it): keep a copy of fn.
-  CheckpointFn body = [fn = std::decay_t<F>(std::forward<F>(fn))](
-                          const std::vector<c10::IValue>& in) mutable -> c10::IValue {
-    return std::apply(
-        [&](auto... decoded) {
-          return detail::IValueCodec<Result>::encode(fn(std::move(decoded)...));
-        },
-        detail::decode_args<detail::Plain<Args>...>(in, std::index_sequence_for<Args...>{}));
-  };
+  // The body outlives this call (backward recomputes with it): it keeps a copy of fn.
+  CheckpointFn body = erase_types<Args...>(std::forward<F>(fn));
   return detail::IValueCodec<Result>::decode(checkpoint_ivalues(body, std::move(packed), options));
 }
 

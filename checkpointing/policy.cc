@@ -2,8 +2,6 @@
 
 #include <torch/nn/modules/container/modulelist.h>
 
-#include <mutex>
-#include <unordered_map>
 
 #include "checkpointing/selective_op.h"
 #include "runtime/config.h"
@@ -13,9 +11,17 @@
 namespace remat {
 namespace {
 
-std::mutex g_mutex;
-std::unordered_map<const torch::nn::Module*, CheckpointOptions> g_plans;
-std::unordered_map<const torch::nn::Module*, std::shared_ptr<UnitWrapper>> g_wrappers;
+// A marked module's call: inside a checkpoint region with the module's plan.
+class CheckpointHook final : public ModuleHook {
+ public:
+  explicit CheckpointHook(CheckpointOptions plan) : plan_(std::move(plan)) {}
+  c10::IValue run(const std::vector<c10::IValue>& args, const IValueFn& next) override {
+    return checkpoint_ivalues(next, args, plan_);
+  }
+
+ private:
+  CheckpointOptions plan_;
+};
 
 // "torch::nn::Linear" rather than the class name "torch::nn::LinearImpl".
 std::string type_of(const torch::nn::Module& m) {
@@ -80,34 +86,11 @@ PolicyOptions PolicyOptions::from_config(const ActivationCheckpointingConfig& co
   return options;
 }
 
-void set_unit_wrapper(const torch::nn::Module* module, std::shared_ptr<UnitWrapper> wrapper) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  if (wrapper) {
-    g_wrappers[module] = std::move(wrapper);
-  } else {
-    g_wrappers.erase(module);
-  }
-}
-
-namespace detail {
-
-UnitWrapper* unit_wrapper_for(const torch::nn::Module* module) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_wrappers.find(module);
-  return it == g_wrappers.end() ? nullptr : it->second.get();
-}
-
-void wrapped_unit_signature_error(const torch::nn::Module* module) {
-  throw Error(str("remat::forward: ", type_of(*module), " is a sharded unit, and sharded units "
-                  "take one tensor and return one tensor; wrap its other arguments in the module"));
-}
-
-}  // namespace detail
-
 void remove_activation_checkpointing(torch::nn::Module& model) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  g_plans.erase(&model);
-  for (const auto& m : model.modules(/*include_self=*/false)) g_plans.erase(m.get());
+  set_module_hook(model, HookSlot::kCheckpoint, nullptr);
+  for (const auto& m : model.modules(/*include_self=*/false)) {
+    set_module_hook(*m, HookSlot::kCheckpoint, nullptr);
+  }
 }
 
 int apply_activation_checkpointing(torch::nn::Module& model, const PolicyOptions& options) {
@@ -144,11 +127,10 @@ int apply_activation_checkpointing(torch::nn::Module& model, const PolicyOptions
           resolve_save_ops(options.save_ops.empty() ? default_save_ops() : options.save_ops));
     }
   }
-  std::lock_guard<std::mutex> lock(g_mutex);
   for (const auto& [fqn, module] : chosen) {
     CheckpointOptions plan = base;
     plan.name = fqn;
-    g_plans[module] = plan;
+    set_module_hook(*module, HookSlot::kCheckpoint, std::make_shared<CheckpointHook>(plan));
   }
   log_rank0().info("applied activation checkpointing ({}) to {} modules",
                    options.ac_condition ? std::string("ac_condition") : options.variant,
@@ -156,13 +138,4 @@ int apply_activation_checkpointing(torch::nn::Module& model, const PolicyOptions
   return static_cast<int>(chosen.size());
 }
 
-namespace detail {
-
-const CheckpointOptions* checkpoint_plan_for(const torch::nn::Module* module) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_plans.find(module);
-  return it == g_plans.end() ? nullptr : &it->second;
-}
-
-}  // namespace detail
 }  // namespace remat

@@ -3,7 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
-#include "checkpointing/policy.h"
+#include "nn/module_call.h"
 #include "runtime/config.h"
 #include "runtime/error.h"
 

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <optional>
 
-#include "checkpointing/policy.h"
+#include "nn/module_call.h"
 #include "rng/rng_tracker.h"
 #include "runtime/compat.h"
 #include "runtime/error.h"

@@ -5,6 +5,7 @@
 
 #include <atomic>
 
+#include "nn/autograd_state.h"
 #include "runtime/communicator.h"
 #include "runtime/error.h"
 
@@ -16,19 +17,9 @@ using torch::autograd::variable_list;
 
 std::atomic<int64_t> g_comm_bytes{0};
 
-// Lets the group ride in ctx->saved_data.
-struct GroupHolder : torch::CustomClassHolder {
-  explicit GroupHolder(Group g) : group(std::move(g)) {}
-  Group group;
-};
+void keep_group(AutogradContext* ctx, const Group& group) { keep_in(ctx, "group", group); }
 
-void keep_group(AutogradContext* ctx, const Group& group) {
-  ctx->saved_data["group"] = c10::IValue::make_capsule(c10::make_intrusive<GroupHolder>(group));
-}
-
-const Group& group_of(AutogradContext* ctx) {
-  return static_cast<GroupHolder*>(ctx->saved_data["group"].toCapsule().get())->group;
-}
+const Group& group_of(AutogradContext* ctx) { return kept_in<Group>(ctx, "group"); }
 
 at::Tensor all_reduce(const at::Tensor& x, const Group& group) {
   at::Tensor out = x.contiguous().clone();

@@ -10,7 +10,8 @@
 #include <cmath>
 #include <unordered_set>
 
-#include "checkpointing/policy.h"
+#include "nn/autograd_state.h"
+#include "nn/module_call.h"
 #include "runtime/communicator.h"
 #include "runtime/config.h"
 #include "runtime/error.h"
@@ -102,44 +103,41 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// The model and unit a node belongs to; the ZeroModel must outlive the graphs
+// built through it.
 struct Pointers {
   ZeroModel* zero;
   ZeroModel::Unit* unit;
 };
 
-// The model and unit ride in saved_data as integers; the ZeroModel must
-// outlive the graphs built through it.
-Pointers kept(AutogradContext* ctx) {
-  return {reinterpret_cast<ZeroModel*>(static_cast<intptr_t>(ctx->saved_data["zero"].toInt())),
-          reinterpret_cast<ZeroModel::Unit*>(static_cast<intptr_t>(ctx->saved_data["unit"].toInt()))};
-}
+Pointers kept(AutogradContext* ctx) { return kept_in<Pointers>(ctx, "unit"); }
 
 }  // namespace
 
-class ZeroUnitWrapper final : public UnitWrapper {
+// A unit's call through remat::forward (the sharding slot, outside any
+// checkpoint region): its parameters are gathered around it.
+class ZeroUnitHook final : public ModuleHook {
  public:
-  ZeroUnitWrapper(ZeroModel* zero, ZeroModel::Unit* unit) : zero_(zero), unit_(unit) {}
-  at::Tensor run(const at::Tensor& x,
-                 const std::function<at::Tensor(const at::Tensor&)>& body) override;
+  ZeroUnitHook(ZeroModel* zero, ZeroModel::Unit* unit) : zero_(zero), unit_(unit) {}
+  c10::IValue run(const std::vector<c10::IValue>& args, const IValueFn& next) override;
+  at::Tensor run(const at::Tensor& x, const std::function<at::Tensor(const at::Tensor&)>& body);
 
   struct Enter : torch::autograd::Function<Enter> {
     static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& dummy,
-                              int64_t zero, int64_t unit) {
-      ctx->saved_data["zero"] = zero;
-      ctx->saved_data["unit"] = unit;
+                              Pointers unit) {
+      keep_in(ctx, "unit", unit);
       return x.view_as(x);
     }
     static variable_list backward(AutogradContext* ctx, variable_list grads) {
       auto p = kept(ctx);
       p.zero->reduce(*p.unit);
-      return {grads[0], at::Tensor(), at::Tensor(), at::Tensor()};
+      return {grads[0], at::Tensor(), at::Tensor()};
     }
   };
 
   struct Exit : torch::autograd::Function<Exit> {
-    static at::Tensor forward(AutogradContext* ctx, const at::Tensor& y, int64_t zero, int64_t unit) {
-      ctx->saved_data["zero"] = zero;
-      ctx->saved_data["unit"] = unit;
+    static at::Tensor forward(AutogradContext* ctx, const at::Tensor& y, Pointers unit) {
+      keep_in(ctx, "unit", unit);
       return y.view_as(y);
     }
     static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -151,7 +149,7 @@ class ZeroUnitWrapper final : public UnitWrapper {
       p.zero->gather(*p.unit, /*wait=*/true);
       // The unit before this one is needed next: fetch it during this backward.
       if (auto* previous = p.zero->next_unit(*p.unit, -1)) p.zero->gather(*previous, /*wait=*/false);
-      return {grads[0], at::Tensor(), at::Tensor()};
+      return {grads[0], at::Tensor()};
     }
   };
 
@@ -161,8 +159,22 @@ class ZeroUnitWrapper final : public UnitWrapper {
   ZeroModel::Unit* unit_;
 };
 
-at::Tensor ZeroUnitWrapper::run(const at::Tensor& x,
-                                const std::function<at::Tensor(const at::Tensor&)>& body) {
+c10::IValue ZeroUnitHook::run(const std::vector<c10::IValue>& args, const IValueFn& next) {
+  auto signature_error = [&] {
+    return Error(str("remat::forward: ", unit_->module->name(), " is a sharded unit, and sharded "
+                     "units take one tensor and return one tensor; wrap its other arguments in "
+                     "the module"));
+  };
+  if (args.size() != 1 || !args[0].isTensor()) throw signature_error();
+  return run(args[0].toTensor(), [&](const at::Tensor& x) {
+    c10::IValue y = next({c10::IValue(x)});
+    if (!y.isTensor()) throw signature_error();
+    return y.toTensor();
+  });
+}
+
+at::Tensor ZeroUnitHook::run(const at::Tensor& x,
+                             const std::function<at::Tensor(const at::Tensor&)>& body) {
   auto& u = *unit_;
   // The root unit's parameters served the embeddings; the head needs them
   // again after the last block, which fetches them ahead.
@@ -181,11 +193,10 @@ at::Tensor ZeroUnitWrapper::run(const at::Tensor& x,
     head_ready();
     return y;
   }
-  const auto z = static_cast<int64_t>(reinterpret_cast<intptr_t>(zero_));
-  const auto p = static_cast<int64_t>(reinterpret_cast<intptr_t>(unit_));
+  const Pointers p{zero_, unit_};
   // The dummy keeps Enter on the graph when x does not require grad.
   static thread_local at::Tensor dummy = at::empty({0}).requires_grad_(true);
-  at::Tensor y = Exit::apply(body(Enter::apply(x, dummy, z, p)), z, p);
+  at::Tensor y = Exit::apply(body(Enter::apply(x, dummy, p)), p);
   zero_->free(u);
   head_ready();
   u.ran = true;
@@ -279,7 +290,7 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
   }
   for (auto& unit : units_) {
     if (unit->module != nullptr) {
-      set_unit_wrapper(unit->module, std::make_shared<ZeroUnitWrapper>(this, unit.get()));
+      set_module_hook(*unit->module, HookSlot::kSharding, std::make_shared<ZeroUnitHook>(this, unit.get()));
     }
   }
   int64_t total = 0, sharded = 0;
@@ -296,7 +307,7 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
 
 ZeroModel::~ZeroModel() {
   for (auto& unit : units_) {
-    if (unit->module != nullptr) set_unit_wrapper(unit->module, nullptr);
+    if (unit->module != nullptr) set_module_hook(*unit->module, HookSlot::kSharding, nullptr);
     try {
       for (auto& g : unit->groups) {
         if (g.pending) g.pending->wait();
@@ -447,9 +458,7 @@ at::Tensor ZeroModel::finish_forward(const at::Tensor& loss) {
   }
   // The root stays gathered for the head's backward (the first to run).
   root.ran = true;
-  const auto z = static_cast<int64_t>(reinterpret_cast<intptr_t>(this));
-  const auto p = static_cast<int64_t>(reinterpret_cast<intptr_t>(&root));
-  return ZeroUnitWrapper::Exit::apply(loss, z, p);
+  return ZeroUnitHook::Exit::apply(loss, Pointers{this, &root});
 }
 
 void ZeroModel::finish_backward(bool synchronize) {

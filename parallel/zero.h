@@ -23,8 +23,8 @@
 // only before the first unit and after the last one. At most two units are
 // gathered at once. Parameters
 // with fewer than param_persistence_threshold elements stay whole on every rank
-// (gradients all-reduced). Units are called through remat::forward, which
-// routes them through the sharding (checkpointing/policy.h).
+// (gradients all-reduced). Units are called through remat::forward, whose
+// sharding hook gathers them (nn/module_call.h).
 //
 // Stage 0: every rank holds every parameter; finish_backward all-reduces the
 // gradients (averaged) in buckets of reduce_bucket_size elements.
@@ -129,7 +129,7 @@ class ZeroModel {
   struct Unit;
 
  private:
-  friend class ZeroUnitWrapper;
+  friend class ZeroUnitHook;
   void gather(Unit& unit, bool wait);
   void wait_gathered(Unit& unit);
   void free(Unit& unit);

@@ -7,7 +7,7 @@
 //
 //   remat::Config cfg = remat::load_config("configs/default.json",
 //                                          {"activation_checkpointing.variant=full"});
-//   remat::BatchSizes batch = cfg.resolve_batch(layout.dp());
+//   remat::BatchSizes batch = cfg.resolve_batch(layout.dims().dp);
 #pragma once
 
 #include <array>

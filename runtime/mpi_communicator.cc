@@ -1,9 +1,12 @@
 #include "runtime/mpi_communicator.h"
 
 #include <ATen/ATen.h>
+#include <pwd.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <thread>
@@ -197,6 +200,14 @@ class MpiWork final : public Work {
 
 MpiSession::MpiSession() {
   if (initialized()) return;
+  // Open MPI 5 will not initialise without a home directory (a process
+  // started directly, not by mpirun, by a runner that clears HOME, as Bazel's
+  // test runner does): take the user's from the password database.
+  const char* home = std::getenv("HOME");
+  if (home == nullptr || *home == '\0') {
+    const passwd* user = getpwuid(getuid());
+    ::setenv("HOME", user != nullptr && user->pw_dir != nullptr ? user->pw_dir : "/tmp", 1);
+  }
   int provided = 0;
   mpi_check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
   owns_ = true;

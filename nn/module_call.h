@@ -1,0 +1,101 @@
+// The per-module call route: model code calls a submodule through
+// remat::forward(module, args...), and features attach to that call from
+// outside through hooks, without the model or each other knowing.
+//
+//   for (size_t i = 0; i < blocks->size(); ++i) x = remat::forward(blocks->ptr<BlockImpl>(i), x);
+//
+// A hook sits in one of a fixed set of slots, outermost first: parameter
+// sharding (parallel/zero.h gathers a unit's parameters around it), then the
+// checkpoint region (checkpointing/policy.h runs the module inside one), so a
+// checkpointed unit recomputes inside its gather. A module with no hook is
+// called directly; with none registered at all, the route costs one atomic load.
+//
+// Hooks are keyed by module and hold no ownership of it: an entry whose module
+// has been destroyed is never applied (even to a new module at the same
+// address) and is dropped when met. Modules must be owned by a shared_ptr (a
+// ModuleHolder, std::make_shared, or a registered child), as torch::nn's are.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <atomic>
+#include <memory>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "nn/ivalue_codec.h"
+
+namespace remat {
+
+// Where a hook sits around a module's forward; lower runs outside higher.
+enum class HookSlot : int {
+  kSharding = 0,
+  kCheckpoint = 1,
+};
+inline constexpr int kHookSlots = 2;
+
+class ModuleHook {
+ public:
+  virtual ~ModuleHook() = default;
+  // Runs `next` (the next hook inward, or the module's forward) on `args`, with
+  // whatever this hook does around it. `next` may be kept and called later (a
+  // checkpoint region recomputes in backward): it holds what it needs.
+  virtual c10::IValue run(const std::vector<c10::IValue>& args, const IValueFn& next) = 0;
+};
+
+// Sets the hook of `module` in `slot` (null removes it).
+void set_module_hook(const torch::nn::Module& module, HookSlot slot, std::shared_ptr<ModuleHook> hook);
+// The hook of `module` in `slot`, or null.
+std::shared_ptr<ModuleHook> module_hook(const torch::nn::Module& module, HookSlot slot);
+
+namespace detail {
+
+// Modules with a hook now (stale entries included until they are met).
+extern std::atomic<int64_t> g_hooked_modules;
+
+// The hooks of `module`, outermost first; empty when it has none.
+std::vector<std::shared_ptr<ModuleHook>> hooks_of(const torch::nn::Module* module);
+
+// Runs `hooks` around `body`.
+c10::IValue run_hooks(std::vector<std::shared_ptr<ModuleHook>> hooks,
+                      const std::vector<c10::IValue>& args, IValueFn body);
+
+}  // namespace detail
+
+namespace detail {
+
+// The module as a std::shared_ptr (ModuleHolders hand theirs out).
+template <typename M>
+auto shared_module(const M& module) {
+  if constexpr (std::is_base_of_v<torch::detail::ModuleHolderIndicator, M>) {
+    return module.ptr();
+  } else {
+    return module;
+  }
+}
+
+}  // namespace detail
+
+// Runs module->forward(args...) through the hooks `module` has. `module` is a
+// ModuleHolder or a std::shared_ptr to the module.
+template <typename M, typename... Args>
+auto forward(const M& holder, Args&&... args) {
+  auto module = detail::shared_module(holder);
+  if (detail::g_hooked_modules.load(std::memory_order_relaxed) == 0) {
+    return module->forward(std::forward<Args>(args)...);
+  }
+  auto hooks = detail::hooks_of(module.get());
+  if (hooks.empty()) return module->forward(std::forward<Args>(args)...);
+  using Result = detail::Plain<decltype(module->forward(std::forward<Args>(args)...))>;
+  std::vector<c10::IValue> packed{detail::IValueCodec<detail::Plain<Args>>::encode(args)...};
+  // The body keeps its own handle on the module: a checkpoint region calls it
+  // again in backward.
+  IValueFn body = erase_types<Args...>(
+      [module](auto&&... a) { return module->forward(std::forward<decltype(a)>(a)...); });
+  return detail::IValueCodec<Result>::decode(
+      detail::run_hooks(std::move(hooks), packed, std::move(body)));
+}
+
+}  // namespace remat
