@@ -18,6 +18,13 @@ if [[ $build_rc -ne 0 ]]; then
   exit 1
 fi
 
+# Compiler warnings in remat's own files (not LibTorch's or the system's):
+# Bazel names them by relative path, CMake by path under this tree.
+project_warnings() {
+  grep -aE "^(\./|$PWD/)?[a-z_]+/[A-Za-z0-9_./-]+:[0-9]+:[0-9]+: warning:" "$1" | sed "s|^$PWD/||" | grep -v '^external/' | sort -u
+}
+build_warnings=$(project_warnings "$log")
+
 marker=$(mktemp)
 bazel test //... --test_tag_filters="$filters" --nocache_test_results 2>&1 | tee "$log" \
   | grep -E '^//|^Executed|^(ERROR|FAILED)'
@@ -69,6 +76,19 @@ else
   failed=$((failed + 1))
 fi
 
+# Warning-free project code (what was compiled in this run: cached objects
+# print nothing again).
+build_warnings+=$'\n'$(project_warnings "$cmake_log")
+build_warnings=$(sed '/^$/d' <<<"$build_warnings" | sort -u)
+if [[ -z "$build_warnings" ]]; then
+  printf '  %-48s passed %4d  failed %d\n' "no compiler warnings in remat's code" 1 0
+  passed=$((passed + 1))
+else
+  echo "$build_warnings" | head -20
+  printf '  %-48s passed %4d  failed %d\n' "no compiler warnings in remat's code" 0 1
+  failed=$((failed + 1))
+fi
+
 # The floors of docs/architecture.md: no package includes one above it.
 if tools/check_layering.sh >"build/layering.log" 2>&1; then
   printf '  %-48s passed %4d  failed %d\n' "layering (docs/architecture.md)" 1 0
@@ -87,7 +107,7 @@ fi
 # The second platform: Debian 13 with LibTorch 2.6, Open MPI 5 and g++ 14 in a
 # chroot (tools/debian13.sh), the same test.sh there. REMAT_SKIP_DEBIAN13=1
 # skips it for quick local runs; CI never sets it.
-echo "Debian 12 (LibTorch $(dpkg-query -W -f='${Version}' libtorch-dev 2>/dev/null)): $passed passed, $failed failed"
+echo "$(. /etc/os-release && echo "$NAME $VERSION_ID") (LibTorch $(dpkg-query -W -f='${Version}' libtorch-dev 2>/dev/null)): $passed passed, $failed failed"
 if [[ "${REMAT_SKIP_DEBIAN13:-0}" != 1 ]]; then
   leg_log=build/debian13.log
   tools/debian13.sh >"$leg_log" 2>&1
@@ -97,7 +117,7 @@ if [[ "${REMAT_SKIP_DEBIAN13:-0}" != 1 ]]; then
     echo "Debian 13 leg: no summary (see $leg_log): counted as 1 failed"
     failed=$((failed + 1))
   else
-    grep -aE '^  (//|cmake|find_package|layering)' "$leg_log" | sed 's/^/  [debian 13] /'
+    grep -aE '^  (//|cmake|find_package|layering|no compiler)' "$leg_log" | sed 's/^/  [debian 13] /'
     grep -a '^debian13:' "$leg_log"
     p=$(sed -E 's/([0-9]+) passed.*/\1/' <<<"$line")
     f=$(sed -E 's/.* ([0-9]+) failed/\1/' <<<"$line")

@@ -22,7 +22,7 @@ expect() {
   local name="$1" text="$2"
   shift 2
   local out rc
-  # NUL bytes in the output are dropped (bash 5.2 warns about each one).
+  # NUL bytes in a program's output are dropped (bash 5.2 warns about each one).
   out=$(timeout 120 "$@" 2>&1 | tr -d '\000'; exit "${PIPESTATUS[0]}")
   rc=$?
   if [[ $rc -ne 0 && $rc -ne 124 && $rc -lt 128 ]] && grep -qF -- "$text" <<<"$out"; then

@@ -91,10 +91,10 @@ prepare() {
 }
 
 prepare || fail "could not prepare the Debian 13 chroot in $root (see the lines above)"
-# g++ 14 reports a false -Warray-bounds inside LibTorch's Function::apply (a
+# g++ 14 reports a false -Warray-bounds / -Wstringop-overflow inside LibTorch's Function::apply (a
 # std::vector<bool>::reserve) wherever it is inlined into remat's code; Debian's
 # Bazel reads this file after its own settings.
-printf '%s\n' "build --copt=-Wno-array-bounds" >"$root/etc/bazel.bazelrc"
+printf '%s\n' "build --copt=-Wno-array-bounds --copt=-Wno-stringop-overflow" >"$root/etc/bazel.bazelrc"
 [[ "${1:-}" == "--prepare" ]] && exit 0
 
 # A copy of the working tree, without build outputs or the chroot's own leftovers.
