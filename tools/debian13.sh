@@ -7,7 +7,8 @@
 #
 # The chroot lives in REMAT_DEBIAN13_ROOT (default /var/cache/remat/debian13),
 # made once with debootstrap from the mirror this machine's apt sources name,
-# and reused afterwards (delete the folder to start afresh). The working tree
+# and reused afterwards (delete the folder to start afresh: nothing of the host
+# is ever left mounted in it). The working tree
 # is copied into it (build outputs left out), and ./test.sh runs there with its
 # own Bazel caches and CMake build folder: nothing built against LibTorch 1.13
 # is reused for 2.6 (Bazel does not hash /usr/include). The last line is
@@ -40,26 +41,31 @@ mirror() {
   echo "${uri:-http://deb.debian.org/debian}"
 }
 
-mounted=()
-unmount_all() {
-  local i
-  for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do umount -l "${mounted[i]}" 2>/dev/null; done
-  mounted=()
-}
-trap unmount_all EXIT
-bind() {  # bind SOURCE into the chroot at the same path
-  mkdir -p "$root$1"
-  mountpoint -q "$root$1" || { mount --bind "$1" "$root$1" && mounted+=("$root$1"); }
+# Runs a command in the chroot with the host's /proc, /sys, /dev, /dev/pts and
+# /dev/shm. The bind mounts are made in a private mount namespace: they exist
+# only for that command and vanish with it, so nothing of the host stays
+# mounted below $root (where a later rm -rf would reach into it).
+enter() {
+  unshare --mount --propagation private /bin/bash -c '
+    set -e
+    root=$1; shift
+    for dir in /proc /sys /dev /dev/pts /dev/shm; do
+      mkdir -p "$root$dir"
+      mount --bind "$dir" "$root$dir"
+    done
+    exec chroot "$root" "$@"' enter "$root" \
+    /usr/bin/env -i HOME=/root PATH=/usr/sbin:/usr/bin:/sbin:/bin \
+    LANG=C.UTF-8 CI="${CI:-}" REMAT_SKIP_DEBIAN13=1 "$@"
 }
 
-enter() {  # runs a command in the chroot with /proc, /dev and /dev/shm
-  bind /proc
-  bind /dev
-  bind /dev/pts
-  bind /dev/shm
-  bind /sys
-  chroot "$root" /usr/bin/env -i HOME=/root PATH=/usr/sbin:/usr/bin:/sbin:/bin \
-    LANG=C.UTF-8 CI="${CI:-}" REMAT_SKIP_DEBIAN13=1 "$@"
+# Removes the chroot, never reaching into a file system mounted below it.
+remove_root() {
+  if grep -q " ${root%/}/" /proc/self/mounts; then
+    say "something is mounted below $root; unmount it before the chroot can be made afresh:"
+    grep " ${root%/}/" /proc/self/mounts | cut -d' ' -f2 >&2
+    return 1
+  fi
+  rm -rf --one-file-system "$root"
 }
 
 prepare() {
@@ -75,7 +81,7 @@ prepare() {
   from=$(mirror)
   if [[ ! -x "$root/usr/bin/apt-get" ]]; then
     say "creating the $suite chroot in $root from $from (a few minutes)"
-    rm -rf "$root"
+    remove_root || return 1
     mkdir -p "$root"
     debootstrap --variant=minbase "$suite" "$root" "$from" >"$root.debootstrap.log" 2>&1 ||
       { tail -20 "$root.debootstrap.log" >&2; return 1; }
@@ -100,7 +106,7 @@ printf '%s\n' "build --copt=-Wno-array-bounds --copt=-Wno-stringop-overflow" >"$
 # A copy of the working tree, without build outputs or the chroot's own leftovers.
 src="$root/src/remat"
 mkdir -p "$src"
-find "$src" -mindepth 1 -maxdepth 1 ! -name build ! -name 'bazel-*' -exec rm -rf {} +
+find "$src" -mindepth 1 -maxdepth 1 ! -name build ! -name 'bazel-*' -exec rm -rf --one-file-system {} +
 tar -c --exclude=./build --exclude='./bazel-*' --exclude=./.git . |
   tar -x -C "$src" || fail "could not copy the tree into $src"
 say "$(enter /bin/sh -c 'g++ --version | head -1; dpkg-query -W -f="libtorch-dev \${Version}, " libtorch-dev; mpirun --version | head -1')"
