@@ -297,10 +297,6 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     synchronize_if(region->options.synchronize);
     if (region->options.preserve_rng_state) region->rng = capture_rng();
     variable_list real(inputs.begin(), inputs.begin() + region->n_tensors);
-    for (const auto& t : real) {
-      region->input_versions.push_back(t.unsafeGetTensorImpl()->version_counter());
-      region->versions_at_forward.push_back(t.is_inference() ? 0 : t._version());
-    }
     // Inputs kept as they are go to autograd; stored ones to region->stored.
     variable_list to_save = real;
     int64_t saved_bytes = 0;
@@ -324,8 +320,22 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     } catch (...) {
       // fn drew from the generators before it threw: put them back, so a
       // failed call leaves the RNG where it found it.
-      if (region->options.preserve_rng_state) restore_rng(region->rng);
+      // The caller gets fn's exception, whatever the restore says.
+      if (region->options.preserve_rng_state) {
+        try {
+          restore_rng(region->rng);
+        } catch (const std::exception& e) {
+          log().warn("{}: fn threw, and the RNG could not be put back: {}", region->options.name,
+                     e.what());
+        }
+      }
       throw;
+    }
+    // Versions as fn left them (autograd records its saved tensors' versions
+    // at this point too): changes after the forward are what backward refuses.
+    for (const auto& t : real) {
+      region->input_versions.push_back(t.unsafeGetTensorImpl()->version_counter());
+      region->versions_at_forward.push_back(t.is_inference() ? 0 : t._version());
     }
     // Inputs and kept op outputs go to autograd, which frees them after a
     // backward without retain_graph.

@@ -104,7 +104,7 @@ std::map<std::string, RegionProfile> checkpoint_profile();
 
 // Bytes of tensors that live checkpoint regions hold for backward: their saved
 // inputs (partitioned: this rank's shares; offloaded: counted on the host;
-// views: the storage span they cover) plus, for selective_op, the kept op
+// views: see covered_bytes in saved_inputs.h) plus, for selective_op, the kept op
 // outputs. A region stops counting once a backward that does not retain the
 // graph has run through it.
 int64_t checkpoint_saved_bytes();

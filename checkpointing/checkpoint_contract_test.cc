@@ -346,6 +346,34 @@ TEST(CheckpointContract, AnExceptionHalfWayLeavesCountersSlotsAndRngAsBefore) {
   }
 }
 
+// fn may write to an argument itself (running statistics, a workspace):
+// versions are taken when fn returns, as autograd takes them.
+TEST(CheckpointContract, FnWritingToItsOwnArgumentIsNotAnInPlaceError) {
+  at::Tensor x = torch::randn({3, 4}, torch::requires_grad());
+  at::Tensor stats = torch::zeros({4});
+  at::Tensor y = checkpoint(
+      [](const at::Tensor& in, const at::Tensor& running) {
+        running.add_(in.detach().mean(0));
+        return in * 2;
+      },
+      x, stats);
+  y.sum().backward();
+  EXPECT_TRUE(at::equal(x.grad(), torch::full({3, 4}, 2.0)));
+}
+
+// Inside a tracker fork the RNG cannot be put back; the caller still gets
+// fn's own exception.
+TEST(CheckpointContract, FnThrowingInsideAForkKeepsItsException) {
+  model_parallel_manual_seed(3, 0);
+  at::Tensor x = torch::randn({3, 4}, torch::requires_grad());
+  auto guard = get_rng_tracker().fork();
+  auto message = error_of<std::runtime_error>([&] {
+    checkpoint([](const at::Tensor& in) -> at::Tensor { throw std::runtime_error("fn's own error"); },
+               x);
+  });
+  EXPECT_THAT(message, HasSubstr("fn's own error"));
+}
+
 TEST(CheckpointContract, OffloadingAViewMovesNoMoreThanTheStorageItCovers) {
   CheckpointOptions options;
   options.storage.offload = true;
@@ -364,7 +392,8 @@ TEST(CheckpointContract, OffloadingAViewMovesNoMoreThanTheStorageItCovers) {
       {"expanded [2,4,8] over [1,4,8]", [&] { return (base * 1.0).expand({2, 4, 8}); }, 128},
       {"offset view of 32 of 200", [&] { return (big * 1.0).narrow(0, 40, 32).view({4, 8}); }, 128},
       {"transposed", [&] { return (square * 1.0).t(); }, 128},
-      {"every other row", [&] { return (big * 1.0).narrow(0, 0, 64).view({8, 8}).slice(0, 0, 8, 2); }, 224},
+      {"every other row (moved dense)", [&] { return (big * 1.0).narrow(0, 0, 64).view({8, 8}).slice(0, 0, 8, 2); }, 128},
+      {"8 of 50 columns (a slice of a fused projection)", [&] { return (big * 1.0).view({4, 50}).narrow(1, 0, 8); }, 128},
   };
   std::vector<at::Tensor> leaves{w, base, big, square};
   for (const auto& c : cases) {
@@ -384,6 +413,8 @@ TEST(CheckpointContract, OffloadingAViewMovesNoMoreThanTheStorageItCovers) {
     EXPECT_EQ(after.offloaded_bytes - before.offloaded_bytes, c.bytes) << c.name;
     EXPECT_LE(after.offloaded_bytes - before.offloaded_bytes,
               static_cast<int64_t>(x.storage().nbytes())) << c.name;
+    EXPECT_LE(after.offloaded_bytes - before.offloaded_bytes, static_cast<int64_t>(x.nbytes()))
+        << c.name;
     EXPECT_TRUE(at::equal(y, plain)) << c.name;
     y.backward();
     for (size_t i = 0; i < leaves.size(); ++i) {

@@ -52,7 +52,7 @@ void note_left_small(const std::string& region, int64_t bytes, int64_t min_bytes
 }  // namespace
 
 int64_t covered_bytes(const at::Tensor& t) {
-  return t.defined() ? bytes_of(span_numel(t), t.scalar_type()) : 0;
+  return t.defined() ? bytes_of(std::min(span_numel(t), t.numel()), t.scalar_type()) : 0;
 }
 
 bool InputStorageOptions::partitioned() const {
@@ -265,10 +265,19 @@ StoredInputs::StoredInputs(const std::vector<at::Tensor>& inputs, const std::vec
       e->kept.narrow(0, 0, length).copy_(flat.narrow(0, start, length));
       if (e->padding > 0) e->kept.narrow(0, length, e->padding).zero_();
     } else {
-      // Kept as it is (an alias) until offloaded; offloading moves the span.
-      e->share = span_numel(x);
-      e->strides = x.strides().vec();
+      // Kept as it is (an alias) until offloaded. Offloading moves the span of
+      // storage the elements cover when that is no larger than the elements
+      // (dense or expanded views, which come back with their strides); a view
+      // with gaps (a column, a slice of a fused projection) moves a dense copy
+      // of its elements instead.
       e->kept = x.detach();
+      const int64_t span = span_numel(x);
+      if (span <= e->numel) {
+        e->share = span;
+        e->strides = x.strides().vec();
+      } else {
+        e->share = e->numel;
+      }
     }
     g_stats.kept_bytes += e->kept_bytes();
     g_stats.kept_padding_bytes += bytes_of(e->padding, e->dtype);
@@ -363,6 +372,7 @@ std::vector<at::Tensor> StoredInputs::restore() {
     auto it = std::find(chain.regions.begin(), chain.regions.end(), this);
     if (it != chain.regions.end() && it != chain.regions.begin()) (*(it - 1))->prefetch();
   }
+  const bool partitioned = options_.partitioned();
   std::vector<at::Tensor> out(entries_.size());
   for (size_t i = 0; i < entries_.size(); ++i) {
     auto& e = entries_[i];
@@ -374,7 +384,7 @@ std::vector<at::Tensor> StoredInputs::restore() {
       e->fetching->order_before_use();
       out[i] = e->shaped(e->fetched);
     } else {
-      out[i] = e->strides.empty() ? e->shaped(e->kept) : e->kept;  // whole: the alias itself
+      out[i] = partitioned ? e->shaped(e->kept) : e->kept;  // whole: the alias itself
     }
     e->fetched = at::Tensor();
     e->fetching = nullptr;

@@ -17,8 +17,9 @@
 //   are needed first) unless offload_keep_last is false; tensors under
 //   offload_min_bytes stay (0 by default: every input moves, as DeepSpeed's
 //   cpu_checkpointing promises); bool and integer tensors pass through
-//   untouched. A view moves the span of storage its elements cover, not its
-//   expanded size, and comes back with its sizes and strides. On a CPU-only
+//   untouched. An expanded or dense view moves the span of storage its
+//   elements cover (never its expanded size) and comes back with its sizes
+//   and strides; a view with gaps moves a dense copy of its elements. On a CPU-only
 //   build the same path copies into separate host tensors.
 //
 // Whatever the form, the recompute sees the input as the forward saw it: an
@@ -112,8 +113,9 @@ struct StoredInputStats {
 };
 StoredInputStats stored_input_stats();
 
-// Bytes of the storage span a tensor's elements cover: its size for a dense
-// tensor, less for an expanded one (stride 0), more for one with gaps.
+// Bytes a stored input takes: the storage span its elements cover when that
+// is no larger than its elements (dense, or expanded with stride 0), else its
+// elements (a view with gaps is moved as a dense copy).
 int64_t covered_bytes(const at::Tensor& t);
 
 // The inputs of one region (see above). Created at the region's forward,

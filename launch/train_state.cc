@@ -147,8 +147,18 @@ TrainPosition load_train_state(const std::string& dir, torch::nn::Module& model,
     model.load(model_archive);
     optimizer.load(optimizer_archive);
     RngSnapshot rng = read_rng_snapshot(rng_archive);
-    const bool cuda_here = capture_default_generators().cuda.defined();
-    if (rng.defaults.cuda.defined() != cuda_here) {
+    const at::Tensor cuda_now = capture_default_generators().cuda;
+    const bool cuda_here = cuda_now.defined();
+    // LibTorch versions lay out the CUDA generator state differently (1.13
+    // and 2.x disagree on its size): such a state cannot be restored.
+    if (cuda_here && rng.defaults.cuda.defined() && rng.defaults.cuda.numel() != cuda_now.numel()) {
+      log().warn("resume: the CUDA generator states in '{}' have {} bytes but this LibTorch's have "
+                 "{} (saved by another LibTorch version): GPU random draws restart from this "
+                 "process's state and do not continue bitwise",
+                 folder, rng.defaults.cuda.numel(), cuda_now.numel());
+      rng.defaults.cuda = at::Tensor();
+      for (auto& [name, states] : rng.tracker) states.cuda = at::Tensor();
+    } else if (rng.defaults.cuda.defined() != cuda_here) {
       log().warn("resume: the save in '{}' {} CUDA generator states but this process {} a GPU: "
                  "random draws on the GPU do not continue bitwise",
                  folder, rng.defaults.cuda.defined() ? "holds" : "holds no",
