@@ -36,7 +36,7 @@
 #include <utility>
 #include <vector>
 
-#include "checkpointing/saved_inputs.h"
+#include "checkpointing/stored_inputs.h"
 #include "nn/ivalue_codec.h"
 
 namespace remat {
@@ -60,7 +60,7 @@ struct CheckpointOptions {
   // selective_op: these ops' outputs are kept from the forward and reused by the
   // recompute (see selective_op.h and resolve_save_ops). Null: recompute all.
   std::shared_ptr<const std::set<std::string>> save_ops;
-  // Partitioned, offloaded and contiguous storage of the inputs (saved_inputs.h).
+  // Partitioned, offloaded and contiguous storage of the inputs (stored_inputs.h).
   InputStorageOptions storage;
 };
 
@@ -104,7 +104,7 @@ std::map<std::string, RegionProfile> checkpoint_profile();
 
 // Bytes of tensors that live checkpoint regions hold for backward: their saved
 // inputs (partitioned: this rank's shares; offloaded: counted on the host;
-// views: see covered_bytes in saved_inputs.h) plus, for selective_op, the kept op
+// views: see covered_bytes in stored_inputs.h) plus, for selective_op, the kept op
 // outputs. A region stops counting once a backward that does not retain the
 // graph has run through it.
 int64_t checkpoint_saved_bytes();

@@ -14,7 +14,7 @@
 #include <thread>
 
 #include "checkpointing/checkpoint.h"
-#include "checkpointing/saved_inputs.h"
+#include "checkpointing/stored_inputs.h"
 #include "rng/rng_tracker.h"
 #include "runtime/config.h"
 #include "runtime/error.h"

@@ -14,7 +14,7 @@
 
 #include "runtime/error.h"
 
-namespace remat::detail {
+namespace remat::host_transfer {
 namespace {
 
 class DoneCopy final : public PendingCopy {
@@ -127,4 +127,4 @@ std::shared_ptr<PendingCopy> copy_to_device(const at::Tensor& src, at::Tensor& d
   return std::make_shared<DoneCopy>();
 }
 
-}  // namespace remat::detail
+}  // namespace remat::host_transfer

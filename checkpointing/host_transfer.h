@@ -13,7 +13,7 @@
 
 #include <memory>
 
-namespace remat::detail {
+namespace remat::host_transfer {
 
 class PendingCopy {
  public:
@@ -34,4 +34,4 @@ std::shared_ptr<PendingCopy> copy_to_host(const at::Tensor& src, at::Tensor& dst
 // dst (device) <- src (host).
 std::shared_ptr<PendingCopy> copy_to_device(const at::Tensor& src, at::Tensor& dst);
 
-}  // namespace remat::detail
+}  // namespace remat::host_transfer

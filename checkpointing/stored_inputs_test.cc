@@ -10,7 +10,7 @@
 
 #include "checkpointing/checkpoint.h"
 #include "checkpointing/policy.h"
-#include "checkpointing/saved_inputs.h"
+#include "checkpointing/stored_inputs.h"
 #include "models/gpt.h"
 #include "parallel/layers.h"
 #include "rng/rng_tracker.h"

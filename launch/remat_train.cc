@@ -173,7 +173,7 @@ int train(int argc, char** argv) {
   // (stage 0); the optimizer steps what the sharding hands it.
   std::vector<std::shared_ptr<torch::nn::Module>> units;
   for (const auto& block : *model->blocks) units.push_back(block);
-  ZeroModel zero(*model, units, layout.dp_group(), ZeroOptions::from_config(config.zero_optimization, config.bf16.enabled),
+  parallel::ZeroModel zero(*model, units, layout.dp_group(), config.zero_optimization, config.bf16,
                  sharded);
   auto optimizer = make_optimizer(config.optimizer, zero.parameters());
   TrainPosition position;
@@ -242,7 +242,7 @@ int train(int argc, char** argv) {
     const double loss = loss_t.item<double>();
     const StoredInputStats stored_after = stored_input_stats();
     const int64_t gathered = stored_after.gathered_bytes - stored_before.gathered_bytes;
-    const ZeroStats zs = zero.stats();
+    const parallel::ZeroStats zs = zero.stats();
     comm_bytes += gathered + parallel::tensor_parallel_comm_bytes() - tp_comm_before +
                   zs.collective_bytes() - zero_comm_before;
     const double step_ms = ms_between(start, Clock::now());

@@ -3,8 +3,6 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <cmath>
-#include <unordered_set>
 
 #include "runtime/communicator.h"
 #include "runtime/error.h"
@@ -256,29 +254,6 @@ std::vector<at::Tensor> sharded_parameters(const torch::nn::Module& module) {
     }
   }
   return out;
-}
-
-double clip_grad_norm(const std::vector<at::Tensor>& parameters,
-                      const std::vector<at::Tensor>& sharded, double max_norm, const Group& group) {
-  std::unordered_set<const void*> is_sharded;
-  for (const auto& p : sharded) is_sharded.insert(p.unsafeGetTensorImpl());
-  at::Tensor sq = at::zeros({2}, at::kDouble);  // [sharded, replicated]
-  for (const auto& p : parameters) {
-    if (!p.grad().defined()) continue;
-    double n = p.grad().norm().item<double>();
-    sq[is_sharded.count(p.unsafeGetTensorImpl()) ? 0 : 1] += n * n;
-  }
-  at::Tensor sharded_sq = sq.narrow(0, 0, 1).clone();
-  if (group_size(group) > 1) group->allReduce(sharded_sq)->wait();
-  const double total = std::sqrt(sharded_sq.item<double>() + sq[1].item<double>());
-  const double coef = max_norm / (total + 1e-6);
-  if (coef < 1) {
-    torch::NoGradGuard no_grad;
-    for (const auto& p : parameters) {
-      if (p.grad().defined()) p.grad().mul_(coef);
-    }
-  }
-  return total;
 }
 
 }  // namespace remat::parallel

@@ -129,10 +129,4 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
 // tensor-parallel group (weights of the layers above, column biases).
 std::vector<at::Tensor> sharded_parameters(const torch::nn::Module& module);
 
-// Clips gradients by the global L2 norm over a tensor-parallel model: sharded
-// parameters' squares are summed across the group, replicated ones counted
-// once. Returns the norm before clipping, the same on every rank.
-double clip_grad_norm(const std::vector<at::Tensor>& parameters,
-                      const std::vector<at::Tensor>& sharded, double max_norm, const Group& group);
-
 }  // namespace remat::parallel

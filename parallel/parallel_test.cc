@@ -6,6 +6,9 @@
 #include <gtest/gtest.h>
 #include <torch/nn/modules/embedding.h>
 
+#include <cmath>
+
+#include "parallel/grad_norm.h"
 #include "parallel/layers.h"
 #include "parallel/mappings.h"
 #include "runtime/error.h"
@@ -191,7 +194,7 @@ TEST(Layers, RowParallelRefusesAnInputOfTheWrongWidth) {
               HasSubstr("the weight's share expects"));
 }
 
-TEST(Layers, ClipGradNormCountsShardsOnceAcrossTheGroup) {
+TEST(GradNorm, ShardsCountOnceAcrossTheGroup) {
   auto g = world();
   const int n = g->size();
   // A sharded parameter whose gradient is 1 everywhere on each rank (4
@@ -200,12 +203,39 @@ TEST(Layers, ClipGradNormCountsShardsOnceAcrossTheGroup) {
   at::Tensor replicated = at::zeros({1}).requires_grad_(true);
   sharded.mutable_grad() = at::ones({4});
   replicated.mutable_grad() = at::full({1}, 2.0);
-  std::vector<at::Tensor> sharded_list = n > 1 ? std::vector<at::Tensor>{sharded} : std::vector<at::Tensor>{};
-  const double norm = clip_grad_norm({sharded, replicated}, sharded_list, 1e9, g);
-  const double want = std::sqrt((n > 1 ? 4.0 * n : 4.0) + 4.0);
+  const std::vector<GradGroup> groups{{{sharded}, {g}}, {{replicated}, {}}};
+  const double norm = clip_grad_norm(groups, 1e9);
+  const double want = std::sqrt(4.0 * n + 4.0);
   EXPECT_NEAR(norm, want, 1e-9);
-  clip_grad_norm({sharded, replicated}, sharded_list, want / 2, g);
+  clip_grad_norm(groups, want / 2);
   EXPECT_NEAR(replicated.grad().item<double>(), 1.0, 1e-5);
+}
+
+TEST(GradNorm, EachGroupIsSummedOverItsOwnCommunicators) {
+  const int n = world()->size();
+  const int tp = n >= 2 ? 2 : 1;
+  ParallelLayout l(world(), ParallelDims::from_world(n, tp));
+  const int dp = n / tp;
+  // Gradients of ones: a group's square on one rank is its numel.
+  auto grad_of = [](int64_t numel) {
+    at::Tensor t = at::zeros({numel}).requires_grad_(true);
+    t.mutable_grad() = at::ones({numel});
+    return t;
+  };
+  at::Tensor both = grad_of(3), over_dp = grad_of(5), over_tp = grad_of(7), local = grad_of(11);
+  at::Tensor no_grad = at::zeros({2}).requires_grad_(true);  // counts as zero
+  const std::vector<GradGroup> groups{{{both}, {l.dp_group(), l.tp_group()}},
+                                      {{over_dp, no_grad}, {l.dp_group()}},
+                                      {{over_tp}, {l.tp_group()}},
+                                      {{local}, {}}};
+  const double want = std::sqrt(3.0 * dp * tp + 5.0 * dp + 7.0 * tp + 11.0);
+  EXPECT_NEAR(clip_grad_norm(groups, 1e9), want, 1e-6);  // per-tensor norms are float32
+  EXPECT_EQ(local.grad()[0].item<float>(), 1.0f) << "no clipping under the norm";
+  clip_grad_norm(groups, want / 4);
+  for (const auto& t : {both, over_dp, over_tp, local}) {
+    EXPECT_NEAR(t.grad()[0].item<double>(), 0.25, 1e-6);
+  }
+  EXPECT_FALSE(no_grad.grad().defined());
 }
 
 TEST(Layout, AWorldThatTheTensorParallelSizeDoesNotDivideIsRefused) {

@@ -22,14 +22,18 @@
 // begins), and is reduced in finish_backward: so its parameters must be used
 // only before the first unit and after the last one. At most two units are
 // gathered at once. Parameters
-// with fewer than param_persistence_threshold elements stay whole on every rank
+// with fewer than stage3_param_persistence_threshold elements stay whole on every rank
 // (gradients all-reduced). Units are called through remat::forward, whose
 // sharding hook gathers them (nn/module_call.h).
 //
 // Stage 0: every rank holds every parameter; finish_backward all-reduces the
 // gradients (averaged) in buckets of reduce_bucket_size elements.
 //
-//   remat::ZeroModel zero(*model, blocks, layout.dp_group(), ZeroOptions::from_config(cfg.zero_optimization));
+// Each stage is its own strategy behind ZeroModel (sharding_strategy.h):
+// data_parallel.cc for stage 0, zero_stage3.cc for stage 3.
+//
+//   remat::parallel::ZeroModel zero(*model, blocks, layout.dp_group(), cfg.zero_optimization,
+//                                   cfg.bf16, remat::parallel::sharded_parameters(*model));
 //   auto optimizer = make_optimizer(cfg.optimizer, zero.parameters());
 //   zero.begin_forward();
 //   at::Tensor loss = zero.finish_forward(model->loss(x, y));
@@ -51,21 +55,14 @@ class Module;
 }
 
 namespace remat {
-
 class Communicator;
+struct Bf16Config;
 struct ZeroConfig;
+}  // namespace remat
 
-struct ZeroOptions {
-  int stage = 3;  // 0 or 3
-  int64_t param_persistence_threshold = 100000;  // elements
-  int64_t reduce_bucket_size = 500000000;        // elements per reduce collective
-  int64_t prefetch_bucket_size = 50000000;       // prefetch a unit of at most this many elements
-  // Stage 3 only: gathered parameters (so the compute) in bf16, shards and the
-  // optimizer in fp32; every parameter is sharded (none kept whole in fp32).
-  bool bf16 = false;
+namespace remat::parallel {
 
-  static ZeroOptions from_config(const ZeroConfig& config, bool bf16 = false);
-};
+class ShardingStrategy;
 
 // Per-rank bytes, now and over the collectives issued so far.
 struct ZeroStats {
@@ -82,22 +79,24 @@ struct ZeroStats {
 
 class ZeroModel {
  public:
-  // `units` are submodules of `model` (each transformer block); `sharded_tp`
-  // lists parameters that differ across tensor-parallel ranks (for the
-  // gradient norm; parallel::sharded_parameters).
+  // `units` are submodules of `model` (each transformer block); `config` is
+  // the zero_optimization section (stage 0 or 3), `bf16` the bf16 section
+  // (stage 3 only); `sharded_tp` lists parameters that differ across
+  // tensor-parallel ranks (for the gradient norm; sharded_parameters()).
+  // A stage or combination that is not implemented is a ConfigError.
   ZeroModel(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
-            std::shared_ptr<Communicator> dp_group, ZeroOptions options,
-            std::vector<at::Tensor> sharded_tp = {});
+            std::shared_ptr<Communicator> dp_group, const ZeroConfig& config,
+            const Bf16Config& bf16, std::vector<at::Tensor> sharded_tp = {});
   ~ZeroModel();
   ZeroModel(const ZeroModel&) = delete;
   ZeroModel& operator=(const ZeroModel&) = delete;
 
-  int stage() const { return options_.stage; }
+  int stage() const { return stage_; }
   // What the optimizer steps: the shards and the persistent parameters
   // (stage 0: the model's parameters).
   std::vector<at::Tensor> parameters() const;
   // The same tensors as a module, for saving and loading training state.
-  torch::nn::Module& state() { return state_ ? *state_ : model_; }
+  torch::nn::Module& state();
 
   // Gathers the root unit for a forward.
   void begin_forward();
@@ -112,44 +111,24 @@ class ZeroModel {
   void end_evaluation();
 
   // Clips gradients by the global L2 norm (shards summed over the
-  // data-parallel group, tensor-parallel shards over `tp_group` too).
-  // Returns the norm before clipping.
+  // data-parallel group, tensor-parallel shards over `tp_group` too; see
+  // grad_norm.h). Returns the norm before clipping.
   double clip_grad_norm(double max_norm, const std::shared_ptr<Communicator>& tp_group);
 
   ZeroStats stats() const;
   void reset_peak();
   // Gathers per unit so far (forward, backward and evaluation), by unit name
-  // ("root", "blocks.0", ...).
+  // ("root", "blocks.0", ...). Empty for stage 0.
   std::map<std::string, int64_t> gather_counts() const;
   // Parameter elements of each unit (unpadded), by unit name.
   std::map<std::string, int64_t> unit_numels() const;
   // Padded elements of each unit's flat buffers (the all-gather size), by unit name.
   std::map<std::string, int64_t> unit_padded_numels() const;
 
-  struct Unit;
-
  private:
-  friend class ZeroUnitHook;
-  void gather(Unit& unit, bool wait);
-  void wait_gathered(Unit& unit);
-  void free(Unit& unit);
-  void reduce(Unit& unit);
-  void all_reduce_buckets(const std::vector<at::Tensor>& params);
-  Unit* next_unit(const Unit& unit, int direction);
-  void track_gathered(int64_t delta);
-  void track_gathered_units(int delta);
-
-  torch::nn::Module& model_;
-  std::shared_ptr<Communicator> dp_;
-  ZeroOptions options_;
-  std::vector<std::unique_ptr<Unit>> units_;  // blocks in order, then the root
-  std::vector<at::Tensor> persistent_;
-  std::vector<at::Tensor> all_params_;        // stage 0
+  int stage_;
   std::vector<at::Tensor> sharded_tp_;
-  std::shared_ptr<torch::nn::Module> state_;
-  int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
-  int gathered_units_ = 0, peak_gathered_units_ = 0;
-  int64_t allgather_bytes_ = 0, reducescatter_bytes_ = 0, allreduce_bytes_ = 0;
+  std::unique_ptr<ShardingStrategy> strategy_;
 };
 
-}  // namespace remat
+}  // namespace remat::parallel

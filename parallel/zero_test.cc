@@ -21,7 +21,7 @@
 #include "tests/error_of.h"
 #include "tests/parallel_setup.h"
 
-namespace remat {
+namespace remat::parallel {
 namespace {
 
 using ::testing::HasSubstr;
@@ -72,12 +72,13 @@ TrainRun train(const TrainSetup& s) {
   for (const auto& p : model->parameters()) run.params += p.numel();
   std::vector<std::shared_ptr<torch::nn::Module>> units;
   for (const auto& b : *model->blocks) units.push_back(b);
-  ZeroOptions zo;
-  zo.stage = s.stage;
-  zo.param_persistence_threshold = 0;
-  zo.reduce_bucket_size = 1000;  // several buckets per unit
-  zo.bf16 = s.bf16;
-  ZeroModel zero(*model, units, l.dp_group(), zo, parallel::sharded_parameters(*model));
+  ZeroConfig zc;
+  zc.stage = s.stage;
+  zc.stage3_param_persistence_threshold = 0;
+  zc.reduce_bucket_size = 1000;  // several buckets per unit
+  Bf16Config bf16;
+  bf16.enabled = s.bf16;
+  ZeroModel zero(*model, units, l.dp_group(), zc, bf16, sharded_parameters(*model));
   for (const auto& p : zero.parameters()) EXPECT_EQ(p.scalar_type(), at::kFloat) << "fp32 masters";
   torch::optim::AdamW optimizer(zero.parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
   for (int step = 0; step < s.steps; ++step) {
@@ -257,21 +258,24 @@ TEST(Zero, MisuseIsAClearError) {
   models::Gpt model(remat::testing::small_gpt(11, 2, 0.0));
   std::vector<std::shared_ptr<torch::nn::Module>> units;
   for (const auto& b : *model->blocks) units.push_back(b);
-  ZeroOptions zo;
-  zo.param_persistence_threshold = 0;
-  ZeroModel zero(*model, units, l.dp_group(), zo);
+  ZeroConfig zc;
+  zc.stage = 3;
+  zc.stage3_param_persistence_threshold = 0;
+  ZeroModel zero(*model, units, l.dp_group(), zc, Bf16Config{});
   at::Tensor idx = at::zeros({1, 4}, at::kLong);
   zero.begin_forward();
   model->loss(idx, idx).backward();  // not through finish_forward
   EXPECT_THAT(error_of<Error>([&] { zero.finish_backward(); }), HasSubstr("finish_forward(loss)"));
   ZeroConfig stage2;
   stage2.stage = 2;
-  EXPECT_THAT(error_of<ConfigError>([&] { ZeroOptions::from_config(stage2); }),
+  EXPECT_THAT(error_of<ConfigError>([&] { ZeroModel(*model, units, l.dp_group(), stage2, Bf16Config{}); }),
               HasSubstr("use 0 (data parallel, all-reduce) or 3"));
   ZeroConfig stage0;
-  EXPECT_THAT(error_of<ConfigError>([&] { ZeroOptions::from_config(stage0, /*bf16=*/true); }),
+  Bf16Config bf16;
+  bf16.enabled = true;
+  EXPECT_THAT(error_of<ConfigError>([&] { ZeroModel(*model, units, l.dp_group(), stage0, bf16); }),
               HasSubstr("it needs zero_optimization.stage 3"));
 }
 
 }  // namespace
-}  // namespace remat
+}  // namespace remat::parallel

@@ -1,4 +1,4 @@
-#include "checkpointing/saved_inputs.h"
+#include "checkpointing/stored_inputs.h"
 
 #include <ATen/ATen.h>
 
@@ -153,10 +153,10 @@ struct StoredInputs::Entry {
   int64_t padding = 0;  // of which zero padding
   at::Tensor kept;      // on the device: the share, or the whole tensor
   at::Tensor host;      // the host copy, once offloaded (kept is then undefined)
-  std::shared_ptr<detail::PendingCopy> to_host;
+  std::shared_ptr<host_transfer::PendingCopy> to_host;
   // Prefetched for the recompute:
   at::Tensor fetched;  // device copy of host
-  std::shared_ptr<detail::PendingCopy> fetching;
+  std::shared_ptr<host_transfer::PendingCopy> fetching;
   at::Tensor gathered;  // [share * size] all-gathered
   std::shared_ptr<Work> gathering;
 
@@ -178,7 +178,7 @@ struct StoredInputs::Chain {
   std::recursive_mutex mutex;
   std::vector<StoredInputs*> regions;
   StoredInputs* pending_offload = nullptr;
-  std::deque<std::shared_ptr<detail::PendingCopy>> in_flight;
+  std::deque<std::shared_ptr<host_transfer::PendingCopy>> in_flight;
 
   static Chain& get() {
     static Chain chain;
@@ -189,7 +189,7 @@ struct StoredInputs::Chain {
     if (pending_offload == r) pending_offload = nullptr;
   }
   // Keeps at most `bound` copies in flight.
-  void track(std::shared_ptr<detail::PendingCopy> copy, int bound) {
+  void track(std::shared_ptr<host_transfer::PendingCopy> copy, int bound) {
     if (copy->done()) return;
     in_flight.push_back(std::move(copy));
     while (static_cast<int>(in_flight.size()) > std::max(bound, 1)) {
@@ -321,9 +321,9 @@ void StoredInputs::offload_now() {
                           : e->kept.as_strided({e->share}, {1}, e->kept.storage_offset());
     e->host = options_.contiguous
                   ? options_.contiguous->view(slot_, pos, e->share, e->dtype, at::kCPU,
-                                              detail::wants_pinned(e->device), region_)
-                  : detail::empty_host_like(flat);
-    e->to_host = detail::copy_to_host(flat, e->host);
+                                              host_transfer::wants_pinned(e->device), region_)
+                  : host_transfer::empty_host_like(flat);
+    e->to_host = host_transfer::copy_to_host(flat, e->host);
     chain.track(e->to_host, options_.offload_max_in_flight);
     e->kept = at::Tensor();  // the device copy is freed once the copy is done
     g_stats.offloaded_bytes += static_cast<int64_t>(e->host.nbytes());
@@ -341,7 +341,7 @@ void StoredInputs::prefetch() {
       // Offloaded: bring the host copy back (after its own copy out ended).
       if (e->to_host) e->to_host->order_before_use();
       e->fetched = at::empty({e->share}, at::TensorOptions().dtype(e->dtype).device(e->device));
-      e->fetching = detail::copy_to_device(e->host, e->fetched);
+      e->fetching = host_transfer::copy_to_device(e->host, e->fetched);
       g_stats.fetched_bytes += static_cast<int64_t>(e->fetched.nbytes());
       g_stats.fetch_copies++;
       source = e->fetched;

@@ -1,0 +1,541 @@
+// ZeRO stage 3 (see zero.h): units' parameters flattened, sharded over the
+// data-parallel group, gathered around each use and reduce-scattered back.
+#include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/nn/module.h>
+
+#include <unordered_set>
+
+#include "nn/autograd_state.h"
+#include "nn/module_call.h"
+#include "parallel/sharding_strategy.h"
+#include "runtime/communicator.h"
+#include "runtime/error.h"
+#include "runtime/logging.h"
+
+namespace remat::parallel {
+namespace {
+
+// A unit's parameters of one kind in one flat buffer.
+struct FlatGroup {
+  std::vector<at::Tensor> params;
+  std::vector<int64_t> offsets;
+  int64_t numel = 0, padded = 0, shard_numel = 0;
+  bool tp_sharded = false;
+  at::Tensor full;   // [padded]; its storage holds data only while gathered
+  at::Tensor shard;  // this rank's [shard_numel], the optimizer's parameter
+  std::shared_ptr<Work> pending;
+  int64_t bytes() const { return padded * static_cast<int64_t>(full.element_size()); }
+};
+
+// The parameters are views of `full`: emptying its storage frees them all,
+// and refilling it restores them in place (autograd's saved references to
+// the parameters see the data again).
+void release_storage(const at::Tensor& t) {
+  c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+  impl->set_data_ptr_noswap(c10::DataPtr(nullptr, t.device()));
+  impl->set_nbytes(0);
+}
+
+void allocate_storage(const at::Tensor& t, int64_t nbytes) {
+  c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+  c10::Allocator* allocator = impl->allocator() ? impl->allocator() : c10::GetAllocator(t.device().type());
+  impl->set_data_ptr_noswap(allocator->allocate(nbytes));
+  impl->set_nbytes(nbytes);
+}
+
+std::string param_name(std::string s) {
+  for (auto& c : s) {
+    if (c == '.') c = '_';
+  }
+  return s;
+}
+
+struct Unit {
+  std::string name;
+  const torch::nn::Module* module = nullptr;  // null: the root unit
+  size_t index = 0;
+  std::vector<FlatGroup> groups;
+  bool gathered = false;
+  bool ran = false;      // ran forward since the last finish_backward
+  bool reduced = false;  // reduced since the last finish_backward
+  int64_t gathers = 0;
+  int64_t padded_numel() const {
+    int64_t n = 0;
+    for (const auto& g : groups) n += g.padded;
+    return n;
+  }
+};
+
+class Stage3 final : public ShardingStrategy {
+ public:
+  Stage3(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
+         std::shared_ptr<Communicator> dp, const std::vector<at::Tensor>& sharded_tp,
+         const Stage3Settings& settings);
+  ~Stage3() override;
+
+  std::vector<at::Tensor> parameters() const override;
+  torch::nn::Module& state() override { return *state_; }
+  void begin_forward() override;
+  at::Tensor finish_forward(const at::Tensor& loss) override;
+  void finish_backward(bool synchronize) override;
+  void end_evaluation() override;
+  std::vector<GradGroup> grad_groups(const std::vector<at::Tensor>& sharded_tp,
+                                     const std::shared_ptr<Communicator>& tp) const override;
+  ZeroStats stats() const override;
+  void reset_peak() override;
+  std::map<std::string, int64_t> gather_counts() const override;
+  std::map<std::string, int64_t> unit_numels() const override;
+  std::map<std::string, int64_t> unit_padded_numels() const override;
+
+ private:
+  friend class ZeroUnitHook;
+  void gather(Unit& unit, bool wait);
+  void wait_gathered(Unit& unit);
+  void free(Unit& unit);
+  void reduce(Unit& unit);
+  Unit* next_unit(const Unit& unit, int direction);
+  void track_gathered(int64_t delta);
+  void track_gathered_units(int delta);
+
+  std::shared_ptr<Communicator> dp_;
+  Stage3Settings settings_;
+  std::vector<std::unique_ptr<Unit>> units_;  // blocks in order, then the root
+  std::vector<at::Tensor> persistent_;
+  std::shared_ptr<torch::nn::Module> state_;
+  int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
+  int gathered_units_ = 0, peak_gathered_units_ = 0;
+  int64_t allgather_bytes_ = 0, reducescatter_bytes_ = 0, allreduce_bytes_ = 0;
+};
+
+// ---------------------------------------------------------------------------
+// Unit boundaries in autograd: the backward of ExitUnit (at the unit's output)
+// runs before the unit's own backward and gathers; the backward of EnterUnit
+// (at its input) runs after it and reduces.
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The model and unit a node belongs to; the model must outlive the graphs
+// built through it.
+struct Pointers {
+  Stage3* zero;
+  Unit* unit;
+};
+
+Pointers kept(AutogradContext* ctx) { return kept_in<Pointers>(ctx, "unit"); }
+
+// A unit's call through remat::forward (the sharding slot, outside any
+// checkpoint region): its parameters are gathered around it.
+class ZeroUnitHook final : public ModuleHook {
+ public:
+  ZeroUnitHook(Stage3* zero, Unit* unit) : zero_(zero), unit_(unit) {}
+  c10::IValue run(const std::vector<c10::IValue>& args, const IValueFn& next) override;
+  at::Tensor run(const at::Tensor& x, const std::function<at::Tensor(const at::Tensor&)>& body);
+
+  struct Enter : torch::autograd::Function<Enter> {
+    static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& dummy,
+                              Pointers unit) {
+      keep_in(ctx, "unit", unit);
+      return x.view_as(x);
+    }
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+      auto p = kept(ctx);
+      p.zero->reduce(*p.unit);
+      return {grads[0], at::Tensor(), at::Tensor()};
+    }
+  };
+
+  struct Exit : torch::autograd::Function<Exit> {
+    static at::Tensor forward(AutogradContext* ctx, const at::Tensor& y, Pointers unit) {
+      keep_in(ctx, "unit", unit);
+      return y.view_as(y);
+    }
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+      auto p = kept(ctx);
+      // Once a block's backward begins the head's is done; the embeddings'
+      // backward needs no weights: the root's parameters can go (its
+      // gradients stay until finish_backward reduces them).
+      if (p.unit->module != nullptr) p.zero->free(*p.zero->units_.back());
+      p.zero->gather(*p.unit, /*wait=*/true);
+      // The unit before this one is needed next: fetch it during this backward.
+      if (auto* previous = p.zero->next_unit(*p.unit, -1)) p.zero->gather(*previous, /*wait=*/false);
+      return {grads[0], at::Tensor()};
+    }
+  };
+
+ private:
+  Stage3* zero_;
+  Unit* unit_;
+};
+
+c10::IValue ZeroUnitHook::run(const std::vector<c10::IValue>& args, const IValueFn& next) {
+  auto signature_error = [&] {
+    return Error(str("remat::forward: ", unit_->module->name(), " is a sharded unit, and sharded "
+                     "units take one tensor and return one tensor; wrap its other arguments in "
+                     "the module"));
+  };
+  if (args.size() != 1 || !args[0].isTensor()) throw signature_error();
+  return run(args[0].toTensor(), [&](const at::Tensor& x) {
+    c10::IValue y = next({c10::IValue(x)});
+    if (!y.isTensor()) throw signature_error();
+    return y.toTensor();
+  });
+}
+
+at::Tensor ZeroUnitHook::run(const at::Tensor& x,
+                             const std::function<at::Tensor(const at::Tensor&)>& body) {
+  auto& u = *unit_;
+  // The root unit's parameters served the embeddings; the head needs them
+  // again after the last block, which fetches them ahead.
+  zero_->free(*zero_->units_.back());
+  zero_->gather(u, /*wait=*/true);
+  Unit* next = zero_->next_unit(u, +1);
+  if (next != nullptr) zero_->gather(*next, /*wait=*/false);
+  // The head runs right after the last block, outside any unit call: its
+  // parameters must have arrived by then.
+  auto head_ready = [&] {
+    if (next != nullptr && next->module == nullptr) zero_->wait_gathered(*next);
+  };
+  if (!at::GradMode::is_enabled()) {  // evaluation: no backward will come
+    at::Tensor y = body(x);
+    zero_->free(u);
+    head_ready();
+    return y;
+  }
+  const Pointers p{zero_, unit_};
+  // The dummy keeps Enter on the graph when x does not require grad.
+  static thread_local at::Tensor dummy = at::empty({0}).requires_grad_(true);
+  at::Tensor y = Exit::apply(body(Enter::apply(x, dummy, p)), p);
+  zero_->free(u);
+  head_ready();
+  u.ran = true;
+  return y;
+}
+
+// ---------------------------------------------------------------------------
+
+Stage3::Stage3(torch::nn::Module& model,
+               const std::vector<std::shared_ptr<torch::nn::Module>>& units,
+               std::shared_ptr<Communicator> dp, const std::vector<at::Tensor>& sharded_tp,
+               const Stage3Settings& settings)
+    : dp_(std::move(dp)), settings_(settings) {
+  const int n = dp_->size(), r = dp_->rank();
+  std::unordered_set<const void*> tp_sharded;
+  for (const auto& p : sharded_tp) tp_sharded.insert(p.unsafeGetTensorImpl());
+  std::unordered_set<const void*> in_units;
+  std::vector<std::pair<std::string, std::vector<at::Tensor>>> unit_params;
+  std::vector<const torch::nn::Module*> unit_modules;
+  std::map<const torch::nn::Module*, std::string> names;
+  for (const auto& item : model.named_modules()) names[item.value().get()] = item.key();
+  for (const auto& m : units) {
+    REMAT_CHECK(names.count(m.get()), "ZeroModel: a unit is not a submodule of the model");
+    std::vector<at::Tensor> ps;
+    for (const auto& p : m->parameters()) {
+      if (in_units.insert(p.unsafeGetTensorImpl()).second) ps.push_back(p);
+    }
+    unit_params.emplace_back(names[m.get()], ps);
+    unit_modules.push_back(m.get());
+  }
+  std::vector<at::Tensor> root;
+  for (const auto& p : model.parameters()) {
+    if (!in_units.count(p.unsafeGetTensorImpl())) root.push_back(p);
+  }
+  unit_params.emplace_back("root", root);
+  unit_modules.push_back(nullptr);
+
+  if (settings_.bf16) settings_.param_persistence_threshold = 0;  // every parameter gets an fp32 master
+  const at::ScalarType compute = settings_.bf16 ? at::kBFloat16 : at::kFloat;
+  state_ = std::make_shared<torch::nn::Module>("ZeroState");
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < unit_params.size(); ++i) {
+    auto unit = std::make_unique<Unit>();
+    unit->name = unit_params[i].first;
+    unit->module = unit_modules[i];
+    unit->index = i;
+    FlatGroup kinds[2];  // [0]: replicated across tensor-parallel ranks, [1]: tp-sharded
+    kinds[1].tp_sharded = true;
+    for (const auto& p : unit_params[i].second) {
+      if (p.numel() < settings_.param_persistence_threshold) {
+        persistent_.push_back(p);
+        continue;
+      }
+      REMAT_CHECK(p.scalar_type() == at::kFloat, "ZeroModel: parameters must be float32 (",
+                  unit->name, " has ", c10::toString(p.scalar_type()), ")");
+      auto& g = kinds[tp_sharded.count(p.unsafeGetTensorImpl()) ? 1 : 0];
+      g.params.push_back(p);
+      g.offsets.push_back(g.numel);
+      g.numel += p.numel();
+    }
+    for (auto& g : kinds) {
+      if (g.params.empty()) continue;
+      g.padded = (g.numel + n - 1) / n * n;
+      g.shard_numel = g.padded / n;
+      g.full = at::zeros({g.padded}, g.params[0].options().requires_grad(false));
+      for (size_t k = 0; k < g.params.size(); ++k) {
+        g.full.narrow(0, g.offsets[k], g.params[k].numel()).copy_(g.params[k].reshape({-1}));
+      }
+      g.shard = g.full.narrow(0, r * g.shard_numel, g.shard_numel).clone().requires_grad_(true);
+      if (compute != at::kFloat) g.full = at::zeros({g.padded}, g.full.options().dtype(compute));
+      for (size_t k = 0; k < g.params.size(); ++k) {
+        auto& p = g.params[k];
+        p.set_data(g.full.narrow(0, g.offsets[k], p.numel()).view(p.sizes()));
+      }
+      release_storage(g.full);
+      state_->register_parameter(
+          str(param_name(unit->name), "__", g.tp_sharded ? "tp_sharded" : "replicated"), g.shard);
+      unit->groups.push_back(std::move(g));
+    }
+    units_.push_back(std::move(unit));
+  }
+  for (size_t k = 0; k < persistent_.size(); ++k) {
+    state_->register_parameter(str("persistent_", k), persistent_[k]);
+  }
+  for (auto& unit : units_) {
+    if (unit->module != nullptr) {
+      set_module_hook(*unit->module, HookSlot::kSharding, std::make_shared<ZeroUnitHook>(this, unit.get()));
+    }
+  }
+  int64_t total = 0, sharded = 0;
+  for (const auto& p : model.parameters()) total += p.numel();
+  for (const auto& u : units_) {
+    for (const auto& g : u->groups) sharded += g.numel;
+  }
+  log_rank0().info("zero stage 3: {} units, {} of {} parameter elements sharded over {} "
+                   "data-parallel ranks ({} kept whole: below stage3_param_persistence_threshold {}); "
+                   "compute in {}, shards in float32",
+                   units_.size(), sharded, total, n, total - sharded,
+                   settings_.param_persistence_threshold, c10::toString(compute));
+}
+
+Stage3::~Stage3() {
+  for (auto& unit : units_) {
+    if (unit->module != nullptr) set_module_hook(*unit->module, HookSlot::kSharding, nullptr);
+    try {
+      for (auto& g : unit->groups) {
+        if (g.pending) g.pending->wait();
+      }
+    } catch (...) {
+    }
+  }
+}
+
+std::vector<at::Tensor> Stage3::parameters() const {
+  std::vector<at::Tensor> out;
+  for (const auto& u : units_) {
+    for (const auto& g : u->groups) out.push_back(g.shard);
+  }
+  for (const auto& p : persistent_) out.push_back(p);
+  return out;
+}
+
+void Stage3::track_gathered(int64_t delta) {
+  gathered_bytes_ += delta;
+  peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
+}
+
+void Stage3::track_gathered_units(int delta) {
+  gathered_units_ += delta;
+  peak_gathered_units_ = std::max(peak_gathered_units_, gathered_units_);
+}
+
+void Stage3::gather(Unit& unit, bool wait) {
+  if (!unit.gathered) {
+    unit.gathered = true;
+    unit.gathers++;
+    track_gathered_units(+1);
+    for (auto& g : unit.groups) {
+      allocate_storage(g.full, g.bytes());
+      at::Tensor input = g.shard.detach().to(g.full.scalar_type());
+      g.pending = dp_->allGather(g.full, input);
+      allgather_bytes_ += g.bytes();
+      track_gathered(g.bytes());
+    }
+  }
+  if (wait) wait_gathered(unit);
+}
+
+void Stage3::wait_gathered(Unit& unit) {
+  for (auto& g : unit.groups) {
+    if (g.pending) {
+      g.pending->wait();
+      g.pending = nullptr;
+    }
+  }
+}
+
+void Stage3::free(Unit& unit) {
+  if (!unit.gathered) return;
+  wait_gathered(unit);
+  for (auto& g : unit.groups) {
+    release_storage(g.full);
+    track_gathered(-g.bytes());
+  }
+  unit.gathered = false;
+  track_gathered_units(-1);
+}
+
+void Stage3::reduce(Unit& unit) {
+  const int n = dp_->size();
+  for (auto& g : unit.groups) {
+    at::Tensor flat = at::zeros({g.padded}, g.shard.options().requires_grad(false));
+    for (size_t k = 0; k < g.params.size(); ++k) {
+      auto& p = g.params[k];
+      if (p.grad().defined()) flat.narrow(0, g.offsets[k], p.numel()).copy_(p.grad().reshape({-1}));
+      p.mutable_grad() = at::Tensor();
+    }
+    at::Tensor by_rank = flat.view({n, g.shard_numel});
+    at::Tensor shard_grad = at::empty({g.shard_numel}, flat.options());
+    for (int64_t o = 0; o < g.shard_numel; o += settings_.reduce_bucket_size) {
+      const int64_t len = std::min(settings_.reduce_bucket_size, g.shard_numel - o);
+      at::Tensor input = by_rank.narrow(1, o, len).contiguous();
+      at::Tensor out = at::empty({len}, flat.options());
+      dp_->reduceScatter(out, input, {ReduceOp::kAvg})->wait();
+      reducescatter_bytes_ += static_cast<int64_t>(input.nbytes());
+      shard_grad.narrow(0, o, len).copy_(out);
+    }
+    if (g.shard.grad().defined()) {
+      g.shard.mutable_grad().add_(shard_grad);
+    } else {
+      g.shard.mutable_grad() = shard_grad;
+    }
+  }
+  free(unit);
+  unit.reduced = true;
+}
+
+Unit* Stage3::next_unit(const Unit& unit, int direction) {
+  // Blocks are units_[0 .. size-2], the root last; the root's neighbour going
+  // backward is the last block.
+  const int64_t blocks = static_cast<int64_t>(units_.size()) - 1;
+  int64_t i = unit.module == nullptr ? blocks : static_cast<int64_t>(unit.index);
+  i += direction;
+  if (i == blocks && direction > 0) return units_.back().get();  // the head needs it next
+  if (i < 0 || i >= blocks) return nullptr;
+  Unit* next = units_[i].get();
+  if (next->padded_numel() > settings_.prefetch_bucket_size) return nullptr;
+  return next;
+}
+
+void Stage3::begin_forward() {
+  gather(*units_.back(), /*wait=*/true);
+}
+
+at::Tensor Stage3::finish_forward(const at::Tensor& loss) {
+  Unit& root = *units_.back();
+  if (!at::GradMode::is_enabled() || !loss.requires_grad()) {
+    free(root);
+    return loss;
+  }
+  // The root stays gathered for the head's backward (the first to run).
+  root.ran = true;
+  return ZeroUnitHook::Exit::apply(loss, Pointers{this, &root});
+}
+
+void Stage3::finish_backward(bool synchronize) {
+  Unit& root = *units_.back();
+  if (root.ran) {
+    reduce(root);
+  } else {
+    for (const auto& g : root.groups) {
+      for (const auto& p : g.params) {
+        if (p.grad().defined()) {
+          throw Error("zero stage 3: the root unit's parameters got gradients but the loss did not "
+                      "pass through finish_forward(loss); call begin_forward() before the "
+                      "forward and backpropagate from zero.finish_forward(loss)");
+        }
+      }
+    }
+  }
+  if (synchronize) all_reduce_gradients(persistent_, *dp_, settings_.reduce_bucket_size, allreduce_bytes_);
+  for (auto& u : units_) {
+    if (u->ran && !u->reduced) {
+      throw Error(str("zero stage 3: unit '", u->name, "' ran forward but its gradients were not "
+                      "reduced in backward; call finish_backward() after backward() on a loss "
+                      "that depends on every unit, and finish_forward() on that loss"));
+    }
+    for (const auto& g : u->groups) {
+      for (const auto& p : g.params) {
+        if (p.grad().defined()) {
+          throw Error(str("zero stage 3: a parameter of unit '", u->name, "' received its gradient "
+                          "after the unit was reduced; units must be called through "
+                          "remat::forward"));
+        }
+      }
+    }
+    u->ran = u->reduced = false;
+    free(*u);  // a prefetched unit that was not needed
+  }
+}
+
+void Stage3::end_evaluation() {
+  for (auto& u : units_) free(*u);
+}
+
+std::vector<GradGroup> Stage3::grad_groups(const std::vector<at::Tensor>& sharded_tp,
+                                           const std::shared_ptr<Communicator>& tp) const {
+  // Shards sharded over tp, shards replicated over tp, whole parameters
+  // sharded over tp, whole replicated.
+  std::vector<GradGroup> out{{{}, {dp_, tp}}, {{}, {dp_}}};
+  for (const auto& u : units_) {
+    for (const auto& g : u->groups) out[g.tp_sharded ? 0 : 1].tensors.push_back(g.shard);
+  }
+  auto [sharded, replicated] = split_by(persistent_, sharded_tp);
+  out.push_back({sharded, {tp}});
+  out.push_back({replicated, {}});
+  return out;
+}
+
+ZeroStats Stage3::stats() const {
+  ZeroStats s;
+  for (const auto& p : parameters()) {
+    s.param_bytes += static_cast<int64_t>(p.nbytes());
+    if (p.grad().defined()) s.grad_bytes += static_cast<int64_t>(p.grad().nbytes());
+  }
+  s.gathered_bytes = gathered_bytes_;
+  s.peak_gathered_bytes = peak_gathered_bytes_;
+  s.peak_gathered_units = peak_gathered_units_;
+  s.allgather_bytes = allgather_bytes_;
+  s.reducescatter_bytes = reducescatter_bytes_;
+  s.allreduce_bytes = allreduce_bytes_;
+  return s;
+}
+
+void Stage3::reset_peak() {
+  peak_gathered_bytes_ = gathered_bytes_;
+  peak_gathered_units_ = gathered_units_;
+}
+
+std::map<std::string, int64_t> Stage3::gather_counts() const {
+  std::map<std::string, int64_t> out;
+  for (const auto& u : units_) out[u->name] = u->gathers;
+  return out;
+}
+
+std::map<std::string, int64_t> Stage3::unit_numels() const {
+  std::map<std::string, int64_t> out;
+  for (const auto& u : units_) {
+    int64_t n = 0;
+    for (const auto& g : u->groups) n += g.numel;
+    out[u->name] = n;
+  }
+  return out;
+}
+
+std::map<std::string, int64_t> Stage3::unit_padded_numels() const {
+  std::map<std::string, int64_t> out;
+  for (const auto& u : units_) out[u->name] = u->padded_numel();
+  return out;
+}
+
+}  // namespace
+
+std::unique_ptr<ShardingStrategy> make_stage3(
+    torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
+    std::shared_ptr<Communicator> dp, const std::vector<at::Tensor>& sharded_tp,
+    const Stage3Settings& settings) {
+  return std::make_unique<Stage3>(model, units, std::move(dp), sharded_tp, settings);
+}
+
+}  // namespace remat::parallel
