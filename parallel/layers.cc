@@ -22,16 +22,8 @@ void check_full(const at::Tensor& full, const std::vector<int64_t>& want, const 
 
 // Gathers dim-0 shards (rows), uneven allowed, into one tensor in rank order.
 at::Tensor gather_rows(const at::Tensor& local, int64_t full_rows, const Group& group) {
-  const int n = group_size(group);
-  if (n == 1) return local.detach().clone();
-  std::vector<at::Tensor> parts;
-  for (int r = 0; r < n; ++r) {
-    auto sizes = local.sizes().vec();
-    sizes[0] = partition_range(full_rows, n, r).length;
-    parts.push_back(at::empty(sizes, local.options()));
-  }
-  group->allGather(parts, local.detach().contiguous())->wait();
-  return at::cat(parts, 0);
+  if (group_size(group) == 1) return local.detach().clone();
+  return all_gather_uneven(local.detach(), 0, full_rows, group);
 }
 
 }  // namespace

@@ -28,20 +28,10 @@ at::Tensor all_reduce(const at::Tensor& x, const Group& group) {
   return out;
 }
 
-// Concatenates every rank's x along the last dimension; rank r's last
-// dimension is partition_range(full, size, r).length.
 at::Tensor all_gather_last(const at::Tensor& x, const Group& group, int64_t full) {
-  const int n = group->size();
-  std::vector<at::Tensor> parts;
-  for (int r = 0; r < n; ++r) {
-    auto sizes = x.sizes().vec();
-    sizes.back() = partition_range(full, n, r).length;
-    parts.push_back(at::empty(sizes, x.options()));
-  }
-  at::Tensor input = x.contiguous();
-  group->allGather(parts, input)->wait();
-  g_comm_bytes += input.nbytes();
-  return at::cat(parts, -1);
+  at::Tensor out = all_gather_uneven(x, -1, full, group);
+  g_comm_bytes += x.nbytes();
+  return out;
 }
 
 at::Tensor own_chunk(const at::Tensor& x, const Group& group) {
@@ -96,6 +86,19 @@ bool fast_path(const Group& group) { return group_size(group) == 1; }
 }  // namespace
 
 int group_size(const Group& group) { return group ? group->size() : 1; }
+
+at::Tensor all_gather_uneven(const at::Tensor& x, int64_t dim, int64_t full, const Group& group) {
+  const int n = group->size();
+  const int64_t d = dim < 0 ? dim + x.dim() : dim;
+  std::vector<at::Tensor> parts;
+  for (int r = 0; r < n; ++r) {
+    auto sizes = x.sizes().vec();
+    sizes[d] = partition_range(full, n, r).length;
+    parts.push_back(at::empty(sizes, x.options()));
+  }
+  group->allGather(parts, x.contiguous())->wait();
+  return at::cat(parts, d);
+}
 int group_rank(const Group& group) { return group ? group->rank() : 0; }
 
 Range partition_range(int64_t n, int parts, int rank) {

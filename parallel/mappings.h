@@ -37,6 +37,10 @@ struct Range {
 };
 Range partition_range(int64_t n, int parts, int rank);
 
+// Every rank's `x` concatenated along `dim` in rank order, rank r holding
+// partition_range(full, size, r).length of it (a collective, no autograd).
+at::Tensor all_gather_uneven(const at::Tensor& x, int64_t dim, int64_t full, const Group& group);
+
 at::Tensor copy_to_tensor_parallel_region(const at::Tensor& x, const Group& group);
 at::Tensor reduce_from_tensor_parallel_region(const at::Tensor& x, const Group& group);
 at::Tensor scatter_to_tensor_parallel_region(const at::Tensor& x, const Group& group);

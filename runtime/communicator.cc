@@ -1,5 +1,6 @@
 #include "runtime/communicator.h"
 
+#include "runtime/env_knobs.h"
 #include "runtime/error.h"
 
 namespace remat {
@@ -25,6 +26,25 @@ class CompletedWork final : public Work {
 }  // namespace
 
 std::shared_ptr<Work> completed_work() { return std::make_shared<CompletedWork>(); }
+
+Communicator::Communicator(int rank, int size)
+    : rank_(rank), size_(size), default_timeout_(knobs::comm_timeout()) {}
+
+Communicator::Call Communicator::begin_call(const char* op, const std::string& signature,
+                                            Timeout requested, bool collective) {
+  Call call;
+  call.what = collective ? str(op, "(seq=", seq_, ", ", signature, ")") : str(op, "(", signature, ")");
+  if (collective) ++seq_;
+  call.timeout = requested.count() > 0 ? requested : default_timeout_;
+  return call;
+}
+
+void Communicator::check_reduce_op(ReduceOp reduce, at::ScalarType dtype, const char* op) {
+  if (reduce == ReduceOp::kAvg && !at::isFloatingType(dtype)) {
+    throw CommError(str(op, ": ReduceOp avg needs a floating-point tensor, got ",
+                        c10::toString(dtype), "; use sum and divide yourself"));
+  }
+}
 
 void Communicator::unsupported(const char* op) const {
   throw CommError(str("communication backend '", backendName(), "' does not implement ",

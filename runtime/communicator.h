@@ -20,6 +20,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -118,13 +119,28 @@ class Communicator {
   virtual std::shared_ptr<Communicator> split(int color, int key);
 
  protected:
-  Communicator(int rank, int size) : rank_(rank), size_(size) {}
+  Communicator(int rank, int size);
 
   // Throws the "not implemented" error for an op this backend lacks.
   [[noreturn]] void unsupported(const char* op) const;
 
+  // What every backend does before it starts an operation: names it for
+  // errors and debug checks ("allReduce(seq=3, float[4] cpu, op=sum)"; point
+  // to point calls carry no sequence number), counts collectives, and picks
+  // the timeout (the call's, else default_timeout_).
+  struct Call {
+    std::string what;
+    Timeout timeout;
+  };
+  Call begin_call(const char* op, const std::string& signature, Timeout requested,
+                  bool collective = true);
+  // ReduceOp avg on an integer tensor is a CommError naming `op`.
+  static void check_reduce_op(ReduceOp reduce, at::ScalarType dtype, const char* op);
+
   int rank_;
   int size_;
+  uint64_t seq_ = 0;         // collectives started on this communicator
+  Timeout default_timeout_;  // REMAT_COMM_TIMEOUT_S, else 300 s
 };
 
 }  // namespace remat

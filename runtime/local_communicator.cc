@@ -11,10 +11,7 @@ namespace remat {
 // the same as the real backends' so that code moving to MPI fails the same way.
 std::shared_ptr<Work> LocalCommunicator::allReduce(at::Tensor& tensor, const AllReduceOptions& opts) {
   if (!tensor.defined()) throw CommError("allReduce: got an undefined tensor");
-  if (opts.op == ReduceOp::kAvg && !at::isFloatingType(tensor.scalar_type())) {
-    throw CommError(str("allReduce: ReduceOp avg needs a floating-point tensor, got ",
-                        c10::toString(tensor.scalar_type()), "; use sum and divide yourself"));
-  }
+  check_reduce_op(opts.op, tensor.scalar_type(), "allReduce");
   return completed_work();
 }
 
@@ -33,7 +30,8 @@ std::shared_ptr<Work> LocalCommunicator::allGather(std::vector<at::Tensor>& outp
 }
 
 std::shared_ptr<Work> LocalCommunicator::reduceScatter(at::Tensor& output, const at::Tensor& input,
-                                                       const ReduceScatterOptions&) {
+                                                       const ReduceScatterOptions& opts) {
+  check_reduce_op(opts.op, input.scalar_type(), "reduceScatter");
   check_scatter(output, input, 1);
   output.view(-1).copy_(input.reshape(-1));
   return completed_work();

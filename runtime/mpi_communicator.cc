@@ -79,11 +79,8 @@ struct Reduction {
   bool divide_after = false;  // kAvg: sum, then divide by the group size
 };
 
+// `op` has passed Communicator::check_reduce_op.
 Reduction reduction_for(at::ScalarType dtype, ReduceOp op, const char* what) {
-  if (op == ReduceOp::kAvg && !at::isFloatingType(dtype)) {
-    throw CommError(str(what, ": ReduceOp avg needs a floating-point tensor, got ",
-                        c10::toString(dtype), "; use sum and divide yourself"));
-  }
   int index = op == ReduceOp::kMax ? 1 : op == ReduceOp::kMin ? 2 : 0;
   MPI_Op builtin = index == 1 ? MPI_MAX : index == 2 ? MPI_MIN : MPI_SUM;
   bool avg = op == ReduceOp::kAvg;
@@ -254,7 +251,6 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm) : Communicator(0, 1), comm_(comm
   mpi_check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
   mpi_check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
   debug_ = knobs::get_bool(knobs::kDebugCollectives);
-  default_timeout_ = knobs::comm_timeout();
   if (debug_) mpi_check(MPI_Comm_dup(comm_, &check_comm_), "duplicating for debug checks");
 }
 
@@ -296,10 +292,7 @@ std::shared_ptr<Work> MpiCommunicator::launch(Launch&& l) {
   for (const auto& t : l.tensors) {
     check_tensor_device(t, /*want_cuda=*/false, l.op, "mpi");
   }
-  std::string what = l.collective ? str(l.op, "(seq=", seq_, ", ", l.signature, ")")
-                                   : str(l.op, "(", l.signature, ")");
-  if (l.collective) ++seq_;
-  Timeout timeout = l.timeout.count() > 0 ? l.timeout : default_timeout_;
+  auto [what, timeout] = begin_call(l.op, l.signature, l.timeout, l.collective);
   if (debug_ && l.collective) verifyCollective(what, timeout);
   auto work = std::make_shared<MpiWork>(what, rank_, size_, timeout,
                                         /*cancellable=*/!l.collective);
@@ -309,6 +302,7 @@ std::shared_ptr<Work> MpiCommunicator::launch(Launch&& l) {
 }
 
 std::shared_ptr<Work> MpiCommunicator::allReduce(at::Tensor& tensor, const AllReduceOptions& opts) {
+  check_reduce_op(opts.op, tensor.scalar_type(), "allReduce");
   Launch l{"allReduce", str(describe(tensor), ", op=", to_string(opts.op))};
   l.timeout = opts.timeout;
   l.tensors = {tensor};
@@ -387,6 +381,7 @@ std::shared_ptr<Work> MpiCommunicator::allGather(std::vector<at::Tensor>& output
 std::shared_ptr<Work> MpiCommunicator::reduceScatter(at::Tensor& output, const at::Tensor& input,
                                                      const ReduceScatterOptions& opts) {
   check_scatter(output, input, size_);
+  check_reduce_op(opts.op, input.scalar_type(), "reduceScatter");
   Launch l{"reduceScatter", str(describe(input), ", op=", to_string(opts.op))};
   l.timeout = opts.timeout;
   l.tensors = {output, input};

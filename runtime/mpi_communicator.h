@@ -76,9 +76,7 @@ class MpiCommunicator final : public Communicator {
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   MPI_Comm check_comm_ = MPI_COMM_NULL;  // debug-mode traffic, apart from data
-  uint64_t seq_ = 0;
   bool debug_ = false;
-  Timeout default_timeout_{0};
 };
 
 }  // namespace remat

@@ -59,11 +59,8 @@ ncclDataType_t nccl_type(at::ScalarType t, const char* op) {
   }
 }
 
-ncclRedOp_t nccl_op(ReduceOp op, at::ScalarType t, const char* what) {
-  if (op == ReduceOp::kAvg && !at::isFloatingType(t)) {
-    throw CommError(str(what, ": ReduceOp avg needs a floating-point tensor, got ",
-                        c10::toString(t), "; use sum and divide yourself"));
-  }
+// `op` has passed Communicator::check_reduce_op.
+ncclRedOp_t nccl_op(ReduceOp op, at::ScalarType t) {
   if (t == at::kBool) return op == ReduceOp::kMin ? ncclMin : ncclMax;  // all / any
   switch (op) {
     case ReduceOp::kSum: return ncclSum;
@@ -174,11 +171,12 @@ class NcclCommunicator final : public Communicator {
   std::string backendName() const override { return "nccl"; }
 
   std::shared_ptr<Work> allReduce(at::Tensor& t, const AllReduceOptions& opts) override {
+    check_reduce_op(opts.op, t.scalar_type(), "allReduce");
     return launch("allReduce", str(describe(t), ", op=", to_string(opts.op)), opts.timeout, {t},
                   [&](cudaStream_t s) {
                     return ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(),
                                          nccl_type(t.scalar_type(), "allReduce"),
-                                         nccl_op(opts.op, t.scalar_type(), "allReduce"),
+                                         nccl_op(opts.op, t.scalar_type()),
                                          state_->comm, s);
                   });
   }
@@ -213,12 +211,13 @@ class NcclCommunicator final : public Communicator {
 
   std::shared_ptr<Work> reduceScatter(at::Tensor& out, const at::Tensor& in,
                                       const ReduceScatterOptions& opts) override {
+    check_reduce_op(opts.op, in.scalar_type(), "reduceScatter");
     check_scatter(out, in, size_);
     return launch("reduceScatter", str(describe(in), ", op=", to_string(opts.op)), opts.timeout,
                   {out, in}, [&](cudaStream_t s) {
                     return ncclReduceScatter(in.data_ptr(), out.data_ptr(), out.numel(),
                                              nccl_type(in.scalar_type(), "reduceScatter"),
-                                             nccl_op(opts.op, in.scalar_type(), "reduceScatter"),
+                                             nccl_op(opts.op, in.scalar_type()),
                                              state_->comm, s);
                   });
   }
@@ -282,10 +281,7 @@ class NcclCommunicator final : public Communicator {
       check_tensor_device(t, /*want_cuda=*/true, op, "nccl");
       check_contiguous(t, op);
     }
-    std::string what = collective ? str(op, "(seq=", seq_, ", ", signature, ")")
-                                  : str(op, "(", signature, ")");
-    if (collective) ++seq_;
-    Timeout limit = timeout.count() > 0 ? timeout : bootstrap_->defaultTimeout();
+    auto [what, limit] = begin_call(op, signature, timeout, collective);
     if (bootstrap_->debugCollectives() && collective) bootstrap_->verifyCollective(what, limit);
 
     cudaEvent_t ready;
@@ -299,7 +295,6 @@ class NcclCommunicator final : public Communicator {
 
   std::shared_ptr<MpiCommunicator> bootstrap_;
   std::shared_ptr<NcclState> state_;
-  uint64_t seq_ = 0;
   at::Tensor barrier_buffer_;
 };
 
