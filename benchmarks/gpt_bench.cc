@@ -72,11 +72,11 @@ int bench(int argc, char** argv) {
   bool memory_only = false;
   models::GptOptions o;
   o.vocab_size = 128;
-  o.seq_len = 64;
-  o.d_model = 128;
-  o.n_head = 4;
-  o.d_ff = 512;
-  o.dropout = 0.1;
+  o.shape.seq_len = 64;
+  o.shape.d_model = 128;
+  o.shape.n_head = 4;
+  o.shape.d_ff = 512;
+  o.shape.dropout = 0.1;
   int64_t batch = 4, seed = 1234;
   app.add_option("--layers", layers, "comma-separated depths");
   app.add_option("--variants", variants, "none, full, every_k2, selective_op, offload, partitioned");
@@ -85,12 +85,12 @@ int bench(int argc, char** argv) {
   app.add_flag("--memory-only", memory_only, "one measured step per variant");
   app.add_option("--tp", tp, "tensor-parallel size (run under remat-run with that many ranks)");
   app.add_option("--batch", batch)->check(CLI::PositiveNumber);
-  app.add_option("--seq", o.seq_len)->check(CLI::PositiveNumber);
-  app.add_option("--d-model", o.d_model)->check(CLI::PositiveNumber);
-  app.add_option("--heads", o.n_head)->check(CLI::PositiveNumber);
-  app.add_option("--d-ff", o.d_ff)->check(CLI::PositiveNumber);
+  app.add_option("--seq", o.shape.seq_len)->check(CLI::PositiveNumber);
+  app.add_option("--d-model", o.shape.d_model)->check(CLI::PositiveNumber);
+  app.add_option("--heads", o.shape.n_head)->check(CLI::PositiveNumber);
+  app.add_option("--d-ff", o.shape.d_ff)->check(CLI::PositiveNumber);
   app.add_option("--vocab", o.vocab_size)->check(CLI::PositiveNumber);
-  app.add_option("--dropout", o.dropout);
+  app.add_option("--dropout", o.shape.dropout);
   app.add_option("--seed", seed);
   app.add_option("--out", out_path, "JSON lines (appended); - for stdout");
   try {
@@ -109,14 +109,14 @@ int bench(int argc, char** argv) {
   std::ostream& out = out_path == "-" ? std::cout : file;
 
   for (const auto& depth : split(layers)) {
-    o.n_layer = std::stoll(depth);
+    o.shape.n_layer = std::stoi(depth);
     if (tp > 1) o.tensor_parallel = layout.tp_group();
     at::manual_seed(seed);
     models::Gpt model(o);
     model->train();
     model_parallel_manual_seed(static_cast<uint64_t>(seed), layout);
     at::Generator data = at::detail::createCPUGenerator(static_cast<uint64_t>(seed + 1));
-    at::Tensor idx = at::randint(o.vocab_size, {batch, o.seq_len}, data, at::kLong);
+    at::Tensor idx = at::randint(o.vocab_size, {batch, o.shape.seq_len}, data, at::kLong);
     at::Tensor targets = idx.roll(-1, 1);
     std::map<std::string, PolicyOptions> plans;
     for (const auto& v : split(variants)) {
@@ -152,7 +152,7 @@ int bench(int argc, char** argv) {
     step("none");  // allocates the parameter gradients
     auto emit = [&](const std::string& v, const char* kind, int s, const Result& r) {
       if (!print) return;
-      nlohmann::json j = {{"framework", "remat"}, {"variant", v},     {"layers", o.n_layer},
+      nlohmann::json j = {{"framework", "remat"}, {"variant", v},     {"layers", o.shape.n_layer},
                           {"kind", kind},         {"loss", r.loss},   {"tp", tp}};
       if (std::string(kind) == "memory") {
         j["peak_bytes"] = r.peak;

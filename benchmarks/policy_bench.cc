@@ -35,25 +35,27 @@ int bench(int argc, char** argv) {
   int steps = 20, warmup = 3, threads = 1;
   remat::models::StackOptions o;
   int64_t batch = 4, seq = 64;
-  o.d_model = 128;
-  o.n_head = 4;
+  o.shape.n_layer = 8;
+  o.shape.d_model = 128;
+  o.shape.n_head = 4;
+  o.shape.dropout = 0.1;
   app.add_option("--steps", steps, "measured steps per variant")->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup, "discarded steps per variant")->check(CLI::NonNegativeNumber);
   app.add_option("--batch", batch)->check(CLI::PositiveNumber);
   app.add_option("--seq", seq)->check(CLI::PositiveNumber);
-  app.add_option("--d_model", o.d_model)->check(CLI::PositiveNumber);
-  app.add_option("--layers", o.n_layer)->check(CLI::PositiveNumber);
+  app.add_option("--d_model", o.shape.d_model)->check(CLI::PositiveNumber);
+  app.add_option("--layers", o.shape.n_layer)->check(CLI::PositiveNumber);
   app.add_option("--threads", threads, "intra-op threads")->check(CLI::PositiveNumber);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  o.d_ff = 4 * o.d_model;
+  o.shape.d_ff = 4 * o.shape.d_model;
   at::set_num_threads(threads);
   torch::manual_seed(0);
   remat::models::Stack model(o);
-  at::Tensor x = torch::randn({batch, seq, o.d_model}, torch::requires_grad());
+  at::Tensor x = torch::randn({batch, seq, o.shape.d_model}, torch::requires_grad());
   model->forward(x).pow(2).mean().backward();  // parameter gradients exist from here on
 
   std::vector<Variant> variants(4);
@@ -93,8 +95,8 @@ int bench(int argc, char** argv) {
   std::printf("# 8-block stack: batch %lld, seq %lld, d_model %lld, d_ff %lld, %lld layers, fp32, "
               "%d thread(s); %d warm-up + %d measured steps per variant, interleaved\n",
               static_cast<long long>(batch), static_cast<long long>(seq),
-              static_cast<long long>(o.d_model), static_cast<long long>(o.d_ff),
-              static_cast<long long>(o.n_layer), threads, warmup, steps);
+              static_cast<long long>(o.shape.d_model), static_cast<long long>(o.shape.d_ff),
+              static_cast<long long>(o.shape.n_layer), threads, warmup, steps);
   std::printf("| variant | peak activation (MiB) | vs none | step ms (median) | min | max | vs none |\n");
   std::printf("|---|---:|---:|---:|---:|---:|---:|\n");
   for (auto& v : variants) {

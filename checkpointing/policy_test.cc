@@ -27,12 +27,20 @@ using models::StackOptions;
 
 constexpr int64_t kBatch = 4, kSeq = 32, kLayers = 8;
 
+// The 8-block stack of d_model 64, 4 heads, d_ff 256.
+StackOptions stack_options(int layers, double dropout) {
+  StackOptions o;
+  o.shape.n_layer = layers;
+  o.shape.d_model = 64;
+  o.shape.n_head = 4;
+  o.shape.d_ff = 256;
+  o.shape.dropout = dropout;
+  return o;
+}
+
 Stack make_stack(double dropout = 0.1) {
   torch::manual_seed(0);
-  StackOptions o;
-  o.n_layer = kLayers;
-  o.dropout = dropout;
-  return Stack(o);
+  return Stack(stack_options(kLayers, dropout));
 }
 
 at::Tensor make_input() {
@@ -178,7 +186,7 @@ TEST_F(Policies, ErrorsNameWhatToChange) {
                         "blocks (torch::nn::ModuleList), ln_f (torch::nn::LayerNorm)"));
   o.blocks = "blocks.0.qkv";
   EXPECT_THAT(error_of<Error>([&] { apply_activation_checkpointing(*model, o); }),
-              HasSubstr("'blocks.0.qkv' is a torch::nn::Linear, not a torch::nn::ModuleList"));
+              HasSubstr("'blocks.0.qkv' is a remat::parallel::ColumnParallelLinear, not a torch::nn::ModuleList"));
   EXPECT_THAT(error_of<Error>([&] { apply_activation_checkpointing(*model, variant("selective_layer", 0)); }),
               HasSubstr("every_k=0 must be at least 1"));
   EXPECT_THAT(error_of<Error>([&] { apply_activation_checkpointing(*model, variant("fully")); }),
@@ -218,10 +226,7 @@ TEST(PolicyMemory, FullCheckpointPeakIsBelowNoneAndNearTheEstimate) {
   // Estimate: the boundary tensor of each region plus one block's
   // intermediates (one plain block's forward + backward peak).
   int64_t boundary = x.numel() * x.element_size();
-  StackOptions o;
-  o.n_layer = 1;
-  o.dropout = 0.0;
-  Stack one(o);
+  Stack one(stack_options(1, 0.0));
   one->forward(x).pow(2).mean().backward();
   int64_t one_block = peak_of_step(one, x);
   double estimate = static_cast<double>(kLayers * boundary + one_block);

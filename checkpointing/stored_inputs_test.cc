@@ -366,8 +366,8 @@ TEST(StoredInputs, ConfigurationErrorsNameTheKeyToChange) {
   EXPECT_THAT(message, HasSubstr("pass the parallel layout (mpu)"));
   message = error_of<ConfigError>([] {
     models::GptOptions o = gpt_options(1, 0.0);
-    o.n_head = 3;
-    o.d_model = 15;
+    o.shape.n_head = 3;
+    o.shape.d_model = 15;
     o.tensor_parallel = layout(tp_sizes().back()).tp_group();
     models::Gpt gpt(o);
   });

@@ -155,7 +155,9 @@ int train(int argc, char** argv) {
   const bool rank0 = world->rank() == 0;
 
   at::manual_seed(tc.seed);
-  auto model_options = models::GptOptions::from_config(config.model, data.vocab_size());
+  models::GptOptions model_options;
+  model_options.shape = config.model;
+  model_options.vocab_size = data.vocab_size();
   const auto& tp_group = layout.tp_group();
   if (layout.dims().tp_enabled()) model_options.tensor_parallel = tp_group;
   models::Gpt model(model_options);

@@ -4,26 +4,13 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include "nn/module_call.h"
-#include "runtime/config.h"
 #include "runtime/error.h"
 
 namespace remat::models {
 
-GptOptions GptOptions::from_config(const ModelConfig& c, int64_t vocab_size) {
-  GptOptions o;
-  o.vocab_size = vocab_size;
-  o.n_layer = c.n_layer;
-  o.n_head = c.n_head;
-  o.d_model = c.d_model;
-  o.d_ff = c.d_ff;
-  o.seq_len = c.seq_len;
-  o.dropout = c.dropout;
-  return o;
-}
-
 std::string GptOptions::to_string() const {
-  return str("vocab=", vocab_size, " n_layer=", n_layer, " n_head=", n_head, " d_model=", d_model,
-             " d_ff=", d_ff, " seq_len=", seq_len);
+  return str("vocab=", vocab_size, " n_layer=", shape.n_layer, " n_head=", shape.n_head,
+             " d_model=", shape.d_model, " d_ff=", shape.d_ff, " seq_len=", shape.seq_len);
 }
 
 GptImpl::GptImpl(const GptOptions& o) : options_(o), tp_(parallel::group_size(o.tensor_parallel)) {
@@ -31,31 +18,19 @@ GptImpl::GptImpl(const GptOptions& o) : options_(o), tp_(parallel::group_size(o.
   // One draw seeds the initialisation, whatever the layers' constructors draw.
   const uint64_t init_seed = static_cast<uint64_t>(at::randint(1LL << 62, {1}, at::kLong).item<int64_t>());
   const auto& group = o.tensor_parallel;
-  if (tp_ == 1) {
-    tok_emb_ = register_module("tok_emb", torch::nn::Embedding(o.vocab_size, o.d_model));
-  } else {
-    tok_emb_tp_ = register_module("tok_emb", parallel::VocabParallelEmbedding(o.vocab_size, o.d_model, group));
-  }
-  pos_emb_ = register_module("pos_emb", torch::nn::Embedding(o.seq_len, o.d_model));
+  const ModelConfig& shape = o.shape;
+  tok_emb_ = register_module("tok_emb", parallel::VocabParallelEmbedding(o.vocab_size, shape.d_model, group));
+  pos_emb_ = register_module("pos_emb", torch::nn::Embedding(shape.seq_len, shape.d_model));
   blocks = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t i = 0; i < o.n_layer; ++i) blocks->push_back(Block(static_cast<const StackOptions&>(o)));
-  ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model})));
-  if (tp_ == 1) {
-    head_ = register_module(
-        "head", torch::nn::Linear(torch::nn::LinearOptions(o.d_model, o.vocab_size).bias(false)));
-  } else {
-    head_tp_ = register_module(
-        "head", parallel::ColumnParallelLinear(
-                    parallel::ParallelLinearOptions(o.d_model, o.vocab_size).bias(false), group));
-  }
+  for (int64_t i = 0; i < shape.n_layer; ++i) blocks->push_back(Block(static_cast<const StackOptions&>(o)));
+  ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({shape.d_model})));
+  head_ = register_module("head", parallel::ColumnParallelLinear(
+                                      parallel::ParallelLinearOptions(shape.d_model, o.vocab_size).bias(false), group));
   at::Generator gen = at::detail::createCPUGenerator(init_seed);
   auto draw = [&](c10::IntArrayRef sizes) { return at::empty(sizes).normal_(0.0, 0.02, gen); };
   torch::NoGradGuard no_grad;
   for (auto& m : modules(/*include_self=*/false)) {
-    if (auto* linear = m->as<torch::nn::Linear>()) {
-      linear->weight.copy_(draw(linear->weight.sizes()));
-      if (linear->bias.defined()) linear->bias.zero_();
-    } else if (auto* emb = m->as<torch::nn::Embedding>()) {
+    if (auto* emb = m->as<torch::nn::Embedding>()) {
       emb->weight.copy_(draw(emb->weight.sizes()));
     } else if (auto* tp = dynamic_cast<parallel::TensorParallelModule*>(m.get())) {
       tp->load_full_weight(draw(tp->full_weight_sizes()));
@@ -68,20 +43,18 @@ GptImpl::GptImpl(const GptOptions& o) : options_(o), tp_(parallel::group_size(o.
 
 at::Tensor GptImpl::trunk(const at::Tensor& idx) {
   const int64_t t = idx.size(1);
-  if (t > options_.seq_len) {
-    throw Error(str("GPT: sequence of ", t, " tokens exceeds model.seq_len=", options_.seq_len));
+  if (t > options_.shape.seq_len) {
+    throw Error(str("GPT: sequence of ", t, " tokens exceeds model.seq_len=", options_.shape.seq_len));
   }
   at::Tensor pos = at::arange(t, idx.options().dtype(at::kLong));
-  at::Tensor tok = tp_ == 1 ? tok_emb_->forward(idx) : tok_emb_tp_->forward(idx);
-  at::Tensor x = at::dropout(tok + pos_emb_->forward(pos), options_.dropout, is_training());
+  at::Tensor x = at::dropout(tok_emb_->forward(idx) + pos_emb_->forward(pos), options_.shape.dropout,
+                             is_training());
   for (size_t i = 0; i < blocks->size(); ++i) x = remat::forward(blocks->ptr<BlockImpl>(i), x);
   return ln_f_->forward(x);
 }
 
 at::Tensor GptImpl::forward(const at::Tensor& idx) {
-  at::Tensor x = trunk(idx);
-  if (tp_ == 1) return head_->forward(x);
-  return parallel::gather_from_tensor_parallel_region(head_tp_->forward(x), options_.tensor_parallel,
+  return parallel::gather_from_tensor_parallel_region(head_->forward(trunk(idx)), options_.tensor_parallel,
                                                       options_.vocab_size);
 }
 
@@ -91,7 +64,7 @@ at::Tensor GptImpl::loss(const at::Tensor& idx, const at::Tensor& targets) {
     at::Tensor logits = forward(idx).to(at::kFloat);
     return at::cross_entropy_loss(logits.view({-1, options_.vocab_size}), targets.view({-1}));
   }
-  at::Tensor logits = head_tp_->forward(trunk(idx)).to(at::kFloat);
+  at::Tensor logits = head_->forward(trunk(idx)).to(at::kFloat);
   const auto start = parallel::partition_range(options_.vocab_size, tp_, parallel::group_rank(options_.tensor_parallel)).start;
   return parallel::vocab_parallel_cross_entropy(logits.view({-1, logits.size(-1)}), targets.view({-1}),
                                                 start, options_.tensor_parallel)
@@ -103,9 +76,8 @@ at::Tensor GptImpl::generate(at::Tensor idx, int64_t n, double temperature, at::
   eval();
   torch::NoGradGuard no_grad;
   for (int64_t i = 0; i < n; ++i) {
-    at::Tensor context = idx.size(1) > options_.seq_len
-                             ? idx.narrow(1, idx.size(1) - options_.seq_len, options_.seq_len)
-                             : idx;
+    const int64_t window = options_.shape.seq_len;
+    at::Tensor context = idx.size(1) > window ? idx.narrow(1, idx.size(1) - window, window) : idx;
     at::Tensor logits = forward(context).select(1, -1).to(at::kFloat) / std::max(temperature, 1e-6);
     at::Tensor next = at::multinomial(at::softmax(logits, -1), 1, false, gen);
     idx = at::cat({idx, next}, 1);

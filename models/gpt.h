@@ -8,31 +8,25 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
 #include <string>
 
 #include "models/stack.h"
 
-namespace remat {
-struct ModelConfig;
-}
-
 namespace remat::models {
 
-// The blocks' sizes plus what the embeddings need.
+// The model section (shape) and the tensor-parallel group, plus the
+// vocabulary size, which the data decides.
 struct GptOptions : StackOptions {
   int64_t vocab_size = 0;
-  int64_t seq_len = 64;
 
-  static GptOptions from_config(const ModelConfig& config, int64_t vocab_size);
   std::string to_string() const;  // compared when a save is resumed
 };
 
-// With options.tensor_parallel of size tp > 1 the blocks are tensor parallel
-// (see Block), the token embedding is vocab-parallel and the LM head
-// column-parallel; the loss is computed on vocabulary-split logits.
+// The blocks are tensor parallel over options.tensor_parallel (see Block),
+// the token embedding is vocab-parallel and the LM head column-parallel; with
+// a group of size tp > 1 the loss is computed on vocabulary-split logits.
 class GptImpl : public torch::nn::Module {
  public:
   // Weights are N(0, 0.02) (linears and embeddings; biases zero), drawn in
@@ -63,11 +57,10 @@ class GptImpl : public torch::nn::Module {
 
   GptOptions options_;
   int tp_ = 1;
-  torch::nn::Embedding tok_emb_{nullptr}, pos_emb_{nullptr};
+  parallel::VocabParallelEmbedding tok_emb_{nullptr};
+  torch::nn::Embedding pos_emb_{nullptr};
   torch::nn::LayerNorm ln_f_{nullptr};
-  torch::nn::Linear head_{nullptr};
-  parallel::VocabParallelEmbedding tok_emb_tp_{nullptr};
-  parallel::ColumnParallelLinear head_tp_{nullptr};
+  parallel::ColumnParallelLinear head_{nullptr};
 };
 TORCH_MODULE(Gpt);
 

@@ -5,21 +5,19 @@
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
 #include <memory>
 
 #include "parallel/layers.h"
+#include "runtime/config.h"
 
 namespace remat::models {
 
 struct StackOptions {
-  int64_t n_layer = 8;
-  int64_t d_model = 64;
-  int64_t n_head = 4;
-  int64_t d_ff = 256;
-  double dropout = 0.1;
+  // The model section's n_layer, n_head, d_model, d_ff and dropout (seq_len
+  // is the GPT's).
+  ModelConfig shape;
   // The tensor-parallel group (null or size 1: none). With a group of size tp,
   // each rank holds n_head / tp heads and d_ff / tp hidden units; dropout on
   // the attention probabilities (inside the tensor-parallel region) draws from
@@ -29,9 +27,10 @@ struct StackOptions {
 };
 
 // LayerNorm -> causal self-attention -> dropout -> residual,
-// LayerNorm -> MLP (GELU) -> dropout -> residual. With tensor parallelism qkv
-// and fc1 are column-parallel, proj and fc2 row-parallel (one all-reduce each
-// for attention and MLP, forward and backward).
+// LayerNorm -> MLP (GELU) -> dropout -> residual. qkv and fc1 are
+// column-parallel, proj and fc2 row-parallel: with a tensor-parallel group
+// one all-reduce each for attention and MLP, forward and backward; without
+// one they are plain linear layers (same initialisation, same kernels).
 class BlockImpl : public torch::nn::Module {
  public:
   explicit BlockImpl(const StackOptions& options);
@@ -44,11 +43,8 @@ class BlockImpl : public torch::nn::Module {
   StackOptions options_;
   int tp_ = 1;
   torch::nn::LayerNorm ln1_{nullptr}, ln2_{nullptr};
-  // tp == 1
-  torch::nn::Linear qkv_{nullptr}, proj_{nullptr}, fc1_{nullptr}, fc2_{nullptr};
-  // tp > 1, registered under the same names
-  parallel::ColumnParallelLinear qkv_tp_{nullptr}, fc1_tp_{nullptr};
-  parallel::RowParallelLinear proj_tp_{nullptr}, fc2_tp_{nullptr};
+  parallel::ColumnParallelLinear qkv_{nullptr}, fc1_{nullptr};
+  parallel::RowParallelLinear proj_{nullptr}, fc2_{nullptr};
 };
 TORCH_MODULE(Block);
 

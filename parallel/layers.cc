@@ -2,6 +2,10 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/nn/functional/linear.h>
+#include <torch/nn/init.h>
+
+#include <cmath>
 
 
 #include "runtime/communicator.h"
@@ -26,6 +30,22 @@ at::Tensor gather_rows(const at::Tensor& local, int64_t full_rows, const Group& 
   return all_gather_uneven(local.detach(), 0, full_rows, group);
 }
 
+// torch::nn::Linear's initialisation of the full weight and bias, drawn from
+// the default generator in the same order, so that at size 1 the layers draw
+// exactly what a plain Linear draws.
+at::Tensor draw_linear_weight(const ParallelLinearOptions& o) {
+  at::Tensor full = at::empty({o.out_features(), o.in_features()});
+  torch::nn::init::kaiming_uniform_(full, std::sqrt(5.0));
+  return full;
+}
+
+at::Tensor draw_linear_bias(const ParallelLinearOptions& o) {
+  const double bound = 1.0 / std::sqrt(static_cast<double>(o.in_features()));
+  at::Tensor full = at::empty({o.out_features()});
+  torch::nn::init::uniform_(full, -bound, bound);
+  return full;
+}
+
 }  // namespace
 
 // --- ColumnParallelLinear ---------------------------------------------------
@@ -41,11 +61,12 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(const ParallelLinearOptions& 
     throw Error("ColumnParallelLinear: gather_output with stride > 1 would interleave the "
                 "blocks; gather each block's output instead");
   }
-  at::Tensor full = at::empty({o.out_features(), o.in_features()});
-  weight = register_parameter("weight", shard(full).clone());
-  if (o.bias()) bias = register_parameter("bias", at::zeros({weight.size(0)}));
+  weight = register_parameter("weight", shard(at::empty({o.out_features(), o.in_features()})).clone());
+  if (o.bias()) bias = register_parameter("bias", shard(at::empty({o.out_features()})).clone());
   torch::NoGradGuard no_grad;
-  load_full_weight(at::empty({o.out_features(), o.in_features()}).normal_(0.0, 0.02));
+  at::Tensor full = draw_linear_weight(o);
+  load_full_weight(full);
+  if (bias.defined()) bias.copy_(shard(draw_linear_bias(o)));
 }
 
 at::Tensor ColumnParallelLinearImpl::shard(const at::Tensor& full) const {
@@ -101,7 +122,7 @@ std::vector<at::Tensor> ColumnParallelLinearImpl::sharded_parameters() const {
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
-  at::Tensor y = at::linear(copy_to_tensor_parallel_region(x, group_), weight, bias);
+  at::Tensor y = torch::nn::functional::linear(copy_to_tensor_parallel_region(x, group_), weight, bias);
   if (options_.gather_output()) y = gather_from_tensor_parallel_region(y, group_, options_.out_features());
   return y;
 }
@@ -112,8 +133,10 @@ RowParallelLinearImpl::RowParallelLinearImpl(const ParallelLinearOptions& o, Gro
     : options_(o), group_(std::move(group)) {
   Range range = partition_range(o.in_features(), group_size(group_), group_rank(group_));
   weight = register_parameter("weight", at::empty({o.out_features(), range.length}));
-  if (o.bias()) bias = register_parameter("bias", at::zeros({o.out_features()}));
-  load_full_weight(at::empty({o.out_features(), o.in_features()}).normal_(0.0, 0.02));
+  if (o.bias()) bias = register_parameter("bias", at::empty({o.out_features()}));
+  torch::NoGradGuard no_grad;
+  load_full_weight(draw_linear_weight(o));
+  if (bias.defined()) bias.copy_(draw_linear_bias(o));
 }
 
 std::vector<int64_t> RowParallelLinearImpl::full_weight_sizes() const {
@@ -145,8 +168,8 @@ at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
                     " (in_features ", options_.in_features(), " over ", group_size(group_),
                     " ranks)"));
   }
-  if (group_size(group_) == 1) return at::linear(xp, weight, bias);
-  at::Tensor y = reduce_from_tensor_parallel_region(at::linear(xp, weight), group_);
+  if (group_size(group_) == 1) return torch::nn::functional::linear(xp, weight, bias);
+  at::Tensor y = reduce_from_tensor_parallel_region(torch::nn::functional::linear(xp, weight), group_);
   return bias.defined() ? y + bias : y;
 }
 
@@ -156,7 +179,11 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t vocab_size, int64
     : vocab_size_(vocab_size), dim_(dim), group_(std::move(group)) {
   range_ = partition_range(vocab_size, group_size(group_), group_rank(group_));
   weight = register_parameter("weight", at::empty({range_.length, dim}));
-  load_full_weight(at::empty({vocab_size, dim}).normal_(0.0, 0.02));
+  // torch::nn::Embedding's initialisation, drawn full size.
+  torch::NoGradGuard no_grad;
+  at::Tensor full = at::empty({vocab_size, dim});
+  torch::nn::init::normal_(full);
+  load_full_weight(full);
 }
 
 std::vector<int64_t> VocabParallelEmbeddingImpl::full_weight_sizes() const {

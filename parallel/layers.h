@@ -10,10 +10,14 @@
 //   vocab_parallel_cross_entropy  the loss over vocabulary-split logits
 //                         without gathering them.
 //
-// Weights are initialised from a full-size tensor drawn on every rank
-// (load_full_weight), each rank keeping its shard, so a model built at any
-// tensor-parallel size holds the same full weights and computes the same
-// function. With a null group or a group of size 1 the layers are plain ones.
+// Weights and biases are initialised as LibTorch's plain layers initialise
+// theirs (Linear: Kaiming-uniform weight, uniform bias; Embedding: N(0, 1)),
+// drawn full size from the default generator on every rank, each rank
+// keeping its shard (load_full_weight): a model built at any tensor-parallel
+// size holds the same full weights and computes the same function. With a
+// null group or a group of size 1 the layers are plain ones: the same draws,
+// the same parameters and the same kernels as torch::nn::Linear and
+// torch::nn::Embedding.
 //
 //   auto fc1 = ColumnParallelLinear(ParallelLinearOptions(d, 4 * d), layout.tp_group());
 //   auto fc2 = RowParallelLinear(ParallelLinearOptions(4 * d, d).input_is_parallel(true), group);

@@ -5,6 +5,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+
+#include <functional>
 
 #include <cmath>
 
@@ -149,13 +152,13 @@ TEST(Layers, StridedColumnKeepsEachRanksShareOfEveryBlock) {
 TEST(Layers, GatherOutputGivesTheFullWidthUneven) {
   auto g = world();
   const int64_t out = 2 * g->size() + 1;
-  ColumnParallelLinear col(ParallelLinearOptions(3, out).gather_output(true), g);
+  ColumnParallelLinear col(ParallelLinearOptions(3, out).gather_output(true).bias(false), g);
   at::Tensor w = at::randn({out, 3});
   col->load_full_weight(w);
   at::Tensor x = at::randn({5, 3});
   at::Tensor y = col(x);
   ASSERT_EQ(y.size(-1), out);
-  EXPECT_TRUE(at::allclose(y, at::linear(x, w, at::zeros({out})), kTol, kTol));
+  EXPECT_TRUE(at::allclose(y, at::linear(x, w), kTol, kTol));
 }
 
 TEST(Layers, VocabParallelEmbeddingEqualsThePlainLookupBitwise) {
@@ -192,6 +195,66 @@ TEST(Layers, RowParallelRefusesAnInputOfTheWrongWidth) {
   RowParallelLinear row(ParallelLinearOptions(8, 3).input_is_parallel(true), g);
   EXPECT_THAT(error_of<Error>([&] { row(at::ones({2, 9})); }),
               HasSubstr("the weight's share expects"));
+}
+
+// Without a group a parallel layer is the plain LibTorch layer: the same
+// draws from the default generator (so a model's later dropout masks do not
+// depend on which layers it uses), the same parameters, the same outputs.
+TEST(Layers, WithoutAGroupTheyAreThePlainLayersBitForBit) {
+  auto same_after = [](const std::function<std::vector<at::Tensor>()>& plain,
+                       const std::function<std::vector<at::Tensor>()>& parallel, const char* what) {
+    at::manual_seed(7);
+    std::vector<at::Tensor> a = plain();
+    at::Tensor next_a = at::rand({4});
+    at::manual_seed(7);
+    std::vector<at::Tensor> b = parallel();
+    at::Tensor next_b = at::rand({4});
+    ASSERT_EQ(a.size(), b.size()) << what;
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i], b[i])) << what << " tensor " << i;
+    EXPECT_TRUE(at::equal(next_a, next_b)) << what << ": the generator moved differently";
+  };
+  at::Tensor x = at::randn({3, 5, 6});
+  at::Tensor idx = at::randint(11, {3, 5}, at::kLong);
+  for (bool bias : {true, false}) {
+    same_after(
+        [&] {
+          torch::nn::Linear l(torch::nn::LinearOptions(6, 9).bias(bias));
+          std::vector<at::Tensor> out = l->parameters();
+          out.push_back(l->forward(x));
+          return out;
+        },
+        [&] {
+          ColumnParallelLinear l(ParallelLinearOptions(6, 9).bias(bias).stride(3), nullptr);
+          std::vector<at::Tensor> out = l->parameters();
+          out.push_back(l->forward(x));
+          return out;
+        },
+        "ColumnParallelLinear");
+    same_after(
+        [&] {
+          torch::nn::Linear l(torch::nn::LinearOptions(6, 9).bias(bias));
+          std::vector<at::Tensor> out = l->parameters();
+          out.push_back(l->forward(x));
+          return out;
+        },
+        [&] {
+          RowParallelLinear l(ParallelLinearOptions(6, 9).bias(bias), nullptr);
+          std::vector<at::Tensor> out = l->parameters();
+          out.push_back(l->forward(x));
+          return out;
+        },
+        "RowParallelLinear");
+  }
+  same_after(
+      [&] {
+        torch::nn::Embedding e(11, 6);
+        return std::vector<at::Tensor>{e->weight, e->forward(idx)};
+      },
+      [&] {
+        VocabParallelEmbedding e(11, 6, nullptr);
+        return std::vector<at::Tensor>{e->weight, e->forward(idx)};
+      },
+      "VocabParallelEmbedding");
 }
 
 TEST(GradNorm, ShardsCountOnceAcrossTheGroup) {

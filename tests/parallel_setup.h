@@ -41,12 +41,12 @@ inline std::vector<int> tp_sizes(int max) {
 inline models::GptOptions small_gpt(int64_t vocab, int64_t layers, double dropout, int tp = 1) {
   models::GptOptions o;
   o.vocab_size = vocab;
-  o.seq_len = 12;
-  o.n_layer = layers;
-  o.n_head = 4;
-  o.d_model = 16;
-  o.d_ff = 32;
-  o.dropout = dropout;
+  o.shape.seq_len = 12;
+  o.shape.n_layer = static_cast<int>(layers);
+  o.shape.n_head = 4;
+  o.shape.d_model = 16;
+  o.shape.d_ff = 32;
+  o.shape.dropout = dropout;
   if (tp > 1) o.tensor_parallel = layout(tp).tp_group();
   return o;
 }
