@@ -121,7 +121,7 @@ int bench(int argc, char** argv) {
     std::map<std::string, PolicyOptions> plans;
     for (const auto& v : split(variants)) {
       auto c = config_of(v);
-      configure(&layout, c);
+      configure_checkpointing(c, &layout);
       plans[v] = PolicyOptions::from_config(c);
     }
     struct Result {

@@ -28,7 +28,10 @@ CheckpointOptions& default_checkpoint_options() {
   return options;
 }
 
-void configure(const ParallelLayout* mpu, const ActivationCheckpointingConfig& config) {
+void configure_checkpointing(const ActivationCheckpointingConfig& config,
+                             const ParallelLayout* mpu) {
+  const std::string invalid = check_activation_checkpointing(config);
+  if (!invalid.empty()) throw ConfigError("config error: " + invalid);
   auto& options = default_checkpoint_options();
   options.synchronize = config.synchronize_checkpoint_boundary;
   options.profile = config.profile;
@@ -36,25 +39,13 @@ void configure(const ParallelLayout* mpu, const ActivationCheckpointingConfig& c
   if (config.partition_activations) {
     if (mpu == nullptr) {
       throw ConfigError("activation_checkpointing.partition_activations needs the tensor-parallel "
-                        "group: pass the parallel layout (mpu) to remat::configure");
+                        "group: pass the parallel layout to remat::configure_checkpointing");
     }
     storage.partition_group = mpu->tp_group();
   }
   storage.offload = config.cpu_checkpointing;
-  storage.offload_min_bytes = config.offload_min_bytes;
-  storage.offload_max_in_flight = config.offload_max_in_flight;
-  storage.offload_keep_last = config.offload_keep_last;
+  static_cast<OffloadSettings&>(storage) = config;
   if (config.contiguous_memory_optimization) {
-    if (!config.number_checkpoints) {
-      throw ConfigError("activation_checkpointing.contiguous_memory_optimization needs "
-                        "activation_checkpointing.number_checkpoints: set it to the number of "
-                        "checkpointed regions per forward");
-    }
-    if (!config.partition_activations && !config.cpu_checkpointing) {
-      throw ConfigError("activation_checkpointing.contiguous_memory_optimization lays out the "
-                        "partitioned or offloaded copies of checkpoint inputs: turn on "
-                        "partition_activations or cpu_checkpointing too, or turn it off");
-    }
     storage.contiguous = std::make_shared<ContiguousBuffers>(*config.number_checkpoints);
   }
   options.storage = storage;
@@ -64,10 +55,6 @@ void configure(const ParallelLayout* mpu, const ActivationCheckpointingConfig& c
                      config.partition_activations, mpu ? mpu->dims().tp : 1, config.cpu_checkpointing,
                      config.contiguous_memory_optimization);
   }
-}
-
-void configure_checkpointing(const ActivationCheckpointingConfig& config) {
-  configure(nullptr, config);
 }
 
 void reset_checkpoint_buffers() {

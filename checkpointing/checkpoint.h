@@ -68,18 +68,19 @@ struct CheckpointOptions {
 CheckpointOptions& default_checkpoint_options();
 
 // Sets the default options from the config's activation_checkpointing section:
-// partition_activations (over mpu's tensor-parallel group), cpu_checkpointing
-// (with offload_min_bytes, offload_max_in_flight, offload_keep_last),
-// contiguous_memory_optimization with number_checkpoints,
-// synchronize_checkpoint_boundary and profile. Call it before building
-// policies (PolicyOptions copies the defaults). `mpu` may be null when
+// partition_activations (over the layout's tensor-parallel group),
+// cpu_checkpointing (with offload_min_bytes, offload_max_in_flight,
+// offload_keep_last), contiguous_memory_optimization with number_checkpoints,
+// synchronize_checkpoint_boundary and profile. Regions and policies read the
+// defaults when they run, so it may come before or after
+// apply_activation_checkpointing. `layout` may be null when
 // partition_activations is off. Errors name the key to change.
 //
 //   remat::ParallelLayout layout(world, remat::ParallelDims::from_world(world->size(), 2));
-//   remat::configure(&layout, cfg.activation_checkpointing);
+//   remat::configure_checkpointing(cfg.activation_checkpointing, &layout);
 //   y = remat::checkpoint(block_fn, x);   // x kept as 1/2 per rank
-void configure(const ParallelLayout* mpu, const ActivationCheckpointingConfig& config);
-void configure_checkpointing(const ActivationCheckpointingConfig& config);  // configure(nullptr, config)
+void configure_checkpointing(const ActivationCheckpointingConfig& config,
+                             const ParallelLayout* layout = nullptr);
 
 // Frees the contiguous checkpoint buffers of the default options (regions
 // alive now keep their own slots). Call it between phases that checkpoint

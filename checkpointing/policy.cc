@@ -14,13 +14,23 @@ namespace {
 // A marked module's call: inside a checkpoint region with the module's plan.
 class CheckpointHook final : public ModuleHook {
  public:
-  explicit CheckpointHook(CheckpointOptions plan) : plan_(std::move(plan)) {}
+  CheckpointHook(std::optional<CheckpointOptions> fixed, std::string name,
+                 std::shared_ptr<const SaveOps> save_ops)
+      : fixed_(std::move(fixed)), name_(std::move(name)), save_ops_(std::move(save_ops)) {}
+
+  // Without fixed options the region starts from the defaults in effect when
+  // it runs, so configure_checkpointing may come before or after the policy.
   c10::IValue run(const std::vector<c10::IValue>& args, const IValueFn& next) override {
-    return checkpoint_ivalues(next, args, plan_);
+    CheckpointOptions options = fixed_ ? *fixed_ : default_checkpoint_options();
+    options.name = name_;
+    if (save_ops_) options.save_ops = save_ops_;
+    return checkpoint_ivalues(next, args, options);
   }
 
  private:
-  CheckpointOptions plan_;
+  std::optional<CheckpointOptions> fixed_;
+  std::string name_;
+  std::shared_ptr<const SaveOps> save_ops_;
 };
 
 // "torch::nn::Linear" rather than the class name "torch::nn::LinearImpl".
@@ -80,9 +90,7 @@ PolicyOptions PolicyOptions::from_config(const ActivationCheckpointingConfig& co
   PolicyOptions options;
   options.variant = config.variant;
   options.every_k = config.every_k;
-  options.save_ops = config.save_ops;
-  options.checkpoint.synchronize = config.synchronize_checkpoint_boundary;
-  options.checkpoint.profile = config.profile;
+  options.save_ops = config.save_ops.value_or(std::vector<std::string>{});
   return options;
 }
 
@@ -96,7 +104,7 @@ void remove_activation_checkpointing(torch::nn::Module& model) {
 int apply_activation_checkpointing(torch::nn::Module& model, const PolicyOptions& options) {
   remove_activation_checkpointing(model);
   std::vector<std::pair<std::string, const torch::nn::Module*>> chosen;
-  CheckpointOptions base = options.checkpoint;
+  std::shared_ptr<const SaveOps> save_ops;
 
   if (options.ac_condition) {
     for (const auto& item : model.named_modules("", /*include_self=*/false)) {
@@ -106,14 +114,8 @@ int apply_activation_checkpointing(torch::nn::Module& model, const PolicyOptions
     }
   } else {
     const std::string& v = options.variant;
-    if (v != "none" && v != "full" && v != "selective_layer" && v != "selective_op") {
-      throw Error(str("activation checkpointing: unknown variant '", v,
-                      "'; use none, full, selective_layer or selective_op"));
-    }
-    if (v == "selective_layer" && options.every_k < 1) {
-      throw Error(str("activation checkpointing: every_k=", options.every_k,
-                      " must be at least 1 (1 checkpoints every block)"));
-    }
+    const std::string invalid = check_checkpoint_variant(v, options.every_k);
+    if (!invalid.empty()) throw ConfigError("activation checkpointing: " + invalid);
     if (v == "none") return 0;
     auto blocks = find_blocks(model, options.blocks);
     int k = v == "selective_layer" ? options.every_k : 1;
@@ -123,14 +125,13 @@ int apply_activation_checkpointing(torch::nn::Module& model, const PolicyOptions
       }
     }
     if (v == "selective_op") {
-      base.save_ops = std::make_shared<const SaveOps>(
+      save_ops = std::make_shared<const SaveOps>(
           resolve_save_ops(options.save_ops.empty() ? default_save_ops() : options.save_ops));
     }
   }
   for (const auto& [fqn, module] : chosen) {
-    CheckpointOptions plan = base;
-    plan.name = fqn;
-    set_module_hook(*module, HookSlot::kCheckpoint, std::make_shared<CheckpointHook>(plan));
+    set_module_hook(*module, HookSlot::kCheckpoint,
+                    std::make_shared<CheckpointHook>(options.checkpoint, fqn, save_ops));
   }
   log_rank0().info("applied activation checkpointing ({}) to {} modules",
                    options.ac_condition ? std::string("ac_condition") : options.variant,

@@ -23,6 +23,7 @@
 #include <torch/nn/module.h>
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -42,8 +43,14 @@ struct PolicyOptions {
   std::string blocks = "blocks";      // dotted path of the ModuleList of blocks
   // When set, marks exactly the modules it accepts (variant and blocks unused).
   AcCondition ac_condition;
-  CheckpointOptions checkpoint = default_checkpoint_options();
+  // Unset: each region uses the default options in effect when it runs
+  // (configure_checkpointing may come before or after the policy). Set: these
+  // options, whatever the defaults (name and save_ops are the policy's).
+  std::optional<CheckpointOptions> checkpoint;
 
+  // variant, every_k and save_ops of the section; the section's storage,
+  // synchronize and profile settings reach the regions through
+  // configure_checkpointing.
   static PolicyOptions from_config(const ActivationCheckpointingConfig& config);
 };
 

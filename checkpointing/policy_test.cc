@@ -188,9 +188,9 @@ TEST_F(Policies, ErrorsNameWhatToChange) {
   EXPECT_THAT(error_of<Error>([&] { apply_activation_checkpointing(*model, o); }),
               HasSubstr("'blocks.0.qkv' is a remat::parallel::ColumnParallelLinear, not a torch::nn::ModuleList"));
   EXPECT_THAT(error_of<Error>([&] { apply_activation_checkpointing(*model, variant("selective_layer", 0)); }),
-              HasSubstr("every_k=0 must be at least 1"));
+              HasSubstr("'activation_checkpointing.every_k' = 0 must be at least 1"));
   EXPECT_THAT(error_of<Error>([&] { apply_activation_checkpointing(*model, variant("fully")); }),
-              HasSubstr("unknown variant 'fully'"));
+              HasSubstr("'activation_checkpointing.variant' = \"fully\" is not a variant"));
   o = variant("selective_op");
   o.save_ops = {"aten::mmm"};
   EXPECT_THAT(error_of<Error>([&] { apply_activation_checkpointing(*model, o); }),
@@ -203,6 +203,32 @@ TEST_F(Policies, FromConfig) {
   Config cfg = parse_config(R"({"activation_checkpointing": {"variant": "selective_layer", "every_k": 4}})",
                             "test");
   EXPECT_EQ(apply_activation_checkpointing(*model, PolicyOptions::from_config(cfg.activation_checkpointing)), 2);
+}
+
+// configure_checkpointing may come after the policy: regions read the
+// defaults when they run. Fixed options on the policy win over the defaults.
+TEST_F(Policies, ConfigureAfterThePolicyTakesEffectAndFixedOptionsWin) {
+  const CheckpointOptions saved = default_checkpoint_options();
+  auto plain = step(model, x);
+  apply_activation_checkpointing(*model, variant("full"));
+  ActivationCheckpointingConfig offload;
+  offload.cpu_checkpointing = true;
+  offload.offload_keep_last = false;
+  configure_checkpointing(offload);
+  const int64_t copies_before = stored_input_stats().offload_copies;
+  auto ckpt = step(model, x);
+  const int64_t copies = stored_input_stats().offload_copies - copies_before;
+  // Regions 1..7 offload their input; region 0's is x, a leaf that requires grad (kept).
+  EXPECT_EQ(copies, 7);
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(torch::equal(plain[i], ckpt[i])) << i;
+
+  PolicyOptions fixed = variant("full");
+  fixed.checkpoint = CheckpointOptions{};  // no storage options: inputs kept as they are
+  apply_activation_checkpointing(*model, fixed);
+  const int64_t before_fixed = stored_input_stats().offload_copies;
+  step(model, x);
+  EXPECT_EQ(stored_input_stats().offload_copies, before_fixed);
+  default_checkpoint_options() = saved;
 }
 
 // Peak live bytes of one step above the step's start, gradients pre-allocated

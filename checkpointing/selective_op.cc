@@ -8,7 +8,6 @@
 #include <mutex>
 
 #include "runtime/compat.h"
-#include "runtime/config.h"
 #include "runtime/error.h"
 
 namespace remat {
@@ -130,6 +129,17 @@ void ensure_fallback() {
 }
 
 }  // namespace
+
+std::vector<std::string> default_save_ops() {
+  return {"aten::mm",
+          "aten::addmm",
+          "aten::bmm",
+          "aten::_scaled_dot_product_attention",
+          "aten::_scaled_dot_product_flash_attention",
+          "aten::_scaled_dot_product_efficient_attention",
+          "aten::_scaled_dot_product_flash_attention_for_cpu",
+          "aten::max"};
+}
 
 SaveOps resolve_save_ops(const std::vector<std::string>& names) {
   std::set<std::string> known;

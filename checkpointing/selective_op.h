@@ -32,6 +32,11 @@ struct SelectiveCache {
   int64_t bytes = 0;  // tensor bytes held
 };
 
+// The ops whose outputs selective_op keeps when activation_checkpointing.save_ops
+// is unset: the matmuls (mm, addmm, bmm), every LibTorch's fused attention
+// kernels (the names differ between 1.13 and 2.x) and max.
+std::vector<std::string> default_save_ops();
+
 // Checks op names against the dispatcher: an unknown name is an Error naming
 // the closest registered op. Names of the default list that this LibTorch
 // lacks (version-specific attention ops) are dropped silently.

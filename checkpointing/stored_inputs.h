@@ -38,22 +38,19 @@
 #include <string>
 #include <vector>
 
+#include "runtime/config.h"
+
 namespace remat {
 
 class Communicator;
 class ContiguousBuffers;
 
-struct InputStorageOptions {
+// offload_min_bytes, offload_max_in_flight and offload_keep_last come from
+// OffloadSettings (runtime/config.h), where they are documented.
+struct InputStorageOptions : OffloadSettings {
   // Keep 1/size of each input on each rank of this group (null or size 1: whole).
   std::shared_ptr<Communicator> partition_group;
   bool offload = false;
-  // Offloaded tensors (or shares) smaller than this stay on the device. The
-  // default 0 moves every input, as DeepSpeed's cpu_checkpointing does;
-  // 1024 (torchtune's min_offload_size) keeps tiny tensors whose copy costs
-  // more latency than the memory is worth.
-  int64_t offload_min_bytes = 0;
-  int offload_max_in_flight = 2;
-  bool offload_keep_last = true;
   // Slots for the kept tensors (null: each is its own allocation).
   std::shared_ptr<ContiguousBuffers> contiguous;
 

@@ -62,7 +62,7 @@ models::GptOptions gpt_options(int tp, double dropout) {
 Trace train(int tp, const ActivationCheckpointingConfig& config, int steps = 3,
             double dropout = 0.1) {
   DefaultOptionsGuard guard;
-  configure(&layout(tp), config);
+  configure_checkpointing(config, &layout(tp));
   at::manual_seed(11);
   models::Gpt model(gpt_options(tp, dropout));
   model_parallel_manual_seed(11, layout(tp).tp_rank());
@@ -362,8 +362,8 @@ TEST(StoredInputs, ConfigurationErrorsNameTheKeyToChange) {
   EXPECT_THAT(message, HasSubstr("'activation_checkpointing.offload_max_in_flight' = 0 must be at least 1"));
   auto partition = ac("full");
   partition.partition_activations = true;
-  message = error_of<ConfigError>([&] { configure(nullptr, partition); });
-  EXPECT_THAT(message, HasSubstr("pass the parallel layout (mpu)"));
+  message = error_of<ConfigError>([&] { configure_checkpointing(partition); });
+  EXPECT_THAT(message, HasSubstr("pass the parallel layout to remat::configure_checkpointing"));
   message = error_of<ConfigError>([] {
     models::GptOptions o = gpt_options(1, 0.0);
     o.shape.n_head = 3;

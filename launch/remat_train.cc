@@ -167,9 +167,11 @@ int train(int argc, char** argv) {
 
   // The JSON section takes effect by itself: partitioning, offload and
   // contiguous buffers become the defaults every region starts from.
-  configure(&layout, config.activation_checkpointing);
+  // Regions are timed whatever the profile key says: recompute time goes into the metrics.
+  ActivationCheckpointingConfig checkpointing = config.activation_checkpointing;
+  checkpointing.profile = true;
+  configure_checkpointing(checkpointing, &layout);
   PolicyOptions policy = PolicyOptions::from_config(config.activation_checkpointing);
-  policy.checkpoint.profile = true;  // recompute time goes into the metrics
   int regions = apply_activation_checkpointing(*model, policy);
   // Sharding over the data-parallel group (stage 3) or plain data parallel
   // (stage 0); the optimizer steps what the sharding hands it.

@@ -62,7 +62,7 @@ TrainRun train(const TrainSetup& s) {
   ActivationCheckpointingConfig ac;
   ac.variant = s.variant;
   ac.partition_activations = s.partition;
-  configure(&l, ac);
+  configure_checkpointing(ac, &l);
   models::GptOptions o = remat::testing::small_gpt(29, 3, s.dropout, s.tp);
   at::manual_seed(21);
   models::Gpt model(o);

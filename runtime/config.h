@@ -50,25 +50,51 @@ struct ZeroConfig {
   bool contiguous_gradients = true;
 };
 
-// The ops whose outputs selective_op checkpointing keeps by default.
-std::vector<std::string> default_save_ops();
-
-struct ActivationCheckpointingConfig {
-  bool partition_activations = false;
-  bool cpu_checkpointing = false;
-  bool contiguous_memory_optimization = false;
-  std::optional<int64_t> number_checkpoints;
-  bool synchronize_checkpoint_boundary = false;
-  bool profile = false;
-  // remat extensions.
-  // cpu_checkpointing: smaller inputs stay; 0 moves all, as DeepSpeed does.
+// cpu_checkpointing's settings beyond on/off, shared by the JSON section and
+// the stored-input options of a checkpoint region (checkpointing/stored_inputs.h).
+struct OffloadSettings {
+  // Offloaded tensors (or shares) smaller than this many bytes stay on the
+  // device. 0 moves every input, as DeepSpeed's cpu_checkpointing does; 1024
+  // (torchtune's min_offload_size) keeps tiny tensors whose copy costs more
+  // latency than the memory is worth.
   int64_t offload_min_bytes = 0;
-  int offload_max_in_flight = 2;      // cpu_checkpointing: copies in flight at once
-  bool offload_keep_last = true;      // cpu_checkpointing: the last region's inputs stay
-  std::string variant = "none";  // none | full | selective_layer | selective_op
-  int every_k = 1;               // selective_layer: checkpoint every k-th block
-  std::vector<std::string> save_ops = default_save_ops();
+  // Copies to the host in flight at once.
+  int offload_max_in_flight = 2;
+  // The last region's inputs stay on the device (backward needs them first).
+  bool offload_keep_last = true;
 };
+
+// activation_checkpointing: DeepSpeed's keys, then remat's (docs/config.md).
+struct ActivationCheckpointingConfig : OffloadSettings {
+  // Each tensor-parallel rank keeps 1/tp of a region's inputs.
+  bool partition_activations = false;
+  // A region's inputs (or their shares) move to host memory until recompute.
+  bool cpu_checkpointing = false;
+  // Stored inputs go into preallocated buffers with number_checkpoints slots.
+  bool contiguous_memory_optimization = false;
+  // Regions alive at once (contiguous_memory_optimization needs it).
+  std::optional<int64_t> number_checkpoints;
+  // Synchronize the device at region boundaries.
+  bool synchronize_checkpoint_boundary = false;
+  // Time forward, recompute and backward per region.
+  bool profile = false;
+  // Which blocks are checkpointed: one of checkpoint_variants().
+  std::string variant = "none";
+  // selective_layer: checkpoint every k-th block.
+  int every_k = 1;
+  // selective_op: the ops whose outputs are kept; unset (null): the default
+  // list of checkpointing/selective_op.h.
+  std::optional<std::vector<std::string>> save_ops;
+};
+
+// none | full | selective_layer | selective_op.
+const std::vector<std::string>& checkpoint_variants();
+
+// The rules of the activation_checkpointing section, written once: an empty
+// string when `config` (or the variant and every_k of a policy) is valid,
+// else what is wrong and which key to change.
+std::string check_checkpoint_variant(const std::string& variant, int every_k);
+std::string check_activation_checkpointing(const ActivationCheckpointingConfig& config);
 
 struct TensorParallelConfig {
   int size = 1;

@@ -1,0 +1,287 @@
+#include "runtime/json_schema.h"
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+#include <sstream>
+
+#include "runtime/error.h"
+
+namespace remat::json_schema {
+namespace {
+
+std::string json_type_name(const json& value) {
+  switch (value.type()) {
+    case json::value_t::null: return "null";
+    case json::value_t::boolean: return "boolean";
+    case json::value_t::number_integer:
+    case json::value_t::number_unsigned: return "integer";
+    case json::value_t::number_float: return "number";
+    case json::value_t::string: return "string";
+    case json::value_t::array: return "array";
+    case json::value_t::object: return "object";
+    default: return "value";
+  }
+}
+
+}  // namespace
+
+const char* kind_name(Kind kind) {
+  switch (kind) {
+    case Kind::kBool: return "boolean";
+    case Kind::kInt: return "integer";
+    case Kind::kNumber: return "number";
+    case Kind::kString: return "string";
+    case Kind::kStringList: return "array of strings";
+    case Kind::kNumberPair: return "array of 2 numbers";
+    case Kind::kObject: return "object";
+  }
+  return "?";
+}
+
+Field inline_section(const char* name, std::vector<Field> children) {
+  Field field;
+  field.name = name;
+  field.kind = Kind::kObject;
+  field.children = std::move(children);
+  field.member = [](void* target) { return target; };
+  field.member_const = [](const void* target) { return target; };
+  return field;
+}
+
+
+namespace {
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1,
+                         diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string closest(const std::string& name, const std::vector<std::string>& options) {
+  std::string best;
+  size_t best_distance = SIZE_MAX;
+  for (const auto& option : options) {
+    size_t d = edit_distance(name, option);
+    if (d < best_distance) {
+      best_distance = d;
+      best = option;
+    }
+  }
+  return best;
+}
+
+std::string join(const std::vector<std::string>& items) {
+  std::string out;
+  for (const auto& item : items) out += (out.empty() ? "" : ", ") + item;
+  return out;
+}
+
+std::string join_path(const std::string& prefix, const std::string& name) {
+  return prefix.empty() ? name : prefix + "." + name;
+}
+
+std::vector<std::string> names_of(const std::vector<Field>& fields) {
+  std::vector<std::string> names;
+  for (const auto& f : fields) names.push_back(f.name);
+  return names;
+}
+
+}  // namespace
+
+[[noreturn]] void fail(const std::string& source, const std::string& message) {
+  throw ConfigError("config error in " + source + ": " + message);
+}
+
+namespace {
+
+std::string unknown_key_message(const std::string& path, const std::string& name,
+                                const std::vector<Field>& fields) {
+  auto names = names_of(fields);
+  std::string prefix = path.empty() ? "" : path + ".";
+  return str("unknown key '", prefix, name, "'; did you mean '", prefix,
+             closest(name, names), "'? Valid keys ",
+             path.empty() ? "at the top level" : "in '" + path + "'", ": ",
+             join(names));
+}
+
+void check_type(const std::string& source, const std::string& path,
+                const Field& field, const json& value) {
+  if (value.is_null() && field.nullable) return;
+  bool ok = false;
+  switch (field.kind) {
+    case Kind::kBool: ok = value.is_boolean(); break;
+    case Kind::kInt:
+      ok = value.is_number_integer() ||
+           (value.is_number_float() &&
+            value.get<double>() == static_cast<double>(static_cast<int64_t>(value.get<double>())));
+      break;
+    case Kind::kNumber: ok = value.is_number(); break;
+    case Kind::kString: ok = value.is_string(); break;
+    case Kind::kStringList:
+      ok = value.is_array() &&
+           std::all_of(value.begin(), value.end(),
+                       [](const json& v) { return v.is_string(); });
+      break;
+    case Kind::kNumberPair:
+      ok = value.is_array() && value.size() == 2 && value[0].is_number() &&
+           value[1].is_number();
+      break;
+    case Kind::kObject: ok = value.is_object(); break;
+  }
+  if (!ok) {
+    fail(source, str("'", path, "' must be ", kind_name(field.kind),
+                     field.nullable ? " or null" : "", ", got ",
+                     json_type_name(value), " ", value.dump()));
+  }
+  if (field.kind == Kind::kInt &&
+      std::abs(value.get<double>()) > 9.0e15) {
+    fail(source, str("'", path, "' = ", value.dump(), " is out of range"));
+  }
+  if (!field.choices.empty()) {
+    const auto& s = value.get_ref<const std::string&>();
+    if (std::find(field.choices.begin(), field.choices.end(), s) == field.choices.end()) {
+      fail(source, str("'", path, "' = \"", s, "\" is not one of ",
+                       join(field.choices), "; did you mean \"",
+                       closest(s, field.choices), "\"?"));
+    }
+  }
+}
+
+}  // namespace
+
+// Validates `object` against `fields` and stores every present value.
+void apply(const std::string& source, const std::string& path,
+           const std::vector<Field>& fields, const json& object, void* target) {
+  for (const auto& [name, value] : object.items()) {
+    auto it = std::find_if(fields.begin(), fields.end(),
+                           [&](const Field& f) { return f.name == name; });
+    if (it == fields.end()) fail(source, unknown_key_message(path, name, fields));
+    std::string child_path = join_path(path, name);
+    check_type(source, child_path, *it, value);
+    if (it->kind == Kind::kObject) {
+      apply(source, child_path, it->children, value, it->member(target));
+    } else {
+      it->assign(value, target);
+    }
+  }
+}
+
+json dump(const std::string& path, const std::vector<Field>& fields, const void* target) {
+  json out = json::object();
+  for (const auto& field : fields) {
+    std::string child_path = join_path(path, field.name);
+    if (field.kind == Kind::kObject) {
+      out[field.name] = dump(child_path, field.children, field.member_const(target));
+    } else {
+      out[field.name] = field.dump(target);
+    }
+  }
+  return out;
+}
+
+// Rejects duplicate keys, which JSON parsers otherwise resolve silently.
+json parse_strict(const std::string& text, const std::string& source) {
+  std::vector<std::set<std::string>> open_objects;
+  std::string duplicate;
+  json::parser_callback_t callback = [&](int depth, json::parse_event_t event,
+                                         json& parsed) {
+    if (event == json::parse_event_t::object_start) {
+      open_objects.emplace_back();
+    } else if (event == json::parse_event_t::object_end) {
+      if (!open_objects.empty()) open_objects.pop_back();
+    } else if (event == json::parse_event_t::key && !open_objects.empty()) {
+      auto key = parsed.get<std::string>();
+      if (!open_objects.back().insert(key).second && duplicate.empty()) duplicate = key;
+    }
+    return true;
+  };
+  json value;
+  try {
+    value = json::parse(text, callback);
+  } catch (const json::parse_error& e) {
+    std::string what = e.what();
+    auto bracket = what.find("] ");
+    if (bracket != std::string::npos) what = what.substr(bracket + 2);
+    fail(source, "malformed JSON: " + what);
+  }
+  if (!duplicate.empty()) {
+    fail(source, str("key '", duplicate,
+                     "' appears twice in one object; keep one of them"));
+  }
+  if (!value.is_object()) {
+    fail(source, str("the top level must be a JSON object, got ", json_type_name(value)));
+  }
+  return value;
+}
+
+namespace {
+
+// Finds the field a dotted path names, or fails with the closest valid key.
+const Field& find_field(const std::vector<Field>& schema, const std::string& source,
+                        const std::string& dotted) {
+  const std::vector<Field>* fields = &schema;
+  const Field* found = nullptr;
+  std::string path;
+  std::stringstream parts(dotted);
+  std::string part;
+  while (std::getline(parts, part, '.')) {
+    if (found != nullptr && found->kind != Kind::kObject) {
+      fail(source, str("'", path, "' is a ", kind_name(found->kind),
+                       ", not a section: '", dotted, "' cannot be set"));
+    }
+    if (found != nullptr) fields = &found->children;
+    auto it = std::find_if(fields->begin(), fields->end(),
+                           [&](const Field& f) { return f.name == part; });
+    if (it == fields->end()) fail(source, unknown_key_message(path, part, *fields));
+    found = &*it;
+    path = join_path(path, part);
+  }
+  if (found == nullptr) fail(source, "an empty key cannot be set");
+  return *found;
+}
+
+}  // namespace
+
+void apply_override(json& root, const std::vector<Field>& schema, const std::string& text) {
+  std::string source = "--set " + text;
+  auto eq = text.find('=');
+  if (eq == std::string::npos || eq == 0) {
+    fail(source, "overrides are written key.path=value, e.g. model.n_layer=8");
+  }
+  std::string dotted = text.substr(0, eq);
+  std::string raw = text.substr(eq + 1);
+  const Field& field = find_field(schema, source, dotted);
+  json value;
+  try {
+    value = json::parse(raw);
+  } catch (const json::parse_error&) {
+    value = raw;  // A bare word is a string: optimizer.type=SGD.
+  }
+  // A string field keeps what was typed even when it parses as JSON (data.path=1).
+  if (field.kind == Kind::kString && !value.is_string()) value = raw;
+  json* node = &root;
+  std::stringstream parts(dotted);
+  std::string part;
+  std::vector<std::string> keys;
+  while (std::getline(parts, part, '.')) keys.push_back(part);
+  for (size_t i = 0; i + 1 < keys.size(); ++i) {
+    json& next = (*node)[keys[i]];
+    if (next.is_null()) next = json::object();
+    node = &next;
+  }
+  (*node)[keys.back()] = value;
+}
+
+
+}  // namespace remat::json_schema

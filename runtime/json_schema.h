@@ -1,0 +1,140 @@
+// A strict JSON-to-struct engine: a table of fields, each bound to a struct
+// member, validates a JSON document (unknown keys with the closest valid
+// key, wrong types with path, expected and actual type, duplicate keys,
+// malformed JSON with line and column), fills the structs, applies
+// "a.b.c=value" overrides and dumps the structs back. It knows no schema:
+// runtime/config.cc holds remat's.
+//
+//   struct Section { int size = 1; };
+//   struct Root { Section section; };
+//   const std::vector<json_schema::Field> fields = {
+//       json_schema::object("section", &Root::section,
+//                           {json_schema::leaf("size", &Section::size)})};
+//   Root root;
+//   json_schema::apply("my.json", "", fields, json_schema::parse_strict(text, "my.json"), &root);
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace remat::json_schema {
+
+using nlohmann::json;
+
+enum class Kind { kBool, kInt, kNumber, kString, kStringList, kNumberPair, kObject };
+
+const char* kind_name(Kind kind);
+
+struct Field {
+  std::string name;
+  Kind kind;
+  bool nullable = false;
+  std::vector<std::string> choices;  // allowed strings, when not empty
+  std::vector<Field> children;       // kObject
+  // Leaves: store a validated value into / read it from the enclosing struct.
+  std::function<void(const json&, void*)> assign;
+  std::function<json(const void*)> dump;
+  // Objects: the member struct inside the enclosing struct.
+  std::function<void*(void*)> member;
+  std::function<const void*(const void*)> member_const;
+};
+
+template <typename T>
+struct KindOf;
+template <> struct KindOf<bool> { static constexpr Kind value = Kind::kBool; };
+template <> struct KindOf<int> { static constexpr Kind value = Kind::kInt; };
+template <> struct KindOf<int64_t> { static constexpr Kind value = Kind::kInt; };
+template <> struct KindOf<double> { static constexpr Kind value = Kind::kNumber; };
+template <> struct KindOf<std::string> { static constexpr Kind value = Kind::kString; };
+template <> struct KindOf<std::vector<std::string>> { static constexpr Kind value = Kind::kStringList; };
+template <> struct KindOf<std::array<double, 2>> { static constexpr Kind value = Kind::kNumberPair; };
+
+template <typename T>
+T convert(const json& value) {
+  if constexpr (std::is_same_v<T, int> || std::is_same_v<T, int64_t>) {
+    // DeepSpeed configs write sizes as 5e8: integral floats count as integers.
+    return static_cast<T>(value.get<double>());
+  } else {
+    return value.get<T>();
+  }
+}
+
+template <typename S, typename T>
+Field leaf(const char* name, T S::*member, std::vector<std::string> choices = {}) {
+  Field field;
+  field.name = name;
+  field.choices = std::move(choices);
+  field.assign = [member](const json& value, void* target) {
+    static_cast<S*>(target)->*member = convert<T>(value);
+  };
+  field.dump = [member](const void* target) {
+    return json(static_cast<const S*>(target)->*member);
+  };
+  field.kind = KindOf<T>::value;
+  return field;
+}
+
+template <typename S, typename T>
+Field optional_leaf(const char* name, std::optional<T> S::*member) {
+  Field field;
+  field.name = name;
+  field.kind = KindOf<T>::value;
+  field.nullable = true;
+  field.assign = [member](const json& value, void* target) {
+    auto& slot = static_cast<S*>(target)->*member;
+    if (value.is_null()) {
+      slot.reset();
+    } else {
+      slot = convert<T>(value);
+    }
+  };
+  field.dump = [member](const void* target) {
+    const auto& slot = static_cast<const S*>(target)->*member;
+    return slot ? json(*slot) : json(nullptr);
+  };
+  return field;
+}
+
+template <typename S, typename M>
+Field object(const char* name, M S::*member, std::vector<Field> children) {
+  Field field;
+  field.name = name;
+  field.kind = Kind::kObject;
+  field.children = std::move(children);
+  field.member = [member](void* target) -> void* {
+    return &(static_cast<S*>(target)->*member);
+  };
+  field.member_const = [member](const void* target) -> const void* {
+    return &(static_cast<const S*>(target)->*member);
+  };
+  return field;
+}
+
+// A nested section whose keys belong to the enclosing struct (DeepSpeed's
+// optimizer.params and scheduler.params).
+Field inline_section(const char* name, std::vector<Field> children);
+
+// Throws ConfigError "config error in <source>: <message>".
+[[noreturn]] void fail(const std::string& source, const std::string& message);
+
+// Parses `text`, refusing duplicate keys and a top level that is not an object.
+json parse_strict(const std::string& text, const std::string& source);
+
+// Validates `object` against `fields` (at dotted `path`) and stores every
+// present value into `target`, the struct the fields are bound to.
+void apply(const std::string& source, const std::string& path, const std::vector<Field>& fields,
+           const json& object, void* target);
+
+// The struct as JSON, every field present.
+json dump(const std::string& path, const std::vector<Field>& fields, const void* target);
+
+// Applies "a.b.c=value" to the document `root` (value is JSON, else a plain
+// string); an unknown key fails with the closest valid one.
+void apply_override(json& root, const std::vector<Field>& fields, const std::string& text);
+
+}  // namespace remat::json_schema
