@@ -20,6 +20,7 @@
 #include "checkpointing/policy.h"
 #include "data/dataset.h"
 #include "launch/optim.h"
+#include "launch/step_counters.h"
 #include "launch/train_state.h"
 #include "models/gpt.h"
 #include "parallel/layers.h"
@@ -210,11 +211,8 @@ int train(int argc, char** argv) {
     model->train();
     const int64_t base = memory.current();
     memory.reset_peak();
-    take_checkpoint_profile();
-    const StoredInputStats stored_before = stored_input_stats();
-    const int64_t tp_comm_before = parallel::tensor_parallel_comm_bytes();
-    const int64_t zero_comm_before = zero.stats().collective_bytes();
     zero.reset_peak();
+    const Counters before = Counters::read(&zero);
     auto start = Clock::now();
     optimizer->zero_grad();
     double fwd_ms = 0, bwd_ms = 0, loss_sum = 0;
@@ -227,7 +225,7 @@ int train(int argc, char** argv) {
       zero.begin_forward();
       at::Tensor loss = zero.finish_forward(
           model->loss(x, y) / static_cast<double>(batch.gradient_accumulation_steps));
-      saved = std::max(saved, checkpoint_saved_bytes());
+      saved = std::max(saved, Counters::read().checkpoint_saved_bytes);
       auto t1 = Clock::now();
       loss.backward();
       zero.finish_backward(/*synchronize=*/micro + 1 == batch.gradient_accumulation_steps);
@@ -244,14 +242,9 @@ int train(int argc, char** argv) {
       comm_bytes += loss_t.nbytes();
     }
     const double loss = loss_t.item<double>();
-    const StoredInputStats stored_after = stored_input_stats();
-    const int64_t gathered = stored_after.gathered_bytes - stored_before.gathered_bytes;
-    const parallel::ZeroStats zs = zero.stats();
-    comm_bytes += gathered + parallel::tensor_parallel_comm_bytes() - tp_comm_before +
-                  zs.collective_bytes() - zero_comm_before;
+    const Counters counters = Counters::read(&zero).since(before);
+    comm_bytes += counters.comm_bytes();
     const double step_ms = ms_between(start, Clock::now());
-    double recompute_ms = 0;
-    for (const auto& [name, p] : take_checkpoint_profile()) recompute_ms += p.recompute_ms;
     const double tokens_per_s = tokens_per_step / (step_ms / 1000.0);
     max_peak = std::max(max_peak, memory.peak() - base);
     if (step == first_step) first_loss = loss;
@@ -261,17 +254,17 @@ int train(int argc, char** argv) {
       nlohmann::json m = {{"step", step},           {"loss", loss},
                           {"lr", lr},               {"tokens_per_s", tokens_per_s},
                           {"step_ms", step_ms},     {"fwd_ms", fwd_ms},
-                          {"bwd_ms", bwd_ms},       {"recompute_ms", recompute_ms},
+                          {"bwd_ms", bwd_ms},       {"recompute_ms", counters.recompute_ms},
                           {"mem_base_bytes", base}, {"mem_peak_bytes", memory.peak()},
                           {"ckpt_saved_bytes", saved},
-                          {"ckpt_offloaded_bytes", stored_after.offloaded_bytes - stored_before.offloaded_bytes},
-                          {"ckpt_gathered_bytes", gathered},
+                          {"ckpt_offloaded_bytes", counters.stored.offloaded_bytes},
+                          {"ckpt_gathered_bytes", counters.stored.gathered_bytes},
                           {"comm_bytes", comm_bytes},
-                          {"zero_comm_bytes", zs.collective_bytes() - zero_comm_before},
-                          {"param_bytes", zs.param_bytes},
-                          {"grad_bytes", zs.grad_bytes},
+                          {"zero_comm_bytes", counters.zero.collective_bytes()},
+                          {"param_bytes", counters.zero.param_bytes},
+                          {"grad_bytes", counters.zero.grad_bytes},
                           {"optimizer_state_bytes", optimizer_state_bytes(*optimizer)},
-                          {"peak_gathered_param_bytes", zs.peak_gathered_bytes}};
+                          {"peak_gathered_param_bytes", counters.zero.peak_gathered_bytes}};
       metrics << m.dump() << "\n" << std::flush;
     }
     progress.step(step, loss, tokens_per_s, memory.peak() - base);

@@ -10,6 +10,7 @@
 
 #include "checkpointing/checkpoint.h"
 #include "checkpointing/policy.h"
+#include "launch/step_counters.h"
 #include "models/gpt.h"
 #include "parallel/layers.h"
 #include "parallel/zero.h"
@@ -82,9 +83,8 @@ TrainRun train(const TrainSetup& s) {
   for (const auto& p : zero.parameters()) EXPECT_EQ(p.scalar_type(), at::kFloat) << "fp32 masters";
   torch::optim::AdamW optimizer(zero.parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
   for (int step = 0; step < s.steps; ++step) {
-    const int64_t comm0 = zero.stats().collective_bytes();
+    const Counters before = Counters::read(&zero);
     const auto gathers0 = zero.gather_counts();
-    const int64_t rec0 = checkpoint_recompute_count();
     optimizer.zero_grad();
     double total = 0;
     for (int m = 0; m < s.micro_steps; ++m) {
@@ -103,10 +103,11 @@ TrainRun train(const TrainSetup& s) {
     l.dp_group()->allReduce(t, {ReduceOp::kAvg})->wait();
     run.losses.push_back(t.item<double>());
     run.loss_tensors.push_back(t);
-    run.step_collective_bytes = zero.stats().collective_bytes() - comm0;
+    const Counters this_step = Counters::read(&zero).since(before);
+    run.step_collective_bytes = this_step.zero.collective_bytes();
     run.gathers_per_step.clear();
     for (const auto& [name, n] : zero.gather_counts()) run.gathers_per_step[name] = n - gathers0.at(name);
-    run.recomputes_per_step = checkpoint_recompute_count() - rec0;
+    run.recomputes_per_step = this_step.recomputes;
   }
   run.stats = zero.stats();
   int64_t opt = 0;
