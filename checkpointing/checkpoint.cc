@@ -1,4 +1,5 @@
 #include "checkpointing/checkpoint.h"
+#include "checkpointing/state.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -23,10 +24,12 @@
 
 namespace remat {
 
-CheckpointOptions& default_checkpoint_options() {
-  static CheckpointOptions options;
-  return options;
+CheckpointingState& CheckpointingState::get() {
+  static CheckpointingState state;
+  return state;
 }
+
+CheckpointOptions& default_checkpoint_options() { return CheckpointingState::get().defaults; }
 
 void configure_checkpointing(const ActivationCheckpointingConfig& config,
                              const ParallelLayout* mpu) {
@@ -72,14 +75,10 @@ double ms_since(Clock::time_point start) {
   return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
 }
 
-std::atomic<int64_t> g_recomputes{0};
-std::atomic<int64_t> g_saved_bytes{0};
-std::mutex g_profile_mutex;
-std::map<std::string, RegionProfile> g_profile;
-
 void add_profile(const std::string& name, const RegionProfile& delta) {
-  std::lock_guard<std::mutex> lock(g_profile_mutex);
-  auto& p = g_profile[name];
+  auto& state = CheckpointingState::get();
+  std::lock_guard<std::mutex> lock(state.profile_mutex);
+  auto& p = state.profile[name];
   p.calls += delta.calls;
   p.recomputes += delta.recomputes;
   p.forward_ms += delta.forward_ms;
@@ -175,6 +174,8 @@ std::string join(const std::vector<std::string>& ops) {
   return out;
 }
 
+}  // namespace
+
 // Everything a region needs between forward and backward.
 struct Region {
   CheckpointFn fn;
@@ -199,25 +200,27 @@ struct Region {
   // The node the forward's outputs lead to (compared, never followed).
   const torch::autograd::Node* node = nullptr;
 
-  // Bytes counted in g_saved_bytes for this region: only what was added is
-  // taken away, so a forward that throws half-way leaves the total as it was.
+  // Bytes counted in the saved-bytes total for this region: only what was
+  // added is taken away, so a forward that throws half-way leaves the total
+  // as it was.
   void count(int64_t bytes) {
     counted_bytes += bytes;
-    g_saved_bytes += bytes;
+    CheckpointingState::get().saved_bytes += bytes;
   }
   int64_t counted_bytes = 0;
-  ~Region() { g_saved_bytes -= counted_bytes; }
+  ~Region() { CheckpointingState::get().saved_bytes -= counted_bytes; }
 };
 
-std::mutex g_regions_mutex;
-std::vector<std::weak_ptr<Region>> g_regions;  // regions with stored inputs
+namespace {
 
 void track_region(const std::shared_ptr<Region>& region) {
-  std::lock_guard<std::mutex> lock(g_regions_mutex);
-  g_regions.erase(std::remove_if(g_regions.begin(), g_regions.end(),
-                                 [](const auto& w) { return w.expired(); }),
-                  g_regions.end());
-  g_regions.push_back(region);
+  auto& state = CheckpointingState::get();
+  std::lock_guard<std::mutex> lock(state.regions_mutex);
+  auto& regions = state.regions;
+  regions.erase(std::remove_if(regions.begin(), regions.end(),
+                               [](const auto& w) { return w.expired(); }),
+                regions.end());
+  regions.push_back(region);
 }
 
 // Restores the RNG the forward saw and puts back the current one afterwards.
@@ -414,7 +417,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
                       " op outputs the forward saved; the region must run the same ops both "
                       "times"));
     }
-    g_recomputes++;
+    CheckpointingState::get().recomputes++;
     double recompute_ms = ms_since(start);
     if (region->options.debug) {
       log().debug("{} forward ops: {}", name, join(region->forward_ops));
@@ -540,14 +543,16 @@ c10::IValue checkpoint_ivalues(const CheckpointFn& fn, std::vector<c10::IValue> 
 }
 
 std::map<std::string, RegionProfile> checkpoint_profile() {
-  std::lock_guard<std::mutex> lock(g_profile_mutex);
-  return g_profile;
+  auto& state = CheckpointingState::get();
+  std::lock_guard<std::mutex> lock(state.profile_mutex);
+  return state.profile;
 }
 
 std::map<std::string, RegionProfile> take_checkpoint_profile() {
   std::map<std::string, RegionProfile> profile;
-  std::lock_guard<std::mutex> lock(g_profile_mutex);
-  profile.swap(g_profile);
+  auto& state = CheckpointingState::get();
+  std::lock_guard<std::mutex> lock(state.profile_mutex);
+  profile.swap(state.profile);
   return profile;
 }
 
@@ -560,14 +565,15 @@ void log_checkpoint_profile_step(int64_t step) {
   }
 }
 
-int64_t checkpoint_recompute_count() { return g_recomputes.load(); }
+int64_t checkpoint_recompute_count() { return CheckpointingState::get().recomputes.load(); }
 
-int64_t checkpoint_saved_bytes() { return g_saved_bytes.load(); }
+int64_t checkpoint_saved_bytes() { return CheckpointingState::get().saved_bytes.load(); }
 
 std::vector<at::Tensor> checkpoint_stored_tensors() {
   std::vector<at::Tensor> out;
-  std::lock_guard<std::mutex> lock(g_regions_mutex);
-  for (const auto& w : g_regions) {
+  auto& state = CheckpointingState::get();
+  std::lock_guard<std::mutex> lock(state.regions_mutex);
+  for (const auto& w : state.regions) {
     if (auto region = w.lock()) {
       if (region->stored) {
         for (auto& t : region->stored->held_tensors()) out.push_back(t);

@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include "checkpointing/host_transfer.h"
+#include "checkpointing/state.h"
 #include "runtime/communicator.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
@@ -15,11 +16,7 @@
 namespace remat {
 namespace {
 
-struct Counters {
-  std::atomic<int64_t> kept_bytes{0}, kept_padding_bytes{0}, gathered_bytes{0},
-      offloaded_bytes{0}, fetched_bytes{0}, offload_copies{0}, fetch_copies{0},
-      left_small_bytes{0};
-} g_stats;
+StoredInputCounters& counters() { return CheckpointingState::get().stored; }
 
 int64_t bytes_of(int64_t numel, at::ScalarType dtype) {
   return numel * static_cast<int64_t>(c10::elementSize(dtype));
@@ -37,7 +34,7 @@ int64_t span_numel(const at::Tensor& t) {
 // process at info level (what to change), then at debug level.
 void note_left_small(const std::string& region, int64_t bytes, int64_t min_bytes) {
   static std::atomic<bool> told{false};
-  g_stats.left_small_bytes += bytes;
+  counters().left_small_bytes += bytes;
   if (!told.exchange(true)) {
     log().info("cpu_checkpointing: {} leaves {} bytes on the device for being under "
                "offload_min_bytes = {} (set activation_checkpointing.offload_min_bytes to 0 to "
@@ -133,10 +130,10 @@ int64_t ContiguousBuffers::allocated_bytes() const {
 }
 
 StoredInputStats stored_input_stats() {
-  return {g_stats.kept_bytes.load(),     g_stats.kept_padding_bytes.load(),
-          g_stats.gathered_bytes.load(), g_stats.offloaded_bytes.load(),
-          g_stats.fetched_bytes.load(),  g_stats.offload_copies.load(),
-          g_stats.fetch_copies.load(),   g_stats.left_small_bytes.load()};
+  return {counters().kept_bytes.load(),     counters().kept_padding_bytes.load(),
+          counters().gathered_bytes.load(), counters().offloaded_bytes.load(),
+          counters().fetched_bytes.load(),  counters().offload_copies.load(),
+          counters().fetch_copies.load(),   counters().left_small_bytes.load()};
 }
 
 // ---------------------------------------------------------------------------
@@ -279,8 +276,8 @@ StoredInputs::StoredInputs(const std::vector<at::Tensor>& inputs, const std::vec
         e->share = e->numel;
       }
     }
-    g_stats.kept_bytes += e->kept_bytes();
-    g_stats.kept_padding_bytes += bytes_of(e->padding, e->dtype);
+    counters().kept_bytes += e->kept_bytes();
+    counters().kept_padding_bytes += bytes_of(e->padding, e->dtype);
     entries_.back() = std::move(e);
     ++position;
   }
@@ -326,8 +323,8 @@ void StoredInputs::offload_now() {
     e->to_host = host_transfer::copy_to_host(flat, e->host);
     chain.track(e->to_host, options_.offload_max_in_flight);
     e->kept = at::Tensor();  // the device copy is freed once the copy is done
-    g_stats.offloaded_bytes += static_cast<int64_t>(e->host.nbytes());
-    g_stats.offload_copies++;
+    counters().offloaded_bytes += static_cast<int64_t>(e->host.nbytes());
+    counters().offload_copies++;
   }
 }
 
@@ -342,8 +339,8 @@ void StoredInputs::prefetch() {
       if (e->to_host) e->to_host->order_before_use();
       e->fetched = at::empty({e->share}, at::TensorOptions().dtype(e->dtype).device(e->device));
       e->fetching = host_transfer::copy_to_device(e->host, e->fetched);
-      g_stats.fetched_bytes += static_cast<int64_t>(e->fetched.nbytes());
-      g_stats.fetch_copies++;
+      counters().fetched_bytes += static_cast<int64_t>(e->fetched.nbytes());
+      counters().fetch_copies++;
       source = e->fetched;
     }
     if (options_.partitioned()) {
@@ -351,7 +348,7 @@ void StoredInputs::prefetch() {
       auto& group = options_.partition_group;
       e->gathered = at::empty({e->share * group->size()}, source.options());
       e->gathering = group->allGather(e->gathered, source);
-      g_stats.gathered_bytes += static_cast<int64_t>(e->gathered.nbytes());
+      counters().gathered_bytes += static_cast<int64_t>(e->gathered.nbytes());
     }
   }
 }
@@ -404,8 +401,8 @@ void StoredInputs::release() {
   for (auto& e : entries_) {
     if (!e) continue;
     e->wait_all();  // collectives in flight finish on every rank
-    g_stats.kept_bytes -= e->kept_bytes();
-    g_stats.kept_padding_bytes -= bytes_of(e->padding, e->dtype);
+    counters().kept_bytes -= e->kept_bytes();
+    counters().kept_padding_bytes -= bytes_of(e->padding, e->dtype);
     e.reset();
   }
   if (slot_ >= 0) options_.contiguous->release(slot_, slot_generation_);
