@@ -215,34 +215,22 @@ TEST(Layers, WithoutAGroupTheyAreThePlainLayersBitForBit) {
   };
   at::Tensor x = at::randn({3, 5, 6});
   at::Tensor idx = at::randint(11, {3, 5}, at::kLong);
+  auto parameters_and_output = [&](auto layer) {
+    std::vector<at::Tensor> out = layer->parameters();
+    out.push_back(layer->forward(x));
+    return out;
+  };
   for (bool bias : {true, false}) {
     same_after(
+        [&] { return parameters_and_output(torch::nn::Linear(torch::nn::LinearOptions(6, 9).bias(bias))); },
         [&] {
-          torch::nn::Linear l(torch::nn::LinearOptions(6, 9).bias(bias));
-          std::vector<at::Tensor> out = l->parameters();
-          out.push_back(l->forward(x));
-          return out;
-        },
-        [&] {
-          ColumnParallelLinear l(ParallelLinearOptions(6, 9).bias(bias).stride(3), nullptr);
-          std::vector<at::Tensor> out = l->parameters();
-          out.push_back(l->forward(x));
-          return out;
+          return parameters_and_output(
+              ColumnParallelLinear(ParallelLinearOptions(6, 9).bias(bias).stride(3), nullptr));
         },
         "ColumnParallelLinear");
     same_after(
-        [&] {
-          torch::nn::Linear l(torch::nn::LinearOptions(6, 9).bias(bias));
-          std::vector<at::Tensor> out = l->parameters();
-          out.push_back(l->forward(x));
-          return out;
-        },
-        [&] {
-          RowParallelLinear l(ParallelLinearOptions(6, 9).bias(bias), nullptr);
-          std::vector<at::Tensor> out = l->parameters();
-          out.push_back(l->forward(x));
-          return out;
-        },
+        [&] { return parameters_and_output(torch::nn::Linear(torch::nn::LinearOptions(6, 9).bias(bias))); },
+        [&] { return parameters_and_output(RowParallelLinear(ParallelLinearOptions(6, 9).bias(bias), nullptr)); },
         "RowParallelLinear");
   }
   same_after(
