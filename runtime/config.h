@@ -18,6 +18,7 @@
 
 namespace remat {
 
+// optimizer (launch/optim.h builds it).
 struct OptimizerConfig {
   std::string type = "AdamW";  // AdamW | Adam | SGD
   double lr = 1e-3;
@@ -28,6 +29,7 @@ struct OptimizerConfig {
   bool nesterov = false;  // SGD
 };
 
+// scheduler: the learning rate per step (launch/optim.h).
 struct SchedulerConfig {
   std::string type = "none";  // none | WarmupLR | WarmupDecayLR
   double warmup_min_lr = 0.0;
@@ -37,16 +39,25 @@ struct SchedulerConfig {
   int64_t total_num_steps = 0;      // WarmupDecayLR only; required there
 };
 
+// bf16: compute in bf16 from fp32 master shards (ZeRO stage 3 only; parallel/zero.h).
 struct Bf16Config {
   bool enabled = false;
 };
 
+// zero_optimization: consumed by parallel::ZeroModel (parallel/zero.h).
 struct ZeroConfig {
+  // 0: data parallel (gradients all-reduced); 3: parameters, gradients and
+  // optimizer state sharded. 1 and 2 are refused by ZeroModel.
   int stage = 0;
+  // Elements per gradient reduce collective.
   int64_t reduce_bucket_size = 500000000;
+  // Stage 3: a unit is prefetched only when it has at most this many elements.
   int64_t stage3_prefetch_bucket_size = 50000000;
+  // Stage 3: parameters with fewer elements stay whole on every rank.
   int64_t stage3_param_persistence_threshold = 100000;
+  // Accepted for DeepSpeed configs; remat overlaps by prefetching (no effect).
   bool overlap_comm = false;
+  // Accepted for DeepSpeed configs; stage 3 gradients are always flat (no effect).
   bool contiguous_gradients = true;
 };
 
@@ -96,19 +107,22 @@ const std::vector<std::string>& checkpoint_variants();
 std::string check_checkpoint_variant(const std::string& variant, int every_k);
 std::string check_activation_checkpointing(const ActivationCheckpointingConfig& config);
 
+// tensor_parallel: ranks per tensor-parallel group (runtime/layout.h).
 struct TensorParallelConfig {
   int size = 1;
 };
 
+// model: the GPT's and the test stack's shape (models/stack.h, models/gpt.h).
 struct ModelConfig {
-  int n_layer = 4;
-  int n_head = 4;
-  int d_model = 128;
-  int d_ff = 512;
-  int seq_len = 64;
+  int n_layer = 4;   // transformer blocks
+  int n_head = 4;    // attention heads (a multiple of tensor_parallel.size)
+  int d_model = 128; // hidden width (a multiple of n_head)
+  int d_ff = 512;    // MLP width (a multiple of tensor_parallel.size)
+  int seq_len = 64;  // longest sequence (position embeddings)
   double dropout = 0.1;
 };
 
+// data: the corpus remat-train reads (data/dataset.h).
 struct DataConfig {
   std::string path;  // empty: the embedded default corpus
   double train_fraction = 0.9;
