@@ -1,6 +1,7 @@
 #include "parallel/grad_norm.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
 #include <algorithm>
 #include <cmath>
@@ -50,7 +51,7 @@ double clip_grad_norm(const std::vector<GradGroup>& groups, double max_norm) {
   const double total = std::sqrt(total_sq);
   const double coef = max_norm / (total + 1e-6);
   if (coef < 1) {
-    at::NoGradGuard no_grad;
+    c10::NoGradGuard no_grad;
     for (auto& t : all) {
       if (t.grad().defined()) t.grad().mul_(coef);
     }
