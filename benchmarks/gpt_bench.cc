@@ -123,7 +123,7 @@ int bench(int argc, char** argv) {
     for (const auto& v : split(variants)) {
       auto c = config_of(v);
       configure_checkpointing(c, &layout);
-      plans[v] = PolicyOptions::from_config(c);
+      plans[v] = PolicyOptions(c);
     }
     struct Result {
       double fwd_ms, step_ms, loss;

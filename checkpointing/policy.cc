@@ -4,7 +4,6 @@
 
 
 #include "checkpointing/selective_op.h"
-#include "runtime/config.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
 
@@ -86,14 +85,6 @@ std::shared_ptr<torch::nn::ModuleListImpl> find_blocks(torch::nn::Module& model,
 
 }  // namespace
 
-PolicyOptions PolicyOptions::from_config(const ActivationCheckpointingConfig& config) {
-  PolicyOptions options;
-  options.variant = config.variant;
-  options.every_k = config.every_k;
-  options.save_ops = config.save_ops.value_or(std::vector<std::string>{});
-  return options;
-}
-
 void remove_activation_checkpointing(torch::nn::Module& model) {
   set_module_hook(model, HookSlot::kCheckpoint, nullptr);
   for (const auto& m : model.modules(/*include_self=*/false)) {
@@ -126,7 +117,7 @@ int apply_activation_checkpointing(torch::nn::Module& model, const PolicyOptions
     }
     if (v == "selective_op") {
       save_ops = std::make_shared<const SaveOps>(
-          resolve_save_ops(options.save_ops.empty() ? default_save_ops() : options.save_ops));
+          resolve_save_ops(options.save_ops.value_or(default_save_ops())));
     }
   }
   for (const auto& [fqn, module] : chosen) {

@@ -12,7 +12,7 @@
 //     x = remat::forward(blocks->ptr<BlockImpl>(i), x);
 //   }
 //   ...
-//   remat::apply_activation_checkpointing(*model, remat::PolicyOptions::from_config(cfg.activation_checkpointing));
+//   remat::apply_activation_checkpointing(*model, cfg.activation_checkpointing);
 //
 // Variants: full (every block of the named ModuleList), selective_layer (every
 // k-th block), selective_op (every block, with the listed ops' outputs kept
@@ -29,29 +29,29 @@
 
 #include "checkpointing/checkpoint.h"
 #include "nn/module_call.h"
+#include "runtime/config.h"
 
 namespace remat {
 
-struct ActivationCheckpointingConfig;
-
 using AcCondition = std::function<bool(const std::string& fqn, const torch::nn::Module& module)>;
 
-struct PolicyOptions {
-  std::string variant = "full";  // none | full | selective_layer | selective_op
-  int every_k = 1;               // selective_layer
-  std::vector<std::string> save_ops;  // selective_op; empty: the default list
-  std::string blocks = "blocks";      // dotted path of the ModuleList of blocks
+// variant, every_k and save_ops (PolicySettings, runtime/config.h, where they
+// are documented with their defaults) are the activation_checkpointing
+// section's own; the rest is what the JSON does not carry.
+struct PolicyOptions : PolicySettings {
+  PolicyOptions() = default;
+  // The policy of a config section: PolicyOptions(cfg.activation_checkpointing).
+  // The section's storage, synchronize and profile settings reach the regions
+  // through configure_checkpointing.
+  PolicyOptions(const PolicySettings& settings) : PolicySettings(settings) {}  // NOLINT
+
+  std::string blocks = "blocks";  // dotted path of the ModuleList of blocks
   // When set, marks exactly the modules it accepts (variant and blocks unused).
   AcCondition ac_condition;
   // Unset: each region uses the default options in effect when it runs
   // (configure_checkpointing may come before or after the policy). Set: these
   // options, whatever the defaults (name and save_ops are the policy's).
   std::optional<CheckpointOptions> checkpoint;
-
-  // variant, every_k and save_ops of the section; the section's storage,
-  // synchronize and profile settings reach the regions through
-  // configure_checkpointing.
-  static PolicyOptions from_config(const ActivationCheckpointingConfig& config);
 };
 
 // Marks the chosen modules (replacing marks made earlier on this model) and

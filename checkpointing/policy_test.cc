@@ -202,7 +202,33 @@ TEST_F(Policies, ErrorsNameWhatToChange) {
 TEST_F(Policies, FromConfig) {
   Config cfg = parse_config(R"({"activation_checkpointing": {"variant": "selective_layer", "every_k": 4}})",
                             "test");
-  EXPECT_EQ(apply_activation_checkpointing(*model, PolicyOptions::from_config(cfg.activation_checkpointing)), 2);
+  EXPECT_EQ(apply_activation_checkpointing(*model, PolicyOptions(cfg.activation_checkpointing)), 2);
+}
+
+// The policy's settings are the section's (one declaration, one default): a
+// PolicyOptions built by hand starts where an empty JSON section does.
+TEST_F(Policies, OptionsStartFromTheSectionsDefaults) {
+  const PolicyOptions by_hand;
+  const PolicyOptions from_json(parse_config("{}", "test").activation_checkpointing);
+  EXPECT_EQ(by_hand.variant, from_json.variant);
+  EXPECT_EQ(by_hand.every_k, from_json.every_k);
+  EXPECT_EQ(by_hand.save_ops, from_json.save_ops);
+  EXPECT_EQ(apply_activation_checkpointing(*model, by_hand), 0) << "variant none marks nothing";
+
+  // An explicit empty save_ops list keeps no op output (every op recomputed);
+  // unset keeps the default list. Both give the plain run's gradients.
+  auto plain = step(model, x);
+  int64_t peak[2];
+  for (bool empty : {true, false}) {
+    PolicyOptions o = variant("selective_op");
+    if (empty) o.save_ops = std::vector<std::string>{};
+    apply_activation_checkpointing(*model, o);
+    MemoryTracker mem;
+    auto ckpt = step(model, x);
+    peak[empty] = mem.peak();
+    for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(torch::equal(plain[i], ckpt[i])) << i;
+  }
+  EXPECT_LT(peak[1], peak[0]) << "the empty list keeps no matmul output";
 }
 
 // configure_checkpointing may come after the policy: regions read the

@@ -1,13 +1,13 @@
 // The process's checkpointing state, in one place (internal to
 // checkpointing/): the default options that configure_checkpointing sets and
 // regions and policies read when they run (with the contiguous buffers), the
-// registry of live regions, and every counter checkpoint.h and
-// stored_inputs.h report. The prefetch order of offloaded inputs is kept by
-// the stored inputs themselves (StoredInputs::Chain).
+// registry of live regions, the prefetch order of stored inputs, and every
+// counter checkpoint.h and stored_inputs.h report.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -19,6 +19,25 @@
 namespace remat {
 
 struct Region;  // one live checkpoint region (checkpoint.cc)
+class StoredInputs;
+namespace host_transfer {
+class PendingCopy;
+}
+
+// The regions with stored inputs in forward order (a region's backward
+// prefetches the one before it), the region whose offload waits until the
+// next one starts (offload_keep_last), and the copies to the host in flight
+// (stored_inputs.cc).
+struct StoredInputChain {
+  std::recursive_mutex mutex;
+  std::vector<StoredInputs*> regions;
+  StoredInputs* pending_offload = nullptr;
+  std::deque<std::shared_ptr<host_transfer::PendingCopy>> in_flight;
+
+  void remove(StoredInputs* region);
+  // Keeps at most `bound` copies in flight.
+  void track(std::shared_ptr<host_transfer::PendingCopy> copy, int bound);
+};
 
 struct StoredInputCounters {
   std::atomic<int64_t> kept_bytes{0}, kept_padding_bytes{0}, gathered_bytes{0},
@@ -32,6 +51,7 @@ struct CheckpointingState {
   std::atomic<int64_t> recomputes{0};
   std::atomic<int64_t> saved_bytes{0};  // held by live regions
   StoredInputCounters stored;
+  StoredInputChain chain;
   std::mutex profile_mutex;
   std::map<std::string, RegionProfile> profile;
 

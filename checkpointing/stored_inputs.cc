@@ -170,32 +170,20 @@ struct StoredInputs::Entry {
   }
 };
 
-// The live stored regions in forward order, and the offload copies in flight.
-struct StoredInputs::Chain {
-  std::recursive_mutex mutex;
-  std::vector<StoredInputs*> regions;
-  StoredInputs* pending_offload = nullptr;
-  std::deque<std::shared_ptr<host_transfer::PendingCopy>> in_flight;
+void StoredInputChain::remove(StoredInputs* region) {
+  regions.erase(std::remove(regions.begin(), regions.end(), region), regions.end());
+  if (pending_offload == region) pending_offload = nullptr;
+}
 
-  static Chain& get() {
-    static Chain chain;
-    return chain;
+void StoredInputChain::track(std::shared_ptr<host_transfer::PendingCopy> copy, int bound) {
+  if (copy->done()) return;
+  in_flight.push_back(std::move(copy));
+  while (static_cast<int>(in_flight.size()) > std::max(bound, 1)) {
+    in_flight.front()->wait();
+    in_flight.pop_front();
   }
-  void remove(StoredInputs* r) {
-    regions.erase(std::remove(regions.begin(), regions.end(), r), regions.end());
-    if (pending_offload == r) pending_offload = nullptr;
-  }
-  // Keeps at most `bound` copies in flight.
-  void track(std::shared_ptr<host_transfer::PendingCopy> copy, int bound) {
-    if (copy->done()) return;
-    in_flight.push_back(std::move(copy));
-    while (static_cast<int>(in_flight.size()) > std::max(bound, 1)) {
-      in_flight.front()->wait();
-      in_flight.pop_front();
-    }
-    while (!in_flight.empty() && in_flight.front()->done()) in_flight.pop_front();
-  }
-};
+  while (!in_flight.empty() && in_flight.front()->done()) in_flight.pop_front();
+}
 
 // ---------------------------------------------------------------------------
 
@@ -226,7 +214,7 @@ StoredInputs::StoredInputs(const std::vector<at::Tensor>& inputs, const std::vec
                            InputStorageOptions options, std::string region)
     : options_(std::move(options)), region_(std::move(region)) {
   REMAT_CHECK_EQ(inputs.size(), store.size(), "StoredInputs: one flag per input");
-  auto& chain = Chain::get();
+  auto& chain = CheckpointingState::get().chain;
   std::lock_guard<std::recursive_mutex> lock(chain.mutex);
   // The previous region is no longer the last: its inputs leave the device.
   if (chain.pending_offload != nullptr) chain.pending_offload->offload_now();
@@ -301,7 +289,7 @@ StoredInputs::~StoredInputs() {
 }
 
 void StoredInputs::offload_now() {
-  auto& chain = Chain::get();
+  auto& chain = CheckpointingState::get().chain;
   offload_pending_ = false;
   if (chain.pending_offload == this) chain.pending_offload = nullptr;
   size_t position = 0;
@@ -359,7 +347,7 @@ std::vector<at::Tensor> StoredInputs::restore() {
                     "retain_graph=true to the first backward() to backpropagate twice"));
   }
   {
-    auto& chain = Chain::get();
+    auto& chain = CheckpointingState::get().chain;
     std::lock_guard<std::recursive_mutex> lock(chain.mutex);
     // The last region's inputs never left the device.
     if (chain.pending_offload == this) chain.pending_offload = nullptr;
@@ -394,7 +382,7 @@ std::vector<at::Tensor> StoredInputs::restore() {
 
 void StoredInputs::release() {
   if (released_) return;
-  auto& chain = Chain::get();
+  auto& chain = CheckpointingState::get().chain;
   std::lock_guard<std::recursive_mutex> lock(chain.mutex);
   released_ = true;
   chain.remove(this);

@@ -148,10 +148,8 @@ class StoredInputs {
   int64_t kept_bytes() const;
 
   struct Entry;
-  struct Chain;
 
  private:
-  friend struct Chain;
   void offload_now();
   void prefetch();
 

@@ -67,7 +67,7 @@ Trace train(int tp, const ActivationCheckpointingConfig& config, int steps = 3,
   models::Gpt model(gpt_options(tp, dropout));
   model_parallel_manual_seed(11, layout(tp).tp_rank());
   if (config.variant != "none") {
-    apply_activation_checkpointing(*model, PolicyOptions::from_config(config));
+    apply_activation_checkpointing(*model, PolicyOptions(config));
   }
   Trace trace;
   for (int step = 0; step < steps; ++step) {

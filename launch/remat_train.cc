@@ -172,7 +172,7 @@ int train(int argc, char** argv) {
   ActivationCheckpointingConfig checkpointing = config.activation_checkpointing;
   checkpointing.profile = true;
   configure_checkpointing(checkpointing, &layout);
-  PolicyOptions policy = PolicyOptions::from_config(config.activation_checkpointing);
+  PolicyOptions policy = PolicyOptions(config.activation_checkpointing);
   int regions = apply_activation_checkpointing(*model, policy);
   // Sharding over the data-parallel group (stage 3) or plain data parallel
   // (stage 0); the optimizer steps what the sharding hands it.

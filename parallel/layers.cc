@@ -24,12 +24,6 @@ void check_full(const at::Tensor& full, const std::vector<int64_t>& want, const 
   }
 }
 
-// Gathers dim-0 shards (rows), uneven allowed, into one tensor in rank order.
-at::Tensor gather_rows(const at::Tensor& local, int64_t full_rows, const Group& group) {
-  if (group_size(group) == 1) return local.detach().clone();
-  return all_gather_uneven(local.detach(), 0, full_rows, group);
-}
-
 // torch::nn::Linear's initialisation of the full weight and bias, drawn from
 // the default generator in the same order, so that at size 1 the layers draw
 // exactly what a plain Linear draws.
@@ -91,27 +85,7 @@ void ColumnParallelLinearImpl::load_full_weight(const at::Tensor& full) {
 }
 
 at::Tensor ColumnParallelLinearImpl::gather_full_weight() const {
-  const int n = group_size(group_);
-  const int64_t block = options_.out_features() / options_.stride();
-  // Every rank's rows in rank order, then each rank's rows cut back into blocks.
-  std::vector<int64_t> rows_of(n);
-  for (int r = 0; r < n; ++r) rows_of[r] = partition_range(block, n, r).length * options_.stride();
-  at::Tensor local = weight.detach().contiguous();
-  std::vector<at::Tensor> parts;
-  for (int r = 0; r < n; ++r) parts.push_back(at::empty({rows_of[r], local.size(1)}, local.options()));
-  if (n > 1) {
-    group_->allGather(parts, local)->wait();
-  } else {
-    parts[0] = local.clone();
-  }
-  std::vector<at::Tensor> blocks;
-  for (int64_t s = 0; s < options_.stride(); ++s) {
-    for (int r = 0; r < n; ++r) {
-      const int64_t len = partition_range(block, n, r).length;
-      blocks.push_back(parts[r].narrow(0, s * len, len));
-    }
-  }
-  return at::cat(blocks, 0);
+  return all_gather_uneven(weight.detach(), 0, options_.out_features(), group_, options_.stride());
 }
 
 std::vector<at::Tensor> ColumnParallelLinearImpl::sharded_parameters() const {
@@ -152,7 +126,7 @@ void RowParallelLinearImpl::load_full_weight(const at::Tensor& full) {
 
 at::Tensor RowParallelLinearImpl::gather_full_weight() const {
   // Columns: gather the transposed shards as rows.
-  return gather_rows(weight.t().contiguous(), options_.in_features(), group_).t().contiguous();
+  return all_gather_uneven(weight.detach().t(), 0, options_.in_features(), group_).t().contiguous();
 }
 
 std::vector<at::Tensor> RowParallelLinearImpl::sharded_parameters() const {
@@ -197,7 +171,7 @@ void VocabParallelEmbeddingImpl::load_full_weight(const at::Tensor& full) {
 }
 
 at::Tensor VocabParallelEmbeddingImpl::gather_full_weight() const {
-  return gather_rows(weight, vocab_size_, group_);
+  return all_gather_uneven(weight.detach(), 0, vocab_size_, group_);
 }
 
 std::vector<at::Tensor> VocabParallelEmbeddingImpl::sharded_parameters() const {

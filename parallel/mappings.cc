@@ -87,18 +87,39 @@ bool fast_path(const Group& group) { return group_size(group) == 1; }
 
 int group_size(const Group& group) { return group ? group->size() : 1; }
 
-at::Tensor all_gather_uneven(const at::Tensor& x, int64_t dim, int64_t full, const Group& group) {
-  const int n = group->size();
+at::Tensor all_gather_uneven(const at::Tensor& x, int64_t dim, int64_t full, const Group& group,
+                             int64_t stride) {
+  REMAT_CHECK(stride >= 1 && full % stride == 0, "all_gather_uneven: ", full,
+              " elements are not ", stride, " equal blocks");
+  const int n = group_size(group);
   const int64_t d = dim < 0 ? dim + x.dim() : dim;
-  std::vector<at::Tensor> parts;
-  for (int r = 0; r < n; ++r) {
-    auto sizes = x.sizes().vec();
-    sizes[d] = partition_range(full, n, r).length;
-    parts.push_back(at::empty(sizes, x.options()));
+  const int64_t block = full / stride;
+  std::vector<int64_t> lengths(n);
+  for (int r = 0; r < n; ++r) lengths[r] = partition_range(block, n, r).length;
+  if (x.size(d) != lengths[group_rank(group)] * stride) {
+    throw Error(str("all_gather_uneven: rank ", group_rank(group), " holds ", x.size(d),
+                    " elements along dim ", d, " but its share of ", full, " is ",
+                    lengths[group_rank(group)] * stride));
   }
-  group->allGather(parts, x.contiguous())->wait();
-  return at::cat(parts, d);
+  std::vector<at::Tensor> parts;
+  if (n == 1) {
+    parts.push_back(x.clone());
+  } else {
+    for (int r = 0; r < n; ++r) {
+      auto sizes = x.sizes().vec();
+      sizes[d] = lengths[r] * stride;
+      parts.push_back(at::empty(sizes, x.options()));
+    }
+    group->allGather(parts, x.contiguous())->wait();
+  }
+  if (stride == 1) return n == 1 ? parts[0] : at::cat(parts, d);
+  std::vector<at::Tensor> pieces;
+  for (int64_t s = 0; s < stride; ++s) {
+    for (int r = 0; r < n; ++r) pieces.push_back(parts[r].narrow(d, s * lengths[r], lengths[r]));
+  }
+  return at::cat(pieces, d);
 }
+
 int group_rank(const Group& group) { return group ? group->rank() : 0; }
 
 Range partition_range(int64_t n, int parts, int rank) {

@@ -39,7 +39,11 @@ Range partition_range(int64_t n, int parts, int rank);
 
 // Every rank's `x` concatenated along `dim` in rank order, rank r holding
 // partition_range(full, size, r).length of it (a collective, no autograd).
-at::Tensor all_gather_uneven(const at::Tensor& x, int64_t dim, int64_t full, const Group& group);
+// With `stride` > 1 the full extent is `stride` blocks of full / stride (a
+// fused projection: q|k|v) and each rank holds its share of every block, one
+// after the other; the result puts each block back together in turn.
+at::Tensor all_gather_uneven(const at::Tensor& x, int64_t dim, int64_t full, const Group& group,
+                             int64_t stride = 1);
 
 at::Tensor copy_to_tensor_parallel_region(const at::Tensor& x, const Group& group);
 at::Tensor reduce_from_tensor_parallel_region(const at::Tensor& x, const Group& group);

@@ -68,7 +68,7 @@ TrainRun train(const TrainSetup& s) {
   at::manual_seed(21);
   models::Gpt model(o);
   model_parallel_manual_seed(21, l.tp_rank());
-  if (s.variant != "none") apply_activation_checkpointing(*model, PolicyOptions::from_config(ac));
+  if (s.variant != "none") apply_activation_checkpointing(*model, PolicyOptions(ac));
   TrainRun run;
   for (const auto& p : model->parameters()) run.params += p.numel();
   std::vector<std::shared_ptr<torch::nn::Module>> units;

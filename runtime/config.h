@@ -75,8 +75,20 @@ struct OffloadSettings {
   bool offload_keep_last = true;
 };
 
+// Which blocks a whole-model policy checkpoints, shared by the JSON section
+// and the policy options (checkpointing/policy.h).
+struct PolicySettings {
+  // One of checkpoint_variants().
+  std::string variant = "none";
+  // selective_layer: checkpoint every k-th block.
+  int every_k = 1;
+  // selective_op: the ops whose outputs are kept; unset (null): the default
+  // list of checkpointing/selective_op.h.
+  std::optional<std::vector<std::string>> save_ops;
+};
+
 // activation_checkpointing: DeepSpeed's keys, then remat's (docs/config.md).
-struct ActivationCheckpointingConfig : OffloadSettings {
+struct ActivationCheckpointingConfig : OffloadSettings, PolicySettings {
   // Each tensor-parallel rank keeps 1/tp of a region's inputs.
   bool partition_activations = false;
   // A region's inputs (or their shares) move to host memory until recompute.
@@ -89,13 +101,6 @@ struct ActivationCheckpointingConfig : OffloadSettings {
   bool synchronize_checkpoint_boundary = false;
   // Time forward, recompute and backward per region.
   bool profile = false;
-  // Which blocks are checkpointed: one of checkpoint_variants().
-  std::string variant = "none";
-  // selective_layer: checkpoint every k-th block.
-  int every_k = 1;
-  // selective_op: the ops whose outputs are kept; unset (null): the default
-  // list of checkpointing/selective_op.h.
-  std::optional<std::vector<std::string>> save_ops;
 };
 
 // none | full | selective_layer | selective_op.
