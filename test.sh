@@ -99,6 +99,22 @@ else
   failed=$((failed + 1))
 fi
 
+# ASan + UBSan (float-cast-overflow included) over the config parser and its
+# fuzz test; the full sanitizer run is tools/sanitize.sh without --quick.
+tools/sanitize.sh --quick >build/sanitize.log 2>&1
+line=$(grep -aoE '\[remat-test\] [0-9]+ passed, [0-9]+ failed' build/sanitize.log | tail -1)
+if [[ -n "$line" ]]; then
+  p=$(sed -E 's/.* ([0-9]+) passed, ([0-9]+) failed/\1/' <<<"$line")
+  f=$(sed -E 's/.* ([0-9]+) passed, ([0-9]+) failed/\2/' <<<"$line")
+  [[ $f -ne 0 ]] && tail -40 build/sanitize.log
+else
+  tail -20 build/sanitize.log
+  p=0 f=1
+fi
+printf '  %-48s passed %4d  failed %d\n' "sanitizers (tools/sanitize.sh --quick)" "$p" "$f"
+passed=$((passed + p))
+failed=$((failed + f))
+
 if [[ $test_rc -ne 0 && $failed -eq 0 ]]; then
   echo "bazel test failed (exit $test_rc) without a failing case: counted as 1 failed"
   failed=1
@@ -117,7 +133,7 @@ if [[ "${REMAT_SKIP_DEBIAN13:-0}" != 1 ]]; then
     echo "Debian 13 leg: no summary (see $leg_log): counted as 1 failed"
     failed=$((failed + 1))
   else
-    grep -aE '^  (//|cmake|find_package|layering|no compiler)' "$leg_log" | sed 's/^/  [debian 13] /'
+    grep -aE '^  (//|cmake|find_package|layering|no compiler|sanitizers)' "$leg_log" | sed 's/^/  [debian 13] /'
     grep -a '^debian13:' "$leg_log"
     p=$(sed -E 's/([0-9]+) passed.*/\1/' <<<"$line")
     f=$(sed -E 's/.* ([0-9]+) failed/\1/' <<<"$line")

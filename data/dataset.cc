@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -59,14 +60,29 @@ Dataset Dataset::load(const std::string& path, double train_fraction, int64_t se
   if (path.empty()) {
     return Dataset(std::string(embedded_corpus()), train_fraction, seq_len, "<embedded corpus>");
   }
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    throw ConfigError(str("data: data.path '", path, "' is a directory; point it at a text file"));
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     throw ConfigError(str("data: cannot read data.path '", path,
                           "': check the path (leave data.path empty for the embedded corpus)"));
   }
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return Dataset(buffer.str(), train_fraction, seq_len, path);
+  // Read in chunks up to the limit: a device like /dev/zero or a huge file
+  // stops here instead of filling memory.
+  std::string text;
+  std::vector<char> chunk(1 << 20);
+  while (in) {
+    in.read(chunk.data(), static_cast<std::streamsize>(chunk.size()));
+    text.append(chunk.data(), static_cast<size_t>(in.gcount()));
+    if (static_cast<int64_t>(text.size()) > kMaxCorpusBytes) {
+      throw ConfigError(str("data: data.path '", path, "' holds more than ", kMaxCorpusBytes,
+                            " bytes (the most remat-train's character corpus takes: it is held in "
+                            "memory as one token per byte); give a smaller file"));
+    }
+  }
+  return Dataset(std::move(text), train_fraction, seq_len, path);
 }
 
 std::pair<at::Tensor, at::Tensor> Dataset::windows(const std::vector<int64_t>& starts) const {

@@ -19,14 +19,19 @@ namespace remat::data {
 // The corpus compiled into the binaries (data/corpus.inc).
 std::string_view embedded_corpus();
 
+// The largest data.path file load() reads: 256 MiB (each byte becomes an
+// int64 token, so 2 GiB of tokens); a larger file or a device is refused.
+inline constexpr int64_t kMaxCorpusBytes = int64_t{256} << 20;
+
 class Dataset {
  public:
   // `source` names the text in errors. The first train_fraction of the text is
   // for training, the rest held out.
   Dataset(std::string text, double train_fraction, int64_t seq_len, std::string source);
 
-  // The embedded corpus when `path` is empty, else the file. A missing, empty
-  // or too short file is a ConfigError naming it.
+  // The embedded corpus when `path` is empty, else the file. A missing, empty,
+  // too short or too large file (kMaxCorpusBytes), or a directory, is a
+  // ConfigError naming it.
   static Dataset load(const std::string& path, double train_fraction, int64_t seq_len);
 
   int64_t vocab_size() const { return static_cast<int64_t>(itos_.size()); }

@@ -10,9 +10,13 @@
 #include <torch/types.h>  // clip_grad.h needs torch::Tensor declared first
 #include <torch/nn/utils/clip_grad.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 
@@ -58,14 +62,65 @@ void warn_ineffective(const Config& c) {
   }
 }
 
+bool gradients_finite(const std::vector<at::Tensor>& parameters) {
+  std::vector<at::Tensor> checks;
+  for (const auto& p : parameters) {
+    if (p.grad().defined() && p.grad().numel() > 0) checks.push_back(at::isfinite(p.grad()).all());
+  }
+  return checks.empty() || at::stack(checks).all().item<bool>();
+}
+
 std::string human_bytes(double b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB"};
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
   int u = 0;
-  while (b >= 1024 && u < 3) {
+  while (b >= 1024 && u < 5) {
     b /= 1024;
     ++u;
   }
   return str(std::round(b * 10) / 10, " ", units[u]);
+}
+
+// Host memory available to this process: MemAvailable shared by the ranks on
+// this host; 0 when unknown.
+double available_bytes_per_rank() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  double kib = 0;
+  while (meminfo >> key) {
+    if (key == "MemAvailable:") {
+      meminfo >> kib;
+      break;
+    }
+    meminfo.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  }
+  int local_ranks = 1;
+  if (auto v = knobs::get("OMPI_COMM_WORLD_LOCAL_SIZE")) local_ranks = std::max(1, std::atoi(v->c_str()));
+  return kib * 1024 / local_ranks;
+}
+
+// A lower bound of what one rank needs, from the config alone (computed in
+// double, so absurd sizes cannot overflow): fp32 parameters, gradients and
+// AdamW's two moments (16 bytes a parameter, sharded by ZeRO-3 and tensor
+// parallelism), each block's input kept for backward, and the logits. A run
+// whose lower bound exceeds the memory there is refused before anything is
+// built, naming the keys to change.
+void check_memory_estimate(const Config& c, const BatchSizes& batch, int64_t vocab, int dp) {
+  const auto& m = c.model;
+  const double d = m.d_model, L = m.n_layer, T = m.seq_len, B = static_cast<double>(batch.micro_batch_per_gpu);
+  const double params = (vocab + T) * d + L * (4 * d * d + 2 * d * m.d_ff) + vocab * d;
+  const double shards = (c.zero_optimization.stage == 3 ? dp : 1) * static_cast<double>(c.tensor_parallel.size);
+  const double model_bytes = 16 * params / shards;
+  const double activation_bytes = 4 * B * T * (L * d + vocab);
+  const double need = model_bytes + activation_bytes;
+  const double have = available_bytes_per_rank();
+  if (have > 0 && need > have) {
+    throw ConfigError(str("this config needs at least ", human_bytes(need), " per rank (model state ",
+                          human_bytes(model_bytes), ", one step's activations ", human_bytes(activation_bytes),
+                          " at train_micro_batch_size_per_gpu ", batch.micro_batch_per_gpu,
+                          ") but about ", human_bytes(have),
+                          " is available to each rank on this host: lower train_micro_batch_size_per_gpu, "
+                          "model.seq_len or the model's size (model.n_layer, model.d_model, model.d_ff)"));
+  }
 }
 
 class Progress {
@@ -123,7 +178,7 @@ int train(int argc, char** argv) {
   CLI::App app{"remat-train: train a GPT with remat's activation checkpointing"};
   std::string config_path, metrics_path, save_dir, resume_dir, backend = "auto";
   std::vector<std::string> overrides;
-  std::optional<int64_t> steps_flag, seed_flag;
+  std::optional<std::string> steps_flag, seed_flag;
   app.add_option("--config", config_path, "JSON configuration (default: the embedded one)");
   app.add_option("--set", overrides, "override a key: --set model.n_layer=8 (repeatable)");
   app.add_option("--steps", steps_flag, "optimizer steps (train.steps)");
@@ -140,19 +195,27 @@ int train(int argc, char** argv) {
 
   MemoryTracker memory;  // first: everything allocated from here on is counted
   auto& runtime = Runtime::init();
+  // The flags are overrides like any other: validated the same way.
+  if (steps_flag) overrides.push_back("train.steps=" + *steps_flag);
+  if (seed_flag) overrides.push_back("train.seed=" + *seed_flag);
   Config config = config_path.empty()
                       ? parse_config(default_config_text(), "<embedded default>", overrides)
                       : load_config(config_path, overrides);
   warn_ineffective(config);
-  if (steps_flag) config.train.steps = *steps_flag;
-  if (seed_flag) config.train.seed = *seed_flag;
+  knobs::fault_save_pause();  // a bad value stops the run now, not at its first save
   const auto& tc = config.train;
 
   auto world = runtime.world(parse_backend(backend));
+  // Checked, created and locked before anything is trained: a run must not
+  // find out at its first save that it cannot keep its work.
+  const std::string run_id = new_run_id(*world);
+  std::unique_ptr<SaveDirLock> save_lock;
+  if (!save_dir.empty()) save_lock = std::make_unique<SaveDirLock>(save_dir, run_id, *world);
   ParallelLayout layout(world, ParallelDims::from_world(world->size(), config.tensor_parallel.size));
   const BatchSizes batch = config.resolve_batch(layout.dims().dp);
   data::Dataset data = data::Dataset::load(config.data.path, config.data.train_fraction,
                                            config.model.seq_len);
+  check_memory_estimate(config, batch, data.vocab_size(), layout.dims().dp);
   const bool rank0 = world->rank() == 0;
 
   at::manual_seed(tc.seed);
@@ -174,6 +237,12 @@ int train(int argc, char** argv) {
   configure_checkpointing(checkpointing, &layout);
   PolicyOptions policy = PolicyOptions(config.activation_checkpointing);
   int regions = apply_activation_checkpointing(*model, policy);
+  const auto& number_checkpoints = config.activation_checkpointing.number_checkpoints;
+  if (number_checkpoints && regions > *number_checkpoints) {
+    throw ConfigError(str("activation_checkpointing.number_checkpoints is ", *number_checkpoints,
+                          " but the policy marks ", regions, " regions per forward: set it to ",
+                          regions, " (or leave it out)"));
+  }
   // Sharding over the data-parallel group (stage 3) or plain data parallel
   // (stage 0); the optimizer steps what the sharding hands it.
   std::vector<std::shared_ptr<torch::nn::Module>> units;
@@ -181,9 +250,21 @@ int train(int argc, char** argv) {
   parallel::ZeroModel zero(*model, units, layout.dp_group(), config.zero_optimization, config.bf16,
                  sharded);
   auto optimizer = make_optimizer(config.optimizer, zero.parameters());
+  // Every setting the saved state's layout or meaning depends on: a resume
+  // with another value is refused naming it.
+  SaveIdentity identity;
+  identity.model_signature = signature;
+  identity.run_id = run_id;
+  identity.settings = {
+      {"tensor_parallel.size", std::to_string(config.tensor_parallel.size)},
+      {"zero_optimization.stage", std::to_string(config.zero_optimization.stage)},
+      {"zero_optimization.stage3_param_persistence_threshold",
+       std::to_string(config.zero_optimization.stage3_param_persistence_threshold)},
+      {"bf16.enabled", config.bf16.enabled ? "true" : "false"},
+      {"optimizer.type", config.optimizer.type}};
   TrainPosition position;
   if (!resume_dir.empty()) {
-    position = load_train_state(resume_dir, zero.state(), *optimizer, signature, *world);
+    position = load_train_state(resume_dir, zero.state(), *optimizer, identity, *world);
     log_rank0().info("resumed from '{}' at step {}", resume_dir, position.step);
   }
   log_rank0().info("data {} ({} bytes, vocabulary {}), model {} ({} parameters on this rank), "
@@ -196,7 +277,15 @@ int train(int argc, char** argv) {
   std::ofstream metrics;
   if (rank0 && !metrics_path.empty()) {
     metrics.open(metrics_path, position.step > 0 ? std::ios::app : std::ios::trunc);
-    if (!metrics) throw ConfigError(str("cannot write --metrics file '", metrics_path, "'"));
+    if (!metrics) {
+      throw ConfigError(str("cannot write --metrics file '", metrics_path, "' (", std::strerror(errno),
+                            "): give a writable file path"));
+    }
+  }
+  if (position.step >= tc.steps && rank0) {
+    std::printf("nothing to train: train.steps is %lld and the run %s\n",
+                static_cast<long long>(tc.steps),
+                position.step > 0 ? str("resumed at step ", position.step).c_str() : "starts at step 0");
   }
   const auto& dp_group = layout.dp_group();
   Progress progress(position.step, tc.steps, config.steps_per_print, rank0);
@@ -234,8 +323,34 @@ int train(int argc, char** argv) {
       bwd_ms += ms_between(t1, t2);
       loss_sum += loss.item<double>();
     }
-    if (config.gradient_clipping > 0) zero.clip_grad_norm(config.gradient_clipping, tp_group);
-    optimizer->step();
+    // A non-finite loss or gradient (DeepSpeed's overflow check): every rank
+    // sees the same verdict, so all stop or all skip together.
+    at::Tensor nonfinite = at::zeros({2}, at::kDouble);
+    nonfinite[0] = std::isfinite(loss_sum) ? 0.0 : 1.0;
+    nonfinite[1] = gradients_finite(zero.parameters()) ? 0.0 : 1.0;
+    if (world->size() > 1) {
+      world->allReduce(nonfinite, {ReduceOp::kMax})->wait();
+      comm_bytes += nonfinite.nbytes();
+    }
+    const bool bad_loss = nonfinite[0].item<double>() > 0, bad_grads = nonfinite[1].item<double>() > 0;
+    const bool skipped = bad_loss || bad_grads;
+    if (skipped) {
+      const std::string what = str(bad_loss ? "the loss" : "", bad_loss && bad_grads ? " and " : "",
+                                   bad_grads ? "the gradients" : "");
+      if (tc.on_nonfinite == "stop") {
+        throw Error(str("step ", step, ": ", what, " went non-finite (nan or inf; local loss ", loss_sum,
+                        "). Stopped before updating or saving anything of this step",
+                        position.step > 0 && !save_dir.empty() ? "; the last save is finite" : "",
+                        ". Lower optimizer.params.lr, set gradient_clipping, or set "
+                        "train.on_nonfinite=skip to drop such steps"));
+      }
+      log_rank0().warn("step {}: {} went non-finite: this step's update is skipped "
+                       "(train.on_nonfinite=skip)", step, what);
+      optimizer->zero_grad();
+    } else {
+      if (config.gradient_clipping > 0) zero.clip_grad_norm(config.gradient_clipping, tp_group);
+      optimizer->step();
+    }
     at::Tensor loss_t = at::full({1}, loss_sum, at::kDouble);
     if (dp_group->size() > 1) {
       dp_group->allReduce(loss_t, {ReduceOp::kAvg})->wait();
@@ -265,7 +380,13 @@ int train(int argc, char** argv) {
                           {"grad_bytes", counters.zero.grad_bytes},
                           {"optimizer_state_bytes", optimizer_state_bytes(*optimizer)},
                           {"peak_gathered_param_bytes", counters.zero.peak_gathered_bytes}};
+      if (skipped) m["skipped"] = true;
       metrics << m.dump() << "\n" << std::flush;
+      if (!metrics) {
+        throw Error(str("writing the --metrics file '", metrics_path, "' failed at step ", step, " (",
+                        std::strerror(errno), "; disk full?): the metrics would be incomplete. "
+                        "Free space or give another path"));
+      }
     }
     progress.step(step, loss, tokens_per_s, memory.peak() - base);
 
@@ -283,12 +404,12 @@ int train(int argc, char** argv) {
     }
     position.step = step;
     if (!save_dir.empty() && ((tc.save_interval > 0 && step % tc.save_interval == 0) || step == tc.steps)) {
-      save_train_state(save_dir, position, zero.state(), *optimizer, signature, *world);
+      save_train_state(save_dir, position, zero.state(), *optimizer, identity, *world);
       progress.line(str("saved step ", step, " to ", save_dir));
     }
   }
 
-  if (rank0) {
+  if (rank0 && tc.steps >= first_step) {
     std::printf("loss: first %.4f, last %.4f; peak activation memory per step %s\n", first_loss,
                 last_loss, human_bytes(static_cast<double>(max_peak)).c_str());
   }

@@ -1,7 +1,11 @@
 #include "runtime/communicator.h"
 
+#include <atomic>
+#include <mutex>
+
 #include "runtime/env_knobs.h"
 #include "runtime/error.h"
+#include "runtime/logging.h"
 
 namespace remat {
 
@@ -26,6 +30,29 @@ class CompletedWork final : public Work {
 }  // namespace
 
 std::shared_ptr<Work> completed_work() { return std::make_shared<CompletedWork>(); }
+
+namespace {
+std::atomic<bool> g_failed{false};
+std::mutex g_failure_mutex;
+std::string g_failure;
+}  // namespace
+
+void record_communication_failure(const std::string& error) {
+  {
+    std::lock_guard<std::mutex> lock(g_failure_mutex);
+    if (!g_failure.empty()) return;
+    g_failure = error;
+  }
+  g_failed = true;
+  log().error("{}", error);
+}
+
+std::string communication_failure() {
+  std::lock_guard<std::mutex> lock(g_failure_mutex);
+  return g_failure;
+}
+
+bool communication_failed() { return g_failed.load(std::memory_order_relaxed); }
 
 Communicator::Communicator(int rank, int size)
     : rank_(rank), size_(size), default_timeout_(knobs::comm_timeout()) {}

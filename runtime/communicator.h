@@ -75,6 +75,16 @@ class Work {
 // A Work that is already complete (size-1 fast paths).
 std::shared_ptr<Work> completed_work();
 
+// The first operation of this process that timed out or failed, logged at
+// once when recorded. From then on pending work is abandoned: wait() on any
+// other Work throws CommError at once (naming the first failure) instead of
+// waiting out another timeout, so an error unwinding through destructors that
+// wait (prefetches in flight) ends the job within one timeout.
+void record_communication_failure(const std::string& error);
+// The recorded failure, or empty.
+std::string communication_failure();
+bool communication_failed();
+
 class Communicator {
  public:
   virtual ~Communicator() = default;

@@ -1,6 +1,7 @@
 #include "runtime/config.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <set>
@@ -98,7 +99,8 @@ const std::vector<Field>& schema() {
               leaf("eval_interval", &TrainConfig::eval_interval),
               leaf("eval_batches", &TrainConfig::eval_batches),
               leaf("save_interval", &TrainConfig::save_interval),
-              leaf("sample_chars", &TrainConfig::sample_chars)}),
+              leaf("sample_chars", &TrainConfig::sample_chars),
+              leaf("on_nonfinite", &TrainConfig::on_nonfinite, {"stop", "skip"})}),
   };
   return fields;
 }
@@ -116,10 +118,54 @@ void check_values(const Config& c, const std::string& source) {
                      " must be >= 0 (0 turns clipping off)"));
   }
   if (c.steps_per_print < 1) fail(source, "'steps_per_print' must be at least 1");
-  if (c.optimizer.lr <= 0) fail(source, str("'optimizer.params.lr' = ", c.optimizer.lr, " must be > 0"));
+  // The optimizer's own ranges, named by key (LibTorch would stop with a backtrace).
+  const auto& o = c.optimizer;
+  if (o.lr <= 0) fail(source, str("'optimizer.params.lr' = ", o.lr, " must be > 0"));
+  for (int i = 0; i < 2; ++i) {
+    if (o.betas[i] < 0 || o.betas[i] >= 1) {
+      fail(source, str("'optimizer.params.betas' [", o.betas[0], ", ", o.betas[1], "]: beta", i + 1,
+                       " must be in [0, 1)"));
+    }
+  }
+  if (o.eps <= 0) fail(source, str("'optimizer.params.eps' = ", o.eps, " must be > 0"));
+  if (o.weight_decay < 0) {
+    fail(source, str("'optimizer.params.weight_decay' = ", o.weight_decay, " must be >= 0"));
+  }
+  if (o.momentum < 0) fail(source, str("'optimizer.params.momentum' = ", o.momentum, " must be >= 0"));
+  if (o.nesterov && (o.type != "SGD" || o.momentum <= 0)) {
+    fail(source, o.type != "SGD"
+                     ? str("'optimizer.params.nesterov' applies to SGD only (optimizer.type is ", o.type,
+                           "): remove it")
+                     : std::string("'optimizer.params.nesterov' needs 'optimizer.params.momentum' > 0"));
+  }
+  const auto& sc = c.scheduler;
+  if (sc.type != "none") {
+    if (sc.warmup_min_lr < 0) {
+      fail(source, str("'scheduler.params.warmup_min_lr' = ", sc.warmup_min_lr, " must be >= 0"));
+    }
+    if (sc.warmup_max_lr <= 0) {
+      fail(source, str("'scheduler.params.warmup_max_lr' = ", sc.warmup_max_lr,
+                       " must be > 0 (a negative rate climbs the loss)"));
+    }
+    if (sc.warmup_num_steps < 0) {
+      fail(source, str("'scheduler.params.warmup_num_steps' = ", sc.warmup_num_steps, " must be >= 0"));
+    }
+  }
   const auto& z = c.zero_optimization;
   if (z.stage < 0 || z.stage > 3) {
     fail(source, str("'zero_optimization.stage' = ", z.stage, " must be 0, 1, 2 or 3"));
+  }
+  if (z.reduce_bucket_size < 1) {
+    fail(source, str("'zero_optimization.reduce_bucket_size' = ", z.reduce_bucket_size,
+                     " must be at least 1 (elements per reduce)"));
+  }
+  if (z.stage3_prefetch_bucket_size < 0) {
+    fail(source, str("'zero_optimization.stage3_prefetch_bucket_size' = ", z.stage3_prefetch_bucket_size,
+                     " must be >= 0 (0 turns prefetching off)"));
+  }
+  if (z.stage3_param_persistence_threshold < 0) {
+    fail(source, str("'zero_optimization.stage3_param_persistence_threshold' = ",
+                     z.stage3_param_persistence_threshold, " must be >= 0"));
   }
   if (c.scheduler.type == "WarmupDecayLR" &&
       c.scheduler.total_num_steps <= c.scheduler.warmup_num_steps) {
@@ -281,6 +327,10 @@ Config parse_config(const std::string& text, const std::string& source,
 }
 
 Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    throw ConfigError(str("config error: '", path, "' is a directory; give --config a JSON file"));
+  }
   std::ifstream in(path);
   if (!in) {
     throw ConfigError(str("config error: cannot read '", path,

@@ -141,6 +141,10 @@ struct TrainConfig {
   int64_t eval_batches = 4;
   int64_t save_interval = 0;   // 0: save only when --save-dir is given, at the end
   int64_t sample_chars = 200;  // generated after training (0: none)
+  // A step whose loss or gradients are not finite (nan, inf): "stop" ends the
+  // run with an error naming the step (nothing non-finite is saved); "skip"
+  // drops that step's update and goes on.
+  std::string on_nonfinite = "stop";
 };
 
 // Resolved batch sizes: train = micro × accumulation × data-parallel size.

@@ -3,8 +3,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <random>
 
 #include "runtime/error.h"
 #include "tests/error_of.h"
@@ -240,6 +243,154 @@ TEST(Config, LoadsAFileAndNamesItInErrors) {
   EXPECT_THAT(config_error([&] { load_config(path); }),
               HasSubstr("config error in " + path + ": unknown key 'modle'; did you mean 'model'?"));
   std::remove(path.c_str());
+}
+
+
+// Deep nesting is refused before anything recurses over it (a 100 000-deep
+// value in a file or a 60 000-deep one through --set crashed the parser's
+// callers), and messages quote a short prefix of long values.
+TEST(ConfigHardening, DeepNestingIsAnErrorNotACrash) {
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  EXPECT_THAT(config_error([&] { parse(R"({"model": {"n_layer": )" + deep + "}}"); }),
+              HasSubstr("nested deeper than 16 levels"));
+  const std::string set_deep = std::string(60000, '[') + std::string(60000, ']');
+  EXPECT_THAT(config_error([&] { parse("{}", {"model.n_layer=" + set_deep}); }),
+              HasSubstr("nested deeper than 16 levels"));
+  // Sixteen levels are fine where the schema allows a value (here a wrong type).
+  EXPECT_THAT(config_error([&] { parse(R"({"model": {"n_layer": [[[1]]]}})"); }),
+              HasSubstr("'model.n_layer' must be integer, got array [[[1]]]"));
+}
+
+TEST(ConfigHardening, LongValuesAreQuotedShort) {
+  const std::string huge(5 << 20, 'x');
+  for (const std::string& message :
+       {config_error([&] { parse(R"({"model": {"n_layer": ")" + huge + R"("}})"); }),
+        config_error([&] { parse(R"({"activation_checkpointing": {"variant": ")" + huge + R"("}})"); }),
+        config_error([&] { parse("{\"" + huge + "\": 1}"); }),
+        config_error([&] { parse("{}", {"model." + huge + "=1"}); })}) {
+    EXPECT_LT(message.size(), 1000u) << message.substr(0, 200);
+    EXPECT_THAT(message, HasSubstr("(5242880 characters)"));
+  }
+}
+
+TEST(ConfigHardening, OutOfRangeNumbersAreNamedBeforeAnyConversion) {
+  // int fields: the range of int, whatever the spelling.
+  EXPECT_THAT(config_error([] { parse(R"({"model": {"n_layer": 5e9}})"); }),
+              HasSubstr("'model.n_layer' = 5000000000.0 is out of range: it must be an integer from "
+                        "-2147483648 to 2147483647"));
+  EXPECT_THAT(config_error([] { parse("{}", {"model.n_layer=5000000000"}); }),
+              HasSubstr("'model.n_layer' = 5000000000 is out of range"));
+  EXPECT_THAT(config_error([] { parse("{}", {"train.steps=99999999999999999999"}); }),
+              HasSubstr("'train.steps' = 99999999999999999999 is out of range"));
+  EXPECT_THAT(config_error([] { parse("{}", {"train.seed=-1e300"}); }),
+              HasSubstr("'train.seed' = -1e300 is out of range"));
+  // 1e999 is beyond a double: named with its key, in a file and through --set.
+  EXPECT_THAT(config_error([] { parse(R"({"optimizer": {"params": {"lr": 1e999}}})"); }),
+              HasSubstr("config error in test.json: 'optimizer.params.lr' holds a number beyond what a "
+                        "double holds (about 1.8e308): '1e999'"));
+  EXPECT_THAT(config_error([] { parse("{}", {"model.dropout=-1e999"}); }),
+              HasSubstr("'model.dropout' holds a number beyond what a double holds"));
+  EXPECT_THAT(config_error([] { parse("{}", {"optimizer.params.betas=[0.9, 1e999]"}); }),
+              HasSubstr("'optimizer.params.betas' holds a number beyond"));
+  // Integral doubles still count (DeepSpeed writes 5e8).
+  EXPECT_EQ(parse(R"({"zero_optimization": {"reduce_bucket_size": 5e8}})").zero_optimization.reduce_bucket_size,
+            500000000);
+}
+
+TEST(ConfigHardening, NulBytesAreAnError) {
+  const std::string text = std::string("{\"model\": {\"n_layer\": 2}}\n") + '\0' + "{\"junk\": 1}";
+  EXPECT_THAT(config_error([&] { parse(text); }), HasSubstr("a NUL byte at line 2 (byte 26)"));
+}
+
+TEST(ConfigHardening, RangesOfOptimizerSchedulerAndZeroKeys) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"scheduler.type=WarmupLR", ""},  // valid alone
+      {"optimizer.params.betas=[0.9, 1.0]", "'optimizer.params.betas' [0.9, 1]: beta2 must be in [0, 1)"},
+      {"optimizer.params.betas=[-0.1, 0.9]", "beta1 must be in [0, 1)"},
+      {"optimizer.params.eps=0", "'optimizer.params.eps' = 0 must be > 0"},
+      {"optimizer.params.weight_decay=-0.1", "'optimizer.params.weight_decay' = -0.1 must be >= 0"},
+      {"optimizer.params.momentum=-1", "'optimizer.params.momentum' = -1 must be >= 0"},
+      {"optimizer.params.nesterov=true", "'optimizer.params.nesterov' applies to SGD only"},
+      {"zero_optimization.reduce_bucket_size=0", "'zero_optimization.reduce_bucket_size' = 0 must be at least 1"},
+      {"zero_optimization.stage3_prefetch_bucket_size=-1", "must be >= 0 (0 turns prefetching off)"},
+      {"zero_optimization.stage3_param_persistence_threshold=-5",
+       "'zero_optimization.stage3_param_persistence_threshold' = -5 must be >= 0"},
+  };
+  for (const auto& [set, want] : cases) {
+    if (want.empty()) {
+      EXPECT_NO_THROW(parse("{}", {set})) << set;
+    } else {
+      EXPECT_THAT(config_error([&] { parse("{}", {set}); }), HasSubstr(want)) << set;
+    }
+  }
+  EXPECT_THAT(config_error([] { parse("{}", {"optimizer.type=SGD", "optimizer.params.nesterov=true"}); }),
+              HasSubstr("'optimizer.params.nesterov' needs 'optimizer.params.momentum' > 0"));
+  EXPECT_NO_THROW(parse("{}", {"optimizer.type=SGD", "optimizer.params.nesterov=true", "optimizer.params.momentum=0.9"}));
+  EXPECT_THAT(config_error([] { parse("{}", {"scheduler.type=WarmupLR", "scheduler.params.warmup_max_lr=-0.01"}); }),
+              HasSubstr("'scheduler.params.warmup_max_lr' = -0.01 must be > 0"));
+  EXPECT_THAT(config_error([] { parse("{}", {"scheduler.type=WarmupLR", "scheduler.params.warmup_min_lr=-1"}); }),
+              HasSubstr("'scheduler.params.warmup_min_lr' = -1 must be >= 0"));
+  EXPECT_THAT(config_error([] { parse("{}", {"train.on_nonfinite=ignore"}); }),
+              HasSubstr("'train.on_nonfinite' = \"ignore\" is not one of stop, skip"));
+}
+
+TEST(ConfigHardening, ADirectoryAsConfigIsNamed) {
+  EXPECT_THAT(config_error([] { load_config(::testing::TempDir()); }),
+              HasSubstr("is a directory; give --config a JSON file"));
+}
+
+// Mutated configs and overrides through the parser: each ends in a Config
+// or a ConfigError, never a crash or another exception. A fixed seed, so a
+// failure names an input that reproduces; bounded by count and by time.
+TEST(ConfigFuzz, EveryMutationEndsInAConfigOrAConfigError) {
+  std::mt19937 rng(20261123);
+  const std::string base = default_config_text();
+  const std::vector<std::string> tokens = {"{", "}", "[", "]", ",", ":", "\"", "null", "true", "-",
+                                           "1e999", "5e9", "-0", "0.5", "\"x\"", "\\u0000", "1",
+                                           "{\"a\":1}", "[1,2]", "\"model\"", "\"n_layer\"", "\n"};
+  const std::vector<std::string> keys = {
+      "model.n_layer", "model.dropout", "train.steps", "train.seed", "optimizer.betas",
+      "optimizer.type", "optimizer.lr", "activation_checkpointing.variant",
+      "activation_checkpointing.every_k", "activation_checkpointing.save_ops",
+      "activation_checkpointing.number_checkpoints", "zero_optimization.stage", "data.path",
+      "train_batch_size", "scheduler.params", "model", "nope.key", "model.n_layer.x", ""};
+  const std::vector<std::string> values = {
+      "1", "-1", "0", "1e999", "-1e999", "5e9", "1.5", "\"s\"", "null", "[]", "[1, 2]", "[\"aten::mm\"]",
+      "{}", "{\"a\": 1}", "true", "99999999999999999999", "-9223372036854775809", "[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]",
+      "SGD", "full", "", "=", "0x10", "NaN"};
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  int outcomes[2] = {0, 0};
+  int n = 0;
+  for (; n < 20000 && std::chrono::steady_clock::now() < deadline; ++n) {
+    std::string text = base;
+    std::vector<std::string> overrides;
+    const int edits = 1 + static_cast<int>(rng() % 4);
+    for (int e = 0; e < edits; ++e) {
+      const size_t at = rng() % (text.size() + 1);
+      switch (rng() % 4) {
+        case 0: if (at < text.size()) text.erase(at, 1 + rng() % 8); break;
+        case 1: text.insert(at, tokens[rng() % tokens.size()]); break;
+        case 2: if (at < text.size()) text[at] = static_cast<char>(rng() % 256); break;
+        default: overrides.push_back(keys[rng() % keys.size()] + "=" + values[rng() % values.size()]);
+      }
+    }
+    try {
+      parse_config(text, "fuzz", overrides);
+      outcomes[0]++;
+    } catch (const ConfigError&) {
+      outcomes[1]++;
+    } catch (const std::exception& e) {
+      std::string sets;
+      for (const auto& o : overrides) sets += " --set " + o;
+      ADD_FAILURE() << "case " << n << " threw " << typeid(e).name() << ": " << e.what()
+                    << "\noverrides:" << sets << "\ntext:\n" << text;
+      break;
+    }
+  }
+  std::printf("config fuzz: %d cases, %d parsed, %d ConfigError\n", n, outcomes[0], outcomes[1]);
+  EXPECT_GE(n, 1000) << "too few cases ran in the time allowed";
+  EXPECT_GT(outcomes[0], 0);
+  EXPECT_GT(outcomes[1], 0);
 }
 
 }  // namespace

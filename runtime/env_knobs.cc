@@ -41,4 +41,17 @@ std::chrono::milliseconds comm_timeout() {
                         "' is not a positive number of seconds"));
 }
 
+std::optional<std::chrono::milliseconds> fault_save_pause() {
+  auto value = get(kFaultSavePauseMs);
+  if (!value) return std::nullopt;
+  try {
+    size_t used = 0;
+    const long long ms = std::stoll(*value, &used);
+    if (used == value->size() && ms >= 0) return std::chrono::milliseconds(ms);
+  } catch (const std::exception&) {
+  }
+  throw ConfigError(str(kFaultSavePauseMs, "='", *value,
+                        "' is not a whole number of milliseconds >= 0 (unset it outside tests)"));
+}
+
 }  // namespace remat::knobs

@@ -33,4 +33,8 @@ bool get_bool(const char* name);
 // Default collective timeout: REMAT_COMM_TIMEOUT_S, else 300 s.
 std::chrono::milliseconds comm_timeout();
 
+// REMAT_FAULT_SAVE_PAUSE_MS as a duration (nullopt when unset); anything but a
+// whole number of milliseconds >= 0 is an error. remat-train reads it at start.
+std::optional<std::chrono::milliseconds> fault_save_pause();
+
 }  // namespace remat::knobs

@@ -26,6 +26,27 @@ std::string json_type_name(const json& value) {
 
 }  // namespace
 
+std::string preview(const std::string& text, size_t limit) {
+  if (text.size() <= limit) return text;
+  return str(text.substr(0, limit), "... (", text.size(), " characters)");
+}
+
+std::string preview(const json& value, size_t limit) {
+  if (value.is_number_float() && !std::isfinite(value.get<double>())) {
+    const double d = value.get<double>();
+    return std::isnan(d) ? "nan" : (d > 0 ? "inf" : "-inf");
+  }
+  if (value.is_string()) {
+    return "\"" + preview(value.get_ref<const std::string&>(), limit) + "\"";
+  }
+  // Values reaching a message were parsed with at most kMaxDepth levels, so
+  // dumping them is bounded in depth; their size is cut here.
+  if ((value.is_array() || value.is_object()) && value.size() > 8) {
+    return str(json_type_name(value), " of ", value.size(), value.is_array() ? " elements" : " keys");
+  }
+  return preview(value.dump(), limit);
+}
+
 const char* kind_name(Kind kind) {
   switch (kind) {
     case Kind::kBool: return "boolean";
@@ -69,6 +90,8 @@ size_t edit_distance(const std::string& a, const std::string& b) {
 }
 
 std::string closest(const std::string& name, const std::vector<std::string>& options) {
+  // Edit distance is quadratic: a name far longer than any option is like none of them.
+  if (name.size() > 100) return options.empty() ? std::string() : options.front();
   std::string best;
   size_t best_distance = SIZE_MAX;
   for (const auto& option : options) {
@@ -109,22 +132,30 @@ std::string unknown_key_message(const std::string& path, const std::string& name
                                 const std::vector<Field>& fields) {
   auto names = names_of(fields);
   std::string prefix = path.empty() ? "" : path + ".";
-  return str("unknown key '", prefix, name, "'; did you mean '", prefix,
+  return str("unknown key '", prefix, preview(name), "'; did you mean '", prefix,
              closest(name, names), "'? Valid keys ",
              path.empty() ? "at the top level" : "in '" + path + "'", ": ",
              join(names));
 }
 
-void check_type(const std::string& source, const std::string& path,
-                const Field& field, const json& value) {
+// `typed`: the text an override gave, quoted in messages instead of the
+// parsed value (99999999999999999999 rather than 1e+20).
+void check_type(const std::string& source, const std::string& path, const Field& field,
+                const json& value, const std::string* typed = nullptr) {
+  auto shown = [&] { return typed != nullptr && !value.is_string() ? preview(*typed) : preview(value); };
   if (value.is_null() && field.nullable) return;
+  // 1e999 parses as infinity: refused by name before any range or conversion.
+  auto finite = [](const json& v) { return !v.is_number_float() || std::isfinite(v.get<double>()); };
+  if (!finite(value) ||
+      (value.is_array() && !std::all_of(value.begin(), value.end(), finite))) {
+    fail(source, str("'", path, "' = ", shown(), " is not a finite number"));
+  }
   bool ok = false;
   switch (field.kind) {
     case Kind::kBool: ok = value.is_boolean(); break;
     case Kind::kInt:
       ok = value.is_number_integer() ||
-           (value.is_number_float() &&
-            value.get<double>() == static_cast<double>(static_cast<int64_t>(value.get<double>())));
+           (value.is_number_float() && std::trunc(value.get<double>()) == value.get<double>());
       break;
     case Kind::kNumber: ok = value.is_number(); break;
     case Kind::kString: ok = value.is_string(); break;
@@ -142,16 +173,30 @@ void check_type(const std::string& source, const std::string& path,
   if (!ok) {
     fail(source, str("'", path, "' must be ", kind_name(field.kind),
                      field.nullable ? " or null" : "", ", got ",
-                     json_type_name(value), " ", value.dump()));
+                     json_type_name(value), " ", shown()));
   }
-  if (field.kind == Kind::kInt &&
-      std::abs(value.get<double>()) > 9.0e15) {
-    fail(source, str("'", path, "' = ", value.dump(), " is out of range"));
+  if (field.kind == Kind::kInt) {
+    // Compared as they were parsed (no conversion that could overflow first).
+    bool in_range;
+    if (value.is_number_unsigned()) {
+      in_range = static_cast<double>(value.get<uint64_t>()) <= field.max_value;
+    } else if (value.is_number_integer()) {
+      const double v = static_cast<double>(value.get<int64_t>());
+      in_range = v >= field.min_value && v <= field.max_value;
+    } else {
+      const double v = value.get<double>();
+      in_range = v >= field.min_value && v <= field.max_value;
+    }
+    if (!in_range) {
+      fail(source, str("'", path, "' = ", shown(), " is out of range: it must be an integer from ",
+                       static_cast<int64_t>(field.min_value), " to ",
+                       static_cast<int64_t>(field.max_value)));
+    }
   }
   if (!field.choices.empty()) {
     const auto& s = value.get_ref<const std::string&>();
     if (std::find(field.choices.begin(), field.choices.end(), s) == field.choices.end()) {
-      fail(source, str("'", path, "' = \"", s, "\" is not one of ",
+      fail(source, str("'", path, "' = ", shown(), " is not one of ",
                        join(field.choices), "; did you mean \"",
                        closest(s, field.choices), "\"?"));
     }
@@ -190,34 +235,70 @@ json dump(const std::string& path, const std::vector<Field>& fields, const void*
   return out;
 }
 
-// Rejects duplicate keys, which JSON parsers otherwise resolve silently.
-json parse_strict(const std::string& text, const std::string& source) {
+namespace {
+
+// Parses with the nesting bounded and duplicate keys found (JSON parsers
+// otherwise keep the last silently). Throws json::parse_error for malformed
+// text, ConfigError (via fail) for the rest.
+// `at`: the key the text is the value of (an override's), "" for a document.
+json parse_bounded(const std::string& text, const std::string& source, const std::string& at = "") {
   std::vector<std::set<std::string>> open_objects;
   std::string duplicate;
-  json::parser_callback_t callback = [&](int depth, json::parse_event_t event,
-                                         json& parsed) {
+  std::vector<std::string> keys;  // the path to the value being parsed
+  json::parser_callback_t callback = [&](int depth, json::parse_event_t event, json& parsed) {
+    if ((event == json::parse_event_t::object_start || event == json::parse_event_t::array_start) &&
+        depth >= kMaxDepth) {
+      fail(source, str("values are nested deeper than ", kMaxDepth,
+                       " levels; remat's configuration is at most 3 levels deep"));
+    }
     if (event == json::parse_event_t::object_start) {
       open_objects.emplace_back();
     } else if (event == json::parse_event_t::object_end) {
       if (!open_objects.empty()) open_objects.pop_back();
     } else if (event == json::parse_event_t::key && !open_objects.empty()) {
-      auto key = parsed.get<std::string>();
+      const auto& key = parsed.get_ref<const std::string&>();
       if (!open_objects.back().insert(key).second && duplicate.empty()) duplicate = key;
+      keys.resize(static_cast<size_t>(std::max(depth, 1)));
+      keys.back() = key;
     }
     return true;
   };
   json value;
   try {
     value = json::parse(text, callback);
+  } catch (const json::out_of_range& e) {
+    // A number beyond double's range (1e999): named by its key.
+    std::string path = at;
+    for (const auto& k : keys) path = join_path(path, k);
+    std::string what = e.what();
+    const auto quote = what.find('\'');
+    fail(source, str(path.empty() ? std::string("a value") : "'" + path + "'", " holds a number beyond ",
+                     "what a double holds (about 1.8e308)",
+                     quote == std::string::npos ? std::string() : ": " + preview(what.substr(quote))));
+  }
+  if (!duplicate.empty()) {
+    fail(source, str("key '", preview(duplicate), "' appears twice in one object; keep one of them"));
+  }
+  return value;
+}
+
+}  // namespace
+
+json parse_strict(const std::string& text, const std::string& source) {
+  const size_t nul = text.find('\0');
+  if (nul != std::string::npos) {
+    const size_t line = 1 + std::count(text.begin(), text.begin() + nul, '\n');
+    fail(source, str("a NUL byte at line ", line, " (byte ", nul,
+                     "): a config is JSON text; the file may be binary or truncated"));
+  }
+  json value;
+  try {
+    value = parse_bounded(text, source);
   } catch (const json::parse_error& e) {
     std::string what = e.what();
     auto bracket = what.find("] ");
     if (bracket != std::string::npos) what = what.substr(bracket + 2);
-    fail(source, "malformed JSON: " + what);
-  }
-  if (!duplicate.empty()) {
-    fail(source, str("key '", duplicate,
-                     "' appears twice in one object; keep one of them"));
+    fail(source, "malformed JSON: " + preview(what, 200));
   }
   if (!value.is_object()) {
     fail(source, str("the top level must be a JSON object, got ", json_type_name(value)));
@@ -254,7 +335,7 @@ const Field& find_field(const std::vector<Field>& schema, const std::string& sou
 }  // namespace
 
 void apply_override(json& root, const std::vector<Field>& schema, const std::string& text) {
-  std::string source = "--set " + text;
+  const std::string source = "--set " + preview(text);
   auto eq = text.find('=');
   if (eq == std::string::npos || eq == 0) {
     fail(source, "overrides are written key.path=value, e.g. model.n_layer=8");
@@ -264,12 +345,15 @@ void apply_override(json& root, const std::vector<Field>& schema, const std::str
   const Field& field = find_field(schema, source, dotted);
   json value;
   try {
-    value = json::parse(raw);
+    value = parse_bounded(raw, source, dotted);
   } catch (const json::parse_error&) {
     value = raw;  // A bare word is a string: optimizer.type=SGD.
   }
   // A string field keeps what was typed even when it parses as JSON (data.path=1).
   if (field.kind == Kind::kString && !value.is_string()) value = raw;
+  // Checked here as well, so that messages quote the value as it was typed.
+  // (A section must be given an object, so later overrides can walk into it.)
+  check_type(source, dotted, field, value, &raw);
   json* node = &root;
   std::stringstream parts(dotted);
   std::string part;
@@ -278,6 +362,7 @@ void apply_override(json& root, const std::vector<Field>& schema, const std::str
   for (size_t i = 0; i + 1 < keys.size(); ++i) {
     json& next = (*node)[keys[i]];
     if (next.is_null()) next = json::object();
+    if (!next.is_object()) fail(source, str("'", keys[i], "' is not an object: '", dotted, "' cannot be set"));
     node = &next;
   }
   (*node)[keys.back()] = value;

@@ -14,8 +14,10 @@
 //   json_schema::apply("my.json", "", fields, json_schema::parse_strict(text, "my.json"), &root);
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -34,6 +36,9 @@ struct Field {
   std::string name;
   Kind kind;
   bool nullable = false;
+  // kInt: the range of the member's type (values outside it are refused
+  // before any conversion).
+  double min_value = 0, max_value = 0;
   std::vector<std::string> choices;  // allowed strings, when not empty
   std::vector<Field> children;       // kObject
   // Leaves: store a validated value into / read it from the enclosing struct.
@@ -53,6 +58,26 @@ template <> struct KindOf<double> { static constexpr Kind value = Kind::kNumber;
 template <> struct KindOf<std::string> { static constexpr Kind value = Kind::kString; };
 template <> struct KindOf<std::vector<std::string>> { static constexpr Kind value = Kind::kStringList; };
 template <> struct KindOf<std::array<double, 2>> { static constexpr Kind value = Kind::kNumberPair; };
+
+// The deepest nesting a document (or an override's value) may have: remat's
+// schema is three levels deep, and deeper input is refused before anything
+// walks it recursively.
+constexpr int kMaxDepth = 16;
+
+// At most `limit` characters of a value for a message (long strings and
+// large arrays or objects are cut, with what was left out said).
+std::string preview(const json& value, size_t limit = 60);
+std::string preview(const std::string& text, size_t limit = 60);
+
+template <typename T>
+void set_range(Field& field) {
+  if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+    // int64 members stop at 2^53, where doubles (DeepSpeed's 5e8) still count exactly.
+    constexpr double kExact = 9007199254740992.0;
+    field.min_value = std::max(static_cast<double>(std::numeric_limits<T>::min()), -kExact);
+    field.max_value = std::min(static_cast<double>(std::numeric_limits<T>::max()), kExact);
+  }
+}
 
 template <typename T>
 T convert(const json& value) {
@@ -76,6 +101,7 @@ Field leaf(const char* name, T S::*member, std::vector<std::string> choices = {}
     return json(static_cast<const S*>(target)->*member);
   };
   field.kind = KindOf<T>::value;
+  set_range<T>(field);
   return field;
 }
 
@@ -84,6 +110,7 @@ Field optional_leaf(const char* name, std::optional<T> S::*member) {
   Field field;
   field.name = name;
   field.kind = KindOf<T>::value;
+  set_range<T>(field);
   field.nullable = true;
   field.assign = [member](const json& value, void* target) {
     auto& slot = static_cast<S*>(target)->*member;
@@ -122,7 +149,8 @@ Field inline_section(const char* name, std::vector<Field> children);
 // Throws ConfigError "config error in <source>: <message>".
 [[noreturn]] void fail(const std::string& source, const std::string& message);
 
-// Parses `text`, refusing duplicate keys and a top level that is not an object.
+// Parses `text`, refusing NUL bytes, nesting deeper than kMaxDepth, duplicate
+// keys and a top level that is not an object.
 json parse_strict(const std::string& text, const std::string& source);
 
 // Validates `object` against `fields` (at dotted `path`) and stores every

@@ -156,6 +156,11 @@ class MpiWork final : public Work {
     auto start = std::chrono::steady_clock::now();
     int polls = 0;
     while (!isCompleted()) {
+      if (communication_failed()) {
+        error_ = str(what_, " on rank ", rank_, " abandoned: an earlier operation failed (",
+                     communication_failure(), ")");
+        throw CommError(error_);
+      }
       // Spin briefly, then yield: ranks are often oversubscribed on few cores.
       if (++polls > 1000) {
         if (std::chrono::steady_clock::now() - start > timeout_) {
@@ -174,6 +179,7 @@ class MpiWork final : public Work {
             keep_alive.clear();
             finish.clear();
           }
+          record_communication_failure(error_);
           throw TimeoutError(error_);
         }
         std::this_thread::sleep_for(std::chrono::microseconds(polls > 100000 ? 200 : 5));

@@ -104,6 +104,7 @@ class NcclWork final : public Work {
       error_ = str(what_, " failed: ", ncclGetErrorString(async), " (",
                    ncclGetLastError(state_->comm), ")");
       abort();
+      record_communication_failure(error_);
       throw CommError(error_);
     }
     cudaError_t rc = cudaEventQuery(done_event_);
@@ -119,12 +120,18 @@ class NcclWork final : public Work {
   void wait() override {
     auto start = std::chrono::steady_clock::now();
     while (!isCompleted()) {
+      if (communication_failed()) {
+        error_ = str(what_, " abandoned: an earlier operation failed (", communication_failure(), ")");
+        abort();
+        throw CommError(error_);
+      }
       if (std::chrono::steady_clock::now() - start > timeout_) {
         error_ = str(what_, " did not complete within ", timeout_.count() / 1000.0,
                      " s; the NCCL communicator was aborted. A peer may have exited, "
                      "stalled, or called a different collective: run with "
                      "REMAT_DEBUG_COLLECTIVES=1, or raise REMAT_COMM_TIMEOUT_S");
         abort();
+        record_communication_failure(error_);
         throw TimeoutError(error_);
       }
       std::this_thread::sleep_for(std::chrono::microseconds(20));

@@ -17,6 +17,7 @@ packages=(
   libgtest-dev
   libgmock-dev
   libcli11-dev
+  zlib1g-dev         # CRC-32 of saved training state
 )
 
 missing=()
