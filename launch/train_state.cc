@@ -356,16 +356,19 @@ TrainPosition load_train_state(const std::string& dir, torch::nn::Module& model,
     torch::serialize::InputArchive archive, model_archive, optimizer_archive, rng_archive;
     std::istringstream in(bytes);
     archive.load_from(in);
-    c10::IValue step, window, rank, run_id;
+    c10::IValue step, window, rank, run_id, world_size;
     archive.read("step", step);
     archive.read("window", window);
-    // Files from another step, rank or run (copied or swapped by hand) stop here.
+    // Files from another step, rank, world size or run (copied or swapped by
+    // hand) stop here.
     if (step.toInt() != manifest.step ||
+        (archive.try_read("world_size", world_size) && world_size.toInt() != manifest.world_size) ||
         (archive.try_read("rank", rank) && rank.toInt() != world.rank()) ||
         (!manifest.run_id.empty() && archive.try_read("run_id", run_id) &&
          run_id.toStringRef() != manifest.run_id)) {
       throw ConfigError(str("resume: '", file, "' holds step ", step.toInt(),
                             rank.isInt() ? str(" of rank ", rank.toInt()) : std::string(),
+                            world_size.isInt() ? str(" of ", world_size.toInt(), " ranks") : std::string(),
                             run_id.isString() ? " of run " + run_id.toStringRef() : std::string(),
                             " but the manifest of '", folder, "' is step ", manifest.step, " of run ",
                             manifest.run_id, " and this is rank ", world.rank(),
