@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <mutex>
 #include <thread>
 
 #include "runtime/env_knobs.h"
@@ -157,30 +158,19 @@ class MpiWork final : public Work {
     int polls = 0;
     while (!isCompleted()) {
       if (communication_failed()) {
-        error_ = str(what_, " on rank ", rank_, " abandoned: an earlier operation failed (",
-                     communication_failure(), ")");
-        throw CommError(error_);
+        give_up(str(what_, " on rank ", rank_, " abandoned: an earlier operation failed (",
+                    communication_failure(), ")"),
+                /*timed_out=*/false);
       }
       // Spin briefly, then yield: ranks are often oversubscribed on few cores.
       if (++polls > 1000) {
         if (std::chrono::steady_clock::now() - start > timeout_) {
-          error_ = str(what_, " on rank ", rank_, " of ", size_, " did not complete within ",
-                       timeout_.count() / 1000.0,
-                       " s: a peer may have exited, stalled, or called a different "
-                       "collective. Run with REMAT_DEBUG_COLLECTIVES=1 to compare the "
-                       "calls across ranks, or raise REMAT_COMM_TIMEOUT_S");
-          // A point-to-point request can be withdrawn, so its buffer is free
-          // again; a collective cannot, and the job should end (run_main).
-          if (cancellable_) {
-            for (auto& request : requests) {
-              MPI_Cancel(&request);
-              MPI_Wait(&request, MPI_STATUS_IGNORE);
-            }
-            keep_alive.clear();
-            finish.clear();
-          }
-          record_communication_failure(error_);
-          throw TimeoutError(error_);
+          give_up(str(what_, " on rank ", rank_, " of ", size_, " did not complete within ",
+                      timeout_.count() / 1000.0,
+                      " s: a peer may have exited, stalled, or called a different "
+                      "collective. Run with REMAT_DEBUG_COLLECTIVES=1 to compare the "
+                      "calls across ranks, or raise REMAT_COMM_TIMEOUT_S"),
+                  /*timed_out=*/true);
         }
         std::this_thread::sleep_for(std::chrono::microseconds(polls > 100000 ? 200 : 5));
       }
@@ -188,6 +178,36 @@ class MpiWork final : public Work {
   }
 
  private:
+  // Stops waiting. A point-to-point request is withdrawn, so its buffer is
+  // free again and the communicator stays usable. A collective cannot be
+  // withdrawn: MPI may still write into its buffers, which are therefore kept
+  // until the process ends, and a collective that timed out is recorded as
+  // the process's communication failure (the job should end: run_main).
+  [[noreturn]] void give_up(std::string error, bool timed_out) {
+    error_ = std::move(error);
+    if (cancellable_) {
+      for (auto& request : requests) {
+        MPI_Cancel(&request);
+        MPI_Wait(&request, MPI_STATUS_IGNORE);
+      }
+      keep_alive.clear();
+    } else {
+      keep_until_exit(std::move(keep_alive));
+      keep_alive.clear();
+      if (timed_out) record_communication_failure(error_);
+    }
+    finish.clear();
+    if (timed_out) throw TimeoutError(error_);
+    throw CommError(error_);
+  }
+
+  static void keep_until_exit(std::vector<at::Tensor> buffers) {
+    static std::mutex mutex;
+    static auto* kept = new std::vector<at::Tensor>();  // never freed: MPI may write there
+    std::lock_guard<std::mutex> lock(mutex);
+    for (auto& b : buffers) kept->push_back(std::move(b));
+  }
+
   std::string what_;
   int rank_;
   int size_;

@@ -18,6 +18,8 @@ packages=(
   libgmock-dev
   libcli11-dev
   zlib1g-dev         # CRC-32 of saved training state
+  procps             # pgrep in the whole-job tests
+  python3            # edits saved files in the whole-job tests
 )
 
 missing=()
