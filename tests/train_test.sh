@@ -245,11 +245,11 @@ expect "resume with another model shape" "holds a model with vocab=" \
 expect "empty data file" "data: '$tmp/empty.txt' is empty" \
   "$train" --config "$configs_dir/default.json" --set data.path="$tmp/empty.txt"
 mkdir -p "$tmp/empty"
-expect "resume from a folder without a save" "holds no complete save (no manifest.json" \
+expect "resume from a folder without a save" "holds no manifest.json and no 'latest' file" \
   "$train" --config "$configs_dir/default.json" --resume "$tmp/empty"
 cp -r "$save/step_00000010" "$tmp/corrupt"
 head -c 100 "$save/step_00000010/rank_0.pt" >"$tmp/corrupt/rank_0.pt"
-expect "resume from a truncated file" "is corrupt or truncated" \
+expect "resume from a truncated file" "rank_0.pt' is damaged: 100 bytes" \
   "$run" -np 2 -- "$train" --config "$configs_dir/default.json" "${small[@]}" --resume "$tmp/corrupt"
 expect "launcher without a program" "no program to run" "$run" -np 2
 expect "launcher without -np" "say how many ranks" "$run" -- "$train"
