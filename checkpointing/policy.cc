@@ -109,9 +109,15 @@ int apply_activation_checkpointing(torch::nn::Module& model, const PolicyOptions
     if (!invalid.empty()) throw ConfigError("activation checkpointing: " + invalid);
     if (v == "none") return 0;
     auto blocks = find_blocks(model, options.blocks);
-    int k = v == "selective_layer" ? options.every_k : 1;
-    for (size_t i = 0; i < blocks->size(); ++i) {
-      if (static_cast<int>(i) % k == 0) {
+    if (options.every_k_from != "first" && options.every_k_from != "last") {
+      throw ConfigError(str("activation checkpointing: 'activation_checkpointing.every_k_from' = \"",
+                            options.every_k_from, "\" is not one of first, last"));
+    }
+    const int64_t k = v == "selective_layer" ? options.every_k : 1;
+    const int64_t n = static_cast<int64_t>(blocks->size());
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t from = options.every_k_from == "last" ? n - 1 - i : i;
+      if (from % k == 0) {
         chosen.emplace_back(str(options.blocks, ".", i), blocks->ptr(i).get());
       }
     }

@@ -87,6 +87,34 @@ TEST_F(Policies, EveryVariantMatchesThePlainRunBitwise) {
   }
 }
 
+// every_k_from chooses which block of each k is marked: the first (0, k, ...)
+// or the last (n-1, n-1-k, ...); both keep the plain run's gradients.
+TEST_F(Policies, EveryKFromTheFirstOrTheLastBlock) {
+  auto plain = step(model, x);
+  for (auto [from, k, want] : {std::tuple{"first", 3, "blocks.0 blocks.3 blocks.6"},
+                               {"last", 3, "blocks.1 blocks.4 blocks.7"},
+                               {"last", 2, "blocks.1 blocks.3 blocks.5 blocks.7"},
+                               {"last", 8, "blocks.7"}}) {
+    PolicyOptions o = variant("selective_layer", k);
+    o.every_k_from = from;
+    std::string marked;
+    apply_activation_checkpointing(*model, o);
+    for (const auto& item : model->named_modules("", /*include_self=*/false)) {
+      if (module_hook(*item.value(), HookSlot::kCheckpoint)) marked += (marked.empty() ? "" : " ") + item.key();
+    }
+    EXPECT_EQ(marked, want) << from << " k=" << k;
+    auto ckpt = step(model, x);
+    for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(torch::equal(plain[i], ckpt[i])) << from << " " << i;
+  }
+  PolicyOptions bad = variant("selective_layer", 2);
+  bad.every_k_from = "middle";
+  EXPECT_THAT(error_of<Error>([&] { apply_activation_checkpointing(*model, bad); }),
+              HasSubstr("'activation_checkpointing.every_k_from' = \"middle\" is not one of first, last"));
+  Config cfg = parse_config(
+      R"({"activation_checkpointing": {"variant": "selective_layer", "every_k": 4, "every_k_from": "last"}})", "test");
+  EXPECT_EQ(apply_activation_checkpointing(*model, cfg.activation_checkpointing), 2);
+}
+
 TEST_F(Policies, RecomputeCounts) {
   for (auto [name, k, expected] : {std::tuple{"none", 1, 0}, {"full", 1, 8},
                                    {"selective_layer", 2, 4}, {"selective_op", 1, 8}}) {

@@ -80,6 +80,7 @@ const std::vector<Field>& schema() {
               leaf<AC, bool>("offload_keep_last", &AC::offload_keep_last),
               leaf<AC, std::string>("variant", &AC::variant, checkpoint_variants()),
               leaf<AC, int>("every_k", &AC::every_k),
+              leaf<AC, std::string>("every_k_from", &AC::every_k_from, {"first", "last"}),
               optional_leaf<AC, std::vector<std::string>>("save_ops", &AC::save_ops)}),
       object("tensor_parallel", &Config::tensor_parallel,
              {leaf("size", &TensorParallelConfig::size)}),

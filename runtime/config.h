@@ -82,6 +82,10 @@ struct PolicySettings {
   std::string variant = "none";
   // selective_layer: checkpoint every k-th block.
   int every_k = 1;
+  // selective_layer: which block of each k is checkpointed. "first": blocks
+  // 0, k, 2k, ...; "last": the last block and every k-th before it (n-1,
+  // n-1-k, ...), so the block that runs last is always among them.
+  std::string every_k_from = "first";
   // selective_op: the ops whose outputs are kept; unset (null): the default
   // list of checkpointing/selective_op.h.
   std::optional<std::vector<std::string>> save_ops;

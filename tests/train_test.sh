@@ -61,11 +61,12 @@ parity() {
 
 # 2. Dropout 0.1, 2 ranks, 20 steps: the same losses bitwise under every variant.
 ac=activation_checkpointing
-dp_order=(none full selective_layer selective_op)
+dp_order=(none full selective_layer selective_layer_last selective_op)
 declare -A dp_variants=(
   [none]="--set $ac.variant=none"
   [full]="--set $ac.variant=full"
   [selective_layer]="--set $ac.variant=selective_layer --set $ac.every_k=2"
+  [selective_layer_last]="--set $ac.variant=selective_layer --set $ac.every_k=2 --set $ac.every_k_from=last"
   [selective_op]="--set $ac.variant=selective_op"
 )
 parity parity "2 ranks" 2 dp_order dp_variants --set model.dropout=0.1
