@@ -339,9 +339,8 @@ int train(int argc, char** argv) {
                                    bad_grads ? "the gradients" : "");
       if (tc.on_nonfinite == "stop") {
         throw Error(str("step ", step, ": ", what, " went non-finite (nan or inf; local loss ", loss_sum,
-                        "). Stopped before updating or saving anything of this step",
-                        position.step > 0 && !save_dir.empty() ? "; the last save is finite" : "",
-                        ". Lower optimizer.params.lr, set gradient_clipping, or set "
+                        "). Stopped before updating or saving anything of this step. "
+                        "Lower optimizer.params.lr, set gradient_clipping, or set "
                         "train.on_nonfinite=skip to drop such steps"));
       }
       log_rank0().warn("step {}: {} went non-finite: this step's update is skipped "

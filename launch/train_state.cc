@@ -69,6 +69,12 @@ std::string step_folder(int64_t step) {
   return name;
 }
 
+std::string host_name() {
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  return host;
+}
+
 int64_t crc32_of(const std::string& bytes) {
   return static_cast<int64_t>(
       ::crc32_z(0L, reinterpret_cast<const Bytef*>(bytes.data()), bytes.size()));
@@ -195,12 +201,10 @@ std::string new_run_id(Communicator& world) {
   constexpr int64_t kLength = 64;
   at::Tensor bytes = at::zeros({kLength}, at::kLong);
   if (world.rank() == 0) {
-    char host[64] = {};
-    ::gethostname(host, sizeof(host) - 1);
     const auto now = std::chrono::duration_cast<std::chrono::milliseconds>(
                          std::chrono::system_clock::now().time_since_epoch())
                          .count();
-    const std::string id = str(host, "-", ::getpid(), "-", now).substr(0, kLength - 1);
+    const std::string id = str(host_name(), "-", ::getpid(), "-", now).substr(0, kLength - 1);
     for (size_t i = 0; i < id.size(); ++i) bytes[static_cast<int64_t>(i)] = static_cast<int64_t>(id[i]);
   }
   if (world.size() > 1) world.broadcast(bytes, {0})->wait();
@@ -249,9 +253,7 @@ SaveDirLock::SaveDirLock(const std::string& dir, const std::string& run_id, Comm
                             "): two jobs saving to one folder overwrite each other; give this one "
                             "another --save-dir, or wait for the other to end"));
     }
-    char host[64] = {};
-    ::gethostname(host, sizeof(host) - 1);
-    const std::string me = str("pid ", ::getpid(), " on ", host, ", run ", run_id, "\n");
+    const std::string me = str("pid ", ::getpid(), " on ", host_name(), ", run ", run_id, "\n");
     if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, me.data(), me.size(), 0) != static_cast<ssize_t>(me.size())) {
       log().warn("--save-dir '{}': could not record this job in its lock file", dir);
     }

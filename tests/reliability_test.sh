@@ -16,28 +16,29 @@ small=(--set model.n_layer=2 --set model.seq_len=32 --set model.d_model=32 --set
        --set train_micro_batch_size_per_gpu=4 --set train.eval_interval=0 --set train.sample_chars=0)
 tiny=("$train" "${small[@]}")
 
-# ok NAME TEXT COMMAND...: the command must succeed and print TEXT.
-ok() {
-  local name="$1" text="$2"
-  shift 2
-  local out
-  if out=$(timeout 120 "$@" 2>&1) && grep -qF -- "$text" <<<"$out"; then
-    pass "$name"
+# outcome NAME ok|error TEXT ABSENT COMMAND...: the command must succeed (ok)
+# or end with a nonzero exit that is not a timeout or a signal (error), print
+# TEXT, and print nothing matching ABSENT (a regex; empty: not checked).
+outcome() {
+  local name="$1" want="$2" text="$3" absent="$4" out rc ended
+  shift 4
+  out=$(timeout 120 "$@" 2>&1); rc=$?
+  if [[ $want == ok ]]; then ended=$((rc == 0)); else ended=$((rc != 0 && rc != 124 && rc < 128)); fi
+  if [[ $ended -eq 1 ]] && grep -qF -- "$text" <<<"$out" &&
+     { [[ -z "$absent" ]] || ! grep -qE -- "$absent" <<<"$out"; }; then
+    pass "$name (exit $rc)"
   else
-    fail "$name (wanted exit 0 and: $text)" "$out"
+    fail "$name (exit $rc; wanted $want, '$text'${absent:+ and no '$absent'})" "$out"
   fi
 }
+ok() { local name="$1" text="$2"; shift 2; outcome "$name" ok "$text" "" "$@"; }
 
 # --- A. Nothing lost ---------------------------------------------------------
 
 # A1. A --save-dir that cannot be used fails before the first step.
 touch "$tmp/a_file"
-out=$(timeout 60 "${tiny[@]}" --steps 5 --save-dir "$tmp/a_file/saves" 2>&1); rc=$?
-if [[ $rc -ne 0 ]] && grep -qF "cannot be created" <<<"$out" && ! grep -q "^step " <<<"$out"; then
-  pass "an unusable --save-dir is refused before training (exit $rc)"
-else
-  fail "an unusable --save-dir is refused before training" "$out"
-fi
+outcome "an unusable --save-dir is refused before training" error "cannot be created" "^step " \
+  "${tiny[@]}" --steps 5 --save-dir "$tmp/a_file/saves"
 # A folder that exists but takes no files (root writes through permissions).
 if [[ $(id -u) -eq 0 ]]; then ro=/proc/self/fdinfo; else mkdir -p "$tmp/ro" && chmod 500 "$tmp/ro"; ro="$tmp/ro"; fi
 expect "a read-only --save-dir is refused at start" "is not writable" "${tiny[@]}" --steps 5 --save-dir "$ro"
@@ -135,19 +136,11 @@ expect "--steps -1 is an error" "'train.steps' = -1 must be >= 0" "${tiny[@]}" -
 expect "--seed -5 is an error" "'train.seed' = -5 must be >= 0" "${tiny[@]}" --seed -5
 expect "--steps beyond int64 is an error" "'train.steps' = 99999999999999999999 is out of range" \
   "${tiny[@]}" --steps 99999999999999999999
-out=$(timeout 60 "${tiny[@]}" --steps 0 2>&1); rc=$?
-if [[ $rc -eq 0 ]] && grep -q "nothing to train" <<<"$out" && ! grep -q "loss: first" <<<"$out"; then
-  pass "--steps 0 says there is nothing to train and prints no loss"
-else
-  fail "--steps 0 says there is nothing to train and prints no loss" "$out"
-fi
-out=$(timeout 60 "$run" -np 2 -- "$train" "${small[@]}" --steps 4 --resume "$tmp/saves" 2>&1); rc=$?
-if [[ $rc -eq 0 ]] && grep -q "nothing to train: train.steps is 4 and the run resumed at step 4" <<<"$out" &&
-   ! grep -q "loss: first" <<<"$out"; then
-  pass "resuming at or past the end says so and prints no loss"
-else
-  fail "resuming at or past the end says so and prints no loss" "$out"
-fi
+outcome "--steps 0 says there is nothing to train and prints no loss" ok "nothing to train" \
+  "loss: first" "${tiny[@]}" --steps 0
+outcome "resuming at or past the end says so and prints no loss" ok \
+  "nothing to train: train.steps is 4 and the run resumed at step 4" "loss: first" \
+  "$run" -np 2 -- "$train" "${small[@]}" --steps 4 --resume "$tmp/saves"
 
 # D4. number_checkpoints below the regions the policy marks.
 expect "number_checkpoints below the region count is an error" \
@@ -182,13 +175,9 @@ expect "a device as data.path stops at the size limit" "holds more than 26843545
   "${tiny[@]}" --set data.path=/dev/zero
 expect "1e999 through --set names the key" "'optimizer.params.lr' holds a number beyond what a double holds" \
   "${tiny[@]}" --set optimizer.params.lr=1e999
-out=$(REMAT_FAULT_SAVE_PAUSE_MS=soon timeout 60 "${tiny[@]}" --steps 3 --save-dir "$tmp/knob" 2>&1); rc=$?
-if [[ $rc -ne 0 ]] && grep -qF "REMAT_FAULT_SAVE_PAUSE_MS='soon' is not a whole number" <<<"$out" &&
-   ! grep -q "^step " <<<"$out"; then
-  pass "a bad REMAT_FAULT_SAVE_PAUSE_MS is refused at start (exit $rc)"
-else
-  fail "a bad REMAT_FAULT_SAVE_PAUSE_MS is refused at start" "$out"
-fi
+outcome "a bad REMAT_FAULT_SAVE_PAUSE_MS is refused at start" error \
+  "REMAT_FAULT_SAVE_PAUSE_MS='soon' is not a whole number" "^step " \
+  env REMAT_FAULT_SAVE_PAUSE_MS=soon "${tiny[@]}" --steps 3 --save-dir "$tmp/knob"
 
 # --- B. No hangs -------------------------------------------------------------
 
