@@ -33,8 +33,8 @@ results=build/bench/results.jsonl
 model=(--batch 4 --seq 64 --d-model 128 --heads 4 --d-ff 512 --vocab 128 --seed 1234)
 export REMAT_LOG_LEVEL=warn
 gpt_bench=bazel-bin/benchmarks/gpt_bench
-remat_variants=none,full,every_k2,selective_op,offload
-torch_variants=none,full_reentrant,full_nonreentrant,every_k2_reentrant,every_k2_nonreentrant
+remat_variants=none,full,full_reentrant,every_k2,every_k2_reentrant,selective_op,offload,act_offload
+torch_variants=none,full_reentrant,full_nonreentrant,every_k2_reentrant,every_k2_nonreentrant,save_on_cpu
 
 echo "[1/5] same function: first-step loss without dropout"
 $gpt_bench "${model[@]}" --layers 4 --variants none --memory-only --dropout 0 |

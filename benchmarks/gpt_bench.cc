@@ -19,6 +19,7 @@
 #include <sstream>
 
 #include "checkpointing/checkpoint.h"
+#include "checkpointing/offload_activations.h"
 #include "checkpointing/policy.h"
 #include "launch/step_counters.h"
 #include "models/gpt.h"
@@ -41,10 +42,18 @@ std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
-// The activation_checkpointing section of a variant.
-ActivationCheckpointingConfig config_of(const std::string& variant) {
+// The activation_checkpointing section of a variant; a "_reentrant" suffix
+// (full_reentrant, every_k2_reentrant, ...) selects reentrant regions.
+ActivationCheckpointingConfig config_of(const std::string& name) {
   ActivationCheckpointingConfig c;
-  if (variant == "none") {
+  const std::string suffix = "_reentrant";
+  std::string variant = name;
+  if (variant.size() > suffix.size() &&
+      variant.compare(variant.size() - suffix.size(), suffix.size(), suffix) == 0) {
+    variant.resize(variant.size() - suffix.size());
+    c.reentrant = true;
+  }
+  if (variant == "none" || variant == "act_offload") {
     c.variant = "none";
   } else if (variant == "full") {
     c.variant = "full";
@@ -60,8 +69,10 @@ ActivationCheckpointingConfig config_of(const std::string& variant) {
     c.variant = "full";
     c.partition_activations = true;
   } else {
-    throw ConfigError(str("gpt_bench: unknown variant '", variant,
-                          "' (none, full, every_k2, selective_op, offload, partitioned)"));
+    throw ConfigError(str("gpt_bench: unknown variant '", name,
+                          "' (none, full, every_k2, selective_op, offload, partitioned, each but "
+                          "none also with the suffix _reentrant; act_offload: activation "
+                          "offloading without checkpointing)"));
   }
   return c;
 }
@@ -80,7 +91,7 @@ int bench(int argc, char** argv) {
   o.shape.dropout = 0.1;
   int64_t batch = 4, seed = 1234;
   app.add_option("--layers", layers, "comma-separated depths");
-  app.add_option("--variants", variants, "none, full, every_k2, selective_op, offload, partitioned");
+  app.add_option("--variants", variants, "none, full, every_k2, selective_op, offload, partitioned (+ _reentrant)");
   app.add_option("--steps", steps, "measured steps per variant and depth")->check(CLI::NonNegativeNumber);
   app.add_option("--warmup", warmup)->check(CLI::NonNegativeNumber);
   app.add_flag("--memory-only", memory_only, "one measured step per variant");
@@ -119,21 +130,22 @@ int bench(int argc, char** argv) {
     at::Generator data = at::detail::createCPUGenerator(static_cast<uint64_t>(seed + 1));
     at::Tensor idx = at::randint(o.vocab_size, {batch, o.shape.seq_len}, data, at::kLong);
     at::Tensor targets = idx.roll(-1, 1);
-    std::map<std::string, PolicyOptions> plans;
-    for (const auto& v : split(variants)) {
-      auto c = config_of(v);
-      configure_checkpointing(c, &layout);
-      plans[v] = PolicyOptions(c);
-    }
+    // Each step configures its own variant: the region defaults (storage,
+    // reentrant) are process-wide.
+    std::map<std::string, ActivationCheckpointingConfig> configs;
+    for (const auto& v : split(variants)) configs[v] = config_of(v);
     struct Result {
       double fwd_ms, step_ms, loss;
       int64_t peak, saved;
     };
     auto step = [&](const std::string& v) {
-      if (plans[v].variant == "none") {
+      const auto& c = v == "none" ? config_of("none") : configs.at(v);
+      configure_checkpointing(c, &layout);
+      std::unique_ptr<OffloadActivations> offload;
+      if (c.variant == "none") {
         remove_activation_checkpointing(*model);
       } else {
-        apply_activation_checkpointing(*model, plans[v]);
+        apply_activation_checkpointing(*model, PolicyOptions(c));
       }
       for (auto& p : model->parameters()) {
         if (p.grad().defined()) p.mutable_grad().zero_();
@@ -141,7 +153,9 @@ int bench(int argc, char** argv) {
       const int64_t base = memory.current();
       memory.reset_peak();
       auto t0 = Clock::now();
+      if (v == "act_offload") offload = std::make_unique<OffloadActivations>(OffloadActivationsOptions{});
       at::Tensor loss = model->loss(idx, targets);
+      offload.reset();
       auto t1 = Clock::now();
       const int64_t saved = Counters::read().checkpoint_saved_bytes;
       loss.backward();
@@ -150,6 +164,7 @@ int bench(int argc, char** argv) {
       return Result{ms(t1 - t0).count(), ms(t2 - t0).count(), loss.item<double>(),
                     memory.peak() - base, saved};
     };
+    exclude_output_head(*model, OffloadActivationsOptions{});  // used by act_offload only
     step("none");  // allocates the parameter gradients
     auto emit = [&](const std::string& v, const char* kind, int s, const Result& r) {
       if (!print) return;

@@ -1,5 +1,5 @@
 #include "checkpointing/checkpoint.h"
-#include "checkpointing/state.h"
+
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -13,8 +13,8 @@
 #include <chrono>
 #include <mutex>
 
-#include "checkpointing/op_recorder.h"
-#include "checkpointing/selective_op.h"
+#include "checkpointing/region.h"
+#include "checkpointing/state.h"
 #include "nn/autograd_state.h"
 #include "rng/rng_tracker.h"
 #include "runtime/config.h"
@@ -38,6 +38,7 @@ void configure_checkpointing(const ActivationCheckpointingConfig& config,
   auto& options = default_checkpoint_options();
   options.synchronize = config.synchronize_checkpoint_boundary;
   options.profile = config.profile;
+  options.reentrant = config.reentrant;
   InputStorageOptions storage;
   if (config.partition_activations) {
     if (mpu == nullptr) {
@@ -69,191 +70,6 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-using Clock = std::chrono::steady_clock;
-
-double ms_since(Clock::time_point start) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-}
-
-void add_profile(const std::string& name, const RegionProfile& delta) {
-  auto& state = CheckpointingState::get();
-  std::lock_guard<std::mutex> lock(state.profile_mutex);
-  auto& p = state.profile[name];
-  p.calls += delta.calls;
-  p.recomputes += delta.recomputes;
-  p.forward_ms += delta.forward_ms;
-  p.recompute_ms += delta.recompute_ms;
-  p.backward_ms += delta.backward_ms;
-}
-
-// ---------------------------------------------------------------------------
-// Tensors inside nested values: collected in a fixed order and put back in the
-// same order. Undefined tensors count as None, not as tensors.
-
-void collect_tensors(const c10::IValue& v, std::vector<at::Tensor>& out, const std::string& where) {
-  if (v.isTensor()) {
-    if (v.toTensor().defined()) out.push_back(v.toTensor());
-  } else if (v.isTensorList()) {
-    for (const at::Tensor& t : v.toTensorList().vec()) {
-      if (t.defined()) out.push_back(t);
-    }
-  } else if (v.isList()) {
-    for (const auto& item : v.toListRef()) collect_tensors(item, out, where);
-  } else if (v.isTuple()) {
-    for (const auto& item : v.toTupleRef().elements()) collect_tensors(item, out, where);
-  } else if (v.isGenericDict() || v.isObject() || v.isFuture() || v.isCapsule()) {
-    throw Error(str(where, ": values of type ", v.tagKind(),
-                    " are not supported; capture them in fn instead of passing them"));
-  }
-}
-
-at::Tensor next_tensor(const std::vector<at::Tensor>& values, size_t& index) {
-  REMAT_CHECK_LT(index, values.size(), "checkpoint: tensor structure changed");
-  return values[index++];
-}
-
-c10::IValue replace_tensors(const c10::IValue& v, const std::vector<at::Tensor>& values,
-                            size_t& index) {
-  if (v.isTensor()) {
-    return v.toTensor().defined() ? c10::IValue(next_tensor(values, index)) : v;
-  }
-  if (v.isTensorList()) {
-    c10::List<at::Tensor> list;
-    for (const at::Tensor& t : v.toTensorList().vec()) {
-      list.push_back(t.defined() ? next_tensor(values, index) : t);
-    }
-    return c10::IValue(list);
-  }
-  if (v.isList()) {
-    auto source = v.toList();
-    c10::impl::GenericList list(source.elementType());
-    for (const auto& item : v.toListRef()) list.push_back(replace_tensors(item, values, index));
-    return c10::IValue(list);
-  }
-  if (v.isTuple()) {
-    std::vector<c10::IValue> items;
-    for (const auto& item : v.toTupleRef().elements()) {
-      items.push_back(replace_tensors(item, values, index));
-    }
-    return c10::IValue(c10::ivalue::Tuple::create(std::move(items)));
-  }
-  return v;
-}
-
-c10::IValue with_tensors(const c10::IValue& v, const std::vector<at::Tensor>& values) {
-  size_t index = 0;
-  c10::IValue out = replace_tensors(v, values, index);
-  REMAT_CHECK_EQ(index, values.size(), "checkpoint: tensor structure changed");
-  return out;
-}
-
-// Storage-free stand-ins, so that the region's structure holds no data.
-std::vector<at::Tensor> placeholders(size_t n) {
-  std::vector<at::Tensor> out;
-  for (size_t i = 0; i < n; ++i) out.push_back(at::empty({0}, at::TensorOptions().device(at::kMeta)));
-  return out;
-}
-
-struct OutputMeta {
-  std::vector<int64_t> sizes;
-  at::ScalarType dtype;
-  at::Device device;
-};
-
-std::string describe(const OutputMeta& m) {
-  return str(c10::toString(m.dtype), " ", c10::IntArrayRef(m.sizes), " on ", m.device.str());
-}
-
-void synchronize_if(bool enabled) {
-  if (enabled && torch::cuda::is_available()) torch::cuda::synchronize();
-}
-
-std::string join(const std::vector<std::string>& ops) {
-  std::string out;
-  for (const auto& op : ops) out += (out.empty() ? "" : " ") + op;
-  return out;
-}
-
-}  // namespace
-
-// Everything a region needs between forward and backward.
-struct Region {
-  CheckpointFn fn;
-  CheckpointOptions options;
-  c10::IValue args;  // tuple of the arguments, tensors replaced by placeholders
-  size_t n_tensors = 0;
-  bool has_dummy = false;
-  std::vector<bool> input_requires_grad;
-  RngSnapshot rng;
-  c10::IValue forward_output;  // handed back to the caller, then dropped
-  std::vector<OutputMeta> outputs;
-  std::vector<std::string> forward_ops;
-  SelectiveCache selective;
-  // Inputs stored partitioned or offloaded; their places in the saved list
-  // hold undefined tensors.
-  std::unique_ptr<StoredInputs> stored;
-  // Each input's version counter and its version at the forward: a change in
-  // place before the recompute is an error (autograd skips its own check for
-  // the inputs stored here, and its message would blame a second backward).
-  std::vector<c10::VariableVersion> input_versions;
-  std::vector<uint32_t> versions_at_forward;
-  // The node the forward's outputs lead to (compared, never followed).
-  const torch::autograd::Node* node = nullptr;
-
-  // Bytes counted in the saved-bytes total for this region: only what was
-  // added is taken away, so a forward that throws half-way leaves the total
-  // as it was.
-  void count(int64_t bytes) {
-    counted_bytes += bytes;
-    CheckpointingState::get().saved_bytes += bytes;
-  }
-  int64_t counted_bytes = 0;
-  ~Region() { CheckpointingState::get().saved_bytes -= counted_bytes; }
-};
-
-namespace {
-
-void track_region(const std::shared_ptr<Region>& region) {
-  auto& state = CheckpointingState::get();
-  std::lock_guard<std::mutex> lock(state.regions_mutex);
-  auto& regions = state.regions;
-  regions.erase(std::remove_if(regions.begin(), regions.end(),
-                               [](const auto& w) { return w.expired(); }),
-                regions.end());
-  regions.push_back(region);
-}
-
-// Restores the RNG the forward saw and puts back the current one afterwards.
-class RngReplay {
- public:
-  RngReplay(const Region& region) : active_(region.options.preserve_rng_state) {
-    if (!active_) return;
-    now_ = capture_rng();
-    restore_rng(region.rng);
-  }
-  ~RngReplay() {
-    if (active_) restore_rng(now_);
-  }
-
- private:
-  bool active_;
-  RngSnapshot now_;
-};
-
-// Runs the region's fn on `tensors` with the selective-op cache recording or
-// replaying, and the op recorder on when debugging (its ops go to `ops`).
-c10::IValue run_fn(Region& region, const variable_list& tensors, SelectiveOpScope::Mode mode,
-                   std::vector<std::string>& ops) {
-  std::unique_ptr<OpRecorder> recorder;
-  if (region.options.debug) recorder = std::make_unique<OpRecorder>();
-  std::unique_ptr<SelectiveOpScope> selective;
-  if (region.options.save_ops) {
-    selective = std::make_unique<SelectiveOpScope>(*region.options.save_ops, region.selective, mode);
-  }
-  c10::IValue output = region.fn(with_tensors(region.args, tensors).toTupleRef().elements().vec());
-  if (recorder) ops = recorder->ops();
-  return output;
-}
 
 // Moves the cache's tensors out (to hand them to autograd), leaving placeholders.
 variable_list take_cached_tensors(SelectiveCache& cache) {
@@ -290,16 +106,11 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     // Inputs kept as they are go to autograd; stored ones to region->stored.
     variable_list to_save = real;
     int64_t saved_bytes = 0;
-    if (region->options.storage.active()) {
-      auto store = StoredInputs::select(real, region->options.storage, region->options.name);
-      if (std::count(store.begin(), store.end(), true) > 0) {
-        region->stored = std::make_unique<StoredInputs>(real, store, region->options.storage,
-                                                        region->options.name);
-        saved_bytes += region->stored->kept_bytes();
-        for (size_t i = 0; i < store.size(); ++i) {
-          if (store[i]) to_save[i] = at::Tensor();
-        }
-        track_region(region);
+    const std::vector<bool> store = store_inputs(*region, real, region);
+    if (region->stored) {
+      saved_bytes += region->stored->kept_bytes();
+      for (size_t i = 0; i < store.size(); ++i) {
+        if (store[i]) to_save[i] = at::Tensor();
       }
     }
     for (const auto& t : to_save) saved_bytes += covered_bytes(t);
@@ -310,23 +121,14 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     } catch (...) {
       // fn drew from the generators before it threw: put them back, so a
       // failed call leaves the RNG where it found it.
-      // The caller gets fn's exception, whatever the restore says.
-      if (region->options.preserve_rng_state) {
-        try {
-          restore_rng(region->rng);
-        } catch (const std::exception& e) {
-          log().warn("{}: fn threw, and the RNG could not be put back: {}", region->options.name,
-                     e.what());
-        }
-      }
+      restore_rng_after_throw(*region);
       throw;
     }
+    // Only the generators fn drew from need replaying.
+    if (region->options.preserve_rng_state) drop_unchanged(region->rng);
     // Versions as fn left them (autograd records its saved tensors' versions
     // at this point too): changes after the forward are what backward refuses.
-    for (const auto& t : real) {
-      region->input_versions.push_back(t.unsafeGetTensorImpl()->version_counter());
-      region->versions_at_forward.push_back(t.is_inference() ? 0 : t._version());
-    }
+    record_input_versions(*region, real);
     // Inputs and kept op outputs go to autograd, which frees them after a
     // backward without retain_graph.
     for (auto& t : take_cached_tensors(region->selective)) to_save.push_back(t);
@@ -336,7 +138,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     collect_tensors(output, outs, region->options.name + " output");
     variable_list non_differentiable;
     for (auto& t : outs) {
-      region->outputs.push_back({t.sizes().vec(), t.scalar_type(), t.device()});
+      region->outputs.push_back(TensorMeta::of(t));
       // autograd attaches the outputs to this region's node. fn may return a
       // tensor the region did not create (an input, a view of one, a
       // parameter, a captured tensor, or one tensor twice): attaching that
@@ -380,11 +182,11 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
                         "inputs were released by the first backward; pass retain_graph=true to "
                         "the first backward() to backpropagate twice (detail: ", detail, ")"));
       }
-      check_versions(*region);  // the clearer message when an input changed in place
+      check_input_versions(*region);  // the clearer message when an input changed in place
       throw Error(str(name, ": the region's saved tensors cannot be read: ", detail));
     }
     // Inputs stored outside autograd have no check of their own.
-    check_versions(*region);
+    check_input_versions(*region);
     synchronize_if(region->options.synchronize);
 
     // The kept op outputs follow the inputs in the saved list.
@@ -419,13 +221,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     }
     CheckpointingState::get().recomputes++;
     double recompute_ms = ms_since(start);
-    if (region->options.debug) {
-      log().debug("{} forward ops: {}", name, join(region->forward_ops));
-      log().debug("{} recompute ops: {}", name, join(recompute_ops));
-      if (recompute_ops != region->forward_ops) {
-        log().warn("{}: the recompute ran other ops than the forward (see debug log)", name);
-      }
-    }
+    log_op_sequences(*region, recompute_ops);
     std::vector<at::Tensor> outs;
     collect_tensors(output, outs, name + " output");
     if (region->options.determinism_check) check_outputs(*region, outs);
@@ -465,23 +261,6 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     return result;
   }
 
-  // An input changed in place since the forward would be recomputed from the
-  // changed value: refuse, naming the input and what to do.
-  static void check_versions(const Region& region) {
-    for (size_t i = 0; i < region.input_versions.size(); ++i) {
-      const auto& version = region.input_versions[i];
-      if (!version.enabled()) continue;  // an inference tensor
-      const uint32_t now = version.current_version();
-      if (now != region.versions_at_forward[i]) {
-        throw Error(str(region.options.name, ": tensor argument ", i, " was modified in place "
-                        "after the region's forward (its version went from ",
-                        region.versions_at_forward[i], " to ", now, "); the recompute needs the "
-                        "value the forward saw: clone() the tensor before changing it in place, "
-                        "or change a copy"));
-      }
-    }
-  }
-
   static void check_outputs(const Region& region, const std::vector<at::Tensor>& outs) {
     const std::string& name = region.options.name;
     if (outs.size() != region.outputs.size()) {
@@ -491,11 +270,11 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
                       "flow or state changed between forward and backward?)"));
     }
     for (size_t i = 0; i < outs.size(); ++i) {
-      OutputMeta now{outs[i].sizes().vec(), outs[i].scalar_type(), outs[i].device()};
-      const OutputMeta& then = region.outputs[i];
-      if (now.sizes != then.sizes || now.dtype != then.dtype || now.device != then.device) {
-        throw Error(str(name, ": output ", i, " of the recompute is ", describe(now),
-                        " but the forward produced ", describe(then),
+      const TensorMeta now = TensorMeta::of(outs[i]);
+      const TensorMeta& then = region.outputs[i];
+      if (now != then) {
+        throw Error(str(name, ": output ", i, " of the recompute is ", now.str(),
+                        " but the forward produced ", then.str(),
                         "; fn must compute the same thing both times (turn the check off with "
                         "CheckpointOptions::determinism_check = false only if you know why)"));
       }
@@ -509,24 +288,14 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
 c10::IValue checkpoint_ivalues(const CheckpointFn& fn, std::vector<c10::IValue> args,
                                const CheckpointOptions& options) {
   if (!at::GradMode::is_enabled()) return fn(args);  // evaluation: keep nothing
+  if (!options.reentrant) return checkpoint_non_reentrant(fn, std::move(args), options);
 
-  auto region = std::make_shared<Region>();
-  region->fn = fn;
-  region->options = options;
-  c10::IValue packed(c10::ivalue::Tuple::create(std::move(args)));
   std::vector<at::Tensor> inputs;
-  collect_tensors(packed, inputs, options.name + " argument");
-  region->n_tensors = inputs.size();
-  region->args = with_tensors(packed, placeholders(inputs.size()));
-  bool any_requires_grad = false;
-  for (const auto& t : inputs) {
-    region->input_requires_grad.push_back(t.requires_grad());
-    any_requires_grad = any_requires_grad || t.requires_grad();
-  }
+  auto region = make_region(fn, std::move(args), options, inputs);
   // With no input requiring grad the region would be cut off from backward and
   // parameters used inside fn would get no gradient: a dummy input keeps it on
   // the graph.
-  if (!any_requires_grad) {
+  if (std::none_of(inputs.begin(), inputs.end(), [](const at::Tensor& t) { return t.requires_grad(); })) {
     inputs.push_back(at::empty({0}).requires_grad_(true));
     region->has_dummy = true;
   }

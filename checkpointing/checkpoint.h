@@ -2,10 +2,20 @@
 //
 // Forward runs `fn` without recording a graph and keeps only its inputs;
 // backward restores the RNG state the forward saw (default generators and the
-// tracker's states), runs `fn` again with grad, backpropagates through it and
-// returns the inputs' gradients. Parameters used inside `fn` receive their
-// gradients too, even when no input requires grad. Without grad mode (eval)
-// `fn` simply runs and nothing is kept.
+// tracker's states) and runs `fn` again. Two modes (CheckpointOptions::reentrant,
+// docs/checkpointing.md says when to pick which):
+// - non-reentrant (the default): `fn` runs with grad, so the graph is the
+//   plain one, but every tensor autograd saves inside the region is replaced
+//   by a slot; the first slot a backward needs recomputes `fn` and fills every
+//   slot, stopping as soon as the last one is filled. torch::autograd::grad,
+//   backward with `inputs`, partial backward and gradient hooks behave as
+//   without checkpointing. Needs remat's autograd engine
+//   (nn/saved_tensors_hooks.h), installed by the first region.
+// - reentrant: `fn` runs without a graph inside one custom autograd Function
+//   whose backward recomputes `fn` with grad and backpropagates through it;
+//   torch::autograd::grad through it is refused.
+// Parameters used inside `fn` receive their gradients, even when no input
+// requires grad. Without grad mode (eval) `fn` simply runs and nothing is kept.
 //
 //   at::Tensor y = remat::checkpoint([&](const at::Tensor& x) { return block->forward(x); }, x);
 //   auto [h, aux] = remat::checkpoint(
@@ -19,9 +29,8 @@
 // parameter, a captured tensor): the caller gets a fresh alias of each, and
 // the tensor itself keeps its history. An input changed in place before
 // backward is an error naming it; fn throwing leaves counters, buffers and the
-// RNG as before the call. The region is reentrant (a custom autograd
-// Function), so torch::autograd::grad through it is refused with a clear
-// error; use backward() and read .grad().
+// RNG as before the call; non-reentrant regions also refuse tensors they saved
+// that were changed in place after being saved (as autograd does without hooks).
 #pragma once
 
 #include <ATen/core/ivalue.h>
@@ -45,6 +54,9 @@ struct ActivationCheckpointingConfig;
 class ParallelLayout;
 
 struct CheckpointOptions {
+  // Reentrant (a custom autograd Function) or non-reentrant (saved-tensor
+  // hooks) regions: see above. activation_checkpointing.reentrant in JSON.
+  bool reentrant = false;
   // Replay the forward's RNG state during recompute (dropout matches bitwise).
   bool preserve_rng_state = true;
   // Compare the recomputed outputs' shape, dtype and device with the forward's.

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "checkpointing/checkpoint.h"
+#include "checkpointing/checkpoint_modes.h"
 #include "checkpointing/op_recorder.h"
 #include "checkpointing/sequential.h"
 #include "rng/rng_tracker.h"
@@ -16,6 +17,13 @@ namespace {
 
 using ::testing::HasSubstr;
 using remat::testing::error_of;
+
+class Checkpoint : public CheckpointModes {};
+INSTANTIATE_CHECKPOINT_MODES(Checkpoint);
+class CheckpointSequential : public CheckpointModes {};
+INSTANTIATE_CHECKPOINT_MODES(CheckpointSequential);
+class SelectiveOp : public CheckpointModes {};
+INSTANTIATE_CHECKPOINT_MODES(SelectiveOp);
 
 // Gradients of the inputs and of every parameter, cloned; grads then cleared.
 std::vector<at::Tensor> take_grads(const std::vector<at::Tensor>& leaves) {
@@ -66,7 +74,7 @@ std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> both(Step step,
   return {results[0], results[1]};
 }
 
-TEST(Checkpoint, SingleLinear) {
+TEST_P(Checkpoint, SingleLinear) {
   torch::manual_seed(0);
   torch::nn::Linear lin(16, 8);
   at::Tensor x = torch::randn({4, 16}, torch::requires_grad());
@@ -80,7 +88,7 @@ TEST(Checkpoint, SingleLinear) {
   EXPECT_TRUE(ckpt[1].abs().sum().item<float>() > 0);  // x got a gradient
 }
 
-TEST(Checkpoint, MaskedLinearWithBoolAndFloatMasks) {
+TEST_P(Checkpoint, MaskedLinearWithBoolAndFloatMasks) {
   torch::manual_seed(0);
   torch::nn::Linear lin(8, 8);
   at::Tensor x = torch::randn({5, 8}, torch::requires_grad());
@@ -99,7 +107,7 @@ TEST(Checkpoint, MaskedLinearWithBoolAndFloatMasks) {
   expect_all_equal(plain, ckpt);
 }
 
-TEST(Checkpoint, SeveralOutputsInPermutedOrder) {
+TEST_P(Checkpoint, SeveralOutputsInPermutedOrder) {
   torch::manual_seed(0);
   torch::nn::Linear lin(6, 6);
   at::Tensor x = torch::randn({3, 6}, torch::requires_grad());
@@ -116,7 +124,7 @@ TEST(Checkpoint, SeveralOutputsInPermutedOrder) {
   expect_all_equal(plain, ckpt);
 }
 
-TEST(Checkpoint, NoneArguments) {
+TEST_P(Checkpoint, NoneArguments) {
   torch::manual_seed(0);
   torch::nn::Linear lin(4, 4);
   at::Tensor x = torch::randn({2, 4}, torch::requires_grad());
@@ -137,7 +145,7 @@ TEST(Checkpoint, NoneArguments) {
   expect_all_equal(plain, ckpt);
 }
 
-TEST(Checkpoint, NonTensorArgumentsAndOutputsInEveryPosition) {
+TEST_P(Checkpoint, NonTensorArgumentsAndOutputsInEveryPosition) {
   torch::manual_seed(0);
   torch::nn::Linear lin(4, 4);
   at::Tensor x = torch::randn({2, 4}, torch::requires_grad());
@@ -166,7 +174,7 @@ TEST(Checkpoint, NonTensorArgumentsAndOutputsInEveryPosition) {
   EXPECT_EQ(std::get<5>(results[1]), false);
 }
 
-TEST(Checkpoint, KeywordLikeArgumentsCapturedByFn) {
+TEST_P(Checkpoint, KeywordLikeArgumentsCapturedByFn) {
   torch::manual_seed(0);
   torch::nn::Linear lin(4, 4);
   at::Tensor x = torch::randn({2, 4}, torch::requires_grad());
@@ -184,7 +192,7 @@ TEST(Checkpoint, KeywordLikeArgumentsCapturedByFn) {
   expect_all_equal(plain, ckpt);
 }
 
-TEST(Checkpoint, ParametersGetGradientsWhenNoInputRequiresGrad) {
+TEST_P(Checkpoint, ParametersGetGradientsWhenNoInputRequiresGrad) {
   torch::manual_seed(0);
   torch::nn::Linear lin(4, 3);
   at::Tensor x = torch::randn({2, 4});  // no grad
@@ -218,7 +226,7 @@ struct DropoutBlock {
   }
 };
 
-TEST(Checkpoint, DropoutMatchesBitwiseAndFailsWithoutRngPreservation) {
+TEST_P(Checkpoint, DropoutMatchesBitwiseAndFailsWithoutRngPreservation) {
   torch::manual_seed(0);
   model_parallel_manual_seed(1234, /*tp_rank=*/0);
   DropoutBlock block;
@@ -228,7 +236,7 @@ TEST(Checkpoint, DropoutMatchesBitwiseAndFailsWithoutRngPreservation) {
   auto run = [&](bool preserve) {
     return both(
         [&](bool c) {
-          CheckpointOptions options;
+          CheckpointOptions options = mode_options();
           options.preserve_rng_state = preserve;
           return std::vector<at::Tensor>{c ? checkpoint_with(options, block, x) : block(x)};
         },
@@ -246,7 +254,7 @@ TEST(Checkpoint, DropoutMatchesBitwiseAndFailsWithoutRngPreservation) {
   EXPECT_TRUE(any_differs) << "gradients matched although the recompute drew new masks";
 }
 
-TEST(Checkpoint, NestedRegions) {
+TEST_P(Checkpoint, NestedRegions) {
   torch::manual_seed(0);
   model_parallel_manual_seed(7, 0);
   DropoutBlock inner, outer;
@@ -266,11 +274,11 @@ TEST(Checkpoint, NestedRegions) {
   expect_all_equal(plain, ckpt);
 }
 
-TEST(Checkpoint, RetainGraphRecomputesAgainAndReleasedRegionIsAClearError) {
+TEST(CheckpointReentrant, RetainGraphRecomputesAgainAndReleasedRegionIsAClearError) {
   torch::manual_seed(0);
   torch::nn::Linear lin(4, 4);
   at::Tensor x = torch::randn({2, 4}, torch::requires_grad());
-  at::Tensor loss = checkpoint([&](const at::Tensor& in) { return lin->forward(in); }, x).sum();
+  at::Tensor loss = checkpoint_with(reentrant_options(), [&](const at::Tensor& in) { return lin->forward(in); }, x).sum();
   int64_t before = checkpoint_recompute_count();
   loss.backward({}, /*retain_graph=*/true);
   at::Tensor once = x.grad().clone();
@@ -282,24 +290,24 @@ TEST(Checkpoint, RetainGraphRecomputesAgainAndReleasedRegionIsAClearError) {
   EXPECT_THAT(msg, HasSubstr("retain_graph=true"));
 }
 
-TEST(Checkpoint, AutogradGradIsRefusedClearly) {
+TEST(CheckpointReentrant, AutogradGradIsRefusedClearly) {
   torch::manual_seed(0);
   torch::nn::Linear lin(4, 4);
   at::Tensor x = torch::randn({2, 4}, torch::requires_grad());
-  at::Tensor loss = checkpoint([&](const at::Tensor& in) { return lin->forward(in); }, x).sum();
+  at::Tensor loss = checkpoint_with(reentrant_options(), [&](const at::Tensor& in) { return lin->forward(in); }, x).sum();
   auto msg = error_of<Error>([&] { torch::autograd::grad({loss}, {x}); });
   EXPECT_THAT(msg, HasSubstr("torch::autograd::grad (or backward with `inputs`) cannot run "
                              "through a checkpointed region"));
 }
 
-TEST(Checkpoint, DeterminismCheckNamesTheOutput) {
+TEST(CheckpointReentrant, DeterminismCheckNamesTheOutput) {
   at::Tensor x = torch::randn({2, 3}, torch::requires_grad());
   int calls = 0;
   auto f = [&calls](const at::Tensor& in) {
     ++calls;
     return std::make_tuple(in * 2, calls == 1 ? in.sum(1) : in.sum(0));
   };
-  CheckpointOptions options;
+  CheckpointOptions options = reentrant_options();
   options.name = "block7";
   auto [a, b] = checkpoint_with(options, f, x);
   auto msg = error_of<Error>([&] { (a.sum() + b.sum()).backward(); });
@@ -313,7 +321,7 @@ TEST(Checkpoint, DeterminismCheckNamesTheOutput) {
   EXPECT_EQ(calls, 2);
 }
 
-TEST(Checkpoint, EvaluationRunsOnceAndKeepsNothing) {
+TEST_P(Checkpoint, EvaluationRunsOnceAndKeepsNothing) {
   torch::nn::Linear lin(4, 4);
   at::Tensor x = torch::randn({2, 4}, torch::requires_grad());
   int calls = 0;
@@ -324,7 +332,7 @@ TEST(Checkpoint, EvaluationRunsOnceAndKeepsNothing) {
   EXPECT_FALSE(y.grad_fn());
 }
 
-TEST(Checkpoint, UnsupportedArgumentIsAClearError) {
+TEST_P(Checkpoint, UnsupportedArgumentIsAClearError) {
   c10::Dict<std::string, at::Tensor> dict;
   dict.insert("a", torch::ones({1}));
   auto msg = error_of<Error>([&] {
@@ -334,10 +342,10 @@ TEST(Checkpoint, UnsupportedArgumentIsAClearError) {
   EXPECT_THAT(msg, HasSubstr("checkpoint argument: values of type GenericDict are not supported"));
 }
 
-TEST(Checkpoint, ProfileAggregatesPerRegion) {
+TEST_P(Checkpoint, ProfileAggregatesPerRegion) {
   torch::nn::Linear lin(4, 4);
   at::Tensor x = torch::randn({2, 4}, torch::requires_grad());
-  CheckpointOptions options;
+  CheckpointOptions options = mode_options();
   options.profile = true;
   options.name = "profiled";
   log_checkpoint_profile_step(0);  // start from an empty aggregate
@@ -366,7 +374,7 @@ struct CountingImpl : torch::nn::Module {
 };
 TORCH_MODULE(Counting);
 
-TEST(CheckpointSequential, CheckpointedSegmentsRunTwiceTheLastOnce) {
+TEST_P(CheckpointSequential, CheckpointedSegmentsRunTwiceTheLastOnce) {
   torch::manual_seed(0);
   std::vector<int64_t> calls(6, 0);
   torch::nn::Sequential seq;
@@ -393,7 +401,7 @@ TEST(CheckpointSequential, CheckpointedSegmentsRunTwiceTheLastOnce) {
 namespace remat {
 namespace {
 
-TEST(SelectiveOp, RetainGraphReplaysTwiceBitwise) {
+TEST_P(SelectiveOp, RetainGraphReplaysTwiceBitwise) {
   torch::manual_seed(0);
   torch::nn::Linear lin(8, 8);
   at::Tensor x = torch::randn({2, 3, 8}, torch::requires_grad());
@@ -401,7 +409,7 @@ TEST(SelectiveOp, RetainGraphReplaysTwiceBitwise) {
   f(x).pow(2).sum().backward();
   at::Tensor plain = x.grad().clone();
   x.mutable_grad().reset();
-  CheckpointOptions options;
+  CheckpointOptions options = mode_options();
   options.save_ops = std::make_shared<const std::set<std::string>>(std::set<std::string>{"aten::mm"});
   at::Tensor loss = checkpoint_with(options, f, x).pow(2).sum();
   loss.backward({}, /*retain_graph=*/true);
@@ -410,14 +418,16 @@ TEST(SelectiveOp, RetainGraphReplaysTwiceBitwise) {
   EXPECT_TRUE(torch::equal(x.grad(), plain * 2));
 }
 
-TEST(SelectiveOp, ReplayOfAnotherCallIsAClearError) {
+TEST_P(SelectiveOp, ReplayOfAnotherCallIsAClearError) {
   at::Tensor x = torch::randn({4, 4}, torch::requires_grad());
   int calls = 0;
   auto f = [&](const at::Tensor& in) {
     ++calls;
-    return calls == 1 ? in.mm(in) : in.narrow(0, 0, 2).mm(in);
+    // tanh saves after the mm: a non-reentrant recompute, which stops at the
+    // last saved tensor, reaches the mm's kernel too.
+    return (calls == 1 ? in.mm(in) : in.narrow(0, 0, 2).mm(in)).tanh();
   };
-  CheckpointOptions options;
+  CheckpointOptions options = mode_options();
   options.determinism_check = false;
   options.save_ops = std::make_shared<const std::set<std::string>>(std::set<std::string>{"aten::mm"});
   at::Tensor y = checkpoint_with(options, f, x);
@@ -432,7 +442,7 @@ TEST(SelectiveOp, ReplayOfAnotherCallIsAClearError) {
 namespace remat {
 namespace {
 
-TEST(Checkpoint, DebugOptionRecordsOpSequencesWithoutChangingResults) {
+TEST_P(Checkpoint, DebugOptionRecordsOpSequencesWithoutChangingResults) {
   torch::manual_seed(0);
   torch::nn::Linear lin(4, 4);
   at::Tensor x = torch::randn({2, 4}, torch::requires_grad());
@@ -440,7 +450,7 @@ TEST(Checkpoint, DebugOptionRecordsOpSequencesWithoutChangingResults) {
   f(x).sum().backward();
   at::Tensor plain = x.grad().clone();
   x.mutable_grad().reset();
-  CheckpointOptions options;
+  CheckpointOptions options = mode_options();
   options.debug = true;
   options.name = "debugged";
   OpRecorder outer;  // recorders nest: the region's own recorder does not hide ops from this one

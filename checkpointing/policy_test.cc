@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "checkpointing/checkpoint.h"
+#include "checkpointing/checkpoint_modes.h"
 #include "checkpointing/op_recorder.h"
 #include "checkpointing/policy.h"
 #include "checkpointing/selective_op.h"
@@ -67,14 +68,18 @@ PolicyOptions variant(const std::string& name, int k = 1) {
   return o;
 }
 
-class Policies : public ::testing::Test {
+class Policies : public CheckpointModes {
  protected:
-  void TearDown() override { remove_activation_checkpointing(*model); }
+  void TearDown() override {
+    remove_activation_checkpointing(*model);
+    CheckpointModes::TearDown();
+  }
   Stack model = make_stack();
   at::Tensor x = make_input();
 };
+INSTANTIATE_CHECKPOINT_MODES(Policies);
 
-TEST_F(Policies, EveryVariantMatchesThePlainRunBitwise) {
+TEST_P(Policies, EveryVariantMatchesThePlainRunBitwise) {
   auto plain = step(model, x);
   for (auto [name, k, marked] : {std::tuple{"full", 1, 8}, {"selective_layer", 2, 4},
                                  {"selective_layer", 3, 3}, {"selective_op", 1, 8}}) {
@@ -89,7 +94,7 @@ TEST_F(Policies, EveryVariantMatchesThePlainRunBitwise) {
 
 // every_k_from chooses which block of each k is marked: the first (0, k, ...)
 // or the last (n-1, n-1-k, ...); both keep the plain run's gradients.
-TEST_F(Policies, EveryKFromTheFirstOrTheLastBlock) {
+TEST_P(Policies, EveryKFromTheFirstOrTheLastBlock) {
   auto plain = step(model, x);
   for (auto [from, k, want] : {std::tuple{"first", 3, "blocks.0 blocks.3 blocks.6"},
                                {"last", 3, "blocks.1 blocks.4 blocks.7"},
@@ -115,7 +120,7 @@ TEST_F(Policies, EveryKFromTheFirstOrTheLastBlock) {
   EXPECT_EQ(apply_activation_checkpointing(*model, cfg.activation_checkpointing), 2);
 }
 
-TEST_F(Policies, RecomputeCounts) {
+TEST_P(Policies, RecomputeCounts) {
   for (auto [name, k, expected] : {std::tuple{"none", 1, 0}, {"full", 1, 8},
                                    {"selective_layer", 2, 4}, {"selective_op", 1, 8}}) {
     apply_activation_checkpointing(*model, variant(name, k));
@@ -148,7 +153,7 @@ struct KernelCounter {
 thread_local std::map<std::string, int>* KernelCounter::calls = nullptr;
 thread_local std::map<std::string, int>* KernelCounter::kernels = nullptr;
 
-TEST_F(Policies, SelectiveOpRunsNoSavedOpDuringBackwardButRecomputesTheRest) {
+TEST_P(Policies, SelectiveOpRunsNoSavedOpDuringBackwardButRecomputesTheRest) {
   apply_activation_checkpointing(*model, variant("selective_op"));
   at::Tensor loss = model->forward(x).pow(2).mean();
   KernelCounter counter;
@@ -167,7 +172,7 @@ TEST_F(Policies, SelectiveOpRunsNoSavedOpDuringBackwardButRecomputesTheRest) {
   EXPECT_GT(counter.kernel_counts["aten::native_layer_norm"], 0);
 }
 
-TEST_F(Policies, FullRecomputeRunsTheMatmulsAgain) {
+TEST_P(Policies, FullRecomputeRunsTheMatmulsAgain) {
   apply_activation_checkpointing(*model, variant("full"));
   at::Tensor loss = model->forward(x).pow(2).mean();
   OpRecorder recorder;
@@ -177,7 +182,7 @@ TEST_F(Policies, FullRecomputeRunsTheMatmulsAgain) {
   EXPECT_GE(recorder.count("aten::mm"), 8 * 4 + 8 * 4 * 2);
 }
 
-TEST_F(Policies, PredicateOverModuleNames) {
+TEST_P(Policies, PredicateOverModuleNames) {
   PolicyOptions o;
   o.ac_condition = [](const std::string& fqn, const torch::nn::Module&) {
     return fqn == "blocks.1" || fqn == "blocks.5";
@@ -190,7 +195,7 @@ TEST_F(Policies, PredicateOverModuleNames) {
   EXPECT_EQ(checkpoint_recompute_count() - before, 2);
 }
 
-TEST_F(Policies, KeysModeAndBehaviourUnchanged) {
+TEST_P(Policies, KeysModeAndBehaviourUnchanged) {
   std::vector<std::string> keys_before;
   for (const auto& p : model->named_parameters()) keys_before.push_back(p.key());
   apply_activation_checkpointing(*model, variant("full"));
@@ -206,7 +211,7 @@ TEST_F(Policies, KeysModeAndBehaviourUnchanged) {
   EXPECT_FALSE(model->is_training());
 }
 
-TEST_F(Policies, ErrorsNameWhatToChange) {
+TEST_P(Policies, ErrorsNameWhatToChange) {
   PolicyOptions o = variant("full");
   o.blocks = "layers";
   EXPECT_THAT(error_of<Error>([&] { apply_activation_checkpointing(*model, o); }),
@@ -227,7 +232,7 @@ TEST_F(Policies, ErrorsNameWhatToChange) {
               HasSubstr("did you mean 'aten::mm'?"));
 }
 
-TEST_F(Policies, FromConfig) {
+TEST_P(Policies, FromConfig) {
   Config cfg = parse_config(R"({"activation_checkpointing": {"variant": "selective_layer", "every_k": 4}})",
                             "test");
   EXPECT_EQ(apply_activation_checkpointing(*model, PolicyOptions(cfg.activation_checkpointing)), 2);
@@ -235,7 +240,7 @@ TEST_F(Policies, FromConfig) {
 
 // The policy's settings are the section's (one declaration, one default): a
 // PolicyOptions built by hand starts where an empty JSON section does.
-TEST_F(Policies, OptionsStartFromTheSectionsDefaults) {
+TEST_P(Policies, OptionsStartFromTheSectionsDefaults) {
   const PolicyOptions by_hand;
   const PolicyOptions from_json(parse_config("{}", "test").activation_checkpointing);
   EXPECT_EQ(by_hand.variant, from_json.variant);
@@ -266,7 +271,7 @@ TEST_F(Policies, OptionsStartFromTheSectionsDefaults) {
 
 // configure_checkpointing may come after the policy: regions read the
 // defaults when they run. Fixed options on the policy win over the defaults.
-TEST_F(Policies, ConfigureAfterThePolicyTakesEffectAndFixedOptionsWin) {
+TEST_P(Policies, ConfigureAfterThePolicyTakesEffectAndFixedOptionsWin) {
   const CheckpointOptions saved = default_checkpoint_options();
   auto plain = step(model, x);
   apply_activation_checkpointing(*model, variant("full"));

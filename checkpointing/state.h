@@ -18,7 +18,7 @@
 
 namespace remat {
 
-struct Region;  // one live checkpoint region (checkpoint.cc)
+struct Region;  // one live checkpoint region (region.h)
 class StoredInputs;
 namespace host_transfer {
 class PendingCopy;

@@ -21,7 +21,9 @@
 #include <optional>
 
 #include "checkpointing/checkpoint.h"
+#include "checkpointing/offload_activations.h"
 #include "checkpointing/policy.h"
+#include "nn/saved_tensors_hooks.h"
 #include "data/dataset.h"
 #include "launch/optim.h"
 #include "launch/step_counters.h"
@@ -232,11 +234,17 @@ int train(int argc, char** argv) {
   // The JSON section takes effect by itself: partitioning, offload and
   // contiguous buffers become the defaults every region starts from.
   // Regions are timed whatever the profile key says: recompute time goes into the metrics.
+  // Non-reentrant regions (and activation offloading) answer autograd's
+  // saved-tensor hooks query through remat's engine: installed before any backward.
+  install_saved_tensors_hooks_engine();
   ActivationCheckpointingConfig checkpointing = config.activation_checkpointing;
   checkpointing.profile = true;
   configure_checkpointing(checkpointing, &layout);
   PolicyOptions policy = PolicyOptions(config.activation_checkpointing);
   int regions = apply_activation_checkpointing(*model, policy);
+  // Activation offloading: each forward runs inside a scope; the head stays.
+  const ActivationOffloadingConfig& offloading = config.activation_offloading;
+  if (offloading.enabled) exclude_output_head(*model, offloading);
   const auto& number_checkpoints = config.activation_checkpointing.number_checkpoints;
   if (number_checkpoints && regions > *number_checkpoints) {
     throw ConfigError(str("activation_checkpointing.number_checkpoints is ", *number_checkpoints,
@@ -306,15 +314,25 @@ int train(int argc, char** argv) {
     optimizer->zero_grad();
     double fwd_ms = 0, bwd_ms = 0, loss_sum = 0;
     int64_t saved = 0, comm_bytes = 0;
+    // At the end of a forward: host copies of offloaded activations, saved
+    // tensors offloading left on the device, and all the device holds for backward.
+    int64_t act_host = 0, act_kept = 0, fwd_held = 0;
     for (int64_t micro = 0; micro < batch.gradient_accumulation_steps; ++micro) {
       auto [x, y] = data.train_batch(static_cast<uint64_t>(tc.seed), layout.dp_rank(),
                                      position.window, batch.micro_batch_per_gpu);
       position.window += batch.micro_batch_per_gpu;
       auto t0 = Clock::now();
       zero.begin_forward();
+      std::unique_ptr<OffloadActivations> offload;
+      if (offloading.enabled) offload = std::make_unique<OffloadActivations>(offloading);
       at::Tensor loss = zero.finish_forward(
           model->loss(x, y) / static_cast<double>(batch.gradient_accumulation_steps));
-      saved = std::max(saved, Counters::read().checkpoint_saved_bytes);
+      offload.reset();
+      const Counters held = Counters::read();
+      saved = std::max(saved, held.checkpoint_saved_bytes);
+      act_host = std::max(act_host, held.offload.host_bytes);
+      act_kept = std::max(act_kept, held.offload.kept_bytes);
+      fwd_held = std::max(fwd_held, memory.current() - base);
       auto t1 = Clock::now();
       loss.backward();
       zero.finish_backward(/*synchronize=*/micro + 1 == batch.gradient_accumulation_steps);
@@ -371,6 +389,11 @@ int train(int argc, char** argv) {
                           {"bwd_ms", bwd_ms},       {"recompute_ms", counters.recompute_ms},
                           {"mem_base_bytes", base}, {"mem_peak_bytes", memory.peak()},
                           {"ckpt_saved_bytes", saved},
+                          {"act_offloaded_bytes", counters.offload.offloaded_bytes},
+                          {"act_restored_bytes", counters.offload.restored_bytes},
+                          {"act_host_bytes", act_host},
+                          {"act_kept_bytes", act_kept},
+                          {"mem_fwd_held_bytes", fwd_held},
                           {"ckpt_offloaded_bytes", counters.stored.offloaded_bytes},
                           {"ckpt_gathered_bytes", counters.stored.gathered_bytes},
                           {"comm_bytes", comm_bytes},

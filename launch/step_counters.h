@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "checkpointing/offload_activations.h"
 #include "checkpointing/stored_inputs.h"
 #include "parallel/zero.h"
 
@@ -23,6 +24,9 @@ struct Counters {
   double recompute_ms = 0;             // total: time profiled regions spent recomputing
   // Their stored inputs (stored_inputs.h): kept_* now, the rest totals.
   StoredInputStats stored;
+  // Activation offloading (offload_activations.h): kept_bytes and host_bytes
+  // now, the rest totals.
+  ActivationOffloadStats offload;
   // Tensor-parallel mappings: total bytes through collectives.
   int64_t tensor_parallel_comm_bytes = 0;
   // ZeRO (zero.h): bytes now and totals; zero when read without a ZeroModel.

@@ -54,7 +54,7 @@ at::Tensor GptImpl::trunk(const at::Tensor& idx) {
 }
 
 at::Tensor GptImpl::forward(const at::Tensor& idx) {
-  return parallel::gather_from_tensor_parallel_region(head_->forward(trunk(idx)), options_.tensor_parallel,
+  return parallel::gather_from_tensor_parallel_region(remat::forward(head_, trunk(idx)), options_.tensor_parallel,
                                                       options_.vocab_size);
 }
 
@@ -64,7 +64,7 @@ at::Tensor GptImpl::loss(const at::Tensor& idx, const at::Tensor& targets) {
     at::Tensor logits = forward(idx).to(at::kFloat);
     return at::cross_entropy_loss(logits.view({-1, options_.vocab_size}), targets.view({-1}));
   }
-  at::Tensor logits = head_->forward(trunk(idx)).to(at::kFloat);
+  at::Tensor logits = remat::forward(head_, trunk(idx)).to(at::kFloat);
   const auto start = parallel::partition_range(options_.vocab_size, tp_, parallel::group_rank(options_.tensor_parallel)).start;
   return parallel::vocab_parallel_cross_entropy(logits.view({-1, logits.size(-1)}), targets.view({-1}),
                                                 start, options_.tensor_parallel)

@@ -7,7 +7,8 @@
 // A hook sits in one of a fixed set of slots, outermost first: parameter
 // sharding (parallel/zero.h gathers a unit's parameters around it), then the
 // checkpoint region (checkpointing/policy.h runs the module inside one), so a
-// checkpointed unit recomputes inside its gather. A module with no hook is
+// checkpointed unit recomputes inside its gather, then the exclusion from
+// activation offloading (checkpointing/offload_activations.h). A module with no hook is
 // called directly; with none registered at all, the route costs one atomic load.
 //
 // Hooks are keyed by module and hold no ownership of it: an entry whose module
@@ -33,8 +34,9 @@ namespace remat {
 enum class HookSlot : int {
   kSharding = 0,
   kCheckpoint = 1,
+  kNoOffload = 2,  // the output head runs without activation offloading
 };
-inline constexpr int kHookSlots = 2;
+inline constexpr int kHookSlots = 3;
 
 class ModuleHook {
  public:

@@ -171,7 +171,37 @@ RngSnapshot capture_rng() { return {capture_default_generators(), get_rng_tracke
 
 void restore_rng(const RngSnapshot& snapshot) {
   set_default_generators(snapshot.defaults);
-  get_rng_tracker().set_states(snapshot.tracker);
+  auto& tracker = get_rng_tracker();
+  auto states = snapshot.tracker;
+  // States drop_unchanged left out stay as they are now.
+  bool partial = false;
+  for (const auto& [name, s] : states) partial = partial || !s.cpu.defined();
+  if (partial) {
+    const auto now = tracker.get_states();
+    for (auto& [name, s] : states) {
+      auto current = now.find(name);
+      if (current == now.end()) continue;
+      if (!s.cpu.defined()) s.cpu = current->second.cpu;
+      if (!s.cuda.defined()) s.cuda = current->second.cuda;
+    }
+  }
+  tracker.set_states(states);
+}
+
+void drop_unchanged(RngSnapshot& snapshot) {
+  const RngSnapshot now = capture_rng();
+  auto same = [](const at::Tensor& a, const at::Tensor& b) {
+    return a.defined() && b.defined() && a.sizes() == b.sizes() && at::equal(a, b);
+  };
+  if (same(snapshot.defaults.cpu, now.defaults.cpu)) snapshot.defaults.cpu = at::Tensor();
+  if (same(snapshot.defaults.cuda, now.defaults.cuda)) snapshot.defaults.cuda = at::Tensor();
+  // Tracker states keep their names (a fork needs the name to exist).
+  for (auto& [name, s] : snapshot.tracker) {
+    auto current = now.tracker.find(name);
+    if (current == now.tracker.end()) continue;
+    if (same(s.cpu, current->second.cpu)) s.cpu = at::Tensor();
+    if (same(s.cuda, current->second.cuda)) s.cuda = at::Tensor();
+  }
 }
 
 }  // namespace remat

@@ -98,6 +98,14 @@ struct RngSnapshot {
   std::map<std::string, GeneratorStates> tracker;
 };
 RngSnapshot capture_rng();
+// Puts back every state the snapshot holds (tracker states: the snapshot's
+// set of names; a state drop_unchanged left out stays as it is now).
 void restore_rng(const RngSnapshot& snapshot);
+// Drops from `snapshot` each state that equals the current one (leaving an
+// undefined tensor): a generator nothing drew from since the snapshot was taken. A checkpoint region does
+// this after its forward, so it keeps only the states its recompute must
+// replay (at tensor-parallel size 1 the tracker's state is never forked:
+// 5056 bytes less per region).
+void drop_unchanged(RngSnapshot& snapshot);
 
 }  // namespace remat

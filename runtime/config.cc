@@ -75,6 +75,7 @@ const std::vector<Field>& schema() {
               optional_leaf("number_checkpoints", &AC::number_checkpoints),
               leaf("synchronize_checkpoint_boundary", &AC::synchronize_checkpoint_boundary),
               leaf("profile", &AC::profile),
+              leaf("reentrant", &AC::reentrant),
               leaf<AC, int64_t>("offload_min_bytes", &AC::offload_min_bytes),
               leaf<AC, int>("offload_max_in_flight", &AC::offload_max_in_flight),
               leaf<AC, bool>("offload_keep_last", &AC::offload_keep_last),
@@ -82,6 +83,14 @@ const std::vector<Field>& schema() {
               leaf<AC, int>("every_k", &AC::every_k),
               leaf<AC, std::string>("every_k_from", &AC::every_k_from, {"first", "last"}),
               optional_leaf<AC, std::vector<std::string>>("save_ops", &AC::save_ops)}),
+      object("activation_offloading", &Config::activation_offloading,
+             {leaf("enabled", &ActivationOffloadingConfig::enabled),
+              leaf("use_pin_memory", &ActivationOffloadingConfig::use_pin_memory),
+              leaf("use_streams", &ActivationOffloadingConfig::use_streams),
+              leaf("min_offload_size", &ActivationOffloadingConfig::min_offload_size),
+              leaf("max_fwd_stash_size", &ActivationOffloadingConfig::max_fwd_stash_size),
+              leaf("warn_if_no_head", &ActivationOffloadingConfig::warn_if_no_head),
+              leaf("head", &ActivationOffloadingConfig::head)}),
       object("tensor_parallel", &Config::tensor_parallel,
              {leaf("size", &TensorParallelConfig::size)}),
       object("model", &Config::model,
@@ -177,6 +186,15 @@ void check_values(const Config& c, const std::string& source) {
   }
   const std::string ac = check_activation_checkpointing(c.activation_checkpointing);
   if (!ac.empty()) fail(source, ac);
+  const auto& ao = c.activation_offloading;
+  if (ao.min_offload_size < 0) {
+    fail(source, str("'activation_offloading.min_offload_size' = ", ao.min_offload_size,
+                     " must be >= 0 (bytes; 0 offloads every saved tensor)"));
+  }
+  if (ao.max_fwd_stash_size < 1) {
+    fail(source, str("'activation_offloading.max_fwd_stash_size' = ", ao.max_fwd_stash_size,
+                     " must be at least 1"));
+  }
   if (c.tensor_parallel.size < 1) {
     fail(source, str("'tensor_parallel.size' = ", c.tensor_parallel.size, " must be at least 1"));
   }

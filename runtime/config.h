@@ -105,6 +105,28 @@ struct ActivationCheckpointingConfig : OffloadSettings, PolicySettings {
   bool synchronize_checkpoint_boundary = false;
   // Time forward, recompute and backward per region.
   bool profile = false;
+  // Regions as one custom autograd Function (true) or through saved-tensor
+  // hooks (false); see checkpointing/checkpoint.h.
+  bool reentrant = false;
+};
+
+// activation_offloading: torchtune's OffloadActivations options (the names of
+// Axolotl's get_lora_act_offloading_ctx_manager), checkpointing/offload_activations.h.
+struct ActivationOffloadingConfig {
+  // remat-train runs each forward inside an offloading scope.
+  bool enabled = false;
+  // Host copies of GPU tensors in pinned memory.
+  bool use_pin_memory = true;
+  // Copies on a side stream (GPU), overlapping compute.
+  bool use_streams = true;
+  // Saved tensors smaller than this many bytes stay on the device.
+  int64_t min_offload_size = 1024;
+  // Copies to the host in flight at once (with use_streams).
+  int max_fwd_stash_size = 5;
+  // Warn when no output head is found to keep on the device.
+  bool warn_if_no_head = true;
+  // The head's dotted module path; empty: found by name or type (find_output_head).
+  std::string head;
 };
 
 // none | full | selective_layer | selective_op.
@@ -169,6 +191,7 @@ struct Config {
   Bf16Config bf16;
   ZeroConfig zero_optimization;
   ActivationCheckpointingConfig activation_checkpointing;
+  ActivationOffloadingConfig activation_offloading;
   TensorParallelConfig tensor_parallel;
   ModelConfig model;
   DataConfig data;

@@ -61,15 +61,40 @@ parity() {
 
 # 2. Dropout 0.1, 2 ranks, 20 steps: the same losses bitwise under every variant.
 ac=activation_checkpointing
-dp_order=(none full selective_layer selective_layer_last selective_op)
+# Regions are non-reentrant unless a variant says reentrant=true. The
+# default config shards with ZeRO stage 3: units are gathered around the
+# regions' recomputes.
+dp_order=(none full full_reentrant selective_layer selective_layer_last selective_op selective_op_reentrant
+          act_offload full_act_offload)
 declare -A dp_variants=(
   [none]="--set $ac.variant=none"
   [full]="--set $ac.variant=full"
+  [full_reentrant]="--set $ac.variant=full --set $ac.reentrant=true"
+  [selective_op_reentrant]="--set $ac.variant=selective_op --set $ac.reentrant=true"
+  [act_offload]="--set $ac.variant=none --set activation_offloading.enabled=true"
+  [full_act_offload]="--set $ac.variant=full --set activation_offloading.enabled=true"
   [selective_layer]="--set $ac.variant=selective_layer --set $ac.every_k=2"
   [selective_layer_last]="--set $ac.variant=selective_layer --set $ac.every_k=2 --set $ac.every_k_from=last"
   [selective_op]="--set $ac.variant=selective_op"
 )
 parity parity "2 ranks" 2 dp_order dp_variants --set model.dropout=0.1
+field() { sed -E "s/.*\"$2\":([0-9]+).*/\1/" "$1" | head -1; }
+held_none=$(field "$tmp/parity_none.jsonl" mem_fwd_held_bytes)
+held_off=$(field "$tmp/parity_act_offload.jsonl" mem_fwd_held_bytes)
+moved=$(field "$tmp/parity_act_offload.jsonl" act_offloaded_bytes)
+if [[ -n "$held_off" && -n "$held_none" && "$moved" -gt 0 && $((held_off * 4)) -le "$held_none" ]]; then
+  pass "activation offloading: the forward leaves <= 1/4 on the device ($held_off of $held_none bytes; $moved moved)"
+else
+  fail "activation offloading: the forward leaves <= 1/4 on the device ($held_off of $held_none bytes; $moved moved)"
+fi
+comm() { sed -E 's/.*"comm_bytes":([0-9]+).*/\1/' "$1" | paste -sd' '; }
+if [[ -n "$(comm "$tmp/parity_full.jsonl")" &&
+      "$(comm "$tmp/parity_full.jsonl")" == "$(comm "$tmp/parity_full_reentrant.jsonl")" ]]; then
+  pass "ZeRO-3 gathers as much around non-reentrant recomputes as around reentrant ones (comm_bytes per step equal)"
+else
+  fail "ZeRO-3 gathers as much around non-reentrant recomputes as around reentrant ones (comm_bytes per step equal)" \
+    "$(paste <(comm "$tmp/parity_full.jsonl" | tr ' ' '\n') <(comm "$tmp/parity_full_reentrant.jsonl" | tr ' ' '\n') | head -5)"
+fi
 
 # 3. The default config learns: over its first 40 steps (of 120) the loss falls
 #    by at least 30% (measured: about 40% by step 30).
@@ -112,7 +137,12 @@ declare -A tp_variants=(
   [offload]="--set $ac.variant=full --set $ac.cpu_checkpointing=true --set $ac.offload_min_bytes=0"
   [partitioned_offload_contiguous]="--set $ac.variant=full --set $ac.partition_activations=true --set $ac.cpu_checkpointing=true --set $ac.offload_min_bytes=0 --set $ac.offload_keep_last=false --set $ac.contiguous_memory_optimization=true --set $ac.number_checkpoints=2"
 )
-tp_order=(none full partitioned partitioned_contiguous offload partitioned_offload_contiguous)
+tp_variants[full_reentrant]="--set $ac.variant=full --set $ac.reentrant=true"
+tp_variants[act_offload]="--set $ac.variant=none --set activation_offloading.enabled=true"
+tp_variants[partitioned_act_offload]="${tp_variants[partitioned]} --set activation_offloading.enabled=true"
+tp_variants[partitioned_offload_contiguous_reentrant]="${tp_variants[partitioned_offload_contiguous]} --set $ac.reentrant=true"
+tp_order=(none full full_reentrant partitioned partitioned_contiguous offload partitioned_offload_contiguous
+          partitioned_offload_contiguous_reentrant act_offload partitioned_act_offload)
 parity tp "tp=2 on 4 ranks" 4 tp_order tp_variants --set tensor_parallel.size=2 --set model.dropout=0.1
 saved() { sed -E 's/.*"ckpt_saved_bytes":([0-9]+).*/\1/' "$1" | head -1; }
 whole_bytes=$(saved "$tmp/tp_full.jsonl")

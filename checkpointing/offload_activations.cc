@@ -1,0 +1,299 @@
+#include "checkpointing/offload_activations.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/modules/container/modulelist.h>
+
+#include <any>
+#include <atomic>
+#include <cstdlib>
+#include <deque>
+#include <mutex>
+#include <vector>
+
+#include "checkpointing/host_transfer.h"
+#include "nn/module_call.h"
+#include "nn/saved_tensors_hooks.h"
+#include "runtime/error.h"
+#include "runtime/logging.h"
+
+namespace remat {
+namespace {
+
+struct Counters {
+  std::atomic<int64_t> offloaded_tensors{0}, offloaded_bytes{0}, restored_tensors{0},
+      restored_bytes{0}, kept_tensors{0}, kept_bytes{0}, host_bytes{0};
+};
+Counters& counters() {
+  static Counters c;
+  return c;
+}
+
+// Parameters, and views of them, stay where they are (alive anyway).
+bool is_parameter(const at::Tensor& t) {
+  if (t.is_leaf() && t.requires_grad()) return true;
+  if (t.is_view()) {
+    const at::TensorBase& base = t._base();
+    return base.defined() && base.is_leaf() && base.requires_grad();
+  }
+  return false;
+}
+
+// Host memory for a copy of `t`: pinned for GPU tensors (use_pin_memory), and
+// for CPU tensors an arena outside c10's allocator (so the memory accounting
+// counts only what stays on the "device"). Keeps t's strides when they are
+// dense, else dense row-major.
+at::Tensor host_buffer(const at::Tensor& t, bool pinned) {
+  const bool dense = t.is_non_overlapping_and_dense();
+  if (t.is_cuda()) {
+    auto options = at::TensorOptions().dtype(t.scalar_type()).device(at::kCPU).pinned_memory(pinned);
+    return dense ? at::empty_strided(t.sizes(), t.strides(), options) : at::empty(t.sizes(), options);
+  }
+  const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  void* data = std::malloc(bytes == 0 ? 1 : bytes);
+  if (data == nullptr) {
+    throw Error(str("activation offloading: could not allocate ", bytes, " bytes of host memory"));
+  }
+  auto options = at::TensorOptions().dtype(t.scalar_type()).device(at::kCPU);
+  auto free_it = [](void* p) { std::free(p); };
+  return dense ? at::from_blob(data, t.sizes(), t.strides(), free_it, options)
+               : at::from_blob(data, t.sizes(), free_it, options);
+}
+
+}  // namespace
+
+// One saved tensor: what pack returned.
+struct Packed {
+  std::shared_ptr<OffloadActivations::State> state;
+  size_t id = 0;
+  at::Tensor kept;  // left on the device
+  bool counted_kept = false;  // kept for being small (a parameter is not counted)
+  at::Tensor host;  // the offloaded copy
+  std::shared_ptr<host_transfer::PendingCopy> to_host;
+  at::Tensor fetched;  // brought back ahead (GPU prefetch)
+  std::shared_ptr<host_transfer::PendingCopy> to_device;
+  at::Device device{at::kCPU};
+  int64_t bytes = 0;
+  c10::VariableVersion version{c10::VariableVersion::DISABLED};
+  uint32_t saved_version = 0;
+  std::string describe;
+
+  ~Packed() {
+    if (host.defined()) counters().host_bytes -= bytes;
+    if (counted_kept) counters().kept_bytes -= bytes;
+  }
+};
+
+struct OffloadActivations::State {
+  OffloadActivationsOptions options;
+  std::mutex mutex;
+  std::vector<std::weak_ptr<Packed>> order;  // offloaded tensors, forward order
+  std::deque<std::shared_ptr<host_transfer::PendingCopy>> in_flight;
+
+  std::any pack(const std::shared_ptr<State>& self, const at::Tensor& t);
+  at::Tensor unpack(Packed& p);
+  at::Tensor bring_back(Packed& p);
+};
+
+std::any OffloadActivations::State::pack(const std::shared_ptr<State>& self, const at::Tensor& t) {
+  // The hooks' own work saves nothing and is not offloaded.
+  disable_saved_tensors_hooks off;
+  at::NoGradGuard no_grad;
+  auto p = std::make_shared<Packed>();
+  p->state = self;
+  p->device = t.device();
+  p->bytes = static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
+  if (!t.is_inference()) {
+    p->version = t.unsafeGetTensorImpl()->version_counter();
+    p->saved_version = t._version();
+  }
+  p->describe = str(c10::toString(t.scalar_type()), " ", t.sizes(), " on ", t.device().str());
+  at::Tensor data = t.detach();
+  if (is_parameter(t)) {
+    p->kept = data;  // not an activation: not counted
+    return p;
+  }
+  if (p->bytes < options.min_offload_size) {
+    p->kept = data;
+    p->counted_kept = true;
+    counters().kept_tensors++;
+    counters().kept_bytes += p->bytes;
+    return p;
+  }
+  p->host = host_buffer(data, options.use_pin_memory && data.is_cuda());
+  if (data.is_cuda() && options.use_streams) {
+    std::lock_guard<std::mutex> lock(mutex);
+    p->to_host = host_transfer::copy_to_host(data, p->host);
+    in_flight.push_back(p->to_host);
+    while (static_cast<int>(in_flight.size()) > options.max_fwd_stash_size) {
+      in_flight.front()->wait();
+      in_flight.pop_front();
+    }
+  } else {
+    p->host.copy_(data);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    p->id = order.size();
+    order.push_back(p);
+  }
+  counters().offloaded_tensors++;
+  counters().offloaded_bytes += p->bytes;
+  counters().host_bytes += p->bytes;
+  return p;
+}
+
+// Starts (or does) the copy of p's host data back to its device.
+at::Tensor OffloadActivations::State::bring_back(Packed& p) {
+  if (p.fetched.defined()) return p.fetched;
+  if (p.to_host) p.to_host->wait();
+  at::Tensor out = at::empty_strided(p.host.sizes(), p.host.strides(),
+                                     p.host.options().device(p.device).pinned_memory(false));
+  if (p.device.is_cuda() && options.use_streams) {
+    p.to_device = host_transfer::copy_to_device(p.host, out);
+  } else {
+    out.copy_(p.host);
+  }
+  p.fetched = out;
+  return out;
+}
+
+at::Tensor OffloadActivations::State::unpack(Packed& p) {
+  if (p.version.enabled() && p.version.current_version() != p.saved_version) {
+    throw Error(str("activation offloading: a tensor saved for backward (", p.describe,
+                    ") was modified in place after it was saved (its version went from ",
+                    p.saved_version, " to ", p.version.current_version(), "); the gradient "
+                    "would use another value than the forward's: clone() the tensor before "
+                    "changing it in place, or change a copy"));
+  }
+  if (p.kept.defined()) return p.kept;
+  disable_saved_tensors_hooks off;
+  at::NoGradGuard no_grad;
+  at::Tensor out;
+  std::shared_ptr<host_transfer::PendingCopy> ready;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    out = bring_back(p);
+    ready = p.to_device;
+    // Backward runs in reverse: fetch the tensors saved just before this one.
+    if (p.device.is_cuda() && options.use_streams) {
+      int ahead = 0;
+      for (size_t i = p.id; i-- > 0 && ahead < options.max_fwd_stash_size;) {
+        auto earlier = order[i].lock();
+        if (!earlier || !earlier->host.defined()) continue;
+        if (!earlier->fetched.defined()) bring_back(*earlier);
+        ++ahead;
+      }
+    }
+  }
+  if (ready) ready->order_before_use();
+  // Taken: the next backward (retain_graph) brings it back again.
+  p.fetched = at::Tensor();
+  p.to_device = nullptr;
+  counters().restored_tensors++;
+  counters().restored_bytes += p.bytes;
+  return out;
+}
+
+OffloadActivations::OffloadActivations(const OffloadActivationsOptions& options)
+    : state_(std::make_shared<State>()) {
+  if (options.min_offload_size < 0 || options.max_fwd_stash_size < 1) {
+    throw ConfigError(str("OffloadActivations: min_offload_size (", options.min_offload_size,
+                          ") must be >= 0 and max_fwd_stash_size (", options.max_fwd_stash_size,
+                          ") at least 1"));
+  }
+  state_->options = options;
+  std::weak_ptr<State> weak = state_;
+  scope_ = std::make_unique<saved_tensors_hooks>(
+      [weak](const at::Tensor& t) -> std::any {
+        auto state = weak.lock();
+        REMAT_CHECK(state != nullptr, "activation offloading: pack after the scope ended");
+        return state->pack(state, t);
+      },
+      [](const std::any& packed) -> at::Tensor {
+        const auto& p = std::any_cast<const std::shared_ptr<Packed>&>(packed);
+        return p->state->unpack(*p);
+      });
+}
+
+OffloadActivations::~OffloadActivations() {
+  scope_.reset();
+  // Copies still in flight finish before the forward's tensors may be reused.
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  for (auto& copy : state_->in_flight) copy->wait();
+  state_->in_flight.clear();
+}
+
+ActivationOffloadStats activation_offload_stats() {
+  const auto& c = counters();
+  ActivationOffloadStats s;
+  s.offloaded_tensors = c.offloaded_tensors;
+  s.offloaded_bytes = c.offloaded_bytes;
+  s.restored_tensors = c.restored_tensors;
+  s.restored_bytes = c.restored_bytes;
+  s.kept_tensors = c.kept_tensors;
+  s.kept_bytes = c.kept_bytes;
+  s.host_bytes = c.host_bytes;
+  return s;
+}
+
+namespace {
+
+// The head's calls run with no saved-tensor hooks: nothing of it is offloaded.
+class NoOffloadHook final : public ModuleHook {
+ public:
+  c10::IValue run(const std::vector<c10::IValue>& args, const IValueFn& next) override {
+    disable_saved_tensors_hooks off;
+    return next(args);
+  }
+};
+
+bool is_linear(const torch::nn::Module& m) {
+  const std::string name = m.name();
+  return name.size() >= 6 && (name.find("Linear") != std::string::npos);
+}
+
+std::string children_of(const torch::nn::Module& m) {
+  std::string out;
+  for (const auto& item : m.named_children()) out += (out.empty() ? "" : ", ") + item.key();
+  return out.empty() ? "none" : out;
+}
+
+}  // namespace
+
+std::shared_ptr<torch::nn::Module> find_output_head(torch::nn::Module& model,
+                                                    const std::string& path) {
+  if (!path.empty()) {
+    for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+      if (item.key() == path) return item.value();
+    }
+    throw ConfigError(str("activation_offloading.head: the model has no module '", path,
+                          "'; its children are: ", children_of(model)));
+  }
+  auto children = model.named_children();
+  for (const char* name : {"head", "output", "lm_head"}) {
+    if (children.contains(name)) return children[name];
+  }
+  std::shared_ptr<torch::nn::Module> last;
+  for (const auto& item : children) {
+    if (is_linear(*item.value())) last = item.value();
+  }
+  return last;
+}
+
+std::shared_ptr<torch::nn::Module> exclude_output_head(torch::nn::Module& model,
+                                                       const OffloadActivationsOptions& options) {
+  auto head = find_output_head(model, options.head);
+  if (!head) {
+    if (options.warn_if_no_head) {
+      log_rank0().warn("activation offloading: no output head found (no top-level child named "
+                       "head, output or lm_head, and no Linear child); its activations, needed "
+                       "first in backward, are offloaded too. Name it with "
+                       "activation_offloading.head");
+    }
+    return nullptr;
+  }
+  set_module_hook(*head, HookSlot::kNoOffload, std::make_shared<NoOffloadHook>());
+  return head;
+}
+
+}  // namespace remat

@@ -1,0 +1,91 @@
+// Activation offloading: every tensor autograd saves for backward inside the
+// scope moves to host memory in the forward and comes back in the backward.
+//
+//   remat::OffloadActivationsOptions options;           // torchtune's defaults
+//   remat::exclude_output_head(*model, options);         // the head runs on the device
+//   {
+//     remat::OffloadActivations offload(options);
+//     loss = model->loss(x, y);                          // saved tensors go to the host
+//   }
+//   loss.backward();                                     // ... and come back when needed
+//
+// Contract (checkpointing/offload_activations_test.cc, docs/offloading.md):
+// - Saved tensors of at least min_offload_size bytes are copied to host memory;
+//   smaller ones, and parameters (leaf tensors that require grad, and views of
+//   them: a C++ Linear saves weight.t()), stay where they are.
+// - Each tensor comes back when backward first needs it; with retain_graph it
+//   comes back again in the next backward. The host copy is freed with the
+//   graph (after a backward that does not retain it).
+// - A saved tensor changed in place after it was saved is an error naming it,
+//   as autograd's own check would be: never a gradient from another value.
+// - The output head is needed first in backward: exclude_output_head marks it
+//   so that its calls through remat::forward run without offloading.
+// - On a GPU: host copies are pinned (use_pin_memory) and made on a side stream
+//   (use_streams) with at most max_fwd_stash_size copies in flight; in backward
+//   the tensors saved before the one being restored are fetched ahead on the
+//   side stream. On a CPU-only build the host copies go to an arena that c10's
+//   allocator does not see, so what the device keeps is measurable here
+//   (activation_offload_stats().host_bytes is what the arena holds).
+// - Inside a non-reentrant checkpoint region the region's own saved tensors are
+//   recomputed, not offloaded; the region's inputs are offloaded (they are
+//   saved through the enclosing scope).
+// - Without grad mode nothing is saved, so nothing is offloaded.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "runtime/config.h"
+
+namespace remat {
+
+class saved_tensors_hooks;
+
+// The options of torchtune's OffloadActivations / Axolotl's
+// get_lora_act_offloading_ctx_manager, with their defaults (runtime/config.h:
+// the activation_offloading section, where each is documented).
+using OffloadActivationsOptions = ActivationOffloadingConfig;
+
+// Process-wide counters of activation offloading (metrics, tests, benchmarks).
+struct ActivationOffloadStats {
+  int64_t offloaded_tensors = 0;  // total: tensors copied to the host
+  int64_t offloaded_bytes = 0;    // total
+  int64_t restored_tensors = 0;   // total: tensors brought back (again for each backward)
+  int64_t restored_bytes = 0;     // total
+  int64_t kept_tensors = 0;       // total: saved tensors left on the device (small; not parameters)
+  int64_t kept_bytes = 0;         // now: bytes of such tensors that live graphs hold
+  int64_t host_bytes = 0;         // now: host copies that live graphs hold
+};
+ActivationOffloadStats activation_offload_stats();
+
+class OffloadActivations {
+ public:
+  explicit OffloadActivations(const OffloadActivationsOptions& options = {});
+  ~OffloadActivations();
+  OffloadActivations(const OffloadActivations&) = delete;
+  OffloadActivations& operator=(const OffloadActivations&) = delete;
+
+  struct State;
+
+ private:
+  std::shared_ptr<State> state_;
+  std::unique_ptr<saved_tensors_hooks> scope_;
+};
+
+// The output head: the module at options.head (a dotted path) or, when that
+// is empty, the model's top-level child named "head", "output" or "lm_head",
+// else its last top-level child whose type is a Linear. Null when none.
+std::shared_ptr<torch::nn::Module> find_output_head(torch::nn::Module& model,
+                                                    const std::string& path = "");
+
+// Marks the head so that its calls through remat::forward run without
+// offloading; logs a warning (options.warn_if_no_head) when there is none.
+// A path that names no module is an Error listing the children. Returns the head.
+std::shared_ptr<torch::nn::Module> exclude_output_head(torch::nn::Module& model,
+                                                       const OffloadActivationsOptions& options);
+
+}  // namespace remat
