@@ -5,6 +5,7 @@
 // still alive, stopping as soon as the last one is filled; each unpack takes
 // its slot's tensor, so a later backward (retain_graph) recomputes again.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
 #include <any>

@@ -1,6 +1,7 @@
 #include "checkpointing/offload_activations.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/nn/modules/container/modulelist.h>
 
 #include <any>
