@@ -153,7 +153,7 @@ int bench(int argc, char** argv) {
       const int64_t base = memory.current();
       memory.reset_peak();
       auto t0 = Clock::now();
-      if (v == "act_offload") offload = std::make_unique<OffloadActivations>(OffloadActivationsOptions{});
+      if (v == "act_offload") offload = std::make_unique<OffloadActivations>(OffloadActivationsOptions{}, model.get());
       at::Tensor loss = model->loss(idx, targets);
       offload.reset();
       auto t1 = Clock::now();

@@ -34,6 +34,14 @@ struct Slot {
 // does not run.
 struct StopRecompute {};
 
+// Non-reentrant regions running fn on this thread (forward or recompute): a
+// region inside another leaves its inputs to the outer one.
+thread_local int t_region_depth = 0;
+struct InsideRegion {
+  InsideRegion() { ++t_region_depth; }
+  ~InsideRegion() { --t_region_depth; }
+};
+
 struct Frame {
   std::shared_ptr<Region> region;
   // The inputs kept as they are, saved after fn returned and outside this
@@ -142,6 +150,7 @@ void Frame::recompute() {
           throw Error(str(name, ": backward ran through the graph of the region's recompute"));
         });
     try {
+      InsideRegion inside;
       run_fn(r, values, SelectiveOpScope::Mode::kReplay, ops);
     } catch (const StopRecompute&) {
       stopped = true;
@@ -175,7 +184,14 @@ c10::IValue checkpoint_non_reentrant(const CheckpointFn& fn, std::vector<c10::IV
   Region& r = *frame->region;
   synchronize_if(options.synchronize);
   if (options.preserve_rng_state) r.rng = capture_rng();
-  frame->stored = store_inputs(r, inputs, frame->region);
+  // Inside another non-reentrant region the inputs are the outer region's
+  // (it recomputes them): they are not stored here (partitioned, offloaded,
+  // in a contiguous slot). Under any enclosing scope (a region, activation
+  // offloading) the inputs saved as they are are that scope's, not counted here.
+  const bool nested = t_region_depth > 0;
+  const bool enclosed = saved_tensors_hooks_active();
+  frame->stored = nested ? std::vector<bool>(inputs.size(), false)
+                         : store_inputs(r, inputs, frame->region);
   int64_t saved_bytes = r.stored ? r.stored->kept_bytes() : 0;
   c10::IValue output;
   {
@@ -200,6 +216,7 @@ c10::IValue checkpoint_non_reentrant(const CheckpointFn& fn, std::vector<c10::IV
           return slot->frame->unpack(*slot);
         });
     try {
+      InsideRegion inside;
       output = run_fn(r, inputs, SelectiveOpScope::Mode::kRecord, r.forward_ops);
     } catch (...) {
       restore_rng_after_throw(r);
@@ -211,14 +228,12 @@ c10::IValue checkpoint_non_reentrant(const CheckpointFn& fn, std::vector<c10::IV
   // Versions as fn left them (fn may update an argument itself, such as
   // running statistics): changes from here on are refused at the recompute.
   record_input_versions(r, inputs);
-  const bool enclosed = saved_tensors_hooks_active();
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (frame->stored[i]) {
       frame->inputs.emplace_back();
       continue;
     }
     frame->inputs.emplace_back(inputs[i], /*is_output=*/false);
-    // Under an enclosing region or offloading scope the input is that scope's to keep.
     if (!enclosed) saved_bytes += covered_bytes(inputs[i]);
   }
   r.count(saved_bytes + r.selective.bytes);

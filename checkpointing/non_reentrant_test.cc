@@ -11,6 +11,7 @@
 #include "checkpointing/checkpoint.h"
 #include "checkpointing/checkpoint_modes.h"
 #include "checkpointing/op_recorder.h"
+#include "checkpointing/stored_inputs.h"
 #include "rng/rng_tracker.h"
 #include "runtime/error.h"
 #include "tests/error_of.h"
@@ -203,6 +204,40 @@ TEST(NonReentrant, NestedRegionsHoldOnlyTheOutermostInput) {
   y.sum().backward();
   EXPECT_TRUE(torch::equal(x.grad(), gx));
   EXPECT_TRUE(torch::equal(a->weight.grad(), ga));
+  EXPECT_EQ(checkpoint_saved_bytes(), 0);
+}
+
+// With stored inputs (offloaded into one contiguous slot) only the outer
+// region stores: the inner one, run again inside the outer's recompute, takes
+// no slot of its own.
+TEST(NonReentrant, NestedRegionsStoreOnlyTheOutermostInputs) {
+  torch::manual_seed(0);
+  torch::nn::Linear a(8, 8), b(8, 8);
+  at::Tensor x = torch::randn({4, 8}, torch::requires_grad());
+  CheckpointOptions options;
+  options.storage.offload = true;
+  options.storage.offload_min_bytes = 0;
+  options.storage.offload_keep_last = false;
+  options.storage.contiguous = std::make_shared<ContiguousBuffers>(1);
+  auto inner = [&](const at::Tensor& in) { return b->forward(in).tanh(); };
+  auto outer = [&](const at::Tensor& in, bool c) {
+    at::Tensor h = a->forward(in * 1.0).relu();
+    return (c ? checkpoint_with(options, inner, h) : inner(h)) * 2;
+  };
+  outer(x, false).sum().backward();
+  at::Tensor gx = x.grad().clone(), gb = b->weight.grad().clone();
+  x.mutable_grad().reset();
+  b->weight.mutable_grad().reset();
+  a->weight.mutable_grad().reset();
+  const auto before = stored_input_stats();
+  at::Tensor y = checkpoint_with(options, [&](const at::Tensor& in) { return outer(in, true); }, x * 1.0);
+  EXPECT_EQ(options.storage.contiguous->slots_in_use(), 1);
+  EXPECT_EQ(stored_input_stats().offload_copies - before.offload_copies, 1);
+  y.sum().backward();
+  EXPECT_TRUE(torch::equal(x.grad(), gx));
+  EXPECT_TRUE(torch::equal(b->weight.grad(), gb));
+  EXPECT_EQ(stored_input_stats().offload_copies - before.offload_copies, 1);
+  EXPECT_EQ(options.storage.contiguous->slots_in_use(), 0);
   EXPECT_EQ(checkpoint_saved_bytes(), 0);
 }
 

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <deque>
 #include <mutex>
+#include <unordered_set>
 #include <vector>
 
 #include "checkpointing/host_transfer.h"
@@ -18,6 +19,8 @@
 #include "runtime/logging.h"
 
 namespace remat {
+struct Packed;
+
 namespace {
 
 struct Counters {
@@ -29,8 +32,11 @@ Counters& counters() {
   return c;
 }
 
-// Parameters, and views of them, stay where they are (alive anyway).
-bool is_parameter(const at::Tensor& t) {
+// Parameters, and views of them, stay where they are (alive anyway): leaves
+// that require grad, views of such leaves, and tensors on the storage of the
+// model's parameters and buffers (frozen weights included).
+bool is_parameter(const at::Tensor& t, const std::unordered_set<const c10::StorageImpl*>& model) {
+  if (t.has_storage() && model.count(t.storage().unsafeGetStorageImpl())) return true;
   if (t.is_leaf() && t.requires_grad()) return true;
   if (t.is_view()) {
     const at::TensorBase& base = t._base();
@@ -68,6 +74,8 @@ struct Packed {
   size_t id = 0;
   at::Tensor kept;  // left on the device
   bool counted_kept = false;  // kept for being small (a parameter is not counted)
+  bool counted_host = false;  // host_bytes includes this copy
+  int unpacks = 0;            // backwards that brought it back
   at::Tensor host;  // the offloaded copy
   std::shared_ptr<host_transfer::PendingCopy> to_host;
   at::Tensor fetched;  // brought back ahead (GPU prefetch)
@@ -79,7 +87,7 @@ struct Packed {
   std::string describe;
 
   ~Packed() {
-    if (host.defined()) counters().host_bytes -= bytes;
+    if (counted_host) counters().host_bytes -= bytes;
     if (counted_kept) counters().kept_bytes -= bytes;
   }
 };
@@ -88,12 +96,22 @@ struct OffloadActivations::State {
   OffloadActivationsOptions options;
   std::mutex mutex;
   std::vector<std::weak_ptr<Packed>> order;  // offloaded tensors, forward order
+  std::unordered_set<const c10::StorageImpl*> model_storages;  // never offloaded
+  // Set once the output head has run in this scope: what follows (the loss)
+  // is needed first in backward and stays on the device.
+  bool after_head = false;
+  State* previous = nullptr;  // the enclosing scope on this thread
   std::deque<std::shared_ptr<host_transfer::PendingCopy>> in_flight;
 
   std::any pack(const std::shared_ptr<State>& self, const at::Tensor& t);
   at::Tensor unpack(Packed& p);
   at::Tensor bring_back(Packed& p);
 };
+
+namespace {
+// The innermost offloading scope on this thread (the head's hook marks it).
+thread_local OffloadActivations::State* t_innermost = nullptr;
+}  // namespace
 
 std::any OffloadActivations::State::pack(const std::shared_ptr<State>& self, const at::Tensor& t) {
   // The hooks' own work saves nothing and is not offloaded.
@@ -109,11 +127,11 @@ std::any OffloadActivations::State::pack(const std::shared_ptr<State>& self, con
   }
   p->describe = str(c10::toString(t.scalar_type()), " ", t.sizes(), " on ", t.device().str());
   at::Tensor data = t.detach();
-  if (is_parameter(t)) {
+  if (is_parameter(t, model_storages)) {
     p->kept = data;  // not an activation: not counted
     return p;
   }
-  if (p->bytes < options.min_offload_size) {
+  if (p->bytes < options.min_offload_size || after_head) {
     p->kept = data;
     p->counted_kept = true;
     counters().kept_tensors++;
@@ -121,6 +139,8 @@ std::any OffloadActivations::State::pack(const std::shared_ptr<State>& self, con
     return p;
   }
   p->host = host_buffer(data, options.use_pin_memory && data.is_cuda());
+  p->counted_host = true;
+  counters().host_bytes += p->bytes;
   if (data.is_cuda() && options.use_streams) {
     std::lock_guard<std::mutex> lock(mutex);
     p->to_host = host_transfer::copy_to_host(data, p->host);
@@ -139,7 +159,6 @@ std::any OffloadActivations::State::pack(const std::shared_ptr<State>& self, con
   }
   counters().offloaded_tensors++;
   counters().offloaded_bytes += p->bytes;
-  counters().host_bytes += p->bytes;
   return p;
 }
 
@@ -175,27 +194,30 @@ at::Tensor OffloadActivations::State::unpack(Packed& p) {
     std::lock_guard<std::mutex> lock(mutex);
     out = bring_back(p);
     ready = p.to_device;
-    // Backward runs in reverse: fetch the tensors saved just before this one.
+    const int round = ++p.unpacks;
+    // Backward runs in reverse: fetch the tensors saved just before this one
+    // that this backward has not brought back yet.
     if (p.device.is_cuda() && options.use_streams) {
       int ahead = 0;
       for (size_t i = p.id; i-- > 0 && ahead < options.max_fwd_stash_size;) {
         auto earlier = order[i].lock();
-        if (!earlier || !earlier->host.defined()) continue;
+        if (!earlier || !earlier->host.defined() || earlier->unpacks >= round) continue;
         if (!earlier->fetched.defined()) bring_back(*earlier);
         ++ahead;
       }
     }
+    // Taken: the next backward (retain_graph) brings it back again.
+    p.fetched = at::Tensor();
+    p.to_device = nullptr;
   }
   if (ready) ready->order_before_use();
-  // Taken: the next backward (retain_graph) brings it back again.
-  p.fetched = at::Tensor();
-  p.to_device = nullptr;
   counters().restored_tensors++;
   counters().restored_bytes += p.bytes;
   return out;
 }
 
-OffloadActivations::OffloadActivations(const OffloadActivationsOptions& options)
+OffloadActivations::OffloadActivations(const OffloadActivationsOptions& options,
+                                       const torch::nn::Module* model)
     : state_(std::make_shared<State>()) {
   if (options.min_offload_size < 0 || options.max_fwd_stash_size < 1) {
     throw ConfigError(str("OffloadActivations: min_offload_size (", options.min_offload_size,
@@ -203,6 +225,16 @@ OffloadActivations::OffloadActivations(const OffloadActivationsOptions& options)
                           ") at least 1"));
   }
   state_->options = options;
+  if (model != nullptr) {
+    for (const auto& p : model->parameters()) {
+      if (p.has_storage()) state_->model_storages.insert(p.storage().unsafeGetStorageImpl());
+    }
+    for (const auto& b : model->buffers()) {
+      if (b.defined() && b.has_storage()) state_->model_storages.insert(b.storage().unsafeGetStorageImpl());
+    }
+  }
+  state_->previous = t_innermost;
+  t_innermost = state_.get();
   std::weak_ptr<State> weak = state_;
   scope_ = std::make_unique<saved_tensors_hooks>(
       [weak](const at::Tensor& t) -> std::any {
@@ -218,9 +250,18 @@ OffloadActivations::OffloadActivations(const OffloadActivationsOptions& options)
 
 OffloadActivations::~OffloadActivations() {
   scope_.reset();
+  t_innermost = state_->previous;
   // Copies still in flight finish before the forward's tensors may be reused.
+  // A failed copy was or will be reported where its tensor is used; a
+  // destructor must not throw (it may run while an exception unwinds).
   std::lock_guard<std::mutex> lock(state_->mutex);
-  for (auto& copy : state_->in_flight) copy->wait();
+  for (auto& copy : state_->in_flight) {
+    try {
+      copy->wait();
+    } catch (const std::exception& e) {
+      log().error("activation offloading: a copy to the host failed: {}", e.what());
+    }
+  }
   state_->in_flight.clear();
 }
 
@@ -243,8 +284,14 @@ namespace {
 class NoOffloadHook final : public ModuleHook {
  public:
   c10::IValue run(const std::vector<c10::IValue>& args, const IValueFn& next) override {
-    disable_saved_tensors_hooks off;
-    return next(args);
+    c10::IValue out;
+    {
+      disable_saved_tensors_hooks off;
+      out = next(args);
+    }
+    // What runs after the head in this forward (the loss) stays on the device.
+    if (t_innermost != nullptr) t_innermost->after_head = true;
+    return out;
   }
 };
 

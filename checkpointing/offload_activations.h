@@ -11,15 +11,17 @@
 //
 // Contract (checkpointing/offload_activations_test.cc, docs/offloading.md):
 // - Saved tensors of at least min_offload_size bytes are copied to host memory;
-//   smaller ones, and parameters (leaf tensors that require grad, and views of
-//   them: a C++ Linear saves weight.t()), stay where they are.
+//   smaller ones, and parameters (the model's parameters and buffers, frozen or
+//   not, when the scope is given the model; leaf tensors that require grad and
+//   views of them: a C++ Linear saves weight.t()), stay where they are.
 // - Each tensor comes back when backward first needs it; with retain_graph it
 //   comes back again in the next backward. The host copy is freed with the
 //   graph (after a backward that does not retain it).
 // - A saved tensor changed in place after it was saved is an error naming it,
 //   as autograd's own check would be: never a gradient from another value.
 // - The output head is needed first in backward: exclude_output_head marks it
-//   so that its calls through remat::forward run without offloading.
+//   so that its calls through remat::forward run without offloading, and what
+//   runs after it in the same scope (the loss) stays on the device too.
 // - On a GPU: host copies are pinned (use_pin_memory) and made on a side stream
 //   (use_streams) with at most max_fwd_stash_size copies in flight; in backward
 //   the tensors saved before the one being restored are fetched ahead on the
@@ -64,7 +66,11 @@ ActivationOffloadStats activation_offload_stats();
 
 class OffloadActivations {
  public:
-  explicit OffloadActivations(const OffloadActivationsOptions& options = {});
+  // `model`: tensors on the storage of its parameters and buffers are never
+  // offloaded (frozen weights too); without it, leaves that require grad and
+  // views of them are recognised.
+  explicit OffloadActivations(const OffloadActivationsOptions& options = {},
+                              const torch::nn::Module* model = nullptr);
   ~OffloadActivations();
   OffloadActivations(const OffloadActivations&) = delete;
   OffloadActivations& operator=(const OffloadActivations&) = delete;

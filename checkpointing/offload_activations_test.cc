@@ -149,6 +149,38 @@ TEST(OffloadActivations, MinOffloadSizeParametersAndTheHeadStay) {
   (void)param_bytes;
 }
 
+// Frozen weights (requires_grad false) are parameters too when the scope knows
+// the model; what runs after the head (the loss) stays on the device.
+TEST(OffloadActivations, FrozenWeightsAndWhatFollowsTheHeadStay) {
+  torch::manual_seed(0);
+  Net net;
+  for (auto& p : net->blocks->parameters()) p.set_requires_grad(false);
+  exclude_output_head(*net, options(0));
+  const at::Tensor x = input().requires_grad_(true);  // so that the frozen Linears save weight.t()
+  auto moved = [&](const torch::nn::Module* model) {
+    const auto before = activation_offload_stats();
+    at::Tensor loss;
+    int64_t host = 0;
+    {
+      OffloadActivations scope(options(0), model);
+      loss = net->forward(x).pow(2).mean();  // pow saves the logits, after the head
+      host = activation_offload_stats().host_bytes;
+    }
+    loss.backward();
+    const auto after = activation_offload_stats();
+    return std::make_pair(host, after.kept_tensors - before.kept_tensors);
+  };
+  int64_t weights = 0;
+  for (auto& p : net->blocks->parameters()) {
+    if (p.dim() == 2) weights += p.nbytes();
+  }
+  auto [without_model, kept_without] = moved(nullptr);
+  auto [with_model, kept_with] = moved(net.ptr().get());
+  EXPECT_EQ(without_model - with_model, weights) << "the frozen weights.t() views moved";
+  EXPECT_EQ(kept_without, 1) << "the logits saved by pow, after the head";
+  EXPECT_EQ(kept_with, 1);
+}
+
 TEST(OffloadActivations, RetainGraphBringsTensorsBackForEachBackward) {
   torch::manual_seed(0);
   Net net;

@@ -324,7 +324,7 @@ int train(int argc, char** argv) {
       auto t0 = Clock::now();
       zero.begin_forward();
       std::unique_ptr<OffloadActivations> offload;
-      if (offloading.enabled) offload = std::make_unique<OffloadActivations>(offloading);
+      if (offloading.enabled) offload = std::make_unique<OffloadActivations>(offloading, model.get());
       at::Tensor loss = zero.finish_forward(
           model->loss(x, y) / static_cast<double>(batch.gradient_accumulation_steps));
       offload.reset();

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <thread>
 
@@ -45,6 +46,30 @@ TEST(SavedTensorsHooks, EverySavedTensorIsPackedAndComesBackThroughUnpack) {
   EXPECT_EQ(c.unpacks, 3);
   EXPECT_TRUE(torch::equal(plain[0], hooked[0]));
   EXPECT_TRUE(torch::equal(plain[1], hooked[1]));
+}
+
+// Wrapped numbers (scalars turned into 0-dim tensors, as Python's `x * 2.0`
+// makes them; made here by hand): LibTorch 1.13 hands them to pack, 2.x keeps
+// them out of the hooks. Gradients are the same either way.
+TEST(SavedTensorsHooks, WrappedNumbersAreHookedOnlyBeforeLibTorch2) {
+  at::Tensor x = torch::randn({3}, torch::requires_grad());
+  at::Tensor two = at::scalar_tensor(2.0, at::kDouble);
+  two.unsafeGetTensorImpl()->set_wrapped_number(true);
+  Counting c;
+  at::Tensor loss;
+  {
+    auto scope = c.scope();
+    loss = x.mul(two).sum();  // mul saves self and other
+  }
+#if TORCH_VERSION_MAJOR >= 2
+  EXPECT_EQ(c.packs, 0);
+#else
+  EXPECT_EQ(c.packs, 1);
+  ASSERT_EQ(c.seen.size(), 1u);
+  EXPECT_TRUE(c.seen[0].unsafeGetTensorImpl()->is_wrapped_number() || c.seen[0].dim() == 0);
+#endif
+  loss.backward();
+  EXPECT_TRUE(torch::equal(x.grad(), torch::full({3}, 2.0)));
 }
 
 // A custom Function: save_for_backward (inputs and its own output) is hooked,
