@@ -140,21 +140,6 @@ TEST(NonReentrant, TheRecomputeStopsAtTheLastSavedTensor) {
   }
 }
 
-TEST(NonReentrant, RetainGraphRecomputesOncePerBackwardAndASecondBackwardIsRefused) {
-  torch::manual_seed(0);
-  torch::nn::Linear lin(4, 4);
-  at::Tensor x = torch::randn({2, 4}, torch::requires_grad());
-  at::Tensor loss = checkpoint([&](const at::Tensor& in) { return lin->forward(in).tanh(); }, x).sum();
-  const int64_t before = checkpoint_recompute_count();
-  loss.backward({}, /*retain_graph=*/true);
-  at::Tensor once = x.grad().clone();
-  loss.backward();
-  EXPECT_EQ(checkpoint_recompute_count() - before, 2);
-  EXPECT_TRUE(torch::equal(x.grad(), once * 2));
-  auto msg = error_of<c10::Error>([&] { loss.backward(); });
-  EXPECT_THAT(msg, HasSubstr("retain_graph=True"));
-}
-
 TEST(NonReentrant, SavedBytesCountTheInputsAndReturnToZero) {
   torch::manual_seed(0);
   torch::nn::Linear lin(16, 16);

@@ -295,17 +295,6 @@ class NoOffloadHook final : public ModuleHook {
   }
 };
 
-bool is_linear(const torch::nn::Module& m) {
-  const std::string name = m.name();
-  return name.size() >= 6 && (name.find("Linear") != std::string::npos);
-}
-
-std::string children_of(const torch::nn::Module& m) {
-  std::string out;
-  for (const auto& item : m.named_children()) out += (out.empty() ? "" : ", ") + item.key();
-  return out.empty() ? "none" : out;
-}
-
 }  // namespace
 
 std::shared_ptr<torch::nn::Module> find_output_head(torch::nn::Module& model,
@@ -315,7 +304,7 @@ std::shared_ptr<torch::nn::Module> find_output_head(torch::nn::Module& model,
       if (item.key() == path) return item.value();
     }
     throw ConfigError(str("activation_offloading.head: the model has no module '", path,
-                          "'; its children are: ", children_of(model)));
+                          "'; its children are: ", describe_children(model)));
   }
   auto children = model.named_children();
   for (const char* name : {"head", "output", "lm_head"}) {
@@ -323,7 +312,7 @@ std::shared_ptr<torch::nn::Module> find_output_head(torch::nn::Module& model,
   }
   std::shared_ptr<torch::nn::Module> last;
   for (const auto& item : children) {
-    if (is_linear(*item.value())) last = item.value();
+    if (module_type(*item.value()).find("Linear") != std::string::npos) last = item.value();
   }
   return last;
 }

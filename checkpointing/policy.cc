@@ -32,24 +32,6 @@ class CheckpointHook final : public ModuleHook {
   std::shared_ptr<const SaveOps> save_ops_;
 };
 
-// "torch::nn::Linear" rather than the class name "torch::nn::LinearImpl".
-std::string type_of(const torch::nn::Module& m) {
-  std::string name = m.name();
-  const std::string suffix = "Impl";
-  if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
-    name.resize(name.size() - suffix.size());
-  }
-  return name;
-}
-
-std::string children_of(const torch::nn::Module& m) {
-  std::string out;
-  for (const auto& item : m.named_children()) {
-    out += (out.empty() ? "" : ", ") + item.key() + " (" + type_of(*item.value()) + ")";
-  }
-  return out.empty() ? "none" : out;
-}
-
 // The ModuleList at a dotted path, or an Error naming the children that exist.
 std::shared_ptr<torch::nn::ModuleListImpl> find_blocks(torch::nn::Module& model,
                                                        const std::string& path) {
@@ -65,7 +47,7 @@ std::shared_ptr<torch::nn::ModuleListImpl> find_blocks(torch::nn::Module& model,
       throw Error(str("activation checkpointing: the model has no submodule '",
                       walked.empty() ? part : walked + "." + part, "'; the children of ",
                       walked.empty() ? "the model" : "'" + walked + "'", " are: ",
-                      children_of(*current), ". Name the ModuleList of blocks in "
+                      describe_children(*current), ". Name the ModuleList of blocks in "
                       "PolicyOptions::blocks"));
     }
     node = children[part];
@@ -76,9 +58,9 @@ std::shared_ptr<torch::nn::ModuleListImpl> find_blocks(torch::nn::Module& model,
   }
   auto list = std::dynamic_pointer_cast<torch::nn::ModuleListImpl>(node);
   if (!list) {
-    throw Error(str("activation checkpointing: '", path, "' is a ", type_of(*node),
+    throw Error(str("activation checkpointing: '", path, "' is a ", module_type(*node),
                     ", not a torch::nn::ModuleList; the children of the model are: ",
-                    children_of(model)));
+                    describe_children(model)));
   }
   return list;
 }

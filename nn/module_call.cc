@@ -68,6 +68,24 @@ void set_module_hook(const torch::nn::Module& module, HookSlot slot, std::shared
   entry->hooks[static_cast<int>(slot)] = std::move(hook);
 }
 
+std::string module_type(const torch::nn::Module& module) {
+  std::string name = module.name();
+  const std::string suffix = "Impl";
+  if (name.size() > suffix.size() &&
+      name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
+    name.resize(name.size() - suffix.size());
+  }
+  return name;
+}
+
+std::string describe_children(const torch::nn::Module& module) {
+  std::string out;
+  for (const auto& item : module.named_children()) {
+    out += (out.empty() ? "" : ", ") + item.key() + " (" + module_type(*item.value()) + ")";
+  }
+  return out.empty() ? "none" : out;
+}
+
 std::shared_ptr<ModuleHook> module_hook(const torch::nn::Module& module, HookSlot slot) {
   std::lock_guard<std::mutex> lock(g_mutex);
   Entry* entry = live_entry(&module);

@@ -22,6 +22,7 @@
 
 #include <atomic>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -46,6 +47,11 @@ class ModuleHook {
   // checkpoint region recomputes in backward): it holds what it needs.
   virtual c10::IValue run(const std::vector<c10::IValue>& args, const IValueFn& next) = 0;
 };
+
+// "torch::nn::Linear" rather than the class name "torch::nn::LinearImpl".
+std::string module_type(const torch::nn::Module& module);
+// The children for error messages: "name (Type), ..." or "none".
+std::string describe_children(const torch::nn::Module& module);
 
 // Sets the hook of `module` in `slot` (null removes it).
 void set_module_hook(const torch::nn::Module& module, HookSlot slot, std::shared_ptr<ModuleHook> hook);

@@ -175,7 +175,8 @@ void restore_rng(const RngSnapshot& snapshot) {
   auto states = snapshot.tracker;
   // States drop_unchanged left out stay as they are now.
   bool partial = false;
-  for (const auto& [name, s] : states) partial = partial || !s.cpu.defined() || !s.cuda.defined();
+  const bool cuda = cuda_available();
+  for (const auto& [name, s] : states) partial = partial || !s.cpu.defined() || (cuda && !s.cuda.defined());
   if (partial) {
     const auto now = tracker.get_states();
     for (auto& [name, s] : states) {
