@@ -14,13 +14,17 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <map>
+#include <optional>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "checkpointing/checkpoint.h"
 #include "checkpointing/offload_activations.h"
+#include "checkpointing/planner.h"
 #include "checkpointing/policy.h"
+#include "checkpointing/selective_op.h"
 #include "launch/step_counters.h"
 #include "models/gpt.h"
 #include "rng/rng_tracker.h"
@@ -57,11 +61,20 @@ ActivationCheckpointingConfig config_of(const std::string& name) {
     c.variant = "none";
   } else if (variant == "full") {
     c.variant = "full";
-  } else if (variant == "every_k2") {
+  } else if (variant.rfind("every_k", 0) == 0 && variant.size() > 7 &&
+             variant.find_first_not_of("0123456789", 7) == std::string::npos) {
     c.variant = "selective_layer";
-    c.every_k = 2;
+    c.every_k = std::stoi(variant.substr(7));
+  } else if (variant.rfind("auto", 0) == 0 && variant.size() > 4 &&
+             variant.find_first_not_of("0123456789", 4) == std::string::npos) {
+    // autoNN: the memory planner with a budget of NN % of the peak without checkpointing.
+    c.variant = "auto";
+    c.memory_budget_fraction = std::stoi(variant.substr(4)) / 100.0;
   } else if (variant == "selective_op") {
     c.variant = "selective_op";
+  } else if (variant == "selective_op_matmuls") {
+    c.variant = "selective_op";
+    c.save_ops = matmul_save_ops();
   } else if (variant == "offload") {
     c.variant = "full";
     c.cpu_checkpointing = true;
@@ -70,9 +83,10 @@ ActivationCheckpointingConfig config_of(const std::string& name) {
     c.partition_activations = true;
   } else {
     throw ConfigError(str("gpt_bench: unknown variant '", name,
-                          "' (none, full, every_k2, selective_op, offload, partitioned, each but "
-                          "none also with the suffix _reentrant; act_offload: activation "
-                          "offloading without checkpointing)"));
+                          "' (none, full, every_kN, selective_op, selective_op_matmuls, offload, "
+                          "partitioned, each but none also with the suffix _reentrant; act_offload: "
+                          "activation offloading without checkpointing; autoNN: the memory planner "
+                          "with a budget of NN % of the peak without checkpointing)"));
   }
   return c;
 }
@@ -138,12 +152,17 @@ int bench(int argc, char** argv) {
       double fwd_ms, step_ms, loss;
       int64_t peak, saved;
     };
+    // variant auto: one profile per depth, one plan per budget.
+    std::map<std::string, ActivationPlan> plans;
+    PlannerOptions planner;
     auto step = [&](const std::string& v) {
       const auto& c = v == "none" ? config_of("none") : configs.at(v);
       configure_checkpointing(c, &layout);
       std::unique_ptr<OffloadActivations> offload;
       if (c.variant == "none") {
         remove_activation_checkpointing(*model);
+      } else if (c.variant == "auto") {
+        apply_activation_plan(*model, plans.at(v), planner);
       } else {
         apply_activation_checkpointing(*model, PolicyOptions(c));
       }
@@ -166,6 +185,29 @@ int bench(int argc, char** argv) {
     };
     exclude_output_head(*model, OffloadActivationsOptions{});  // used by act_offload only
     step("none");  // allocates the parameter gradients
+    std::optional<BlockCosts> costs;
+    for (const auto& [v, c] : configs) {
+      if (c.variant != "auto") continue;
+      configure_checkpointing(c, &layout);
+      if (!costs) {
+        for (auto& p : model->parameters()) p.mutable_grad().zero_();
+        costs = profile_activation_choices(*model, [&] { model->loss(idx, targets).backward(); }, planner,
+                                           world.get());
+      }
+      const auto budget = static_cast<int64_t>(*c.memory_budget_fraction * static_cast<double>(costs->keep_peak));
+      if (budget < smallest_feasible_budget(*costs)) {
+        if (print) {
+          out << nlohmann::json{{"framework", "remat"}, {"variant", v}, {"layers", o.shape.n_layer},
+                                {"kind", "memory"}, {"infeasible", true}, {"budget_bytes", budget},
+                                {"smallest_feasible_bytes", smallest_feasible_budget(*costs)}, {"tp", tp}}
+                     .dump()
+              << "\n";
+        }
+        continue;
+      }
+      plans[v] = solve_activation_plan(*costs, budget);
+      if (print) std::fprintf(stderr, "%s at L = %d: %s", v.c_str(), o.shape.n_layer, plans[v].table(*costs).c_str());
+    }
     auto emit = [&](const std::string& v, const char* kind, int s, const Result& r) {
       if (!print) return;
       nlohmann::json j = {{"framework", "remat"}, {"variant", v},     {"layers", o.shape.n_layer},
@@ -173,6 +215,14 @@ int bench(int argc, char** argv) {
       if (std::string(kind) == "memory") {
         j["peak_bytes"] = r.peak;
         j["ckpt_saved_bytes"] = r.saved;
+        if (plans.count(v)) {
+          const ActivationPlan& plan = plans.at(v);
+          j["plan"] = plan.summary();
+          j["budget_bytes"] = plan.budget_bytes;
+          j["predicted_peak_bytes"] = plan.predicted_peak;
+          j["predicted_extra_cpu_ms"] = plan.predicted_extra_cpu_ms;
+          j["keep_peak_bytes"] = costs->keep_peak;
+        }
       } else {
         j["step"] = s;
         j["fwd_ms"] = r.fwd_ms;
@@ -180,10 +230,14 @@ int bench(int argc, char** argv) {
       }
       out << j.dump() << "\n";
     };
-    for (const auto& v : split(variants)) emit(v, "memory", 0, step(v));
+    std::vector<std::string> runnable;
+    for (const auto& v : split(variants)) {
+      if (configs.at(v).variant != "auto" || plans.count(v)) runnable.push_back(v);
+    }
+    for (const auto& v : runnable) emit(v, "memory", 0, step(v));
     if (!memory_only) {
       for (int s = 0; s < warmup + steps; ++s) {
-        for (const auto& v : split(variants)) {
+        for (const auto& v : runnable) {
           Result r = step(v);
           if (s >= warmup) emit(v, "time", s - warmup, r);
         }

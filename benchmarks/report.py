@@ -33,9 +33,10 @@ def analytic(cfg, variant, L):
     # Embeddings (ids, dropout mask) and head (last block's output, ln_f stats
     # and output, log-softmax output).
     ends = 8 * (B * T + T) + 4 * btc + 4 * (btc + 2 * B * T + btc + B * T * V)
-    # selective_op keeps the outputs of mm/addmm/bmm: q|k|v, scores, attention
-    # output, proj, fc1, fc2.
-    kept = 4 * (3 * btc + bhtt + btc + btc + B * T * F + btc)
+    # selective_op keeps the projections' outputs (mm/addmm): q|k|v, proj,
+    # fc1, fc2; the matmul list also the scores and the attention output (bmm).
+    kept = 4 * (3 * btc + btc + B * T * F + btc)
+    kept_matmuls = kept + 4 * (bhtt + btc)
     if variant == "none":
         return L * (boundary + block) + ends
     if variant in ("full", "offload", "full_reentrant", "full_nonreentrant"):
@@ -47,7 +48,121 @@ def analytic(cfg, variant, L):
         return ck * boundary + (L - ck) * (boundary + block) + ends
     if variant == "selective_op":
         return L * (boundary + kept) + block + ends
+    if variant == "selective_op_matmuls":
+        return L * (boundary + kept_matmuls) + block + ends
     return None
+
+
+def run_length(plan):
+    """keep,keep,full -> keep×2 full×1"""
+    out, prev, n = [], None, 0
+    for c in plan.split(","):
+        if c == prev:
+            n += 1
+            continue
+        if prev is not None:
+            out.append(f"{prev}×{n}")
+        prev, n = c, 1
+    out.append(f"{prev}×{n}")
+    return " ".join(out)
+
+
+def budget_section(rows, w, img_dir):
+    """The memory planner beside every fixed policy at each budget; returns targets."""
+    mem, times, infeasible = {}, defaultdict(list), {}
+    for r in rows:
+        if r.get("infeasible"):
+            infeasible[(r["variant"], r["layers"])] = r
+        elif r["kind"] == "memory":
+            mem[(r["variant"], r["layers"])] = r
+        else:
+            times[(r["variant"], r["layers"])].append(r["step_ms"])
+    layers = sorted({L for _, L in mem})
+    targets = []
+    w("## Memory budget planner (variant auto)\n")
+    w("For each budget (a fraction of the measured peak without checkpointing) the planner profiles "
+      "the step once per depth (every block under keep, selective_op, selective_op_matmuls and full, "
+      "2 rounds, thread CPU time) and solves for the least extra time whose predicted peak fits. "
+      "Beside it: every fixed policy, and the fastest fixed policy whose measured peak fits the same "
+      "budget. Times: variants interleaved step by step; median [min, max]. \"As fast\" allows half "
+      "the fixed policy's spread.\n")
+    fig, axes = plt.subplots(1, len(layers), figsize=(6 * len(layers), 4.5), squeeze=False)
+    for ax, L in zip(axes[0], layers):
+        none = mem[("none", L)]["peak_bytes"]
+        t_none = median(times[("none", L)])
+        fixed = sorted(v for v, LL in mem if LL == L and not v.startswith("auto"))
+        autos = sorted((v for v, LL in mem if LL == L and v.startswith("auto")), key=lambda v: int(v[4:]))
+        w(f"### L = {L}\n")
+        w("| fixed policy | peak MiB (× none) | step ms, median [min, max] (× none) |")
+        w("|---|---|---|")
+        for v in sorted(fixed, key=lambda v: mem[(v, L)]["peak_bytes"]):
+            p, ts = mem[(v, L)]["peak_bytes"], times[(v, L)]
+            w(f"| {v} | {p / MiB:.2f} ({p / none:.3f}) | {median(ts):.1f} [{min(ts):.1f}, {max(ts):.1f}] "
+              f"({median(ts) / t_none:.3f}) |")
+        w("")
+        w("| budget | plan | predicted / measured peak MiB | planner step ms | fastest fixed policy that fits | "
+          "its step ms | planner as fast | strictly faster |")
+        w("|---|---|---|---|---|---|---|---|")
+        for v in autos:
+            r = mem[(v, L)]
+            budget, peak, pred = r["budget_bytes"], r["peak_bytes"], r["predicted_peak_bytes"]
+            ts = times[(v, L)]
+            fits = [f for f in fixed if mem[(f, L)]["peak_bytes"] <= budget]
+            best = min(fits, key=lambda f: median(times[(f, L)])) if fits else None
+            line = (f"| {v[4:]} % = {budget / MiB:.2f} MiB | {run_length(r['plan'])} | {pred / MiB:.2f} / "
+                    f"{peak / MiB:.2f} | {median(ts):.1f} [{min(ts):.1f}, {max(ts):.1f}] | ")
+            if best:
+                bt = times[(best, L)]
+                spread = (max(bt) - min(bt)) / median(bt) / 2
+                as_fast = median(ts) <= median(bt) * (1 + spread)
+                strict = median(ts) < median(bt)
+                line += (f"{best} ({mem[(best, L)]['peak_bytes'] / MiB:.2f} MiB) | {median(bt):.1f} "
+                         f"[{min(bt):.1f}, {max(bt):.1f}] | {'yes' if as_fast else 'no'} | "
+                         f"{'yes' if strict else 'no'} ({median(ts) / median(bt):.3f}) |")
+                targets.append((f"planner at {v[4:]} % (L = {L}) at least as fast as the fastest fixed policy "
+                                "that fits (within half its spread)", as_fast,
+                                f"{median(ts):.1f} vs {best} {median(bt):.1f} ms"))
+                targets.append((f"planner at {v[4:]} % (L = {L}) strictly faster than every fixed policy "
+                                "that fits", strict, f"ratio {median(ts) / median(bt):.3f}"))
+            else:
+                line += "none fits | | | |"
+            targets.append((f"planner at {v[4:]} % (L = {L}): measured peak ≤ 1.05 × budget and within "
+                            "10 % of the prediction", peak <= 1.05 * budget and abs(peak / pred - 1) <= 0.10,
+                            f"{peak / budget:.3f} × budget, {peak / pred:.3f} × predicted"))
+            w(line)
+        for (v, LL), r in sorted(infeasible.items()):
+            if LL == L:
+                w(f"| {v[4:]} % = {r['budget_bytes'] / MiB:.2f} MiB | infeasible: the smallest peak any plan "
+                  f"reaches is {r['smallest_feasible_bytes'] / MiB:.2f} MiB | | | | | | |")
+        w("")
+        # Step time against peak: fixed policies, the planner, the frontier.
+        pts = [(mem[(v, L)]["peak_bytes"] / none, median(times[(v, L)]) / t_none, v) for v in fixed]
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], color="tab:blue", label="fixed policies")
+        for x, y, v in pts:
+            ax.annotate(v, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        apts = [(mem[(v, L)]["peak_bytes"] / none, median(times[(v, L)]) / t_none, v) for v in autos]
+        ax.scatter([p[0] for p in apts], [p[1] for p in apts], color="tab:red", marker="*", s=120,
+                   label="planner (auto)")
+        for x, y, v in apts:
+            ax.annotate(v, (x, y), fontsize=7, color="tab:red", xytext=(3, -10), textcoords="offset points")
+        frontier, best_t = [], float("inf")
+        for x, y, _ in sorted(pts + apts):
+            if y < best_t:
+                frontier.append((x, y))
+                best_t = y
+        ax.step([p[0] for p in frontier], [p[1] for p in frontier], where="post", color="gray",
+                linewidth=0.8, label="lower-left frontier")
+        for f in sorted({int(v[4:]) for v in autos}):
+            ax.axvline(f / 100, color="tab:red", linewidth=0.5, linestyle=":")
+        ax.set_xlabel("peak activation / none")
+        ax.set_ylabel("step time / none")
+        ax.set_title(f"L = {L}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(f"{img_dir}/budget_frontier.png", dpi=110)
+    w("![step time against peak memory](img/budget_frontier.png)\n")
+    return targets
 
 
 def median(xs):
@@ -56,6 +171,7 @@ def median(xs):
 
 def main():
     results_path, cfg_path, md_path, img_dir = sys.argv[1:5]
+    budget_path = sys.argv[5] if len(sys.argv) > 5 else None
     cfg = json.load(open(cfg_path))
     rows = [json.loads(l) for l in open(results_path) if l.strip()]
     mem = {}
@@ -159,7 +275,6 @@ def main():
             w(f"| {v} | {r['ckpt_saved_bytes']} | {r['peak_bytes'] / MiB:.2f} MiB |")
         w("")
 
-    w("## Targets\n")
     targets = []
     L_max = layers[-1]
     full = {L: mem.get(("remat", "full", L)) for L in layers}
@@ -198,6 +313,10 @@ def main():
         targets.append(("selective_op activation memory ≤ 0.5 × none", sel[0] <= 0.5 * sel[1], f"{sel[0] / sel[1]:.3f} × none at L = {L_t}"))
         targets.append(("selective_op step time ≤ 1.10 × none", ratio[("remat", "selective_op")] <= 1.10,
                         f"{ratio[('remat', 'selective_op')]:.3f} × none"))
+    for L in layers:
+        a, b = mem.get(("remat", "selective_op", L)), mem.get(("remat", "none", L))
+        if a and b and L != L_t:
+            targets.append((f"selective_op activation memory ≤ 0.5 × none at L = {L}", a <= 0.5 * b, f"{a / b:.3f} × none"))
     offload = [(L, mem.get(("remat", "act_offload", L)), mem.get(("remat", "none", L))) for L in layers]
     offload = [(L, a, b) for L, a, b in offload if a and b]
     if offload:
@@ -211,6 +330,9 @@ def main():
     if "full" in tp_rows and "partitioned" in tp_rows:
         a, b = tp_rows["full"]["ckpt_saved_bytes"], tp_rows["partitioned"]["ckpt_saved_bytes"]
         targets.append(("partitioned per-rank checkpoint bytes = 1/mp of unpartitioned (mp = 2)", 2 * b == a, f"{b} of {a}"))
+    if budget_path:
+        targets += budget_section([json.loads(l) for l in open(budget_path) if l.strip()], w, img_dir)
+    w("## Targets\n")
     w("| target | met | measured |")
     w("|---|---|---|")
     for name, ok, detail in targets:
@@ -224,11 +346,13 @@ def main():
     w("- Measured peaks include transient gradient buffers of the backward (gradients of the "
       "logits, of a block's outputs and inputs while they are combined), which the analytic "
       "minimum leaves out; their share falls as L grows.")
-    w("- selective_op keeps private copies of six matmul outputs per block (q|k|v, the "
-      "attention scores of size B·H·T·T, the attention output, proj, fc1, fc2) so that the "
-      "recompute replays them; at this shape that is more than half of what a block keeps "
-      "without checkpointing, so the 0.5 × none target needs a shorter save_ops list "
-      "(e.g. without `aten::bmm`).")
+    w("- selective_op keeps private copies of the projections' outputs per block (q|k|v, proj, "
+      "fc1, fc2: the default list, `aten::mm` and `aten::addmm`) so that the recompute replays "
+      "them, and recomputes the attention core; selective_op_matmuls (`matmul_save_ops()`, the "
+      "default before) also keeps the B·H·T·T attention scores and the attention output. Ten "
+      "B·T·C tensors per block (with the region input) are the floor of any list that recomputes "
+      "no matmul: at L = 8 the head and one block's recompute add a fixed 4 MiB on top, so "
+      "0.5 × none is out of reach for an op list there and within reach from L = 16 on.")
     w("- act_offload is remat's activation offloading (OffloadActivations, torchtune's defaults, "
       "no checkpointing): on this CPU-only build the host copies live in an arena outside c10's "
       "allocator, so the peak counts what stays on the \"device\". PyTorch 1.13's nearest peer, "

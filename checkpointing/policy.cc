@@ -32,9 +32,10 @@ class CheckpointHook final : public ModuleHook {
   std::shared_ptr<const SaveOps> save_ops_;
 };
 
-// The ModuleList at a dotted path, or an Error naming the children that exist.
-std::shared_ptr<torch::nn::ModuleListImpl> find_blocks(torch::nn::Module& model,
-                                                       const std::string& path) {
+}  // namespace
+
+std::shared_ptr<torch::nn::ModuleListImpl> find_block_list(torch::nn::Module& model,
+                                                           const std::string& path) {
   std::shared_ptr<torch::nn::Module> node;
   torch::nn::Module* current = &model;
   std::string walked;
@@ -65,8 +66,6 @@ std::shared_ptr<torch::nn::ModuleListImpl> find_blocks(torch::nn::Module& model,
   return list;
 }
 
-}  // namespace
-
 void remove_activation_checkpointing(torch::nn::Module& model) {
   set_module_hook(model, HookSlot::kCheckpoint, nullptr);
   for (const auto& m : model.modules(/*include_self=*/false)) {
@@ -87,10 +86,16 @@ int apply_activation_checkpointing(torch::nn::Module& model, const PolicyOptions
     }
   } else {
     const std::string& v = options.variant;
+    if (v == "auto") {
+      throw ConfigError(
+          "activation checkpointing: variant \"auto\" is planned from a profiling step on the real "
+          "batch: call plan_activation_checkpointing (checkpointing/planner.h) with the budget "
+          "instead of apply_activation_checkpointing (remat-train does this by itself)");
+    }
     const std::string invalid = check_checkpoint_variant(v, options.every_k);
     if (!invalid.empty()) throw ConfigError("activation checkpointing: " + invalid);
     if (v == "none") return 0;
-    auto blocks = find_blocks(model, options.blocks);
+    auto blocks = find_block_list(model, options.blocks);
     if (options.every_k_from != "first" && options.every_k_from != "last") {
       throw ConfigError(str("activation checkpointing: 'activation_checkpointing.every_k_from' = \"",
                             options.every_k_from, "\" is not one of first, last"));

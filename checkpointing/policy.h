@@ -21,6 +21,7 @@
 #pragma once
 
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
 
 #include <functional>
 #include <optional>
@@ -58,6 +59,11 @@ struct PolicyOptions : PolicySettings {
 // returns how many. Errors name what to change (a missing path lists the
 // children that exist).
 int apply_activation_checkpointing(torch::nn::Module& model, const PolicyOptions& options);
+
+// The ModuleList at a dotted path (PolicyOptions::blocks); an Error naming the
+// children that exist otherwise.
+std::shared_ptr<torch::nn::ModuleListImpl> find_block_list(torch::nn::Module& model,
+                                                           const std::string& path);
 
 // Removes every mark on `model` and its submodules.
 void remove_activation_checkpointing(torch::nn::Module& model);

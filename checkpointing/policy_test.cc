@@ -154,22 +154,53 @@ thread_local std::map<std::string, int>* KernelCounter::calls = nullptr;
 thread_local std::map<std::string, int>* KernelCounter::kernels = nullptr;
 
 TEST_P(Policies, SelectiveOpRunsNoSavedOpDuringBackwardButRecomputesTheRest) {
+  // The default list keeps the projections (the C++ Linear on 3-d input runs
+  // aten::mm) and recomputes the attention core.
   apply_activation_checkpointing(*model, variant("selective_op"));
   at::Tensor loss = model->forward(x).pow(2).mean();
   KernelCounter counter;
   loss.backward();
-  // The recompute asked for the matmuls (the dispatcher saw them: the C++
-  // Linear on 3-d input runs aten::mm, attention runs aten::bmm)...
+  // The recompute asked for the matmuls (the dispatcher saw them)...
   EXPECT_GT(counter.call_counts["aten::mm"], 0);
-  EXPECT_GT(counter.call_counts["aten::bmm"], 0);
   // ...but none of their kernels ran inside a region: the outputs came from the forward.
   EXPECT_EQ(counter.kernel_counts["aten::addmm"], 0);
   EXPECT_EQ(counter.kernel_counts["aten::mm"], 0);
-  EXPECT_EQ(counter.kernel_counts["aten::bmm"], 0);
-  // Unsaved ops did run again.
-  EXPECT_GT(counter.kernel_counts["aten::_softmax"], 0);
+  // Unsaved ops did run again, the attention core among them.
+  EXPECT_GT(counter.kernel_counts["aten::_softmax"] + counter.kernel_counts["aten::bmm"] +
+                counter.kernel_counts["aten::_scaled_dot_product_flash_attention_for_cpu"],
+            0);
   EXPECT_GT(counter.kernel_counts["aten::gelu"], 0);
   EXPECT_GT(counter.kernel_counts["aten::native_layer_norm"], 0);
+}
+
+TEST_P(Policies, SelectiveOpWithTheMatmulListKeepsTheAttentionProductsToo) {
+  PolicyOptions o = variant("selective_op");
+  o.save_ops = matmul_save_ops();
+  apply_activation_checkpointing(*model, o);
+  at::Tensor loss = model->forward(x).pow(2).mean();
+  KernelCounter counter;
+  loss.backward();
+  EXPECT_GT(counter.call_counts["aten::mm"], 0);
+  EXPECT_EQ(counter.kernel_counts["aten::mm"], 0);
+  EXPECT_EQ(counter.kernel_counts["aten::bmm"], 0);
+  EXPECT_EQ(counter.kernel_counts["aten::_scaled_dot_product_flash_attention_for_cpu"], 0);
+  EXPECT_GT(counter.kernel_counts["aten::gelu"], 0);
+}
+
+TEST_P(Policies, TheDefaultListHoldsLessThanTheMatmulList) {
+  auto held = [&](std::optional<std::vector<std::string>> ops) {
+    PolicyOptions o = variant("selective_op");
+    o.save_ops = std::move(ops);
+    apply_activation_checkpointing(*model, o);
+    at::Tensor loss = model->forward(x).pow(2).mean();
+    const int64_t bytes = checkpoint_saved_bytes();
+    loss.backward();
+    return bytes;
+  };
+  const int64_t projections = held(std::nullopt), matmuls = held(matmul_save_ops());
+  // The matmul list also keeps each block's B*H*T*T attention scores and the
+  // attention output (at least 4*4*32*32 floats more per block).
+  EXPECT_GE(matmuls - projections, kLayers * kBatch * 4 * kSeq * kSeq * 4);
 }
 
 TEST_P(Policies, FullRecomputeRunsTheMatmulsAgain) {

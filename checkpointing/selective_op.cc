@@ -130,7 +130,9 @@ void ensure_fallback() {
 
 }  // namespace
 
-std::vector<std::string> default_save_ops() {
+std::vector<std::string> default_save_ops() { return {"aten::mm", "aten::addmm"}; }
+
+std::vector<std::string> matmul_save_ops() {
   return {"aten::mm",
           "aten::addmm",
           "aten::bmm",
@@ -144,14 +146,16 @@ std::vector<std::string> default_save_ops() {
 SaveOps resolve_save_ops(const std::vector<std::string>& names) {
   std::set<std::string> known;
   for (const auto& op : c10::Dispatcher::singleton().getAllOpNames()) known.insert(op.name);
-  auto defaults = default_save_ops();
+  auto version_specific = matmul_save_ops();
   SaveOps out;
   for (const auto& name : names) {
     if (known.count(name)) {
       out.insert(name);
       continue;
     }
-    if (std::find(defaults.begin(), defaults.end(), name) != defaults.end()) continue;
+    if (std::find(version_specific.begin(), version_specific.end(), name) != version_specific.end()) {
+      continue;
+    }
     // The closest registered name, by shared prefix then length.
     std::string best;
     size_t best_score = 0;

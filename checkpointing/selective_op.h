@@ -33,12 +33,19 @@ struct SelectiveCache {
 };
 
 // The ops whose outputs selective_op keeps when activation_checkpointing.save_ops
-// is unset: the matmuls (mm, addmm, bmm), every LibTorch's fused attention
-// kernels (the names differ between 1.13 and 2.x) and max.
+// is unset: the projections' matmuls (aten::mm, aten::addmm: every Linear).
+// The attention core (scores, softmax, dropout, the product with V) and the
+// element-wise ops are recomputed. docs/checkpointing.md has the measurements
+// behind this choice.
 std::vector<std::string> default_save_ops();
 
+// Every matmul and attention kernel (mm, addmm, bmm, LibTorch's fused
+// attention kernels, whose names differ between 1.13 and 2.x) and max: keeps
+// the B*H*T*T attention scores too (less recompute, more memory).
+std::vector<std::string> matmul_save_ops();
+
 // Checks op names against the dispatcher: an unknown name is an Error naming
-// the closest registered op. Names of the default list that this LibTorch
+// the closest registered op. Names of matmul_save_ops() that this LibTorch
 // lacks (version-specific attention ops) are dropped silently.
 SaveOps resolve_save_ops(const std::vector<std::string>& names);
 

@@ -10,6 +10,7 @@
 #include <torch/types.h>  // clip_grad.h needs torch::Tensor declared first
 #include <torch/nn/utils/clip_grad.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -22,6 +23,7 @@
 
 #include "checkpointing/checkpoint.h"
 #include "checkpointing/offload_activations.h"
+#include "checkpointing/planner.h"
 #include "checkpointing/policy.h"
 #include "nn/saved_tensors_hooks.h"
 #include "data/dataset.h"
@@ -57,6 +59,11 @@ void warn_ineffective(const Config& c) {
     log_rank0().warn("activation_checkpointing.variant is none, so partition_activations, "
                      "cpu_checkpointing and contiguous_memory_optimization have no region to "
                      "act on; set variant to full, selective_layer or selective_op");
+  }
+  if (ac.variant == "auto" && (ac.save_ops || ac.every_k != 1 || ac.every_k_from != "first")) {
+    log_rank0().warn("activation_checkpointing.variant is auto: save_ops, every_k and every_k_from are not "
+                     "used (the planner chooses per block between the default and the matmul op lists, "
+                     "full checkpoints and keeping)");
   }
   if (ac.partition_activations && c.tensor_parallel.size == 1) {
     log_rank0().warn("activation_checkpointing.partition_activations with tensor_parallel.size 1 "
@@ -241,11 +248,30 @@ int train(int argc, char** argv) {
   checkpointing.profile = true;
   configure_checkpointing(checkpointing, &layout);
   PolicyOptions policy = PolicyOptions(config.activation_checkpointing);
-  int regions = apply_activation_checkpointing(*model, policy);
+  // variant auto: planned from a profiling step at the first step (and again
+  // whenever the batch shape changes).
+  const bool auto_plan = policy.variant == "auto";
+  int regions = auto_plan ? 0 : apply_activation_checkpointing(*model, policy);
+  PlannerOptions planner;
+  planner.blocks = policy.blocks;
+  planner.budget_bytes = config.activation_checkpointing.memory_budget_bytes;
+  planner.budget_fraction = config.activation_checkpointing.memory_budget_fraction;
+  planner.offload = config.activation_offloading;
+  std::optional<ActivationPlan> plan;
+  double plan_ms = 0;
   // Activation offloading: each forward runs inside a scope; the head stays.
   const ActivationOffloadingConfig& offloading = config.activation_offloading;
   if (offloading.enabled) exclude_output_head(*model, offloading);
   const auto& number_checkpoints = config.activation_checkpointing.number_checkpoints;
+  // The planner profiles every block as a region: each may need a slot.
+  if (auto_plan && number_checkpoints && *number_checkpoints < config.model.n_layer) {
+    throw ConfigError(str("activation_checkpointing.variant is auto, which may checkpoint every block, but "
+                          "number_checkpoints is ", *number_checkpoints, ": set number_checkpoints to model.n_layer (",
+                          config.model.n_layer, ")",
+                          config.activation_checkpointing.contiguous_memory_optimization
+                              ? ""
+                              : " or leave it out"));
+  }
   if (number_checkpoints && regions > *number_checkpoints) {
     throw ConfigError(str("activation_checkpointing.number_checkpoints is ", *number_checkpoints,
                           " but the policy marks ", regions, " regions per forward: set it to ",
@@ -276,9 +302,10 @@ int train(int argc, char** argv) {
     log_rank0().info("resumed from '{}' at step {}", resume_dir, position.step);
   }
   log_rank0().info("data {} ({} bytes, vocabulary {}), model {} ({} parameters on this rank), "
-                   "checkpointing {} ({} regions), batch {} = micro {} x accumulation {} x dp {}",
+                   "checkpointing {} ({}), batch {} = micro {} x accumulation {} x dp {}",
                    data.source(), data.train_size() + data.val_size(), data.vocab_size(), signature,
-                   model->num_parameters(), config.activation_checkpointing.variant, regions,
+                   model->num_parameters(), config.activation_checkpointing.variant,
+                   auto_plan ? std::string("planned at the first step") : str(regions, " regions"),
                    batch.train_batch_size, batch.micro_batch_per_gpu,
                    batch.gradient_accumulation_steps, layout.dims().dp);
 
@@ -306,6 +333,34 @@ int train(int argc, char** argv) {
     const double lr = learning_rate(config.optimizer, config.scheduler, step);
     set_learning_rate(*optimizer, lr);
     model->train();
+    bool planned = false;
+    if (auto_plan) {
+      auto [x, y] = data.train_batch(static_cast<uint64_t>(tc.seed), layout.dp_rank(), position.window,
+                                     batch.micro_batch_per_gpu);
+      const std::vector<int64_t> shape = x.sizes().vec();
+      if (!plan || plan->batch_shape != shape) {
+        // One forward and backward of this step's first micro-batch per
+        // profiling run; the planner puts the RNG back, the gradients are
+        // zeroed below.
+        auto profile_step = [&, x = x, y = y] {
+          zero.begin_forward();
+          std::unique_ptr<OffloadActivations> offload;
+          if (offloading.enabled) offload = std::make_unique<OffloadActivations>(offloading, model.get());
+          at::Tensor loss = zero.finish_forward(model->loss(x, y));
+          offload.reset();
+          loss.backward();
+          zero.finish_backward(/*synchronize=*/true);
+        };
+        const auto t0 = Clock::now();
+        plan = plan_activation_checkpointing(*model, profile_step, planner, world.get());
+        plan_ms = ms_between(t0, Clock::now());
+        plan->batch_shape = shape;
+        planned = true;
+        regions = static_cast<int>(std::count_if(plan->choices.begin(), plan->choices.end(), [](BlockChoice c) {
+          return c != BlockChoice::kKeep && c != BlockChoice::kOffloadActivations;
+        }));
+      }
+    }
     const int64_t base = memory.current();
     memory.reset_peak();
     zero.reset_peak();
@@ -403,6 +458,15 @@ int train(int argc, char** argv) {
                           {"optimizer_state_bytes", optimizer_state_bytes(*optimizer)},
                           {"peak_gathered_param_bytes", counters.zero.peak_gathered_bytes}};
       if (skipped) m["skipped"] = true;
+      if (plan) {
+        m["act_plan"] = plan->summary();
+        m["act_plan_budget_bytes"] = plan->budget_bytes;
+        m["act_plan_predicted_peak_bytes"] = plan->predicted_peak;
+        m["act_plan_extra_cpu_ms"] = plan->predicted_extra_cpu_ms;
+        m["act_plan_extra_wall_ms"] = plan->predicted_extra_wall_ms;
+        m["act_planned"] = planned;
+        if (planned) m["act_plan_ms"] = plan_ms;
+      }
       metrics << m.dump() << "\n" << std::flush;
       if (!metrics) {
         throw Error(str("writing the --metrics file '", metrics_path, "' failed at step ", step, " (",

@@ -1,6 +1,7 @@
 #include "runtime/config.h"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -82,7 +83,9 @@ const std::vector<Field>& schema() {
               leaf<AC, std::string>("variant", &AC::variant, checkpoint_variants()),
               leaf<AC, int>("every_k", &AC::every_k),
               leaf<AC, std::string>("every_k_from", &AC::every_k_from, {"first", "last"}),
-              optional_leaf<AC, std::vector<std::string>>("save_ops", &AC::save_ops)}),
+              optional_leaf<AC, std::vector<std::string>>("save_ops", &AC::save_ops),
+              optional_leaf<AC, int64_t>("memory_budget_bytes", &AC::memory_budget_bytes),
+              optional_leaf<AC, double>("memory_budget_fraction", &AC::memory_budget_fraction)}),
       object("activation_offloading", &Config::activation_offloading,
              {leaf("enabled", &ActivationOffloadingConfig::enabled),
               leaf("use_pin_memory", &ActivationOffloadingConfig::use_pin_memory),
@@ -227,7 +230,8 @@ void check_values(const Config& c, const std::string& source) {
 }  // namespace
 
 const std::vector<std::string>& checkpoint_variants() {
-  static const std::vector<std::string> variants = {"none", "full", "selective_layer", "selective_op"};
+  static const std::vector<std::string> variants = {"none", "full", "selective_layer", "selective_op",
+                                                      "auto"};
   return variants;
 }
 
@@ -235,7 +239,7 @@ std::string check_checkpoint_variant(const std::string& variant, int every_k) {
   const auto& all = checkpoint_variants();
   if (std::find(all.begin(), all.end(), variant) == all.end()) {
     return str("'activation_checkpointing.variant' = \"", variant,
-               "\" is not a variant; use none, full, selective_layer or selective_op");
+               "\" is not a variant; use none, full, selective_layer, selective_op or auto");
   }
   if (every_k < 1) {
     return str("'activation_checkpointing.every_k' = ", every_k,
@@ -247,6 +251,28 @@ std::string check_checkpoint_variant(const std::string& variant, int every_k) {
 std::string check_activation_checkpointing(const ActivationCheckpointingConfig& ac) {
   std::string variant = check_checkpoint_variant(ac.variant, ac.every_k);
   if (!variant.empty()) return variant;
+  const bool has_budget = ac.memory_budget_bytes || ac.memory_budget_fraction;
+  if (ac.variant == "auto" && !has_budget) {
+    return "'activation_checkpointing.variant' is \"auto\" but no budget is set: set "
+           "'memory_budget_bytes' (per rank) or 'memory_budget_fraction' (of the peak with no "
+           "checkpointing, e.g. 0.5)";
+  }
+  if (ac.memory_budget_bytes && ac.memory_budget_fraction) {
+    return "'activation_checkpointing.memory_budget_bytes' and 'memory_budget_fraction' are both set: "
+           "keep one of them";
+  }
+  if (ac.variant != "auto" && has_budget) {
+    return str("'activation_checkpointing.", ac.memory_budget_bytes ? "memory_budget_bytes" : "memory_budget_fraction",
+               "' is set but 'variant' is \"", ac.variant, "\": a budget is planned by variant \"auto\" "
+               "(set it), or remove the budget");
+  }
+  if (ac.memory_budget_bytes && *ac.memory_budget_bytes <= 0) {
+    return str("'activation_checkpointing.memory_budget_bytes' = ", *ac.memory_budget_bytes, " must be positive");
+  }
+  if (ac.memory_budget_fraction && !(*ac.memory_budget_fraction > 0 && std::isfinite(*ac.memory_budget_fraction))) {
+    return str("'activation_checkpointing.memory_budget_fraction' = ", *ac.memory_budget_fraction,
+               " must be a positive number (0.5: half the peak with no checkpointing)");
+  }
   if (ac.contiguous_memory_optimization && !ac.number_checkpoints) {
     return "'activation_checkpointing.contiguous_memory_optimization' is true but "
            "'activation_checkpointing.number_checkpoints' is not set: set it to the "

@@ -89,6 +89,11 @@ struct PolicySettings {
   // selective_op: the ops whose outputs are kept; unset (null): the default
   // list of checkpointing/selective_op.h.
   std::optional<std::vector<std::string>> save_ops;
+  // auto: the budget for a step's activation peak per rank (live tensor bytes
+  // above those at the step's start), in bytes or as a fraction of the peak
+  // with no checkpointing; exactly one is set (checkpointing/planner.h).
+  std::optional<int64_t> memory_budget_bytes;
+  std::optional<double> memory_budget_fraction;
 };
 
 // activation_checkpointing: DeepSpeed's keys, then remat's (docs/config.md).
@@ -129,7 +134,7 @@ struct ActivationOffloadingConfig {
   std::string head;
 };
 
-// none | full | selective_layer | selective_op.
+// none | full | selective_layer | selective_op | auto.
 const std::vector<std::string>& checkpoint_variants();
 
 // The rules of the activation_checkpointing section, written once: an empty

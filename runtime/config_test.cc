@@ -141,9 +141,41 @@ TEST(Config, WrongTypeNamesPathExpectedAndActual) {
 TEST(Config, ChoicesNameTheClosest) {
   auto msg = config_error([] { parse(R"({"activation_checkpointing": {"variant": "ful"}})"); });
   EXPECT_THAT(msg, HasSubstr("'activation_checkpointing.variant' = \"ful\" is not one of none, "
-                             "full, selective_layer, selective_op; did you mean \"full\"?"));
+                             "full, selective_layer, selective_op, auto; did you mean \"full\"?"));
   msg = config_error([] { parse(R"({"optimizer": {"type": "adamw"}})"); });
   EXPECT_THAT(msg, HasSubstr("did you mean \"AdamW\"?"));
+}
+
+TEST(Config, AutoTakesExactlyOneBudget) {
+  Config c = parse(R"({"activation_checkpointing": {"variant": "auto", "memory_budget_fraction": 0.5}})");
+  EXPECT_EQ(c.activation_checkpointing.memory_budget_fraction, 0.5);
+  EXPECT_FALSE(c.activation_checkpointing.memory_budget_bytes.has_value());
+  c = parse(R"({"activation_checkpointing": {"variant": "auto", "memory_budget_bytes": 1000000}})");
+  EXPECT_EQ(c.activation_checkpointing.memory_budget_bytes, 1000000);
+  auto msg = config_error([] { parse(R"({"activation_checkpointing": {"variant": "auto"}})"); });
+  EXPECT_THAT(msg, HasSubstr("\"auto\" but no budget is set: set 'memory_budget_bytes'"));
+  msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "auto", "memory_budget_bytes": 10,
+                                           "memory_budget_fraction": 0.5}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("are both set: keep one of them"));
+  msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "full", "memory_budget_fraction": 0.5}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("'activation_checkpointing.memory_budget_fraction' is set but 'variant' is "
+                             "\"full\": a budget is planned by variant \"auto\""));
+  msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "auto", "memory_budget_bytes": -5}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("memory_budget_bytes' = -5 must be positive"));
+  msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "auto", "memory_budget_fraction": 0}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("memory_budget_fraction' = 0 must be a positive number"));
+  msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "auto", "memory_budget_fraction": "half"}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("memory_budget_fraction"));
 }
 
 TEST(Config, OverridesApplyWithValidation) {

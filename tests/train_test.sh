@@ -65,7 +65,7 @@ ac=activation_checkpointing
 # default config shards with ZeRO stage 3: units are gathered around the
 # regions' recomputes.
 dp_order=(none full full_reentrant selective_layer selective_layer_last selective_op selective_op_reentrant
-          act_offload full_act_offload)
+          act_offload full_act_offload auto auto_reentrant)
 declare -A dp_variants=(
   [none]="--set $ac.variant=none"
   [full]="--set $ac.variant=full"
@@ -76,6 +76,8 @@ declare -A dp_variants=(
   [selective_layer]="--set $ac.variant=selective_layer --set $ac.every_k=2"
   [selective_layer_last]="--set $ac.variant=selective_layer --set $ac.every_k=2 --set $ac.every_k_from=last"
   [selective_op]="--set $ac.variant=selective_op"
+  [auto]="--set $ac.variant=auto --set $ac.memory_budget_fraction=0.75"
+  [auto_reentrant]="--set $ac.variant=auto --set $ac.memory_budget_fraction=0.75 --set $ac.reentrant=true"
 )
 parity parity "2 ranks" 2 dp_order dp_variants --set model.dropout=0.1
 field() { sed -E "s/.*\"$2\":([0-9]+).*/\1/" "$1" | head -1; }
@@ -86,6 +88,38 @@ if [[ -n "$held_off" && -n "$held_none" && "$moved" -gt 0 && $((held_off * 4)) -
   pass "activation offloading: the forward leaves <= 1/4 on the device ($held_off of $held_none bytes; $moved moved)"
 else
   fail "activation offloading: the forward leaves <= 1/4 on the device ($held_off of $held_none bytes; $moved moved)"
+fi
+# The memory planner: every step's peak within 5% of the budget and 10% of
+# the prediction, something checkpointed, the plan in the metrics.
+#   within_budget LABEL METRICS
+within_budget() {
+  local report
+  report=$(python3 - "$2" <<'PY'
+import json, sys
+# From step 2 on: the first step also allocates the optimizer's state.
+rows = [json.loads(line) for line in open(sys.argv[1])][1:]
+worst = max((r["mem_peak_bytes"] - r["mem_base_bytes"]) / r["act_plan_budget_bytes"] for r in rows)
+pred = max(abs((r["mem_peak_bytes"] - r["mem_base_bytes"]) / r["act_plan_predicted_peak_bytes"] - 1) for r in rows)
+plan = rows[0]["act_plan"]
+ok = worst <= 1.05 and pred <= 0.10 and plan.replace("keep", "").strip(",") != ""
+print(f"{'ok' if ok else 'bad'} plan {plan}: peak <= {worst:.3f} x budget, within {pred:.3f} of the prediction")
+PY
+)
+  if [[ "$report" == ok* ]]; then
+    pass "$1: ${report#ok }"
+  else
+    fail "$1: ${report#bad }"
+  fi
+}
+within_budget "2 ranks, variant auto at 0.75" "$tmp/parity_auto.jsonl"
+within_budget "2 ranks, variant auto at 0.75 (reentrant)" "$tmp/parity_auto_reentrant.jsonl"
+out=$("$run" -np 2 -- "$train" --config "$configs_dir/default.json" --steps 2 "${small[@]}" \
+    --set $ac.variant=auto --set $ac.memory_budget_fraction=0.1 2>&1)
+if [[ $? -ne 0 ]] && grep -q "cannot be met: the smallest peak any plan reaches is" <<<"$out" &&
+   grep -q "memory_budget_fraction to at least" <<<"$out"; then
+  pass "variant auto: an impossible budget stops with the smallest feasible one"
+else
+  fail "variant auto: an impossible budget stops with the smallest feasible one" "$out"
 fi
 comm() { sed -E 's/.*"comm_bytes":([0-9]+).*/\1/' "$1" | paste -sd' '; }
 if [[ -n "$(comm "$tmp/parity_full.jsonl")" &&
@@ -141,9 +175,11 @@ tp_variants[full_reentrant]="--set $ac.variant=full --set $ac.reentrant=true"
 tp_variants[act_offload]="--set $ac.variant=none --set activation_offloading.enabled=true"
 tp_variants[partitioned_act_offload]="${tp_variants[partitioned]} --set activation_offloading.enabled=true"
 tp_variants[partitioned_offload_contiguous_reentrant]="${tp_variants[partitioned_offload_contiguous]} --set $ac.reentrant=true"
+tp_variants[auto_partitioned]="--set $ac.variant=auto --set $ac.memory_budget_fraction=0.8 --set $ac.partition_activations=true"
 tp_order=(none full full_reentrant partitioned partitioned_contiguous offload partitioned_offload_contiguous
-          partitioned_offload_contiguous_reentrant act_offload partitioned_act_offload)
+          partitioned_offload_contiguous_reentrant act_offload partitioned_act_offload auto_partitioned)
 parity tp "tp=2 on 4 ranks" 4 tp_order tp_variants --set tensor_parallel.size=2 --set model.dropout=0.1
+within_budget "tp=2 on 4 ranks, variant auto at 0.8 with partitioned regions" "$tmp/tp_auto_partitioned.jsonl"
 saved() { sed -E 's/.*"ckpt_saved_bytes":([0-9]+).*/\1/' "$1" | head -1; }
 whole_bytes=$(saved "$tmp/tp_full.jsonl")
 part_bytes=$(saved "$tmp/tp_partitioned.jsonl")

@@ -1,0 +1,159 @@
+// A memory budget instead of a policy: remat measures what each block keeps
+// and costs under every choice, then picks per block what to keep, recompute
+// or offload so that a training step's activation peak fits the budget at the
+// least extra time.
+//
+//   remat::PlannerOptions options;
+//   options.budget_fraction = 0.5;          // of the peak with every block kept
+//   auto step = [&] { model->loss(x, y).backward(); };   // the real batch shape
+//   remat::ActivationPlan plan =
+//       remat::plan_activation_checkpointing(*model, step, options, world.get());
+//   // the model now runs under the plan; plan again when the batch shape changes
+//
+// How it works (docs/checkpointing.md, "The memory planner"):
+// - Profiling: the step runs once to warm up, then `rounds` times under each
+//   candidate choice applied to every block. A hook on each block's call
+//   route records, per block: the bytes its forward leaves live (held), the
+//   peak above the live bytes while its backward runs (transient: the
+//   recomputed intermediates and gradient buffers), and the thread CPU time
+//   and wall time of its forward call and its backward. The RNG states are
+//   restored before every run and after the last, the parameters' gradients
+//   (values, and undefined ones left undefined) after the last, so the
+//   profiled steps leave training as they found it. With a communicator, every
+//   measurement is all-reduced (max), so every rank solves the same problem
+//   and gets the same plan.
+// - The peak model: with S_i the held bytes of blocks 0..i under the plan,
+//   peak = max(fixed_peak, max_i(forward_live_base + S_(i-1) + forward_peak_i),
+//   forward_base + S_last, max_i(backward_base + S_i + transient_i)): a
+//   block's forward (a checkpointed one frees its intermediates only at its
+//   end), the head and loss, and a block's backward (a checkpointed one
+//   recomputes first). The bases are the largest values the profiling runs
+//   saw.
+// - Solving: a multiple-choice knapsack over blocks in order (exact dynamic
+//   programming over the Pareto frontier of held bytes and time) minimising
+//   the predicted extra time (CPU time unless decide_on_wall_time) subject to
+//   the predicted peak <= budget.
+#pragma once
+
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "checkpointing/checkpoint.h"
+#include "runtime/config.h"
+
+namespace remat {
+
+class Communicator;
+
+// What one block does with its activations.
+enum class BlockChoice : int {
+  kKeep = 0,            // no checkpoint: autograd keeps what it saves
+  kSelectiveOp,         // selective_op with the default list (the projections)
+  kSelectiveOpMatmuls,  // selective_op with matmul_save_ops() (scores kept too)
+  kFull,                // full checkpoint: only the inputs are kept
+  kFullOffload,         // full checkpoint with the inputs offloaded to the host
+  kOffloadActivations,  // no checkpoint; what it saves goes to the host (offload_activations.h)
+};
+// "keep", "selective_op", "selective_op_matmuls", "full", "full_offload",
+// "offload_activations".
+const char* block_choice_name(BlockChoice choice);
+// Every choice, in the order above.
+const std::vector<BlockChoice>& all_block_choices();
+// The choice named `name`; an Error listing the names otherwise.
+BlockChoice block_choice_from_name(const std::string& name);
+
+// One block under one choice, as measured.
+struct ChoiceCost {
+  int64_t held_bytes = 0;       // live after its forward (its output included)
+  int64_t forward_peak_bytes = 0;  // peak above the live bytes at its call, during the call
+  int64_t transient_bytes = 0;  // peak above the live bytes while its backward runs
+  double extra_cpu_ms = 0;      // thread CPU time over keeping, forward + backward
+  double extra_wall_ms = 0;     // wall time over keeping
+};
+
+// The planner's input: measured (profile_activation_choices) or given (tests).
+struct BlockCosts {
+  std::vector<BlockChoice> choices;              // the columns
+  std::vector<std::vector<ChoiceCost>> blocks;   // [block][column]
+  int64_t forward_base = 0;       // peak from the last block's call to the blocks' backward, minus S_last
+  int64_t forward_live_base = 0;  // live at block i's call, minus S_(i-1)
+  int64_t backward_base = 0;      // live at block i's backward start, minus S_i
+  int64_t fixed_peak = 0;         // peak before the first block's call and after the blocks' backward
+  int64_t keep_peak = 0;      // measured peak with every block kept
+  bool decide_on_wall_time = false;
+};
+
+// The measurements as a table (logged at debug level by the planner).
+std::string describe_costs(const BlockCosts& costs);
+
+// A per-block choice with what the model predicts for it.
+struct ActivationPlan {
+  std::vector<BlockChoice> choices;  // one per block
+  int64_t budget_bytes = 0;
+  int64_t predicted_peak = 0;
+  double predicted_extra_cpu_ms = 0;
+  double predicted_extra_wall_ms = 0;
+  std::vector<int64_t> batch_shape;  // what it was planned for (remat-train)
+
+  // "keep,full,..." one name per block.
+  std::string summary() const;
+  // One line per block: choice, held bytes, predicted extra ms (CPU, wall).
+  std::string table(const BlockCosts& costs) const;
+};
+
+// The predicted peak of `columns` (one column index per block).
+int64_t predict_peak(const BlockCosts& costs, const std::vector<size_t>& columns);
+
+// The least predicted extra time with a predicted peak <= budget_bytes (ties:
+// fewer held bytes, then lower columns). A budget no plan fits is an Error
+// giving the smallest feasible budget.
+ActivationPlan solve_activation_plan(const BlockCosts& costs, int64_t budget_bytes);
+
+// The lowest predicted peak any plan reaches.
+int64_t smallest_feasible_budget(const BlockCosts& costs);
+
+struct PlannerOptions {
+  // Dotted path of the ModuleList of blocks.
+  std::string blocks = "blocks";
+  // The budget: absolute bytes, or a fraction of the measured peak with every
+  // block kept (exactly one is set).
+  std::optional<int64_t> budget_bytes;
+  std::optional<double> budget_fraction;
+  // Candidate choices (keep is always one). Empty: every choice, except that
+  // the two offloading ones are left out for a model on the CPU (there is no
+  // separate host memory to move to) and full_offload when the region
+  // defaults offload already. A list given here is used as it is.
+  std::vector<BlockChoice> choices;
+  // Profiling runs per choice; the least time of the runs is used.
+  int rounds = 2;
+  // Decide on wall time instead of thread CPU time (CPU time is steadier on a
+  // shared machine; wall time also sees waiting and other threads' work).
+  bool decide_on_wall_time = false;
+  // The options of the offload_activations choice (torchtune's defaults;
+  // remat-train passes its activation_offloading section).
+  ActivationOffloadingConfig offload;
+  // Region options for the checkpointed choices; unset: the defaults in
+  // effect when each region runs (configure_checkpointing), as policies do.
+  std::optional<CheckpointOptions> checkpoint;
+};
+
+// Runs `step` (one forward and backward on the real batch) under every
+// candidate choice and returns the measurements. Leaves the model unmarked.
+BlockCosts profile_activation_choices(torch::nn::Module& model, const std::function<void()>& step,
+                                      const PlannerOptions& options, Communicator* comm = nullptr);
+
+// Marks the blocks with the plan's choices (replacing earlier marks).
+void apply_activation_plan(torch::nn::Module& model, const ActivationPlan& plan,
+                           const PlannerOptions& options);
+
+// Profiles, solves for the budget, applies the plan and logs its table.
+ActivationPlan plan_activation_checkpointing(torch::nn::Module& model, const std::function<void()>& step,
+                                             const PlannerOptions& options, Communicator* comm = nullptr);
+
+}  // namespace remat
