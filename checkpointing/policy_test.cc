@@ -198,9 +198,10 @@ TEST_P(Policies, TheDefaultListHoldsLessThanTheMatmulList) {
     return bytes;
   };
   const int64_t projections = held(std::nullopt), matmuls = held(matmul_save_ops());
-  // The matmul list also keeps each block's B*H*T*T attention scores and the
-  // attention output (at least 4*4*32*32 floats more per block).
-  EXPECT_GE(matmuls - projections, kLayers * kBatch * 4 * kSeq * kSeq * 4);
+  // The matmul list also keeps each block's attention output (B*T*C floats;
+  // on LibTorch 1.13 the B*H*T*T scores as well, on 2.x the fused kernel's
+  // statistics).
+  EXPECT_GE(matmuls - projections, kLayers * kBatch * kSeq * 64 * 4);
 }
 
 TEST_P(Policies, FullRecomputeRunsTheMatmulsAgain) {
