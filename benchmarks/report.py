@@ -85,7 +85,8 @@ def budget_section(rows, w, img_dir):
       "2 rounds, thread CPU time) and solves for the least extra time whose predicted peak fits. "
       "Beside it: every fixed policy, and the fastest fixed policy whose measured peak fits the same "
       "budget. Times: variants interleaved step by step; median [min, max]. \"As fast\" allows half "
-      "the fixed policy's spread.\n")
+      "the fixed policy's spread. Extra ms: the plan's predicted extra thread CPU time per step beside "
+      "its measured median step time minus none's.\n")
     fig, axes = plt.subplots(1, len(layers), figsize=(6 * len(layers), 4.5), squeeze=False)
     for ax, L in zip(axes[0], layers):
         none = mem[("none", L)]["peak_bytes"]
@@ -100,9 +101,9 @@ def budget_section(rows, w, img_dir):
             w(f"| {v} | {p / MiB:.2f} ({p / none:.3f}) | {median(ts):.1f} [{min(ts):.1f}, {max(ts):.1f}] "
               f"({median(ts) / t_none:.3f}) |")
         w("")
-        w("| budget | plan | predicted / measured peak MiB | planner step ms | fastest fixed policy that fits | "
-          "its step ms | planner as fast | strictly faster |")
-        w("|---|---|---|---|---|---|---|---|")
+        w("| budget | plan | predicted / measured peak MiB | planner step ms | extra ms predicted / measured | "
+          "fastest fixed policy that fits | its step ms | planner as fast | strictly faster |")
+        w("|---|---|---|---|---|---|---|---|---|")
         for v in autos:
             r = mem[(v, L)]
             budget, peak, pred = r["budget_bytes"], r["peak_bytes"], r["predicted_peak_bytes"]
@@ -110,7 +111,8 @@ def budget_section(rows, w, img_dir):
             fits = [f for f in fixed if mem[(f, L)]["peak_bytes"] <= budget]
             best = min(fits, key=lambda f: median(times[(f, L)])) if fits else None
             line = (f"| {v[4:]} % = {budget / MiB:.2f} MiB | {run_length(r['plan'])} | {pred / MiB:.2f} / "
-                    f"{peak / MiB:.2f} | {median(ts):.1f} [{min(ts):.1f}, {max(ts):.1f}] | ")
+                    f"{peak / MiB:.2f} | {median(ts):.1f} [{min(ts):.1f}, {max(ts):.1f}] | "
+                    f"{r['predicted_extra_cpu_ms']:.1f} / {median(ts) - t_none:.1f} | ")
             if best:
                 bt = times[(best, L)]
                 spread = (max(bt) - min(bt)) / median(bt) / 2
@@ -133,7 +135,7 @@ def budget_section(rows, w, img_dir):
         for (v, LL), r in sorted(infeasible.items()):
             if LL == L:
                 w(f"| {v[4:]} % = {r['budget_bytes'] / MiB:.2f} MiB | infeasible: the smallest peak any plan "
-                  f"reaches is {r['smallest_feasible_bytes'] / MiB:.2f} MiB | | | | | | |")
+                  f"reaches is {r['smallest_feasible_bytes'] / MiB:.2f} MiB | | | | | | | |")
         w("")
         # Step time against peak: fixed policies, the planner, the frontier.
         pts = [(mem[(v, L)]["peak_bytes"] / none, median(times[(v, L)]) / t_none, v) for v in fixed]
