@@ -662,4 +662,13 @@ ActivationPlan plan_activation_checkpointing(torch::nn::Module& model, const std
   return plan;
 }
 
+bool ActivationPlanner::ensure(const std::vector<int64_t>& batch_shape, const std::function<void()>& step) {
+  if (plan_ && plan_->batch_shape == batch_shape) return false;
+  ActivationPlan plan = plan_activation_checkpointing(model_, step, options_, comm_);
+  plan.batch_shape = batch_shape;
+  plan_ = std::move(plan);
+  ++plans_made_;
+  return true;
+}
+
 }  // namespace remat

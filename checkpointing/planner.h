@@ -156,4 +156,30 @@ void apply_activation_plan(torch::nn::Module& model, const ActivationPlan& plan,
 ActivationPlan plan_activation_checkpointing(torch::nn::Module& model, const std::function<void()>& step,
                                              const PlannerOptions& options, Communicator* comm = nullptr);
 
+// Plans once per batch shape: ensure() profiles, solves and applies when the
+// shape differs from the one the current plan was made for (or there is none).
+//
+//   remat::ActivationPlanner planner(*model, options, world.get());
+//   for (...) {
+//     planner.ensure(x.sizes().vec(), [&] { model->loss(x, y).backward(); });
+//     ...  // the step itself
+//   }
+class ActivationPlanner {
+ public:
+  ActivationPlanner(torch::nn::Module& model, PlannerOptions options, Communicator* comm = nullptr)
+      : model_(model), options_(std::move(options)), comm_(comm) {}
+  // True when it planned now.
+  bool ensure(const std::vector<int64_t>& batch_shape, const std::function<void()>& step);
+  // The plan in effect (none before the first ensure).
+  const std::optional<ActivationPlan>& plan() const { return plan_; }
+  int plans_made() const { return plans_made_; }
+
+ private:
+  torch::nn::Module& model_;
+  PlannerOptions options_;
+  Communicator* comm_;
+  std::optional<ActivationPlan> plan_;
+  int plans_made_ = 0;
+};
+
 }  // namespace remat

@@ -298,6 +298,35 @@ TEST_P(Planner, ChoicesGivenAreUsedAsTheyAreActivationOffloadingIncluded) {
   for (size_t i = 0; i < grads.size(); ++i) EXPECT_TRUE(grads[i].equal(plain[i])) << "gradient " << i;
 }
 
+TEST_P(Planner, PlansAgainOnlyWhenTheBatchShapeChanges) {
+  ActivationPlanner planner(*model, budget(0.5));
+  int steps = 0;
+  auto step_on = [&](const at::Tensor& input) {
+    return [&, input] {
+      ++steps;
+      model->forward(input).pow(2).mean().backward();
+    };
+  };
+  EXPECT_TRUE(planner.ensure(x.sizes().vec(), step_on(x)));
+  ASSERT_TRUE(planner.plan().has_value());
+  EXPECT_EQ(planner.plan()->batch_shape, x.sizes().vec());
+  const int profiling_steps = steps;
+  EXPECT_GE(profiling_steps, 1 + 2 * 4) << "warm-up plus two rounds of four choices";
+  // The same shape: the plan stays, nothing runs.
+  EXPECT_FALSE(planner.ensure(x.sizes().vec(), step_on(x)));
+  EXPECT_EQ(steps, profiling_steps);
+  EXPECT_EQ(planner.plans_made(), 1);
+  // A shorter batch: planned again for it, with its own (smaller) budget.
+  const int64_t budget_before = planner.plan()->budget_bytes;
+  torch::manual_seed(2);
+  at::Tensor half = torch::randn({kBatch / 2, kSeq, 64}, torch::requires_grad());
+  EXPECT_TRUE(planner.ensure(half.sizes().vec(), step_on(half)));
+  EXPECT_EQ(planner.plans_made(), 2);
+  EXPECT_EQ(steps, 2 * profiling_steps);
+  EXPECT_EQ(planner.plan()->batch_shape, half.sizes().vec());
+  EXPECT_LT(planner.plan()->budget_bytes, budget_before);
+}
+
 TEST_P(Planner, AnImpossibleBudgetNamesTheSmallestFeasibleOne) {
   PlannerOptions o;
   o.budget_bytes = 1000;

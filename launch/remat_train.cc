@@ -252,12 +252,12 @@ int train(int argc, char** argv) {
   // whenever the batch shape changes).
   const bool auto_plan = policy.variant == "auto";
   int regions = auto_plan ? 0 : apply_activation_checkpointing(*model, policy);
-  PlannerOptions planner;
-  planner.blocks = policy.blocks;
-  planner.budget_bytes = config.activation_checkpointing.memory_budget_bytes;
-  planner.budget_fraction = config.activation_checkpointing.memory_budget_fraction;
-  planner.offload = config.activation_offloading;
-  std::optional<ActivationPlan> plan;
+  PlannerOptions planner_options;
+  planner_options.blocks = policy.blocks;
+  planner_options.budget_bytes = config.activation_checkpointing.memory_budget_bytes;
+  planner_options.budget_fraction = config.activation_checkpointing.memory_budget_fraction;
+  planner_options.offload = config.activation_offloading;
+  ActivationPlanner planner(*model, planner_options, world.get());
   double plan_ms = 0;
   // Activation offloading: each forward runs inside a scope; the head stays.
   const ActivationOffloadingConfig& offloading = config.activation_offloading;
@@ -337,26 +337,24 @@ int train(int argc, char** argv) {
     if (auto_plan) {
       auto [x, y] = data.train_batch(static_cast<uint64_t>(tc.seed), layout.dp_rank(), position.window,
                                      batch.micro_batch_per_gpu);
-      const std::vector<int64_t> shape = x.sizes().vec();
-      if (!plan || plan->batch_shape != shape) {
-        // One forward and backward of this step's first micro-batch per
-        // profiling run; the planner puts the RNG back, the gradients are
-        // zeroed below.
-        auto profile_step = [&, x = x, y = y] {
-          zero.begin_forward();
-          std::unique_ptr<OffloadActivations> offload;
-          if (offloading.enabled) offload = std::make_unique<OffloadActivations>(offloading, model.get());
-          at::Tensor loss = zero.finish_forward(model->loss(x, y));
-          offload.reset();
-          loss.backward();
-          zero.finish_backward(/*synchronize=*/true);
-        };
-        const auto t0 = Clock::now();
-        plan = plan_activation_checkpointing(*model, profile_step, planner, world.get());
+      // One forward and backward of this step's first micro-batch per
+      // profiling run; the planner puts the RNG back, the gradients are
+      // zeroed below.
+      auto profile_step = [&, x = x, y = y] {
+        zero.begin_forward();
+        std::unique_ptr<OffloadActivations> offload;
+        if (offloading.enabled) offload = std::make_unique<OffloadActivations>(offloading, model.get());
+        at::Tensor loss = zero.finish_forward(model->loss(x, y));
+        offload.reset();
+        loss.backward();
+        zero.finish_backward(/*synchronize=*/true);
+      };
+      const auto t0 = Clock::now();
+      planned = planner.ensure(x.sizes().vec(), profile_step);
+      if (planned) {
         plan_ms = ms_between(t0, Clock::now());
-        plan->batch_shape = shape;
-        planned = true;
-        regions = static_cast<int>(std::count_if(plan->choices.begin(), plan->choices.end(), [](BlockChoice c) {
+        const auto& choices = planner.plan()->choices;
+        regions = static_cast<int>(std::count_if(choices.begin(), choices.end(), [](BlockChoice c) {
           return c != BlockChoice::kKeep && c != BlockChoice::kOffloadActivations;
         }));
       }
@@ -458,7 +456,7 @@ int train(int argc, char** argv) {
                           {"optimizer_state_bytes", optimizer_state_bytes(*optimizer)},
                           {"peak_gathered_param_bytes", counters.zero.peak_gathered_bytes}};
       if (skipped) m["skipped"] = true;
-      if (plan) {
+      if (const auto& plan = planner.plan()) {
         m["act_plan"] = plan->summary();
         m["act_plan_budget_bytes"] = plan->budget_bytes;
         m["act_plan_predicted_peak_bytes"] = plan->predicted_peak;
