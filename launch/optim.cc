@@ -6,7 +6,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
+#include <utility>
 
+#include "runtime/compat.h"
 #include "runtime/config.h"
 #include "runtime/error.h"
 
@@ -77,6 +80,92 @@ int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer) {
     }
   }
   return n;
+}
+
+namespace {
+
+using StateMap = std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
+
+StateMap::key_type state_key(const at::Tensor& param) {
+  return compat::optimizer_state_key<StateMap::key_type>(param.unsafeGetTensorImpl());
+}
+
+at::Tensor step_tensor(int64_t step) { return at::scalar_tensor(step, at::kLong); }
+
+}  // namespace
+
+std::map<std::string, at::Tensor> optimizer_state_of(const torch::optim::Optimizer& optimizer,
+                                                     const at::Tensor& param) {
+  std::map<std::string, at::Tensor> out;
+  auto it = optimizer.state().find(state_key(param));
+  if (it == optimizer.state().end()) return out;
+  auto put = [&](const char* name, const at::Tensor& t) {
+    if (t.defined()) out[name] = t;
+  };
+  if (auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(it->second.get())) {
+    out["step"] = step_tensor(s->step());
+    put("exp_avg", s->exp_avg());
+    put("exp_avg_sq", s->exp_avg_sq());
+    put("max_exp_avg_sq", s->max_exp_avg_sq());
+  } else if (auto* s = dynamic_cast<const torch::optim::AdamParamState*>(it->second.get())) {
+    out["step"] = step_tensor(s->step());
+    put("exp_avg", s->exp_avg());
+    put("exp_avg_sq", s->exp_avg_sq());
+    put("max_exp_avg_sq", s->max_exp_avg_sq());
+  } else if (auto* s = dynamic_cast<const torch::optim::SGDParamState*>(it->second.get())) {
+    put("momentum_buffer", s->momentum_buffer());
+  } else {
+    throw Error("optimizer_state_of: the optimizer keeps a state remat does not know (AdamW, Adam and SGD are)");
+  }
+  return out;
+}
+
+void set_optimizer_state(torch::optim::Optimizer& optimizer, const at::Tensor& param,
+                         const std::map<std::string, at::Tensor>& state) {
+  auto& states = optimizer.state();
+  const auto key = state_key(param);
+  states.erase(key);
+  if (state.empty()) return;
+  std::map<std::string, at::Tensor> left = state;
+  auto take = [&](const char* name) {
+    auto it = left.find(name);
+    if (it == left.end()) return at::Tensor();
+    at::Tensor t = it->second.detach().clone();
+    left.erase(it);
+    return t;
+  };
+  auto step = [&] {
+    at::Tensor t = take("step");
+    return t.defined() ? t.item<int64_t>() : int64_t{0};
+  };
+  std::unique_ptr<torch::optim::OptimizerParamState> made;
+  if (dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr) {
+    auto s = std::make_unique<torch::optim::AdamWParamState>();
+    s->step(step());
+    s->exp_avg(take("exp_avg"));
+    s->exp_avg_sq(take("exp_avg_sq"));
+    s->max_exp_avg_sq(take("max_exp_avg_sq"));
+    made = std::move(s);
+  } else if (dynamic_cast<torch::optim::Adam*>(&optimizer) != nullptr) {
+    auto s = std::make_unique<torch::optim::AdamParamState>();
+    s->step(step());
+    s->exp_avg(take("exp_avg"));
+    s->exp_avg_sq(take("exp_avg_sq"));
+    s->max_exp_avg_sq(take("max_exp_avg_sq"));
+    made = std::move(s);
+  } else if (dynamic_cast<torch::optim::SGD*>(&optimizer) != nullptr) {
+    auto s = std::make_unique<torch::optim::SGDParamState>();
+    s->momentum_buffer(take("momentum_buffer"));
+    take("step");
+    made = std::move(s);
+  } else {
+    throw Error("set_optimizer_state: AdamW, Adam and SGD are the optimizers remat can set state for");
+  }
+  if (!left.empty()) {
+    throw Error(str("set_optimizer_state: '", left.begin()->first, "' is not a state this optimizer keeps "
+                    "(a save made with another optimizer.type)"));
+  }
+  states[key] = std::move(made);
 }
 
 }  // namespace remat

@@ -3,7 +3,9 @@
 
 #include <torch/optim/optimizer.h>
 
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace remat {
@@ -27,5 +29,16 @@ void set_learning_rate(torch::optim::Optimizer& optimizer, double lr);
 // Bytes of the optimizer's per-parameter state tensors (Adam's moments, SGD's
 // momentum buffers).
 int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer);
+
+// The optimizer's state for `param` as named tensors: "step" (a 0-dim int64),
+// and AdamW/Adam's "exp_avg", "exp_avg_sq" ("max_exp_avg_sq" with amsgrad)
+// or SGD's "momentum_buffer". Empty before the parameter's first step.
+std::map<std::string, at::Tensor> optimizer_state_of(const torch::optim::Optimizer& optimizer,
+                                                     const at::Tensor& param);
+
+// Sets `param`'s state from such a map (copies); an empty map clears it. A
+// name the optimizer does not keep is an Error.
+void set_optimizer_state(torch::optim::Optimizer& optimizer, const at::Tensor& param,
+                         const std::map<std::string, at::Tensor>& state);
 
 }  // namespace remat

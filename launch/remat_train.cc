@@ -2,7 +2,7 @@
 // parallel across ranks, with the activation checkpointing the config asks for.
 //
 //   remat-run -np 2 -- remat-train --config configs/default.json [--set key=value ...]
-//       [--steps N] [--seed S] [--metrics FILE] [--save-dir DIR] [--resume DIR]
+//       [--steps N] [--seed S] [--metrics FILE] [--save-dir DIR] [--resume DIR] [--export FILE]
 #include <unistd.h>
 
 #include <ATen/ATen.h>
@@ -27,6 +27,7 @@
 #include "checkpointing/policy.h"
 #include "nn/saved_tensors_hooks.h"
 #include "data/dataset.h"
+#include "launch/export.h"
 #include "launch/optim.h"
 #include "launch/step_counters.h"
 #include "launch/train_state.h"
@@ -109,16 +110,20 @@ double available_bytes_per_rank() {
 
 // A lower bound of what one rank needs, from the config alone (computed in
 // double, so absurd sizes cannot overflow): fp32 parameters, gradients and
-// AdamW's two moments (16 bytes a parameter, sharded by ZeRO-3 and tensor
-// parallelism), each block's input kept for backward, and the logits. A run
+// AdamW's two moments (16 bytes a parameter: 4 + 4 + 8 / N at ZeRO stage 1,
+// 4 + 12 / N at stage 2, 16 / N at stage 3 over N sharding ranks; all divided
+// by the tensor-parallel size), each block's input kept for backward, and the logits. A run
 // whose lower bound exceeds the memory there is refused before anything is
 // built, naming the keys to change.
 void check_memory_estimate(const Config& c, const BatchSizes& batch, int64_t vocab, int dp) {
   const auto& m = c.model;
   const double d = m.d_model, L = m.n_layer, T = m.seq_len, B = static_cast<double>(batch.micro_batch_per_gpu);
   const double params = (vocab + T) * d + L * (4 * d * d + 2 * d * m.d_ff) + vocab * d;
-  const double shards = (c.zero_optimization.stage == 3 ? dp : 1) * static_cast<double>(c.tensor_parallel.size);
-  const double model_bytes = 16 * params / shards;
+  const int hybrid = c.zero_optimization.hybrid_shard_size;
+  const double n = hybrid > 0 && hybrid < dp ? hybrid : dp;
+  const double per_param[] = {16, 8 + 8 / n, 4 + 12 / n, 16 / n};
+  const double model_bytes = per_param[std::clamp(c.zero_optimization.stage, 0, 3)] * params /
+                             static_cast<double>(c.tensor_parallel.size);
   const double activation_bytes = 4 * B * T * (L * d + vocab);
   const double need = model_bytes + activation_bytes;
   const double have = available_bytes_per_rank();
@@ -185,7 +190,7 @@ class Progress {
 
 int train(int argc, char** argv) {
   CLI::App app{"remat-train: train a GPT with remat's activation checkpointing"};
-  std::string config_path, metrics_path, save_dir, resume_dir, backend = "auto";
+  std::string config_path, metrics_path, save_dir, resume_dir, export_path, backend = "auto";
   std::vector<std::string> overrides;
   std::optional<std::string> steps_flag, seed_flag;
   app.add_option("--config", config_path, "JSON configuration (default: the embedded one)");
@@ -194,7 +199,10 @@ int train(int argc, char** argv) {
   app.add_option("--seed", seed_flag, "seed (train.seed)");
   app.add_option("--metrics", metrics_path, "write one JSON object per step (rank 0)");
   app.add_option("--save-dir", save_dir, "save the training state here");
-  app.add_option("--resume", resume_dir, "resume from a save (a step folder or the save root)");
+  app.add_option("--resume", resume_dir, "resume from a save (a step folder or the save root), at any "
+                 "data-parallel size and ZeRO stage");
+  app.add_option("--export", export_path, "after training, write the whole model (full parameters by "
+                 "state-dict name) to this file, for torch::pickle_load or Python's torch.load");
   app.add_option("--backend", backend, "communication backend: auto, mpi or nccl");
   try {
     app.parse(argc, argv);
@@ -220,6 +228,17 @@ int train(int argc, char** argv) {
   const std::string run_id = new_run_id(*world);
   std::unique_ptr<SaveDirLock> save_lock;
   if (!save_dir.empty()) save_lock = std::make_unique<SaveDirLock>(save_dir, run_id, *world);
+  // The export is written after training: a path it cannot be written to stops the run now.
+  if (!export_path.empty() && world->rank() == 0) {
+    const std::string probe = export_path + ".tmp";
+    std::ofstream out(probe, std::ios::binary | std::ios::trunc);
+    if (!out) {
+      throw ConfigError(str("--export '", export_path, "' cannot be written (", std::strerror(errno),
+                            "): give a file path in a writable folder"));
+    }
+    out.close();
+    std::remove(probe.c_str());
+  }
   ParallelLayout layout(world, ParallelDims::from_world(world->size(), config.tensor_parallel.size));
   const BatchSizes batch = config.resolve_batch(layout.dims().dp);
   data::Dataset data = data::Dataset::load(config.data.path, config.data.train_fraction,
@@ -291,14 +310,22 @@ int train(int argc, char** argv) {
   identity.run_id = run_id;
   identity.settings = {
       {"tensor_parallel.size", std::to_string(config.tensor_parallel.size)},
-      {"zero_optimization.stage", std::to_string(config.zero_optimization.stage)},
-      {"zero_optimization.stage3_param_persistence_threshold",
-       std::to_string(config.zero_optimization.stage3_param_persistence_threshold)},
-      {"bf16.enabled", config.bf16.enabled ? "true" : "false"},
       {"optimizer.type", config.optimizer.type}};
+  // What this rank saves and resumes: its optimizer's tensors and their layout
+  // (any data-parallel size and ZeRO stage resumes any other).
+  auto train_shards = [&] {
+    TrainShards shards;
+    shards.tensors = zero.parameters();
+    shards.layout = zero.layout();
+    shards.tp_rank = layout.tp_rank();
+    shards.tp_size = layout.dims().tp;
+    shards.dp_rank = layout.dp_rank();
+    shards.dp_size = layout.dims().dp;
+    return shards;
+  };
   TrainPosition position;
   if (!resume_dir.empty()) {
-    position = load_train_state(resume_dir, zero.state(), *optimizer, identity, *world);
+    position = load_train_state(resume_dir, train_shards(), *optimizer, identity, *world);
     log_rank0().info("resumed from '{}' at step {}", resume_dir, position.step);
   }
   log_rank0().info("data {} ({} bytes, vocabulary {}), model {} ({} parameters on this rank), "
@@ -364,7 +391,10 @@ int train(int argc, char** argv) {
     zero.reset_peak();
     const Counters before = Counters::read(&zero);
     auto start = Clock::now();
-    optimizer->zero_grad();
+    // Gradients set to none, as LibTorch 2.x's zero_grad does (1.13's zeroes
+    // them in place: ZeRO stage 1 would hold its shards' gradients through the
+    // backward).
+    for (auto& p : zero.parameters()) p.mutable_grad() = at::Tensor();
     double fwd_ms = 0, bwd_ms = 0, loss_sum = 0;
     int64_t saved = 0, comm_bytes = 0;
     // At the end of a forward: host copies of offloaded activations, saved
@@ -453,6 +483,7 @@ int train(int argc, char** argv) {
                           {"zero_comm_bytes", counters.zero.collective_bytes()},
                           {"param_bytes", counters.zero.param_bytes},
                           {"grad_bytes", counters.zero.grad_bytes},
+                          {"grad_peak_bytes", counters.zero.peak_grad_bytes},
                           {"optimizer_state_bytes", optimizer_state_bytes(*optimizer)},
                           {"peak_gathered_param_bytes", counters.zero.peak_gathered_bytes}};
       if (skipped) m["skipped"] = true;
@@ -488,7 +519,7 @@ int train(int argc, char** argv) {
     }
     position.step = step;
     if (!save_dir.empty() && ((tc.save_interval > 0 && step % tc.save_interval == 0) || step == tc.steps)) {
-      save_train_state(save_dir, position, zero.state(), *optimizer, identity, *world);
+      save_train_state(save_dir, position, train_shards(), *optimizer, identity, *world);
       progress.line(str("saved step ", step, " to ", save_dir));
     }
   }
@@ -496,6 +527,11 @@ int train(int argc, char** argv) {
   if (rank0 && tc.steps >= first_step) {
     std::printf("loss: first %.4f, last %.4f; peak activation memory per step %s\n", first_loss,
                 last_loss, human_bytes(static_cast<double>(max_peak)).c_str());
+  }
+  if (!export_path.empty()) {
+    const int64_t bytes = export_model(export_path, zero, *model, *world);
+    progress.line(str("exported the model at step ", position.step, " to ", export_path, " (",
+                      human_bytes(static_cast<double>(bytes)), ")"));
   }
   // Every rank samples (tensor-parallel ranks compute the logits together,
   // sharded ones gather parameters together); rank 0 prints.

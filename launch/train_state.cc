@@ -18,8 +18,10 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <set>
 #include <thread>
 
+#include "launch/optim.h"
 #include "rng/rng_state_io.h"
 #include "rng/rng_tracker.h"
 #include "runtime/communicator.h"
@@ -130,14 +132,18 @@ std::string resolve_save(const std::string& dir) {
 // A manifest read with every field checked: a hand-edited or damaged one is
 // an error naming the field.
 struct Manifest {
+  int64_t format = 1;  // 2: rank files hold shards with their layout here
   int64_t step = 0;
   int64_t world_size = 0;
+  int64_t tp_size = 1, dp_size = 0;
   std::string model;
   std::string run_id;  // empty: saved before run ids were recorded
   std::map<std::string, std::string> settings;
   struct File {
     std::string name;
     int64_t bytes = -1, crc32 = -1;  // -1: not recorded (an older save)
+    int64_t tp_rank = 0, dp_rank = 0;
+    std::vector<parallel::ShardLayout> tensors;  // what each saved tensor holds
   };
   std::vector<File> files;
 };
@@ -162,6 +168,7 @@ Manifest read_manifest(const std::string& path) {
   Manifest m;
   m.step = integer(j, "step", "");
   m.world_size = integer(j, "world_size", "");
+  if (j.contains("format")) m.format = integer(j, "format", "");
   if (!j.contains("model") || !j["model"].is_string()) throw bad("model", "a string");
   m.model = j["model"].get<std::string>();
   if (j.contains("run_id")) {
@@ -176,6 +183,10 @@ Manifest read_manifest(const std::string& path) {
     }
   }
   if (!j.contains("files") || !j["files"].is_array()) throw bad("files", "an array");
+  if (m.format >= 2) {
+    m.tp_size = integer(j, "tp_size", "");
+    m.dp_size = integer(j, "dp_size", "");
+  }
   for (const auto& f : j["files"]) {
     Manifest::File file;
     if (f.is_string()) {
@@ -187,10 +198,31 @@ Manifest read_manifest(const std::string& path) {
     } else {
       throw bad("files[]", "a {name, bytes, crc32} object");
     }
+    if (m.format >= 2) {
+      file.tp_rank = integer(f, "tp_rank", "files[].");
+      file.dp_rank = integer(f, "dp_rank", "files[].");
+      if (!f.contains("tensors") || !f["tensors"].is_array()) throw bad("files[].tensors", "an array");
+      for (const auto& t : f["tensors"]) {
+        if (!t.is_array()) throw bad("files[].tensors[]", "an array of [name, parameter offset, offset, length]");
+        parallel::ShardLayout layout;
+        for (const auto& seg : t) {
+          if (!seg.is_array() || seg.size() != 4 || !seg[0].is_string() || !seg[1].is_number_integer() ||
+              !seg[2].is_number_integer() || !seg[3].is_number_integer() || seg[3].get<int64_t>() < 0) {
+            throw bad("files[].tensors[][]", "[name, parameter offset, offset, length]");
+          }
+          layout.segments.push_back({seg[0].get<std::string>(), seg[1].get<int64_t>(), seg[2].get<int64_t>(),
+                                     seg[3].get<int64_t>()});
+        }
+        file.tensors.push_back(std::move(layout));
+      }
+    }
     m.files.push_back(file);
   }
   if (m.world_size < 1 || static_cast<int64_t>(m.files.size()) != m.world_size) {
     throw bad("files", str("one entry per rank (world_size ", m.world_size, ")").c_str());
+  }
+  if (m.format >= 2 && (m.tp_size < 1 || m.dp_size < 1 || m.tp_size * m.dp_size != m.world_size)) {
+    throw bad("tp_size", "a divisor of world_size with dp_size = world_size / tp_size");
   }
   return m;
 }
@@ -265,18 +297,116 @@ SaveDirLock::~SaveDirLock() {
   if (fd_ >= 0) ::close(fd_);  // releases the lock
 }
 
-void save_train_state(const std::string& dir, const TrainPosition& position,
-                      torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                      const SaveIdentity& identity, Communicator& world) {
+namespace {
+
+// Each rank's `mine`, on every rank (collective over `world`).
+std::vector<std::string> gather_text(const std::string& mine, Communicator& world) {
+  at::Tensor length = at::tensor({static_cast<int64_t>(mine.size())}, at::kLong);
+  at::Tensor lengths = at::empty({world.size()}, at::kLong);
+  world.allGather(lengths, length)->wait();
+  const int64_t longest = std::max<int64_t>(lengths.max().item<int64_t>(), 1);
+  at::Tensor bytes = at::zeros({longest}, at::kByte);
+  std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
+  at::Tensor all = at::empty({world.size() * longest}, at::kByte);
+  world.allGather(all, bytes)->wait();
+  std::vector<std::string> out;
+  const char* data = static_cast<const char*>(all.data_ptr());
+  for (int r = 0; r < world.size(); ++r) out.emplace_back(data + r * longest, lengths[r].item<int64_t>());
+  return out;
+}
+
+nlohmann::json layout_json(const std::vector<parallel::ShardLayout>& layout) {
+  nlohmann::json tensors = nlohmann::json::array();
+  for (const auto& t : layout) {
+    nlohmann::json segments = nlohmann::json::array();
+    for (const auto& s : t.segments) segments.push_back({s.name, s.param_offset, s.shard_offset, s.length});
+    tensors.push_back(segments);
+  }
+  return tensors;
+}
+
+const char* const kStateFields[] = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"};
+
+std::string tensor_key(size_t i) { return str("t", i); }
+std::string state_key(size_t i, const std::string& field) { return str("t", i, "__", field); }
+
+// One rank file, read, verified against the manifest and parsed.
+struct RankFile {
+  std::string path;
+  torch::serialize::InputArchive archive, tensors;
+  int64_t window = 0;
+};
+
+std::unique_ptr<RankFile> open_rank_file(const std::string& folder, const Manifest& manifest, size_t index) {
+  const auto& entry = manifest.files[index];
+  auto file = std::make_unique<RankFile>();
+  file->path = (fs::path(folder) / entry.name).string();
+  const std::string bytes = read_file(file->path);
+  const int64_t crc = crc32_of(bytes);
+  if (static_cast<int64_t>(bytes.size()) != entry.bytes || crc != entry.crc32) {
+    throw ConfigError(str("resume: '", file->path, "' is damaged: ", bytes.size(), " bytes with CRC-32 ", crc,
+                          " where the manifest recorded ", entry.bytes, " bytes with CRC-32 ", entry.crc32,
+                          ". It changed after it was saved; resume from another step",
+                          offer_newest(fs::path(folder).parent_path().string())));
+  }
+  try {
+    std::istringstream in(bytes);
+    file->archive.load_from(in);
+    c10::IValue step, window, rank, run_id, world_size;
+    file->archive.read("step", step);
+    file->archive.read("window", window);
+    file->archive.read("rank", rank);
+    file->archive.read("world_size", world_size);
+    file->archive.read("run_id", run_id);
+    // Files from another step, rank, world size or run (copied or swapped by
+    // hand) stop here.
+    if (step.toInt() != manifest.step || world_size.toInt() != manifest.world_size ||
+        rank.toInt() != static_cast<int64_t>(index) ||
+        (!manifest.run_id.empty() && run_id.toStringRef() != manifest.run_id)) {
+      throw ConfigError(str("resume: '", file->path, "' holds step ", step.toInt(), " of rank ", rank.toInt(),
+                            " of ", world_size.toInt(), " ranks of run ", run_id.toStringRef(),
+                            " but the manifest of '", folder, "' lists it as rank ", index, " of step ",
+                            manifest.step, " of run ", manifest.run_id,
+                            ": the folder mixes files of different saves; resume from a folder "
+                            "written as a whole by --save-dir"));
+    }
+    file->window = window.toInt();
+    file->archive.read("tensors", file->tensors);
+  } catch (const c10::Error& e) {
+    throw ConfigError(str("resume: '", file->path, "' is intact but not a remat rank file this version reads (",
+                          e.what_without_backtrace(), ")"));
+  }
+  return file;
+}
+
+// Elements to copy from a saved tensor into one of this rank's.
+struct Copy {
+  size_t file, source;
+  int64_t source_offset;
+  size_t target;
+  int64_t target_offset, length;
+};
+
+}  // namespace
+
+void save_train_state(const std::string& dir, const TrainPosition& position, const TrainShards& shards,
+                      torch::optim::Optimizer& optimizer, const SaveIdentity& identity,
+                      Communicator& world) {
+  REMAT_CHECK(shards.tensors.size() == shards.layout.size(),
+              "save_train_state: one layout per tensor (ZeroModel::parameters() and layout())");
   const std::string folder = (fs::path(dir) / step_folder(position.step)).string();
   fs::create_directories(folder);
 
-  torch::serialize::OutputArchive archive, model_archive, optimizer_archive, rng_archive;
-  model.save(model_archive);
-  optimizer.save(optimizer_archive);
+  torch::serialize::OutputArchive archive, tensors, rng_archive;
+  for (size_t i = 0; i < shards.tensors.size(); ++i) {
+    tensors.write(tensor_key(i), shards.tensors[i].detach());
+    for (const auto& [field, value] : optimizer_state_of(optimizer, shards.tensors[i])) {
+      tensors.write(state_key(i, field), value.detach());
+    }
+  }
   write_rng_snapshot(rng_archive, capture_rng());
-  archive.write("model", model_archive);
-  archive.write("optimizer", optimizer_archive);
+  archive.write("format", c10::IValue(int64_t{2}));
+  archive.write("tensors", tensors);
   archive.write("rng", rng_archive);
   archive.write("step", c10::IValue(position.step));
   archive.write("window", c10::IValue(position.window));
@@ -289,38 +419,49 @@ void save_train_state(const std::string& dir, const TrainPosition& position,
   const std::string bytes = out.str();
   write_atomically((fs::path(folder) / str("rank_", world.rank(), ".pt")).string(), bytes);
 
-  // Every rank's file is in place (and its size and checksum known) before the manifest.
-  at::Tensor mine = at::tensor({static_cast<int64_t>(bytes.size()), crc32_of(bytes)}, at::kLong);
-  at::Tensor all = at::empty({2 * world.size()}, at::kLong);
+  // Every rank's file is in place (and its size, checksum and layout known)
+  // before the manifest.
+  at::Tensor mine = at::tensor({static_cast<int64_t>(bytes.size()), crc32_of(bytes),
+                                static_cast<int64_t>(shards.tp_rank), static_cast<int64_t>(shards.dp_rank)},
+                               at::kLong);
+  at::Tensor all = at::empty({4 * world.size()}, at::kLong);
   world.allGather(all, mine)->wait();
+  const std::vector<std::string> layouts = gather_text(layout_json(shards.layout).dump(), world);
   if (world.rank() == 0) {
-    nlohmann::json manifest = {{"step", position.step},
+    nlohmann::json manifest = {{"format", 2},
+                               {"step", position.step},
                                {"world_size", world.size()},
+                               {"tp_size", shards.tp_size},
+                               {"dp_size", shards.dp_size},
                                {"model", identity.model_signature},
                                {"run_id", identity.run_id},
                                {"settings", identity.settings},
                                {"files", nlohmann::json::array()}};
     for (int r = 0; r < world.size(); ++r) {
       manifest["files"].push_back({{"name", str("rank_", r, ".pt")},
-                                   {"bytes", all[2 * r].item<int64_t>()},
-                                   {"crc32", all[2 * r + 1].item<int64_t>()}});
+                                   {"bytes", all[4 * r].item<int64_t>()},
+                                   {"crc32", all[4 * r + 1].item<int64_t>()},
+                                   {"tp_rank", all[4 * r + 2].item<int64_t>()},
+                                   {"dp_rank", all[4 * r + 3].item<int64_t>()},
+                                   {"tensors", nlohmann::json::parse(layouts[r])}});
     }
-    write_atomically((fs::path(folder) / "manifest.json").string(), manifest.dump(2));
+    write_atomically((fs::path(folder) / "manifest.json").string(), manifest.dump(1));
     write_atomically((fs::path(dir) / "latest").string(), step_folder(position.step) + "\n");
   }
   world.barrier()->wait();
 }
 
-TrainPosition load_train_state(const std::string& dir, torch::nn::Module& model,
+TrainPosition load_train_state(const std::string& dir, const TrainShards& shards,
                                torch::optim::Optimizer& optimizer, const SaveIdentity& identity,
                                Communicator& world) {
+  REMAT_CHECK(shards.tensors.size() == shards.layout.size(),
+              "load_train_state: one layout per tensor (ZeroModel::parameters() and layout())");
   const std::string folder = resolve_save(dir);
   const std::string manifest_path = (fs::path(folder) / "manifest.json").string();
   const Manifest manifest = read_manifest(manifest_path);
-  if (manifest.world_size != world.size()) {
-    throw ConfigError(str("resume: the save in '", folder, "' was made by ", manifest.world_size,
-                          " ranks but this run has ", world.size(), "; resume with -np ",
-                          manifest.world_size));
+  if (manifest.format < 2) {
+    throw ConfigError(str("resume: the save in '", folder, "' was written by an earlier remat, whose manifest "
+                          "records no shard layout: resume it with the remat that wrote it"));
   }
   if (manifest.model != identity.model_signature) {
     throw ConfigError(str("resume: the save in '", folder, "' holds a model with ", manifest.model,
@@ -336,52 +477,133 @@ TrainPosition load_train_state(const std::string& dir, torch::nn::Module& model,
                             "=", saved->second, " (the file itself is fine)"));
     }
   }
-
-  const auto& entry = manifest.files[world.rank()];
-  const std::string file = (fs::path(folder) / entry.name).string();
-  const std::string bytes = read_file(file);
-  if (entry.crc32 >= 0) {
-    const int64_t crc = crc32_of(bytes);
-    if (static_cast<int64_t>(bytes.size()) != entry.bytes || crc != entry.crc32) {
-      throw ConfigError(str("resume: '", file, "' is damaged: ", bytes.size(), " bytes with CRC-32 ",
-                            crc, " where the manifest recorded ", entry.bytes, " bytes with CRC-32 ",
-                            entry.crc32, ". It changed after it was saved; resume from another step",
-                            offer_newest(fs::path(folder).parent_path().string())));
-    }
-  } else {
-    log_rank0().warn("resume: '{}' records no checksums (an older save): its files are not verified",
-                     manifest_path);
+  if (manifest.tp_size != shards.tp_size) {
+    throw ConfigError(str("resume: the save in '", folder, "' was made with tensor_parallel.size ",
+                          manifest.tp_size, " but this run has ", shards.tp_size,
+                          ": tensor-parallel shards are not re-sliced; resume with --set tensor_parallel.size=",
+                          manifest.tp_size, " (any data-parallel size and ZeRO stage works)"));
   }
 
-  TrainPosition position;
-  try {
-    torch::serialize::InputArchive archive, model_archive, optimizer_archive, rng_archive;
-    std::istringstream in(bytes);
-    archive.load_from(in);
-    c10::IValue step, window, rank, run_id, world_size;
-    archive.read("step", step);
-    archive.read("window", window);
-    // Files from another step, rank, world size or run (copied or swapped by
-    // hand) stop here.
-    if (step.toInt() != manifest.step ||
-        (archive.try_read("world_size", world_size) && world_size.toInt() != manifest.world_size) ||
-        (archive.try_read("rank", rank) && rank.toInt() != world.rank()) ||
-        (!manifest.run_id.empty() && archive.try_read("run_id", run_id) &&
-         run_id.toStringRef() != manifest.run_id)) {
-      throw ConfigError(str("resume: '", file, "' holds step ", step.toInt(),
-                            rank.isInt() ? str(" of rank ", rank.toInt()) : std::string(),
-                            world_size.isInt() ? str(" of ", world_size.toInt(), " ranks") : std::string(),
-                            run_id.isString() ? " of run " + run_id.toStringRef() : std::string(),
-                            " but the manifest of '", folder, "' is step ", manifest.step, " of run ",
-                            manifest.run_id, " and this is rank ", world.rank(),
-                            ": the folder mixes files of different saves; resume from a folder "
-                            "written as a whole by --save-dir"));
+  // The files of this tensor-parallel rank, the one at this rank's data-parallel
+  // place first (its random state and data position are taken).
+  const int64_t source_dp = shards.dp_rank % manifest.dp_size;
+  std::vector<size_t> candidates;
+  for (size_t f = 0; f < manifest.files.size(); ++f) {
+    const auto& e = manifest.files[f];
+    if (e.tp_rank == shards.tp_rank && e.dp_rank == source_dp) candidates.insert(candidates.begin(), f);
+    else if (e.tp_rank == shards.tp_rank) candidates.push_back(f);
+  }
+  if (candidates.empty() || manifest.files[candidates[0]].dp_rank != source_dp) {
+    throw ConfigError(str("resume: '", manifest_path, "' lists no file of tensor-parallel rank ", shards.tp_rank,
+                          " and data-parallel rank ", source_dp, "; the manifest was edited or damaged"));
+  }
+
+  // Which saved elements fill each of this rank's tensors (the first file
+  // holding an element provides it).
+  struct Source {
+    size_t file, tensor;
+    int64_t param_offset, offset, length;
+  };
+  std::map<std::string, std::vector<Source>> by_name;
+  for (size_t f : candidates) {
+    const auto& tensors = manifest.files[f].tensors;
+    for (size_t j = 0; j < tensors.size(); ++j) {
+      for (const auto& s : tensors[j].segments) by_name[s.name].push_back({f, j, s.param_offset, s.shard_offset, s.length});
     }
-    archive.read("model", model_archive);
-    archive.read("optimizer", optimizer_archive);
-    archive.read("rng", rng_archive);
-    model.load(model_archive);
-    optimizer.load(optimizer_archive);
+  }
+  std::vector<Copy> copies;
+  for (size_t i = 0; i < shards.layout.size(); ++i) {
+    for (const auto& seg : shards.layout[i].segments) {
+      std::vector<std::pair<int64_t, int64_t>> open{{seg.param_offset, seg.param_offset + seg.length}};
+      auto found = by_name.find(seg.name);
+      if (found != by_name.end()) {
+        for (const auto& src : found->second) {
+          std::vector<std::pair<int64_t, int64_t>> still;
+          for (const auto& [lo, hi] : open) {
+            const int64_t a = std::max(lo, src.param_offset), b = std::min(hi, src.param_offset + src.length);
+            if (a >= b) {
+              still.emplace_back(lo, hi);
+              continue;
+            }
+            copies.push_back({src.file, src.tensor, src.offset + a - src.param_offset, i,
+                              seg.shard_offset + a - seg.param_offset, b - a});
+            if (lo < a) still.emplace_back(lo, a);
+            if (b < hi) still.emplace_back(b, hi);
+          }
+          open = std::move(still);
+          if (open.empty()) break;
+        }
+      }
+      if (!open.empty()) {
+        throw ConfigError(str("resume: the save in '", folder, "' holds no values for elements [", open[0].first,
+                              ", ", open[0].second, ") of parameter '", seg.name, "' (tensor-parallel rank ",
+                              shards.tp_rank, "): it was made for another model; use the config it was made with"));
+      }
+    }
+  }
+
+  std::map<size_t, std::unique_ptr<RankFile>> files;
+  files[candidates[0]] = open_rank_file(folder, manifest, candidates[0]);
+  for (const auto& c : copies) {
+    if (!files.count(c.file)) files[c.file] = open_rank_file(folder, manifest, c.file);
+  }
+  auto saved = [&](size_t f, const std::string& key) {
+    at::Tensor t;
+    if (!files.at(f)->tensors.try_read(key, t)) return at::Tensor();
+    return t.reshape({-1});
+  };
+
+  TrainPosition position;
+  {
+    torch::NoGradGuard no_grad;
+    std::vector<std::map<std::string, at::Tensor>> states(shards.tensors.size());
+    std::vector<std::set<int64_t>> steps(shards.tensors.size());
+    std::map<std::pair<size_t, std::string>, at::Tensor> cache;
+    auto cached = [&](size_t f, const std::string& key) -> const at::Tensor& {
+      auto k = std::make_pair(f, key);
+      auto it = cache.find(k);
+      if (it == cache.end()) it = cache.emplace(k, saved(f, key)).first;
+      return it->second;
+    };
+    for (const auto& c : copies) {
+      at::Tensor target = shards.tensors[c.target].detach().view({-1});
+      const at::Tensor& values = cached(c.file, tensor_key(c.source));
+      if (!values.defined() || values.numel() < c.source_offset + c.length) {
+        throw ConfigError(str("resume: '", files.at(c.file)->path, "' lacks tensor ", c.source,
+                              " as the manifest describes it; the save was edited or damaged"));
+      }
+      target.narrow(0, c.target_offset, c.length).copy_(values.narrow(0, c.source_offset, c.length));
+      for (const char* field : kStateFields) {
+        const at::Tensor& value = cached(c.file, state_key(c.source, field));
+        if (!value.defined()) continue;
+        if (std::string(field) == "step") {
+          steps[c.target].insert(value.item<int64_t>());
+          continue;
+        }
+        auto& into = states[c.target][field];
+        if (!into.defined()) into = at::zeros({target.numel()}, value.options());
+        into.narrow(0, c.target_offset, c.length).copy_(value.narrow(0, c.source_offset, c.length));
+      }
+    }
+    for (size_t i = 0; i < shards.tensors.size(); ++i) {
+      if (steps[i].size() > 1) {
+        throw ConfigError(str("resume: the saved shards making up tensor ", i, " of this rank were stepped ",
+                              *steps[i].begin(), " and ", *steps[i].rbegin(),
+                              " times: the save mixes optimizer states; resume from another step"));
+      }
+      std::map<std::string, at::Tensor> state;
+      for (auto& [field, value] : states[i]) state[field] = value.view(shards.tensors[i].sizes());
+      if (!steps[i].empty()) state["step"] = at::scalar_tensor(*steps[i].begin(), at::kLong);
+      try {
+        set_optimizer_state(optimizer, shards.tensors[i], state);
+      } catch (const Error& e) {
+        throw ConfigError(str("resume: the save in '", folder, "' does not fit this run's optimizer: ", e.what()));
+      }
+    }
+
+    RankFile& own = *files.at(candidates[0]);
+    torch::serialize::InputArchive rng_archive;
+    own.archive.read("rng", rng_archive);
     RngSnapshot rng = read_rng_snapshot(rng_archive);
     const at::Tensor cuda_now = capture_default_generators().cuda;
     const bool cuda_here = cuda_now.defined();
@@ -393,7 +615,7 @@ TrainPosition load_train_state(const std::string& dir, torch::nn::Module& model,
                  "process's state and do not continue bitwise",
                  folder, rng.defaults.cuda.numel(), cuda_now.numel());
       rng.defaults.cuda = at::Tensor();
-      for (auto& [name, states] : rng.tracker) states.cuda = at::Tensor();
+      for (auto& [name, states_of] : rng.tracker) states_of.cuda = at::Tensor();
     } else if (rng.defaults.cuda.defined() != cuda_here) {
       log().warn("resume: the save in '{}' {} CUDA generator states but this process {} a GPU: "
                  "random draws on the GPU do not continue bitwise",
@@ -401,15 +623,15 @@ TrainPosition load_train_state(const std::string& dir, torch::nn::Module& model,
                  cuda_here ? "has" : "has no");
     }
     restore_rng(rng);
-    position.step = step.toInt();
-    position.window = window.toInt();
-  } catch (const c10::Error& e) {
-    // The bytes are what was saved (or the save predates checksums): what
-    // does not fit is this run's model or optimizer.
-    throw ConfigError(str("resume: '", file, "' ",
-                          entry.crc32 >= 0 ? "is intact but does not fit this run's model or optimizer"
-                                           : "is corrupt, truncated or made for another model or optimizer",
-                          " (", e.what_without_backtrace(), ")"));
+    position.step = manifest.step;
+    position.window = own.window;
+  }
+  if (manifest.dp_size != shards.dp_size) {
+    log_rank0().warn("resume: the save in '{}' was made at data-parallel size {}; this run has {}. Parameters "
+                     "and optimizer state are re-sliced exactly (read from {} saved file(s) on rank 0); each rank "
+                     "continues the random state and data position of the saved rank at its data-parallel "
+                     "place modulo {}, so the run does not repeat an uninterrupted one bitwise",
+                     folder, manifest.dp_size, shards.dp_size, files.size(), manifest.dp_size);
   }
 
   // Every rank resumes at the same step of the same run, or none does.

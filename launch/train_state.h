@@ -6,14 +6,21 @@
 // folder. Each file is written to a temporary name, flushed, fsynced and
 // renamed, so a crash leaves either the old or the new file, never half of one.
 //
-// The manifest records the run that wrote the save (run id), the model, every
-// setting that shapes the saved state, and each rank file's size and CRC-32;
-// each rank file records its rank, step and run id. Resuming checks all of
-// them before loading anything, so a damaged file, files mixed from two
-// steps or two runs, or a changed setting is an error naming what differs.
+// A rank file holds the tensors its optimizer steps (ZeroModel::parameters():
+// shards, or whole parameters at stage 0) with their optimizer state. The
+// manifest records the run that wrote the save (run id), the model, every
+// setting that shapes the saved state, the tensor- and data-parallel sizes,
+// and for each rank file its size, CRC-32, tensor- and data-parallel rank and
+// layout: which elements of which model parameter each saved tensor holds.
+// Resuming maps this rank's layout onto the saved ones, so a save resumes at
+// any data-parallel size and ZeRO stage (the same tensor-parallel size):
+// each element comes from a file that holds it (this rank's own file when the
+// layout is unchanged). Every file read is checked against its size and
+// CRC-32 and its recorded rank, step and run id, so a damaged file, files
+// mixed from two steps or two runs, or a changed setting is an error naming
+// what differs.
 #pragma once
 
-#include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
@@ -21,9 +28,20 @@
 #include <memory>
 #include <string>
 
+#include "parallel/zero.h"
+
 namespace remat {
 
 class Communicator;
+
+// What one rank saves and resumes: the tensors its optimizer steps and which
+// model parameter elements each holds (ZeroModel::parameters() and layout()),
+// and where the rank sits.
+struct TrainShards {
+  std::vector<at::Tensor> tensors;
+  std::vector<parallel::ShardLayout> layout;
+  int tp_rank = 0, tp_size = 1, dp_rank = 0, dp_size = 1;
+};
 
 struct TrainPosition {
   int64_t step = 0;    // completed optimizer steps
@@ -59,16 +77,20 @@ class SaveDirLock {
 };
 
 // Writes this rank's state for `position.step` (collective over `world`).
-void save_train_state(const std::string& dir, const TrainPosition& position,
-                      torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                      const SaveIdentity& identity, Communicator& world);
+void save_train_state(const std::string& dir, const TrainPosition& position, const TrainShards& shards,
+                      torch::optim::Optimizer& optimizer, const SaveIdentity& identity,
+                      Communicator& world);
 
-// Loads a save made by save_train_state: `dir` is a step folder or the save
-// root (then DIR/latest). A missing, incomplete, damaged or inconsistent save,
-// or one made with another world size, model or setting, is a ConfigError
+// Loads a save made by save_train_state into `shards.tensors` and their
+// optimizer state: `dir` is a step folder or the save root (then DIR/latest).
+// The random state and data position are those of the saved rank at this
+// rank's tensor-parallel rank and data-parallel rank modulo the saved
+// data-parallel size (its own, when the size is unchanged: the run continues
+// bitwise). A missing, incomplete, damaged or inconsistent save, or one made
+// with another model, tensor-parallel size or setting, is a ConfigError
 // saying which (and, for a root whose latest save is unusable, naming the
 // newest complete step). Collective over `world`: every rank loads the same step.
-TrainPosition load_train_state(const std::string& dir, torch::nn::Module& model,
+TrainPosition load_train_state(const std::string& dir, const TrainShards& shards,
                                torch::optim::Optimizer& optimizer, const SaveIdentity& identity,
                                Communicator& world);
 

@@ -2,6 +2,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <unordered_set>
 
 #include "parallel/sharding_strategy.h"
@@ -49,6 +50,25 @@ std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> split_by(
   return out;
 }
 
+std::map<const void*, std::string> parameter_names(const torch::nn::Module& model) {
+  std::map<const void*, std::string> out;
+  for (const auto& item : model.named_parameters()) out.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  return out;
+}
+
+ShardLayout flat_layout(const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets,
+                        const std::map<const void*, std::string>& names, int64_t begin,
+                        int64_t length) {
+  ShardLayout out;
+  for (size_t k = 0; k < params.size(); ++k) {
+    const int64_t lo = std::max(begin, offsets[k]);
+    const int64_t hi = std::min(begin + length, offsets[k] + params[k].numel());
+    if (lo >= hi) continue;
+    out.segments.push_back({names.at(params[k].unsafeGetTensorImpl()), lo - offsets[k], lo - begin, hi - lo});
+  }
+  return out;
+}
+
 namespace {
 
 class DataParallel final : public ShardingStrategy {
@@ -58,6 +78,19 @@ class DataParallel final : public ShardingStrategy {
 
   std::vector<at::Tensor> parameters() const override { return params_; }
   torch::nn::Module& state() override { return model_; }
+
+  std::map<std::string, at::Tensor> full_parameters() override {
+    std::map<std::string, at::Tensor> out;
+    for (const auto& item : model_.named_parameters()) out[item.key()] = item.value().detach().to(at::kFloat).clone();
+    return out;
+  }
+
+  std::vector<ShardLayout> layout() const override {
+    const auto names = parameter_names(model_);
+    std::vector<ShardLayout> out;
+    for (const auto& p : params_) out.push_back(flat_layout({p}, {0}, names, 0, p.numel()));
+    return out;
+  }
 
   void finish_backward(bool synchronize) override {
     if (synchronize) all_reduce_gradients(params_, *dp_, bucket_, allreduce_bytes_);
@@ -76,6 +109,7 @@ class DataParallel final : public ShardingStrategy {
       if (p.grad().defined()) s.grad_bytes += static_cast<int64_t>(p.grad().nbytes());
     }
     s.allreduce_bytes = allreduce_bytes_;
+    s.peak_grad_bytes = s.grad_bytes;
     return s;
   }
 

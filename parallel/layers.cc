@@ -88,6 +88,12 @@ at::Tensor ColumnParallelLinearImpl::gather_full_weight() const {
   return all_gather_uneven(weight.detach(), 0, options_.out_features(), group_, options_.stride());
 }
 
+at::Tensor ColumnParallelLinearImpl::gather_full(const std::string& /*name*/, const at::Tensor& shard) const {
+  // Weight rows and bias entries are split alike.
+  if (group_size(group_) == 1) return shard;
+  return all_gather_uneven(shard, 0, options_.out_features(), group_, options_.stride());
+}
+
 std::vector<at::Tensor> ColumnParallelLinearImpl::sharded_parameters() const {
   if (group_size(group_) == 1) return {};
   std::vector<at::Tensor> out{weight};
@@ -127,6 +133,11 @@ void RowParallelLinearImpl::load_full_weight(const at::Tensor& full) {
 at::Tensor RowParallelLinearImpl::gather_full_weight() const {
   // Columns: gather the transposed shards as rows.
   return all_gather_uneven(weight.detach().t(), 0, options_.in_features(), group_).t().contiguous();
+}
+
+at::Tensor RowParallelLinearImpl::gather_full(const std::string& name, const at::Tensor& shard) const {
+  if (name != "weight" || group_size(group_) == 1) return shard;  // the bias is replicated
+  return all_gather_uneven(shard.t(), 0, options_.in_features(), group_).t().contiguous();
 }
 
 std::vector<at::Tensor> RowParallelLinearImpl::sharded_parameters() const {
@@ -172,6 +183,11 @@ void VocabParallelEmbeddingImpl::load_full_weight(const at::Tensor& full) {
 
 at::Tensor VocabParallelEmbeddingImpl::gather_full_weight() const {
   return all_gather_uneven(weight.detach(), 0, vocab_size_, group_);
+}
+
+at::Tensor VocabParallelEmbeddingImpl::gather_full(const std::string& /*name*/, const at::Tensor& shard) const {
+  if (group_size(group_) == 1) return shard;
+  return all_gather_uneven(shard, 0, vocab_size_, group_);
 }
 
 std::vector<at::Tensor> VocabParallelEmbeddingImpl::sharded_parameters() const {

@@ -58,6 +58,10 @@ class TensorParallelModule {
   virtual void load_full_weight(const at::Tensor& full) = 0;
   // The full weight, gathered from every rank (collective over the group).
   virtual at::Tensor gather_full_weight() const = 0;
+  // The whole tensor of which `shard` is this rank's share, for this module's
+  // parameter `name` ("weight", "bias"): `shard` itself where the parameter
+  // is replicated (collective over the group).
+  virtual at::Tensor gather_full(const std::string& name, const at::Tensor& shard) const = 0;
   virtual std::vector<at::Tensor> sharded_parameters() const = 0;
 };
 
@@ -69,6 +73,7 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public TensorParallel
   std::vector<int64_t> full_weight_sizes() const override;
   void load_full_weight(const at::Tensor& full) override;
   at::Tensor gather_full_weight() const override;
+  at::Tensor gather_full(const std::string& name, const at::Tensor& shard) const override;
   std::vector<at::Tensor> sharded_parameters() const override;
   int64_t local_out_features() const { return weight.size(0); }
 
@@ -91,6 +96,7 @@ class RowParallelLinearImpl : public torch::nn::Module, public TensorParallelMod
   std::vector<int64_t> full_weight_sizes() const override;
   void load_full_weight(const at::Tensor& full) override;
   at::Tensor gather_full_weight() const override;
+  at::Tensor gather_full(const std::string& name, const at::Tensor& shard) const override;
   std::vector<at::Tensor> sharded_parameters() const override;
 
   at::Tensor weight, bias;  // the bias is replicated
@@ -110,6 +116,7 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module, public TensorParall
   std::vector<int64_t> full_weight_sizes() const override;
   void load_full_weight(const at::Tensor& full) override;
   at::Tensor gather_full_weight() const override;
+  at::Tensor gather_full(const std::string& name, const at::Tensor& shard) const override;
   std::vector<at::Tensor> sharded_parameters() const override;
   Range vocab_range() const { return range_; }
 

@@ -1,8 +1,7 @@
 // The interface ZeroModel drives, one implementation per ZeRO stage
-// (internal to parallel/). Plain data parallelism (stage 0,
-// data_parallel.cc) and full sharding (stage 3, zero_stage3.cc) live apart;
-// a stage that shards less (optimizer state, gradients) is another
-// implementation of the same calls.
+// (internal to parallel/): plain data parallelism (stage 0,
+// data_parallel.cc), optimizer state and gradient sharding (stages 1 and 2,
+// zero_stage12.cc) and full sharding (stage 3, zero_stage3.cc).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -22,9 +21,22 @@ class Module;
 
 namespace remat::parallel {
 
+// The data-parallel ranks, and how sharding splits them (hybrid sharding:
+// `shard` a group of hybrid_shard_size ranks, `replicate` the ranks holding
+// the same shard; without it `shard` is `dp` and `replicate` has size 1).
+struct DpGroups {
+  std::shared_ptr<Communicator> dp, shard, replicate;
+};
+
 class ShardingStrategy {
  public:
   virtual ~ShardingStrategy() = default;
+
+  // For each of parameters(): the model parameter elements it holds.
+  virtual std::vector<ShardLayout> layout() const = 0;
+  // Copies of the model's parameters, whole and current, in float32, by
+  // state-dict name (collective over the data-parallel group; between steps).
+  virtual std::map<std::string, at::Tensor> full_parameters() = 0;
 
   // What the optimizer steps, and the same tensors as a module for saving.
   virtual std::vector<at::Tensor> parameters() const = 0;
@@ -54,6 +66,20 @@ std::unique_ptr<ShardingStrategy> make_data_parallel(torch::nn::Module& model,
                                                      std::shared_ptr<Communicator> dp,
                                                      int64_t reduce_bucket_size);
 
+// Stages 1 and 2: see zero.h.
+struct Stage12Settings {
+  int stage = 1;
+  int64_t reduce_bucket_size = 1;     // elements per gradient bucket
+  int64_t allgather_bucket_size = 1;  // elements per parameter all-gather
+  bool reduce_scatter = true;
+  bool allgather_partitions = true;
+  bool overlap_comm = false;
+  bool contiguous_gradients = true;
+};
+std::unique_ptr<ShardingStrategy> make_stage12(torch::nn::Module& model, const DpGroups& groups,
+                                               const std::vector<at::Tensor>& sharded_tp,
+                                               const Stage12Settings& settings);
+
 // Stage 3: see zero.h.
 struct Stage3Settings {
   int64_t param_persistence_threshold = 0;  // elements
@@ -63,7 +89,7 @@ struct Stage3Settings {
 };
 std::unique_ptr<ShardingStrategy> make_stage3(
     torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
-    std::shared_ptr<Communicator> dp, const std::vector<at::Tensor>& sharded_tp,
+    const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp,
     const Stage3Settings& settings);
 
 // Averages the gradients of `params` over `dp` in buckets of at most
@@ -71,6 +97,15 @@ std::unique_ptr<ShardingStrategy> make_stage3(
 // zeros); adds 2 x the bytes reduced to `bytes`.
 void all_reduce_gradients(const std::vector<at::Tensor>& params, Communicator& dp,
                           int64_t bucket_size, int64_t& bytes);
+
+// Each parameter's state-dict name in `model`, by TensorImpl.
+std::map<const void*, std::string> parameter_names(const torch::nn::Module& model);
+
+// The segments of a flat buffer's [begin, begin + length) that hold
+// parameters laid out at `offsets` (padding skipped).
+ShardLayout flat_layout(const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets,
+                        const std::map<const void*, std::string>& names, int64_t begin,
+                        int64_t length);
 
 // Tensors of `params` that are in `subset` (by identity), in order; and the rest.
 std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> split_by(

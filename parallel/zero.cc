@@ -7,7 +7,9 @@
 #include "parallel/grad_norm.h"
 #include "parallel/sharding_strategy.h"
 #include "runtime/config.h"
+#include "runtime/communicator.h"
 #include "runtime/error.h"
+#include "runtime/logging.h"
 
 namespace remat::parallel {
 
@@ -15,29 +17,72 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
                      const std::vector<std::shared_ptr<torch::nn::Module>>& units,
                      std::shared_ptr<Communicator> dp_group, const ZeroConfig& config,
                      const Bf16Config& bf16, std::vector<at::Tensor> sharded_tp)
-    : stage_(config.stage), sharded_tp_(std::move(sharded_tp)) {
+    : stage_(config.stage), model_(model), sharded_tp_(std::move(sharded_tp)) {
   if (bf16.enabled && config.stage != 3) {
     throw ConfigError("bf16.enabled computes in bf16 from fp32 master shards: it needs "
                       "zero_optimization.stage 3 (set it, or turn bf16 off)");
   }
+  if (config.stage < 0 || config.stage > 3) {
+    throw ConfigError(str("zero_optimization.stage ", config.stage,
+                          " does not exist: use 0 (data parallel), 1 (optimizer state sharded), 2 "
+                          "(gradients too) or 3 (parameters too)"));
+  }
+  const int dp = dp_group->size(), rank = dp_group->rank();
+  DpGroups groups{dp_group, dp_group, nullptr};
+  const int hybrid = config.hybrid_shard_size;
+  if (hybrid > 0 && config.stage == 0) {
+    throw ConfigError(str("zero_optimization.hybrid_shard_size ", hybrid, " shards within groups, but "
+                          "stage 0 shards nothing: set zero_optimization.stage to 1, 2 or 3"));
+  }
+  if (hybrid > 0 && (hybrid > dp || dp % hybrid != 0)) {
+    throw ConfigError(str("zero_optimization.hybrid_shard_size ", hybrid, " must divide the data-parallel "
+                          "size ", dp, " (world size / tensor_parallel.size) into equal groups: use one of ",
+                          [&] {
+                            std::string d;
+                            for (int k = 1; k <= dp; ++k) {
+                              if (dp % k == 0) d += (d.empty() ? "" : ", ") + std::to_string(k);
+                            }
+                            return d;
+                          }()));
+  }
+  if (hybrid > 0 && hybrid < dp) {
+    // Groups of `hybrid` consecutive data-parallel ranks shard; the ranks at
+    // the same place in each group replicate.
+    groups.shard = dp_group->split(rank / hybrid, rank);
+    groups.replicate = dp_group->split(rank % hybrid, rank);
+    log_rank0().info("zero stage {}: hybrid sharding, data-parallel size {} = shard {} x replicate {} "
+                     "(sharded within consecutive ranks, replicated across groups)",
+                     config.stage, dp, hybrid, dp / hybrid);
+  }
+  shard_group_ = groups.shard;
+  replicate_group_ = groups.replicate;
   const int64_t bucket = std::max<int64_t>(config.reduce_bucket_size, 1);
   switch (config.stage) {
     case 0:
-      strategy_ = make_data_parallel(model, std::move(dp_group), bucket);
+      strategy_ = make_data_parallel(model, dp_group, bucket);
       break;
-    case 3: {
+    case 1:
+    case 2: {
+      Stage12Settings s;
+      s.stage = config.stage;
+      s.reduce_bucket_size = bucket;
+      s.allgather_bucket_size = std::max<int64_t>(config.allgather_bucket_size, 1);
+      s.reduce_scatter = config.reduce_scatter;
+      s.allgather_partitions = config.allgather_partitions;
+      s.overlap_comm = config.overlap_comm;
+      s.contiguous_gradients = config.contiguous_gradients;
+      strategy_ = make_stage12(model, groups, sharded_tp_, s);
+      break;
+    }
+    default: {
       Stage3Settings s;
       s.param_persistence_threshold = config.stage3_param_persistence_threshold;
       s.reduce_bucket_size = bucket;
       s.prefetch_bucket_size = config.stage3_prefetch_bucket_size;
       s.bf16 = bf16.enabled;
-      strategy_ = make_stage3(model, units, std::move(dp_group), sharded_tp_, s);
+      strategy_ = make_stage3(model, units, groups, sharded_tp_, s);
       break;
     }
-    default:
-      throw ConfigError(str("zero_optimization.stage ", config.stage,
-                            " is not implemented: use 0 (data parallel, all-reduce) or 3 "
-                            "(parameters, gradients and optimizer state sharded)"));
   }
 }
 
@@ -45,6 +90,17 @@ ZeroModel::~ZeroModel() = default;
 
 std::vector<at::Tensor> ZeroModel::parameters() const { return strategy_->parameters(); }
 torch::nn::Module& ZeroModel::state() { return strategy_->state(); }
+std::vector<ShardLayout> ZeroModel::layout() const { return strategy_->layout(); }
+int ZeroModel::shard_size() const { return shard_group_->size(); }
+int ZeroModel::replicate_size() const { return replicate_group_ ? replicate_group_->size() : 1; }
+
+std::vector<std::pair<std::string, at::Tensor>> ZeroModel::full_parameters() {
+  std::map<std::string, at::Tensor> full = strategy_->full_parameters();
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& item : model_.named_parameters()) out.emplace_back(item.key(), full.at(item.key()));
+  return out;
+}
+
 void ZeroModel::begin_forward() { strategy_->begin_forward(); }
 at::Tensor ZeroModel::finish_forward(const at::Tensor& loss) { return strategy_->finish_forward(loss); }
 void ZeroModel::finish_backward(bool synchronize) { strategy_->finish_backward(synchronize); }

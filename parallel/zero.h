@@ -1,5 +1,22 @@
-// ZeRO-3 / FSDP style parameter sharding over the data-parallel group, and
-// plain data parallelism (stage 0) behind the same interface.
+// ZeRO / FSDP style sharding over the data-parallel group: plain data
+// parallelism (stage 0), optimizer state (stage 1), optimizer state and
+// gradients (stage 2), everything (stage 3), behind one interface.
+//
+// Stages 1 and 2: the parameters are laid out in gradient buckets of at most
+// reduce_bucket_size elements (in reverse registration order, the order their
+// gradients arrive in backward), each bucket one flat buffer padded to a
+// multiple of the shard group's size. Every rank keeps the whole parameters;
+// the optimizer steps this rank's 1/N of each bucket (a view of it, so the
+// step updates the parameters in place), and begin_forward all-gathers the
+// buckets once the step changed them. Stage 1 reduce-scatters the gradients at
+// the last micro-step; stage 2 reduce-scatters each bucket as soon as all its
+// gradients arrived, during the backward (overlap_comm: without waiting), so
+// only the shards' gradients outlive the backward.
+//
+// Hybrid sharding (hybrid_shard_size S): parameters and state are sharded over
+// groups of S consecutive data-parallel ranks and replicated across the
+// dp / S groups; gradients are reduce-scattered within a group, then
+// all-reduced across groups.
 //
 // Stage 3: the model is cut into units, each given submodule (the transformer
 // blocks) and the rest of the model as the root unit. A unit's parameters
@@ -74,13 +91,28 @@ struct ZeroStats {
   int64_t allgather_bytes = 0;      // total: output bytes of parameter all-gathers
   int64_t reducescatter_bytes = 0;  // total: input bytes of gradient reduce-scatters
   int64_t allreduce_bytes = 0;      // total: 2 x bytes all-reduced (reduce-scatter + all-gather)
+  // Stages 1 and 2: the most gradient bytes held at once (parameters' own,
+  // bucket buffers, reductions in flight and the shards'), since reset_peak();
+  // the other stages: grad_bytes.
+  int64_t peak_grad_bytes = 0;
   int64_t collective_bytes() const { return allgather_bytes + reducescatter_bytes + allreduce_bytes; }
+};
+
+// Which elements of the model's parameters one of ZeroModel::parameters()
+// holds: `length` elements from `param_offset` of the flattened parameter
+// `name` (the model's state-dict name) at `shard_offset` of the tensor.
+struct ShardSegment {
+  std::string name;
+  int64_t param_offset = 0, shard_offset = 0, length = 0;
+};
+struct ShardLayout {
+  std::vector<ShardSegment> segments;
 };
 
 class ZeroModel {
  public:
   // `units` are submodules of `model` (each transformer block); `config` is
-  // the zero_optimization section (stage 0 or 3), `bf16` the bf16 section
+  // the zero_optimization section, `bf16` the bf16 section
   // (stage 3 only); `sharded_tp` lists parameters that differ across
   // tensor-parallel ranks (for the gradient norm; sharded_parameters()).
   // A stage or combination that is not implemented is a ConfigError.
@@ -98,7 +130,17 @@ class ZeroModel {
   // The same tensors as a module, for saving and loading training state.
   torch::nn::Module& state();
 
-  // Gathers the root unit for a forward.
+  // For each of parameters(): the model parameter elements it holds.
+  std::vector<ShardLayout> layout() const;
+  // The model's parameters, whole (gathered where sharded), by state-dict
+  // name: copies, made between steps (collective over the data-parallel group).
+  std::vector<std::pair<std::string, at::Tensor>> full_parameters();
+  // Ranks a parameter is sharded over, and ranks holding the same shard.
+  int shard_size() const;
+  int replicate_size() const;
+
+  // Stage 3: gathers the root unit; stages 1 and 2: brings the parameters up
+  // to date with the shards the optimizer stepped. Call before each forward.
   void begin_forward();
   // Frees the root unit; its backward (from the returned loss) gathers it again.
   at::Tensor finish_forward(const at::Tensor& loss);
@@ -127,6 +169,8 @@ class ZeroModel {
 
  private:
   int stage_;
+  torch::nn::Module& model_;
+  std::shared_ptr<Communicator> shard_group_, replicate_group_;
   std::vector<at::Tensor> sharded_tp_;
   std::unique_ptr<ShardingStrategy> strategy_;
 };

@@ -71,12 +71,14 @@ struct Unit {
 class Stage3 final : public ShardingStrategy {
  public:
   Stage3(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
-         std::shared_ptr<Communicator> dp, const std::vector<at::Tensor>& sharded_tp,
+         const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp,
          const Stage3Settings& settings);
   ~Stage3() override;
 
   std::vector<at::Tensor> parameters() const override;
   torch::nn::Module& state() override { return *state_; }
+  std::vector<ShardLayout> layout() const override;
+  std::map<std::string, at::Tensor> full_parameters() override;
   void begin_forward() override;
   at::Tensor finish_forward(const at::Tensor& loss) override;
   void finish_backward(bool synchronize) override;
@@ -99,7 +101,10 @@ class Stage3 final : public ShardingStrategy {
   void track_gathered(int64_t delta);
   void track_gathered_units(int delta);
 
-  std::shared_ptr<Communicator> dp_;
+  std::shared_ptr<Communicator> dp_;         // the shard group
+  std::shared_ptr<Communicator> replicate_;  // hybrid: the ranks holding the same shards
+  std::shared_ptr<Communicator> all_dp_;     // every data-parallel rank
+  std::map<const void*, std::string> names_;
   Stage3Settings settings_;
   std::vector<std::unique_ptr<Unit>> units_;  // blocks in order, then the root
   std::vector<at::Tensor> persistent_;
@@ -218,9 +223,10 @@ at::Tensor ZeroUnitHook::run(const at::Tensor& x,
 
 Stage3::Stage3(torch::nn::Module& model,
                const std::vector<std::shared_ptr<torch::nn::Module>>& units,
-               std::shared_ptr<Communicator> dp, const std::vector<at::Tensor>& sharded_tp,
+               const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp,
                const Stage3Settings& settings)
-    : dp_(std::move(dp)), settings_(settings) {
+    : dp_(groups.shard), replicate_(groups.replicate), all_dp_(groups.dp),
+      names_(parameter_names(model)), settings_(settings) {
   const int n = dp_->size(), r = dp_->rank();
   std::unordered_set<const void*> tp_sharded;
   for (const auto& p : sharded_tp) tp_sharded.insert(p.unsafeGetTensorImpl());
@@ -393,6 +399,10 @@ void Stage3::reduce(Unit& unit) {
       at::Tensor out = at::empty({len}, flat.options());
       dp_->reduceScatter(out, input, {ReduceOp::kAvg})->wait();
       reducescatter_bytes_ += static_cast<int64_t>(input.nbytes());
+      if (replicate_ && replicate_->size() > 1) {
+        replicate_->allReduce(out, {ReduceOp::kAvg})->wait();
+        allreduce_bytes_ += 2 * static_cast<int64_t>(out.nbytes());
+      }
       shard_grad.narrow(0, o, len).copy_(out);
     }
     if (g.shard.grad().defined()) {
@@ -448,7 +458,7 @@ void Stage3::finish_backward(bool synchronize) {
       }
     }
   }
-  if (synchronize) all_reduce_gradients(persistent_, *dp_, settings_.reduce_bucket_size, allreduce_bytes_);
+  if (synchronize) all_reduce_gradients(persistent_, *all_dp_, settings_.reduce_bucket_size, allreduce_bytes_);
   for (auto& u : units_) {
     if (u->ran && !u->reduced) {
       throw Error(str("zero stage 3: unit '", u->name, "' ran forward but its gradients were not "
@@ -487,6 +497,35 @@ std::vector<GradGroup> Stage3::grad_groups(const std::vector<at::Tensor>& sharde
   return out;
 }
 
+std::vector<ShardLayout> Stage3::layout() const {
+  std::vector<ShardLayout> out;
+  const int64_t r = dp_->rank();
+  for (const auto& u : units_) {
+    for (const auto& g : u->groups) {
+      out.push_back(flat_layout(g.params, g.offsets, names_, r * g.shard_numel, g.shard_numel));
+    }
+  }
+  for (const auto& p : persistent_) out.push_back(flat_layout({p}, {0}, names_, 0, p.numel()));
+  return out;
+}
+
+std::map<std::string, at::Tensor> Stage3::full_parameters() {
+  // From the float32 shards (whatever the compute type), one group at a time.
+  std::map<std::string, at::Tensor> out;
+  for (const auto& u : units_) {
+    for (const auto& g : u->groups) {
+      at::Tensor full = at::empty({g.padded}, g.shard.options().requires_grad(false));
+      dp_->allGather(full, g.shard.detach())->wait();
+      for (size_t k = 0; k < g.params.size(); ++k) {
+        const auto& p = g.params[k];
+        out[names_.at(p.unsafeGetTensorImpl())] = full.narrow(0, g.offsets[k], p.numel()).view(p.sizes()).clone();
+      }
+    }
+  }
+  for (const auto& p : persistent_) out[names_.at(p.unsafeGetTensorImpl())] = p.detach().to(at::kFloat).clone();
+  return out;
+}
+
 ZeroStats Stage3::stats() const {
   ZeroStats s;
   for (const auto& p : parameters()) {
@@ -499,6 +538,7 @@ ZeroStats Stage3::stats() const {
   s.allgather_bytes = allgather_bytes_;
   s.reducescatter_bytes = reducescatter_bytes_;
   s.allreduce_bytes = allreduce_bytes_;
+  s.peak_grad_bytes = s.grad_bytes;
   return s;
 }
 
@@ -533,9 +573,9 @@ std::map<std::string, int64_t> Stage3::unit_padded_numels() const {
 
 std::unique_ptr<ShardingStrategy> make_stage3(
     torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
-    std::shared_ptr<Communicator> dp, const std::vector<at::Tensor>& sharded_tp,
+    const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp,
     const Stage3Settings& settings) {
-  return std::make_unique<Stage3>(model, units, std::move(dp), sharded_tp, settings);
+  return std::make_unique<Stage3>(model, units, groups, sharded_tp, settings);
 }
 
 }  // namespace remat::parallel

@@ -9,6 +9,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <sstream>
+#include <string>
+#include <type_traits>
 
 namespace remat::compat {
 
@@ -27,6 +30,20 @@ using MemoryTotal = int64_t;
 #else
 #define REMAT_HAS_SDPA 0
 #endif
+
+// The key torch::optim::Optimizer::state() files a parameter's state under,
+// from its TensorImpl: the address as text (1.13), the address (2.x). `Key`
+// is the state map's key_type.
+template <typename Key>
+Key optimizer_state_key(const void* impl) {
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream text;
+    text << impl;
+    return text.str();
+  } else {
+    return static_cast<Key>(const_cast<void*>(impl));
+  }
+}
 
 // "1.13.1", "2.4.0", ...
 inline const char* torch_version() { return TORCH_VERSION; }

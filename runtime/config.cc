@@ -63,6 +63,10 @@ const std::vector<Field>& schema() {
       object("zero_optimization", &Config::zero_optimization,
              {leaf("stage", &ZeroConfig::stage),
               leaf("reduce_bucket_size", &ZeroConfig::reduce_bucket_size),
+              leaf("reduce_scatter", &ZeroConfig::reduce_scatter),
+              leaf("allgather_bucket_size", &ZeroConfig::allgather_bucket_size),
+              leaf("allgather_partitions", &ZeroConfig::allgather_partitions),
+              leaf("hybrid_shard_size", &ZeroConfig::hybrid_shard_size),
               leaf("stage3_prefetch_bucket_size",
                    &ZeroConfig::stage3_prefetch_bucket_size),
               leaf("stage3_param_persistence_threshold",
@@ -171,6 +175,19 @@ void check_values(const Config& c, const std::string& source) {
   if (z.reduce_bucket_size < 1) {
     fail(source, str("'zero_optimization.reduce_bucket_size' = ", z.reduce_bucket_size,
                      " must be at least 1 (elements per reduce)"));
+  }
+  if (z.allgather_bucket_size < 1) {
+    fail(source, str("'zero_optimization.allgather_bucket_size' = ", z.allgather_bucket_size,
+                     " must be at least 1 (elements per all-gather)"));
+  }
+  if (z.hybrid_shard_size < 0) {
+    fail(source, str("'zero_optimization.hybrid_shard_size' = ", z.hybrid_shard_size,
+                     " must be >= 0 (0 shards over every data-parallel rank)"));
+  }
+  if (z.hybrid_shard_size > 0 && z.stage == 0) {
+    fail(source, str("'zero_optimization.hybrid_shard_size' = ", z.hybrid_shard_size,
+                     " shards within groups, but stage 0 shards nothing: set zero_optimization.stage "
+                     "to 1, 2 or 3, or leave hybrid_shard_size out"));
   }
   if (z.stage3_prefetch_bucket_size < 0) {
     fail(source, str("'zero_optimization.stage3_prefetch_bucket_size' = ", z.stage3_prefetch_bucket_size,

@@ -334,6 +334,26 @@ TEST(ConfigHardening, NulBytesAreAnError) {
   EXPECT_THAT(config_error([&] { parse(text); }), HasSubstr("a NUL byte at line 2 (byte 26)"));
 }
 
+// DeepSpeed's stage 1 and 2 keys, and hybrid sharding.
+TEST(Config, ReadsZeroStage12AndHybridKeys) {
+  Config c = parse(R"({"zero_optimization": {"stage": 2, "reduce_scatter": false, "overlap_comm": true,
+    "contiguous_gradients": false, "reduce_bucket_size": 2e5, "allgather_bucket_size": 3e5,
+    "allgather_partitions": false, "hybrid_shard_size": 4}})");
+  const auto& z = c.zero_optimization;
+  EXPECT_EQ(z.stage, 2);
+  EXPECT_FALSE(z.reduce_scatter);
+  EXPECT_TRUE(z.overlap_comm);
+  EXPECT_FALSE(z.contiguous_gradients);
+  EXPECT_EQ(z.reduce_bucket_size, 200000);
+  EXPECT_EQ(z.allgather_bucket_size, 300000);
+  EXPECT_FALSE(z.allgather_partitions);
+  EXPECT_EQ(z.hybrid_shard_size, 4);
+  const Config d = parse("{}");
+  EXPECT_TRUE(d.zero_optimization.reduce_scatter);
+  EXPECT_TRUE(d.zero_optimization.allgather_partitions);
+  EXPECT_EQ(d.zero_optimization.hybrid_shard_size, 0);
+}
+
 TEST(ConfigHardening, RangesOfOptimizerSchedulerAndZeroKeys) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"scheduler.type=WarmupLR", ""},  // valid alone
@@ -347,6 +367,11 @@ TEST(ConfigHardening, RangesOfOptimizerSchedulerAndZeroKeys) {
       {"zero_optimization.stage3_prefetch_bucket_size=-1", "must be >= 0 (0 turns prefetching off)"},
       {"zero_optimization.stage3_param_persistence_threshold=-5",
        "'zero_optimization.stage3_param_persistence_threshold' = -5 must be >= 0"},
+      {"zero_optimization.allgather_bucket_size=0", "'zero_optimization.allgather_bucket_size' = 0 must be at least 1"},
+      {"zero_optimization.hybrid_shard_size=-2", "'zero_optimization.hybrid_shard_size' = -2 must be >= 0"},
+      {"zero_optimization.hybrid_shard_size=2",
+       "shards within groups, but stage 0 shards nothing: set zero_optimization.stage to 1, 2 or 3"},
+      {"zero_optimization.reduce_scatter=1", "'zero_optimization.reduce_scatter'"},
   };
   for (const auto& [set, want] : cases) {
     if (want.empty()) {

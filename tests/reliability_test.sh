@@ -151,10 +151,9 @@ expect "number_checkpoints below the region count is an error" \
 
 # --- E. Errors that say what is wrong -----------------------------------------
 
-# Settings that shape the saved state are named when they differ.
-# (The embedded default config uses stage 3.)
-expect "resuming under another ZeRO stage names it" \
-  "was made with zero_optimization.stage = 3 but this run has 0" \
+# Settings that shape the saved state are named when they differ; the ZeRO
+# stage is not one of them (the embedded default config uses stage 3).
+ok "resuming under another ZeRO stage re-slices the save" "loss: first" \
   "$run" -np 2 -- "$train" "${small[@]}" --steps 8 --resume "$tmp/saves" --set zero_optimization.stage=0
 expect "resuming with another optimizer names it" "was made with optimizer.type = AdamW but this run has Adam" \
   "$run" -np 2 -- "$train" "${small[@]}" --steps 8 --resume "$tmp/saves" --set optimizer.type=Adam

@@ -291,8 +291,8 @@ expect "heads not divisible across tensor-parallel ranks" \
   --set model.n_head=2
 expect "bf16 without stage 3" "it needs zero_optimization.stage 3" \
   "$train" --config "$configs_dir/default.json" --set zero_optimization.stage=0 --set bf16.enabled=true
-expect "an unimplemented zero stage" "use 0 (data parallel, all-reduce) or 3" \
-  "$train" --config "$configs_dir/zero3.json" --set zero_optimization.stage=2
+expect "a zero stage that does not exist" "'zero_optimization.stage' = 4 must be 0, 1, 2 or 3" \
+  "$train" --config "$configs_dir/zero3.json" --set zero_optimization.stage=4
 expect "contiguous buffers without number_checkpoints" \
   "'activation_checkpointing.number_checkpoints' is not set" \
   "$train" --config "$configs_dir/tp2_partitioned.json" \
@@ -303,8 +303,9 @@ expect "unknown config key" "unknown key 'model.n_layr'; did you mean 'model.n_l
   "$train" --config "$configs_dir/default.json" --set model.n_layr=3
 expect "missing data file" "cannot read data.path '$tmp/no-corpus.txt'" \
   "$train" --config "$configs_dir/default.json" --set data.path="$tmp/no-corpus.txt"
-expect "resume with another world size" "was made by 2 ranks but this run has 1" \
-  "$train" --config "$configs_dir/default.json" "${small[@]}" --resume "$save"
+expect "resume with another tensor-parallel size" "was made with tensor_parallel.size = 1 but this run has 2" \
+  "$run" -np 2 -- "$train" --config "$configs_dir/default.json" "${small[@]}" --resume "$save" \
+  --set tensor_parallel.size=2
 expect "resume with another model shape" "holds a model with vocab=" \
   "$run" -np 2 -- "$train" --config "$configs_dir/default.json" "${small[@]}" \
   --set model.n_layer=3 --resume "$save"

@@ -21,7 +21,7 @@ suite=trixie
 ready="$root/.remat-ready"
 packages=(g++ cmake ninja-build bazel-bootstrap bazel-platforms libtorch-dev libopenmpi-dev
           openmpi-bin libspdlog-dev nlohmann-json3-dev libgtest-dev libgmock-dev libcli11-dev
-          zlib1g-dev procps python3 ca-certificates git)
+          zlib1g-dev procps python3 python3-torch ca-certificates git)
 
 say() { echo "debian13: $*" >&2; }
 fail() {
@@ -69,7 +69,8 @@ remove_root() {
 }
 
 prepare() {
-  [[ -f "$ready" ]] && return 0
+  # Ready, with this package list installed (a longer list installs what is new).
+  [[ -f "$ready" && "$(cat "$ready")" == "${packages[*]}" ]] && return 0
   local start=$SECONDS
   if ! command -v debootstrap >/dev/null; then
     say "installing debootstrap"
@@ -92,7 +93,7 @@ prepare() {
   enter /bin/sh -c "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
       --no-install-recommends ${packages[*]}" >"$root.install.log" 2>&1 ||
     { tail -20 "$root.install.log" >&2; return 1; }
-  touch "$ready"
+  echo "${packages[*]}" >"$ready"
   say "chroot ready in $((SECONDS - start)) s"
 }
 

@@ -20,6 +20,7 @@ packages=(
   zlib1g-dev         # CRC-32 of saved training state
   procps             # pgrep in the whole-job tests
   python3            # edits saved files in the whole-job tests
+  python3-torch      # reads remat-train --export files with torch.load in the whole-job tests
 )
 
 missing=()

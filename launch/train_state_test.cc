@@ -1,0 +1,331 @@
+// Saves resumed at another data-parallel size and ZeRO stage, and the
+// one-file export, under mpirun at 4 ranks: groups of 1 to 4 ranks (split from
+// the world) save and load, so that one job covers N != M both ways.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/optim/adamw.h>
+#include <torch/serialize.h>
+
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "launch/export.h"
+#include "launch/optim.h"
+#include "launch/train_state.h"
+#include "models/gpt.h"
+#include "parallel/layers.h"
+#include "parallel/zero.h"
+#include "runtime/communicator.h"
+#include "runtime/config.h"
+#include "runtime/error.h"
+#include "runtime/layout.h"
+#include "tests/error_of.h"
+#include "tests/parallel_setup.h"
+
+namespace remat {
+namespace {
+
+namespace fs = std::filesystem;
+using remat::testing::world;
+
+// A shared folder for this job (rank 0 names it).
+std::string job_dir(const std::string& name) {
+  at::Tensor stamp = at::full({1}, static_cast<int64_t>(::getpid()), at::kLong);
+  world()->broadcast(stamp, {0})->wait();
+  const std::string dir = (fs::temp_directory_path() / str("remat_train_state_", stamp.item<int64_t>(), "_", name)).string();
+  if (world()->rank() == 0) fs::create_directories(dir);
+  world()->barrier()->wait();
+  return dir;
+}
+
+// The first `n` ranks of the world as one group (null elsewhere).
+std::shared_ptr<Communicator> first(int n) {
+  return world()->split(world()->rank() < n ? 0 : -1, world()->rank());
+}
+
+struct Trainer {
+  std::shared_ptr<Communicator> group;
+  std::shared_ptr<ParallelLayout> layout;
+  models::Gpt model{nullptr};
+  std::unique_ptr<parallel::ZeroModel> zero;
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+  int64_t steps = 0;
+
+  Trainer(std::shared_ptr<Communicator> g, int stage, int hybrid = 0) : group(std::move(g)) {
+    layout = std::make_shared<ParallelLayout>(group, ParallelDims::from_world(group->size(), 1));
+    at::manual_seed(5);
+    model = models::Gpt(remat::testing::small_gpt(31, 2, /*dropout=*/0.0));
+    std::vector<std::shared_ptr<torch::nn::Module>> units;
+    for (const auto& b : *model->blocks) units.push_back(b);
+    ZeroConfig zc;
+    zc.stage = stage;
+    zc.hybrid_shard_size = hybrid;
+    zc.stage3_param_persistence_threshold = 40;  // some whole parameters too
+    zc.reduce_bucket_size = 700;                 // several buckets at stages 1 and 2
+    zero = std::make_unique<parallel::ZeroModel>(*model, units, layout->dp_group(), zc, Bf16Config{});
+    optimizer = std::make_unique<torch::optim::AdamW>(zero->parameters(),
+                                                      torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  }
+
+  double step() {
+    at::Tensor idx = at::arange(2 * 10, at::kLong).view({2, 10}).mul(layout->dp_rank() + 1).add(steps * 3).remainder(31);
+    optimizer->zero_grad();
+    zero->begin_forward();
+    at::Tensor loss = zero->finish_forward(model->loss(idx, idx.roll(-1, 1)));
+    loss.backward();
+    zero->finish_backward();
+    optimizer->step();
+    ++steps;
+    return loss.item<double>();
+  }
+
+  TrainShards shards() const {
+    TrainShards s;
+    s.tensors = zero->parameters();
+    s.layout = zero->layout();
+    s.dp_rank = layout->dp_rank();
+    s.dp_size = layout->dims().dp;
+    return s;
+  }
+
+  SaveIdentity identity() const {
+    SaveIdentity id;
+    id.model_signature = model->options().to_string();
+    id.run_id = "test-run";
+    id.settings = {{"optimizer.type", "AdamW"}};
+    return id;
+  }
+
+  // Each parameter's optimizer field (or value: "") whole, by name: every
+  // rank contributes the elements its tensors hold; the lowest rank holding
+  // an element provides it.
+  std::map<std::string, at::Tensor> consolidated(const std::string& field) const {
+    std::map<std::string, at::Tensor> full, held;
+    for (const auto& item : model->named_parameters()) {
+      full[item.key()] = at::zeros({item.value().numel()}, at::kFloat);
+      held[item.key()] = at::zeros({item.value().numel()}, at::kFloat);
+    }
+    const auto params = zero->parameters();
+    const auto lay = zero->layout();
+    for (size_t i = 0; i < params.size(); ++i) {
+      at::Tensor values = field.empty() ? params[i].detach() : optimizer_state_of(*optimizer, params[i]).at(field);
+      values = values.reshape({-1});
+      for (const auto& s : lay[i].segments) {
+        full[s.name].narrow(0, s.param_offset, s.length).copy_(values.narrow(0, s.shard_offset, s.length));
+        held[s.name].narrow(0, s.param_offset, s.length).fill_(1);
+      }
+    }
+    const int n = group->size();
+    for (auto& [name, t] : full) {
+      at::Tensor all = at::empty({n * t.numel()}, at::kFloat), masks = at::empty({n * t.numel()}, at::kFloat);
+      group->allGather(all, t)->wait();
+      group->allGather(masks, held[name])->wait();
+      at::Tensor out = at::zeros_like(t), done = at::zeros_like(t, at::kBool);
+      for (int r = 0; r < n; ++r) {
+        at::Tensor mine = masks.narrow(0, r * t.numel(), t.numel()).gt(0).logical_and(done.logical_not());
+        out = at::where(mine, all.narrow(0, r * t.numel(), t.numel()), out);
+        done = done.logical_or(mine);
+      }
+      EXPECT_TRUE(done.all().item<bool>()) << name << " is not held by any rank";
+      t = out;
+    }
+    return full;
+  }
+};
+
+void expect_bitwise(const std::map<std::string, at::Tensor>& a, const std::map<std::string, at::Tensor>& b,
+                    const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (const auto& [name, t] : a) {
+    ASSERT_TRUE(b.count(name)) << what << ": " << name;
+    EXPECT_TRUE(at::equal(t, b.at(name))) << what << ": " << name;
+  }
+}
+
+struct Case {
+  int save_ranks, save_stage, save_hybrid, load_ranks, load_stage, load_hybrid;
+};
+
+// Saved at one size and stage, loaded at another: every parameter and every
+// optimizer moment equals the saved one, and training goes on.
+TEST(TrainState, ResumesAtAnotherDataParallelSizeAndStage) {
+  if (world()->size() != 4) GTEST_SKIP() << "needs 4 ranks (runs in the 4-rank variant)";
+  const std::vector<Case> cases = {
+      {2, 3, 0, 3, 1, 0}, {2, 3, 0, 4, 2, 0}, {4, 2, 0, 2, 3, 0}, {3, 1, 0, 1, 0, 0},
+      {4, 3, 2, 3, 2, 0}, {1, 0, 0, 4, 1, 2}, {2, 2, 0, 2, 2, 0},
+  };
+  for (const auto& c : cases) {
+    const std::string what = str("dp ", c.save_ranks, " stage ", c.save_stage, " hybrid ", c.save_hybrid, " -> dp ",
+                                 c.load_ranks, " stage ", c.load_stage, " hybrid ", c.load_hybrid);
+    const std::string dir = job_dir(str(c.save_ranks, c.save_stage, c.save_hybrid, c.load_ranks, c.load_stage));
+    std::map<std::string, at::Tensor> values, exp_avg, exp_avg_sq;
+    at::Tensor saved = at::zeros({3}, at::kDouble);  // consolidated, broadcast to every rank as a file
+    auto group = first(c.save_ranks);
+    if (group) {
+      Trainer t(group, c.save_stage, c.save_hybrid);
+      for (int i = 0; i < 3; ++i) t.step();
+      save_train_state(dir, {3, 7}, t.shards(), *t.optimizer, t.identity(), *group);
+      values = t.consolidated("");
+      exp_avg = t.consolidated("exp_avg");
+      exp_avg_sq = t.consolidated("exp_avg_sq");
+      if (group->rank() == 0) {
+        std::vector<std::pair<std::string, at::Tensor>> all;
+        for (const auto& [k, v] : values) all.emplace_back("value/" + k, v);
+        for (const auto& [k, v] : exp_avg) all.emplace_back("exp_avg/" + k, v);
+        for (const auto& [k, v] : exp_avg_sq) all.emplace_back("exp_avg_sq/" + k, v);
+        write_model_file(dir + "/expected.pt", all);
+      }
+    }
+    world()->barrier()->wait();
+    std::ifstream in(dir + "/expected.pt", std::ios::binary);
+    std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    auto dict = torch::pickle_load(bytes).toGenericDict();
+    std::map<std::string, at::Tensor> want_values, want_avg, want_avg_sq;
+    for (const auto& item : dict) {
+      const std::string key = item.key().toStringRef();
+      const auto slash = key.find('/');
+      auto& into = key.substr(0, slash) == "value" ? want_values : key.substr(0, slash) == "exp_avg" ? want_avg : want_avg_sq;
+      into[key.substr(slash + 1)] = item.value().toTensor();
+    }
+    auto load_group = first(c.load_ranks);
+    if (load_group) {
+      Trainer t(load_group, c.load_stage, c.load_hybrid);
+      const TrainPosition p = load_train_state(dir, t.shards(), *t.optimizer, t.identity(), *load_group);
+      EXPECT_EQ(p.step, 3) << what;
+      EXPECT_EQ(p.window, 7) << what;
+      expect_bitwise(t.consolidated(""), want_values, what + " parameters");
+      expect_bitwise(t.consolidated("exp_avg"), want_avg, what + " exp_avg");
+      expect_bitwise(t.consolidated("exp_avg_sq"), want_avg_sq, what + " exp_avg_sq");
+      for (const auto& p : t.zero->parameters()) {
+        EXPECT_EQ(optimizer_state_of(*t.optimizer, p).at("step").item<int64_t>(), 3) << what;
+      }
+      // The model's own parameters are the loaded ones once gathered.
+      std::map<std::string, at::Tensor> full;
+      for (const auto& [k, v] : t.zero->full_parameters()) full[k] = v.reshape({-1});
+      expect_bitwise(full, want_values, what + " full_parameters()");
+      const double loss = t.step();
+      EXPECT_TRUE(std::isfinite(loss)) << what;
+    }
+    world()->barrier()->wait();
+    if (world()->rank() == 0) fs::remove_all(dir);
+  }
+}
+
+// Unchanged size and stage: the run continues bitwise.
+TEST(TrainState, SameLayoutContinuesBitwise) {
+  const int n = world()->size();
+  for (int stage : {0, 1, 2, 3}) {
+    const std::string dir = job_dir(str("same", stage));
+    std::vector<double> whole, resumed;
+    {
+      Trainer t(world(), stage);
+      for (int i = 0; i < 2; ++i) t.step();
+      save_train_state(dir, {2, 0}, t.shards(), *t.optimizer, t.identity(), *world());
+      for (int i = 0; i < 3; ++i) whole.push_back(t.step());
+    }
+    {
+      Trainer t(world(), stage);
+      load_train_state(dir, t.shards(), *t.optimizer, t.identity(), *world());
+      t.steps = 2;
+      for (int i = 0; i < 3; ++i) resumed.push_back(t.step());
+    }
+    EXPECT_EQ(whole, resumed) << "stage " << stage << " at " << n << " ranks";
+    world()->barrier()->wait();
+    if (world()->rank() == 0) fs::remove_all(dir);
+  }
+}
+
+// The export holds every parameter whole under its state-dict name, bitwise
+// equal to the gathered parameters, and reads back with torch::pickle_load.
+TEST(Export, PickleLoadReadsTheGatheredParameters) {
+  for (int stage : {0, 1, 2, 3}) {
+    const std::string dir = job_dir(str("export", stage));
+    Trainer t(world(), stage);
+    for (int i = 0; i < 2; ++i) t.step();
+    const std::string path = dir + "/model.pt";
+    const int64_t bytes = export_model(path, *t.zero, *t.model, *world());
+    EXPECT_EQ(bytes > 0, world()->rank() == 0);
+    const auto gathered = t.zero->full_parameters();
+    std::ifstream in(path, std::ios::binary);
+    std::vector<char> data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    auto dict = torch::pickle_load(data).toGenericDict();
+    EXPECT_EQ(static_cast<size_t>(dict.size()), gathered.size());
+    for (const auto& [name, value] : gathered) {
+      ASSERT_TRUE(dict.contains(name)) << name;
+      at::Tensor loaded = dict.at(name).toTensor();
+      EXPECT_EQ(loaded.sizes(), t.model->named_parameters()[name].sizes()) << name;
+      EXPECT_TRUE(at::equal(loaded, value)) << "stage " << stage << ": " << name;
+    }
+    if (stage == 0) {  // whole on every rank already
+      for (const auto& item : t.model->named_parameters()) {
+        EXPECT_TRUE(at::equal(dict.at(item.key()).toTensor(), item.value().detach())) << item.key();
+      }
+    }
+    world()->barrier()->wait();
+    if (world()->rank() == 0) fs::remove_all(dir);
+  }
+}
+
+// With tensor parallelism the export holds the full (unsplit) weights: the
+// same names and shapes as a tensor-parallel size 1 model's.
+TEST(Export, TensorParallelShardsAreGatheredWhole) {
+  if (world()->size() % 2 != 0) GTEST_SKIP() << "needs an even world";
+  const auto& l = remat::testing::layout(2);
+  at::manual_seed(5);
+  models::Gpt model(remat::testing::small_gpt(31, 2, 0.0, 2));
+  at::manual_seed(5);
+  models::Gpt plain(remat::testing::small_gpt(31, 2, 0.0, 1));
+  std::vector<std::shared_ptr<torch::nn::Module>> units;
+  for (const auto& b : *model->blocks) units.push_back(b);
+  ZeroConfig zc;
+  zc.stage = 2;
+  parallel::ZeroModel zero(*model, units, l.dp_group(), zc, Bf16Config{}, parallel::sharded_parameters(*model));
+  const auto params = consolidated_parameters(zero, *model);
+  ASSERT_EQ(params.size(), plain->named_parameters().size());
+  for (const auto& [name, value] : params) {
+    EXPECT_EQ(value.sizes(), plain->named_parameters()[name].sizes()) << name;
+  }
+  // Each rank's share is where its layer keeps it.
+  for (const auto& item : model->named_modules()) {
+    if (auto* tp = dynamic_cast<parallel::TensorParallelModule*>(item.value().get())) {
+      const std::string name = item.key() + ".weight";
+      for (const auto& [n, v] : params) {
+        if (n == name) EXPECT_TRUE(at::equal(v, tp->gather_full_weight())) << name;
+      }
+    }
+  }
+}
+
+TEST(TrainState, DamagedOrForeignSavesAreClearErrors) {
+  const std::string dir = job_dir("damaged");
+  {
+    Trainer t(world(), 2);
+    t.step();
+    save_train_state(dir, {1, 0}, t.shards(), *t.optimizer, t.identity(), *world());
+  }
+  // Another tensor-parallel size is refused, naming the key.
+  {
+    Trainer t(world(), 1);
+    TrainShards s = t.shards();
+    s.tp_size = 2;
+    const std::string e = remat::testing::error_of<ConfigError>([&] { load_train_state(dir, s, *t.optimizer, t.identity(), *world()); });
+    EXPECT_NE(e.find("tensor_parallel.size 1 but this run has 2"), std::string::npos) << e;
+  }
+  // Another model: elements it lacks are named.
+  {
+    Trainer t(world(), 1);
+    TrainShards s = t.shards();
+    s.layout[0].segments[0].name = "no.such.parameter";
+    const std::string e = remat::testing::error_of<ConfigError>([&] { load_train_state(dir, s, *t.optimizer, t.identity(), *world()); });
+    EXPECT_NE(e.find("holds no values for elements"), std::string::npos) << e;
+    EXPECT_NE(e.find("no.such.parameter"), std::string::npos) << e;
+  }
+  world()->barrier()->wait();
+  if (world()->rank() == 0) fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace remat

@@ -1,0 +1,408 @@
+// ZeRO stages 1 and 2 (see zero.h): whole parameters on every rank, laid out
+// in gradient buckets; each rank's optimizer steps its 1/N of every bucket.
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/nn/module.h>
+
+#include <deque>
+#include <unordered_set>
+
+#include "parallel/sharding_strategy.h"
+#include "runtime/communicator.h"
+#include "runtime/error.h"
+#include "runtime/logging.h"
+
+namespace remat::parallel {
+namespace {
+
+// Parameters whose gradients arrive together, in one flat buffer padded to a
+// multiple of the shard group's size; rank r owns [r * chunk, (r + 1) * chunk).
+struct Bucket {
+  bool tp_sharded = false;
+  std::vector<at::Tensor> params;
+  std::vector<int64_t> offsets;
+  std::vector<char> arrived;  // gradient of params[k] arrived in this backward
+  size_t arrivals = 0;
+  int64_t numel = 0, padded = 0, chunk = 0;
+  at::Tensor flat;   // [padded]: the parameters are views of it
+  at::Tensor shard;  // a leaf sharing flat's [r * chunk, +chunk): the optimizer's parameter
+  int64_t shard_version = 0;  // shard._version() when flat was last made whole
+  at::Tensor grad;   // [padded] gradients collected for the reduce (contiguous_gradients)
+  at::Tensor input, output;  // of the reduction in flight
+  std::shared_ptr<Work> pending;
+  bool launched = false;  // reduced (or in flight) since the last finish_backward
+};
+
+class Stage12;
+
+// Where a gradient hook finds its strategy; cleared when the strategy goes,
+// so that a graph outliving it does nothing.
+struct HookTarget {
+  Stage12* owner = nullptr;
+};
+
+class Stage12 final : public ShardingStrategy {
+ public:
+  static constexpr size_t kMaxInFlight = 2;
+
+  Stage12(torch::nn::Module& model, const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp,
+          const Stage12Settings& settings);
+  ~Stage12() override;
+
+  std::vector<at::Tensor> parameters() const override;
+  torch::nn::Module& state() override { return *state_; }
+  std::vector<ShardLayout> layout() const override;
+  std::map<std::string, at::Tensor> full_parameters() override;
+  void begin_forward() override { sync_parameters(); }
+  at::Tensor finish_forward(const at::Tensor& loss) override;
+  void finish_backward(bool synchronize) override;
+  std::vector<GradGroup> grad_groups(const std::vector<at::Tensor>& sharded_tp,
+                                     const std::shared_ptr<Communicator>& tp) const override;
+  ZeroStats stats() const override;
+  void reset_peak() override { peak_grad_bytes_ = grad_bytes_now(); }
+
+  // A parameter's gradient was accumulated (AccumulateGrad's post hook).
+  void on_gradient(size_t bucket, size_t index);
+
+ private:
+  bool stale() const;
+  void sync_parameters();
+  void launch(size_t b);
+  void complete(size_t b);
+  int64_t grad_bytes_now() const;
+  void track_grad_bytes() { peak_grad_bytes_ = std::max(peak_grad_bytes_, grad_bytes_now()); }
+
+  torch::nn::Module& model_;
+  DpGroups groups_;
+  Stage12Settings settings_;
+  std::map<const void*, std::string> names_;
+  std::vector<Bucket> buckets_;  // in the order their gradients are expected
+  size_t next_launch_ = 0;       // buckets reduce in order, the same on every rank
+  std::deque<size_t> in_flight_;  // launched, not yet completed (overlap_comm)
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::shared_ptr<HookTarget> target_;
+  std::shared_ptr<torch::nn::Module> state_;
+  int64_t peak_grad_bytes_ = 0;
+  int64_t allgather_bytes_ = 0, reducescatter_bytes_ = 0, allreduce_bytes_ = 0;
+};
+
+class GradientArrived final : public torch::autograd::FunctionPostHook {
+ public:
+  GradientArrived(std::shared_ptr<HookTarget> target, size_t bucket, size_t index)
+      : target_(std::move(target)), bucket_(bucket), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    if (target_->owner != nullptr) target_->owner->on_gradient(bucket_, index_);
+    return outputs;
+  }
+
+ private:
+  std::shared_ptr<HookTarget> target_;
+  size_t bucket_, index_;
+};
+
+Stage12::Stage12(torch::nn::Module& model, const DpGroups& groups,
+                 const std::vector<at::Tensor>& sharded_tp, const Stage12Settings& settings)
+    : model_(model), groups_(groups), settings_(settings), names_(parameter_names(model)),
+      target_(std::make_shared<HookTarget>()) {
+  const int n = groups_.shard->size(), r = groups_.shard->rank();
+  std::unordered_set<const void*> tp_sharded;
+  for (const auto& p : sharded_tp) tp_sharded.insert(p.unsafeGetTensorImpl());
+  // Reverse registration order is the order backward produces gradients in
+  // (the head first, the embeddings last); each kind (tensor-parallel
+  // sharded or replicated) fills its own buckets, as their norms sum over
+  // different groups.
+  std::vector<at::Tensor> params = model.parameters();
+  std::reverse(params.begin(), params.end());
+  int open[2] = {-1, -1};
+  for (const auto& p : params) {
+    REMAT_CHECK(p.scalar_type() == at::kFloat, "ZeroModel: parameters must be float32 (",
+                names_.at(p.unsafeGetTensorImpl()), " is ", c10::toString(p.scalar_type()), ")");
+    const int kind = tp_sharded.count(p.unsafeGetTensorImpl()) ? 1 : 0;
+    if (open[kind] < 0 || buckets_[open[kind]].numel + p.numel() > settings_.reduce_bucket_size) {
+      open[kind] = static_cast<int>(buckets_.size());
+      buckets_.emplace_back();
+      buckets_.back().tp_sharded = kind == 1;
+    }
+    Bucket& b = buckets_[open[kind]];
+    b.params.push_back(p);
+    b.offsets.push_back(b.numel);
+    b.numel += p.numel();
+  }
+  state_ = std::make_shared<torch::nn::Module>("ZeroState");
+  torch::NoGradGuard no_grad;
+  int64_t total = 0;
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    Bucket& b = buckets_[i];
+    b.padded = std::max<int64_t>((b.numel + n - 1) / n * n, n);
+    b.chunk = b.padded / n;
+    b.arrived.assign(b.params.size(), 0);
+    b.flat = at::zeros({b.padded}, b.params[0].options().requires_grad(false));
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      auto& p = b.params[k];
+      b.flat.narrow(0, b.offsets[k], p.numel()).copy_(p.detach().reshape({-1}));
+      p.set_data(b.flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes()));
+    }
+    b.shard = b.flat.narrow(0, r * b.chunk, b.chunk).detach().requires_grad_(true);
+    b.shard_version = b.shard._version();
+    state_->register_parameter(str("bucket_", i), b.shard);
+    total += b.numel;
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      auto accumulator = torch::autograd::impl::grad_accumulator(b.params[k]);
+      accumulator->add_post_hook(std::make_unique<GradientArrived>(target_, i, k));
+      accumulators_.push_back(std::move(accumulator));
+    }
+  }
+  target_->owner = this;
+  log_rank0().info("zero stage {}: {} parameter elements in {} gradient buckets (reduce_bucket_size {}), "
+                   "optimizer state{} sharded over {} data-parallel ranks{}",
+                   settings_.stage, total, buckets_.size(), settings_.reduce_bucket_size,
+                   settings_.stage == 2 ? " and gradients" : "", n,
+                   settings_.stage == 2 && settings_.overlap_comm ? "; reductions overlap the backward" : "");
+}
+
+Stage12::~Stage12() {
+  target_->owner = nullptr;
+  for (auto& b : buckets_) {
+    try {
+      if (b.pending) b.pending->wait();
+    } catch (...) {
+    }
+  }
+}
+
+std::vector<at::Tensor> Stage12::parameters() const {
+  std::vector<at::Tensor> out;
+  for (const auto& b : buckets_) out.push_back(b.shard);
+  return out;
+}
+
+std::vector<ShardLayout> Stage12::layout() const {
+  std::vector<ShardLayout> out;
+  const int64_t r = groups_.shard->rank();
+  for (const auto& b : buckets_) out.push_back(flat_layout(b.params, b.offsets, names_, r * b.chunk, b.chunk));
+  return out;
+}
+
+std::map<std::string, at::Tensor> Stage12::full_parameters() {
+  sync_parameters();
+  std::map<std::string, at::Tensor> out;
+  for (const auto& b : buckets_) {
+    for (const auto& p : b.params) out[names_.at(p.unsafeGetTensorImpl())] = p.detach().clone();
+  }
+  return out;
+}
+
+bool Stage12::stale() const {
+  for (const auto& b : buckets_) {
+    if (b.shard._version() != b.shard_version) return true;
+  }
+  return false;
+}
+
+// Every rank stepped its shards: the buckets are made whole again, by one
+// all-gather per piece of at most allgather_bucket_size elements (or one
+// broadcast per rank's shard).
+void Stage12::sync_parameters() {
+  if (!stale()) return;
+  Communicator& group = *groups_.shard;
+  const int n = group.size();
+  torch::NoGradGuard no_grad;
+  if (n > 1) {
+    struct InFlight {
+      std::shared_ptr<Work> work;
+      at::Tensor input, output, target;  // target: where output goes, when not in place
+    };
+    std::vector<InFlight> flights;
+    for (auto& b : buckets_) {
+      if (!settings_.allgather_partitions) {
+        for (int q = 0; q < n; ++q) {
+          at::Tensor part = b.flat.narrow(0, q * b.chunk, b.chunk);
+          flights.push_back({group.broadcast(part, {q}), part, at::Tensor(), at::Tensor()});
+        }
+        allgather_bytes_ += static_cast<int64_t>(b.flat.nbytes());
+        continue;
+      }
+      const int64_t piece = std::max<int64_t>(settings_.allgather_bucket_size / n, 1);
+      if (piece >= b.chunk) {
+        at::Tensor input = b.shard.detach().clone();
+        flights.push_back({group.allGather(b.flat, input), input, at::Tensor(), at::Tensor()});
+      } else {
+        at::Tensor by_rank = b.flat.view({n, b.chunk});
+        for (int64_t o = 0; o < b.chunk; o += piece) {
+          const int64_t len = std::min(piece, b.chunk - o);
+          at::Tensor input = b.shard.detach().narrow(0, o, len).clone();
+          at::Tensor output = at::empty({n * len}, b.flat.options());
+          flights.push_back({group.allGather(output, input), input, output, by_rank.narrow(1, o, len)});
+        }
+      }
+      allgather_bytes_ += static_cast<int64_t>(b.flat.nbytes());
+    }
+    for (auto& f : flights) {
+      f.work->wait();
+      if (f.target.defined()) f.target.copy_(f.output.view(f.target.sizes()));
+    }
+  }
+  for (auto& b : buckets_) b.shard_version = b.shard._version();
+}
+
+at::Tensor Stage12::finish_forward(const at::Tensor& loss) {
+  if (stale()) {
+    throw Error(str("zero stage ", settings_.stage, ": the optimizer changed the parameter shards since the "
+                    "parameters were last gathered, so this forward used stale weights; call "
+                    "begin_forward() before each forward"));
+  }
+  return loss;
+}
+
+void Stage12::on_gradient(size_t bi, size_t k) {
+  Bucket& b = buckets_[bi];
+  at::Tensor& p = b.params[k];
+  if (b.launched) {
+    throw Error(str("zero stage ", settings_.stage, ": a gradient of '", names_.at(p.unsafeGetTensorImpl()),
+                    "' arrived after its bucket was reduced in this backward (a parameter used by two "
+                    "separate backward passes of one micro-step); call finish_backward() between them"));
+  }
+  if (settings_.contiguous_gradients && p.grad().defined()) {
+    torch::NoGradGuard no_grad;
+    if (!b.grad.defined()) b.grad = at::zeros({b.padded}, b.flat.options());
+    b.grad.narrow(0, b.offsets[k], p.numel()).add_(p.grad().reshape({-1}));
+    track_grad_bytes();
+    p.mutable_grad() = at::Tensor();
+  }
+  if (!b.arrived[k]) {
+    b.arrived[k] = 1;
+    ++b.arrivals;
+  }
+  if (settings_.stage == 2) {
+    while (next_launch_ < buckets_.size() && buckets_[next_launch_].arrivals == buckets_[next_launch_].params.size()) {
+      launch(next_launch_++);
+    }
+  }
+}
+
+void Stage12::launch(size_t bi) {
+  Bucket& b = buckets_[bi];
+  Communicator& group = *groups_.shard;
+  torch::NoGradGuard no_grad;
+  at::Tensor flat = b.grad.defined() ? b.grad : at::zeros({b.padded}, b.flat.options());
+  b.grad = at::Tensor();
+  for (size_t k = 0; k < b.params.size(); ++k) {
+    auto& p = b.params[k];
+    if (p.grad().defined()) {
+      flat.narrow(0, b.offsets[k], p.numel()).add_(p.grad().reshape({-1}));
+      p.mutable_grad() = at::Tensor();
+    }
+  }
+  b.launched = true;
+  b.input = flat;
+  if (group.size() == 1) {
+    b.output = flat;
+  } else if (settings_.reduce_scatter) {
+    b.output = at::empty({b.chunk}, flat.options());
+    b.pending = group.reduceScatter(b.output, flat, {ReduceOp::kAvg});
+    reducescatter_bytes_ += static_cast<int64_t>(flat.nbytes());
+  } else {
+    b.output = flat.narrow(0, group.rank() * b.chunk, b.chunk);
+    b.pending = group.allReduce(b.input, {ReduceOp::kAvg});
+    allreduce_bytes_ += 2 * static_cast<int64_t>(flat.nbytes());
+  }
+  track_grad_bytes();
+  // Stage 1 reduces after the backward: nothing to overlap with, and each
+  // bucket's full gradients go as soon as its reduction is done. Stage 2 with
+  // overlap_comm keeps at most two reductions in flight, so that the buckets'
+  // full gradients do not all wait for the end of the backward.
+  if (!settings_.overlap_comm || settings_.stage == 1) {
+    complete(bi);
+    return;
+  }
+  in_flight_.push_back(bi);
+  while (!in_flight_.empty() && (in_flight_.size() > kMaxInFlight || !buckets_[in_flight_.front()].pending ||
+                                 buckets_[in_flight_.front()].pending->isCompleted())) {
+    complete(in_flight_.front());
+    in_flight_.pop_front();
+  }
+}
+
+void Stage12::complete(size_t bi) {
+  Bucket& b = buckets_[bi];
+  if (!b.input.defined()) return;
+  if (b.pending) {
+    b.pending->wait();
+    b.pending = nullptr;
+  }
+  torch::NoGradGuard no_grad;
+  at::Tensor g = b.output;  // this rank's [chunk] of the averaged bucket
+  if (groups_.replicate && groups_.replicate->size() > 1) {
+    g = g.contiguous();
+    groups_.replicate->allReduce(g, {ReduceOp::kAvg})->wait();
+    allreduce_bytes_ += 2 * static_cast<int64_t>(g.nbytes());
+  }
+  if (b.shard.grad().defined()) {
+    b.shard.mutable_grad().add_(g);
+  } else {
+    b.shard.mutable_grad() = g.is_alias_of(b.input) ? g.clone() : g;
+  }
+  b.input = b.output = at::Tensor();
+  track_grad_bytes();
+}
+
+void Stage12::finish_backward(bool synchronize) {
+  // Stage 2 reduces every micro-step (the shards' gradients accumulate),
+  // stage 1 only at the last one (the full gradients accumulate).
+  if (settings_.stage == 2 || synchronize) {
+    while (next_launch_ < buckets_.size()) launch(next_launch_++);
+    for (size_t b : in_flight_) complete(b);
+    in_flight_.clear();
+    next_launch_ = 0;
+    for (auto& b : buckets_) b.launched = false;
+  }
+  for (auto& b : buckets_) {
+    std::fill(b.arrived.begin(), b.arrived.end(), 0);
+    b.arrivals = 0;
+  }
+}
+
+std::vector<GradGroup> Stage12::grad_groups(const std::vector<at::Tensor>& /*sharded_tp*/,
+                                            const std::shared_ptr<Communicator>& tp) const {
+  std::vector<GradGroup> out{{{}, {groups_.shard, tp}}, {{}, {groups_.shard}}};
+  for (const auto& b : buckets_) out[b.tp_sharded ? 0 : 1].tensors.push_back(b.shard);
+  return out;
+}
+
+int64_t Stage12::grad_bytes_now() const {
+  int64_t bytes = 0;
+  for (const auto& b : buckets_) {
+    if (b.shard.grad().defined()) bytes += static_cast<int64_t>(b.shard.grad().nbytes());
+    if (b.grad.defined()) bytes += static_cast<int64_t>(b.grad.nbytes());
+    if (b.input.defined()) bytes += static_cast<int64_t>(b.input.nbytes());
+    if (b.output.defined() && !b.output.is_alias_of(b.input)) bytes += static_cast<int64_t>(b.output.nbytes());
+    for (const auto& p : b.params) {
+      if (p.grad().defined()) bytes += static_cast<int64_t>(p.grad().nbytes());
+    }
+  }
+  return bytes;
+}
+
+ZeroStats Stage12::stats() const {
+  ZeroStats s;
+  for (const auto& b : buckets_) s.param_bytes += static_cast<int64_t>(b.flat.nbytes());
+  s.grad_bytes = grad_bytes_now();
+  s.peak_grad_bytes = std::max(peak_grad_bytes_, s.grad_bytes);
+  s.allgather_bytes = allgather_bytes_;
+  s.reducescatter_bytes = reducescatter_bytes_;
+  s.allreduce_bytes = allreduce_bytes_;
+  return s;
+}
+
+}  // namespace
+
+std::unique_ptr<ShardingStrategy> make_stage12(torch::nn::Module& model, const DpGroups& groups,
+                                               const std::vector<at::Tensor>& sharded_tp,
+                                               const Stage12Settings& settings) {
+  return std::make_unique<Stage12>(model, groups, sharded_tp, settings);
+}
+
+}  // namespace remat::parallel
