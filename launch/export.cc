@@ -2,8 +2,10 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/export.h>
+#include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/nn/module.h>
-#include <torch/serialize.h>
 
 #include <cerrno>
 #include <cstring>
@@ -38,7 +40,25 @@ int64_t write_model_file(const std::string& path,
                          const std::vector<std::pair<std::string, at::Tensor>>& parameters) {
   c10::Dict<std::string, at::Tensor> dict;
   for (const auto& [name, value] : parameters) dict.insert(name, value.detach().contiguous());
-  const std::vector<char> bytes = torch::pickle_save(c10::IValue(dict));
+  // torch::pickle_save's format, without the type tag it adds to a typed
+  // dictionary (torch.jit._pickle.restore_type_tag): Python's torch.load with
+  // weights_only (the default from PyTorch 2.6 on) refuses that global, and a
+  // plain {str: tensor} needs no tag.
+  std::vector<char> pickled;
+  torch::jit::Pickler pickler([&](const char* data, size_t size) { pickled.insert(pickled.end(), data, data + size); },
+                              /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
+                              /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(c10::IValue(dict));
+  pickler.stop();
+  std::string bytes;
+  {
+    caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t size) {
+      bytes.append(static_cast<const char*>(data), size);
+      return size;
+    });
+    torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(), pickler.tensorData(), writer);
+  }  // the writer finishes the zip archive when it goes
   const std::string tmp = path + ".tmp";
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);

@@ -293,7 +293,9 @@ TEST(Export, TensorParallelShardsAreGatheredWhole) {
     if (auto* tp = dynamic_cast<parallel::TensorParallelModule*>(item.value().get())) {
       const std::string name = item.key() + ".weight";
       for (const auto& [n, v] : params) {
-        if (n == name) EXPECT_TRUE(at::equal(v, tp->gather_full_weight())) << name;
+        if (n == name) {
+          EXPECT_TRUE(at::equal(v, tp->gather_full_weight())) << name;
+        }
       }
     }
   }

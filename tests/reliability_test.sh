@@ -96,13 +96,7 @@ rm -rf "$tmp/saves"
 "$run" -np 2 -- "$train" "${small[@]}" --steps 4 --set train.save_interval=2 \
   --save-dir "$tmp/saves" >/dev/null 2>&1
 cp -r "$tmp/saves" "$tmp/flipped"
-python3 - "$tmp/flipped/step_00000004/rank_1.pt" <<'EOF'
-import sys
-path = sys.argv[1]
-data = bytearray(open(path, "rb").read())
-data[len(data) // 2] ^= 0x01
-open(path, "wb").write(bytes(data))
-EOF
+flip_bit "$tmp/flipped/step_00000004/rank_1.pt"
 expect "a flipped bit in a rank file is an error naming it" "step_00000004/rank_1.pt' is damaged" \
   "$run" -np 2 -- "$train" "${small[@]}" --steps 6 --resume "$tmp/flipped"
 

@@ -32,6 +32,20 @@ expect() {
   fi
 }
 
+# The loss column of a metrics file, exactly as printed (round-trip precision).
+losses() { sed -E 's/.*"loss":([^,}]*).*/\1/' "$1"; }
+
+# flip_bit FILE: flips one bit in the middle of FILE.
+flip_bit() {
+  /usr/bin/python3 - "$1" <<'EOF'
+import sys
+path = sys.argv[1]
+data = bytearray(open(path, "rb").read())
+data[len(data) // 2] ^= 0x01
+open(path, "wb").write(bytes(data))
+EOF
+}
+
 # Prints the line ./test.sh adds up and returns nonzero on any failure.
 summary() {
   echo "[remat-test] $passed passed, $failed failed"

@@ -13,8 +13,6 @@ tmp="${TEST_TMPDIR:-$(mktemp -d)}"
 export REMAT_COMM_TIMEOUT_S=60 REMAT_LOG_LEVEL=warn
 source "$(dirname "$0")/testlib.sh"
 
-# The loss column of a metrics file, exactly as printed (round-trip precision).
-losses() { sed -E 's/.*"loss":([^,}]*).*/\1/' "$1"; }
 # A small model so that 20-step runs take seconds.
 small=(--set model.n_layer=2 --set model.seq_len=32 --set model.d_model=32 --set model.d_ff=64
        --set train_micro_batch_size_per_gpu=4 --set train.eval_interval=0 --set train.sample_chars=0)
