@@ -51,6 +51,10 @@ int64_t write_model_file(const std::string& path,
   pickler.protocol();
   pickler.pushIValue(c10::IValue(dict));
   pickler.stop();
+  if (std::filesystem::is_directory(path)) {
+    throw ConfigError(str("--export '", path, "' is a directory: give a file path (e.g. ",
+                          (std::filesystem::path(path) / "model.pt").string(), ")"));
+  }
   std::string bytes;
   {
     caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t size) {
@@ -70,7 +74,13 @@ int64_t write_model_file(const std::string& path,
     out.flush();
     if (!out) throw Error(str("--export '", path, "': writing failed (disk full?)"));
   }
-  std::filesystem::rename(tmp, path);
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    std::filesystem::remove(tmp);
+    throw ConfigError(str("--export '", path, "': cannot put the file there (", ec.message(),
+                          "): give a file path in a writable folder"));
+  }
   return static_cast<int64_t>(bytes.size());
 }
 

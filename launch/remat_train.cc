@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -230,6 +231,10 @@ int train(int argc, char** argv) {
   if (!save_dir.empty()) save_lock = std::make_unique<SaveDirLock>(save_dir, run_id, *world);
   // The export is written after training: a path it cannot be written to stops the run now.
   if (!export_path.empty() && world->rank() == 0) {
+    if (std::filesystem::is_directory(export_path)) {
+      throw ConfigError(str("--export '", export_path, "' is a directory: give a file path (e.g. ",
+                            (std::filesystem::path(export_path) / "model.pt").string(), ")"));
+    }
     const std::string probe = export_path + ".tmp";
     std::ofstream out(probe, std::ios::binary | std::ios::trunc);
     if (!out) {

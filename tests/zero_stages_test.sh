@@ -129,6 +129,8 @@ EOF
 else
   fail "torch.load reads the export; every tensor equals the save's shards bitwise" "$out"
 fi
+expect "an --export path that is a directory stops the run before training" "--export '$tmp' is a directory" \
+  "$train" --config "$configs_dir/zero1.json" --steps 1 "${small[@]}" --export "$tmp"
 expect "an --export path that cannot be written stops the run before training" "--export '$tmp/no/such/dir/m.pt' cannot be written" \
   "$train" --config "$configs_dir/zero1.json" --steps 1 "${small[@]}" --export "$tmp/no/such/dir/m.pt"
 
