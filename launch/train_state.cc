@@ -325,8 +325,7 @@ nlohmann::json layout_json(const std::vector<parallel::ShardLayout>& layout) {
   return tensors;
 }
 
-const char* const kStateFields[] = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"};
-
+// Rank file keys: "t<i>" a tensor's values, "t<i>__<field>" its optimizer state.
 std::string tensor_key(size_t i) { return str("t", i); }
 std::string state_key(size_t i, const std::string& field) { return str("t", i, "__", field); }
 
@@ -334,6 +333,7 @@ std::string state_key(size_t i, const std::string& field) { return str("t", i, "
 struct RankFile {
   std::string path;
   torch::serialize::InputArchive archive, tensors;
+  std::map<std::string, std::vector<std::string>> fields;  // tensor key -> optimizer state fields saved
   int64_t window = 0;
 };
 
@@ -372,6 +372,10 @@ std::unique_ptr<RankFile> open_rank_file(const std::string& folder, const Manife
     }
     file->window = window.toInt();
     file->archive.read("tensors", file->tensors);
+    for (const std::string& key : file->tensors.keys()) {
+      const auto sep = key.find("__");
+      if (sep != std::string::npos) file->fields[key.substr(0, sep)].push_back(key.substr(sep + 2));
+    }
   } catch (const c10::Error& e) {
     throw ConfigError(str("resume: '", file->path, "' is intact but not a remat rank file this version reads (",
                           e.what_without_backtrace(), ")"));
@@ -573,10 +577,11 @@ TrainPosition load_train_state(const std::string& dir, const TrainShards& shards
                               " as the manifest describes it; the save was edited or damaged"));
       }
       target.narrow(0, c.target_offset, c.length).copy_(values.narrow(0, c.source_offset, c.length));
-      for (const char* field : kStateFields) {
+      const auto saved_fields = files.at(c.file)->fields.find(tensor_key(c.source));
+      if (saved_fields == files.at(c.file)->fields.end()) continue;
+      for (const std::string& field : saved_fields->second) {
         const at::Tensor& value = cached(c.file, state_key(c.source, field));
-        if (!value.defined()) continue;
-        if (std::string(field) == "step") {
+        if (field == "step") {
           steps[c.target].insert(value.item<int64_t>());
           continue;
         }

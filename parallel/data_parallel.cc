@@ -77,7 +77,6 @@ class DataParallel final : public ShardingStrategy {
       : model_(model), dp_(std::move(dp)), params_(model.parameters()), bucket_(bucket) {}
 
   std::vector<at::Tensor> parameters() const override { return params_; }
-  torch::nn::Module& state() override { return model_; }
 
   std::map<std::string, at::Tensor> full_parameters() override {
     std::map<std::string, at::Tensor> out;

@@ -38,9 +38,8 @@ class ShardingStrategy {
   // state-dict name (collective over the data-parallel group; between steps).
   virtual std::map<std::string, at::Tensor> full_parameters() = 0;
 
-  // What the optimizer steps, and the same tensors as a module for saving.
+  // What the optimizer steps.
   virtual std::vector<at::Tensor> parameters() const = 0;
-  virtual torch::nn::Module& state() = 0;
 
   virtual void begin_forward() {}
   virtual at::Tensor finish_forward(const at::Tensor& loss) { return loss; }

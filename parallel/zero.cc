@@ -89,7 +89,6 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
 ZeroModel::~ZeroModel() = default;
 
 std::vector<at::Tensor> ZeroModel::parameters() const { return strategy_->parameters(); }
-torch::nn::Module& ZeroModel::state() { return strategy_->state(); }
 std::vector<ShardLayout> ZeroModel::layout() const { return strategy_->layout(); }
 int ZeroModel::shard_size() const { return shard_group_->size(); }
 int ZeroModel::replicate_size() const { return replicate_group_ ? replicate_group_->size() : 1; }

@@ -127,8 +127,6 @@ class ZeroModel {
   // What the optimizer steps: the shards and the persistent parameters
   // (stage 0: the model's parameters).
   std::vector<at::Tensor> parameters() const;
-  // The same tensors as a module, for saving and loading training state.
-  torch::nn::Module& state();
 
   // For each of parameters(): the model parameter elements it holds.
   std::vector<ShardLayout> layout() const;

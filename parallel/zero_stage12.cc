@@ -52,7 +52,6 @@ class Stage12 final : public ShardingStrategy {
   ~Stage12() override;
 
   std::vector<at::Tensor> parameters() const override;
-  torch::nn::Module& state() override { return *state_; }
   std::vector<ShardLayout> layout() const override;
   std::map<std::string, at::Tensor> full_parameters() override;
   void begin_forward() override { sync_parameters(); }
@@ -83,7 +82,6 @@ class Stage12 final : public ShardingStrategy {
   std::deque<size_t> in_flight_;  // launched, not yet completed (overlap_comm)
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::shared_ptr<HookTarget> target_;
-  std::shared_ptr<torch::nn::Module> state_;
   int64_t peak_grad_bytes_ = 0;
   int64_t allgather_bytes_ = 0, reducescatter_bytes_ = 0, allreduce_bytes_ = 0;
 };
@@ -131,7 +129,6 @@ Stage12::Stage12(torch::nn::Module& model, const DpGroups& groups,
     b.offsets.push_back(b.numel);
     b.numel += p.numel();
   }
-  state_ = std::make_shared<torch::nn::Module>("ZeroState");
   torch::NoGradGuard no_grad;
   int64_t total = 0;
   for (size_t i = 0; i < buckets_.size(); ++i) {
@@ -147,7 +144,6 @@ Stage12::Stage12(torch::nn::Module& model, const DpGroups& groups,
     }
     b.shard = b.flat.narrow(0, r * b.chunk, b.chunk).detach().requires_grad_(true);
     b.shard_version = b.shard._version();
-    state_->register_parameter(str("bucket_", i), b.shard);
     total += b.numel;
     for (size_t k = 0; k < b.params.size(); ++k) {
       auto accumulator = torch::autograd::impl::grad_accumulator(b.params[k]);

@@ -45,13 +45,6 @@ void allocate_storage(const at::Tensor& t, int64_t nbytes) {
   impl->set_nbytes(nbytes);
 }
 
-std::string param_name(std::string s) {
-  for (auto& c : s) {
-    if (c == '.') c = '_';
-  }
-  return s;
-}
-
 struct Unit {
   std::string name;
   const torch::nn::Module* module = nullptr;  // null: the root unit
@@ -76,7 +69,6 @@ class Stage3 final : public ShardingStrategy {
   ~Stage3() override;
 
   std::vector<at::Tensor> parameters() const override;
-  torch::nn::Module& state() override { return *state_; }
   std::vector<ShardLayout> layout() const override;
   std::map<std::string, at::Tensor> full_parameters() override;
   void begin_forward() override;
@@ -108,7 +100,6 @@ class Stage3 final : public ShardingStrategy {
   Stage3Settings settings_;
   std::vector<std::unique_ptr<Unit>> units_;  // blocks in order, then the root
   std::vector<at::Tensor> persistent_;
-  std::shared_ptr<torch::nn::Module> state_;
   int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
   int gathered_units_ = 0, peak_gathered_units_ = 0;
   int64_t allgather_bytes_ = 0, reducescatter_bytes_ = 0, allreduce_bytes_ = 0;
@@ -253,7 +244,6 @@ Stage3::Stage3(torch::nn::Module& model,
 
   if (settings_.bf16) settings_.param_persistence_threshold = 0;  // every parameter gets an fp32 master
   const at::ScalarType compute = settings_.bf16 ? at::kBFloat16 : at::kFloat;
-  state_ = std::make_shared<torch::nn::Module>("ZeroState");
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < unit_params.size(); ++i) {
     auto unit = std::make_unique<Unit>();
@@ -289,14 +279,9 @@ Stage3::Stage3(torch::nn::Module& model,
         p.set_data(g.full.narrow(0, g.offsets[k], p.numel()).view(p.sizes()));
       }
       release_storage(g.full);
-      state_->register_parameter(
-          str(param_name(unit->name), "__", g.tp_sharded ? "tp_sharded" : "replicated"), g.shard);
       unit->groups.push_back(std::move(g));
     }
     units_.push_back(std::move(unit));
-  }
-  for (size_t k = 0; k < persistent_.size(); ++k) {
-    state_->register_parameter(str("persistent_", k), persistent_[k]);
   }
   for (auto& unit : units_) {
     if (unit->module != nullptr) {
