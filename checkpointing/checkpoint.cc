@@ -118,6 +118,17 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     try {
       at::NoGradGuard no_grad;
       output = run_fn(*region, real, SelectiveOpScope::Mode::kRecord, region->forward_ops);
+    } catch (const c10::Error& e) {
+      restore_rng_after_throw(*region);
+      // fn ran a backward of its own (torch::autograd::grad) on what it
+      // computed, which has no graph here.
+      const std::string detail = e.what_without_backtrace();
+      if (detail.find("does not require grad") == std::string::npos) throw;
+      throw Error(str(region->options.name, ": fn runs a backward (torch::autograd::grad or "
+                      "backward()) inside a reentrant region, whose forward runs without grad, "
+                      "so what fn computes has no graph; use a non-reentrant region "
+                      "(CheckpointOptions::reentrant = false, activation_checkpointing.reentrant: "
+                      "false), which supports it (detail: ", detail, ")"));
     } catch (...) {
       // fn drew from the generators before it threw: put them back, so a
       // failed call leaves the RNG where it found it.
@@ -169,8 +180,11 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     const std::string& name = region->options.name;
     if (!torch::autograd::Engine::get_default_engine().is_checkpoint_valid()) {
       throw Error(str(name, ": torch::autograd::grad (or backward with `inputs`) cannot run "
-                      "through a checkpointed region, whose recompute accumulates into .grad(); "
-                      "call backward() on the loss and read the gradients from .grad()"));
+                      "through a checkpointed region of the reentrant mode, whose recompute "
+                      "accumulates into .grad(); call backward() on the loss and read the "
+                      "gradients from .grad(), or use a non-reentrant region "
+                      "(CheckpointOptions::reentrant = false, activation_checkpointing.reentrant: "
+                      "false), which supports it"));
     }
     variable_list saved;
     try {

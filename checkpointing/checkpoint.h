@@ -7,13 +7,14 @@
 // - non-reentrant (the default): `fn` runs with grad, so the graph is the
 //   plain one, but every tensor autograd saves inside the region is replaced
 //   by a slot; the first slot a backward needs recomputes `fn` and fills every
-//   slot, stopping as soon as the last one is filled. torch::autograd::grad,
-//   backward with `inputs`, partial backward and gradient hooks behave as
-//   without checkpointing. Needs remat's autograd engine
-//   (nn/saved_tensors_hooks.h), installed by the first region.
+//   slot, stopping as soon as the last one is filled. torch::autograd::grad
+//   (also inside `fn`, and gradients of gradients), backward with `inputs`,
+//   partial backward and gradient hooks behave as without checkpointing.
+//   Needs remat's autograd engine (nn/saved_tensors_hooks.h), installed by
+//   the first region.
 // - reentrant: `fn` runs without a graph inside one custom autograd Function
 //   whose backward recomputes `fn` with grad and backpropagates through it;
-//   torch::autograd::grad through it is refused.
+//   torch::autograd::grad through it, or inside `fn`, is refused.
 // Parameters used inside `fn` receive their gradients, even when no input
 // requires grad. Without grad mode (eval) `fn` simply runs and nothing is kept.
 //

@@ -274,6 +274,50 @@ TEST_P(CheckpointContract, ASecondBackwardWithoutRetainGraphSaysSo) {
   }
 }
 
+// fn computes a gradient of its own, with a graph (a region around a gradient
+// computation), and the caller backpropagates through it: at every nesting
+// depth and in every storage, non-reentrant regions give the plain run's
+// values and gradients; reentrant ones, whose forward has no graph, refuse it.
+TEST_P(CheckpointContract, ABackwardInsideFnAtEveryNestingDepthAndStorage) {
+  at::manual_seed(2);
+  torch::nn::Linear lin(4, 4);
+  at::Tensor x = torch::randn({3, 4}, torch::requires_grad());
+  const std::vector<at::Tensor> leaves{x, lin->weight, lin->bias};
+  CheckpointFn fn = [&](const std::vector<c10::IValue>& in) {
+    at::Tensor t = in[0].toTensor();
+    at::Tensor inner = (at::tanh(lin->forward(t)) * t).sum();
+    at::Tensor g = torch::autograd::grad({inner}, {t}, {}, c10::nullopt, /*create_graph=*/true)[0];
+    return c10::IValue(g * t);
+  };
+  auto outcome = [&](int depth, const CheckpointOptions& options) {
+    for (auto t : leaves) t.mutable_grad() = at::Tensor();
+    at::Tensor h = x * 1.0;  // not a leaf: offloaded when the storage says so
+    at::Tensor y = nest(fn, {h}, depth, options).toTensor();
+    y.pow(2).sum().backward();
+    Outcome o;
+    o.outputs.push_back(y.detach());
+    for (const auto& t : leaves) o.grads.push_back(t.grad().clone());
+    return o;
+  };
+  const Outcome plain = outcome(0, mode_options());
+  for (const auto& s : storages()) {
+    for (int depth = 1; depth <= 3; ++depth) {
+      const std::string what = s.name + " at depth " + std::to_string(depth);
+      within_deadline(what, [&] {
+        if (GetParam()) {
+          auto message = error_of<Error>([&] { outcome(depth, s.options); });
+          EXPECT_THAT(message, HasSubstr("inside a reentrant region")) << what;
+          EXPECT_THAT(message, HasSubstr("use a non-reentrant region")) << what;
+          return;
+        }
+        expect_same(plain, outcome(depth, s.options), what);
+      });
+      EXPECT_EQ(checkpoint_saved_bytes(), 0) << what;
+      if (s.options.storage.contiguous) s.options.storage.contiguous->reset();
+    }
+  }
+}
+
 // What the default generator and the tracked state draw next (without moving them).
 std::pair<at::Tensor, at::Tensor> next_draws() {
   const RngSnapshot now = capture_rng();

@@ -4,12 +4,24 @@
 // backward recomputes fn (under the forward's RNG state) and fills every slot
 // still alive, stopping as soon as the last one is filled; each unpack takes
 // its slot's tensor, so a later backward (retain_graph) recomputes again.
+// A backward that fn runs itself (torch::autograd::grad inside fn) unpacks
+// slots while the forward is still running. The forward keeps no saved tensor
+// (that would make its peak a plain forward's): a slot whose tensor something
+// else still holds (fn's locals, the caller, a parameter) is read from there,
+// and the others are recomputed from the region's arguments, under the
+// forward's starting RNG state. In the recompute, that backward runs on the
+// recompute's own graph.
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
 #include <any>
+#include <exception>
 #include <mutex>
+#include <optional>
+#include <thread>
+#include <typeinfo>
 
 #include "checkpointing/region.h"
 #include "checkpointing/state.h"
@@ -31,8 +43,65 @@ struct Slot {
 };
 
 // Thrown by the recompute's pack once every slot is filled: the rest of fn
-// does not run.
-struct StopRecompute {};
+// does not run. The pack may run inside a backward that fn itself runs
+// (torch::autograd::grad in fn), and the autograd engine hands on only
+// std::exceptions to its caller.
+struct StopRecompute : std::exception {
+  const char* what() const noexcept override { return "checkpoint: recompute complete"; }
+};
+
+// A tensor the forward saved, referenced without keeping it alive: while fn
+// runs, a backward inside fn reads it from whoever else still holds it.
+class Held {
+ public:
+  explicit Held(const at::Tensor& t)
+      : tensor_(t.getIntrusivePtr()), storage_(c10::intrusive_ptr<c10::StorageImpl>()) {
+    // A plain strided tensor also by its storage and place in it: a view fn
+    // dropped (Linear saves weight.t()) is rebuilt while its base lives.
+    const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    if (typeid(*impl) == typeid(c10::TensorImpl) && t.layout() == at::kStrided &&
+        t.has_storage() && (t.is_cpu() || t.is_cuda()) && !impl->is_wrapped_number() &&
+        !t.is_conj() && !t.is_neg() && !t._is_zerotensor()) {
+      storage_ = t.storage().getWeakStorageImpl();
+      offset_ = t.storage_offset();
+      strides_ = t.strides().vec();
+    }
+  }
+
+  // The tensor, or undefined when nothing holds its data any more.
+  at::Tensor get(const TensorMeta& meta) const {
+    auto impl = tensor_.lock();
+    if (impl) return at::Tensor(std::move(impl)).detach();
+    auto storage = storage_.lock();
+    if (!storage || !fits(*storage, meta)) return at::Tensor();
+    at::NoGradGuard no_grad;
+    return at::empty({0}, at::TensorOptions().dtype(meta.dtype).device(meta.device))
+        .set_(c10::Storage(std::move(storage)), offset_, meta.sizes, strides_);
+  }
+  bool alive(const TensorMeta& meta) const {
+    if (!tensor_.expired()) return true;
+    auto storage = storage_.lock();
+    return storage && fits(*storage, meta);
+  }
+
+ private:
+  // Whether the storage still has the bytes the tensor covers (storage
+  // released by resizing it to nothing, as sharded parameters are, does not).
+  bool fits(const c10::StorageImpl& storage, const TensorMeta& meta) const {
+    int64_t end = offset_ + 1;
+    for (size_t d = 0; d < meta.sizes.size(); ++d) {
+      if (meta.sizes[d] == 0) return true;
+      end += (meta.sizes[d] - 1) * strides_[d];
+    }
+    const auto item = static_cast<int64_t>(c10::elementSize(meta.dtype));
+    return static_cast<int64_t>(storage.nbytes()) >= end * item;
+  }
+
+  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> tensor_;
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage_;
+  int64_t offset_ = 0;
+  std::vector<int64_t> strides_;
+};
 
 // Non-reentrant regions running fn on this thread (forward or recompute): a
 // region inside another leaves its inputs to the outer one.
@@ -51,12 +120,22 @@ struct Frame {
   std::vector<bool> stored;  // per input: kept in region->stored instead
   std::vector<std::weak_ptr<Slot>> slots;
   std::vector<TensorMeta> metas;  // per slot, as the forward saved it
+  // While fn runs in the forward, for a backward inside it: each slot's
+  // tensor, not kept; the arguments as the caller passed them (the caller
+  // holds them for the call) and their versions, to recompute the rest from.
+  std::vector<Held> held;
+  std::vector<at::Tensor> forward_inputs;
+  std::vector<uint32_t> forward_versions;
+  bool forward_running = false;
+  std::thread::id forward_thread;
   std::recursive_mutex mutex;
   bool recomputing = false;
 
   at::Tensor unpack(Slot& slot);
-  void recompute();
+  void recompute(size_t upto);
   std::vector<at::Tensor> recompute_inputs();
+  std::vector<at::Tensor> forward_values();
+  void drop_recomputed();
 };
 
 at::Tensor Frame::unpack(Slot& slot) {
@@ -69,15 +148,78 @@ at::Tensor Frame::unpack(Slot& slot) {
                     "value: clone() the tensor before changing it in place, or change a copy"));
   }
   std::lock_guard<std::recursive_mutex> lock(mutex);
-  if (recomputing) {
-    throw Error(str(name, ": the region's recompute needed one of its own saved tensors; fn "
-                    "must not run backward inside itself"));
+  const TensorMeta& meta = metas[slot.index];
+  // fn runs a backward of its own before returning.
+  if (forward_running && !recomputing) {
+    // A backward that builds a graph (create_graph) saves tensors. On GPU
+    // tensors autograd runs it on its device threads, where this region's
+    // hooks do not apply, while the recompute, itself on such a thread, would
+    // hook them: forward and recompute would save different tensors. (Not run
+    // here: no GPU.)
+    if (at::GradMode::is_enabled() && !meta.device.is_cpu() &&
+        std::this_thread::get_id() != forward_thread) {
+      throw Error(str(name, ": fn runs a backward with create_graph=true on ", meta.device.str(),
+                      " tensors, which autograd runs on its device threads, where the region "
+                      "cannot see the tensors that backward saves; this is not supported: "
+                      "compute that gradient outside the region, or checkpoint the parts of fn "
+                      "before and after it as separate regions"));
+    }
+    at::Tensor t = held.at(slot.index).get(meta);
+    if (t.defined()) return t;
   }
-  if (!slot.recomputed.defined()) recompute();
+  if (recomputing) {
+    throw Error(str(name, ": the region's recompute needed saved tensor #", slot.index, " of the "
+                    "region's forward (", meta.str(), "): a backward inside fn reached the graph "
+                    "of ", forward_running ? "the region's forward" : "an earlier call of the "
+                    "region", ", through a tensor fn kept or captured from it; fn must compute "
+                    "from its arguments (pass such a tensor as an argument)"));
+  }
+  if (!slot.recomputed.defined()) {
+    recompute(slot.index);
+    // What a backward inside fn had recomputed and did not read goes when
+    // that backward ends (or, outside one, when fn returns).
+    if (forward_running) {
+      std::weak_ptr<Frame> weak = slot.frame;
+      try {
+        torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+          if (auto f = weak.lock()) f->drop_recomputed();
+        });
+      } catch (const c10::Error&) {
+        // Not inside a backward: ForwardRunning drops them.
+      }
+    }
+  }
   at::Tensor out = std::move(slot.recomputed);
   slot.recomputed = at::Tensor();
   REMAT_CHECK(out.defined(), name, ": the recompute did not fill saved tensor #", slot.index);
   return out;
+}
+
+// The region's arguments for a recompute while fn still runs.
+std::vector<at::Tensor> Frame::forward_values() {
+  const Region& r = *region;
+  std::vector<at::Tensor> values;
+  for (size_t i = 0; i < forward_inputs.size(); ++i) {
+    const at::Tensor& v = forward_inputs[i];
+    if (!v.is_inference() && v._version() != forward_versions[i]) {
+      throw Error(str(r.options.name, ": a backward inside fn needs saved tensors that fn freed, "
+                      "recomputed from the region's arguments, but fn changed tensor argument ",
+                      i, " in place before it (its version went from ", forward_versions[i],
+                      " to ", v._version(), "); change a copy of the argument instead"));
+    }
+    at::Tensor d = v.detach();
+    if (r.input_requires_grad[i]) d.requires_grad_(true);
+    values.push_back(d);
+  }
+  return values;
+}
+
+void Frame::drop_recomputed() {
+  std::lock_guard<std::recursive_mutex> lock(mutex);
+  if (!forward_running) return;
+  for (const auto& weak : slots) {
+    if (auto slot = weak.lock()) slot->recomputed = at::Tensor();
+  }
 }
 
 std::vector<at::Tensor> Frame::recompute_inputs() {
@@ -107,22 +249,44 @@ std::vector<at::Tensor> Frame::recompute_inputs() {
   return values;
 }
 
-void Frame::recompute() {
+// Fills the slots from a run of fn. While fn runs, it fills those up to
+// `upto` (the one a backward inside fn reads) whose tensors are gone and stops
+// there: a backward reads slots mostly from the last to the first, and the
+// part of fn after the slot (the running backward, maybe) is not run again.
+void Frame::recompute(size_t upto) {
   auto start = Clock::now();
   Region& r = *region;
   const std::string& name = r.options.name;
+  const bool in_forward = forward_running;
+  const size_t limit = in_forward ? upto + 1 : slots.size();
+  std::vector<bool> fill(limit, true);
+  if (in_forward) {
+    for (size_t i = 0; i < limit; ++i) {
+      auto slot = slots[i].lock();
+      fill[i] = slot && !slot->recomputed.defined() && !held[i].alive(metas[i]);
+    }
+  }
   synchronize_if(r.options.synchronize);
   recomputing = true;
   struct Reset {
     bool& flag;
     ~Reset() { flag = false; }
   } reset{recomputing};
-  std::vector<at::Tensor> values = recompute_inputs();
+  std::vector<at::Tensor> values = in_forward ? forward_values() : recompute_inputs();
   size_t next = 0;
   bool stopped = false;
   std::vector<std::string> ops;
   {
-    RngReplay replay(r);
+    // Also puts the RNG back afterwards: the forward goes on as it would have.
+    std::optional<RngReplay> replay;
+    try {
+      replay.emplace(r);
+    } catch (const Error& e) {
+      if (!in_forward) throw;
+      throw Error(str(name, ": a backward inside fn needs saved tensors that fn freed, and "
+                      "recomputing them needs the RNG state fn started with, which cannot be "
+                      "put back here (", e.what(), "); run that backward outside the fork"));
+    }
     at::AutoGradMode grad(true);
     saved_tensors_hooks scope(
         [&](const at::Tensor& t) -> std::any {
@@ -142,13 +306,16 @@ void Frame::recompute() {
                               "why)"));
             }
           }
-          if (auto slot = slots[next].lock()) slot->recomputed = t.detach();
-          if (++next == slots.size()) throw StopRecompute{};
-          return std::any();
+          at::Tensor kept = t.detach();
+          if (fill[next]) {
+            if (auto slot = slots[next].lock()) slot->recomputed = kept;
+          }
+          if (++next == limit) throw StopRecompute{};
+          // A backward inside fn (torch::autograd::grad) runs on the
+          // recompute's own graph and reads it back.
+          return kept;
         },
-        [name](const std::any&) -> at::Tensor {
-          throw Error(str(name, ": backward ran through the graph of the region's recompute"));
-        });
+        [](const std::any& packed) { return std::any_cast<const at::Tensor&>(packed); });
     try {
       InsideRegion inside;
       run_fn(r, values, SelectiveOpScope::Mode::kReplay, ops);
@@ -158,9 +325,9 @@ void Frame::recompute() {
   }
   if (!stopped) {
     throw Error(str(name, ": the recompute saved ", next, " tensors for backward but the forward "
-                    "saved ", slots.size(), "; fn must compute the same thing both times "
-                    "(data-dependent control flow or state changed between forward and "
-                    "backward?)"));
+                    "saved ", in_forward ? "at least " : "", limit, "; fn must compute the same "
+                    "thing both times (data-dependent control flow or state changed between "
+                    "forward and backward?)"));
   }
   CheckpointingState::get().recomputes++;
   synchronize_if(r.options.synchronize);
@@ -168,10 +335,41 @@ void Frame::recompute() {
     RegionProfile delta;
     delta.recomputes = 1;
     delta.recompute_ms = ms_since(start);
-    delta.backward_ms = delta.recompute_ms;  // the backward itself is the graph's own
+    // The backward itself is the graph's own; one inside fn is the forward's.
+    if (!in_forward) delta.backward_ms = delta.recompute_ms;
     add_profile(name, delta);
   }
 }
+
+// Marks the region's forward as running while fn runs, with the arguments a
+// recompute inside it starts from. When fn returns or throws, what a backward
+// inside fn recomputed and did not read goes: the outer backward recomputes
+// as usual.
+class ForwardRunning {
+ public:
+  ForwardRunning(Frame& frame, const std::vector<at::Tensor>& inputs) : frame_(frame) {
+    std::lock_guard<std::recursive_mutex> lock(frame_.mutex);
+    frame_.forward_running = true;
+    frame_.forward_thread = std::this_thread::get_id();
+    frame_.forward_inputs = inputs;
+    for (const auto& t : inputs) {
+      frame_.forward_versions.push_back(t.is_inference() ? 0 : t._version());
+    }
+  }
+  ~ForwardRunning() {
+    std::lock_guard<std::recursive_mutex> lock(frame_.mutex);
+    frame_.drop_recomputed();
+    frame_.forward_running = false;
+    std::vector<Held>().swap(frame_.held);
+    frame_.forward_inputs.clear();
+    frame_.forward_versions.clear();
+  }
+  ForwardRunning(const ForwardRunning&) = delete;
+  ForwardRunning& operator=(const ForwardRunning&) = delete;
+
+ private:
+  Frame& frame_;
+};
 
 }  // namespace
 
@@ -209,6 +407,7 @@ c10::IValue checkpoint_non_reentrant(const CheckpointFn& fn, std::vector<c10::IV
           }
           f->slots.push_back(slot);
           f->metas.push_back(TensorMeta::of(t));
+          f->held.emplace_back(t);
           return slot;
         },
         [](const std::any& packed) {
@@ -217,6 +416,7 @@ c10::IValue checkpoint_non_reentrant(const CheckpointFn& fn, std::vector<c10::IV
         });
     try {
       InsideRegion inside;
+      ForwardRunning running(*frame, inputs);
       output = run_fn(r, inputs, SelectiveOpScope::Mode::kRecord, r.forward_ops);
     } catch (...) {
       restore_rng_after_throw(r);

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <unordered_set>
 #include <vector>
@@ -100,6 +101,10 @@ struct OffloadActivations::State {
   // Set once the output head has run in this scope: what follows (the loss)
   // is needed first in backward and stays on the device.
   bool after_head = false;
+  // The head exclude_output_head marked in the model the scope was given
+  // (its path; empty: none), and whether it ran through remat::forward here.
+  std::string head;
+  bool head_ran = false;
   State* previous = nullptr;  // the enclosing scope on this thread
   std::deque<std::shared_ptr<host_transfer::PendingCopy>> in_flight;
 
@@ -178,6 +183,16 @@ at::Tensor OffloadActivations::State::bring_back(Packed& p) {
 }
 
 at::Tensor OffloadActivations::State::unpack(Packed& p) {
+  // Backward has begun, so this scope's forward is over: a marked head that
+  // never ran through the call route had its activations offloaded (and the
+  // loss after it too), silently undoing what the head option asks for.
+  if (!head.empty() && !head_ran) {
+    throw Error(str("activation offloading: the output head '", head, "' was not called through remat::forward "
+                    "in this forward, so excluding it had no effect: its activations (and the loss's) were "
+                    "offloaded although backward needs them first. Call it through remat::forward(module, args...) in "
+                    "the model's forward instead of module->forward(args...), or set activation_offloading.head "
+                    "to the module that is called that way"));
+  }
   if (p.version.enabled() && p.version.current_version() != p.saved_version) {
     throw Error(str("activation offloading: a tensor saved for backward (", p.describe,
                     ") was modified in place after it was saved (its version went from ",
@@ -216,6 +231,36 @@ at::Tensor OffloadActivations::State::unpack(Packed& p) {
   return out;
 }
 
+namespace {
+
+// The head's calls run with no saved-tensor hooks: nothing of it is offloaded.
+class NoOffloadHook final : public ModuleHook {
+ public:
+  c10::IValue run(const std::vector<c10::IValue>& args, const IValueFn& next) override {
+    c10::IValue out;
+    {
+      disable_saved_tensors_hooks off;
+      out = next(args);
+    }
+    // What runs after the head in this forward (the loss) stays on the device.
+    if (t_innermost != nullptr) t_innermost->after_head = true;
+    for (auto* scope = t_innermost; scope != nullptr; scope = scope->previous) scope->head_ran = true;
+    return out;
+  }
+};
+
+// The path of the module of `model` that exclude_output_head marked, or "".
+std::string marked_head(const torch::nn::Module& model) {
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    if (std::dynamic_pointer_cast<NoOffloadHook>(module_hook(*item.value(), HookSlot::kNoOffload))) {
+      return item.key();
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
 OffloadActivations::OffloadActivations(const OffloadActivationsOptions& options,
                                        const torch::nn::Module* model)
     : state_(std::make_shared<State>()) {
@@ -232,6 +277,7 @@ OffloadActivations::OffloadActivations(const OffloadActivationsOptions& options,
     for (const auto& b : model->buffers()) {
       if (b.defined() && b.has_storage()) state_->model_storages.insert(b.storage().unsafeGetStorageImpl());
     }
+    state_->head = marked_head(*model);
   }
   state_->previous = t_innermost;
   t_innermost = state_.get();
@@ -278,33 +324,39 @@ ActivationOffloadStats activation_offload_stats() {
   return s;
 }
 
-namespace {
-
-// The head's calls run with no saved-tensor hooks: nothing of it is offloaded.
-class NoOffloadHook final : public ModuleHook {
- public:
-  c10::IValue run(const std::vector<c10::IValue>& args, const IValueFn& next) override {
-    c10::IValue out;
-    {
-      disable_saved_tensors_hooks off;
-      out = next(args);
-    }
-    // What runs after the head in this forward (the loss) stays on the device.
-    if (t_innermost != nullptr) t_innermost->after_head = true;
-    return out;
-  }
-};
-
-}  // namespace
-
 std::shared_ptr<torch::nn::Module> find_output_head(torch::nn::Module& model,
                                                     const std::string& path) {
   if (!path.empty()) {
-    for (const auto& item : model.named_modules("", /*include_self=*/false)) {
-      if (item.key() == path) return item.value();
+    std::map<std::string, std::shared_ptr<torch::nn::Module>> modules;
+    for (const auto& item : model.named_modules("", /*include_self=*/false)) modules[item.key()] = item.value();
+    auto found = modules.find(path);
+    if (found == modules.end()) {
+      throw ConfigError(str("activation_offloading.head: the model has no module '", path,
+                            "'; its children are: ", describe_children(model)));
     }
-    throw ConfigError(str("activation_offloading.head: the model has no module '", path,
-                          "'; its children are: ", describe_children(model)));
+    // The head is what runs last before the loss: one of the model's blocks,
+    // or a module holding them, would keep every activation after it on the
+    // device (or none offloaded at all) without a word.
+    const auto not_a_head = [&](const std::string& why) {
+      return ConfigError(str("activation_offloading.head '", path, "' is not an output head: ", why,
+                             "; name the module that computes the logits (the model's children are: ",
+                             describe_children(model), ")"));
+    };
+    const size_t dot = path.rfind('.');
+    if (dot != std::string::npos) {
+      auto parent = modules.find(path.substr(0, dot));
+      if (parent != modules.end() && dynamic_cast<torch::nn::ModuleListImpl*>(parent->second.get()) != nullptr) {
+        throw not_a_head(str("it is one of the blocks in '", parent->first, "', and the blocks after it would "
+                             "keep their activations on the device"));
+      }
+    }
+    for (const auto& item : found->second->named_modules("", /*include_self=*/true)) {
+      if (dynamic_cast<torch::nn::ModuleListImpl*>(item.value().get()) != nullptr && item.value()->children().size() > 1) {
+        throw not_a_head(str("it holds the blocks of '", item.key().empty() ? path : path + "." + item.key(),
+                             "', whose activations would then all stay on the device"));
+      }
+    }
+    return found->second;
   }
   auto children = model.named_children();
   for (const char* name : {"head", "output", "lm_head"}) {
@@ -331,6 +383,18 @@ std::shared_ptr<torch::nn::Module> exclude_output_head(torch::nn::Module& model,
   }
   set_module_hook(*head, HookSlot::kNoOffload, std::make_shared<NoOffloadHook>());
   return head;
+}
+
+std::shared_ptr<torch::nn::Module> prepare_output_head(torch::nn::Module& model,
+                                                       const OffloadActivationsOptions& options) {
+  if (options.enabled) return exclude_output_head(model, options);
+  if (options.head.empty()) return nullptr;
+  try {
+    return find_output_head(model, options.head);
+  } catch (const ConfigError& e) {
+    throw ConfigError(str(e.what(), " (checked although activation_offloading.enabled is false, so that a "
+                                    "misspelt head shows now rather than when offloading is turned on)"));
+  }
 }
 
 }  // namespace remat

@@ -21,7 +21,10 @@
 //   as autograd's own check would be: never a gradient from another value.
 // - The output head is needed first in backward: exclude_output_head marks it
 //   so that its calls through remat::forward run without offloading, and what
-//   runs after it in the same scope (the loss) stays on the device too.
+//   runs after it in the same scope (the loss) stays on the device too. A scope
+//   given the model checks that its marked head did run through remat::forward:
+//   if not, the first backward that needs one of the scope's saved tensors
+//   (that is, once the forward is over) throws an Error naming the head.
 // - On a GPU: host copies are pinned (use_pin_memory) and made on a side stream
 //   (use_streams) with at most max_fwd_stash_size copies in flight; in backward
 //   the tensors saved before the one being restored are fetched ahead on the
@@ -92,6 +95,14 @@ std::shared_ptr<torch::nn::Module> find_output_head(torch::nn::Module& model,
 // offloading; logs a warning (options.warn_if_no_head) when there is none.
 // A path that names no module is an Error listing the children. Returns the head.
 std::shared_ptr<torch::nn::Module> exclude_output_head(torch::nn::Module& model,
+                                                       const OffloadActivationsOptions& options);
+
+// The activation_offloading section's head, as remat-train applies it: with
+// options.enabled, exclude_output_head; without, options.head (when given) is
+// still checked to name a module of `model` (a ConfigError otherwise), so that
+// a misspelt head shows before offloading is turned on, and nothing is marked.
+// Returns the head, or null when none is marked or named.
+std::shared_ptr<torch::nn::Module> prepare_output_head(torch::nn::Module& model,
                                                        const OffloadActivationsOptions& options);
 
 }  // namespace remat

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <functional>
+
 #include "checkpointing/checkpoint.h"
 #include "checkpointing/offload_activations.h"
 #include "nn/module_call.h"
@@ -317,6 +319,76 @@ TEST(OffloadActivations, OptionsAndConfigErrorsSayWhatToChange) {
   named.head = "nothead";
   EXPECT_THAT(error_of<ConfigError>([&] { exclude_output_head(*net, named); }),
               HasSubstr("activation_offloading.head: the model has no module 'nothead'"));
+}
+
+// remat-train applies the head option whether offloading is on or not: a
+// name that matches no module is an error at once, not when offloading is
+// turned on later; with offloading off nothing is marked.
+TEST(OffloadActivations, TheHeadIsCheckedWhenOffloadingIsOffAndMarkedWhenOn) {
+  torch::manual_seed(0);
+  Net net;
+  OffloadActivationsOptions off;
+  off.head = "hed";
+  const std::string msg = error_of<ConfigError>([&] { prepare_output_head(*net, off); });
+  EXPECT_THAT(msg, HasSubstr("activation_offloading.head: the model has no module 'hed'; its children are: "
+                             "blocks (torch::nn::ModuleList), head (torch::nn::Linear)"));
+  EXPECT_THAT(msg, HasSubstr("checked although activation_offloading.enabled is false"));
+  off.head = "head";
+  EXPECT_EQ(prepare_output_head(*net, off).get(), net->head.ptr().get());
+  EXPECT_EQ(module_hook(*net->head, HookSlot::kNoOffload), nullptr) << "offloading off marks nothing";
+  off.head = "";
+  EXPECT_EQ(prepare_output_head(*net, off), nullptr);
+  OffloadActivationsOptions on = off;
+  on.enabled = true;
+  EXPECT_EQ(prepare_output_head(*net, on).get(), net->head.ptr().get());
+  EXPECT_NE(module_hook(*net->head, HookSlot::kNoOffload), nullptr);
+  on.head = "blocks.7";
+  EXPECT_THAT(error_of<ConfigError>([&] { prepare_output_head(*net, on); }),
+              HasSubstr("the model has no module 'blocks.7'"));
+  // A module that is not an output head: a block, or the list of blocks.
+  for (bool enabled : {true, false}) {
+    OffloadActivationsOptions o;
+    o.enabled = enabled;
+    o.head = "blocks.0";
+    EXPECT_THAT(error_of<ConfigError>([&] { prepare_output_head(*net, o); }),
+                HasSubstr("activation_offloading.head 'blocks.0' is not an output head: it is one of the blocks in 'blocks'"));
+    o.head = "blocks";
+    EXPECT_THAT(error_of<ConfigError>([&] { prepare_output_head(*net, o); }),
+                HasSubstr("activation_offloading.head 'blocks' is not an output head: it holds the blocks of 'blocks'"));
+  }
+}
+
+// A marked head that the forward does not call through remat::forward is
+// offloaded like any module, which the option meant to prevent: the scope
+// (given the model) says so once the forward is over, naming the module.
+TEST(OffloadActivations, AMarkedHeadNotCalledThroughRematForwardIsAnErrorNamingIt) {
+  torch::manual_seed(0);
+  Net net;
+  const at::Tensor x = input();
+  auto backward_after = [&](const std::function<at::Tensor()>& forward, const torch::nn::Module* model) {
+    at::Tensor loss;
+    {
+      OffloadActivations scope(options(0), model);
+      loss = forward().pow(2).mean();
+    }
+    loss.backward();
+  };
+  auto direct = [&] { return net->head->forward(net->trunk(x)); };  // not through the call route
+  auto routed = [&] { return net->forward(x); };
+  exclude_output_head(*net, options(0));
+  std::string msg = error_of<Error>([&] { backward_after(direct, net.ptr().get()); });
+  EXPECT_THAT(msg, HasSubstr("activation offloading: the output head 'head' was not called through "
+                             "remat::forward in this forward, so excluding it had no effect"));
+  EXPECT_THAT(msg, HasSubstr("Call it through remat::forward(module, args...)"));
+  EXPECT_NO_THROW(backward_after(routed, net.ptr().get()));
+  EXPECT_NO_THROW(backward_after(direct, nullptr)) << "without the model the scope knows no head";
+  // A module that is no head, named by path, is refused before anything runs.
+  set_module_hook(*net->head, HookSlot::kNoOffload, nullptr);
+  OffloadActivationsOptions block = options(0);
+  block.head = "blocks.1";
+  EXPECT_THAT(error_of<ConfigError>([&] { exclude_output_head(*net, block); }),
+              HasSubstr("'blocks.1' is not an output head"));
+  EXPECT_EQ(module_hook(*net->blocks[1], HookSlot::kNoOffload), nullptr);
 }
 
 }  // namespace

@@ -261,6 +261,30 @@ bool fits(const BlockCosts& costs, int64_t held, const ChoiceCost& c, int64_t bu
          costs.backward_base + held + c.held_bytes + c.transient_bytes <= budget;
 }
 
+// The error for a budget no plan meets: the smallest one any plan meets, and
+// what to change. `offloading`: every forward runs in an activation
+// offloading scope (activation_offloading.enabled), which is then the cause.
+[[noreturn]] void throw_budget_unmet(const BlockCosts& costs, int64_t budget, bool offloading) {
+  const int64_t least = smallest_feasible_budget(costs);
+  const double fraction = costs.keep_peak > 0 ? std::ceil(1000.0 * static_cast<double>(least) /
+                                                          static_cast<double>(costs.keep_peak)) / 1000.0
+                                              : 1.0;
+  const std::string unmet = str("activation checkpointing: the memory budget of ", budget, " bytes (", mib(budget),
+                                ") cannot be met: the smallest peak any plan reaches is ", least, " bytes (",
+                                mib(least), "; every block kept: ", costs.keep_peak, " bytes). ");
+  const std::string raise = str("activation_checkpointing.memory_budget_bytes to at least ", least,
+                                " or memory_budget_fraction to at least ", fraction);
+  if (!offloading) throw ConfigError(str(unmet, "Raise ", raise, ", or lower the batch size"));
+  throw ConfigError(str(
+      unmet, "The cause is activation offloading: activation_offloading.enabled is true, so every step runs "
+      "inside an offloading scope that already moves what the blocks save to the host. Keeping a block then "
+      "costs the device little and checkpointing it saves little more, so the peak with every block kept is "
+      "about the least any plan reaches and a memory_budget_fraction below ", fraction,
+      " cannot be met. Set activation_offloading.enabled to false, so that the planner weighs offloading per "
+      "block itself (its offload_activations and full_offload choices, on a GPU) against checkpointing; or "
+      "raise ", raise, "; or keep offloading with activation_checkpointing.variant \"none\" or \"full\""));
+}
+
 }  // namespace
 
 const char* block_choice_name(BlockChoice choice) { return kChoiceNames[static_cast<int>(choice)]; }
@@ -418,18 +442,7 @@ ActivationPlan solve_activation_plan(const BlockCosts& costs, int64_t budget) {
       if (best < 0 || frontier[s].time < frontier[best].time) best = static_cast<int>(s);
     }
   }
-  if (best < 0) {
-    const int64_t least = smallest_feasible_budget(costs);
-    throw ConfigError(str("activation checkpointing: the memory budget of ", budget, " bytes (", mib(budget),
-                          ") cannot be met: the smallest peak any plan reaches is ", least, " bytes (",
-                          mib(least), "; every block kept: ", costs.keep_peak, " bytes). Raise "
-                          "activation_checkpointing.memory_budget_bytes to at least ", least,
-                          " or memory_budget_fraction to at least ",
-                          costs.keep_peak > 0 ? std::ceil(1000.0 * static_cast<double>(least) /
-                                                          static_cast<double>(costs.keep_peak)) / 1000.0
-                                              : 1.0,
-                          ", or lower the batch size"));
-  }
+  if (best < 0) throw_budget_unmet(costs, budget, /*offloading=*/false);
   std::vector<size_t> columns(n);
   const State* s = &frontier[best];
   for (size_t i = n; i-- > 0;) {
@@ -656,6 +669,10 @@ ActivationPlan plan_activation_checkpointing(torch::nn::Module& model, const std
           ? *options.budget_bytes
           : static_cast<int64_t>(std::min(1e18, std::floor(*options.budget_fraction * static_cast<double>(costs.keep_peak))));
   log_rank0().debug("{}", describe_costs(costs));
+  // With every step offloaded, a budget no plan meets is offloading's doing: said so.
+  if (options.offload.enabled && smallest_feasible_budget(costs) > budget) {
+    throw_budget_unmet(costs, budget, /*offloading=*/true);
+  }
   ActivationPlan plan = solve_activation_plan(costs, budget);
   apply_activation_plan(model, plan, options);
   log_rank0().info("{}", plan.table(costs));

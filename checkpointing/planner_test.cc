@@ -10,6 +10,7 @@
 
 #include "checkpointing/checkpoint.h"
 #include "checkpointing/checkpoint_modes.h"
+#include "checkpointing/offload_activations.h"
 #include "checkpointing/planner.h"
 #include "checkpointing/policy.h"
 #include "models/stack.h"
@@ -338,6 +339,39 @@ TEST_P(Planner, AnImpossibleBudgetNamesTheSmallestFeasibleOne) {
   for (size_t i = 0; i < model->blocks->size(); ++i) {
     EXPECT_EQ(module_hook(*model->blocks->ptr(i), HookSlot::kCheckpoint), nullptr) << "nothing applied";
   }
+}
+
+// With activation_offloading.enabled every step runs in an offloading scope:
+// the blocks' saved tensors are on the host whatever the plan, so no plan
+// lowers the peak below about what keeping every block gives, and the error
+// says offloading is why (the same budget without offloading is met).
+TEST_P(Planner, ABudgetUnmetUnderActivationOffloadingNamesOffloadingAsTheCause) {
+  PlannerOptions o = budget(0.5);
+  o.offload.enabled = true;
+  auto offloaded_step = [&] {
+    at::Tensor loss;
+    {
+      OffloadActivations scope(o.offload, model.ptr().get());
+      loss = model->forward(x).pow(2).mean();
+    }
+    loss.backward();
+  };
+  const std::string msg =
+      error_of<ConfigError>([&] { plan_activation_checkpointing(*model, offloaded_step, o); });
+  EXPECT_THAT(msg, HasSubstr("cannot be met: the smallest peak any plan reaches is"));
+  EXPECT_THAT(msg, HasSubstr("The cause is activation offloading: activation_offloading.enabled is true"));
+  EXPECT_THAT(msg, HasSubstr("Set activation_offloading.enabled to false, so that the planner weighs offloading "
+                             "per block itself"));
+  EXPECT_THAT(msg, HasSubstr("or raise activation_checkpointing.memory_budget_bytes to at least"));
+  for (size_t i = 0; i < model->blocks->size(); ++i) {
+    EXPECT_EQ(module_hook(*model->blocks->ptr(i), HookSlot::kCheckpoint), nullptr) << "nothing applied";
+  }
+  // Offloading off: the same fraction is met, and an unmet budget does not blame offloading.
+  EXPECT_NO_THROW(plan_activation_checkpointing(*model, [&] { train_step(); }, budget(0.5)));
+  PlannerOptions tiny;
+  tiny.budget_bytes = 1000;
+  EXPECT_THAT(error_of<ConfigError>([&] { plan_activation_checkpointing(*model, [&] { train_step(); }, tiny); }),
+              ::testing::Not(HasSubstr("activation offloading")));
 }
 
 TEST_P(Planner, Misuse) {

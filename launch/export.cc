@@ -7,10 +7,16 @@
 #include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/nn/module.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
+#include <map>
 
 #include "parallel/layers.h"
 #include "parallel/zero.h"
@@ -18,6 +24,46 @@
 #include "runtime/error.h"
 
 namespace remat {
+namespace fs = std::filesystem;
+
+namespace {
+
+// The folder a file path lies in ("." for a bare name).
+std::string folder_of(const std::string& path) {
+  const fs::path parent = fs::path(path).parent_path();
+  return parent.empty() ? std::string(".") : parent.string();
+}
+
+// What `path` is when it exists and is not a regular file ("" otherwise): a
+// rename over it would replace it.
+std::string not_a_file(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0 || S_ISREG(st.st_mode)) return "";
+  if (S_ISDIR(st.st_mode)) return "a directory";
+  if (S_ISLNK(st.st_mode)) return "a symbolic link";
+  if (S_ISCHR(st.st_mode)) return "a character device";
+  if (S_ISBLK(st.st_mode)) return "a block device";
+  if (S_ISFIFO(st.st_mode)) return "a fifo";
+  if (S_ISSOCK(st.st_mode)) return "a socket";
+  return "not a regular file";
+}
+
+// A new empty file of a unique name beside `path` (PATH.tmp.XXXXXX), open:
+// an existing PATH.tmp, whoever's, is left alone.
+int make_temporary(const std::string& path, std::string& name) {
+  std::string pattern = path + ".tmp.XXXXXX";
+  const int fd = ::mkstemp(pattern.data());
+  if (fd >= 0) {
+    // mkstemp creates the file 0600; the export gets the mode a new file gets here.
+    const mode_t mask = ::umask(0);
+    ::umask(mask);
+    ::fchmod(fd, 0666 & ~mask);
+  }
+  name = pattern;
+  return fd;
+}
+
+}  // namespace
 
 std::vector<std::pair<std::string, at::Tensor>> consolidated_parameters(parallel::ZeroModel& zero,
                                                                         const torch::nn::Module& model) {
@@ -51,10 +97,6 @@ int64_t write_model_file(const std::string& path,
   pickler.protocol();
   pickler.pushIValue(c10::IValue(dict));
   pickler.stop();
-  if (std::filesystem::is_directory(path)) {
-    throw ConfigError(str("--export '", path, "' is a directory: give a file path (e.g. ",
-                          (std::filesystem::path(path) / "model.pt").string(), ")"));
-  }
   std::string bytes;
   {
     caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t size) {
@@ -63,23 +105,39 @@ int64_t write_model_file(const std::string& path,
     });
     torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(), pickler.tensorData(), writer);
   }  // the writer finishes the zip archive when it goes
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) {
-      throw ConfigError(str("--export '", path, "': cannot write '", tmp, "' (", std::strerror(errno),
-                            "): give a path in a writable folder"));
-    }
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    out.flush();
-    if (!out) throw Error(str("--export '", path, "': writing failed (disk full?)"));
+  std::string tmp;
+  const int fd = make_temporary(path, tmp);
+  if (fd < 0) {
+    throw Error(str("--export '", path, "': cannot create a file in '", folder_of(path), "' (",
+                    std::strerror(errno), ")"));
   }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::filesystem::remove(tmp);
-    throw ConfigError(str("--export '", path, "': cannot put the file there (", ec.message(),
-                          "): give a file path in a writable folder"));
+  // Any failure from here on leaves nothing behind.
+  auto fail = [&](const std::string& what, int err) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    return Error(str("--export '", path, "': ", what, " (", std::strerror(err), "); the temporary file is removed"));
+  };
+  for (size_t done = 0; done < bytes.size();) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) throw fail(str("writing ", bytes.size(), " bytes to '", tmp, "' failed after ", done, " bytes"), errno);
+    done += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0) throw fail(str("flushing '", tmp, "' to disk failed"), errno);
+  if (::close(fd) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    throw Error(str("--export '", path, "': closing '", tmp, "' failed (", std::strerror(err),
+                    "); the temporary file is removed"));
+  }
+  // Checked at start too: the path may have changed since.
+  const std::string what = not_a_file(path);
+  if (!what.empty() || ::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    throw Error(str("--export '", path, "': cannot put the file there (",
+                    what.empty() ? std::string(std::strerror(err)) : "it is " + what + " now",
+                    "); the temporary file is removed"));
   }
   return static_cast<int64_t>(bytes.size());
 }
@@ -100,9 +158,70 @@ int64_t export_model(const std::string& path, parallel::ZeroModel& zero, const t
   at::Tensor failed = at::full({1}, failure.empty() ? 0 : 1, at::kLong);
   if (world.size() > 1) world.broadcast(failed, {0})->wait();
   if (failed.item<int64_t>() != 0) {
-    throw ConfigError(world.rank() == 0 ? failure : str("--export '", path, "': rank 0 could not write it"));
+    throw Error(world.rank() == 0 ? failure : str("--export '", path, "': rank 0 could not write it"));
   }
   return bytes;
+}
+
+void check_export_path(const std::string& path) {
+  const std::string what = not_a_file(path);
+  if (what == "a directory") {
+    throw ConfigError(str("--export '", path, "' is a directory: give a file path (e.g. ",
+                          (fs::path(path) / "model.pt").string(), ")"));
+  }
+  if (!what.empty()) {
+    std::error_code ec;
+    const fs::path target = fs::is_symlink(fs::symlink_status(path, ec)) ? fs::read_symlink(path, ec) : fs::path();
+    throw ConfigError(str("--export '", path, "' is ", what,
+                          ", not a regular file: the export is written beside it and renamed to that path, "
+                          "which would replace it. Give the path of a regular file or of a new one",
+                          target.empty() ? std::string() : str(" (to write where the link points: '",
+                                                                target.string(), "')")));
+  }
+  std::string probe;
+  const int fd = make_temporary(path, probe);
+  if (fd < 0) {
+    throw ConfigError(str("--export '", path, "' cannot be written (", std::strerror(errno),
+                          "): give a file path in a writable folder"));
+  }
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+
+void check_export_space(const std::string& path, int64_t bytes) {
+  struct statvfs fsinfo {};
+  const std::string folder = folder_of(path);
+  if (::statvfs(folder.c_str(), &fsinfo) != 0) return;  // unknown: the write will tell
+  const int64_t free_bytes = static_cast<int64_t>(fsinfo.f_bavail) * static_cast<int64_t>(fsinfo.f_frsize);
+  if (free_bytes < bytes) {
+    throw ConfigError(str("--export '", path, "' needs about ", bytes, " bytes (", (bytes + 1023) / 1024,
+                          " KiB) but '", folder, "' has ", free_bytes, " bytes (", free_bytes / 1024,
+                          " KiB) free: free space there, or give --export a path on a disk with room"));
+  }
+}
+
+int64_t estimated_export_bytes(const torch::nn::Module& model) {
+  // Tensor-parallel layers: a sharded parameter is 1/k of its whole, k the
+  // ratio of the full weight to this rank's.
+  std::map<const void*, double> scale;
+  for (const auto& item : model.named_modules()) {
+    auto* tp = dynamic_cast<const parallel::TensorParallelModule*>(item.value().get());
+    const auto own = item.value()->named_parameters(/*recurse=*/false);
+    if (!tp || !own.contains("weight")) continue;
+    double full = 1;
+    for (int64_t d : tp->full_weight_sizes()) full *= static_cast<double>(d);
+    const double k = full / static_cast<double>(std::max<int64_t>(own["weight"].numel(), 1));
+    for (const auto& p : tp->sharded_parameters()) scale[p.unsafeGetTensorImpl()] = k;
+  }
+  double values = 0, records = 4096;  // the archive's fixed records (version, data.pkl, directory)
+  for (const auto& item : model.named_parameters()) {
+    auto k = scale.find(item.value().unsafeGetTensorImpl());
+    values += 4.0 * static_cast<double>(item.value().numel()) * (k == scale.end() ? 1.0 : k->second);
+    // Per tensor: a zip record aligned to 64 bytes, its directory entry and
+    // its name and storage in the pickle.
+    records += 512 + 2.0 * static_cast<double>(item.key().size());
+  }
+  return static_cast<int64_t>(values * 1.01 + records);
 }
 
 }  // namespace remat

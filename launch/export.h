@@ -30,14 +30,32 @@ class ZeroModel;
 std::vector<std::pair<std::string, at::Tensor>> consolidated_parameters(parallel::ZeroModel& zero,
                                                                         const torch::nn::Module& model);
 
-// Writes `parameters` as one {name: tensor} dictionary file (to a temporary
-// name, then renamed). Returns the bytes written.
+// Writes `parameters` as one {name: tensor} dictionary file: to a temporary
+// file of a unique name beside it (PATH.tmp.XXXXXX), flushed, fsynced and
+// renamed over `path`. Returns the bytes written. A failure removes the
+// temporary file and is an Error (a path that is not a regular file too: the
+// rename would replace a device, fifo or symbolic link).
 int64_t write_model_file(const std::string& path,
                          const std::vector<std::pair<std::string, at::Tensor>>& parameters);
 
 // consolidated_parameters(), written by rank 0 of `world`. Returns the bytes
-// written on rank 0, 0 elsewhere. An unwritable path is a ConfigError on every rank.
+// written on rank 0, 0 elsewhere. A failed write is an Error on every rank.
 int64_t export_model(const std::string& path, parallel::ZeroModel& zero, const torch::nn::Module& model,
                      Communicator& world);
+
+// Start-up checks, so that an export which cannot be written stops a run
+// before it trains (call on the rank that writes). Each is a ConfigError
+// saying what to change.
+//
+// `path`, where it exists, is a regular file (not a directory, symbolic link,
+// device or fifo), and its folder takes a new file (a probe of a unique name).
+void check_export_path(const std::string& path);
+// The folder of `path` has `bytes` free (statvfs).
+void check_export_space(const std::string& path, int64_t bytes);
+
+// What the export of `model` takes on disk, estimated from shapes alone with
+// a margin: every parameter whole in float32 (a tensor-parallel shard counted
+// at its full size) plus the archive's records and the pickled names.
+int64_t estimated_export_bytes(const torch::nn::Module& model);
 
 }  // namespace remat

@@ -2,7 +2,9 @@
 // parallel across ranks, with the activation checkpointing the config asks for.
 //
 //   remat-run -np 2 -- remat-train --config configs/default.json [--set key=value ...]
-//       [--steps N] [--seed S] [--metrics FILE] [--save-dir DIR] [--resume DIR] [--export FILE]
+//       [--steps N] [--seed S] [--metrics FILE] [--save-dir DIR [--overwrite-saves]] [--resume DIR]
+//       [--export FILE]
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <ATen/ATen.h>
@@ -36,6 +38,7 @@
 #include "parallel/layers.h"
 #include "parallel/zero.h"
 #include "rng/rng_tracker.h"
+#include "runtime/agreement.h"
 #include "runtime/config.h"
 #include "runtime/env_knobs.h"
 #include "runtime/error.h"
@@ -189,6 +192,46 @@ class Progress {
   Clock::time_point start_;
 };
 
+// A resumed run's --metrics file keeps only the lines of the steps up to the
+// one it resumed at: a run resumed from an earlier step writes the later ones
+// again. Rewritten to a temporary file beside it, then renamed over it; a
+// device or fifo is left as it is.
+void keep_metrics_through(const std::string& path, int64_t step) {
+  std::error_code ec;
+  const std::string real = std::filesystem::canonical(path, ec).string();  // through a symbolic link
+  struct stat st {};
+  if (ec || ::stat(real.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return;
+  std::ifstream in(real);
+  std::string line, kept;
+  int64_t dropped = 0;
+  while (std::getline(in, line)) {
+    // A line cut short by a killed run is not a step: dropped too.
+    const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_object() && j.contains("step") && j["step"].is_number_integer() && j["step"].get<int64_t>() <= step) {
+      kept += line + "\n";
+    } else {
+      ++dropped;
+    }
+  }
+  if (dropped == 0) return;
+  auto failed = [&](const std::string& what) {
+    return ConfigError(str("cannot rewrite the --metrics file '", path, "' to keep its steps up to ", step,
+                           ": ", what, " (", std::strerror(errno), "); give a file path in a writable folder"));
+  };
+  std::string tmp = real + ".tmp.XXXXXX";
+  const int fd = ::mkstemp(tmp.data());
+  if (fd < 0) throw failed("cannot create a file beside it");
+  ::fchmod(fd, st.st_mode & 07777);
+  const bool written = ::write(fd, kept.data(), kept.size()) == static_cast<ssize_t>(kept.size()) && ::fsync(fd) == 0;
+  if (::close(fd) != 0 || !written || ::rename(tmp.c_str(), real.c_str()) != 0) {
+    const ConfigError error = failed(str("writing '", tmp, "' failed"));
+    ::unlink(tmp.c_str());
+    throw error;
+  }
+  log().info("--metrics '{}': kept the lines of steps up to {}, dropped {} later or incomplete ones", path, step,
+             dropped);
+}
+
 int train(int argc, char** argv) {
   CLI::App app{"remat-train: train a GPT with remat's activation checkpointing"};
   std::string config_path, metrics_path, save_dir, resume_dir, export_path, backend = "auto";
@@ -199,11 +242,16 @@ int train(int argc, char** argv) {
   app.add_option("--steps", steps_flag, "optimizer steps (train.steps)");
   app.add_option("--seed", seed_flag, "seed (train.seed)");
   app.add_option("--metrics", metrics_path, "write one JSON object per step (rank 0)");
-  app.add_option("--save-dir", save_dir, "save the training state here");
+  app.add_option("--save-dir", save_dir, "save the training state here (a folder holding another run's "
+                 "saves is refused unless --resume continues them or --overwrite-saves is given)");
+  bool overwrite_saves = false;
+  app.add_flag("--overwrite-saves", overwrite_saves, "let this run replace the saves in --save-dir: those "
+               "after the step it starts from (all of them without --resume) are removed once it has started");
   app.add_option("--resume", resume_dir, "resume from a save (a step folder or the save root), at any "
                  "data-parallel size and ZeRO stage");
-  app.add_option("--export", export_path, "after training, write the whole model (full parameters by "
-                 "state-dict name) to this file, for torch::pickle_load or Python's torch.load");
+  app.add_option("--export", export_path, "after training (and the final save), write the whole model (full "
+                 "parameters by state-dict name) to this file, for torch::pickle_load or Python's torch.load; "
+                 "checked at start: a regular file or a new one, in a folder with room for it");
   app.add_option("--backend", backend, "communication backend: auto, mpi or nccl");
   try {
     app.parse(argc, argv);
@@ -224,26 +272,38 @@ int train(int argc, char** argv) {
   const auto& tc = config.train;
 
   auto world = runtime.world(parse_backend(backend));
+  // Every rank runs what the others run: ranks configured differently would
+  // hang in a collective only some of them make, or train diverging replicas.
+  {
+    std::map<std::string, std::string> settings;
+    const nlohmann::json flat = nlohmann::json::parse(config.to_json()).flatten();
+    for (const auto& item : flat.items()) {
+      std::string key = item.key().substr(1);
+      std::replace(key.begin(), key.end(), '/', '.');
+      settings[key] = item.value().dump();
+    }
+    settings["--backend"] = backend;
+    for (const auto& [flag, value] : {std::pair<const char*, const std::string*>{"--save-dir", &save_dir},
+                                      {"--resume", &resume_dir}, {"--export", &export_path}}) {
+      settings[flag] = value->empty() ? "not given" : "given";
+    }
+    require_same_settings(*world, settings, "configurations or flags");
+  }
   // Checked, created and locked before anything is trained: a run must not
   // find out at its first save that it cannot keep its work.
   const std::string run_id = new_run_id(*world);
   std::unique_ptr<SaveDirLock> save_lock;
-  if (!save_dir.empty()) save_lock = std::make_unique<SaveDirLock>(save_dir, run_id, *world);
-  // The export is written after training: a path it cannot be written to stops the run now.
-  if (!export_path.empty() && world->rank() == 0) {
-    if (std::filesystem::is_directory(export_path)) {
-      throw ConfigError(str("--export '", export_path, "' is a directory: give a file path (e.g. ",
-                            (std::filesystem::path(export_path) / "model.pt").string(), ")"));
-    }
-    const std::string probe = export_path + ".tmp";
-    std::ofstream out(probe, std::ios::binary | std::ios::trunc);
-    if (!out) {
-      throw ConfigError(str("--export '", export_path, "' cannot be written (", std::strerror(errno),
-                            "): give a file path in a writable folder"));
-    }
-    out.close();
-    std::remove(probe.c_str());
+  if (!save_dir.empty()) {
+    SaveDirOptions options;
+    options.resuming = !resume_dir.empty();
+    options.overwrite = overwrite_saves;
+    save_lock = std::make_unique<SaveDirLock>(save_dir, run_id, *world, options);
+  } else if (overwrite_saves) {
+    throw ConfigError("--overwrite-saves without --save-dir: give the --save-dir whose saves this run may replace");
   }
+  // The export is written after training: a path it cannot be written to
+  // stops the run now (its size is checked once the model is built).
+  if (!export_path.empty() && world->rank() == 0) check_export_path(export_path);
   ParallelLayout layout(world, ParallelDims::from_world(world->size(), config.tensor_parallel.size));
   const BatchSizes batch = config.resolve_batch(layout.dims().dp);
   data::Dataset data = data::Dataset::load(config.data.path, config.data.train_fraction,
@@ -285,7 +345,7 @@ int train(int argc, char** argv) {
   double plan_ms = 0;
   // Activation offloading: each forward runs inside a scope; the head stays.
   const ActivationOffloadingConfig& offloading = config.activation_offloading;
-  if (offloading.enabled) exclude_output_head(*model, offloading);
+  prepare_output_head(*model, offloading);  // offloading off: only checks a named head exists
   const auto& number_checkpoints = config.activation_checkpointing.number_checkpoints;
   // The planner profiles every block as a region: each may need a slot.
   if (auto_plan && number_checkpoints && *number_checkpoints < config.model.n_layer) {
@@ -313,9 +373,15 @@ int train(int argc, char** argv) {
   SaveIdentity identity;
   identity.model_signature = signature;
   identity.run_id = run_id;
+  // train.seed: the data order of every step comes from it (the random state
+  // from the save), so another seed would silently change the data stream.
   identity.settings = {
       {"tensor_parallel.size", std::to_string(config.tensor_parallel.size)},
-      {"optimizer.type", config.optimizer.type}};
+      {"optimizer.type", config.optimizer.type},
+      {"train.seed", std::to_string(tc.seed)}};
+  // The export's size is known now: a disk without room for it stops the run
+  // before training, not after.
+  if (!export_path.empty() && rank0) check_export_space(export_path, estimated_export_bytes(*model));
   // What this rank saves and resumes: its optimizer's tensors and their layout
   // (any data-parallel size and ZeRO stage resumes any other).
   auto train_shards = [&] {
@@ -333,6 +399,16 @@ int train(int argc, char** argv) {
     position = load_train_state(resume_dir, train_shards(), *optimizer, identity, *world);
     log_rank0().info("resumed from '{}' at step {}", resume_dir, position.step);
   }
+  // Saves of an earlier run later than where this one starts: replaced when
+  // asked, else kept (`latest` stays on them until this run passes them).
+  if (!save_dir.empty() && overwrite_saves) {
+    discard_saves_after(save_dir, position.step, *world);
+  } else if (!save_dir.empty() && rank0 && latest_step(save_dir) > position.step) {
+    log_rank0().warn("--save-dir '{}' holds saves up to step {} and this run starts at step {}: its saves "
+                     "replace those of the same steps, and 'latest' stays on step {} until this run passes "
+                     "it; pass --overwrite-saves to remove the later saves instead",
+                     save_dir, latest_step(save_dir), position.step, latest_step(save_dir));
+  }
   log_rank0().info("data {} ({} bytes, vocabulary {}), model {} ({} parameters on this rank), "
                    "checkpointing {} ({}), batch {} = micro {} x accumulation {} x dp {}",
                    data.source(), data.train_size() + data.val_size(), data.vocab_size(), signature,
@@ -343,6 +419,7 @@ int train(int argc, char** argv) {
 
   std::ofstream metrics;
   if (rank0 && !metrics_path.empty()) {
+    if (position.step > 0) keep_metrics_through(metrics_path, position.step);
     metrics.open(metrics_path, position.step > 0 ? std::ios::app : std::ios::trunc);
     if (!metrics) {
       throw ConfigError(str("cannot write --metrics file '", metrics_path, "' (", std::strerror(errno),
@@ -391,24 +468,32 @@ int train(int argc, char** argv) {
         }));
       }
     }
+    // Gradients set to none, as LibTorch 2.x's zero_grad does (1.13's zeroes
+    // them in place: ZeRO stage 1 would hold its shards' gradients through the
+    // backward). Before the base is read: the last step's gradients are not
+    // this step's memory.
+    for (auto& p : zero.parameters()) p.mutable_grad() = at::Tensor();
     const int64_t base = memory.current();
     memory.reset_peak();
     zero.reset_peak();
     const Counters before = Counters::read(&zero);
     auto start = Clock::now();
-    // Gradients set to none, as LibTorch 2.x's zero_grad does (1.13's zeroes
-    // them in place: ZeRO stage 1 would hold its shards' gradients through the
-    // backward).
-    for (auto& p : zero.parameters()) p.mutable_grad() = at::Tensor();
-    double fwd_ms = 0, bwd_ms = 0, loss_sum = 0;
+    double fwd_ms = 0, bwd_ms = 0, opt_ms = 0, loss_sum = 0;
     int64_t saved = 0, comm_bytes = 0;
     // At the end of a forward: host copies of offloaded activations, saved
     // tensors offloading left on the device, and all the device holds for backward.
     int64_t act_host = 0, act_kept = 0, fwd_held = 0;
+    // What the activation budget bounds: each micro-step's forward and
+    // backward above what was held when it began (parameters, optimizer
+    // state, earlier micro-steps' gradients); the optimizer's step is not in it.
+    int64_t act_peak = 0, step_peak = 0;
     for (int64_t micro = 0; micro < batch.gradient_accumulation_steps; ++micro) {
       auto [x, y] = data.train_batch(static_cast<uint64_t>(tc.seed), layout.dp_rank(),
                                      position.window, batch.micro_batch_per_gpu);
       position.window += batch.micro_batch_per_gpu;
+      step_peak = std::max(step_peak, memory.peak());
+      const int64_t micro_base = memory.current();
+      memory.reset_peak();
       auto t0 = Clock::now();
       zero.begin_forward();
       std::unique_ptr<OffloadActivations> offload;
@@ -420,10 +505,11 @@ int train(int argc, char** argv) {
       saved = std::max(saved, held.checkpoint_saved_bytes);
       act_host = std::max(act_host, held.offload.host_bytes);
       act_kept = std::max(act_kept, held.offload.kept_bytes);
-      fwd_held = std::max(fwd_held, memory.current() - base);
+      fwd_held = std::max(fwd_held, memory.current() - micro_base);
       auto t1 = Clock::now();
       loss.backward();
       zero.finish_backward(/*synchronize=*/micro + 1 == batch.gradient_accumulation_steps);
+      act_peak = std::max(act_peak, memory.peak() - micro_base);
       auto t2 = Clock::now();
       fwd_ms += ms_between(t0, t1);
       bwd_ms += ms_between(t1, t2);
@@ -453,8 +539,10 @@ int train(int argc, char** argv) {
                        "(train.on_nonfinite=skip)", step, what);
       optimizer->zero_grad();
     } else {
+      const auto t_opt = Clock::now();
       if (config.gradient_clipping > 0) zero.clip_grad_norm(config.gradient_clipping, tp_group);
       optimizer->step();
+      opt_ms = ms_between(t_opt, Clock::now());
     }
     at::Tensor loss_t = at::full({1}, loss_sum, at::kDouble);
     if (dp_group->size() > 1) {
@@ -466,7 +554,8 @@ int train(int argc, char** argv) {
     comm_bytes += counters.comm_bytes();
     const double step_ms = ms_between(start, Clock::now());
     const double tokens_per_s = tokens_per_step / (step_ms / 1000.0);
-    max_peak = std::max(max_peak, memory.peak() - base);
+    step_peak = std::max(step_peak, memory.peak());
+    max_peak = std::max(max_peak, step_peak - base);
     if (step == first_step) first_loss = loss;
     last_loss = loss;
 
@@ -474,8 +563,10 @@ int train(int argc, char** argv) {
       nlohmann::json m = {{"step", step},           {"loss", loss},
                           {"lr", lr},               {"tokens_per_s", tokens_per_s},
                           {"step_ms", step_ms},     {"fwd_ms", fwd_ms},
-                          {"bwd_ms", bwd_ms},       {"recompute_ms", counters.recompute_ms},
-                          {"mem_base_bytes", base}, {"mem_peak_bytes", memory.peak()},
+                          {"bwd_ms", bwd_ms},       {"opt_ms", opt_ms},
+                          {"recompute_ms", counters.recompute_ms},
+                          {"mem_base_bytes", base}, {"mem_peak_bytes", step_peak},
+                          {"mem_act_peak_bytes", act_peak},
                           {"ckpt_saved_bytes", saved},
                           {"act_offloaded_bytes", counters.offload.offloaded_bytes},
                           {"act_restored_bytes", counters.offload.restored_bytes},
@@ -508,7 +599,12 @@ int train(int argc, char** argv) {
                         "Free space or give another path"));
       }
     }
-    progress.step(step, loss, tokens_per_s, memory.peak() - base);
+    progress.step(step, loss, tokens_per_s, step_peak - base);
+    if (config.wall_clock_breakdown && (step % config.steps_per_print == 0 || step == first_step)) {
+      log_rank0().info("step {} wall clock: forward {:.1f} ms, backward {:.1f} ms (recompute {:.1f}), "
+                       "optimizer {:.1f} ms, whole step {:.1f} ms", step, fwd_ms, bwd_ms,
+                       counters.recompute_ms, opt_ms, step_ms);
+    }
 
     if (tc.eval_interval > 0 && (step % tc.eval_interval == 0 || step == tc.steps)) {
       model->eval();
@@ -533,8 +629,23 @@ int train(int argc, char** argv) {
     std::printf("loss: first %.4f, last %.4f; peak activation memory per step %s\n", first_loss,
                 last_loss, human_bytes(static_cast<double>(max_peak)).c_str());
   }
+  // The export comes after the final save (in the loop above): a failed
+  // export loses no trained state a save could keep.
   if (!export_path.empty()) {
-    const int64_t bytes = export_model(export_path, zero, *model, *world);
+    int64_t bytes = 0;
+    try {
+      bytes = export_model(export_path, zero, *model, *world);
+    } catch (const Error& e) {
+      const bool trained = first_step <= tc.steps;
+      const std::string kept_in = trained ? save_dir : resume_dir;
+      throw Error(str(e.what(), ". ",
+                      kept_in.empty()
+                          ? str("The model of step ", position.step, " is not kept anywhere (no --save-dir was "
+                                "given): run again with --save-dir to keep the trained state")
+                          : str("The trained state of step ", position.step, " is in the save in '", kept_in,
+                                "': once the export can be written, run again with the same settings, --resume ",
+                                kept_in, " and --export (there is nothing left to train)")));
+    }
     progress.line(str("exported the model at step ", position.step, " to ", export_path, " (",
                       human_bytes(static_cast<double>(bytes)), ")"));
   }

@@ -10,6 +10,7 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -59,7 +60,7 @@ void write_atomically(const std::string& path, const std::string& bytes) {
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw ConfigError(str("resume: cannot read '", path, "'"));
+  if (!in) throw ConfigError(str("resume: cannot read '", path, "' (", std::strerror(errno), ")"));
   std::stringstream buffer;
   buffer << in.rdbuf();
   return buffer.str();
@@ -82,24 +83,59 @@ int64_t crc32_of(const std::string& bytes) {
       ::crc32_z(0L, reinterpret_cast<const Bytef*>(bytes.data()), bytes.size()));
 }
 
-// The newest step folder under `root` that holds a manifest, or "".
-std::string newest_complete_step(const std::string& root) {
-  std::string best;
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(root, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind("step_", 0) == 0 && fs::exists(entry.path() / "manifest.json") && name > best) {
-      best = name;
-    }
-  }
-  return best;
+// The step a folder name "step_00000010" stands for, or -1.
+int64_t step_of(const std::string& name) {
+  if (name.size() <= 5 || name.rfind("step_", 0) != 0) return -1;
+  if (name.find_first_not_of("0123456789", 5) != std::string::npos || name.size() > 5 + 18) return -1;
+  return std::stoll(name.substr(5));
 }
 
-std::string offer_newest(const std::string& root) {
-  const std::string newest = newest_complete_step(root);
-  return newest.empty() ? std::string(" No step folder there holds a complete save.")
-                        : str(" The newest complete save is '", (fs::path(root) / newest).string(),
-                              "': pass --resume ", (fs::path(root) / newest).string(), ".");
+// The step folders under `root`, newest first.
+std::vector<std::pair<int64_t, fs::path>> step_folders(const std::string& root) {
+  std::vector<std::pair<int64_t, fs::path>> folders;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(root, ec)) {
+    const int64_t step = step_of(entry.path().filename().string());
+    if (step >= 0 && entry.is_directory(ec)) folders.emplace_back(step, entry.path());
+  }
+  std::sort(folders.begin(), folders.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  return folders;
+}
+
+// The save root a step folder lies in.
+std::string root_of(const std::string& folder) {
+  fs::path p(folder);
+  if (p.filename().empty()) p = p.parent_path();  // "root/step_00000004/"
+  return p.parent_path().string();
+}
+
+// Formats of the manifest and the rank files this remat writes and reads: 3
+// adds the manifest's own checksum and each rank file's ranks and layout.
+constexpr int64_t kFormat = 3;
+
+struct Manifest;
+Manifest read_manifest(const std::string& path);
+bool save_verifies(const fs::path& folder);
+
+// The newest step folder under `root` other than `skip` whose manifest and
+// every rank file verify (sizes and CRC-32s), or "".
+std::string newest_intact_step(const std::string& root, const std::string& skip) {
+  const fs::path skipped = fs::path(skip).lexically_normal();
+  for (const auto& [step, folder] : step_folders(root)) {
+    if (!skip.empty() && folder.lexically_normal() == skipped) continue;
+    if (save_verifies(folder)) return folder.string();
+  }
+  return "";
+}
+
+// The sentence an error about a save in `root` ends with: the newest save
+// (other than the broken `skip`) that can be resumed.
+std::string offer_newest(const std::string& root, const std::string& skip = "") {
+  const std::string newest = newest_intact_step(root, skip);
+  return newest.empty() ? str(" No ", skip.empty() ? "" : "other ", "save in '", root,
+                              "' verifies (a manifest and every rank file intact).")
+                        : str(" The newest intact save is '", newest, "' (its manifest and every rank file "
+                              "verify): pass --resume ", newest, ".");
 }
 
 // The step folder to load: `dir` itself when it holds a manifest, else the
@@ -129,8 +165,8 @@ std::string resolve_save(const std::string& dir) {
   return folder.string();
 }
 
-// A manifest read with every field checked: a hand-edited or damaged one is
-// an error naming the field.
+// A manifest read with its checksum and every field checked: a hand-edited
+// or damaged one is an error naming manifest.json.
 struct Manifest {
   int64_t format = 1;  // 2: rank files hold shards with their layout here
   int64_t step = 0;
@@ -166,9 +202,27 @@ Manifest read_manifest(const std::string& path) {
     return o[key].get<int64_t>();
   };
   Manifest m;
+  if (j.contains("format")) m.format = integer(j, "format", "");
+  if (m.format >= 3) {
+    // Its own checksum first: any edit, even one that keeps every field
+    // well-formed (two parameter names swapped), stops here.
+    if (!j.contains("manifest_crc32") || !j["manifest_crc32"].is_number_integer()) {
+      throw ConfigError(str("resume: '", path, "' records no manifest_crc32 (its checksum): it was "
+                            "modified or damaged after it was saved; remat resumes only from an unmodified "
+                            "manifest"));
+    }
+    const int64_t recorded = j["manifest_crc32"].get<int64_t>();
+    j.erase("manifest_crc32");
+    const int64_t actual = crc32_of(j.dump());
+    if (actual != recorded) {
+      throw ConfigError(str("resume: '", path, "' was modified or damaged after it was saved: its content has "
+                            "CRC-32 ", actual, " but it records ", recorded,
+                            ". remat resumes only from an unmodified manifest; restore it from a copy or "
+                            "resume from another step"));
+    }
+  }
   m.step = integer(j, "step", "");
   m.world_size = integer(j, "world_size", "");
-  if (j.contains("format")) m.format = integer(j, "format", "");
   if (!j.contains("model") || !j["model"].is_string()) throw bad("model", "a string");
   m.model = j["model"].get<std::string>();
   if (j.contains("run_id")) {
@@ -227,6 +281,20 @@ Manifest read_manifest(const std::string& path) {
   return m;
 }
 
+bool save_verifies(const fs::path& folder) {
+  try {
+    const Manifest m = read_manifest((folder / "manifest.json").string());
+    if (m.format < kFormat) return false;
+    for (const auto& file : m.files) {
+      const std::string bytes = read_file((folder / file.name).string());
+      if (static_cast<int64_t>(bytes.size()) != file.bytes || crc32_of(bytes) != file.crc32) return false;
+    }
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 }  // namespace
 
 std::string new_run_id(Communicator& world) {
@@ -247,7 +315,51 @@ std::string new_run_id(Communicator& world) {
   return id;
 }
 
-SaveDirLock::SaveDirLock(const std::string& dir, const std::string& run_id, Communicator& world) {
+int64_t latest_step(const std::string& dir) {
+  const fs::path path = fs::path(dir) / "latest";
+  std::error_code ec;
+  if (!fs::is_regular_file(fs::symlink_status(path, ec))) return -1;
+  std::ifstream in(path);
+  std::string name;
+  in >> name;
+  const int64_t step = step_of(name);
+  return step >= 0 && fs::is_directory(fs::path(dir) / name, ec) ? step : -1;
+}
+
+namespace {
+
+// What a save root must not hold at the start of a run (rank 0, under the lock).
+void check_save_root(const std::string& dir, const SaveDirOptions& options) {
+  // `latest` is replaced (renamed over) at every save: anything but a
+  // regular file there would fail the first save, after training.
+  const fs::path latest = fs::path(dir) / "latest";
+  std::error_code ec;
+  const fs::file_status status = fs::symlink_status(latest, ec);
+  if (fs::exists(status) && !fs::is_regular_file(status)) {
+    throw ConfigError(str("--save-dir '", dir, "': '", latest.string(), "' is ",
+                          fs::is_directory(status)  ? "a directory"
+                          : fs::is_symlink(status)  ? "a symbolic link"
+                                                    : "not a regular file",
+                          ", where remat keeps the name of the latest save (a one-line file it replaces at "
+                          "every save): move it away, or give another --save-dir"));
+  }
+  // Another run's saves are not overwritten unless asked: a new run would
+  // replace its step folders one by one and leave `latest` on its last.
+  const auto saves = step_folders(dir);
+  if (!options.resuming && !options.overwrite && (!saves.empty() || fs::exists(status))) {
+    const int64_t newest = latest_step(dir);
+    throw ConfigError(str("--save-dir '", dir, "' holds the saves of another run (",
+                          saves.size(), " step folder(s)",
+                          newest >= 0 ? str(", latest step ", newest) : std::string(),
+                          "): a new run would overwrite them. Resume that run with --resume ", dir,
+                          ", give this run another --save-dir, or pass --overwrite-saves to replace them"));
+  }
+}
+
+}  // namespace
+
+SaveDirLock::SaveDirLock(const std::string& dir, const std::string& run_id, Communicator& world,
+                         SaveDirOptions options) {
   // Every rank writes its files there: each checks it can, before training.
   std::error_code ec;
   fs::create_directories(dir, ec);
@@ -289,12 +401,51 @@ SaveDirLock::SaveDirLock(const std::string& dir, const std::string& run_id, Comm
     if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, me.data(), me.size(), 0) != static_cast<ssize_t>(me.size())) {
       log().warn("--save-dir '{}': could not record this job in its lock file", dir);
     }
+    try {
+      check_save_root(dir, options);
+    } catch (...) {
+      ::close(fd_);
+      fd_ = -1;
+      throw;
+    }
   }
   world.barrier()->wait();
 }
 
 SaveDirLock::~SaveDirLock() {
   if (fd_ >= 0) ::close(fd_);  // releases the lock
+}
+
+int discard_saves_after(const std::string& dir, int64_t step, Communicator& world) {
+  int64_t removed = 0;
+  if (world.rank() == 0) {
+    std::string keep;  // the newest complete save kept
+    for (const auto& [s, folder] : step_folders(dir)) {
+      if (s > step) {
+        fs::remove_all(folder);
+        ++removed;
+      } else if (keep.empty() && fs::exists(folder / "manifest.json")) {
+        keep = folder.filename().string();
+      }
+    }
+    const fs::path latest = fs::path(dir) / "latest";
+    std::error_code ec;
+    if (latest_step(dir) < 0 || latest_step(dir) > step) {
+      if (keep.empty()) {
+        fs::remove(latest, ec);
+      } else {
+        write_atomically(latest.string(), keep + "\n");
+      }
+    }
+    if (removed > 0) {
+      log().warn("--overwrite-saves: removed {} save(s) after step {} from '{}'; 'latest' {}", removed, step, dir,
+                 keep.empty() ? std::string("removed") : "names " + keep);
+    }
+  }
+  at::Tensor count = at::full({1}, removed, at::kLong);
+  if (world.size() > 1) world.broadcast(count, {0})->wait();
+  world.barrier()->wait();
+  return static_cast<int>(count.item<int64_t>());
 }
 
 namespace {
@@ -341,23 +492,54 @@ std::unique_ptr<RankFile> open_rank_file(const std::string& folder, const Manife
   const auto& entry = manifest.files[index];
   auto file = std::make_unique<RankFile>();
   file->path = (fs::path(folder) / entry.name).string();
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(file->path, ec))) {
+    throw ConfigError(str("resume: '", file->path, "' is missing: the manifest of the step ", manifest.step,
+                          " save in '", folder, "' lists it as the file of rank ", index, " of ",
+                          manifest.world_size, " but it is not there (deleted, or not copied with the "
+                          "folder). Put it back, or resume from another step.",
+                          offer_newest(root_of(folder), folder)));
+  }
   const std::string bytes = read_file(file->path);
   const int64_t crc = crc32_of(bytes);
   if (static_cast<int64_t>(bytes.size()) != entry.bytes || crc != entry.crc32) {
     throw ConfigError(str("resume: '", file->path, "' is damaged: ", bytes.size(), " bytes with CRC-32 ", crc,
                           " where the manifest recorded ", entry.bytes, " bytes with CRC-32 ", entry.crc32,
-                          ". It changed after it was saved; resume from another step",
-                          offer_newest(fs::path(folder).parent_path().string())));
+                          ". It changed after it was saved; resume from another step.",
+                          offer_newest(root_of(folder), folder)));
   }
   try {
     std::istringstream in(bytes);
     file->archive.load_from(in);
-    c10::IValue step, window, rank, run_id, world_size;
+    c10::IValue step, window, rank, run_id, world_size, tp_rank, dp_rank, layout;
     file->archive.read("step", step);
     file->archive.read("window", window);
     file->archive.read("rank", rank);
     file->archive.read("world_size", world_size);
     file->archive.read("run_id", run_id);
+    file->archive.read("tp_rank", tp_rank);
+    file->archive.read("dp_rank", dp_rank);
+    file->archive.read("layout", layout);
+    // The file's own ranks and layout: a manifest edited to describe it
+    // otherwise (and its checksum recomputed) stops here.
+    const nlohmann::json own = nlohmann::json::parse(layout.toStringRef()), listed = layout_json(entry.tensors);
+    if (tp_rank.toInt() != entry.tp_rank || dp_rank.toInt() != entry.dp_rank || own != listed) {
+      std::string differs = str("tensor-parallel rank ", tp_rank.toInt(), " and data-parallel rank ",
+                                dp_rank.toInt(), " where it lists ", entry.tp_rank, " and ", entry.dp_rank);
+      for (size_t i = 0; i < std::max(own.size(), listed.size()); ++i) {
+        const nlohmann::json a = i < own.size() ? own[i] : nlohmann::json();
+        const nlohmann::json b = i < listed.size() ? listed[i] : nlohmann::json();
+        if (a != b) {
+          differs = str("saved tensor ", i, " holding the [name, parameter offset, offset, length] segments ",
+                        a.dump(), " where it lists ", b.dump());
+          break;
+        }
+      }
+      throw ConfigError(str("resume: '", file->path, "' records ", differs, ": '",
+                            (fs::path(folder) / "manifest.json").string(),
+                            "' was modified or damaged after it was saved; resume from another step.",
+                            offer_newest(root_of(folder), folder)));
+    }
     // Files from another step, rank, world size or run (copied or swapped by
     // hand) stop here.
     if (step.toInt() != manifest.step || world_size.toInt() != manifest.world_size ||
@@ -409,7 +591,8 @@ void save_train_state(const std::string& dir, const TrainPosition& position, con
     }
   }
   write_rng_snapshot(rng_archive, capture_rng());
-  archive.write("format", c10::IValue(int64_t{2}));
+  const std::string layout = layout_json(shards.layout).dump();
+  archive.write("format", c10::IValue(kFormat));
   archive.write("tensors", tensors);
   archive.write("rng", rng_archive);
   archive.write("step", c10::IValue(position.step));
@@ -418,6 +601,9 @@ void save_train_state(const std::string& dir, const TrainPosition& position, con
   archive.write("world_size", c10::IValue(static_cast<int64_t>(world.size())));
   archive.write("model_signature", c10::IValue(identity.model_signature));
   archive.write("run_id", c10::IValue(identity.run_id));
+  archive.write("tp_rank", c10::IValue(static_cast<int64_t>(shards.tp_rank)));
+  archive.write("dp_rank", c10::IValue(static_cast<int64_t>(shards.dp_rank)));
+  archive.write("layout", c10::IValue(layout));
   std::ostringstream out;
   archive.save_to(out);
   const std::string bytes = out.str();
@@ -430,9 +616,9 @@ void save_train_state(const std::string& dir, const TrainPosition& position, con
                                at::kLong);
   at::Tensor all = at::empty({4 * world.size()}, at::kLong);
   world.allGather(all, mine)->wait();
-  const std::vector<std::string> layouts = gather_text(layout_json(shards.layout).dump(), world);
+  const std::vector<std::string> layouts = gather_text(layout, world);
   if (world.rank() == 0) {
-    nlohmann::json manifest = {{"format", 2},
+    nlohmann::json manifest = {{"format", kFormat},
                                {"step", position.step},
                                {"world_size", world.size()},
                                {"tp_size", shards.tp_size},
@@ -449,8 +635,18 @@ void save_train_state(const std::string& dir, const TrainPosition& position, con
                                    {"dp_rank", all[4 * r + 3].item<int64_t>()},
                                    {"tensors", nlohmann::json::parse(layouts[r])}});
     }
+    // Its own checksum, over its compact form without this field.
+    manifest["manifest_crc32"] = crc32_of(manifest.dump());
     write_atomically((fs::path(folder) / "manifest.json").string(), manifest.dump(1));
-    write_atomically((fs::path(dir) / "latest").string(), step_folder(position.step) + "\n");
+    const int64_t current = latest_step(dir);
+    if (current > position.step) {
+      // A later save of an earlier run this one resumed before: the newest
+      // save stays the one resumed by default.
+      log().info("saved step {} to '{}'; 'latest' still names step {}, which is later", position.step, dir,
+                 current);
+    } else {
+      write_atomically((fs::path(dir) / "latest").string(), step_folder(position.step) + "\n");
+    }
   }
   world.barrier()->wait();
 }
@@ -462,10 +658,17 @@ TrainPosition load_train_state(const std::string& dir, const TrainShards& shards
               "load_train_state: one layout per tensor (ZeroModel::parameters() and layout())");
   const std::string folder = resolve_save(dir);
   const std::string manifest_path = (fs::path(folder) / "manifest.json").string();
-  const Manifest manifest = read_manifest(manifest_path);
-  if (manifest.format < 2) {
-    throw ConfigError(str("resume: the save in '", folder, "' was written by an earlier remat, whose manifest "
-                          "records no shard layout: resume it with the remat that wrote it"));
+  const Manifest manifest = [&] {
+    try {
+      return read_manifest(manifest_path);
+    } catch (const ConfigError& e) {
+      throw ConfigError(str(e.what(), ".", offer_newest(root_of(folder), folder)));
+    }
+  }();
+  if (manifest.format < kFormat) {
+    throw ConfigError(str("resume: the save in '", folder, "' was written by an earlier remat (format ",
+                          manifest.format, "; this one reads ", kFormat,
+                          "), or its manifest was modified: resume it with the remat that wrote it"));
   }
   if (manifest.model != identity.model_signature) {
     throw ConfigError(str("resume: the save in '", folder, "' holds a model with ", manifest.model,
@@ -477,8 +680,8 @@ TrainPosition load_train_state(const std::string& dir, const TrainShards& shards
     if (saved != manifest.settings.end() && saved->second != value) {
       throw ConfigError(str("resume: the save in '", folder, "' was made with ", key, " = ",
                             saved->second, " but this run has ", value,
-                            ": the saved state is laid out for the former; resume with --set ", key,
-                            "=", saved->second, " (the file itself is fine)"));
+                            ": a resumed run keeps the settings its saved state depends on; resume with --set ",
+                            key, "=", saved->second, " (the save itself is fine), or start a new run"));
     }
   }
   if (manifest.tp_size != shards.tp_size) {

@@ -11,7 +11,9 @@
 // manifest records the run that wrote the save (run id), the model, every
 // setting that shapes the saved state, the tensor- and data-parallel sizes,
 // and for each rank file its size, CRC-32, tensor- and data-parallel rank and
-// layout: which elements of which model parameter each saved tensor holds.
+// layout: which elements of which model parameter each saved tensor holds,
+// and a CRC-32 of its own content (any edit of the manifest is refused); each
+// rank file repeats its own ranks and layout, checked against the manifest.
 // Resuming maps this rank's layout onto the saved ones, so a save resumes at
 // any data-parallel size and ZeRO stage (the same tensor-parallel size):
 // each element comes from a file that holds it (this rank's own file when the
@@ -61,13 +63,25 @@ struct SaveIdentity {
 // time (collective over `world`).
 std::string new_run_id(Communicator& world);
 
+struct SaveDirOptions {
+  // The run resumes (--resume): saves already in the folder may be continued.
+  bool resuming = false;
+  // --overwrite-saves: a new run may take a folder holding another run's
+  // saves (discard_saves_after removes them once the run has started).
+  bool overwrite = false;
+};
+
 // The save root of one run, held for the run's lifetime: created, checked
 // writable by every rank (a probe file), and locked by rank 0 so that a second
 // job given the same directory stops at its start naming the first one's pid
-// and host (collective over `world`). Released when destroyed or the process ends.
+// and host (collective over `world`). A `latest` that is not a regular file,
+// or (neither resuming nor overwriting) saves of another run there, are a
+// ConfigError before anything is trained. Released when destroyed or the
+// process ends.
 class SaveDirLock {
  public:
-  SaveDirLock(const std::string& dir, const std::string& run_id, Communicator& world);
+  SaveDirLock(const std::string& dir, const std::string& run_id, Communicator& world,
+              SaveDirOptions options = {});
   ~SaveDirLock();
   SaveDirLock(const SaveDirLock&) = delete;
   SaveDirLock& operator=(const SaveDirLock&) = delete;
@@ -76,7 +90,19 @@ class SaveDirLock {
   int fd_ = -1;
 };
 
+// Removes the saves in `dir` later than `step` (every one for step 0) and
+// points `latest` at the newest complete save left, or removes it: what
+// --overwrite-saves does once a run has started (after its resume). Rank 0
+// removes; collective over `world`. Returns the number of step folders removed.
+int discard_saves_after(const std::string& dir, int64_t step, Communicator& world);
+
+// The step `latest` in `dir` names, or -1 when there is none (or it names no
+// step folder).
+int64_t latest_step(const std::string& dir);
+
 // Writes this rank's state for `position.step` (collective over `world`).
+// `latest` moves to it unless it names a later step (of an earlier run this
+// one resumed before its end): it never moves backwards.
 void save_train_state(const std::string& dir, const TrainPosition& position, const TrainShards& shards,
                       torch::optim::Optimizer& optimizer, const SaveIdentity& identity,
                       Communicator& world);
@@ -88,8 +114,9 @@ void save_train_state(const std::string& dir, const TrainPosition& position, con
 // data-parallel size (its own, when the size is unchanged: the run continues
 // bitwise). A missing, incomplete, damaged or inconsistent save, or one made
 // with another model, tensor-parallel size or setting, is a ConfigError
-// saying which (and, for a root whose latest save is unusable, naming the
-// newest complete step). Collective over `world`: every rank loads the same step.
+// saying which (and, for a save that is unusable, naming the newest step whose
+// manifest and rank files all verify). Collective over `world`: every rank
+// loads the same step.
 TrainPosition load_train_state(const std::string& dir, const TrainShards& shards,
                                torch::optim::Optimizer& optimizer, const SaveIdentity& identity,
                                Communicator& world);

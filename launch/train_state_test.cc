@@ -2,6 +2,7 @@
 // one-file export, under mpirun at 4 ranks: groups of 1 to 4 ranks (split from
 // the world) save and load, so that one job covers N != M both ways.
 #include <ATen/ATen.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
 #include <torch/serialize.h>
@@ -54,10 +55,16 @@ struct Trainer {
   std::unique_ptr<torch::optim::AdamW> optimizer;
   int64_t steps = 0;
 
-  Trainer(std::shared_ptr<Communicator> g, int stage, int hybrid = 0) : group(std::move(g)) {
+  // `freeze`: the first block's parameters are frozen (requires_grad false).
+  Trainer(std::shared_ptr<Communicator> g, int stage, int hybrid = 0, bool freeze = false) : group(std::move(g)) {
     layout = std::make_shared<ParallelLayout>(group, ParallelDims::from_world(group->size(), 1));
     at::manual_seed(5);
     model = models::Gpt(remat::testing::small_gpt(31, 2, /*dropout=*/0.0));
+    if (freeze) {
+      for (const auto& item : model->named_parameters()) {
+        if (item.key().rfind("blocks.0.", 0) == 0) item.value().requires_grad_(false);
+      }
+    }
     std::vector<std::shared_ptr<torch::nn::Module>> units;
     for (const auto& b : *model->blocks) units.push_back(b);
     ZeroConfig zc;
@@ -285,6 +292,9 @@ TEST(Export, TensorParallelShardsAreGatheredWhole) {
   parallel::ZeroModel zero(*model, units, l.dp_group(), zc, Bf16Config{}, parallel::sharded_parameters(*model));
   const auto params = consolidated_parameters(zero, *model);
   ASSERT_EQ(params.size(), plain->named_parameters().size());
+  // The size estimate counts shards at their whole size.
+  EXPECT_NEAR(static_cast<double>(estimated_export_bytes(*model)),
+              static_cast<double>(estimated_export_bytes(*plain)), 2.0);
   for (const auto& [name, value] : params) {
     EXPECT_EQ(value.sizes(), plain->named_parameters()[name].sizes()) << name;
   }
@@ -299,6 +309,70 @@ TEST(Export, TensorParallelShardsAreGatheredWhole) {
       }
     }
   }
+}
+
+// The export writes a temporary file of its own beside the path (a PATH.tmp
+// of the user's is left alone), refuses a path its rename would replace, and
+// reports a failed write as a plain Error (not a configuration error) leaving
+// nothing behind; the start-up checks refuse what the write would not do.
+// Each rank in its own folder, no collectives.
+TEST(Export, WritesBesideThePathAndRefusesWhatItWouldReplace) {
+  const std::string dir =
+      (fs::temp_directory_path() / str("remat_export_", ::getpid(), "_", world()->rank())).string();
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  at::manual_seed(5);
+  models::Gpt model(remat::testing::small_gpt(31, 2, 0.0));
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  for (const auto& item : model->named_parameters()) params.emplace_back(item.key(), item.value());
+  auto leftovers = [&] {
+    int n = 0;
+    for (const auto& e : fs::directory_iterator(dir)) n += e.path().filename().string().find(".tmp.") != std::string::npos;
+    return n;
+  };
+
+  const std::string path = dir + "/model.pt";
+  { std::ofstream(path + ".tmp") << "the user's"; }
+  check_export_path(path);
+  const int64_t bytes = write_model_file(path, params);
+  EXPECT_EQ(bytes, static_cast<int64_t>(fs::file_size(path)));
+  std::ifstream user(path + ".tmp");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(user), {}), "the user's");
+  EXPECT_EQ(leftovers(), 0);
+  // The estimate holds the file, with a margin of a few percent.
+  const int64_t estimate = estimated_export_bytes(*model);
+  EXPECT_GE(estimate, bytes);
+  EXPECT_LE(estimate, bytes + bytes / 20 + 64 * 1024);
+
+  const std::string link = dir + "/link.pt";
+  fs::create_symlink(path, link);
+  EXPECT_THAT(remat::testing::error_of<ConfigError>([&] { check_export_path(link); }),
+              ::testing::HasSubstr("is a symbolic link, not a regular file"));
+  EXPECT_THAT(remat::testing::error_of<ConfigError>([&] { check_export_path("/dev/full"); }),
+              ::testing::HasSubstr("'/dev/full' is a character device"));
+  EXPECT_THAT(remat::testing::error_of<ConfigError>([&] { check_export_path(dir); }),
+              ::testing::HasSubstr("is a directory"));
+  EXPECT_THAT(remat::testing::error_of<ConfigError>([&] { check_export_space(path, int64_t{1} << 60); }),
+              ::testing::HasSubstr("KiB) free: free space there"));
+
+  // Write failures: Error, never ConfigError; the symbolic link stays one.
+  auto write_error = [&](const std::string& to) -> std::string {
+    try {
+      write_model_file(to, params);
+    } catch (const ConfigError& e) {
+      ADD_FAILURE() << "a ConfigError for a failed write: " << e.what();
+      return "";
+    } catch (const Error& e) {
+      return e.what();
+    }
+    ADD_FAILURE() << "writing " << to << " did not fail";
+    return "";
+  };
+  EXPECT_THAT(write_error(link), ::testing::HasSubstr("cannot put the file there (it is a symbolic link now)"));
+  EXPECT_TRUE(fs::is_symlink(link));
+  EXPECT_THAT(write_error(dir + "/no/such/model.pt"), ::testing::HasSubstr("cannot create a file in"));
+  EXPECT_EQ(leftovers(), 0);
+  fs::remove_all(dir);
 }
 
 TEST(TrainState, DamagedOrForeignSavesAreClearErrors) {
@@ -325,8 +399,121 @@ TEST(TrainState, DamagedOrForeignSavesAreClearErrors) {
     EXPECT_NE(e.find("holds no values for elements"), std::string::npos) << e;
     EXPECT_NE(e.find("no.such.parameter"), std::string::npos) << e;
   }
+  // Another value of a recorded setting: the key, both values and what to do.
+  {
+    Trainer t(world(), 2);
+    SaveIdentity id = t.identity();
+    id.settings["optimizer.type"] = "Adam";
+    const std::string e = remat::testing::error_of<ConfigError>(
+        [&] { load_train_state(dir, t.shards(), *t.optimizer, id, *world()); });
+    EXPECT_NE(e.find("made with optimizer.type = AdamW but this run has Adam"), std::string::npos) << e;
+    EXPECT_NE(e.find("resume with --set optimizer.type=AdamW"), std::string::npos) << e;
+  }
   world()->barrier()->wait();
   if (world()->rank() == 0) fs::remove_all(dir);
+}
+
+// A manifest is protected by its own checksum: two parameter names of the
+// same size swapped (every field still well-formed) is refused naming it.
+TEST(TrainState, AnEditedManifestIsRefused) {
+  const std::string dir = job_dir("edited");
+  {
+    Trainer t(world(), 0);
+    t.step();
+    save_train_state(dir, {1, 0}, t.shards(), *t.optimizer, t.identity(), *world());
+  }
+  const std::string manifest = dir + "/step_00000001/manifest.json";
+  if (world()->rank() == 0) {
+    std::ifstream in(manifest);
+    std::string text((std::istreambuf_iterator<char>(in)), {});
+    in.close();
+    const std::string a = "\"blocks.0.ln1.weight\"", b = "\"blocks.0.ln2.weight\"";
+    for (size_t at = 0; (at = text.find(a, at)) != std::string::npos;) text.replace(at, a.size(), "\"SWAP\"");
+    for (size_t at = 0; (at = text.find(b, at)) != std::string::npos;) text.replace(at, b.size(), a);
+    for (size_t at = 0; (at = text.find("\"SWAP\"", at)) != std::string::npos;) text.replace(at, 6, b);
+    std::ofstream(manifest, std::ios::trunc) << text;
+  }
+  world()->barrier()->wait();
+  Trainer t(world(), 0);
+  const std::string e = remat::testing::error_of<ConfigError>(
+      [&] { load_train_state(dir, t.shards(), *t.optimizer, t.identity(), *world()); });
+  EXPECT_NE(e.find("manifest.json' was modified or damaged after it was saved"), std::string::npos) << e;
+  world()->barrier()->wait();
+  if (world()->rank() == 0) fs::remove_all(dir);
+}
+
+// `latest` never moves back to an earlier step; discard_saves_after removes
+// the later saves and points it at the newest one left.
+TEST(TrainState, LatestNeverMovesBack) {
+  const std::string dir = job_dir("latest");
+  auto latest = [&] {
+    std::ifstream in(dir + "/latest");
+    std::string name;
+    in >> name;
+    return name;
+  };
+  Trainer t(world(), 1);
+  t.step();
+  save_train_state(dir, {3, 0}, t.shards(), *t.optimizer, t.identity(), *world());
+  save_train_state(dir, {2, 0}, t.shards(), *t.optimizer, t.identity(), *world());
+  EXPECT_EQ(latest(), "step_00000003");
+  EXPECT_EQ(latest_step(dir), 3);
+  EXPECT_EQ(discard_saves_after(dir, 2, *world()), 1);
+  EXPECT_EQ(latest(), "step_00000002");
+  EXPECT_FALSE(fs::exists(dir + "/step_00000003"));
+  EXPECT_EQ(discard_saves_after(dir, 0, *world()), 1);
+  EXPECT_FALSE(fs::exists(dir + "/latest"));
+  world()->barrier()->wait();
+  if (world()->rank() == 0) fs::remove_all(dir);
+}
+
+
+// Frozen parameters travel with saves and exports: unchanged by training, in
+// the export, and restored by a resume at another stage (over values the
+// resuming model does not share).
+TEST(TrainState, FrozenParametersAreSavedExportedAndRestored) {
+  for (int save_stage : {3, 1}) {
+    const std::string dir = job_dir(str("frozen", save_stage));
+    std::map<std::string, at::Tensor> initial;
+    {
+      Trainer t(world(), save_stage, 0, /*freeze=*/true);
+      for (const auto& [k, v] : t.zero->full_parameters()) {
+        if (k.rfind("blocks.0.", 0) == 0) initial[k] = v;
+      }
+      ASSERT_FALSE(initial.empty());
+      for (int i = 0; i < 2; ++i) t.step();
+      save_train_state(dir, {2, 0}, t.shards(), *t.optimizer, t.identity(), *world());
+      export_model(dir + "/model.pt", *t.zero, *t.model, *world());
+      for (const auto& [k, v] : t.zero->full_parameters()) {
+        if (initial.count(k)) EXPECT_TRUE(at::equal(v, initial.at(k))) << "trained, stage " << save_stage << ": " << k;
+      }
+    }
+    world()->barrier()->wait();
+    std::ifstream in(dir + "/model.pt", std::ios::binary);
+    std::vector<char> data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    auto dict = torch::pickle_load(data).toGenericDict();
+    for (const auto& [k, v] : initial) {
+      ASSERT_TRUE(dict.contains(k)) << k;
+      EXPECT_TRUE(at::equal(dict.at(k).toTensor(), v)) << "exported, stage " << save_stage << ": " << k;
+    }
+    const int load_stage = save_stage == 3 ? 1 : 3;
+    Trainer t(world(), load_stage, 0, /*freeze=*/true);
+    {
+      at::NoGradGuard no_grad;
+      for (auto& p : t.zero->parameters()) {
+        if (!p.requires_grad()) p.zero_();  // what the load must overwrite
+      }
+    }
+    load_train_state(dir, t.shards(), *t.optimizer, t.identity(), *world());
+    t.step();
+    for (const auto& [k, v] : t.zero->full_parameters()) {
+      if (initial.count(k)) {
+        EXPECT_TRUE(at::equal(v, initial.at(k))) << "stage " << save_stage << " -> " << load_stage << ": " << k;
+      }
+    }
+    world()->barrier()->wait();
+    if (world()->rank() == 0) fs::remove_all(dir);
+  }
 }
 
 }  // namespace

@@ -10,8 +10,15 @@
 
 namespace remat::parallel {
 
-void all_reduce_gradients(const std::vector<at::Tensor>& params, Communicator& dp,
+void all_reduce_gradients(const std::vector<at::Tensor>& all_params, Communicator& dp,
                           int64_t bucket_size, int64_t& bytes) {
+  // A frozen parameter (requires_grad false) never gets a gradient: one of
+  // zeros would let weight decay or momentum move it.
+  std::vector<at::Tensor> trainable;
+  for (const auto& p : all_params) {
+    if (p.requires_grad()) trainable.push_back(p);
+  }
+  const std::vector<at::Tensor>& params = trainable;
   size_t start = 0;
   while (start < params.size()) {
     std::vector<at::Tensor> bucket;

@@ -93,7 +93,8 @@ std::unique_ptr<ShardingStrategy> make_stage3(
 
 // Averages the gradients of `params` over `dp` in buckets of at most
 // `bucket_size` elements (a parameter without a gradient takes part with
-// zeros); adds 2 x the bytes reduced to `bytes`.
+// zeros; a frozen one, requires_grad false, is left out and keeps no
+// gradient); adds 2 x the bytes reduced to `bytes`.
 void all_reduce_gradients(const std::vector<at::Tensor>& params, Communicator& dp,
                           int64_t bucket_size, int64_t& bytes);
 

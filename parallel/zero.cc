@@ -1,5 +1,6 @@
 #include "parallel/zero.h"
 
+#include <c10/core/GradMode.h>
 #include <torch/nn/module.h>
 
 #include <algorithm>
@@ -53,6 +54,21 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
     log_rank0().info("zero stage {}: hybrid sharding, data-parallel size {} = shard {} x replicate {} "
                      "(sharded within consecutive ranks, replicated across groups)",
                      config.stage, dp, hybrid, dp / hybrid);
+  }
+  // Every replica starts from data-parallel rank 0's weights, whatever each
+  // rank initialised (another seed, another file): a rank that built its
+  // model differently would otherwise train its own model.
+  if (dp > 1) {
+    c10::NoGradGuard no_grad;
+    std::vector<std::shared_ptr<Work>> pending;
+    std::vector<at::Tensor> tensors;
+    for (const auto& p : model.parameters()) tensors.push_back(p.detach());
+    for (const auto& b : model.buffers()) tensors.push_back(b.detach());
+    for (auto& t : tensors) {
+      REMAT_CHECK(t.is_contiguous(), "ZeroModel: a parameter or buffer is not contiguous");
+      pending.push_back(dp_group->broadcast(t, {0}));
+    }
+    for (auto& w : pending) w->wait();
   }
   shard_group_ = groups.shard;
   replicate_group_ = groups.replicate;

@@ -8,7 +8,9 @@
 // multiple of the shard group's size. Every rank keeps the whole parameters;
 // the optimizer steps this rank's 1/N of each bucket (a view of it, so the
 // step updates the parameters in place), and begin_forward all-gathers the
-// buckets once the step changed them. Stage 1 reduce-scatters the gradients at
+// buckets after every step: once the last micro-step's gradients reached the
+// shards (whatever optimizer steps them, and however it writes) or a shard
+// was changed in place. Stage 1 reduce-scatters the gradients at
 // the last micro-step; stage 2 reduce-scatters each bucket as soon as all its
 // gradients arrived, during the backward (overlap_comm: without waiting), so
 // only the shards' gradients outlive the backward.
@@ -37,7 +39,10 @@
 // the first block starts) and the head (fetched while the last block runs,
 // kept through the head's backward, freed when the first block's backward
 // begins), and is reduced in finish_backward: so its parameters must be used
-// only before the first unit and after the last one. At most two units are
+// only before the first unit and after the last one. When the backward of
+// what runs before the first unit needs a root parameter's data (a LayerNorm
+// after the embedding; an embedding's own backward does not), the root is
+// gathered again once the first unit's backward is done. At most two units are
 // gathered at once. Parameters
 // with fewer than stage3_param_persistence_threshold elements stay whole on every rank
 // (gradients all-reduced). Units are called through remat::forward, whose
@@ -45,6 +50,14 @@
 //
 // Stage 0: every rank holds every parameter; finish_backward all-reduces the
 // gradients (averaged) in buckets of reduce_bucket_size elements.
+//
+// Every stage: the model's parameters and buffers start as data-parallel
+// rank 0's (broadcast at construction, whatever each rank initialised).
+// Frozen parameters (requires_grad false when ZeroModel is built, e.g. the
+// base weights of a low-rank fine-tune) get no gradient, so the optimizer
+// skips them: stages 0-2 keep them whole on every rank, stage 3 shards them in
+// buffers of their own that are gathered for use and never reduced. They are
+// in parameters() and layout() (so saves hold them) and in full_parameters().
 //
 // Each stage is its own strategy behind ZeroModel (sharding_strategy.h):
 // data_parallel.cc for stage 0, zero_stage3.cc for stage 3.

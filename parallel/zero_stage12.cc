@@ -82,6 +82,14 @@ class Stage12 final : public ShardingStrategy {
   std::deque<size_t> in_flight_;  // launched, not yet completed (overlap_comm)
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::shared_ptr<HookTarget> target_;
+  // Frozen parameters (requires_grad false): whole on every rank, in no
+  // bucket, never given a gradient (what the optimizer skips).
+  std::vector<at::Tensor> frozen_;
+  // The shards received gradients (a step may follow) since the buckets were
+  // last made whole. An optimizer may update a shard without bumping its
+  // version counter (LibTorch 1.13's SGD writes through .data()), so the
+  // version counter alone cannot tell that a step happened.
+  bool stepped_ = false;
   int64_t peak_grad_bytes_ = 0;
   int64_t allgather_bytes_ = 0, reducescatter_bytes_ = 0, allreduce_bytes_ = 0;
 };
@@ -116,6 +124,10 @@ Stage12::Stage12(torch::nn::Module& model, const DpGroups& groups,
   std::reverse(params.begin(), params.end());
   int open[2] = {-1, -1};
   for (const auto& p : params) {
+    if (!p.requires_grad()) {
+      frozen_.push_back(p);
+      continue;
+    }
     REMAT_CHECK(p.scalar_type() == at::kFloat, "ZeroModel: parameters must be float32 (",
                 names_.at(p.unsafeGetTensorImpl()), " is ", c10::toString(p.scalar_type()), ")");
     const int kind = tp_sharded.count(p.unsafeGetTensorImpl()) ? 1 : 0;
@@ -152,11 +164,14 @@ Stage12::Stage12(torch::nn::Module& model, const DpGroups& groups,
     }
   }
   target_->owner = this;
+  int64_t frozen = 0;
+  for (const auto& p : frozen_) frozen += p.numel();
   log_rank0().info("zero stage {}: {} parameter elements in {} gradient buckets (reduce_bucket_size {}), "
-                   "optimizer state{} sharded over {} data-parallel ranks{}",
+                   "optimizer state{} sharded over {} data-parallel ranks{}{}",
                    settings_.stage, total, buckets_.size(), settings_.reduce_bucket_size,
                    settings_.stage == 2 ? " and gradients" : "", n,
-                   settings_.stage == 2 && settings_.overlap_comm ? "; reductions overlap the backward" : "");
+                   settings_.stage == 2 && settings_.overlap_comm ? "; reductions overlap the backward" : "",
+                   frozen > 0 ? str("; ", frozen, " frozen elements kept whole") : std::string());
 }
 
 Stage12::~Stage12() {
@@ -172,6 +187,7 @@ Stage12::~Stage12() {
 std::vector<at::Tensor> Stage12::parameters() const {
   std::vector<at::Tensor> out;
   for (const auto& b : buckets_) out.push_back(b.shard);
+  for (const auto& p : frozen_) out.push_back(p);
   return out;
 }
 
@@ -179,6 +195,7 @@ std::vector<ShardLayout> Stage12::layout() const {
   std::vector<ShardLayout> out;
   const int64_t r = groups_.shard->rank();
   for (const auto& b : buckets_) out.push_back(flat_layout(b.params, b.offsets, names_, r * b.chunk, b.chunk));
+  for (const auto& p : frozen_) out.push_back(flat_layout({p}, {0}, names_, 0, p.numel()));
   return out;
 }
 
@@ -188,10 +205,12 @@ std::map<std::string, at::Tensor> Stage12::full_parameters() {
   for (const auto& b : buckets_) {
     for (const auto& p : b.params) out[names_.at(p.unsafeGetTensorImpl())] = p.detach().clone();
   }
+  for (const auto& p : frozen_) out[names_.at(p.unsafeGetTensorImpl())] = p.detach().clone();
   return out;
 }
 
 bool Stage12::stale() const {
+  if (stepped_) return true;
   for (const auto& b : buckets_) {
     if (b.shard._version() != b.shard_version) return true;
   }
@@ -242,6 +261,7 @@ void Stage12::sync_parameters() {
     }
   }
   for (auto& b : buckets_) b.shard_version = b.shard._version();
+  stepped_ = false;
 }
 
 at::Tensor Stage12::finish_forward(const at::Tensor& loss) {
@@ -355,6 +375,9 @@ void Stage12::finish_backward(bool synchronize) {
     next_launch_ = 0;
     for (auto& b : buckets_) b.launched = false;
   }
+  // The shards hold this step's gradients: whatever the optimizer does next,
+  // the following forward gathers.
+  if (synchronize) stepped_ = true;
   for (auto& b : buckets_) {
     std::fill(b.arrived.begin(), b.arrived.end(), 0);
     b.arrivals = 0;
@@ -365,7 +388,7 @@ std::vector<GradGroup> Stage12::grad_groups(const std::vector<at::Tensor>& /*sha
                                             const std::shared_ptr<Communicator>& tp) const {
   std::vector<GradGroup> out{{{}, {groups_.shard, tp}}, {{}, {groups_.shard}}};
   for (const auto& b : buckets_) out[b.tp_sharded ? 0 : 1].tensors.push_back(b.shard);
-  return out;
+  return out;  // frozen parameters have no gradient
 }
 
 int64_t Stage12::grad_bytes_now() const {
@@ -385,6 +408,7 @@ int64_t Stage12::grad_bytes_now() const {
 ZeroStats Stage12::stats() const {
   ZeroStats s;
   for (const auto& b : buckets_) s.param_bytes += static_cast<int64_t>(b.flat.nbytes());
+  for (const auto& p : frozen_) s.param_bytes += static_cast<int64_t>(p.nbytes());
   s.grad_bytes = grad_bytes_now();
   s.peak_grad_bytes = std::max(peak_grad_bytes_, s.grad_bytes);
   s.allgather_bytes = allgather_bytes_;

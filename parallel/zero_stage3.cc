@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/nn/module.h>
 
 #include <unordered_set>
@@ -23,6 +24,7 @@ struct FlatGroup {
   std::vector<int64_t> offsets;
   int64_t numel = 0, padded = 0, shard_numel = 0;
   bool tp_sharded = false;
+  bool frozen = false;  // requires_grad false: gathered for use, never reduced or stepped
   at::Tensor full;   // [padded]; its storage holds data only while gathered
   at::Tensor shard;  // this rank's [shard_numel], the optimizer's parameter
   std::shared_ptr<Work> pending;
@@ -90,6 +92,7 @@ class Stage3 final : public ShardingStrategy {
   void free(Unit& unit);
   void reduce(Unit& unit);
   Unit* next_unit(const Unit& unit, int direction);
+  bool root_data_needed_in_backward(const at::Tensor& x) const;
   void track_gathered(int64_t delta);
   void track_gathered_units(int delta);
 
@@ -100,6 +103,11 @@ class Stage3 final : public ShardingStrategy {
   Stage3Settings settings_;
   std::vector<std::unique_ptr<Unit>> units_;  // blocks in order, then the root
   std::vector<at::Tensor> persistent_;
+  // A root parameter's backward needs its data after the first unit's
+  // backward (e.g. a LayerNorm before the first block): the root is gathered
+  // again then. Decided at each forward from the graph that reaches the
+  // first unit's input.
+  bool root_needed_before_first_unit_ = false;
   int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
   int gathered_units_ = 0, peak_gathered_units_ = 0;
   int64_t allgather_bytes_ = 0, reducescatter_bytes_ = 0, allreduce_bytes_ = 0;
@@ -139,6 +147,11 @@ class ZeroUnitHook final : public ModuleHook {
     static variable_list backward(AutogradContext* ctx, variable_list grads) {
       auto p = kept(ctx);
       p.zero->reduce(*p.unit);
+      // What runs next is the backward of the root's part before the first
+      // unit: gather the root if that part needs its parameters' data.
+      if (p.unit->index == 0 && p.zero->root_needed_before_first_unit_) {
+        p.zero->gather(*p.zero->units_.back(), /*wait=*/true);
+      }
       return {grads[0], at::Tensor(), at::Tensor()};
     }
   };
@@ -200,6 +213,7 @@ at::Tensor ZeroUnitHook::run(const at::Tensor& x,
     head_ready();
     return y;
   }
+  if (u.index == 0) zero_->root_needed_before_first_unit_ = zero_->root_data_needed_in_backward(x);
   const Pointers p{zero_, unit_};
   // The dummy keeps Enter on the graph when x does not require grad.
   static thread_local at::Tensor dummy = at::empty({0}).requires_grad_(true);
@@ -250,8 +264,13 @@ Stage3::Stage3(torch::nn::Module& model,
     unit->name = unit_params[i].first;
     unit->module = unit_modules[i];
     unit->index = i;
-    FlatGroup kinds[2];  // [0]: replicated across tensor-parallel ranks, [1]: tp-sharded
-    kinds[1].tp_sharded = true;
+    // [tp-sharded * 2 + frozen]: replicated across tensor-parallel ranks or
+    // sharded over them, trained or frozen.
+    FlatGroup kinds[4];
+    for (int k = 0; k < 4; ++k) {
+      kinds[k].tp_sharded = k >= 2;
+      kinds[k].frozen = k % 2 == 1;
+    }
     for (const auto& p : unit_params[i].second) {
       if (p.numel() < settings_.param_persistence_threshold) {
         persistent_.push_back(p);
@@ -259,7 +278,7 @@ Stage3::Stage3(torch::nn::Module& model,
       }
       REMAT_CHECK(p.scalar_type() == at::kFloat, "ZeroModel: parameters must be float32 (",
                   unit->name, " has ", c10::toString(p.scalar_type()), ")");
-      auto& g = kinds[tp_sharded.count(p.unsafeGetTensorImpl()) ? 1 : 0];
+      auto& g = kinds[(tp_sharded.count(p.unsafeGetTensorImpl()) ? 2 : 0) + (p.requires_grad() ? 0 : 1)];
       g.params.push_back(p);
       g.offsets.push_back(g.numel);
       g.numel += p.numel();
@@ -272,7 +291,7 @@ Stage3::Stage3(torch::nn::Module& model,
       for (size_t k = 0; k < g.params.size(); ++k) {
         g.full.narrow(0, g.offsets[k], g.params[k].numel()).copy_(g.params[k].reshape({-1}));
       }
-      g.shard = g.full.narrow(0, r * g.shard_numel, g.shard_numel).clone().requires_grad_(true);
+      g.shard = g.full.narrow(0, r * g.shard_numel, g.shard_numel).clone().requires_grad_(!g.frozen);
       if (compute != at::kFloat) g.full = at::zeros({g.padded}, g.full.options().dtype(compute));
       for (size_t k = 0; k < g.params.size(); ++k) {
         auto& p = g.params[k];
@@ -370,6 +389,7 @@ void Stage3::free(Unit& unit) {
 void Stage3::reduce(Unit& unit) {
   const int n = dp_->size();
   for (auto& g : unit.groups) {
+    if (g.frozen) continue;
     at::Tensor flat = at::zeros({g.padded}, g.shard.options().requires_grad(false));
     for (size_t k = 0; k < g.params.size(); ++k) {
       auto& p = g.params[k];
@@ -411,6 +431,41 @@ Unit* Stage3::next_unit(const Unit& unit, int direction) {
   Unit* next = units_[i].get();
   if (next->padded_numel() > settings_.prefetch_bucket_size) return nullptr;
   return next;
+}
+
+// Whether backpropagating into `x` (the first unit's input) reaches a root
+// parameter through an op whose backward reads the parameter's data. An
+// embedding's backward does not (it needs the indices only); anything else is
+// taken to (a LayerNorm, a linear layer before the first block).
+bool Stage3::root_data_needed_in_backward(const at::Tensor& x) const {
+  if (!x.requires_grad() || x.grad_fn() == nullptr) return false;
+  std::unordered_set<const void*> root;
+  for (const auto& g : units_.back()->groups) {
+    for (const auto& p : g.params) {
+      if (p.requires_grad()) root.insert(p.unsafeGetTensorImpl());
+    }
+  }
+  if (root.empty()) return false;
+  std::vector<torch::autograd::Node*> stack{x.grad_fn().get()};
+  std::unordered_set<torch::autograd::Node*> seen{x.grad_fn().get()};
+  while (!stack.empty()) {
+    torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    for (const auto& edge : node->next_edges()) {
+      torch::autograd::Node* next = edge.function.get();
+      if (next == nullptr) continue;
+      // Every consumer of a parameter is looked at, not only the first.
+      if (const auto* acc = dynamic_cast<const torch::autograd::AccumulateGrad*>(next)) {
+        if (root.count(acc->variable.unsafeGetTensorImpl()) &&
+            node->name().rfind("EmbeddingBackward", 0) != 0) {
+          return true;
+        }
+        continue;
+      }
+      if (seen.insert(next).second) stack.push_back(next);
+    }
+  }
+  return false;
 }
 
 void Stage3::begin_forward() {
@@ -474,7 +529,9 @@ std::vector<GradGroup> Stage3::grad_groups(const std::vector<at::Tensor>& sharde
   // sharded over tp, whole replicated.
   std::vector<GradGroup> out{{{}, {dp_, tp}}, {{}, {dp_}}};
   for (const auto& u : units_) {
-    for (const auto& g : u->groups) out[g.tp_sharded ? 0 : 1].tensors.push_back(g.shard);
+    for (const auto& g : u->groups) {
+      if (!g.frozen) out[g.tp_sharded ? 0 : 1].tensors.push_back(g.shard);
+    }
   }
   auto [sharded, replicated] = split_by(persistent_, sharded_tp);
   out.push_back({sharded, {tp}});

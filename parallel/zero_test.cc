@@ -4,7 +4,14 @@
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
 
 #include <cmath>
 
@@ -12,6 +19,7 @@
 #include "checkpointing/policy.h"
 #include "launch/step_counters.h"
 #include "models/gpt.h"
+#include "nn/module_call.h"
 #include "parallel/layers.h"
 #include "parallel/zero.h"
 #include "rng/rng_tracker.h"
@@ -43,6 +51,9 @@ struct TrainRun {
   std::map<std::string, int64_t> padded;
   int64_t recomputes_per_step = 0;
   int64_t params = 0;  // Ψ on this rank's model (tensor-parallel shard)
+  // Frozen parameters: bitwise unchanged by training, and given no gradient.
+  int frozen = 0;
+  bool frozen_unchanged = true, frozen_without_gradient = true;
 };
 
 struct TrainSetup {
@@ -60,7 +71,23 @@ struct TrainSetup {
   // Stages 1 and 2.
   bool contiguous_gradients = true, overlap_comm = false, reduce_scatter = true, allgather_partitions = true;
   int64_t allgather_bucket_size = 500000000;
+  std::string optimizer = "AdamW";  // AdamW, Adam or SGD
+  double lr = 1e-2;
+  // Freeze (requires_grad false) the first block and the token embedding, as
+  // a fine-tuning job freezes its base weights.
+  bool freeze = false;
 };
+
+std::unique_ptr<torch::optim::Optimizer> make_test_optimizer(const TrainSetup& s,
+                                                             std::vector<at::Tensor> params) {
+  if (s.optimizer == "SGD") {
+    return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(s.lr).momentum(0.9).weight_decay(0.01));
+  }
+  if (s.optimizer == "Adam") {
+    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(s.lr).weight_decay(0.01));
+  }
+  return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(s.lr).weight_decay(0.01));
+}
 
 TrainRun train(const TrainSetup& s) {
   const auto& l = layout(s.tp);
@@ -75,6 +102,16 @@ TrainRun train(const TrainSetup& s) {
   model_parallel_manual_seed(21, l.tp_rank());
   if (s.variant != "none") apply_activation_checkpointing(*model, PolicyOptions(ac));
   TrainRun run;
+  std::map<std::string, at::Tensor> frozen;
+  if (s.freeze) {
+    for (const auto& item : model->named_parameters()) {
+      if (item.key().rfind("blocks.0.", 0) == 0 || item.key().find("tok_emb") != std::string::npos) {
+        item.value().requires_grad_(false);
+        frozen[item.key()] = item.value().detach().clone();
+      }
+    }
+    run.frozen = static_cast<int>(frozen.size());
+  }
   for (const auto& p : model->parameters()) run.params += p.numel();
   std::vector<std::shared_ptr<torch::nn::Module>> units;
   for (const auto& b : *model->blocks) units.push_back(b);
@@ -92,7 +129,8 @@ TrainRun train(const TrainSetup& s) {
   bf16.enabled = s.bf16;
   ZeroModel zero(*model, units, l.dp_group(), zc, bf16, sharded_parameters(*model));
   for (const auto& p : zero.parameters()) EXPECT_EQ(p.scalar_type(), at::kFloat) << "fp32 masters";
-  torch::optim::AdamW optimizer(zero.parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  auto optimizer_ptr = make_test_optimizer(s, zero.parameters());
+  torch::optim::Optimizer& optimizer = *optimizer_ptr;
   for (int step = 0; step < s.steps; ++step) {
     const Counters before = Counters::read(&zero);
     const auto gathers0 = zero.gather_counts();
@@ -111,6 +149,9 @@ TrainRun train(const TrainSetup& s) {
       total += loss.item<double>();
     }
     if (s.clip > 0) zero.clip_grad_norm(s.clip, s.tp > 1 ? l.tp_group() : nullptr);
+    for (const auto& item : model->named_parameters()) {
+      if (frozen.count(item.key()) && item.value().grad().defined()) run.frozen_without_gradient = false;
+    }
     optimizer.step();
     at::Tensor t = at::full({1}, total, at::kDouble);
     l.dp_group()->allReduce(t, {ReduceOp::kAvg})->wait();
@@ -123,8 +164,12 @@ TrainRun train(const TrainSetup& s) {
     run.recomputes_per_step = this_step.recomputes;
   }
   run.stats = zero.stats();
+  for (const auto& [name, value] : zero.full_parameters()) {
+    if (frozen.count(name) && !at::equal(frozen.at(name), value)) run.frozen_unchanged = false;
+  }
   int64_t opt = 0;
   for (const auto& [key, state] : optimizer.state()) {
+    if (s.optimizer != "AdamW") break;
     auto& st = static_cast<torch::optim::AdamWParamState&>(*state);
     opt += st.exp_avg().nbytes() + st.exp_avg_sq().nbytes();
   }
@@ -463,6 +508,118 @@ TEST(Zero, HybridAndStage12MisuseIsAClearError) {
   // The next forward without begin_forward would use the weights of before the step.
   at::Tensor loss = model->loss(idx, idx);
   EXPECT_THAT(error_of<Error>([&] { zero.finish_forward(loss); }), HasSubstr("call begin_forward() before each forward"));
+}
+
+
+// Every optimizer remat offers at every stage, with and without frozen
+// parameters: the same training as stage 0. An optimizer may update its
+// parameters without bumping their version counters (LibTorch 1.13's SGD):
+// stages 1 and 2 must gather the stepped shards all the same. Frozen
+// parameters get no gradient (weight decay and momentum would move zeros) and
+// are bitwise unchanged, whole in the export.
+TEST(Zero, EveryOptimizerAtEveryStageWithAndWithoutFrozenParametersMatchesStage0) {
+  for (std::string optimizer : {"SGD", "Adam", "AdamW"}) {
+    for (bool freeze : {false, true}) {
+      TrainSetup s;
+      s.steps = 4;
+      s.optimizer = optimizer;
+      s.lr = optimizer == "SGD" ? 0.5 : 1e-2;
+      s.freeze = freeze;
+      s.stage = 0;
+      const TrainRun zero0 = train(s);
+      const std::string what = str(optimizer, freeze ? " with frozen parameters" : "");
+      if (freeze) {
+        EXPECT_GT(zero0.frozen, 0);
+        EXPECT_TRUE(zero0.frozen_unchanged) << what << " stage 0";
+        EXPECT_TRUE(zero0.frozen_without_gradient) << what << " stage 0";
+      }
+      for (int stage : {1, 2, 3}) {
+        s.stage = stage;
+        const TrainRun run = train(s);
+        expect_close_losses(zero0, run, str(what, ", stage ", stage));
+        EXPECT_TRUE(run.frozen_unchanged) << what << " stage " << stage;
+        EXPECT_TRUE(run.frozen_without_gradient) << what << " stage " << stage;
+      }
+    }
+  }
+}
+
+// Data-parallel replicas start from rank 0's weights, whatever each rank
+// initialised: a rank that seeded differently does not train its own model.
+TEST(Zero, ReplicasStartFromRankZerosWeights) {
+  const auto& l = layout(1);
+  for (int stage : {0, 1, 2, 3}) {
+    at::manual_seed(100 + l.dp_rank());  // another initialisation on every rank
+    models::Gpt model(remat::testing::small_gpt(11, 2, 0.0));
+    std::vector<std::shared_ptr<torch::nn::Module>> units;
+    for (const auto& b : *model->blocks) units.push_back(b);
+    ZeroConfig zc;
+    zc.stage = stage;
+    zc.stage3_param_persistence_threshold = 0;
+    ZeroModel zero(*model, units, l.dp_group(), zc, Bf16Config{});
+    for (const auto& [name, value] : zero.full_parameters()) {
+      at::Tensor first = value.clone();
+      l.dp_group()->broadcast(first, {0})->wait();
+      EXPECT_TRUE(at::equal(first, value)) << "stage " << stage << " " << name;
+    }
+  }
+}
+
+// A model whose root unit has a parameter used before the first unit and
+// needed by its backward (a LayerNorm after the embedding, kept in the root):
+// stage 3 gathers the root again for that backward and trains as stage 0.
+struct RootNormNetImpl : torch::nn::Module {
+  RootNormNetImpl() {
+    emb = register_module("emb", torch::nn::Embedding(13, 8));
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({8})));
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < 2; ++i) blocks->push_back(torch::nn::Linear(8, 8));
+    head = register_module("head", torch::nn::Linear(8, 13));
+  }
+  at::Tensor loss(const at::Tensor& idx) {
+    at::Tensor x = norm->forward(emb->forward(idx));
+    for (size_t i = 0; i < blocks->size(); ++i) x = at::tanh(remat::forward(blocks->ptr<torch::nn::LinearImpl>(i), x));
+    return at::cross_entropy_loss(head->forward(x).view({-1, 13}), idx.roll(-1, 1).view({-1}));
+  }
+  torch::nn::Embedding emb{nullptr};
+  torch::nn::LayerNorm norm{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(RootNormNet);
+
+std::vector<double> train_root_norm_net(int stage) {
+  const auto& l = layout(1);
+  at::manual_seed(5);
+  RootNormNet net;
+  std::vector<std::shared_ptr<torch::nn::Module>> units;
+  for (const auto& b : *net->blocks) units.push_back(b);
+  ZeroConfig zc;
+  zc.stage = stage;
+  zc.stage3_param_persistence_threshold = 0;
+  ZeroModel zero(*net, units, l.dp_group(), zc, Bf16Config{});
+  torch::optim::AdamW optimizer(zero.parameters(), torch::optim::AdamWOptions(1e-2));
+  std::vector<double> losses;
+  for (int step = 0; step < 3; ++step) {
+    for (auto& p : zero.parameters()) p.mutable_grad() = at::Tensor();
+    at::Tensor idx = at::arange(12, at::kLong).view({2, 6}).mul(l.dp_rank() + 1).add(step).remainder(13);
+    zero.begin_forward();
+    at::Tensor loss = zero.finish_forward(net->loss(idx));
+    loss.backward();
+    zero.finish_backward();
+    optimizer.step();
+    at::Tensor t = at::full({1}, loss.item<double>(), at::kDouble);
+    l.dp_group()->allReduce(t, {ReduceOp::kAvg})->wait();
+    losses.push_back(t.item<double>());
+  }
+  return losses;
+}
+
+TEST(Zero, Stage3GathersTheRootAgainForARootParameterBeforeTheFirstUnit) {
+  const std::vector<double> zero0 = train_root_norm_net(0);
+  const std::vector<double> zero3 = train_root_norm_net(3);
+  ASSERT_EQ(zero0.size(), zero3.size());
+  for (size_t i = 0; i < zero0.size(); ++i) EXPECT_NEAR(zero0[i], zero3[i], 1e-5) << "step " << i;
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdlib>
 
 #include "runtime/error.h"
@@ -307,8 +308,34 @@ TEST(Timeouts, UnansweredReceiveTimesOutWithAClearError) {
     EXPECT_THAT(msg, HasSubstr("recv(dtype=Float, shape=[3], src=0, tag=0) on rank 1 of " +
                                std::to_string(n) + " did not complete within 0.3 s"));
     EXPECT_THAT(msg, HasSubstr("REMAT_COMM_TIMEOUT_S"));
+    EXPECT_THAT(msg, HasSubstr("sent (or received) no matching message with this tag"));
   }
   comm->barrier()->wait();
+}
+
+// With REMAT_DEBUG_COLLECTIVES already set, a timeout does not advise running
+// with it: it says what the debug mode does and does not cover. (A collective
+// that times out ends the process's communication, so only a receive, which
+// is withdrawn, is timed out here; the collective's texts sit beside it in
+// mpi_communicator.cc's timeout_advice.)
+TEST_F(DebugCollectives, ATimeoutDoesNotAdviseTheDebugModeItRunsIn) {
+  auto comm = world();
+  const int n = comm->size(), r = comm->rank();
+  if (n == 1) return;  // no peer to wait for
+  if (r == 1) {
+    at::Tensor t = at::zeros({3});
+    SendRecvOptions opts;
+    opts.timeout = std::chrono::milliseconds(300);
+    auto work = comm->recv(t, 0, opts);
+    auto msg = error_of<TimeoutError>([&] { work->wait(); });
+    EXPECT_THAT(msg, HasSubstr("did not complete within 0.3 s"));
+    EXPECT_THAT(msg, ::testing::Not(HasSubstr("Run with REMAT_DEBUG_COLLECTIVES=1"))) << msg;
+    EXPECT_THAT(msg, HasSubstr("(REMAT_DEBUG_COLLECTIVES checks collectives, not send and recv)")) << msg;
+  }
+  // Collectives still pair up afterwards: the receive was withdrawn.
+  at::Tensor t = at::ones({2});
+  comm->allReduce(t)->wait();
+  EXPECT_TRUE(at::equal(t, at::full({2}, n, at::kFloat)));
 }
 
 TEST(Layout, GroupsAreAdjacentTensorParallelRanks) {

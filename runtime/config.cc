@@ -5,10 +5,12 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <initializer_list>
 #include <set>
 #include <sstream>
 #include <type_traits>
 
+#include "runtime/deepspeed_keys.h"
 #include "runtime/error.h"
 #include "runtime/json_schema.h"
 
@@ -24,13 +26,24 @@ using json_schema::inline_section;
 using json_schema::leaf;
 using json_schema::object;
 using json_schema::optional_leaf;
+using deepspeed_keys::deepspeed_only;
+using deepspeed_keys::deepspeed_only_top_level;
+using deepspeed_keys::deepspeed_only_zero;
+
+
+// `fields` followed by `more`.
+std::vector<Field> with(std::vector<Field> fields, std::vector<Field> more) {
+  for (auto& f : more) fields.push_back(std::move(f));
+  return fields;
+}
 
 // remat's schema: one table of fields per section, each bound to a struct
-// member (the sections and their defaults are declared in config.h).
+// member (the sections and their defaults are declared in config.h), and the
+// DeepSpeed keys remat recognises but refuses.
 using AC = ActivationCheckpointingConfig;
 
 const std::vector<Field>& schema() {
-  static const std::vector<Field> fields = {
+  static const std::vector<Field> fields = with({
       optional_leaf("train_batch_size", &Config::train_batch_size),
       optional_leaf("train_micro_batch_size_per_gpu",
                     &Config::train_micro_batch_size_per_gpu),
@@ -38,6 +51,7 @@ const std::vector<Field>& schema() {
                     &Config::gradient_accumulation_steps),
       leaf("gradient_clipping", &Config::gradient_clipping),
       leaf("steps_per_print", &Config::steps_per_print),
+      leaf("wall_clock_breakdown", &Config::wall_clock_breakdown),
       object("optimizer", &Config::optimizer,
              {leaf("type", &OptimizerConfig::type, {"AdamW", "Adam", "SGD"}),
               inline_section(
@@ -47,7 +61,12 @@ const std::vector<Field>& schema() {
                    leaf("eps", &OptimizerConfig::eps),
                    leaf("weight_decay", &OptimizerConfig::weight_decay),
                    leaf("momentum", &OptimizerConfig::momentum),
-                   leaf("nesterov", &OptimizerConfig::nesterov)})}),
+                   leaf("nesterov", &OptimizerConfig::nesterov),
+                   deepspeed_only("adam_w_mode", "remat chooses decoupled weight decay by optimizer.type",
+                                  "set optimizer.type to AdamW (true) or Adam (false)"),
+                   deepspeed_only("bias_correction", "remat's Adam and AdamW always correct the bias"),
+                   deepspeed_only("torch_adam", "remat's optimizers are LibTorch's own")}),
+              deepspeed_only("legacy_fusion", "remat's optimizers are LibTorch's own")}),
       object("scheduler", &Config::scheduler,
              {leaf("type", &SchedulerConfig::type,
                    {"none", "WarmupLR", "WarmupDecayLR"}),
@@ -58,10 +77,15 @@ const std::vector<Field>& schema() {
                    leaf("warmup_num_steps", &SchedulerConfig::warmup_num_steps),
                    leaf("warmup_type", &SchedulerConfig::warmup_type,
                         {"log", "linear"}),
-                   leaf("total_num_steps", &SchedulerConfig::total_num_steps)})}),
-      object("bf16", &Config::bf16, {leaf("enabled", &Bf16Config::enabled)}),
+                   leaf("total_num_steps", &SchedulerConfig::total_num_steps),
+                   deepspeed_only("last_batch_iteration",
+                                  "remat's schedule starts from the step a run resumes at")})}),
+      object("bf16", &Config::bf16,
+             {leaf("enabled", &Bf16Config::enabled),
+              deepspeed_only("immediate_grad_update",
+                             "remat's bf16 updates the fp32 master shards once per optimizer step")}),
       object("zero_optimization", &Config::zero_optimization,
-             {leaf("stage", &ZeroConfig::stage),
+             with({leaf("stage", &ZeroConfig::stage),
               leaf("reduce_bucket_size", &ZeroConfig::reduce_bucket_size),
               leaf("reduce_scatter", &ZeroConfig::reduce_scatter),
               leaf("allgather_bucket_size", &ZeroConfig::allgather_bucket_size),
@@ -72,7 +96,8 @@ const std::vector<Field>& schema() {
               leaf("stage3_param_persistence_threshold",
                    &ZeroConfig::stage3_param_persistence_threshold),
               leaf("overlap_comm", &ZeroConfig::overlap_comm),
-              leaf("contiguous_gradients", &ZeroConfig::contiguous_gradients)}),
+              leaf("contiguous_gradients", &ZeroConfig::contiguous_gradients)},
+                  deepspeed_only_zero())),
       object("activation_checkpointing", &Config::activation_checkpointing,
              {leaf("partition_activations", &AC::partition_activations),
               leaf("cpu_checkpointing", &AC::cpu_checkpointing),
@@ -99,7 +124,11 @@ const std::vector<Field>& schema() {
               leaf("warn_if_no_head", &ActivationOffloadingConfig::warn_if_no_head),
               leaf("head", &ActivationOffloadingConfig::head)}),
       object("tensor_parallel", &Config::tensor_parallel,
-             {leaf("size", &TensorParallelConfig::size)}),
+             {leaf("size", &TensorParallelConfig::size),
+              deepspeed_only("autotp_size",
+                             "remat's tensor parallelism is built into its model's layers, not applied to "
+                             "any model automatically",
+                             "set tensor_parallel.size")}),
       object("model", &Config::model,
              {leaf("n_layer", &ModelConfig::n_layer),
               leaf("n_head", &ModelConfig::n_head),
@@ -118,39 +147,70 @@ const std::vector<Field>& schema() {
               leaf("save_interval", &TrainConfig::save_interval),
               leaf("sample_chars", &TrainConfig::sample_chars),
               leaf("on_nonfinite", &TrainConfig::on_nonfinite, {"stop", "skip"})}),
-  };
+  }, deepspeed_only_top_level());
   return fields;
 }
 
+// Where the values a rule reads came from, for its error: the --set
+// overrides that set one of its keys (or a section holding one, or, for a
+// rule on a whole section, a key inside it), else the file.
+class Origin {
+ public:
+  Origin(std::string source, const std::vector<std::string>& overrides) : source_(std::move(source)) {
+    for (const auto& o : overrides) overrides_.emplace_back(o.substr(0, o.find('=')), o);
+  }
+
+  std::string operator()(std::initializer_list<std::string> keys) const {
+    auto within = [](const std::string& inner, const std::string& outer) {
+      return inner == outer || (inner.size() > outer.size() && inner.compare(0, outer.size(), outer) == 0 &&
+                                inner[outer.size()] == '.');
+    };
+    std::string named;
+    for (const auto& [key, text] : overrides_) {
+      for (const auto& k : keys) {
+        if (within(k, key) || within(key, k)) {
+          named += (named.empty() ? "--set " : " and --set ") + json_schema::preview(text);
+          break;
+        }
+      }
+    }
+    return named.empty() ? source_ : named;
+  }
+
+ private:
+  std::string source_;
+  std::vector<std::pair<std::string, std::string>> overrides_;  // key, whole override
+};
+
 // Checks that span several keys or need ranges.
-void check_values(const Config& c, const std::string& source) {
-  auto positive = [&](const char* path, std::optional<int64_t> v) {
-    if (v && *v < 1) fail(source, str("'", path, "' = ", *v, " must be at least 1"));
+void check_values(const Config& c, const Origin& at) {
+  auto positive = [&](const std::string& path, std::optional<int64_t> v) {
+    if (v && *v < 1) fail(at({path}), str("'", path, "' = ", *v, " must be at least 1"));
   };
   positive("train_batch_size", c.train_batch_size);
   positive("train_micro_batch_size_per_gpu", c.train_micro_batch_size_per_gpu);
   positive("gradient_accumulation_steps", c.gradient_accumulation_steps);
   if (c.gradient_clipping < 0) {
-    fail(source, str("'gradient_clipping' = ", c.gradient_clipping,
+    fail(at({"gradient_clipping"}), str("'gradient_clipping' = ", c.gradient_clipping,
                      " must be >= 0 (0 turns clipping off)"));
   }
-  if (c.steps_per_print < 1) fail(source, "'steps_per_print' must be at least 1");
+  if (c.steps_per_print < 1) fail(at({"steps_per_print"}), "'steps_per_print' must be at least 1");
   // The optimizer's own ranges, named by key (LibTorch would stop with a backtrace).
   const auto& o = c.optimizer;
-  if (o.lr <= 0) fail(source, str("'optimizer.params.lr' = ", o.lr, " must be > 0"));
+  if (o.lr <= 0) fail(at({"optimizer.params.lr"}), str("'optimizer.params.lr' = ", o.lr, " must be > 0"));
   for (int i = 0; i < 2; ++i) {
     if (o.betas[i] < 0 || o.betas[i] >= 1) {
-      fail(source, str("'optimizer.params.betas' [", o.betas[0], ", ", o.betas[1], "]: beta", i + 1,
+      fail(at({"optimizer.params.betas"}), str("'optimizer.params.betas' [", o.betas[0], ", ", o.betas[1], "]: beta", i + 1,
                        " must be in [0, 1)"));
     }
   }
-  if (o.eps <= 0) fail(source, str("'optimizer.params.eps' = ", o.eps, " must be > 0"));
+  if (o.eps <= 0) fail(at({"optimizer.params.eps"}), str("'optimizer.params.eps' = ", o.eps, " must be > 0"));
   if (o.weight_decay < 0) {
-    fail(source, str("'optimizer.params.weight_decay' = ", o.weight_decay, " must be >= 0"));
+    fail(at({"optimizer.params.weight_decay"}), str("'optimizer.params.weight_decay' = ", o.weight_decay, " must be >= 0"));
   }
-  if (o.momentum < 0) fail(source, str("'optimizer.params.momentum' = ", o.momentum, " must be >= 0"));
+  if (o.momentum < 0) fail(at({"optimizer.params.momentum"}), str("'optimizer.params.momentum' = ", o.momentum, " must be >= 0"));
   if (o.nesterov && (o.type != "SGD" || o.momentum <= 0)) {
-    fail(source, o.type != "SGD"
+    fail(at({"optimizer.params.nesterov", "optimizer.type", "optimizer.params.momentum"}), o.type != "SGD"
                      ? str("'optimizer.params.nesterov' applies to SGD only (optimizer.type is ", o.type,
                            "): remove it")
                      : std::string("'optimizer.params.nesterov' needs 'optimizer.params.momentum' > 0"));
@@ -158,78 +218,78 @@ void check_values(const Config& c, const std::string& source) {
   const auto& sc = c.scheduler;
   if (sc.type != "none") {
     if (sc.warmup_min_lr < 0) {
-      fail(source, str("'scheduler.params.warmup_min_lr' = ", sc.warmup_min_lr, " must be >= 0"));
+      fail(at({"scheduler.params.warmup_min_lr", "scheduler.type"}), str("'scheduler.params.warmup_min_lr' = ", sc.warmup_min_lr, " must be >= 0"));
     }
     if (sc.warmup_max_lr <= 0) {
-      fail(source, str("'scheduler.params.warmup_max_lr' = ", sc.warmup_max_lr,
+      fail(at({"scheduler.params.warmup_max_lr", "scheduler.type"}), str("'scheduler.params.warmup_max_lr' = ", sc.warmup_max_lr,
                        " must be > 0 (a negative rate climbs the loss)"));
     }
     if (sc.warmup_num_steps < 0) {
-      fail(source, str("'scheduler.params.warmup_num_steps' = ", sc.warmup_num_steps, " must be >= 0"));
+      fail(at({"scheduler.params.warmup_num_steps", "scheduler.type"}), str("'scheduler.params.warmup_num_steps' = ", sc.warmup_num_steps, " must be >= 0"));
     }
   }
   const auto& z = c.zero_optimization;
   if (z.stage < 0 || z.stage > 3) {
-    fail(source, str("'zero_optimization.stage' = ", z.stage, " must be 0, 1, 2 or 3"));
+    fail(at({"zero_optimization.stage"}), str("'zero_optimization.stage' = ", z.stage, " must be 0, 1, 2 or 3"));
   }
   if (z.reduce_bucket_size < 1) {
-    fail(source, str("'zero_optimization.reduce_bucket_size' = ", z.reduce_bucket_size,
+    fail(at({"zero_optimization.reduce_bucket_size"}), str("'zero_optimization.reduce_bucket_size' = ", z.reduce_bucket_size,
                      " must be at least 1 (elements per reduce)"));
   }
   if (z.allgather_bucket_size < 1) {
-    fail(source, str("'zero_optimization.allgather_bucket_size' = ", z.allgather_bucket_size,
+    fail(at({"zero_optimization.allgather_bucket_size"}), str("'zero_optimization.allgather_bucket_size' = ", z.allgather_bucket_size,
                      " must be at least 1 (elements per all-gather)"));
   }
   if (z.hybrid_shard_size < 0) {
-    fail(source, str("'zero_optimization.hybrid_shard_size' = ", z.hybrid_shard_size,
+    fail(at({"zero_optimization.hybrid_shard_size"}), str("'zero_optimization.hybrid_shard_size' = ", z.hybrid_shard_size,
                      " must be >= 0 (0 shards over every data-parallel rank)"));
   }
   if (z.hybrid_shard_size > 0 && z.stage == 0) {
-    fail(source, str("'zero_optimization.hybrid_shard_size' = ", z.hybrid_shard_size,
+    fail(at({"zero_optimization.hybrid_shard_size", "zero_optimization.stage"}), str("'zero_optimization.hybrid_shard_size' = ", z.hybrid_shard_size,
                      " shards within groups, but stage 0 shards nothing: set zero_optimization.stage "
                      "to 1, 2 or 3, or leave hybrid_shard_size out"));
   }
   if (z.stage3_prefetch_bucket_size < 0) {
-    fail(source, str("'zero_optimization.stage3_prefetch_bucket_size' = ", z.stage3_prefetch_bucket_size,
+    fail(at({"zero_optimization.stage3_prefetch_bucket_size"}), str("'zero_optimization.stage3_prefetch_bucket_size' = ", z.stage3_prefetch_bucket_size,
                      " must be >= 0 (0 turns prefetching off)"));
   }
   if (z.stage3_param_persistence_threshold < 0) {
-    fail(source, str("'zero_optimization.stage3_param_persistence_threshold' = ",
+    fail(at({"zero_optimization.stage3_param_persistence_threshold"}), str("'zero_optimization.stage3_param_persistence_threshold' = ",
                      z.stage3_param_persistence_threshold, " must be >= 0"));
   }
   if (c.scheduler.type == "WarmupDecayLR" &&
       c.scheduler.total_num_steps <= c.scheduler.warmup_num_steps) {
-    fail(source, str("scheduler WarmupDecayLR needs 'scheduler.params.total_num_steps' (",
+    fail(at({"scheduler.type", "scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps"}), str("scheduler WarmupDecayLR needs 'scheduler.params.total_num_steps' (",
                      c.scheduler.total_num_steps,
                      ") greater than 'scheduler.params.warmup_num_steps' (",
                      c.scheduler.warmup_num_steps, ")"));
   }
   const std::string ac = check_activation_checkpointing(c.activation_checkpointing);
-  if (!ac.empty()) fail(source, ac);
+  if (!ac.empty()) fail(at({"activation_checkpointing"}), ac);
   const auto& ao = c.activation_offloading;
   if (ao.min_offload_size < 0) {
-    fail(source, str("'activation_offloading.min_offload_size' = ", ao.min_offload_size,
+    fail(at({"activation_offloading.min_offload_size"}), str("'activation_offloading.min_offload_size' = ", ao.min_offload_size,
                      " must be >= 0 (bytes; 0 offloads every saved tensor)"));
   }
   if (ao.max_fwd_stash_size < 1) {
-    fail(source, str("'activation_offloading.max_fwd_stash_size' = ", ao.max_fwd_stash_size,
+    fail(at({"activation_offloading.max_fwd_stash_size"}), str("'activation_offloading.max_fwd_stash_size' = ", ao.max_fwd_stash_size,
                      " must be at least 1"));
   }
   if (c.tensor_parallel.size < 1) {
-    fail(source, str("'tensor_parallel.size' = ", c.tensor_parallel.size, " must be at least 1"));
+    fail(at({"tensor_parallel.size"}), str("'tensor_parallel.size' = ", c.tensor_parallel.size, " must be at least 1"));
   }
   const auto& m = c.model;
   for (auto [path, v] : {std::pair{"model.n_layer", m.n_layer}, {"model.n_head", m.n_head},
                          {"model.d_model", m.d_model}, {"model.d_ff", m.d_ff},
                          {"model.seq_len", m.seq_len}}) {
-    if (v < 1) fail(source, str("'", path, "' = ", v, " must be at least 1"));
+    if (v < 1) fail(at({path}), str("'", path, "' = ", v, " must be at least 1"));
   }
   if (m.d_model % m.n_head != 0) {
-    fail(source, str("'model.d_model' (", m.d_model, ") must be divisible by 'model.n_head' (",
+    fail(at({"model.d_model", "model.n_head"}), str("'model.d_model' (", m.d_model, ") must be divisible by 'model.n_head' (",
                      m.n_head, ")"));
   }
   if (m.dropout < 0 || m.dropout >= 1) {
-    fail(source, str("'model.dropout' = ", m.dropout, " must be in [0, 1)"));
+    fail(at({"model.dropout"}), str("'model.dropout' = ", m.dropout, " must be in [0, 1)"));
   }
   const auto& t = c.train;
   for (auto [path, v] : {std::pair{"train.steps", t.steps}, {"train.seed", t.seed},
@@ -237,10 +297,10 @@ void check_values(const Config& c, const std::string& source) {
                          {"train.eval_batches", t.eval_batches},
                          {"train.save_interval", t.save_interval},
                          {"train.sample_chars", t.sample_chars}}) {
-    if (v < 0) fail(source, str("'", path, "' = ", v, " must be >= 0"));
+    if (v < 0) fail(at({path}), str("'", path, "' = ", v, " must be >= 0"));
   }
   if (c.data.train_fraction <= 0 || c.data.train_fraction >= 1) {
-    fail(source, str("'data.train_fraction' = ", c.data.train_fraction, " must be in (0, 1)"));
+    fail(at({"data.train_fraction"}), str("'data.train_fraction' = ", c.data.train_fraction, " must be in (0, 1)"));
   }
 }
 
@@ -384,7 +444,7 @@ Config parse_config(const std::string& text, const std::string& source,
     config = Config{};
     json_schema::apply(source + " with --set overrides", "", schema(), root, &config);
   }
-  check_values(config, source);
+  check_values(config, Origin(source, overrides));
   return config;
 }
 

@@ -2,8 +2,11 @@
 //
 // Key names and defaults are DeepSpeed's wherever DeepSpeed has the key;
 // remat's own keys are documented in docs/config.md. Validation is strict:
-// an unknown key names its full path and the closest valid key, a wrong type
-// names path, expected and actual type, malformed JSON gives line and column.
+// every unknown key is named with its full path (and a valid key when one is
+// close), DeepSpeed keys remat does not implement are named with the reason,
+// a wrong type names path, expected and actual type, all of them in one
+// error; malformed JSON gives line and column. An error in a value given by
+// an override names the override ("--set train.steps=-1") as its source.
 //
 //   remat::Config cfg = remat::load_config("configs/default.json",
 //                                          {"activation_checkpointing.variant=full"});
@@ -207,6 +210,9 @@ struct Config {
   std::optional<int64_t> gradient_accumulation_steps;
   double gradient_clipping = 0.0;  // 0: off
   int steps_per_print = 10;
+  // DeepSpeed's wall_clock_breakdown: the trainer logs each step's forward,
+  // backward and optimizer-step times every steps_per_print steps.
+  bool wall_clock_breakdown = false;
   OptimizerConfig optimizer;
   SchedulerConfig scheduler;
   Bf16Config bf16;
@@ -228,7 +234,9 @@ struct Config {
 
 // Parses JSON text. `source` names it in errors (a path, "<default>").
 // `overrides` are "a.b.c=value" strings applied on top, validated the same way;
-// value is JSON (8, true, "x", [1,2]) or else taken as a plain string.
+// value is JSON (8, true, "x", [1,2]) or else taken as a plain string. A rule
+// broken by a value an override gave names that override ("--set a.b.c=value")
+// as the source, not `source`.
 Config parse_config(const std::string& text, const std::string& source,
                     const std::vector<std::string>& overrides = {});
 

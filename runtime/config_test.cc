@@ -278,6 +278,150 @@ TEST(Config, LoadsAFileAndNamesItInErrors) {
 }
 
 
+// A DeepSpeed config as launchers write it: every problem in one error, each
+// DeepSpeed key remat does not implement named with its reason, and no
+// far-fetched suggestion (fp16 is not offered bf16).
+TEST(Config, ARealDeepSpeedConfigListsEveryProblemInOneError) {
+  const std::string ds = R"({
+    "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16},
+    "bf16": {"enabled": false},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "adam_w_mode": true}},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": true},
+                          "overlap_comm": true, "round_robin_gradients": true, "stage3_max_live_parameters": 1e9},
+    "zero_allow_untested_optimizer": true,
+    "gradient_clipping": 1.0,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": 4,
+    "wall_clock_breakdown": false,
+    "flops_profiler": {"enabled": false},
+    "tensorboard": {"enabled": true},
+    "my_own_key": 1
+  })";
+  const std::string msg = config_error([&] { parse(ds); });
+  EXPECT_THAT(msg, HasSubstr("config error in test.json: 10 problems (nothing was applied):"));
+  for (const std::string& want : {
+           std::string("recognised DeepSpeed key, not supported by remat: 'fp16', because remat has no fp16 "
+                       "training with loss scaling; remove it (or set bf16.enabled"),
+           std::string("recognised DeepSpeed key, not supported by remat: 'optimizer.params.adam_w_mode', because"),
+           std::string("recognised DeepSpeed key, not supported by remat: 'zero_optimization.offload_optimizer', "
+                       "because remat keeps optimizer state on the device"),
+           std::string("'zero_optimization.round_robin_gradients'"),
+           std::string("'zero_optimization.stage3_max_live_parameters'"),
+           std::string("recognised DeepSpeed key, not supported by remat: 'zero_allow_untested_optimizer'"),
+           std::string("'train_batch_size' must be integer or null, got string \"auto\" (\"auto\" is filled in by "
+                       "a launcher"),
+           std::string("recognised DeepSpeed key, not supported by remat: 'flops_profiler'"),
+           std::string("recognised DeepSpeed key, not supported by remat: 'tensorboard'"),
+           std::string("unknown key 'my_own_key'\n"),
+           std::string("Valid keys at the top level: train_batch_size, "),
+       }) {
+    EXPECT_THAT(msg, HasSubstr(want)) << msg;
+  }
+  // wall_clock_breakdown is accepted: not among the problems.
+  EXPECT_EQ(msg.find("'wall_clock_breakdown'"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("did you mean"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("overlap_comm'?"), std::string::npos) << msg;
+}
+
+TEST(Config, ASuggestionIsMadeOnlyWhenReallyClose) {
+  // Close: a typo, a swapped pair, a different case, a prefix.
+  EXPECT_THAT(config_error([] { parse(R"({"wall_clock_breakdwn": true})"); }),
+              HasSubstr("unknown key 'wall_clock_breakdwn'; did you mean 'wall_clock_breakdown'?"));
+  EXPECT_THAT(config_error([] { parse(R"({"zero_optimisation": {}})"); }),
+              HasSubstr("did you mean 'zero_optimization'?"));
+  EXPECT_THAT(config_error([] { parse(R"({"optimizer": {"type": "sgd"}})"); }),
+              HasSubstr("did you mean \"SGD\"?"));
+  EXPECT_THAT(config_error([] { parse(R"({"zero_optimization": {"stag": 1}})"); }),
+              HasSubstr("unknown key 'zero_optimization.stag'; did you mean 'zero_optimization.stage'?"));
+  // Far: no suggestion, the valid keys instead.
+  for (const char* text : {R"({"fp32": {}})", R"({"wallclock": true})", R"({"zero_optimization": {"offload": 1}})",
+                           R"({"lr": 0.1})", R"({"optimizer": {"type": "Lamb"}})"}) {
+    const std::string msg = config_error([&] { parse(text); });
+    EXPECT_EQ(msg.find("did you mean"), std::string::npos) << msg;
+    EXPECT_THAT(msg, ::testing::AnyOf(HasSubstr("Valid keys"), HasSubstr("is not one of AdamW, Adam, SGD"))) << msg;
+  }
+  EXPECT_THAT(config_error([] { parse(R"({"fp32": {}})"); }),
+              HasSubstr("unknown key 'fp32'. Valid keys at the top level: "));
+  // Recognised keys that remat refuses are neither suggested nor listed as valid.
+  const std::string msg = config_error([] { parse(R"({"zero_optimization": {"offload": 1}})"); });
+  EXPECT_THAT(msg, HasSubstr("Valid keys in 'zero_optimization': stage, "));
+  EXPECT_EQ(msg.find("offload_optimizer"), std::string::npos) << msg;
+}
+
+TEST(Config, DeepSpeedKeysAreRecognisedInEverySectionAndThroughSet) {
+  for (const char* key : {"fp16", "amp", "zero_allow_untested_optimizer", "flops_profiler", "tensorboard", "wandb",
+                          "csv_monitor", "comms_logger", "autotuning", "elasticity", "data_efficiency",
+                          "compression_training", "aio", "sparse_attention", "curriculum_learning", "pipeline",
+                          "communication_data_type", "prescale_gradients", "gradient_predivide_factor",
+                          "sparse_gradients", "dump_state", "memory_breakdown", "checkpoint", "data_types"}) {
+    EXPECT_THAT(config_error([&] { parse(str("{\"", key, "\": {}}")); }),
+                HasSubstr(str("recognised DeepSpeed key, not supported by remat: '", key, "', because ")))
+        << key;
+  }
+  for (const char* key : {"offload_optimizer", "offload_param", "stage3_max_live_parameters",
+                          "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save", "sub_group_size",
+                          "round_robin_gradients", "zero_hpz_partition_size", "zero_quantized_weights",
+                          "zero_quantized_gradients", "elastic_checkpoint", "ignore_unused_parameters",
+                          "load_from_fp32_weights", "mics_shard_size"}) {
+    const std::string msg = config_error([&] { parse(str(R"({"zero_optimization": {")", key, "\": 1}}")); });
+    EXPECT_THAT(msg, HasSubstr(str("recognised DeepSpeed key, not supported by remat: 'zero_optimization.", key,
+                                   "', because ")))
+        << key;
+    EXPECT_THAT(msg, HasSubstr("; remove it")) << key;
+  }
+  EXPECT_THAT(config_error([] { parse("{}", {"fp16.enabled=true"}); }),
+              HasSubstr("config error in --set fp16.enabled=true: recognised DeepSpeed key, not supported by "
+                        "remat: 'fp16', because"));
+  EXPECT_THAT(config_error([] { parse("{}", {"zero_optimization.offload_param={\"device\": \"cpu\"}"}); }),
+              HasSubstr("'zero_optimization.offload_param', because remat keeps parameters on the device; remove "
+                        "it (or set zero_optimization.stage to 3"));
+  // The dump holds remat's keys only.
+  EXPECT_EQ(parse("{}").to_json().find("fp16"), std::string::npos);
+}
+
+TEST(Config, WallClockBreakdownIsAccepted) {
+  EXPECT_FALSE(parse("{}").wall_clock_breakdown);
+  Config c = parse(R"({"wall_clock_breakdown": true})");
+  EXPECT_TRUE(c.wall_clock_breakdown);
+  EXPECT_TRUE(parse_config(c.to_json(), "<dump>").wall_clock_breakdown);
+  EXPECT_TRUE(parse("{}", {"wall_clock_breakdown=true"}).wall_clock_breakdown);
+  EXPECT_THAT(config_error([] { parse(R"({"wall_clock_breakdown": 1})"); }),
+              HasSubstr("'wall_clock_breakdown' must be boolean, got integer 1"));
+}
+
+// remat-train passes --steps and --seed as the overrides train.steps=... and
+// train.seed=...: an error in such a value names the override, not the file
+// (or "<embedded default>") the rest came from.
+TEST(Config, AnErrorInAnOverriddenValueNamesTheOverride) {
+  auto embedded = [](std::vector<std::string> overrides) {
+    return config_error([&] { parse_config(default_config_text(), "<embedded default>", overrides); });
+  };
+  std::string msg = embedded({"train.steps=abc"});
+  EXPECT_THAT(msg, HasSubstr("config error in --set train.steps=abc: 'train.steps' must be integer"));
+  msg = embedded({"train.steps=-5"});
+  EXPECT_THAT(msg, HasSubstr("config error in --set train.steps=-5: 'train.steps' = -5 must be >= 0"));
+  EXPECT_EQ(msg.find("<embedded default>"), std::string::npos) << msg;
+  msg = embedded({"model.n_layer=8", "train.seed=-1"});
+  EXPECT_THAT(msg, HasSubstr("config error in --set train.seed=-1: 'train.seed' = -1 must be >= 0"));
+  msg = embedded({"optimizer.params.lr=0"});
+  EXPECT_THAT(msg, HasSubstr("config error in --set optimizer.params.lr=0: 'optimizer.params.lr' = 0"));
+  // A rule over several keys names the overrides among them.
+  msg = config_error([] { parse(R"({"model": {"d_model": 100, "n_head": 4}})", {"model.n_head=3"}); });
+  EXPECT_THAT(msg, HasSubstr("config error in --set model.n_head=3: 'model.d_model' (100) must be divisible"));
+  msg = config_error([] { parse("{}", {"model.n_head=3", "model.d_model=100"}); });
+  EXPECT_THAT(msg, HasSubstr("config error in --set model.n_head=3 and --set model.d_model=100: "));
+  // A section given whole, and a rule on a section.
+  msg = config_error([] { parse("{}", {R"(model={"n_layr": 2})"}); });
+  EXPECT_THAT(msg, HasSubstr(R"(config error in --set model={"n_layr": 2}: unknown key 'model.n_layr')"));
+  msg = config_error([] { parse("{}", {R"(model={"n_layer": 0})"}); });
+  EXPECT_THAT(msg, HasSubstr(R"(config error in --set model={"n_layer": 0}: 'model.n_layer' = 0)"));
+  msg = config_error([] { parse("{}", {"activation_checkpointing.variant=auto"}); });
+  EXPECT_THAT(msg, HasSubstr("config error in --set activation_checkpointing.variant=auto: "));
+  // What the file broke still names the file, overrides or not.
+  msg = config_error([] { parse(R"({"train": {"steps": -1}})", {"model.n_layer=2"}); });
+  EXPECT_THAT(msg, HasSubstr("config error in test.json: 'train.steps' = -1 must be >= 0"));
+}
+
 // Deep nesting is refused before anything recurses over it (a 100 000-deep
 // value in a file or a 60 000-deep one through --set crashed the parser's
 // callers), and messages quote a short prefix of long values.

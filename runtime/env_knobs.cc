@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <cstdlib>
 
 #include "runtime/error.h"
@@ -29,16 +30,22 @@ bool get_bool(const char* name) {
 std::chrono::milliseconds comm_timeout() {
   auto value = get(kCommTimeoutSeconds);
   if (!value) return std::chrono::seconds(300);
+  // Milliseconds are what a wait counts; beyond a week a deadline would only
+  // hide a hang (and 1e10 s overflowed the clock arithmetic, timing out at once).
+  constexpr double kMinSeconds = 0.001, kMaxSeconds = 604800;
+  double seconds = std::nan("");
   try {
     size_t used = 0;
-    double seconds = std::stod(*value, &used);
-    if (used == value->size() && seconds > 0) {
-      return std::chrono::milliseconds(static_cast<long long>(seconds * 1000));
-    }
-  } catch (const std::exception&) {
+    seconds = std::stod(*value, &used);
+    if (used != value->size()) seconds = std::nan("");
+  } catch (const std::exception&) {  // not a number, or beyond a double: refused below
+  }
+  if (std::isfinite(seconds) && seconds >= kMinSeconds && seconds <= kMaxSeconds) {
+    return std::chrono::milliseconds(std::llround(seconds * 1000));
   }
   throw ConfigError(str(kCommTimeoutSeconds, "='", *value,
-                        "' is not a positive number of seconds"));
+                        "' is not a number of seconds from 0.001 (1 ms) to 604800 (7 days): set it to how long "
+                        "a collective may take before the job gives up (default 300), or unset it"));
 }
 
 std::optional<std::chrono::milliseconds> fault_save_pause() {

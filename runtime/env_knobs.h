@@ -12,7 +12,8 @@ inline constexpr const char* kLogLevel = "REMAT_LOG_LEVEL";
 // 1: before each collective, ranks compare op, sequence number, dtype and shape
 // and raise an error naming both ranks on a mismatch.
 inline constexpr const char* kDebugCollectives = "REMAT_DEBUG_COLLECTIVES";
-// Seconds a collective may take before wait() throws remat::TimeoutError.
+// Seconds a collective may take before wait() throws remat::TimeoutError:
+// from 0.001 to 604800 (7 days); default 300.
 inline constexpr const char* kCommTimeoutSeconds = "REMAT_COMM_TIMEOUT_S";
 // remat-train's progress display: bar (one updating line) or lines (periodic
 // lines). remat-run sets it from whether its own stdout is a terminal.
@@ -30,7 +31,9 @@ std::optional<std::string> get(const char* name);
 // True for 1/true/yes/on (any case); false when unset. Anything else is an error.
 bool get_bool(const char* name);
 
-// Default collective timeout: REMAT_COMM_TIMEOUT_S, else 300 s.
+// Default collective timeout: REMAT_COMM_TIMEOUT_S, else 300 s. A value that
+// is not a finite number from 0.001 to 604800 seconds is a ConfigError naming
+// the variable, the value and the range.
 std::chrono::milliseconds comm_timeout();
 
 // REMAT_FAULT_SAVE_PAUSE_MS as a duration (nullopt when unset); anything but a

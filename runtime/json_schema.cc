@@ -1,6 +1,7 @@
 #include "runtime/json_schema.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <set>
 #include <sstream>
@@ -60,6 +61,14 @@ const char* kind_name(Kind kind) {
   return "?";
 }
 
+Field refused(const char* name, std::function<std::string(const std::string& path)> message) {
+  Field field;
+  field.name = name;
+  field.kind = Kind::kObject;  // never read: the key is refused before its value is looked at
+  field.refusal = std::move(message);
+  return field;
+}
+
 Field inline_section(const char* name, std::vector<Field> children) {
   Field field;
   field.name = name;
@@ -73,29 +82,47 @@ Field inline_section(const char* name, std::vector<Field> children) {
 
 namespace {
 
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diagonal = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      size_t above = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1,
-                         diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diagonal = above;
-    }
-  }
-  return row[b.size()];
+std::string lowered(const std::string& s) {
+  std::string out = s;
+  std::transform(out.begin(), out.end(), out.begin(), [](unsigned char c) { return std::tolower(c); });
+  return out;
 }
 
+// Edits between a and b: insertions, deletions, substitutions and swaps of
+// two adjacent characters (modle -> model is one).
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<std::vector<size_t>> d(a.size() + 1, std::vector<size_t>(b.size() + 1));
+  for (size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
+  for (size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    for (size_t j = 1; j <= b.size(); ++j) {
+      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1,
+                          d[i - 1][j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) {
+        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+      }
+    }
+  }
+  return d[a.size()][b.size()];
+}
+
+// The option `name` was probably meant to be, or "" when none is really
+// close: case is ignored, and at most one edit per four characters of `name`
+// beyond the first (at most three) is allowed, or `name` (three characters
+// or more) begins the option. A suggestion that is far off ("fp16" for
+// "bf16", "zero_optimization" for "wall_clock_breakdown") misleads more than
+// none.
 std::string closest(const std::string& name, const std::vector<std::string>& options) {
   // Edit distance is quadratic: a name far longer than any option is like none of them.
-  if (name.size() > 100) return options.empty() ? std::string() : options.front();
+  if (name.size() > 100 || name.empty()) return "";
+  const std::string low = lowered(name);
+  const size_t limit = std::min<size_t>(3, (name.size() - 1) / 4);
   std::string best;
   size_t best_distance = SIZE_MAX;
   for (const auto& option : options) {
-    size_t d = edit_distance(name, option);
+    const std::string candidate = lowered(option);
+    size_t d = edit_distance(low, candidate);
+    if (d > limit && !(low.size() >= 3 && candidate.compare(0, low.size(), low) == 0)) continue;
     if (d < best_distance) {
       best_distance = d;
       best = option;
@@ -114,9 +141,12 @@ std::string join_path(const std::string& prefix, const std::string& name) {
   return prefix.empty() ? name : prefix + "." + name;
 }
 
+// The keys a section accepts (refused ones are not offered).
 std::vector<std::string> names_of(const std::vector<Field>& fields) {
   std::vector<std::string> names;
-  for (const auto& f : fields) names.push_back(f.name);
+  for (const auto& f : fields) {
+    if (!f.refusal) names.push_back(f.name);
+  }
   return names;
 }
 
@@ -128,27 +158,41 @@ std::vector<std::string> names_of(const std::vector<Field>& fields) {
 
 namespace {
 
+std::string where(const std::string& path) {
+  return path.empty() ? "at the top level" : "in '" + path + "'";
+}
+
+// "unknown key 'a.b'", with "; did you mean 'a.c'?" when a valid key is close.
+std::string unknown_key(const std::string& path, const std::string& name, const std::vector<Field>& fields) {
+  const std::string prefix = path.empty() ? "" : path + ".";
+  const std::string near = closest(name, names_of(fields));
+  return str("unknown key '", prefix, preview(name), "'",
+             near.empty() ? std::string() : "; did you mean '" + prefix + near + "'?");
+}
+
+std::string valid_keys(const std::string& path, const std::vector<Field>& fields) {
+  return str("Valid keys ", where(path), ": ", join(names_of(fields)));
+}
+
+// One unknown key, with the valid keys of its section.
 std::string unknown_key_message(const std::string& path, const std::string& name,
                                 const std::vector<Field>& fields) {
-  auto names = names_of(fields);
-  std::string prefix = path.empty() ? "" : path + ".";
-  return str("unknown key '", prefix, preview(name), "'; did you mean '", prefix,
-             closest(name, names), "'? Valid keys ",
-             path.empty() ? "at the top level" : "in '" + path + "'", ": ",
-             join(names));
+  const std::string line = unknown_key(path, name, fields);
+  return line + (line.back() == '?' ? " " : ". ") + valid_keys(path, fields);
 }
 
 // `typed`: the text an override gave, quoted in messages instead of the
 // parsed value (99999999999999999999 rather than 1e+20).
-void check_type(const std::string& source, const std::string& path, const Field& field,
-                const json& value, const std::string* typed = nullptr) {
+// What is wrong with `value` for `field` at `path`, or "" when nothing is.
+std::string type_problem(const std::string& path, const Field& field, const json& value,
+                         const std::string* typed = nullptr) {
   auto shown = [&] { return typed != nullptr && !value.is_string() ? preview(*typed) : preview(value); };
-  if (value.is_null() && field.nullable) return;
+  if (value.is_null() && field.nullable) return "";
   // 1e999 parses as infinity: refused by name before any range or conversion.
   auto finite = [](const json& v) { return !v.is_number_float() || std::isfinite(v.get<double>()); };
   if (!finite(value) ||
       (value.is_array() && !std::all_of(value.begin(), value.end(), finite))) {
-    fail(source, str("'", path, "' = ", shown(), " is not a finite number"));
+    return str("'", path, "' = ", shown(), " is not a finite number");
   }
   bool ok = false;
   switch (field.kind) {
@@ -171,9 +215,13 @@ void check_type(const std::string& source, const std::string& path, const Field&
     case Kind::kObject: ok = value.is_object(); break;
   }
   if (!ok) {
-    fail(source, str("'", path, "' must be ", kind_name(field.kind),
-                     field.nullable ? " or null" : "", ", got ",
-                     json_type_name(value), " ", shown()));
+    // Launchers that fill values in (Hugging Face's Trainer) write "auto".
+    const bool auto_value = value.is_string() && value.get_ref<const std::string&>() == "auto";
+    return str("'", path, "' must be ", kind_name(field.kind), field.nullable ? " or null" : "", ", got ",
+               json_type_name(value), " ", shown(),
+               auto_value ? std::string(" (\"auto\" is filled in by a launcher such as Hugging Face's "
+                                        "Trainer; remat fills nothing in: give a value or leave the key out)")
+                          : std::string());
   }
   if (field.kind == Kind::kInt) {
     // Compared as they were parsed (no conversion that could overflow first).
@@ -188,43 +236,114 @@ void check_type(const std::string& source, const std::string& path, const Field&
       in_range = v >= field.min_value && v <= field.max_value;
     }
     if (!in_range) {
-      fail(source, str("'", path, "' = ", shown(), " is out of range: it must be an integer from ",
-                       static_cast<int64_t>(field.min_value), " to ",
-                       static_cast<int64_t>(field.max_value)));
+      return str("'", path, "' = ", shown(), " is out of range: it must be an integer from ",
+                 static_cast<int64_t>(field.min_value), " to ", static_cast<int64_t>(field.max_value));
     }
   }
   if (!field.choices.empty()) {
     const auto& s = value.get_ref<const std::string&>();
     if (std::find(field.choices.begin(), field.choices.end(), s) == field.choices.end()) {
-      fail(source, str("'", path, "' = ", shown(), " is not one of ",
-                       join(field.choices), "; did you mean \"",
-                       closest(s, field.choices), "\"?"));
+      const std::string near = closest(s, field.choices);
+      return str("'", path, "' = ", shown(), " is not one of ", join(field.choices),
+                 near.empty() ? std::string() : "; did you mean \"" + near + "\"?");
+    }
+  }
+  return "";
+}
+
+void check_type(const std::string& source, const std::string& path, const Field& field,
+                const json& value, const std::string* typed = nullptr) {
+  const std::string problem = type_problem(path, field, value, typed);
+  if (!problem.empty()) fail(source, problem);
+}
+
+// What is wrong in a document: the first kListed problems in words (a
+// document of thousands of stray keys gets a message of bounded size, in
+// bounded time), all of them counted, and the sections with unknown keys.
+struct Problems {
+  static constexpr size_t kListed = 30;
+  std::vector<std::string> listed;
+  size_t total = 0;
+  std::vector<std::pair<std::string, const std::vector<Field>*>> sections;
+  bool listing() const { return listed.size() < kListed; }
+  void add(std::string problem) {
+    ++total;
+    if (listing()) listed.push_back(std::move(problem));
+  }
+};
+
+// Every unknown key, refused key and wrong type in `object` and in the
+// sections it holds.
+void collect_problems(const std::string& path, const std::vector<Field>& fields, const json& object,
+                      Problems& problems) {
+  for (const auto& [name, value] : object.items()) {
+    auto it = std::find_if(fields.begin(), fields.end(), [&](const Field& f) { return f.name == name; });
+    const std::string child_path = join_path(path, name);
+    if (it == fields.end()) {
+      problems.add(problems.listing() ? unknown_key(path, name, fields) : std::string());
+      auto& sections = problems.sections;
+      if (std::none_of(sections.begin(), sections.end(), [&](const auto& s) { return s.first == path; })) {
+        sections.emplace_back(path, &fields);
+      }
+    } else if (it->refusal) {
+      problems.add(it->refusal(child_path));
+    } else if (std::string problem = type_problem(child_path, *it, value); !problem.empty()) {
+      problems.add(std::move(problem));
+    } else if (it->kind == Kind::kObject) {
+      collect_problems(child_path, it->children, value, problems);
     }
   }
 }
 
-}  // namespace
+// Fails when `object` has any problem: one alone as it is, several as a list
+// followed by the valid keys of each section with unknown ones.
+void check_object(const std::string& source, const std::string& path, const std::vector<Field>& fields,
+                  const json& object) {
+  Problems problems;
+  collect_problems(path, fields, object, problems);
+  if (problems.total == 0) return;
+  const auto& sections = problems.sections;
+  if (problems.total == 1) {
+    const std::string& only = problems.listed.front();
+    if (sections.empty()) fail(source, only);
+    fail(source, only + (only.back() == '?' ? " " : ". ") + valid_keys(sections[0].first, *sections[0].second));
+  }
+  std::string message = str(problems.total, " problems (nothing was applied):");
+  for (const auto& p : problems.listed) message += "\n  - " + p;
+  if (problems.total > problems.listed.size()) {
+    message += str("\n  - ... and ", problems.total - problems.listed.size(), " more");
+  }
+  for (const auto& [section, section_fields] : sections) message += "\n  " + valid_keys(section, *section_fields);
+  fail(source, message);
+}
 
-// Validates `object` against `fields` and stores every present value.
-void apply(const std::string& source, const std::string& path,
-           const std::vector<Field>& fields, const json& object, void* target) {
+// Stores every value of `object` (validated by check_object) into `target`.
+void assign(const std::vector<Field>& fields, const json& object, void* target) {
   for (const auto& [name, value] : object.items()) {
-    auto it = std::find_if(fields.begin(), fields.end(),
-                           [&](const Field& f) { return f.name == name; });
-    if (it == fields.end()) fail(source, unknown_key_message(path, name, fields));
-    std::string child_path = join_path(path, name);
-    check_type(source, child_path, *it, value);
+    auto it = std::find_if(fields.begin(), fields.end(), [&](const Field& f) { return f.name == name; });
+    if (it == fields.end() || it->refusal) continue;
     if (it->kind == Kind::kObject) {
-      apply(source, child_path, it->children, value, it->member(target));
+      assign(it->children, value, it->member(target));
     } else {
       it->assign(value, target);
     }
   }
 }
 
+
+}  // namespace
+
+// Validates all of `object` against `fields`, then stores every present value.
+void apply(const std::string& source, const std::string& path,
+           const std::vector<Field>& fields, const json& object, void* target) {
+  check_object(source, path, fields, object);
+  assign(fields, object, target);
+}
+
 json dump(const std::string& path, const std::vector<Field>& fields, const void* target) {
   json out = json::object();
   for (const auto& field : fields) {
+    if (field.refusal) continue;
     std::string child_path = join_path(path, field.name);
     if (field.kind == Kind::kObject) {
       out[field.name] = dump(child_path, field.children, field.member_const(target));
@@ -327,6 +446,7 @@ const Field& find_field(const std::vector<Field>& schema, const std::string& sou
     if (it == fields->end()) fail(source, unknown_key_message(path, part, *fields));
     found = &*it;
     path = join_path(path, part);
+    if (found->refusal) fail(source, found->refusal(path));
   }
   if (found == nullptr) fail(source, "an empty key cannot be set");
   return *found;
@@ -354,6 +474,9 @@ void apply_override(json& root, const std::vector<Field>& schema, const std::str
   // Checked here as well, so that messages quote the value as it was typed.
   // (A section must be given an object, so later overrides can walk into it.)
   check_type(source, dotted, field, value, &raw);
+  // A whole section (model={"n_layer": 2}) is checked here too, so that its
+  // errors name this override.
+  if (field.kind == Kind::kObject) check_object(source, dotted, field.children, value);
   json* node = &root;
   std::stringstream parts(dotted);
   std::string part;

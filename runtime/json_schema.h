@@ -1,9 +1,10 @@
 // A strict JSON-to-struct engine: a table of fields, each bound to a struct
-// member, validates a JSON document (unknown keys with the closest valid
-// key, wrong types with path, expected and actual type, duplicate keys,
-// malformed JSON with line and column), fills the structs, applies
-// "a.b.c=value" overrides and dumps the structs back. It knows no schema:
-// runtime/config.cc holds remat's.
+// member, validates a JSON document (every unknown key, with a valid key only
+// when one is really close; keys the schema recognises but refuses, with its
+// reason; wrong types with path, expected and actual type: all of them in one
+// error; duplicate keys, malformed JSON with line and column), fills the
+// structs, applies "a.b.c=value" overrides and dumps the structs back. It
+// knows no schema: runtime/config.cc holds remat's.
 //
 //   struct Section { int size = 1; };
 //   struct Root { Section section; };
@@ -47,6 +48,9 @@ struct Field {
   // Objects: the member struct inside the enclosing struct.
   std::function<void*(void*)> member;
   std::function<const void*(const void*)> member_const;
+  // Set for a key the schema recognises but does not accept (refused()): the
+  // message for the key at `path`, saying why and what to do instead.
+  std::function<std::string(const std::string& path)> refusal;
 };
 
 template <typename T>
@@ -146,6 +150,11 @@ Field object(const char* name, M S::*member, std::vector<Field> children) {
 // optimizer.params and scheduler.params).
 Field inline_section(const char* name, std::vector<Field> children);
 
+// A key that is recognised but refused whatever its value: `message(path)`
+// is the error (why, and what to do). It is neither dumped nor offered as a
+// valid key.
+Field refused(const char* name, std::function<std::string(const std::string& path)> message);
+
 // Throws ConfigError "config error in <source>: <message>".
 [[noreturn]] void fail(const std::string& source, const std::string& message);
 
@@ -154,7 +163,9 @@ Field inline_section(const char* name, std::vector<Field> children);
 json parse_strict(const std::string& text, const std::string& source);
 
 // Validates `object` against `fields` (at dotted `path`) and stores every
-// present value into `target`, the struct the fields are bound to.
+// present value into `target`, the struct the fields are bound to. Every
+// unknown key, refused key and wrong type in `object` is listed in one
+// ConfigError, and then nothing is stored.
 void apply(const std::string& source, const std::string& path, const std::vector<Field>& fields,
            const json& object, void* target);
 
@@ -162,7 +173,8 @@ void apply(const std::string& source, const std::string& path, const std::vector
 json dump(const std::string& path, const std::vector<Field>& fields, const void* target);
 
 // Applies "a.b.c=value" to the document `root` (value is JSON, else a plain
-// string); an unknown key fails with the closest valid one.
+// string); an unknown key fails (with a valid one when one is close), as does
+// a refused one. Errors name "--set a.b.c=value" as their source.
 void apply_override(json& root, const std::vector<Field>& fields, const std::string& text);
 
 }  // namespace remat::json_schema

@@ -123,11 +123,42 @@ at::Tensor writable(at::Tensor& t, std::vector<std::function<void()>>& finish) {
   return buffer;
 }
 
+// What a wait that timed out was for, and so what its error advises.
+enum class Waited { kPointToPoint, kCollective, kDebugCheck };
+
+// The advice of a timeout error: what the user can look at or change. With
+// REMAT_DEBUG_COLLECTIVES on (`debug`), running with it is no advice: what its
+// check established is.
+std::string timeout_advice(Waited waited, bool debug) {
+  const char* slow = "raise REMAT_COMM_TIMEOUT_S if it is only slow";
+  switch (waited) {
+    case Waited::kPointToPoint:
+      return str("the peer may have exited or stalled, or sent (or received) no matching message with this "
+                 "tag", debug ? " (REMAT_DEBUG_COLLECTIVES checks collectives, not send and recv)" : "",
+                 "; ", slow, ", or give the call a longer timeout");
+    case Waited::kCollective:
+      if (debug) {
+        return str("REMAT_DEBUG_COLLECTIVES is on and its check passed, so every rank called this same "
+                   "collective: a peer exited or stalled inside it, or the transport hangs. The peers' own "
+                   "errors name what they were doing; ", slow);
+      }
+      return str("a peer may have exited, stalled, or called a different collective. Run with "
+                 "REMAT_DEBUG_COLLECTIVES=1 to compare the calls across ranks, or ", slow);
+    case Waited::kDebugCheck:
+      return str("REMAT_DEBUG_COLLECTIVES is on and not every rank reached this collective's check (a rank "
+                 "that called another collective, or this one with another sequence number, would have been "
+                 "named as a mismatch): a peer exited, stalled, or is busy elsewhere (computing, another "
+                 "communicator, I/O) and has not called it. The peers' own errors name what they were doing; ",
+                 slow);
+  }
+  return slow;
+}
+
 class MpiWork final : public Work {
  public:
-  MpiWork(std::string what, int rank, int size, Timeout timeout, bool cancellable)
+  MpiWork(std::string what, int rank, int size, Timeout timeout, bool cancellable, Waited waited, bool debug)
       : what_(std::move(what)), rank_(rank), size_(size), timeout_(timeout),
-        cancellable_(cancellable) {}
+        cancellable_(cancellable), waited_(waited), debug_(debug) {}
 
   std::vector<MPI_Request> requests;
   std::vector<at::Tensor> keep_alive;
@@ -166,10 +197,7 @@ class MpiWork final : public Work {
       if (++polls > 1000) {
         if (std::chrono::steady_clock::now() - start > timeout_) {
           give_up(str(what_, " on rank ", rank_, " of ", size_, " did not complete within ",
-                      timeout_.count() / 1000.0,
-                      " s: a peer may have exited, stalled, or called a different "
-                      "collective. Run with REMAT_DEBUG_COLLECTIVES=1 to compare the "
-                      "calls across ranks, or raise REMAT_COMM_TIMEOUT_S"),
+                      timeout_.count() / 1000.0, " s: ", timeout_advice(waited_, debug_)),
                   /*timed_out=*/true);
         }
         std::this_thread::sleep_for(std::chrono::microseconds(polls > 100000 ? 200 : 5));
@@ -213,6 +241,8 @@ class MpiWork final : public Work {
   int size_;
   Timeout timeout_;
   bool cancellable_;
+  Waited waited_;  // with debug_ (REMAT_DEBUG_COLLECTIVES), what a timeout advises
+  bool debug_;
   bool done_ = false;
   std::string error_;
 };
@@ -297,7 +327,8 @@ void MpiCommunicator::verifyCollective(const std::string& description, Timeout t
   std::memcpy(mine.data(), description.data(), std::min<size_t>(description.size(), kLength - 1));
   std::vector<char> all(static_cast<size_t>(kLength) * size_, 0);
   MpiWork work(str("debug check before ", description), rank_, size_,
-               timeout.count() > 0 ? timeout : default_timeout_, /*cancellable=*/false);
+               timeout.count() > 0 ? timeout : default_timeout_, /*cancellable=*/false,
+               Waited::kDebugCheck, /*debug=*/true);
   work.requests.resize(1);
   mpi_check(MPI_Iallgather(mine.data(), kLength, MPI_CHAR, all.data(), kLength, MPI_CHAR,
                            check_comm_, &work.requests[0]),
@@ -320,8 +351,9 @@ std::shared_ptr<Work> MpiCommunicator::launch(Launch&& l) {
   }
   auto [what, timeout] = begin_call(l.op, l.signature, l.timeout, l.collective);
   if (debug_ && l.collective) verifyCollective(what, timeout);
-  auto work = std::make_shared<MpiWork>(what, rank_, size_, timeout,
-                                        /*cancellable=*/!l.collective);
+  auto work = std::make_shared<MpiWork>(
+      what, rank_, size_, timeout, /*cancellable=*/!l.collective,
+      l.collective ? Waited::kCollective : Waited::kPointToPoint, debug_);
   work->keep_alive = l.tensors;
   l.start(*work);
   return work;

@@ -84,12 +84,29 @@ struct NcclState {
   bool aborted = false;
 };
 
+// The end of a timeout's message: what the user can look at or change. With
+// REMAT_DEBUG_COLLECTIVES on, running with it is no advice: what its check
+// established is (a timeout in the check itself is the bootstrap's, which says so).
+std::string timeout_advice(bool collective, bool debug_checked) {
+  const char* slow = "raise REMAT_COMM_TIMEOUT_S if it is only slow";
+  if (!collective) {
+    return str("the peer may have exited or stalled, or sent (or received) no matching message; ", slow);
+  }
+  if (debug_checked) {
+    return str("REMAT_DEBUG_COLLECTIVES is on and its check passed, so every rank called this same collective: a "
+               "peer exited or stalled inside it, or the transport hangs. The peers' own errors name what they "
+               "were doing; ", slow);
+  }
+  return str("a peer may have exited, stalled, or called a different collective: run with "
+             "REMAT_DEBUG_COLLECTIVES=1 to compare the calls across ranks, or ", slow);
+}
+
 class NcclWork final : public Work {
  public:
   NcclWork(std::shared_ptr<NcclState> state, std::string what, Timeout timeout,
-           std::vector<at::Tensor> keep)
+           std::vector<at::Tensor> keep, bool collective, bool debug_checked)
       : state_(std::move(state)), what_(std::move(what)), timeout_(timeout),
-        keep_(std::move(keep)) {
+        keep_(std::move(keep)), collective_(collective), debug_checked_(debug_checked) {
     cuda_check(cudaEventCreateWithFlags(&done_event_, cudaEventDisableTiming), what_);
     cuda_check(cudaEventRecord(done_event_, state_->stream), what_);
   }
@@ -127,9 +144,7 @@ class NcclWork final : public Work {
       }
       if (std::chrono::steady_clock::now() - start > timeout_) {
         error_ = str(what_, " did not complete within ", timeout_.count() / 1000.0,
-                     " s; the NCCL communicator was aborted. A peer may have exited, "
-                     "stalled, or called a different collective: run with "
-                     "REMAT_DEBUG_COLLECTIVES=1, or raise REMAT_COMM_TIMEOUT_S");
+                     " s; the NCCL communicator was aborted. ", timeout_advice(collective_, debug_checked_));
         abort();
         record_communication_failure(error_);
         throw TimeoutError(error_);
@@ -150,6 +165,8 @@ class NcclWork final : public Work {
   std::string what_;
   Timeout timeout_;
   std::vector<at::Tensor> keep_;
+  bool collective_;
+  bool debug_checked_;  // REMAT_DEBUG_COLLECTIVES compared the call across ranks before it started
   cudaEvent_t done_event_ = nullptr;
   bool done_ = false;
   std::string error_;
@@ -289,7 +306,8 @@ class NcclCommunicator final : public Communicator {
       check_contiguous(t, op);
     }
     auto [what, limit] = begin_call(op, signature, timeout, collective);
-    if (bootstrap_->debugCollectives() && collective) bootstrap_->verifyCollective(what, limit);
+    const bool debug_checked = bootstrap_->debugCollectives() && collective;
+    if (debug_checked) bootstrap_->verifyCollective(what, limit);
 
     cudaEvent_t ready;
     cuda_check(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), what);
@@ -297,7 +315,7 @@ class NcclCommunicator final : public Communicator {
     cuda_check(cudaStreamWaitEvent(state_->stream, ready, 0), what);
     cudaEventDestroy(ready);
     nccl_check(call(state_->stream), state_->comm, what);
-    return std::make_shared<NcclWork>(state_, what, limit, std::move(tensors));
+    return std::make_shared<NcclWork>(state_, what, limit, std::move(tensors), collective, debug_checked);
   }
 
   std::shared_ptr<MpiCommunicator> bootstrap_;

@@ -2,8 +2,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <map>
+#include <vector>
 
 #include "runtime/env_knobs.h"
 #include "runtime/error.h"
@@ -105,7 +107,7 @@ TEST(Knobs, BadValuesAreClearErrors) {
   {
     ScopedEnv env(knobs::kCommTimeoutSeconds, "-3");
     EXPECT_THAT(error_of<ConfigError>([] { knobs::comm_timeout(); }),
-                HasSubstr("REMAT_COMM_TIMEOUT_S='-3' is not a positive number of seconds"));
+                HasSubstr("REMAT_COMM_TIMEOUT_S='-3' is not a number of seconds from 0.001"));
   }
   {
     ScopedEnv env(knobs::kCommTimeoutSeconds, "1.5");
@@ -121,6 +123,29 @@ TEST(Knobs, BadValuesAreClearErrors) {
     EXPECT_EQ(log_level_from_env(), spdlog::level::debug);
   }
   EXPECT_FALSE(knobs::get_bool("REMAT_SURELY_UNSET_VARIABLE"));
+}
+
+// inf, 1e10 and 1e30 overflowed the deadline arithmetic (the first collective
+// "timed out" at once, "within -9.22337e+15 s"); 1e-4 rounded to 0 ms.
+TEST(Knobs, CommTimeoutIsFiniteAndBetweenOneMillisecondAndSevenDays) {
+  for (const char* bad : {"inf", "-inf", "nan", "1e10", "1e30", "1e400", "604801", "1e-4", "0.0009", "0", "-0",
+                          "5s", "abc"}) {
+    ScopedEnv env(knobs::kCommTimeoutSeconds, bad);
+    EXPECT_THAT(error_of<ConfigError>([] { knobs::comm_timeout(); }),
+                HasSubstr(str("REMAT_COMM_TIMEOUT_S='", bad,
+                              "' is not a number of seconds from 0.001 (1 ms) to 604800 (7 days)")))
+        << bad;
+  }
+  const std::vector<std::pair<const char*, int64_t>> good = {
+      {"0.001", 1}, {"0.0015", 2}, {"2", 2000}, {"300", 300000}, {"604800", int64_t{604800} * 1000}};
+  for (const auto& [text, ms] : good) {
+    ScopedEnv env(knobs::kCommTimeoutSeconds, text);
+    EXPECT_EQ(knobs::comm_timeout().count(), ms) << text;
+  }
+  // The longest timeout still fits a steady_clock deadline.
+  ScopedEnv env(knobs::kCommTimeoutSeconds, "604800");
+  const auto deadline = std::chrono::steady_clock::now() + knobs::comm_timeout();
+  EXPECT_GT(deadline, std::chrono::steady_clock::now());
 }
 
 TEST(Logging, PrefixCarriesRankAndLayout) {

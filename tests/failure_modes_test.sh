@@ -13,6 +13,15 @@ expect "peer exits during a collective" "exited" \
   "$remat_run" -np 2 -- "$peer_exit"
 REMAT_COMM_TIMEOUT_S=2 expect "stalled peer times out" "remat timeout: allReduce(seq=0" \
   "$remat_run" -np 2 -- "$stalled_peer"
+# With the debug mode on, the message says what its check found instead of
+# advising the mode it runs in.
+out=$(REMAT_COMM_TIMEOUT_S=2 REMAT_DEBUG_COLLECTIVES=1 timeout 120 "$remat_run" -np 2 -- "$stalled_peer" 2>&1)
+if [[ $? -ne 0 ]] && grep -q "REMAT_DEBUG_COLLECTIVES is on and not every rank reached" <<<"$out" &&
+   ! grep -q "Run with REMAT_DEBUG_COLLECTIVES=1" <<<"$out"; then
+  pass "stalled peer under REMAT_DEBUG_COLLECTIVES=1: the timeout says what the check found"
+else
+  fail "stalled peer under REMAT_DEBUG_COLLECTIVES=1: the timeout says what the check found" "$out"
+fi
 expect "unknown config key" "unknown key 'model.n_layr'; did you mean 'model.n_layer'?" \
   "$remat_run" -np 2 -- "$remat_smoke" --set model.n_layr=8
 expect "tensor_parallel.size does not divide the world" \

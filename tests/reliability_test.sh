@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # remat-train against what goes wrong in real runs: unusable save folders,
-# two jobs on one folder, unwritable metrics, non-finite losses, damaged or
-# mixed-up saves, settings changed between save and resume, bad flags and
-# environment, and a stalled rank. Each case must end as stated (a clear error
+# two jobs on one folder, another run's saves, exports that cannot be written,
+# unwritable metrics, non-finite losses, damaged, missing, edited or mixed-up
+# saves, settings changed between save and resume, bad flags and environment,
+# and a stalled rank. Each case must end as stated (a clear error
 # and a nonzero exit, or the documented recovery), never hang or go on silently.
 # Prints "[remat-test] N passed, M failed".
 set -uo pipefail
@@ -60,6 +61,52 @@ else
   fail "the manifest records the run id" "$(cat "$tmp/shared/step_00000002/manifest.json")"
 fi
 
+# A4. Exports on a small disk: a tmpfs of a given size, private to one command
+#     (a mount namespace): "${with_tmpfs[@]}" SIZE DIR COMMAND...
+# Root needs no user namespace, which a chroot (the Debian 13 leg) refuses; nor
+# can unshare make a chroot's root private, so the command does (where / is a
+# mount point) before mounting, and the tmpfs never shows outside.
+if [[ $(id -u) -eq 0 ]]; then ns=(unshare -m --propagation unchanged); else ns=(unshare -rm); fi
+with_tmpfs=("${ns[@]}" bash -c 'mount --make-rprivate / 2>/dev/null
+  mount -t tmpfs -o size="$1" tmpfs "$2" && shift 2 && exec "$@"' _)
+small_fs="$tmp/small_fs"
+mkdir -p "$small_fs"
+if "${with_tmpfs[@]}" 64k "$small_fs" true 2>/dev/null; then
+  # An export that cannot fit (about 100 KiB on 64 KiB) stops the run at start.
+  outcome "an --export without room on its disk is refused before training" error \
+    "--export '$small_fs/model.pt' needs about" "^step " \
+    "${with_tmpfs[@]}" 64k "$small_fs" "${tiny[@]}" --steps 20 --export "$small_fs/model.pt"
+  # An export whose disk fills up during training (filled while the final
+  # save pauses) fails after that save: a plain error naming the save that
+  # holds the trained state, and no temporary file left.
+  rm -rf "$tmp/full_disk"
+  out=$("${with_tmpfs[@]}" 1m "$small_fs" bash -c '
+    fs=$1 save=$2; shift 2
+    REMAT_FAULT_SAVE_PAUSE_MS=1000 "$@" & job=$!
+    for _ in $(seq 1 400); do [[ -e $save/step_00000003/rank_0.pt.tmp ]] && break; sleep 0.05; done
+    head -c 2M /dev/zero >"$fs/fill" 2>/dev/null
+    wait $job; rc=$?
+    echo "left on the disk: $(ls -A "$fs" | tr "\n" " ")"
+    exit $rc' _ "$small_fs" "$tmp/full_disk" "${tiny[@]}" --steps 3 --save-dir "$tmp/full_disk" \
+    --export "$small_fs/model.pt" 2>&1); rc=$?
+  if [[ $rc -ne 0 && $rc -lt 124 ]] && grep -qF "remat error: --export '$small_fs/model.pt': writing" <<<"$out" &&
+     grep -qF "The trained state of step 3 is in the save in '$tmp/full_disk'" <<<"$out" &&
+     grep -qx "left on the disk: fill " <<<"$out" && [[ "$(cat "$tmp/full_disk/latest")" == step_00000003 ]]; then
+    pass "an export that fails after training removes its temporary file and names the save (exit $rc)"
+  else
+    fail "an export that fails after training removes its temporary file and names the save (exit $rc)" "$out"
+  fi
+else
+  skip "exports on a full disk" "no tmpfs can be mounted here (${ns[*]})"
+fi
+
+# A5. A --save-dir whose latest is not a file is refused before training
+#     (another run's saves: A6, below).
+mkdir -p "$tmp/latest_dir/latest"
+outcome "a --save-dir whose latest is a directory is refused before training" error \
+  "latest' is a directory, where remat keeps the name of the latest save" "^step " \
+  "${tiny[@]}" --steps 2 --save-dir "$tmp/latest_dir"
+
 # A3. Metrics writes are checked: a full disk (/dev/full) or a file that takes
 #     no data is an error at the step it happens.
 expect "--metrics on a full disk is an error" "failed at step 1 (No space left on device" \
@@ -97,11 +144,34 @@ rm -rf "$tmp/saves"
   --save-dir "$tmp/saves" >/dev/null 2>&1
 cp -r "$tmp/saves" "$tmp/flipped"
 flip_bit "$tmp/flipped/step_00000004/rank_1.pt"
-expect "a flipped bit in a rank file is an error naming it" "step_00000004/rank_1.pt' is damaged" \
+expect_all "a flipped bit in a rank file is an error naming it and the newest intact save" \
+  "step_00000004/rank_1.pt' is damaged" "The newest intact save is '$tmp/flipped/step_00000002'" -- \
   "$run" -np 2 -- "$train" "${small[@]}" --steps 6 --resume "$tmp/flipped"
+cp -r "$tmp/saves" "$tmp/missing" && rm "$tmp/missing/step_00000004/rank_1.pt"
+expect_all "a missing rank file is named with its step and the newest intact save" \
+  "step_00000004/rank_1.pt' is missing: the manifest of the step 4 save" \
+  "The newest intact save is '$tmp/missing/step_00000002'" -- \
+  "$run" -np 2 -- "$train" "${small[@]}" --steps 6 --resume "$tmp/missing"
+
+# D5. A manifest edited by hand (two parameters of the same size renamed into
+#     each other: every field still well-formed) is refused naming it, and so
+#     is the same edit with the manifest's checksum recomputed (each rank file
+#     repeats its own layout).
+cp -r "$tmp/saves" "$tmp/renamed"
+sed -i 's/blocks\.0\.ln1\.weight/SWAP/; s/blocks\.0\.ln2\.weight/blocks.0.ln1.weight/; s/SWAP/blocks.0.ln2.weight/' \
+  "$tmp/renamed/step_00000004/manifest.json"
+expect_all "a manifest with two parameter names swapped is refused naming it" \
+  "step_00000004/manifest.json' was modified or damaged after it was saved" \
+  "The newest intact save is '$tmp/renamed/step_00000002'" -- \
+  "$run" -np 2 -- "$train" "${small[@]}" --steps 6 --resume "$tmp/renamed"
+reseal "$tmp/renamed/step_00000004/manifest.json"
+expect "the same edit with its checksum recomputed is refused by the rank file's own layout" \
+  "manifest.json' was modified or damaged after it was saved" \
+  "$run" -np 2 -- "$train" "${small[@]}" --steps 6 --resume "$tmp/renamed"
 
 # B2. Files mixed from two steps (with the manifest edited to match their
-#     checksums) or swapped between ranks are refused before the first step.
+#     checksums, its own recomputed) or swapped between ranks are refused
+#     before the first step.
 mix() {  # mix DEST FROM_STEP FROM_RANK TO_RANK: rank file FROM_RANK of FROM_STEP becomes TO_RANK of step 4
   python3 - "$@" <<'EOF'
 import json, shutil, sys
@@ -114,6 +184,7 @@ manifest = json.load(open(manifest_path))
 manifest["files"][to_rank] = dict(entry, name=f"rank_{to_rank}.pt")
 json.dump(manifest, open(manifest_path, "w"))
 EOF
+  reseal "$1/step_00000004/manifest.json"
 }
 cp -r "$tmp/saves" "$tmp/mixed" && mix "$tmp/mixed" step_00000002 1 1
 expect "a rank file from another step is refused" "the folder mixes files of different saves" \
@@ -125,6 +196,33 @@ expect "rank files swapped between ranks are refused" "holds step 4 of rank" \
   "$run" -np 2 -- "$train" "${small[@]}" --steps 6 --resume "$tmp/swapped"
 ok "the untouched save resumes" "loss: first" \
   "$run" -np 2 -- "$train" "${small[@]}" --steps 6 --resume "$tmp/saves"
+
+# A6. A --save-dir holding another run's saves (steps 2 and 4) is refused
+#     before training unless the run resumes them or says --overwrite-saves;
+#     `latest` never moves back to an earlier step.
+cp -r "$tmp/saves" "$tmp/taken"
+outcome "a new run in a --save-dir holding another run's saves is refused before training" error \
+  "--save-dir '$tmp/taken' holds the saves of another run (2 step folder(s), latest step 4)" "^step " \
+  "${tiny[@]}" --steps 2 --save-dir "$tmp/taken"
+cp -r "$tmp/saves" "$tmp/branch"
+ok "a run resumed from step 2 into its --save-dir says that latest stays on step 4" \
+  "'latest' stays on step 4 until this run passes it" \
+  "$run" -np 2 -- "$train" "${small[@]}" --steps 3 --set train.save_interval=1 \
+  --resume "$tmp/branch/step_00000002" --save-dir "$tmp/branch"
+if [[ "$(cat "$tmp/branch/latest")" == step_00000004 && -f "$tmp/branch/step_00000003/manifest.json" ]]; then
+  pass "latest does not move back: step 3 saved, latest still names step 4"
+else
+  fail "latest does not move back: step 3 saved, latest still names step 4" "$(ls "$tmp/branch")" \
+    "latest: $(cat "$tmp/branch/latest")"
+fi
+ok "--overwrite-saves lets a new run take a folder of another run's saves" "loss: first" \
+  "${tiny[@]}" --steps 2 --save-dir "$tmp/taken" --overwrite-saves
+if [[ "$(cat "$tmp/taken/latest")" == step_00000002 && ! -e "$tmp/taken/step_00000004" ]] &&
+   grep -q '"world_size": 1' "$tmp/taken/step_00000002/manifest.json"; then
+  pass "--overwrite-saves removed the other run's saves: latest names this run's step 2"
+else
+  fail "--overwrite-saves removed the other run's saves: latest names this run's step 2" "$(ls "$tmp/taken")"
+fi
 
 # D3. --steps and --seed are validated like --set; nothing to do says so.
 expect "--steps -1 is an error" "'train.steps' = -1 must be >= 0" "${tiny[@]}" --steps -1
@@ -151,14 +249,18 @@ ok "resuming under another ZeRO stage re-slices the save" "loss: first" \
   "$run" -np 2 -- "$train" "${small[@]}" --steps 8 --resume "$tmp/saves" --set zero_optimization.stage=0
 expect "resuming with another optimizer names it" "was made with optimizer.type = AdamW but this run has Adam" \
   "$run" -np 2 -- "$train" "${small[@]}" --steps 8 --resume "$tmp/saves" --set optimizer.type=Adam
+expect "resuming with another seed names it and what to do" \
+  "was made with train.seed = 1234 but this run has 7: a resumed run keeps the settings its saved state depends on; resume with --set train.seed=1234" \
+  "$run" -np 2 -- "$train" "${small[@]}" --steps 8 --resume "$tmp/saves" --seed 7
 # A dangling latest names its target and the newest complete step.
 cp -r "$tmp/saves" "$tmp/dangling" && rm -rf "$tmp/dangling/step_00000004"
-expect "a dangling latest names its target and the newest complete save" \
-  "names 'step_00000004', which does not exist. The newest complete save is '$tmp/dangling/step_00000002'" \
+expect "a dangling latest names its target and the newest intact save" \
+  "names 'step_00000004', which does not exist. The newest intact save is '$tmp/dangling/step_00000002'" \
   "$run" -np 2 -- "$train" "${small[@]}" --steps 8 --resume "$tmp/dangling"
-# A hand-edited manifest.
+# A hand-edited manifest (its checksum recomputed: each field is checked too).
 cp -r "$tmp/saves" "$tmp/edited" &&
-  sed -i 's/"world_size": 2/"world_size": "two"/' "$tmp/edited/step_00000004/manifest.json"
+  sed -i 's/"world_size": 2/"world_size": "two"/' "$tmp/edited/step_00000004/manifest.json" &&
+  reseal "$tmp/edited/step_00000004/manifest.json"
 expect "a hand-edited manifest names the field" "'world_size' must be an integer" \
   "$run" -np 2 -- "$train" "${small[@]}" --steps 8 --resume "$tmp/edited"
 expect "a directory as --config is named" "is a directory; give --config a JSON file" \

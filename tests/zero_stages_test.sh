@@ -62,9 +62,18 @@ expect "a hybrid_shard_size that does not divide the data-parallel size is named
 
 # 2. A stage 3 save of 2 ranks resumes at stage 1 on 3 ranks and at stage 2 on
 #    4; a stage 2 save of 4 ranks at stage 3 on 2. Each resumed run, asked for
-#    no further step, exports exactly the model the save holds.
+#    no further step, exports exactly the model the save holds. A file of
+#    the export's name plus .tmp (the user's) is left alone.
+echo "not remat's" >"$tmp/s3_step5.pt.tmp"
 "$run" -np 2 -- "$train" --config "$configs_dir/zero3.json" --steps 5 "${small[@]}" \
   --save-dir "$tmp/s3" --export "$tmp/s3_step5.pt" >"$tmp/s3.out" 2>&1
+left=$(ls "$tmp" | grep -c '^s3_step5\.pt\.tmp\.')
+if [[ -f "$tmp/s3_step5.pt" && "$(cat "$tmp/s3_step5.pt.tmp")" == "not remat's" && $left -eq 0 ]]; then
+  pass "--export X leaves a file X.tmp alone and no temporary file of its own"
+else
+  fail "--export X leaves a file X.tmp alone and no temporary file of its own ($left left)" "$(cat "$tmp/s3.out")" \
+    "X.tmp: $(cat "$tmp/s3_step5.pt.tmp" 2>&1)"
+fi
 "$run" -np 4 -- "$train" --config "$configs_dir/zero2.json" --steps 5 "${small[@]}" \
   --save-dir "$tmp/s2" --export "$tmp/s2_step5.pt" >"$tmp/s2.out" 2>&1
 for case in "s3 zero1 3" "s3 zero2 4" "s2 zero3 2"; do
@@ -133,5 +142,15 @@ expect "an --export path that is a directory stops the run before training" "--e
   "$train" --config "$configs_dir/zero1.json" --steps 1 "${small[@]}" --export "$tmp"
 expect "an --export path that cannot be written stops the run before training" "--export '$tmp/no/such/dir/m.pt' cannot be written" \
   "$train" --config "$configs_dir/zero1.json" --steps 1 "${small[@]}" --export "$tmp/no/such/dir/m.pt"
+# A path the export's rename would replace: a symbolic link (which stays one)
+# or a fifo (never opened: that would wait for a reader).
+ln -sf "$tmp/s3_step5.pt" "$tmp/link.pt"
+expect "an --export path that is a symbolic link stops the run before training" \
+  "--export '$tmp/link.pt' is a symbolic link, not a regular file" \
+  "$train" --config "$configs_dir/zero1.json" --steps 1 "${small[@]}" --export "$tmp/link.pt"
+if [[ -L "$tmp/link.pt" ]]; then pass "the symbolic link is left as it was"; else fail "the symbolic link is left as it was"; fi
+rm -f "$tmp/fifo.pt" && mkfifo "$tmp/fifo.pt"
+expect "an --export path that is a fifo stops the run before training" "--export '$tmp/fifo.pt' is a fifo" \
+  "$train" --config "$configs_dir/zero1.json" --steps 1 "${small[@]}" --export "$tmp/fifo.pt"
 
 summary

@@ -1,0 +1,154 @@
+#include "runtime/deepspeed_keys.h"
+
+#include <string>
+
+#include "runtime/error.h"
+
+namespace remat::deepspeed_keys {
+
+using json_schema::Field;
+
+// A DeepSpeed key remat recognises but does not implement: named with the
+// reason, and what to do instead when remat has another way.
+Field deepspeed_only(const char* name, const char* reason, const char* instead) {
+  return json_schema::refused(name, [why = std::string(reason), alternative = std::string(instead)](
+                                        const std::string& path) {
+    return str("recognised DeepSpeed key, not supported by remat: '", path, "', because ", why, "; remove it",
+               alternative.empty() ? std::string() : " (or " + alternative + ")");
+  });
+}
+
+// DeepSpeed's top-level sections and keys that remat does not implement.
+std::vector<Field> deepspeed_only_top_level() {
+  const char* no_monitor = "remat writes no monitoring output of its own";
+  const char* metrics = "give remat-train --metrics FILE: one JSON object per step";
+  const char* no_data_schedule = "remat-train has no data sampling or curriculum schedules";
+  const char* no_quantization = "remat does not compress or quantize models";
+  return {
+      deepspeed_only("fp16", "remat has no fp16 training with loss scaling",
+                     "set bf16.enabled with zero_optimization.stage 3: bf16 compute from fp32 master shards"),
+      deepspeed_only("bfloat16", "it is DeepSpeed's old name of the bf16 section", "write bf16"),
+      deepspeed_only("amp", "remat does not use NVIDIA Apex", "set bf16.enabled for mixed precision"),
+      deepspeed_only("torch_autocast", "remat has no autocast", "set bf16.enabled for mixed precision"),
+      deepspeed_only("zero_allow_untested_optimizer",
+                     "remat's ZeRO runs only remat's optimizers (optimizer.type AdamW, Adam or SGD), each "
+                     "supported at every stage: there is nothing to allow"),
+      deepspeed_only("zero_force_ds_cpu_optimizer", "remat has no CPU optimizer"),
+      deepspeed_only("flops_profiler", "remat has no FLOPs profiler", metrics),
+      deepspeed_only("tensorboard", no_monitor, metrics),
+      deepspeed_only("wandb", no_monitor, metrics),
+      deepspeed_only("csv_monitor", no_monitor, metrics),
+      deepspeed_only("comet", no_monitor, metrics),
+      deepspeed_only("comms_logger", "remat does not log each collective's size and time",
+                     "run benchmarks/collective_bench to measure collectives, or REMAT_DEBUG_COLLECTIVES=1 "
+                     "to check them across ranks"),
+      deepspeed_only("autotuning", "remat does not search for configurations",
+                     "set activation_checkpointing.variant to \"auto\" with a memory budget: the planner "
+                     "chooses checkpointing per block"),
+      deepspeed_only("elasticity", "remat runs a fixed number of ranks",
+                     "save with --save-dir and --resume with another number of ranks: the save is re-sliced"),
+      deepspeed_only("data_efficiency", no_data_schedule),
+      deepspeed_only("curriculum_learning", no_data_schedule),
+      deepspeed_only("compression_training", no_quantization),
+      deepspeed_only("quantize_training", no_quantization),
+      deepspeed_only("weight_quantization", no_quantization),
+      deepspeed_only("aio", "it configures NVMe offload, and remat offloads nothing to NVMe"),
+      deepspeed_only("nebula", "remat has no Nebula checkpoint service"),
+      deepspeed_only("sparse_attention", "remat's attention is dense"),
+      deepspeed_only("pipeline", "remat has no pipeline parallelism",
+                     "split the model with tensor_parallel.size and zero_optimization.stage"),
+      deepspeed_only("communication_data_type",
+                     "remat's collectives run in the dtype of what they carry (gradients in fp32)"),
+      deepspeed_only("seq_parallel_comm_data_type", "remat has no sequence parallelism"),
+      deepspeed_only("prescale_gradients",
+                     "remat averages gradients in the collective itself (one sum, then one division by the "
+                     "data-parallel size)"),
+      deepspeed_only("gradient_predivide_factor",
+                     "remat averages gradients in the collective itself (one sum, then one division by the "
+                     "data-parallel size)"),
+      deepspeed_only("sparse_gradients", "remat reduces dense gradients only"),
+      deepspeed_only("disable_allgather", "remat's ZeRO chooses its all-gathers itself",
+                     "set zero_optimization.allgather_partitions to false to broadcast the updated "
+                     "parameters instead"),
+      deepspeed_only("dump_state", "remat does not print its engine's state",
+                     "remat-train prints the effective configuration at start"),
+      deepspeed_only("memory_breakdown", "remat does not log its allocator's state per step", metrics),
+      deepspeed_only("timers", "remat has no timer settings", "set wall_clock_breakdown to true"),
+      deepspeed_only("checkpoint", "remat-train saves and resumes its own format",
+                     "give remat-train --save-dir and --resume, and set train.save_interval"),
+      deepspeed_only("data_types", "remat accumulates gradients in fp32 whatever the compute dtype"),
+      deepspeed_only("dataloader_drop_last", "remat-train draws full batches only"),
+      deepspeed_only("vocabulary_size", "the model's vocabulary is what its data holds"),
+      deepspeed_only("eigenvalue", "remat does not estimate Hessian eigenvalues"),
+      deepspeed_only("progressive_layer_drop", "remat does not drop layers"),
+      deepspeed_only("hybrid_engine", "remat has no inference engine"),
+      deepspeed_only("compile", "LibTorch's C++ frontend has no torch.compile"),
+      deepspeed_only("graph_harvesting", "remat does not capture CUDA graphs"),
+      deepspeed_only("use_data_before_expert_parallelism", "remat has no expert parallelism"),
+  };
+}
+
+// DeepSpeed's zero_optimization keys that remat does not implement.
+std::vector<Field> deepspeed_only_zero() {
+  const char* no_offload_optimizer = "remat keeps optimizer state on the device, sharded by ZeRO stages 1-3";
+  const char* more_shards = "raise zero_optimization.stage to shard more over the data-parallel ranks";
+  const char* no_offload_param = "remat keeps parameters on the device";
+  const char* stage3_shards = "set zero_optimization.stage to 3 to shard them over the data-parallel ranks";
+  const char* live = "remat's stage 3 frees a unit's parameters when its call returns and gathers ahead by "
+                     "stage3_prefetch_bucket_size";
+  const char* gather_on_save = "remat's saves hold fp32 shards, re-sliced on --resume";
+  const char* export_whole = "give remat-train --export FILE to write the whole model in one file";
+  const char* no_quantized = "remat's collectives carry unquantized values";
+  const char* no_trace = "remat's stage 3 gathers each unit around its remat::forward call, with no trace";
+  return {
+      deepspeed_only("offload_optimizer", no_offload_optimizer, more_shards),
+      deepspeed_only("cpu_offload", no_offload_optimizer, more_shards),
+      deepspeed_only("offload_param", no_offload_param, stage3_shards),
+      deepspeed_only("cpu_offload_param", no_offload_param, stage3_shards),
+      deepspeed_only("cpu_offload_use_pin_memory", "remat offloads neither parameters nor optimizer state"),
+      deepspeed_only("sub_group_size", "remat steps each shard in one piece (DeepSpeed tiles its offloaded "
+                                       "optimizer step with it)"),
+      deepspeed_only("stage3_max_live_parameters", live, "tune zero_optimization.stage3_prefetch_bucket_size"),
+      deepspeed_only("max_live_parameters", live, "tune zero_optimization.stage3_prefetch_bucket_size"),
+      deepspeed_only("stage3_max_reuse_distance", live, "tune zero_optimization.stage3_prefetch_bucket_size"),
+      deepspeed_only("max_reuse_distance", live, "tune zero_optimization.stage3_prefetch_bucket_size"),
+      deepspeed_only("stage3_gather_16bit_weights_on_model_save", gather_on_save, export_whole),
+      deepspeed_only("stage3_gather_fp16_weights_on_model_save", gather_on_save, export_whole),
+      deepspeed_only("gather_16bit_weights_on_model_save", gather_on_save, export_whole),
+      deepspeed_only("prefetch_bucket_size", "it is DeepSpeed's other name of stage3_prefetch_bucket_size",
+                     "write stage3_prefetch_bucket_size"),
+      deepspeed_only("param_persistence_threshold",
+                     "it is DeepSpeed's other name of stage3_param_persistence_threshold",
+                     "write stage3_param_persistence_threshold"),
+      deepspeed_only("stage3_model_persistence_threshold",
+                     "remat bounds persistence per parameter only",
+                     "use zero_optimization.stage3_param_persistence_threshold"),
+      deepspeed_only("stage3_module_granularity_threshold",
+                     "remat's stage 3 units are the modules called through remat::forward"),
+      deepspeed_only("stage3_use_all_reduce_for_fetch_params", "remat's stage 3 gathers by all-gather"),
+      deepspeed_only("round_robin_gradients", "it orders gradient copies to the host for optimizer offload, "
+                                              "which remat does not do"),
+      deepspeed_only("zero_hpz_partition_size", "remat has no secondary parameter partition (ZeRO++ hpZ)",
+                     "set zero_optimization.hybrid_shard_size to shard within groups of ranks"),
+      deepspeed_only("mics_shard_size", "remat has no MiCS",
+                     "set zero_optimization.hybrid_shard_size: shards within groups of that many ranks, "
+                     "replicated across them"),
+      deepspeed_only("mics_hierarchical_params_gather", "remat has no MiCS"),
+      deepspeed_only("zero_quantized_weights", no_quantized),
+      deepspeed_only("zero_quantized_nontrainable_weights", no_quantized),
+      deepspeed_only("zero_quantized_gradients", no_quantized),
+      deepspeed_only("zeropp_loco_param", no_quantized),
+      deepspeed_only("elastic_checkpoint", "remat's saves are re-sliced on --resume for another data-parallel "
+                                           "size or stage, whatever this says"),
+      deepspeed_only("load_from_fp32_weights", "remat's saves hold fp32 master shards, and it always loads them"),
+      deepspeed_only("ignore_unused_parameters", "remat has no check of unused parameters to turn off"),
+      deepspeed_only("use_multi_rank_bucket_allreduce", "remat reduces each gradient bucket with one collective"),
+      deepspeed_only("legacy_stage1", "remat has one stage 1"),
+      deepspeed_only("memory_efficient_linear", no_trace),
+      deepspeed_only("override_module_apply", no_trace),
+      deepspeed_only("pipeline_loading_checkpoint", "remat has no pipeline parallelism"),
+      deepspeed_only("log_trace_cache_warnings", no_trace),
+  };
+}
+
+}  // namespace remat::deepspeed_keys
