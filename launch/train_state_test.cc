@@ -485,7 +485,9 @@ TEST(TrainState, FrozenParametersAreSavedExportedAndRestored) {
       save_train_state(dir, {2, 0}, t.shards(), *t.optimizer, t.identity(), *world());
       export_model(dir + "/model.pt", *t.zero, *t.model, *world());
       for (const auto& [k, v] : t.zero->full_parameters()) {
-        if (initial.count(k)) EXPECT_TRUE(at::equal(v, initial.at(k))) << "trained, stage " << save_stage << ": " << k;
+        if (initial.count(k)) {
+          EXPECT_TRUE(at::equal(v, initial.at(k))) << "trained, stage " << save_stage << ": " << k;
+        }
       }
     }
     world()->barrier()->wait();

@@ -123,40 +123,10 @@ at::Tensor writable(at::Tensor& t, std::vector<std::function<void()>>& finish) {
   return buffer;
 }
 
-// What a wait that timed out was for, and so what its error advises.
-enum class Waited { kPointToPoint, kCollective, kDebugCheck };
-
-// The advice of a timeout error: what the user can look at or change. With
-// REMAT_DEBUG_COLLECTIVES on (`debug`), running with it is no advice: what its
-// check established is.
-std::string timeout_advice(Waited waited, bool debug) {
-  const char* slow = "raise REMAT_COMM_TIMEOUT_S if it is only slow";
-  switch (waited) {
-    case Waited::kPointToPoint:
-      return str("the peer may have exited or stalled, or sent (or received) no matching message with this "
-                 "tag", debug ? " (REMAT_DEBUG_COLLECTIVES checks collectives, not send and recv)" : "",
-                 "; ", slow, ", or give the call a longer timeout");
-    case Waited::kCollective:
-      if (debug) {
-        return str("REMAT_DEBUG_COLLECTIVES is on and its check passed, so every rank called this same "
-                   "collective: a peer exited or stalled inside it, or the transport hangs. The peers' own "
-                   "errors name what they were doing; ", slow);
-      }
-      return str("a peer may have exited, stalled, or called a different collective. Run with "
-                 "REMAT_DEBUG_COLLECTIVES=1 to compare the calls across ranks, or ", slow);
-    case Waited::kDebugCheck:
-      return str("REMAT_DEBUG_COLLECTIVES is on and not every rank reached this collective's check (a rank "
-                 "that called another collective, or this one with another sequence number, would have been "
-                 "named as a mismatch): a peer exited, stalled, or is busy elsewhere (computing, another "
-                 "communicator, I/O) and has not called it. The peers' own errors name what they were doing; ",
-                 slow);
-  }
-  return slow;
-}
 
 class MpiWork final : public Work {
  public:
-  MpiWork(std::string what, int rank, int size, Timeout timeout, bool cancellable, Waited waited, bool debug)
+  MpiWork(std::string what, int rank, int size, Timeout timeout, bool cancellable, WaitedFor waited, bool debug)
       : what_(std::move(what)), rank_(rank), size_(size), timeout_(timeout),
         cancellable_(cancellable), waited_(waited), debug_(debug) {}
 
@@ -241,7 +211,7 @@ class MpiWork final : public Work {
   int size_;
   Timeout timeout_;
   bool cancellable_;
-  Waited waited_;  // with debug_ (REMAT_DEBUG_COLLECTIVES), what a timeout advises
+  WaitedFor waited_;  // with debug_ (REMAT_DEBUG_COLLECTIVES), what a timeout advises
   bool debug_;
   bool done_ = false;
   std::string error_;
@@ -328,7 +298,7 @@ void MpiCommunicator::verifyCollective(const std::string& description, Timeout t
   std::vector<char> all(static_cast<size_t>(kLength) * size_, 0);
   MpiWork work(str("debug check before ", description), rank_, size_,
                timeout.count() > 0 ? timeout : default_timeout_, /*cancellable=*/false,
-               Waited::kDebugCheck, /*debug=*/true);
+               WaitedFor::kDebugCheck, /*debug=*/true);
   work.requests.resize(1);
   mpi_check(MPI_Iallgather(mine.data(), kLength, MPI_CHAR, all.data(), kLength, MPI_CHAR,
                            check_comm_, &work.requests[0]),
@@ -353,7 +323,7 @@ std::shared_ptr<Work> MpiCommunicator::launch(Launch&& l) {
   if (debug_ && l.collective) verifyCollective(what, timeout);
   auto work = std::make_shared<MpiWork>(
       what, rank_, size_, timeout, /*cancellable=*/!l.collective,
-      l.collective ? Waited::kCollective : Waited::kPointToPoint, debug_);
+      l.collective ? WaitedFor::kCollective : WaitedFor::kPointToPoint, debug_);
   work->keep_alive = l.tensors;
   l.start(*work);
   return work;

@@ -84,22 +84,6 @@ struct NcclState {
   bool aborted = false;
 };
 
-// The end of a timeout's message: what the user can look at or change. With
-// REMAT_DEBUG_COLLECTIVES on, running with it is no advice: what its check
-// established is (a timeout in the check itself is the bootstrap's, which says so).
-std::string timeout_advice(bool collective, bool debug_checked) {
-  const char* slow = "raise REMAT_COMM_TIMEOUT_S if it is only slow";
-  if (!collective) {
-    return str("the peer may have exited or stalled, or sent (or received) no matching message; ", slow);
-  }
-  if (debug_checked) {
-    return str("REMAT_DEBUG_COLLECTIVES is on and its check passed, so every rank called this same collective: a "
-               "peer exited or stalled inside it, or the transport hangs. The peers' own errors name what they "
-               "were doing; ", slow);
-  }
-  return str("a peer may have exited, stalled, or called a different collective: run with "
-             "REMAT_DEBUG_COLLECTIVES=1 to compare the calls across ranks, or ", slow);
-}
 
 class NcclWork final : public Work {
  public:
@@ -144,7 +128,9 @@ class NcclWork final : public Work {
       }
       if (std::chrono::steady_clock::now() - start > timeout_) {
         error_ = str(what_, " did not complete within ", timeout_.count() / 1000.0,
-                     " s; the NCCL communicator was aborted. ", timeout_advice(collective_, debug_checked_));
+                     " s; the NCCL communicator was aborted. ",
+                     timeout_advice(collective_ ? WaitedFor::kCollective : WaitedFor::kPointToPoint,
+                                    debug_checked_));
         abort();
         record_communication_failure(error_);
         throw TimeoutError(error_);

@@ -79,4 +79,29 @@ void check_peer(int peer, int rank, int size, const char* op) {
   }
 }
 
+std::string timeout_advice(WaitedFor waited, bool debug) {
+  const char* slow = "raise REMAT_COMM_TIMEOUT_S if it is only slow";
+  switch (waited) {
+    case WaitedFor::kPointToPoint:
+      return str("the peer may have exited or stalled, or sent (or received) no matching message with this "
+                 "tag", debug ? " (REMAT_DEBUG_COLLECTIVES checks collectives, not send and recv)" : "",
+                 "; ", slow, ", or give the call a longer timeout");
+    case WaitedFor::kCollective:
+      if (debug) {
+        return str("REMAT_DEBUG_COLLECTIVES is on and its check passed, so every rank called this same "
+                   "collective: a peer exited or stalled inside it, or the transport hangs. The peers' own "
+                   "errors name what they were doing; ", slow);
+      }
+      return str("a peer may have exited, stalled, or called a different collective. Run with "
+                 "REMAT_DEBUG_COLLECTIVES=1 to compare the calls across ranks, or ", slow);
+    case WaitedFor::kDebugCheck:
+      return str("REMAT_DEBUG_COLLECTIVES is on and not every rank reached this collective's check (a rank "
+                 "that called another collective, or this one with another sequence number, would have been "
+                 "named as a mismatch): a peer exited, stalled, or is busy elsewhere (computing, another "
+                 "communicator, I/O) and has not called it. The peers' own errors name what they were doing; ",
+                 slow);
+  }
+  return slow;
+}
+
 }  // namespace remat

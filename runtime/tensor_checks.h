@@ -34,4 +34,13 @@ void check_root(int root, int size, const char* op);
 // A point-to-point peer: another rank of the communicator.
 void check_peer(int peer, int rank, int size, const char* op);
 
+// What a wait that timed out was for: a send or receive, a collective, or
+// REMAT_DEBUG_COLLECTIVES's check before one.
+enum class WaitedFor { kPointToPoint, kCollective, kDebugCheck };
+
+// The advice of a timeout error: what the user can look at or change. With
+// REMAT_DEBUG_COLLECTIVES on (`debug`), running with it is no advice: what its
+// check established is.
+std::string timeout_advice(WaitedFor waited, bool debug);
+
 }  // namespace remat
