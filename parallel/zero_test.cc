@@ -542,6 +542,35 @@ TEST(Zero, EveryOptimizerAtEveryStageWithAndWithoutFrozenParametersMatchesStage0
       }
     }
   }
+  // Frozen tensor-parallel shards (stage 3 keeps them in flat groups of their own).
+  for (int tp : tp_sizes()) {
+    if (tp == 1) continue;
+    TrainSetup s;
+    s.tp = tp;
+    s.steps = 4;
+    s.freeze = true;
+    s.stage = 0;
+    const TrainRun zero0 = train(s);
+    for (int stage : {1, 3}) {
+      s.stage = stage;
+      const TrainRun run = train(s);
+      expect_close_losses(zero0, run, str("tp ", tp, " with frozen parameters, stage ", stage));
+      EXPECT_TRUE(run.frozen_unchanged) << "tp " << tp << " stage " << stage;
+      EXPECT_TRUE(run.frozen_without_gradient) << "tp " << tp << " stage " << stage;
+    }
+  }
+}
+
+// `model` sharded over the data-parallel group at `stage`, each of `blocks` a
+// unit, every parameter sharded at stage 3.
+std::unique_ptr<ZeroModel> zero_over_blocks(torch::nn::Module& model, const torch::nn::ModuleList& blocks,
+                                            int stage) {
+  std::vector<std::shared_ptr<torch::nn::Module>> units;
+  for (const auto& b : *blocks) units.push_back(b);
+  ZeroConfig zc;
+  zc.stage = stage;
+  zc.stage3_param_persistence_threshold = 0;
+  return std::make_unique<ZeroModel>(model, units, layout(1).dp_group(), zc, Bf16Config{});
 }
 
 // Data-parallel replicas start from rank 0's weights, whatever each rank
@@ -551,13 +580,8 @@ TEST(Zero, ReplicasStartFromRankZerosWeights) {
   for (int stage : {0, 1, 2, 3}) {
     at::manual_seed(100 + l.dp_rank());  // another initialisation on every rank
     models::Gpt model(remat::testing::small_gpt(11, 2, 0.0));
-    std::vector<std::shared_ptr<torch::nn::Module>> units;
-    for (const auto& b : *model->blocks) units.push_back(b);
-    ZeroConfig zc;
-    zc.stage = stage;
-    zc.stage3_param_persistence_threshold = 0;
-    ZeroModel zero(*model, units, l.dp_group(), zc, Bf16Config{});
-    for (const auto& [name, value] : zero.full_parameters()) {
+    auto zero = zero_over_blocks(*model, model->blocks, stage);
+    for (const auto& [name, value] : zero->full_parameters()) {
       at::Tensor first = value.clone();
       l.dp_group()->broadcast(first, {0})->wait();
       EXPECT_TRUE(at::equal(first, value)) << "stage " << stage << " " << name;
@@ -592,12 +616,8 @@ std::vector<double> train_root_norm_net(int stage) {
   const auto& l = layout(1);
   at::manual_seed(5);
   RootNormNet net;
-  std::vector<std::shared_ptr<torch::nn::Module>> units;
-  for (const auto& b : *net->blocks) units.push_back(b);
-  ZeroConfig zc;
-  zc.stage = stage;
-  zc.stage3_param_persistence_threshold = 0;
-  ZeroModel zero(*net, units, l.dp_group(), zc, Bf16Config{});
+  auto zero_ptr = zero_over_blocks(*net, net->blocks, stage);
+  ZeroModel& zero = *zero_ptr;
   torch::optim::AdamW optimizer(zero.parameters(), torch::optim::AdamWOptions(1e-2));
   std::vector<double> losses;
   for (int step = 0; step < 3; ++step) {

@@ -293,12 +293,12 @@ TEST(Config, ARealDeepSpeedConfigListsEveryProblemInOneError) {
     "train_batch_size": "auto",
     "train_micro_batch_size_per_gpu": 4,
     "wall_clock_breakdown": false,
-    "flops_profiler": {"enabled": false},
+    "flops_profiler": {"enabled": false, "profile_step": 1},
     "tensorboard": {"enabled": true},
     "my_own_key": 1
   })";
   const std::string msg = config_error([&] { parse(ds); });
-  EXPECT_THAT(msg, HasSubstr("config error in test.json: 10 problems (nothing was applied):"));
+  EXPECT_THAT(msg, HasSubstr("config error in test.json: 9 problems (nothing was applied):"));
   for (const std::string& want : {
            std::string("recognised DeepSpeed key, not supported by remat: 'fp16', because remat has no fp16 "
                        "training with loss scaling; remove it (or set bf16.enabled"),
@@ -310,15 +310,15 @@ TEST(Config, ARealDeepSpeedConfigListsEveryProblemInOneError) {
            std::string("recognised DeepSpeed key, not supported by remat: 'zero_allow_untested_optimizer'"),
            std::string("'train_batch_size' must be integer or null, got string \"auto\" (\"auto\" is filled in by "
                        "a launcher"),
-           std::string("recognised DeepSpeed key, not supported by remat: 'flops_profiler'"),
            std::string("recognised DeepSpeed key, not supported by remat: 'tensorboard'"),
            std::string("unknown key 'my_own_key'\n"),
            std::string("Valid keys at the top level: train_batch_size, "),
        }) {
     EXPECT_THAT(msg, HasSubstr(want)) << msg;
   }
-  // wall_clock_breakdown is accepted: not among the problems.
+  // wall_clock_breakdown is accepted, and so is a section switched off: not among the problems.
   EXPECT_EQ(msg.find("'wall_clock_breakdown'"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("'flops_profiler'"), std::string::npos) << msg;
   EXPECT_EQ(msg.find("did you mean"), std::string::npos) << msg;
   EXPECT_EQ(msg.find("overlap_comm'?"), std::string::npos) << msg;
 }
@@ -595,4 +595,27 @@ TEST(ConfigFuzz, EveryMutationEndsInAConfigOrAConfigError) {
 }
 
 }  // namespace
+
+// A copied ds_config writes features off with {"enabled": false} (and
+// offloads with {"device": "none"}): those sections ask for nothing and load;
+// switched on, or left to a launcher ("auto"), they are refused.
+TEST(Config, DeepSpeedSectionsSwitchedOffAreAccepted) {
+  const Config c = parse(R"({
+    "fp16": {"enabled": false, "loss_scale": 0},
+    "wandb": {"enabled": false, "project": "x"},
+    "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "none"},
+                          "offload_param": {"device": "none", "pin_memory": true}},
+    "train_micro_batch_size_per_gpu": 4
+  })");
+  EXPECT_EQ(c.zero_optimization.stage, 1);
+  EXPECT_EQ(*c.train_micro_batch_size_per_gpu, 4);
+  EXPECT_EQ(c.to_json().find("fp16"), std::string::npos) << "ignored, not dumped";
+  for (const std::string& on : {R"({"fp16": {"enabled": true}})", R"({"fp16": {"enabled": "auto"}})",
+                                R"({"fp16": {"loss_scale": 0}})",
+                                R"({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})"}) {
+    EXPECT_THAT(config_error([&] { parse(on); }), HasSubstr("recognised DeepSpeed key, not supported by remat"))
+        << on;
+  }
+}
+
 }  // namespace remat

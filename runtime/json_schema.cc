@@ -272,6 +272,18 @@ struct Problems {
   }
 };
 
+// A refused section that asks for nothing: DeepSpeed's way of writing a
+// feature off ({"enabled": false, ...}, an offload with {"device": "none"}), as
+// copied configs carry it. Anything else (true, "auto", other values) asks for
+// what remat does not do.
+bool switched_off(const json& value) {
+  if (!value.is_object()) return false;
+  auto enabled = value.find("enabled");
+  if (enabled != value.end()) return enabled->is_boolean() && !enabled->get<bool>();
+  auto device = value.find("device");
+  return device != value.end() && device->is_string() && device->get<std::string>() == "none";
+}
+
 // Every unknown key, refused key and wrong type in `object` and in the
 // sections it holds.
 void collect_problems(const std::string& path, const std::vector<Field>& fields, const json& object,
@@ -286,7 +298,7 @@ void collect_problems(const std::string& path, const std::vector<Field>& fields,
         sections.emplace_back(path, &fields);
       }
     } else if (it->refusal) {
-      problems.add(it->refusal(child_path));
+      if (!switched_off(value)) problems.add(it->refusal(child_path));
     } else if (std::string problem = type_problem(child_path, *it, value); !problem.empty()) {
       problems.add(std::move(problem));
     } else if (it->kind == Kind::kObject) {

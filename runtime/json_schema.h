@@ -150,9 +150,10 @@ Field object(const char* name, M S::*member, std::vector<Field> children) {
 // optimizer.params and scheduler.params).
 Field inline_section(const char* name, std::vector<Field> children);
 
-// A key that is recognised but refused whatever its value: `message(path)`
-// is the error (why, and what to do). It is neither dumped nor offered as a
-// valid key.
+// A key that is recognised but refused: `message(path)` is the error (why,
+// and what to do). A section that switches itself off ({"enabled": false} or
+// {"device": "none"}) asks for nothing and is accepted and ignored; any other
+// value is refused. It is neither dumped nor offered as a valid key.
 Field refused(const char* name, std::function<std::string(const std::string& path)> message);
 
 // Throws ConfigError "config error in <source>: <message>".
