@@ -610,7 +610,7 @@ TEST(Config, DeepSpeedSectionsSwitchedOffAreAccepted) {
   EXPECT_EQ(c.zero_optimization.stage, 1);
   EXPECT_EQ(*c.train_micro_batch_size_per_gpu, 4);
   EXPECT_EQ(c.to_json().find("fp16"), std::string::npos) << "ignored, not dumped";
-  for (const std::string& on : {R"({"fp16": {"enabled": true}})", R"({"fp16": {"enabled": "auto"}})",
+  for (const char* on : {R"({"fp16": {"enabled": true}})", R"({"fp16": {"enabled": "auto"}})",
                                 R"({"fp16": {"loss_scale": 0}})",
                                 R"({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})"}) {
     EXPECT_THAT(config_error([&] { parse(on); }), HasSubstr("recognised DeepSpeed key, not supported by remat"))
