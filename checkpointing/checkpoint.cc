@@ -17,7 +17,7 @@
 #include "checkpointing/state.h"
 #include "nn/autograd_state.h"
 #include "rng/rng_tracker.h"
-#include "runtime/config.h"
+#include "engine/config.h"
 #include "runtime/error.h"
 #include "runtime/layout.h"
 #include "runtime/logging.h"

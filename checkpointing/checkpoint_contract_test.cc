@@ -17,7 +17,7 @@
 #include "checkpointing/checkpoint_modes.h"
 #include "checkpointing/stored_inputs.h"
 #include "rng/rng_tracker.h"
-#include "runtime/config.h"
+#include "engine/config.h"
 #include "runtime/error.h"
 #include "tests/error_of.h"
 

@@ -44,7 +44,7 @@
 #include <memory>
 #include <string>
 
-#include "runtime/config.h"
+#include "engine/config.h"
 
 namespace remat {
 

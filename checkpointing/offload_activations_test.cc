@@ -12,7 +12,7 @@
 #include "checkpointing/offload_activations.h"
 #include "nn/module_call.h"
 #include "rng/rng_tracker.h"
-#include "runtime/config.h"
+#include "engine/config.h"
 #include "runtime/error.h"
 #include "runtime/memory.h"
 #include "tests/error_of.h"

@@ -45,7 +45,7 @@
 #include <vector>
 
 #include "checkpointing/checkpoint.h"
-#include "runtime/config.h"
+#include "engine/config.h"
 
 namespace remat {
 

@@ -30,7 +30,7 @@
 
 #include "checkpointing/checkpoint.h"
 #include "nn/module_call.h"
-#include "runtime/config.h"
+#include "engine/config.h"
 
 namespace remat {
 

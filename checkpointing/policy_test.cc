@@ -13,7 +13,7 @@
 #include "checkpointing/selective_op.h"
 #include "models/stack.h"
 #include "rng/rng_tracker.h"
-#include "runtime/config.h"
+#include "engine/config.h"
 #include "runtime/error.h"
 #include "runtime/memory.h"
 #include "tests/error_of.h"

@@ -38,7 +38,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/config.h"
+#include "engine/config.h"
 
 namespace remat {
 

@@ -15,7 +15,7 @@
 #include "models/gpt.h"
 #include "parallel/layers.h"
 #include "rng/rng_tracker.h"
-#include "runtime/config.h"
+#include "engine/config.h"
 #include "runtime/error.h"
 #include "runtime/layout.h"
 #include "runtime/runtime.h"

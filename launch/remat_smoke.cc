@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/config.h"
+#include "engine/config.h"
 #include "runtime/error.h"
 #include "runtime/layout.h"
 #include "runtime/logging.h"

@@ -10,7 +10,7 @@
 #include <memory>
 
 #include "parallel/layers.h"
-#include "runtime/config.h"
+#include "engine/config.h"
 
 namespace remat::models {
 

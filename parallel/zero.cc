@@ -7,7 +7,7 @@
 
 #include "parallel/grad_norm.h"
 #include "parallel/sharding_strategy.h"
-#include "runtime/config.h"
+#include "engine/config.h"
 #include "runtime/communicator.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"

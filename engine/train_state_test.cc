@@ -13,14 +13,14 @@
 #include <filesystem>
 #include <fstream>
 
-#include "launch/export.h"
-#include "launch/optim.h"
-#include "launch/train_state.h"
+#include "engine/export.h"
+#include "engine/optim.h"
+#include "engine/train_state.h"
 #include "models/gpt.h"
 #include "parallel/layers.h"
 #include "parallel/zero.h"
 #include "runtime/communicator.h"
-#include "runtime/config.h"
+#include "engine/config.h"
 #include "runtime/error.h"
 #include "runtime/layout.h"
 #include "tests/error_of.h"

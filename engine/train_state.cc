@@ -1,4 +1,4 @@
-#include "launch/train_state.h"
+#include "engine/train_state.h"
 
 #include <fcntl.h>
 #include <sys/file.h>
@@ -22,7 +22,7 @@
 #include <set>
 #include <thread>
 
-#include "launch/optim.h"
+#include "engine/optim.h"
 #include "rng/rng_state_io.h"
 #include "rng/rng_tracker.h"
 #include "runtime/communicator.h"

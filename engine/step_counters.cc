@@ -1,4 +1,4 @@
-#include "launch/step_counters.h"
+#include "engine/step_counters.h"
 
 #include "checkpointing/checkpoint.h"
 #include "parallel/mappings.h"

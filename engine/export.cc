@@ -1,4 +1,4 @@
-#include "launch/export.h"
+#include "engine/export.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>

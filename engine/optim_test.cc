@@ -1,9 +1,9 @@
-#include "launch/optim.h"
+#include "engine/optim.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "runtime/config.h"
+#include "engine/config.h"
 
 namespace remat {
 namespace {

@@ -1,4 +1,4 @@
-#include "runtime/config.h"
+#include "engine/config.h"
 
 #include <algorithm>
 #include <cmath>
@@ -10,7 +10,7 @@
 #include <sstream>
 #include <type_traits>
 
-#include "runtime/deepspeed_keys.h"
+#include "engine/deepspeed_keys.h"
 #include "runtime/error.h"
 #include "runtime/json_schema.h"
 

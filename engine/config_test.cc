@@ -1,4 +1,4 @@
-#include "runtime/config.h"
+#include "engine/config.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

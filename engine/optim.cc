@@ -1,4 +1,4 @@
-#include "launch/optim.h"
+#include "engine/optim.h"
 
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -10,7 +10,7 @@
 #include <utility>
 
 #include "runtime/compat.h"
-#include "runtime/config.h"
+#include "engine/config.h"
 #include "runtime/error.h"
 
 namespace remat {

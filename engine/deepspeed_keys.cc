@@ -1,4 +1,4 @@
-#include "runtime/deepspeed_keys.h"
+#include "engine/deepspeed_keys.h"
 
 #include <string>
 
