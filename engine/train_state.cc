@@ -111,7 +111,7 @@ std::string root_of(const std::string& folder) {
 
 // Formats of the manifest and the rank files this remat writes and reads: 3
 // adds the manifest's own checksum and each rank file's ranks and layout.
-constexpr int64_t kFormat = 3;
+constexpr int64_t kFormat = 4;
 
 struct Manifest;
 Manifest read_manifest(const std::string& path);
@@ -175,6 +175,9 @@ struct Manifest {
   std::string model;
   std::string run_id;  // empty: saved before run ids were recorded
   std::map<std::string, std::string> settings;
+  // The model's parameters as [name, shape] pairs (format 4).
+  nlohmann::json parameters = nlohmann::json::array();
+  std::string client_state = "{}";  // JSON text (format 4)
   struct File {
     std::string name;
     int64_t bytes = -1, crc32 = -1;  // -1: not recorded (an older save)
@@ -236,6 +239,11 @@ Manifest read_manifest(const std::string& path) {
       m.settings[key] = value.get<std::string>();
     }
   }
+  if (j.contains("parameters")) {
+    if (!j["parameters"].is_array()) throw bad("parameters", "an array of [name, shape] pairs");
+    m.parameters = j["parameters"];
+  }
+  if (j.contains("client_state")) m.client_state = j["client_state"].dump();
   if (!j.contains("files") || !j["files"].is_array()) throw bad("files", "an array");
   if (m.format >= 2) {
     m.tp_size = integer(j, "tp_size", "");
@@ -477,6 +485,12 @@ nlohmann::json layout_json(const std::vector<parallel::ShardLayout>& layout) {
 }
 
 // Rank file keys: "t<i>" a tensor's values, "t<i>__<field>" its optimizer state.
+nlohmann::json parameters_json(const std::vector<std::pair<std::string, std::vector<int64_t>>>& parameters) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& [name, shape] : parameters) out.push_back({name, shape});
+  return out;
+}
+
 std::string tensor_key(size_t i) { return str("t", i); }
 std::string state_key(size_t i, const std::string& field) { return str("t", i, "__", field); }
 
@@ -485,7 +499,6 @@ struct RankFile {
   std::string path;
   torch::serialize::InputArchive archive, tensors;
   std::map<std::string, std::vector<std::string>> fields;  // tensor key -> optimizer state fields saved
-  int64_t window = 0;
 };
 
 std::unique_ptr<RankFile> open_rank_file(const std::string& folder, const Manifest& manifest, size_t index) {
@@ -511,9 +524,8 @@ std::unique_ptr<RankFile> open_rank_file(const std::string& folder, const Manife
   try {
     std::istringstream in(bytes);
     file->archive.load_from(in);
-    c10::IValue step, window, rank, run_id, world_size, tp_rank, dp_rank, layout;
+    c10::IValue step, rank, run_id, world_size, tp_rank, dp_rank, layout;
     file->archive.read("step", step);
-    file->archive.read("window", window);
     file->archive.read("rank", rank);
     file->archive.read("world_size", world_size);
     file->archive.read("run_id", run_id);
@@ -552,7 +564,6 @@ std::unique_ptr<RankFile> open_rank_file(const std::string& folder, const Manife
                             ": the folder mixes files of different saves; resume from a folder "
                             "written as a whole by --save-dir"));
     }
-    file->window = window.toInt();
     file->archive.read("tensors", file->tensors);
     for (const std::string& key : file->tensors.keys()) {
       const auto sep = key.find("__");
@@ -596,7 +607,6 @@ void save_train_state(const std::string& dir, const TrainPosition& position, con
   archive.write("tensors", tensors);
   archive.write("rng", rng_archive);
   archive.write("step", c10::IValue(position.step));
-  archive.write("window", c10::IValue(position.window));
   archive.write("rank", c10::IValue(static_cast<int64_t>(world.rank())));
   archive.write("world_size", c10::IValue(static_cast<int64_t>(world.size())));
   archive.write("model_signature", c10::IValue(identity.model_signature));
@@ -626,6 +636,8 @@ void save_train_state(const std::string& dir, const TrainPosition& position, con
                                {"model", identity.model_signature},
                                {"run_id", identity.run_id},
                                {"settings", identity.settings},
+                               {"parameters", parameters_json(identity.parameters)},
+                               {"client_state", nlohmann::json::parse(position.client_state)},
                                {"files", nlohmann::json::array()}};
     for (int r = 0; r < world.size(); ++r) {
       manifest["files"].push_back({{"name", str("rank_", r, ".pt")},
@@ -670,10 +682,26 @@ TrainPosition load_train_state(const std::string& dir, const TrainShards& shards
                           manifest.format, "; this one reads ", kFormat,
                           "), or its manifest was modified: resume it with the remat that wrote it"));
   }
-  if (manifest.model != identity.model_signature) {
+  if (!identity.model_signature.empty() && manifest.model != identity.model_signature) {
     throw ConfigError(str("resume: the save in '", folder, "' holds a model with ", manifest.model,
                           " but this run builds ", identity.model_signature,
                           "; use the config the save was made with"));
+  }
+  if (!identity.parameters.empty() && manifest.parameters != parameters_json(identity.parameters)) {
+    const nlohmann::json mine = parameters_json(identity.parameters);
+    const auto& theirs = manifest.parameters;
+    std::string differs;
+    for (size_t i = 0; i < std::max(mine.size(), theirs.size()) && differs.empty(); ++i) {
+      if (i >= theirs.size()) {
+        differs = str("this model has parameter ", mine[i].dump(), " which the saved one has not");
+      } else if (i >= mine.size()) {
+        differs = str("the saved model has parameter ", theirs[i].dump(), " which this one has not");
+      } else if (mine[i] != theirs[i]) {
+        differs = str("its parameter ", i, " is ", theirs[i].dump(), " where this model's is ", mine[i].dump());
+      }
+    }
+    throw ConfigError(str("resume: the save in '", folder, "' holds another model: ", differs,
+                          " ([name, shape]); load it into the model it was saved from"));
   }
   for (const auto& [key, value] : identity.settings) {
     auto saved = manifest.settings.find(key);
@@ -692,7 +720,7 @@ TrainPosition load_train_state(const std::string& dir, const TrainShards& shards
   }
 
   // The files of this tensor-parallel rank, the one at this rank's data-parallel
-  // place first (its random state and data position are taken).
+  // place first (its random state is taken).
   const int64_t source_dp = shards.dp_rank % manifest.dp_size;
   std::vector<size_t> candidates;
   for (size_t f = 0; f < manifest.files.size(); ++f) {
@@ -832,12 +860,12 @@ TrainPosition load_train_state(const std::string& dir, const TrainShards& shards
     }
     restore_rng(rng);
     position.step = manifest.step;
-    position.window = own.window;
+    position.client_state = manifest.client_state;
   }
   if (manifest.dp_size != shards.dp_size) {
     log_rank0().warn("resume: the save in '{}' was made at data-parallel size {}; this run has {}. Parameters "
                      "and optimizer state are re-sliced exactly (read from {} saved file(s) on rank 0); each rank "
-                     "continues the random state and data position of the saved rank at its data-parallel "
+                     "continues the random state of the saved rank at its data-parallel "
                      "place modulo {}, so the run does not repeat an uninterrupted one bitwise",
                      folder, manifest.dp_size, shards.dp_size, files.size(), manifest.dp_size);
   }

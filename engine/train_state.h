@@ -1,5 +1,6 @@
 // Saving and resuming remat-train's full state: parameters, optimizer state,
-// RNG (default generators and tracker states), data position and step.
+// RNG (default generators and tracker states), step and the caller's client
+// state (its data position, epoch, ... as JSON).
 //
 // Layout: DIR/step_00000010/rank_<r>.pt (one per rank), then manifest.json
 // written by rank 0 after every rank finished, then DIR/latest naming the step
@@ -46,8 +47,10 @@ struct TrainShards {
 };
 
 struct TrainPosition {
-  int64_t step = 0;    // completed optimizer steps
-  int64_t window = 0;  // next training window of this rank's data stream
+  int64_t step = 0;  // completed optimizer steps
+  // The caller's own data (data position, epoch, ...) as JSON text: rank 0's
+  // is saved, every rank gets it back.
+  std::string client_state = "{}";
 };
 
 // What a save must agree with to be resumed.
@@ -57,6 +60,9 @@ struct SaveIdentity {
   // ({"zero_optimization.stage", "3"}, {"optimizer.type", "AdamW"}, ...).
   std::map<std::string, std::string> settings;
   std::string run_id;  // this run's (new_run_id)
+  // The model's parameters by state-dict name and shape: a save of another
+  // model is refused naming the first that differs (empty: not compared).
+  std::vector<std::pair<std::string, std::vector<int64_t>>> parameters;
 };
 
 // A new id for this run, the same on every rank: rank 0's host, pid and start
@@ -109,7 +115,7 @@ void save_train_state(const std::string& dir, const TrainPosition& position, con
 
 // Loads a save made by save_train_state into `shards.tensors` and their
 // optimizer state: `dir` is a step folder or the save root (then DIR/latest).
-// The random state and data position are those of the saved rank at this
+// The random state is that of the saved rank at this
 // rank's tensor-parallel rank and data-parallel rank modulo the saved
 // data-parallel size (its own, when the size is unchanged: the run continues
 // bitwise). A missing, incomplete, damaged or inconsistent save, or one made

@@ -174,7 +174,7 @@ TEST(TrainState, ResumesAtAnotherDataParallelSizeAndStage) {
     if (group) {
       Trainer t(group, c.save_stage, c.save_hybrid);
       for (int i = 0; i < 3; ++i) t.step();
-      save_train_state(dir, {3, 7}, t.shards(), *t.optimizer, t.identity(), *group);
+      save_train_state(dir, {3, R"({"data_window": 7})"}, t.shards(), *t.optimizer, t.identity(), *group);
       values = t.consolidated("");
       exp_avg = t.consolidated("exp_avg");
       exp_avg_sq = t.consolidated("exp_avg_sq");
@@ -202,7 +202,7 @@ TEST(TrainState, ResumesAtAnotherDataParallelSizeAndStage) {
       Trainer t(load_group, c.load_stage, c.load_hybrid);
       const TrainPosition p = load_train_state(dir, t.shards(), *t.optimizer, t.identity(), *load_group);
       EXPECT_EQ(p.step, 3) << what;
-      EXPECT_EQ(p.window, 7) << what;
+      EXPECT_EQ(p.client_state, R"({"data_window":7})") << what;
       expect_bitwise(t.consolidated(""), want_values, what + " parameters");
       expect_bitwise(t.consolidated("exp_avg"), want_avg, what + " exp_avg");
       expect_bitwise(t.consolidated("exp_avg_sq"), want_avg_sq, what + " exp_avg_sq");
@@ -230,7 +230,7 @@ TEST(TrainState, SameLayoutContinuesBitwise) {
     {
       Trainer t(world(), stage);
       for (int i = 0; i < 2; ++i) t.step();
-      save_train_state(dir, {2, 0}, t.shards(), *t.optimizer, t.identity(), *world());
+      save_train_state(dir, {2}, t.shards(), *t.optimizer, t.identity(), *world());
       for (int i = 0; i < 3; ++i) whole.push_back(t.step());
     }
     {
@@ -380,7 +380,7 @@ TEST(TrainState, DamagedOrForeignSavesAreClearErrors) {
   {
     Trainer t(world(), 2);
     t.step();
-    save_train_state(dir, {1, 0}, t.shards(), *t.optimizer, t.identity(), *world());
+    save_train_state(dir, {1}, t.shards(), *t.optimizer, t.identity(), *world());
   }
   // Another tensor-parallel size is refused, naming the key.
   {
@@ -420,7 +420,7 @@ TEST(TrainState, AnEditedManifestIsRefused) {
   {
     Trainer t(world(), 0);
     t.step();
-    save_train_state(dir, {1, 0}, t.shards(), *t.optimizer, t.identity(), *world());
+    save_train_state(dir, {1}, t.shards(), *t.optimizer, t.identity(), *world());
   }
   const std::string manifest = dir + "/step_00000001/manifest.json";
   if (world()->rank() == 0) {
@@ -454,8 +454,8 @@ TEST(TrainState, LatestNeverMovesBack) {
   };
   Trainer t(world(), 1);
   t.step();
-  save_train_state(dir, {3, 0}, t.shards(), *t.optimizer, t.identity(), *world());
-  save_train_state(dir, {2, 0}, t.shards(), *t.optimizer, t.identity(), *world());
+  save_train_state(dir, {3}, t.shards(), *t.optimizer, t.identity(), *world());
+  save_train_state(dir, {2}, t.shards(), *t.optimizer, t.identity(), *world());
   // Rank 0 writes `latest` (and alone reads it in remat-train): checked
   // there, once every rank is past the saves.
   const bool writer = world()->rank() == 0;
@@ -494,7 +494,7 @@ TEST(TrainState, FrozenParametersAreSavedExportedAndRestored) {
       }
       ASSERT_FALSE(initial.empty());
       for (int i = 0; i < 2; ++i) t.step();
-      save_train_state(dir, {2, 0}, t.shards(), *t.optimizer, t.identity(), *world());
+      save_train_state(dir, {2}, t.shards(), *t.optimizer, t.identity(), *world());
       export_model(dir + "/model.pt", *t.zero, *t.model, *world());
       for (const auto& [k, v] : t.zero->full_parameters()) {
         if (initial.count(k)) {

@@ -1,0 +1,245 @@
+// remat::Engine: trains any LibTorch model from a DeepSpeed-style JSON config.
+// One call wires, in this order, tensor parallelism's groups, the activation
+// checkpointing policy (or the planner of variant auto), activation
+// offloading, sharding (ZeRO stages 0-3, hybrid), the optimizer and learning
+// rate schedule, and the step counters; the training loop stays the user's.
+//
+//   auto engine = remat::initialize(model, "ds_config.json");
+//   for (...) {
+//     at::Tensor loss = engine->forward([&] { return model->loss(x, y); });
+//     engine->backward(loss);
+//     engine->step();                      // acts at the accumulation boundary
+//   }
+//   engine->save_checkpoint("saves", {{"epoch", 3}});
+//   nlohmann::json client = engine->load_checkpoint("saves");
+//   engine->export_model("model.pt");       // torch.load-able
+//
+// The model contract (docs/engine.md): the model is owned by a std::shared_ptr
+// (a TORCH_MODULE holder), its parameters are float32, and its blocks (the
+// units of sharding and of the checkpointing policies) are one
+// torch::nn::ModuleList whose members the model calls through
+// remat::forward(block, ...) (nn/module_call.h). A tensor-parallel model is
+// built with the groups of remat::init_distributed() before initialize().
+// Every call below is collective over the engine's processes unless it says
+// otherwise: every rank makes the same calls in the same order.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/config.h"
+#include "engine/train_state.h"
+
+namespace torch::nn {
+class Module;
+}
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace remat {
+
+class Communicator;
+class MemoryTracker;
+class ParallelLayout;
+
+using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
+
+struct EngineOptions {
+  // Overrides applied on top of the config, validated the same way:
+  // "zero_optimization.stage=3" (remat-train's --set).
+  std::vector<std::string> overrides;
+  // The processes and groups to train across (init_distributed()); null:
+  // every process of the job, through `backend`.
+  std::shared_ptr<ParallelLayout> layout;
+  std::string backend = "auto";  // auto | mpi | nccl
+  // The dotted path of the model's block list; empty: the one ModuleList the
+  // model holds (find_block_list).
+  std::string blocks;
+  // Builds the optimizer over the tensors remat steps (ZeRO's shards, or the
+  // parameters at stage 0); null: the config's optimizer section. The
+  // schedule still sets its learning rate every step.
+  OptimizerFactory optimizer;
+  // Counts the memory metrics; null: the engine's own, started at initialize
+  // (a tracker started earlier also counts what was allocated before).
+  MemoryTracker* memory = nullptr;
+  // What identifies the model in saves: a resume with another signature is
+  // refused naming both. Empty: built from the parameters' names and shapes.
+  std::string model_signature;
+};
+
+// What one optimizer step did: remat-train writes it as a JSON line.
+struct StepMetrics {
+  int64_t step = 0;
+  double loss = 0;  // mean over micro-steps and data-parallel ranks
+  double lr = 0;
+  double grad_norm = -1;  // before clipping; -1: clipping is off
+  bool skipped = false;   // non-finite, dropped (train.on_nonfinite skip)
+  double step_ms = 0, fwd_ms = 0, bwd_ms = 0, opt_ms = 0, recompute_ms = 0;
+  int64_t mem_base_bytes = 0, mem_peak_bytes = 0, mem_act_peak_bytes = 0, mem_fwd_held_bytes = 0;
+  int64_t ckpt_saved_bytes = 0, ckpt_offloaded_bytes = 0, ckpt_gathered_bytes = 0;
+  int64_t act_offloaded_bytes = 0, act_restored_bytes = 0, act_host_bytes = 0, act_kept_bytes = 0;
+  int64_t comm_bytes = 0, zero_comm_bytes = 0, param_bytes = 0, grad_bytes = 0, grad_peak_bytes = 0;
+  int64_t optimizer_state_bytes = 0, peak_gathered_param_bytes = 0;
+  // variant auto: the plan in force (empty otherwise).
+  nlohmann::json plan;
+  nlohmann::json to_json() const;
+};
+
+// Builds the parallel layout a run trains across (data × tensor parallel, from
+// the config's tensor_parallel.size) and seeds every generator from
+// train.seed, model-parallel states included. A tensor-parallel model is
+// built after it, with layout->tp_group(); pass the layout to initialize()
+// through EngineOptions::layout. Collective.
+std::shared_ptr<ParallelLayout> init_distributed(const Config& config, const std::string& backend = "auto");
+
+class Engine {
+ public:
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Runs the model's forward: `fn` computes the loss from this micro-batch
+  // (calling the model's blocks through remat::forward). Returns the loss,
+  // not yet scaled for accumulation. With variant auto, the first call (and
+  // every call with a `plan_key` not seen before, e.g. the batch's shape)
+  // profiles `fn` to plan the blocks first, so `fn` may run more than once.
+  // A forward that throws leaves the engine ready for the next forward.
+  at::Tensor forward(const std::function<at::Tensor()>& fn, const std::vector<int64_t>& plan_key = {});
+  // Backpropagates `loss` (the tensor forward() returned) divided by the
+  // accumulation steps, then reduces gradients as the sharding needs.
+  void backward(const at::Tensor& loss);
+  // After every backward. At the accumulation boundary: the non-finite check
+  // (train.on_nonfinite), clipping (gradient_clipping), the optimizer step
+  // and the gradients cleared; returns whether it stepped (false inside an
+  // accumulation window, or when a non-finite step was skipped).
+  bool step();
+
+  // Runs `fn` without autograd, in eval mode, with ZeRO-3's parameters
+  // gathered as forward() does (evaluation, generation). The mode is restored.
+  template <class F>
+  auto evaluate(F&& fn) {
+    EvaluationScope scope(*this);
+    return fn();
+  }
+
+  bool is_gradient_accumulation_boundary() const;
+  int64_t global_steps() const { return global_steps_; }
+  // Micro-steps since the last optimizer step.
+  int64_t micro_steps() const { return micro_steps_; }
+  // The learning rate of the step in progress (or the next one).
+  double get_lr() const;
+  // The global gradient norm of the last step (before clipping); -1 before
+  // the first step or with clipping off.
+  double get_global_grad_norm() const { return last_metrics_.grad_norm; }
+  // The last optimizer step's metrics.
+  const StepMetrics& last_metrics() const { return last_metrics_; }
+
+  // Saves parameters, optimizer state, every random state, the step and
+  // `client_state` (rank 0's) to DIR/step_NNNNNNNN (atomic, CRC-checked,
+  // locked against a second job, `latest` updated). Refused inside an
+  // accumulation window. Returns the step folder.
+  std::string save_checkpoint(const std::string& dir, const nlohmann::json& client_state = nlohmann::json::object());
+  // Takes `dir` for this engine's saves now (save_checkpoint does so at its
+  // first save): created, checked writable on every rank and locked against
+  // a second job; saves of another run there are refused unless
+  // `options.overwrite` (or a load_checkpoint from it: `resuming`).
+  void use_save_dir(const std::string& dir, SaveDirOptions options = {});
+  // Loads a save (a step folder or the save root) made at any data-parallel
+  // size and ZeRO stage with this model, optimizer type and tensor-parallel
+  // size; returns its client state.
+  nlohmann::json load_checkpoint(const std::string& dir);
+  // Writes every parameter whole, by state-dict name, to one file that
+  // torch.load and torch::pickle_load read (written by rank 0). Returns the
+  // bytes written on rank 0.
+  int64_t export_model(const std::string& path);
+
+  // The model's parameter `name` (state-dict name), whole: at ZeRO stage 3
+  // only inside a GatheredParameters scope (else an Error saying so).
+  at::Tensor parameter(const std::string& name) const;
+
+  const Config& config() const { return config_; }
+  const ParallelLayout& layout() const;
+  torch::nn::Module& module() const { return *model_; }
+  torch::optim::Optimizer& optimizer() const;
+  struct Impl;
+  Impl& impl() const { return *impl_; }
+
+  class EvaluationScope {
+   public:
+    explicit EvaluationScope(Engine& engine);
+    ~EvaluationScope();
+    EvaluationScope(const EvaluationScope&) = delete;
+    EvaluationScope& operator=(const EvaluationScope&) = delete;
+
+   private:
+    Engine& engine_;
+    bool was_training_;
+    struct Guards;
+    std::unique_ptr<Guards> guards_;
+  };
+
+ private:
+  friend std::unique_ptr<Engine> initialize(std::shared_ptr<torch::nn::Module>, Config, EngineOptions);
+  friend class GatheredParameters;
+  Engine(std::shared_ptr<torch::nn::Module> model, Config config, EngineOptions options);
+  void end_forward_state();
+
+  std::shared_ptr<torch::nn::Module> model_;
+  Config config_;
+  std::unique_ptr<Impl> impl_;
+  int64_t global_steps_ = 0, micro_steps_ = 0;
+  StepMetrics last_metrics_;
+};
+
+// The engine for `model` from a parsed config (EngineOptions::overrides are
+// applied on top). Collective. Initializing a model that another live engine
+// trains is an Error.
+std::unique_ptr<Engine> initialize(std::shared_ptr<torch::nn::Module> model, Config config,
+                                   EngineOptions options = {});
+// From a file path, or JSON text (text that starts with '{').
+std::unique_ptr<Engine> initialize(std::shared_ptr<torch::nn::Module> model, const std::string& config,
+                                   EngineOptions options = {});
+std::unique_ptr<Engine> initialize(std::shared_ptr<torch::nn::Module> model, const nlohmann::json& config,
+                                   EngineOptions options = {});
+inline std::unique_ptr<Engine> initialize(std::shared_ptr<torch::nn::Module> model, const char* config,
+                                          EngineOptions options = {}) {
+  return initialize(std::move(model), std::string(config), std::move(options));
+}
+template <class Holder, class C>
+auto initialize(const Holder& model, const C& config, EngineOptions options = {})
+    -> decltype(model.ptr(), std::unique_ptr<Engine>()) {
+  return initialize(std::static_pointer_cast<torch::nn::Module>(model.ptr()), config, std::move(options));
+}
+
+// Every parameter of the engine's model whole, in the parameters themselves,
+// for the scope's lifetime (ZeRO stage 3 gathers them; other stages hold them
+// whole already): for evaluation code that reads weights, or edits such as
+// tying or re-initialising. With `modify`, edits made in the scope are written
+// back to every rank's shards (and the optimizer's view of them) when it
+// ends; all ranks must make the same edits (rank 0's values are the ones
+// kept). Collective at both ends. Not inside forward/backward.
+class GatheredParameters {
+ public:
+  explicit GatheredParameters(Engine& engine, bool modify = false);
+  ~GatheredParameters() noexcept(false);
+  GatheredParameters(const GatheredParameters&) = delete;
+  GatheredParameters& operator=(const GatheredParameters&) = delete;
+
+ private:
+  Engine& engine_;
+  bool modify_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> restore_;  // parameter, its data outside the scope
+  std::map<std::string, at::Tensor> installed_;              // stage 3: the values the scope began with
+};
+
+}  // namespace remat

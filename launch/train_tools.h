@@ -1,0 +1,40 @@
+// What remat-train adds around the engine: its progress line, its --metrics
+// file kept consistent on resume, and the GPT's fit-before-run check.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include "engine/config.h"
+
+namespace remat {
+
+std::string human_bytes(double bytes);
+
+// A lower bound of what one rank needs for the GPT of `c` (fp32 parameters,
+// gradients and AdamW's moments as sharded by the ZeRO stage, each block's
+// input and the logits): a ConfigError naming the keys to change when it
+// exceeds the host memory available to each rank.
+void check_memory_estimate(const Config& c, const BatchSizes& batch, int64_t vocab, int dp);
+
+// A resumed run's --metrics file keeps only the lines of the steps up to the
+// one it resumed at (rewritten beside it, then renamed over it; a device or
+// fifo is left as it is).
+void keep_metrics_through(const std::string& path, int64_t step);
+
+// A bar on a terminal, else a line every `every` steps (REMAT_PROGRESS=bar|lines).
+class Progress {
+ public:
+  Progress(int64_t first, int64_t total, int64_t every, bool enabled);
+  void step(int64_t step, double loss, double tokens_per_s, int64_t peak);
+  void line(const std::string& text);
+
+ private:
+  static bool use_bar();
+  int64_t first_, total_, every_;
+  bool enabled_, terminal_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+}  // namespace remat
