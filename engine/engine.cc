@@ -118,6 +118,7 @@ struct Engine::Impl {
   BatchSizes batch;
   std::unique_ptr<MemoryTracker> own_memory;
   MemoryTracker* memory = nullptr;
+  c10::DeviceType device = c10::DeviceType::CPU;  // where the model's memory is counted
   PolicyOptions policy;
   bool auto_plan = false;
   int regions = 0;
@@ -230,6 +231,10 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineO
   s.batch = config_.resolve_batch(s.layout->dims().dp);
   torch::nn::Module& model = *model_;
   model_parallel_manual_seed(static_cast<uint64_t>(config_.train.seed), *s.layout);
+  for (const auto& p : model.parameters()) {
+    s.device = p.device().type();
+    break;
+  }
   const auto sharded = parallel::sharded_parameters(model);
   const std::string blocks = block_path(model, s.options.blocks);
   auto block_list = find_block_list(model, blocks);
@@ -351,7 +356,7 @@ at::Tensor Engine::forward(const std::function<at::Tensor()>& fn, const std::vec
     // Gradients set to none, as LibTorch 2.x's zero_grad does. Before the
     // base is read: the last step's gradients are not this step's memory.
     for (auto& p : s.zero->parameters()) p.mutable_grad() = at::Tensor();
-    s.base = s.memory->current();
+    s.base = s.memory->current(s.device);
     s.memory->reset_peak();
     s.zero->reset_peak();
     s.before = Counters::read(s.zero.get());
@@ -359,8 +364,8 @@ at::Tensor Engine::forward(const std::function<at::Tensor()>& fn, const std::vec
     s.fwd_ms = s.bwd_ms = s.loss_sum = 0;
     s.saved = s.act_host = s.act_kept = s.fwd_held = s.act_peak = s.step_peak = 0;
   }
-  s.step_peak = std::max(s.step_peak, s.memory->peak());
-  s.micro_base = s.memory->current();
+  s.step_peak = std::max(s.step_peak, s.memory->peak(s.device));
+  s.micro_base = s.memory->current(s.device);
   s.memory->reset_peak();
   const auto t0 = Clock::now();
   at::Tensor loss;
@@ -388,7 +393,7 @@ at::Tensor Engine::forward(const std::function<at::Tensor()>& fn, const std::vec
   s.saved = std::max(s.saved, held.checkpoint_saved_bytes);
   s.act_host = std::max(s.act_host, held.offload.host_bytes);
   s.act_kept = std::max(s.act_kept, held.offload.kept_bytes);
-  s.fwd_held = std::max(s.fwd_held, s.memory->current() - s.micro_base);
+  s.fwd_held = std::max(s.fwd_held, s.memory->current(s.device) - s.micro_base);
   s.forward_end = Clock::now();
   s.fwd_ms += ms_between(t0, s.forward_end);
   s.phase = Phase::kForwarded;
@@ -415,7 +420,7 @@ void Engine::backward(const at::Tensor& loss) {
   const auto t1 = Clock::now();
   scaled.backward();
   s.zero->finish_backward(/*synchronize=*/boundary);
-  s.act_peak = std::max(s.act_peak, s.memory->peak() - s.micro_base);
+  s.act_peak = std::max(s.act_peak, s.memory->peak(s.device) - s.micro_base);
   s.bwd_ms += ms_between(t1, Clock::now());
   s.loss_sum += scaled.item<double>();
   s.phase = Phase::kBackwarded;
@@ -473,7 +478,12 @@ bool Engine::step() {
   }
   const Counters counters = Counters::read(s.zero.get()).since(s.before);
   comm_bytes += counters.comm_bytes();
-  s.step_peak = std::max(s.step_peak, s.memory->peak());
+  if (global_steps_ == 0 && s.regions > 0 && counters.recomputes == 0) {
+    throw Error(str("remat::Engine: the checkpointing policy marks ", s.regions, " blocks but none ran as a "
+                    "checkpoint region in this step's backward: the model calls its blocks directly. Call each "
+                    "block through remat::forward(block, ...) (docs/engine.md, the model contract)"));
+  }
+  s.step_peak = std::max(s.step_peak, s.memory->peak(s.device));
 
   StepMetrics m;
   m.step = step;
@@ -570,7 +580,8 @@ std::string Engine::save_checkpoint(const std::string& dir, const nlohmann::json
 void Engine::use_save_dir(const std::string& dir, SaveDirOptions options) {
   Impl& s = *impl_;
   if (s.save_lock && s.save_lock_dir == dir) return;
-  if (!s.loaded_dir.empty()) options.resuming = true;
+  // Continuing the saves it loaded from (a step folder in `dir`, or `dir`).
+  if (!s.loaded_dir.empty() && s.loaded_dir.rfind(dir, 0) == 0) options.resuming = true;
   s.save_lock.reset();
   s.save_lock = std::make_unique<SaveDirLock>(dir, s.identity.run_id, *s.world, options);
   s.save_lock_dir = dir;

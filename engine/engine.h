@@ -67,7 +67,8 @@ struct EngineOptions {
   std::string blocks;
   // Builds the optimizer over the tensors remat steps (ZeRO's shards, or the
   // parameters at stage 0); null: the config's optimizer section. The
-  // schedule still sets its learning rate every step.
+  // schedule still sets its learning rate every step. Saves hold the state
+  // of LibTorch's AdamW, Adam and SGD (another type trains, but does not save).
   OptimizerFactory optimizer;
   // Counts the memory metrics; null: the engine's own, started at initialize
   // (a tracker started earlier also counts what was allocated before).
@@ -96,10 +97,12 @@ struct StepMetrics {
 };
 
 // Builds the parallel layout a run trains across (data × tensor parallel, from
-// the config's tensor_parallel.size) and seeds every generator from
-// train.seed, model-parallel states included. A tensor-parallel model is
-// built after it, with layout->tp_group(); pass the layout to initialize()
-// through EngineOptions::layout. Collective.
+// the config's tensor_parallel.size) and seeds the default generators from
+// train.seed, so every rank initialises the model alike. A tensor-parallel
+// model is built after it, with layout->tp_group(); pass the layout to
+// initialize() through EngineOptions::layout. initialize() seeds again
+// (default generators and the tracker's model-parallel states) once the model
+// is built. Collective.
 std::shared_ptr<ParallelLayout> init_distributed(const Config& config, const std::string& backend = "auto");
 
 class Engine {
@@ -139,7 +142,7 @@ class Engine {
   // The learning rate of the step in progress (or the next one).
   double get_lr() const;
   // The global gradient norm of the last step (before clipping); -1 before
-  // the first step or with clipping off.
+  // the first step, with clipping off, or after a skipped (non-finite) step.
   double get_global_grad_norm() const { return last_metrics_.grad_norm; }
   // The last optimizer step's metrics.
   const StepMetrics& last_metrics() const { return last_metrics_; }
@@ -151,12 +154,16 @@ class Engine {
   std::string save_checkpoint(const std::string& dir, const nlohmann::json& client_state = nlohmann::json::object());
   // Takes `dir` for this engine's saves now (save_checkpoint does so at its
   // first save): created, checked writable on every rank and locked against
-  // a second job; saves of another run there are refused unless
-  // `options.overwrite` (or a load_checkpoint from it: `resuming`).
+  // a second job. Saves of another run there are refused unless
+  // `options.resuming` (set by itself after a load_checkpoint from `dir`) or
+  // `options.overwrite`; removing the later saves is then the caller's
+  // (discard_saves_after(dir, engine.global_steps(), world), after loading).
   void use_save_dir(const std::string& dir, SaveDirOptions options = {});
   // Loads a save (a step folder or the save root) made at any data-parallel
-  // size and ZeRO stage with this model, optimizer type and tensor-parallel
-  // size; returns its client state.
+  // size and ZeRO stage with this model (parameter names and shapes, and
+  // EngineOptions::model_signature), optimizer type, tensor-parallel size and
+  // train.seed; returns its client state. Anything else is a ConfigError
+  // naming what differs.
   nlohmann::json load_checkpoint(const std::string& dir);
   // Writes every parameter whole, by state-dict name, to one file that
   // torch.load and torch::pickle_load read (written by rank 0). Returns the

@@ -687,22 +687,6 @@ TrainPosition load_train_state(const std::string& dir, const TrainShards& shards
                           " but this run builds ", identity.model_signature,
                           "; use the config the save was made with"));
   }
-  if (!identity.parameters.empty() && manifest.parameters != parameters_json(identity.parameters)) {
-    const nlohmann::json mine = parameters_json(identity.parameters);
-    const auto& theirs = manifest.parameters;
-    std::string differs;
-    for (size_t i = 0; i < std::max(mine.size(), theirs.size()) && differs.empty(); ++i) {
-      if (i >= theirs.size()) {
-        differs = str("this model has parameter ", mine[i].dump(), " which the saved one has not");
-      } else if (i >= mine.size()) {
-        differs = str("the saved model has parameter ", theirs[i].dump(), " which this one has not");
-      } else if (mine[i] != theirs[i]) {
-        differs = str("its parameter ", i, " is ", theirs[i].dump(), " where this model's is ", mine[i].dump());
-      }
-    }
-    throw ConfigError(str("resume: the save in '", folder, "' holds another model: ", differs,
-                          " ([name, shape]); load it into the model it was saved from"));
-  }
   for (const auto& [key, value] : identity.settings) {
     auto saved = manifest.settings.find(key);
     if (saved != manifest.settings.end() && saved->second != value) {
@@ -733,6 +717,25 @@ TrainPosition load_train_state(const std::string& dir, const TrainShards& shards
                           " and data-parallel rank ", source_dp, "; the manifest was edited or damaged"));
   }
 
+  // This rank's own file first: it verifies the manifest's account of it.
+  std::map<size_t, std::unique_ptr<RankFile>> files;
+  files[candidates[0]] = open_rank_file(folder, manifest, candidates[0]);
+  if (!identity.parameters.empty() && manifest.parameters != parameters_json(identity.parameters)) {
+    const nlohmann::json mine = parameters_json(identity.parameters);
+    const auto& theirs = manifest.parameters;
+    std::string differs;
+    for (size_t i = 0; i < std::max(mine.size(), theirs.size()) && differs.empty(); ++i) {
+      if (i >= theirs.size()) {
+        differs = str("this model has parameter ", mine[i].dump(), " which the saved one has not");
+      } else if (i >= mine.size()) {
+        differs = str("the saved model has parameter ", theirs[i].dump(), " which this one has not");
+      } else if (mine[i] != theirs[i]) {
+        differs = str("its parameter ", i, " is ", theirs[i].dump(), " where this model's is ", mine[i].dump());
+      }
+    }
+    throw ConfigError(str("resume: the save in '", folder, "' holds another model: ", differs,
+                          " ([name, shape]); load it into the model it was saved from"));
+  }
   // Which saved elements fill each of this rank's tensors (the first file
   // holding an element provides it).
   struct Source {
@@ -777,8 +780,6 @@ TrainPosition load_train_state(const std::string& dir, const TrainShards& shards
     }
   }
 
-  std::map<size_t, std::unique_ptr<RankFile>> files;
-  files[candidates[0]] = open_rank_file(folder, manifest, candidates[0]);
   for (const auto& c : copies) {
     if (!files.count(c.file)) files[c.file] = open_rank_file(folder, manifest, c.file);
   }
