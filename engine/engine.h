@@ -51,6 +51,9 @@ namespace remat {
 class Communicator;
 class MemoryTracker;
 class ParallelLayout;
+namespace parallel {
+class ZeroModel;
+}
 
 using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
 
@@ -178,6 +181,9 @@ class Engine {
   const ParallelLayout& layout() const;
   torch::nn::Module& module() const { return *model_; }
   torch::optim::Optimizer& optimizer() const;
+  // The sharding the engine drives (ZeRO stages 0-3): what the optimizer
+  // steps (parameters()) and which model elements each holds (layout()).
+  parallel::ZeroModel& sharding() const;
   struct Impl;
   Impl& impl() const { return *impl_; }
 

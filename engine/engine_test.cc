@@ -14,6 +14,7 @@
 #include <torch/optim/sgd.h>
 
 #include <filesystem>
+#include <fstream>
 
 #include "engine/optim.h"
 #include "nn/module_call.h"
@@ -317,6 +318,42 @@ TEST(Engine, AModelThatBreaksTheBlockContractGetsAnErrorNamingTheFix) {
   run.model->direct = true;
   error = error_of<Error>([&] { run.train(1); });
   EXPECT_NE(error.find("none ran as a checkpoint region"), std::string::npos) << error;
+}
+
+TEST(Engine, TheConfigComesAsAFileJsonTextOrAParsedObjectWithOverrides) {
+  const std::string dir = scratch("config_forms");
+  const std::string path = dir + "/ds_config.json";
+  if (testing::world()->rank() == 0) {
+    fs::create_directories(dir);
+    std::ofstream(path) << config_json(1, "full");
+  }
+  testing::world()->barrier()->wait();
+  EngineOptions options;
+  options.layout = std::make_shared<ParallelLayout>(testing::world(),
+                                                    ParallelDims::from_world(testing::world()->size(), 1));
+  options.overrides = {"zero_optimization.stage=3", "activation_checkpointing.variant=none"};
+  {
+    TinyLm model;
+    auto engine = initialize(model, path, options);
+    EXPECT_EQ(engine->config().zero_optimization.stage, 3);
+    EXPECT_EQ(engine->config().activation_checkpointing.variant, "none");
+  }
+  {
+    TinyLm model;
+    auto engine = initialize(model, config_json(2, "full"), options);
+    EXPECT_EQ(engine->config().zero_optimization.stage, 3);
+  }
+  {
+    TinyLm model;
+    auto engine = initialize(model, nlohmann::json::parse(config_json(1, "full")), options);
+    EXPECT_EQ(engine->config().zero_optimization.stage, 3);
+    EXPECT_EQ(engine->config().train.seed, 5);
+  }
+  TinyLm model;
+  options.overrides = {"zero_optimization.stage=7"};
+  const std::string error = error_of<Error>([&] { initialize(model, config_json(0, "none"), options); });
+  EXPECT_NE(error.find("zero_optimization.stage=7"), std::string::npos) << error;
+  EXPECT_NO_THROW(initialize(model, config_json(0, "none"), EngineOptions{{}, options.layout}));
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include "parallel/zero.h"
 #include "runtime/communicator.h"
 #include "engine/config.h"
+#include "engine/engine.h"
 #include "runtime/error.h"
 #include "runtime/layout.h"
 #include "tests/error_of.h"
@@ -47,12 +48,15 @@ std::shared_ptr<Communicator> first(int n) {
   return world()->split(world()->rank() < n ? 0 : -1, world()->rank());
 }
 
+// The GPT trained through the engine on `group`; the saves are written and
+// read through train_state.h directly, with the engine's sharding and optimizer.
 struct Trainer {
   std::shared_ptr<Communicator> group;
   std::shared_ptr<ParallelLayout> layout;
   models::Gpt model{nullptr};
-  std::unique_ptr<parallel::ZeroModel> zero;
-  std::unique_ptr<torch::optim::AdamW> optimizer;
+  std::unique_ptr<Engine> engine;
+  parallel::ZeroModel* zero = nullptr;
+  torch::optim::Optimizer* optimizer = nullptr;
   int64_t steps = 0;
 
   // `freeze`: the first block's parameters are frozen (requires_grad false).
@@ -65,26 +69,25 @@ struct Trainer {
         if (item.key().rfind("blocks.0.", 0) == 0) item.value().requires_grad_(false);
       }
     }
-    std::vector<std::shared_ptr<torch::nn::Module>> units;
-    for (const auto& b : *model->blocks) units.push_back(b);
-    ZeroConfig zc;
-    zc.stage = stage;
-    zc.hybrid_shard_size = hybrid;
-    zc.stage3_param_persistence_threshold = 40;  // some whole parameters too
-    zc.reduce_bucket_size = 700;                 // several buckets at stages 1 and 2
-    zero = std::make_unique<parallel::ZeroModel>(*model, units, layout->dp_group(), zc, Bf16Config{});
-    optimizer = std::make_unique<torch::optim::AdamW>(zero->parameters(),
-                                                      torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+    // Some whole parameters at stage 3 too, several buckets at stages 1 and 2.
+    const Config config = parse_config(
+        str(R"({"train_micro_batch_size_per_gpu": 2, "train": {"seed": 5},
+                "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
+                "zero_optimization": {"stage": )", stage, R"(, "hybrid_shard_size": )", hybrid,
+            R"(, "stage3_param_persistence_threshold": 40, "reduce_bucket_size": 700}})"),
+        "<train_state_test>");
+    EngineOptions options;
+    options.layout = layout;
+    engine = initialize(model, config, options);
+    zero = &engine->sharding();
+    optimizer = &engine->optimizer();
   }
 
   double step() {
     at::Tensor idx = at::arange(2 * 10, at::kLong).view({2, 10}).mul(layout->dp_rank() + 1).add(steps * 3).remainder(31);
-    optimizer->zero_grad();
-    zero->begin_forward();
-    at::Tensor loss = zero->finish_forward(model->loss(idx, idx.roll(-1, 1)));
-    loss.backward();
-    zero->finish_backward();
-    optimizer->step();
+    at::Tensor loss = engine->forward([&] { return model->loss(idx, idx.roll(-1, 1)); });
+    engine->backward(loss);
+    engine->step();
     ++steps;
     return loss.item<double>();
   }
