@@ -59,13 +59,14 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
 // Settings that would have no effect are pointed out.
 void warn_ineffective(const Config& c) {
   const auto& ac = c.activation_checkpointing;
-  if (ac.variant == "none" &&
+  if (ac.variant == CheckpointVariant::kNone &&
       (ac.partition_activations || ac.cpu_checkpointing || ac.contiguous_memory_optimization)) {
     log_rank0().warn("activation_checkpointing.variant is none, so partition_activations, "
                      "cpu_checkpointing and contiguous_memory_optimization have no region to "
                      "act on; set variant to full, selective_layer or selective_op");
   }
-  if (ac.variant == "auto" && (ac.save_ops || ac.every_k != 1 || ac.every_k_from != "first")) {
+  if (ac.variant == CheckpointVariant::kAuto &&
+      (ac.save_ops || ac.every_k != 1 || ac.every_k_from != EveryKFrom::kFirst)) {
     log_rank0().warn("activation_checkpointing.variant is auto: save_ops, every_k and every_k_from are not "
                      "used (the planner chooses per block between the default and the matmul op lists, "
                      "full checkpoints and keeping)");
@@ -334,12 +335,12 @@ int train(int argc, char** argv) {
   PolicyOptions policy = PolicyOptions(config.activation_checkpointing);
   // variant auto: planned from a profiling step at the first step (and again
   // whenever the batch shape changes).
-  const bool auto_plan = policy.variant == "auto";
+  const bool auto_plan = policy.variant == CheckpointVariant::kAuto;
   int regions = auto_plan ? 0 : apply_activation_checkpointing(*model, policy);
   PlannerOptions planner_options;
   planner_options.blocks = policy.blocks;
-  planner_options.budget_bytes = config.activation_checkpointing.memory_budget_bytes;
-  planner_options.budget_fraction = config.activation_checkpointing.memory_budget_fraction;
+  planner_options.memory_budget_bytes = config.activation_checkpointing.memory_budget_bytes;
+  planner_options.memory_budget_fraction = config.activation_checkpointing.memory_budget_fraction;
   planner_options.offload = config.activation_offloading;
   ActivationPlanner planner(*model, planner_options, world.get());
   double plan_ms = 0;
@@ -412,7 +413,7 @@ int train(int argc, char** argv) {
   log_rank0().info("data {} ({} bytes, vocabulary {}), model {} ({} parameters on this rank), "
                    "checkpointing {} ({}), batch {} = micro {} x accumulation {} x dp {}",
                    data.source(), data.train_size() + data.val_size(), data.vocab_size(), signature,
-                   model->num_parameters(), config.activation_checkpointing.variant,
+                   model->num_parameters(), checkpoint_variant_name(config.activation_checkpointing.variant),
                    auto_plan ? std::string("planned at the first step") : str(regions, " regions"),
                    batch.train_batch_size, batch.micro_batch_per_gpu,
                    batch.gradient_accumulation_steps, layout.dims().dp);
