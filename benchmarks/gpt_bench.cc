@@ -58,28 +58,28 @@ ActivationCheckpointingConfig config_of(const std::string& name) {
     c.reentrant = true;
   }
   if (variant == "none" || variant == "act_offload") {
-    c.variant = "none";
+    c.variant = CheckpointVariant::kNone;
   } else if (variant == "full") {
-    c.variant = "full";
+    c.variant = CheckpointVariant::kFull;
   } else if (variant.rfind("every_k", 0) == 0 && variant.size() > 7 &&
              variant.find_first_not_of("0123456789", 7) == std::string::npos) {
-    c.variant = "selective_layer";
+    c.variant = CheckpointVariant::kSelectiveLayer;
     c.every_k = std::stoi(variant.substr(7));
   } else if (variant.rfind("auto", 0) == 0 && variant.size() > 4 &&
              variant.find_first_not_of("0123456789", 4) == std::string::npos) {
     // autoNN: the memory planner with a budget of NN % of the peak without checkpointing.
-    c.variant = "auto";
+    c.variant = CheckpointVariant::kAuto;
     c.memory_budget_fraction = std::stoi(variant.substr(4)) / 100.0;
   } else if (variant == "selective_op") {
-    c.variant = "selective_op";
+    c.variant = CheckpointVariant::kSelectiveOp;
   } else if (variant == "selective_op_matmuls") {
-    c.variant = "selective_op";
+    c.variant = CheckpointVariant::kSelectiveOp;
     c.save_ops = matmul_save_ops();
   } else if (variant == "offload") {
-    c.variant = "full";
+    c.variant = CheckpointVariant::kFull;
     c.cpu_checkpointing = true;
   } else if (variant == "partitioned") {
-    c.variant = "full";
+    c.variant = CheckpointVariant::kFull;
     c.partition_activations = true;
   } else {
     throw ConfigError(str("gpt_bench: unknown variant '", name,
@@ -159,9 +159,9 @@ int bench(int argc, char** argv) {
       const auto& c = v == "none" ? config_of("none") : configs.at(v);
       configure_checkpointing(c, &layout);
       std::unique_ptr<OffloadActivations> offload;
-      if (c.variant == "none") {
+      if (c.variant == CheckpointVariant::kNone) {
         remove_activation_checkpointing(*model);
-      } else if (c.variant == "auto") {
+      } else if (c.variant == CheckpointVariant::kAuto) {
         apply_activation_plan(*model, plans.at(v), planner);
       } else {
         apply_activation_checkpointing(*model, PolicyOptions(c));
@@ -187,7 +187,7 @@ int bench(int argc, char** argv) {
     step("none");  // allocates the parameter gradients
     std::optional<BlockCosts> costs;
     for (const auto& [v, c] : configs) {
-      if (c.variant != "auto") continue;
+      if (c.variant != CheckpointVariant::kAuto) continue;
       configure_checkpointing(c, &layout);
       if (!costs) {
         for (auto& p : model->parameters()) p.mutable_grad().zero_();
@@ -232,7 +232,7 @@ int bench(int argc, char** argv) {
     };
     std::vector<std::string> runnable;
     for (const auto& v : split(variants)) {
-      if (configs.at(v).variant != "auto" || plans.count(v)) runnable.push_back(v);
+      if (configs.at(v).variant != CheckpointVariant::kAuto || plans.count(v)) runnable.push_back(v);
     }
     for (const auto& v : runnable) emit(v, "memory", 0, step(v));
     if (!memory_only) {

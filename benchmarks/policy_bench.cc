@@ -60,14 +60,14 @@ int bench(int argc, char** argv) {
 
   std::vector<Variant> variants(4);
   variants[0].label = "none";
-  variants[0].options.variant = "none";
+  variants[0].options.variant = remat::CheckpointVariant::kNone;
   variants[1].label = "full";
-  variants[1].options.variant = "full";
+  variants[1].options.variant = remat::CheckpointVariant::kFull;
   variants[2].label = "every_k=2";
-  variants[2].options.variant = "selective_layer";
+  variants[2].options.variant = remat::CheckpointVariant::kSelectiveLayer;
   variants[2].options.every_k = 2;
   variants[3].label = "selective_op";
-  variants[3].options.variant = "selective_op";
+  variants[3].options.variant = remat::CheckpointVariant::kSelectiveOp;
 
   for (int i = 0; i < warmup + steps; ++i) {
     for (auto& v : variants) {

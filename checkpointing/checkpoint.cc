@@ -17,7 +17,6 @@
 #include "checkpointing/state.h"
 #include "nn/autograd_state.h"
 #include "rng/rng_tracker.h"
-#include "engine/config.h"
 #include "runtime/error.h"
 #include "runtime/layout.h"
 #include "runtime/logging.h"
@@ -31,9 +30,8 @@ CheckpointingState& CheckpointingState::get() {
 
 CheckpointOptions& default_checkpoint_options() { return CheckpointingState::get().defaults; }
 
-void configure_checkpointing(const ActivationCheckpointingConfig& config,
-                             const ParallelLayout* mpu) {
-  const std::string invalid = check_activation_checkpointing(config);
+void configure_checkpointing(const RegionSettings& config, const ParallelLayout* mpu) {
+  const std::string invalid = check_region_settings(config);
   if (!invalid.empty()) throw ConfigError("config error: " + invalid);
   auto& options = default_checkpoint_options();
   options.synchronize = config.synchronize_checkpoint_boundary;

@@ -51,7 +51,6 @@
 
 namespace remat {
 
-struct ActivationCheckpointingConfig;
 class ParallelLayout;
 
 struct CheckpointOptions {
@@ -80,7 +79,8 @@ struct CheckpointOptions {
 // The options checkpoint() uses when given none (and that policies start from).
 CheckpointOptions& default_checkpoint_options();
 
-// Sets the default options from the config's activation_checkpointing section:
+// Sets the default options from the region settings (the activation_checkpointing
+// section's; checkpointing/options.h):
 // partition_activations (over the layout's tensor-parallel group),
 // cpu_checkpointing (with offload_min_bytes, offload_max_in_flight,
 // offload_keep_last), contiguous_memory_optimization with number_checkpoints,
@@ -92,8 +92,7 @@ CheckpointOptions& default_checkpoint_options();
 //   remat::ParallelLayout layout(world, remat::ParallelDims::from_world(world->size(), 2));
 //   remat::configure_checkpointing(cfg.activation_checkpointing, &layout);
 //   y = remat::checkpoint(block_fn, x);   // x kept as 1/2 per rank
-void configure_checkpointing(const ActivationCheckpointingConfig& config,
-                             const ParallelLayout* layout = nullptr);
+void configure_checkpointing(const RegionSettings& config, const ParallelLayout* layout = nullptr);
 
 // Frees the contiguous checkpoint buffers of the default options (regions
 // alive now keep their own slots). Call it between phases that checkpoint

@@ -264,11 +264,8 @@ std::string marked_head(const torch::nn::Module& model) {
 OffloadActivations::OffloadActivations(const OffloadActivationsOptions& options,
                                        const torch::nn::Module* model)
     : state_(std::make_shared<State>()) {
-  if (options.min_offload_size < 0 || options.max_fwd_stash_size < 1) {
-    throw ConfigError(str("OffloadActivations: min_offload_size (", options.min_offload_size,
-                          ") must be >= 0 and max_fwd_stash_size (", options.max_fwd_stash_size,
-                          ") at least 1"));
-  }
+  const std::string invalid = check_offload_activations(options);
+  if (!invalid.empty()) throw ConfigError("OffloadActivations: " + invalid);
   state_->options = options;
   if (model != nullptr) {
     for (const auto& p : model->parameters()) {

@@ -44,16 +44,14 @@
 #include <memory>
 #include <string>
 
-#include "engine/config.h"
+#include "checkpointing/options.h"
 
 namespace remat {
 
 class saved_tensors_hooks;
 
-// The options of torchtune's OffloadActivations / Axolotl's
-// get_lora_act_offloading_ctx_manager, with their defaults (runtime/config.h:
-// the activation_offloading section, where each is documented).
-using OffloadActivationsOptions = ActivationOffloadingConfig;
+// OffloadActivationsOptions (checkpointing/options.h, where each is
+// documented with its default) are the activation_offloading section's.
 
 // Process-wide counters of activation offloading (metrics, tests, benchmarks).
 struct ActivationOffloadStats {

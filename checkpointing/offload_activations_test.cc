@@ -296,7 +296,7 @@ TEST(OffloadActivations, OptionsAndConfigErrorsSayWhatToChange) {
   OffloadActivationsOptions bad;
   bad.max_fwd_stash_size = 0;
   EXPECT_THAT(error_of<ConfigError>([&] { OffloadActivations scope(bad); }),
-              HasSubstr("max_fwd_stash_size (0) at least 1"));
+              HasSubstr("'activation_offloading.max_fwd_stash_size' = 0 must be at least 1"));
   Config c = parse_config(R"({"activation_offloading": {"enabled": true, "min_offload_size": 0,
                               "max_fwd_stash_size": 2, "use_streams": false, "head": "head"}})",
                           "test");

@@ -650,24 +650,13 @@ BlockCosts profile_activation_choices(torch::nn::Module& model, const std::funct
 
 ActivationPlan plan_activation_checkpointing(torch::nn::Module& model, const std::function<void()>& step,
                                              const PlannerOptions& options, Communicator* comm) {
-  if (options.budget_bytes.has_value() == options.budget_fraction.has_value()) {
-    throw ConfigError("activation checkpointing planner: set exactly one of the budget in bytes "
-                      "(memory_budget_bytes) and the fraction of the peak with every block kept "
-                      "(memory_budget_fraction)");
-  }
-  if (options.budget_bytes && *options.budget_bytes <= 0) {
-    throw ConfigError(str("activation checkpointing planner: memory_budget_bytes = ", *options.budget_bytes,
-                          " must be positive"));
-  }
-  if (options.budget_fraction && !(*options.budget_fraction > 0 && std::isfinite(*options.budget_fraction))) {
-    throw ConfigError(str("activation checkpointing planner: memory_budget_fraction = ", *options.budget_fraction,
-                          " must be a positive number (0.5: half the peak with every block kept)"));
-  }
+  const std::string invalid = check_memory_budget(options);
+  if (!invalid.empty()) throw ConfigError("activation checkpointing planner: " + invalid);
   BlockCosts costs = profile_activation_choices(model, step, options, comm);
   const int64_t budget =
-      options.budget_bytes
-          ? *options.budget_bytes
-          : static_cast<int64_t>(std::min(1e18, std::floor(*options.budget_fraction * static_cast<double>(costs.keep_peak))));
+      options.memory_budget_bytes
+          ? *options.memory_budget_bytes
+          : static_cast<int64_t>(std::min(1e18, std::floor(*options.memory_budget_fraction * static_cast<double>(costs.keep_peak))));
   log_rank0().debug("{}", describe_costs(costs));
   // With every step offloaded, a budget no plan meets is offloading's doing: said so.
   if (options.offload.enabled && smallest_feasible_budget(costs) > budget) {

@@ -4,7 +4,7 @@
 // least extra time.
 //
 //   remat::PlannerOptions options;
-//   options.budget_fraction = 0.5;          // of the peak with every block kept
+//   options.memory_budget_fraction = 0.5;   // of the peak with every block kept
 //   auto step = [&] { model->loss(x, y).backward(); };   // the real batch shape
 //   remat::ActivationPlan plan =
 //       remat::plan_activation_checkpointing(*model, step, options, world.get());
@@ -45,7 +45,7 @@
 #include <vector>
 
 #include "checkpointing/checkpoint.h"
-#include "engine/config.h"
+#include "checkpointing/options.h"
 
 namespace remat {
 
@@ -118,13 +118,11 @@ ActivationPlan solve_activation_plan(const BlockCosts& costs, int64_t budget_byt
 // The lowest predicted peak any plan reaches.
 int64_t smallest_feasible_budget(const BlockCosts& costs);
 
-struct PlannerOptions {
+// The budget (MemoryBudget, checkpointing/options.h): absolute bytes, or a
+// fraction of the measured peak with every block kept (exactly one is set).
+struct PlannerOptions : MemoryBudget {
   // Dotted path of the ModuleList of blocks.
   std::string blocks = "blocks";
-  // The budget: absolute bytes, or a fraction of the measured peak with every
-  // block kept (exactly one is set).
-  std::optional<int64_t> budget_bytes;
-  std::optional<double> budget_fraction;
   // Candidate choices (keep is always one). Empty: every choice, except that
   // the two offloading ones are left out for a model on the CPU (there is no
   // separate host memory to move to) and full_offload when the region
@@ -137,7 +135,7 @@ struct PlannerOptions {
   bool decide_on_wall_time = false;
   // The options of the offload_activations choice (torchtune's defaults;
   // remat-train passes its activation_offloading section).
-  ActivationOffloadingConfig offload;
+  OffloadActivationsOptions offload;
   // Region options for the checkpointed choices; unset: the defaults in
   // effect when each region runs (configure_checkpointing), as policies do.
   std::optional<CheckpointOptions> checkpoint;

@@ -42,7 +42,7 @@ TEST(PlannerRanks, EveryRankGetsTheSamePlan) {
     at::Tensor targets = idx.roll(-1, 1);
     for (double fraction : {0.6, 0.8}) {
       PlannerOptions o;
-      o.budget_fraction = fraction;
+      o.memory_budget_fraction = fraction;
       ActivationPlan plan = plan_activation_checkpointing(
           *model, [&] { model->loss(idx, targets).backward(); }, o, world().get());
       std::vector<double> mine{static_cast<double>(plan.budget_bytes), static_cast<double>(plan.predicted_peak),
@@ -61,7 +61,7 @@ TEST(PlannerRanks, EveryRankGetsTheSamePlan) {
     // The measurements themselves are the same on every rank (each rank's
     // own timings differ; the planner decides on their maximum).
     PlannerOptions o;
-    o.budget_fraction = 0.5;
+    o.memory_budget_fraction = 0.5;
     BlockCosts costs = profile_activation_choices(
         *model, [&] { model->loss(idx, targets).backward(); }, o, world().get());
     std::vector<double> mine{static_cast<double>(costs.keep_peak), static_cast<double>(costs.backward_base)};

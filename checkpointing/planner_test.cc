@@ -207,7 +207,7 @@ class Planner : public CheckpointModes {
   }
   PlannerOptions budget(double fraction) {
     PlannerOptions o;
-    o.budget_fraction = fraction;
+    o.memory_budget_fraction = fraction;
     return o;
   }
 
@@ -332,7 +332,7 @@ TEST_P(Planner, PlansAgainOnlyWhenTheBatchShapeChanges) {
 
 TEST_P(Planner, AnImpossibleBudgetNamesTheSmallestFeasibleOne) {
   PlannerOptions o;
-  o.budget_bytes = 1000;
+  o.memory_budget_bytes = 1000;
   auto msg = error_of<ConfigError>([&] { plan_activation_checkpointing(*model, [&] { train_step(); }, o); });
   EXPECT_THAT(msg, HasSubstr("the memory budget of 1000 bytes"));
   EXPECT_THAT(msg, HasSubstr("Raise activation_checkpointing.memory_budget_bytes to at least"));
@@ -369,20 +369,21 @@ TEST_P(Planner, ABudgetUnmetUnderActivationOffloadingNamesOffloadingAsTheCause) 
   // Offloading off: the same fraction is met, and an unmet budget does not blame offloading.
   EXPECT_NO_THROW(plan_activation_checkpointing(*model, [&] { train_step(); }, budget(0.5)));
   PlannerOptions tiny;
-  tiny.budget_bytes = 1000;
+  tiny.memory_budget_bytes = 1000;
   EXPECT_THAT(error_of<ConfigError>([&] { plan_activation_checkpointing(*model, [&] { train_step(); }, tiny); }),
               ::testing::Not(HasSubstr("activation offloading")));
 }
 
 TEST_P(Planner, Misuse) {
   auto step = [&] { train_step(); };
+  // Exactly one budget (the rule of checkpointing/options.h, the config's too).
   PlannerOptions neither;
   EXPECT_THAT(error_of<ConfigError>([&] { plan_activation_checkpointing(*model, step, neither); }),
-              HasSubstr("exactly one"));
+              HasSubstr("no budget is set"));
   PlannerOptions both = budget(0.5);
-  both.budget_bytes = 100;
+  both.memory_budget_bytes = 100;
   EXPECT_THAT(error_of<ConfigError>([&] { plan_activation_checkpointing(*model, step, both); }),
-              HasSubstr("exactly one"));
+              HasSubstr("are both set: keep one of them"));
   EXPECT_THAT(error_of<ConfigError>([&] { plan_activation_checkpointing(*model, step, budget(0)); }),
               HasSubstr("positive"));
   PlannerOptions path = budget(0.5);
@@ -413,7 +414,7 @@ TEST_P(Planner, Misuse) {
   EXPECT_EQ(module_hook(*model->blocks->ptr(0), HookSlot::kCheckpoint), nullptr);
   // The policy entry point refuses auto and points to the planner.
   PolicyOptions p;
-  p.variant = "auto";
+  p.variant = CheckpointVariant::kAuto;
   EXPECT_THAT(error_of<ConfigError>([&] { apply_activation_checkpointing(*model, p); }),
               HasSubstr("plan_activation_checkpointing"));
   // A plan for another depth.

@@ -85,30 +85,26 @@ int apply_activation_checkpointing(torch::nn::Module& model, const PolicyOptions
       }
     }
   } else {
-    const std::string& v = options.variant;
-    if (v == "auto") {
+    const CheckpointVariant v = options.variant;
+    if (v == CheckpointVariant::kAuto) {
       throw ConfigError(
           "activation checkpointing: variant \"auto\" is planned from a profiling step on the real "
           "batch: call plan_activation_checkpointing (checkpointing/planner.h) with the budget "
           "instead of apply_activation_checkpointing (remat-train does this by itself)");
     }
-    const std::string invalid = check_checkpoint_variant(v, options.every_k);
+    const std::string invalid = check_policy_settings(options);
     if (!invalid.empty()) throw ConfigError("activation checkpointing: " + invalid);
-    if (v == "none") return 0;
+    if (v == CheckpointVariant::kNone) return 0;
     auto blocks = find_block_list(model, options.blocks);
-    if (options.every_k_from != "first" && options.every_k_from != "last") {
-      throw ConfigError(str("activation checkpointing: 'activation_checkpointing.every_k_from' = \"",
-                            options.every_k_from, "\" is not one of first, last"));
-    }
-    const int64_t k = v == "selective_layer" ? options.every_k : 1;
+    const int64_t k = v == CheckpointVariant::kSelectiveLayer ? options.every_k : 1;
     const int64_t n = static_cast<int64_t>(blocks->size());
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t from = options.every_k_from == "last" ? n - 1 - i : i;
+      const int64_t from = options.every_k_from == EveryKFrom::kLast ? n - 1 - i : i;
       if (from % k == 0) {
         chosen.emplace_back(str(options.blocks, ".", i), blocks->ptr(i).get());
       }
     }
-    if (v == "selective_op") {
+    if (v == CheckpointVariant::kSelectiveOp) {
       save_ops = std::make_shared<const SaveOps>(
           resolve_save_ops(options.save_ops.value_or(default_save_ops())));
     }
@@ -118,7 +114,7 @@ int apply_activation_checkpointing(torch::nn::Module& model, const PolicyOptions
                     std::make_shared<CheckpointHook>(options.checkpoint, fqn, save_ops));
   }
   log_rank0().info("applied activation checkpointing ({}) to {} modules",
-                   options.ac_condition ? std::string("ac_condition") : options.variant,
+                   options.ac_condition ? std::string("ac_condition") : checkpoint_variant_name(options.variant),
                    chosen.size());
   return static_cast<int>(chosen.size());
 }

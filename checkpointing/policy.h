@@ -29,16 +29,17 @@
 #include <vector>
 
 #include "checkpointing/checkpoint.h"
+#include "checkpointing/options.h"
 #include "nn/module_call.h"
-#include "engine/config.h"
 
 namespace remat {
 
 using AcCondition = std::function<bool(const std::string& fqn, const torch::nn::Module& module)>;
 
-// variant, every_k and save_ops (PolicySettings, runtime/config.h, where they
-// are documented with their defaults) are the activation_checkpointing
-// section's own; the rest is what the JSON does not carry.
+// variant, every_k, every_k_from and save_ops (PolicySettings,
+// checkpointing/options.h, where they are documented with their defaults) are
+// the activation_checkpointing section's own; the rest is what the JSON does
+// not carry.
 struct PolicyOptions : PolicySettings {
   PolicyOptions() = default;
   // The policy of a config section: PolicyOptions(cfg.activation_checkpointing).

@@ -38,7 +38,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/config.h"
+#include "checkpointing/options.h"
 
 namespace remat {
 
@@ -46,7 +46,7 @@ class Communicator;
 class ContiguousBuffers;
 
 // offload_min_bytes, offload_max_in_flight and offload_keep_last come from
-// OffloadSettings (runtime/config.h), where they are documented.
+// OffloadSettings (checkpointing/options.h), where they are documented.
 struct InputStorageOptions : OffloadSettings {
   // Keep 1/size of each input on each rank of this group (null or size 1: whole).
   std::shared_ptr<Communicator> partition_group;

@@ -38,7 +38,7 @@ INSTANTIATE_CHECKPOINT_MODES(StoredInputs);
 
 ActivationCheckpointingConfig ac(const std::string& variant) {
   ActivationCheckpointingConfig c;
-  c.variant = variant;
+  c.variant = checkpoint_variant_from_name(variant);
   c.reentrant = default_checkpoint_options().reentrant;  // the mode the case runs in
   return c;
 }
@@ -71,7 +71,7 @@ Trace train(int tp, const ActivationCheckpointingConfig& config, int steps = 3,
   at::manual_seed(11);
   models::Gpt model(gpt_options(tp, dropout));
   model_parallel_manual_seed(11, layout(tp).tp_rank());
-  if (config.variant != "none") {
+  if (config.variant != CheckpointVariant::kNone) {
     apply_activation_checkpointing(*model, PolicyOptions(config));
   }
   Trace trace;

@@ -20,6 +20,7 @@ using nlohmann::json;
 
 namespace {
 
+using json_schema::enum_leaf;
 using json_schema::Field;
 using json_schema::fail;
 using json_schema::inline_section;
@@ -38,8 +39,9 @@ std::vector<Field> with(std::vector<Field> fields, std::vector<Field> more) {
 }
 
 // remat's schema: one table of fields per section, each bound to a struct
-// member (the sections and their defaults are declared in config.h), and the
-// DeepSpeed keys remat recognises but refuses.
+// member (the sections and their defaults are declared in config.h and, for a
+// library's options, in that library), and the DeepSpeed keys remat
+// recognises but refuses.
 using AC = ActivationCheckpointingConfig;
 
 const std::vector<Field>& schema() {
@@ -109,9 +111,9 @@ const std::vector<Field>& schema() {
               leaf<AC, int64_t>("offload_min_bytes", &AC::offload_min_bytes),
               leaf<AC, int>("offload_max_in_flight", &AC::offload_max_in_flight),
               leaf<AC, bool>("offload_keep_last", &AC::offload_keep_last),
-              leaf<AC, std::string>("variant", &AC::variant, checkpoint_variants()),
+              enum_leaf<AC, CheckpointVariant>("variant", &AC::variant, checkpoint_variant_names()),
               leaf<AC, int>("every_k", &AC::every_k),
-              leaf<AC, std::string>("every_k_from", &AC::every_k_from, {"first", "last"}),
+              enum_leaf<AC, EveryKFrom>("every_k_from", &AC::every_k_from, every_k_from_names()),
               optional_leaf<AC, std::vector<std::string>>("save_ops", &AC::save_ops),
               optional_leaf<AC, int64_t>("memory_budget_bytes", &AC::memory_budget_bytes),
               optional_leaf<AC, double>("memory_budget_fraction", &AC::memory_budget_fraction)}),
@@ -228,34 +230,9 @@ void check_values(const Config& c, const Origin& at) {
       fail(at({"scheduler.params.warmup_num_steps", "scheduler.type"}), str("'scheduler.params.warmup_num_steps' = ", sc.warmup_num_steps, " must be >= 0"));
     }
   }
-  const auto& z = c.zero_optimization;
-  if (z.stage < 0 || z.stage > 3) {
-    fail(at({"zero_optimization.stage"}), str("'zero_optimization.stage' = ", z.stage, " must be 0, 1, 2 or 3"));
-  }
-  if (z.reduce_bucket_size < 1) {
-    fail(at({"zero_optimization.reduce_bucket_size"}), str("'zero_optimization.reduce_bucket_size' = ", z.reduce_bucket_size,
-                     " must be at least 1 (elements per reduce)"));
-  }
-  if (z.allgather_bucket_size < 1) {
-    fail(at({"zero_optimization.allgather_bucket_size"}), str("'zero_optimization.allgather_bucket_size' = ", z.allgather_bucket_size,
-                     " must be at least 1 (elements per all-gather)"));
-  }
-  if (z.hybrid_shard_size < 0) {
-    fail(at({"zero_optimization.hybrid_shard_size"}), str("'zero_optimization.hybrid_shard_size' = ", z.hybrid_shard_size,
-                     " must be >= 0 (0 shards over every data-parallel rank)"));
-  }
-  if (z.hybrid_shard_size > 0 && z.stage == 0) {
-    fail(at({"zero_optimization.hybrid_shard_size", "zero_optimization.stage"}), str("'zero_optimization.hybrid_shard_size' = ", z.hybrid_shard_size,
-                     " shards within groups, but stage 0 shards nothing: set zero_optimization.stage "
-                     "to 1, 2 or 3, or leave hybrid_shard_size out"));
-  }
-  if (z.stage3_prefetch_bucket_size < 0) {
-    fail(at({"zero_optimization.stage3_prefetch_bucket_size"}), str("'zero_optimization.stage3_prefetch_bucket_size' = ", z.stage3_prefetch_bucket_size,
-                     " must be >= 0 (0 turns prefetching off)"));
-  }
-  if (z.stage3_param_persistence_threshold < 0) {
-    fail(at({"zero_optimization.stage3_param_persistence_threshold"}), str("'zero_optimization.stage3_param_persistence_threshold' = ",
-                     z.stage3_param_persistence_threshold, " must be >= 0"));
+  // The libraries' sections: each rule is the library's (written once there).
+  if (std::string zero = parallel::check_zero_options(c.zero_optimization); !zero.empty()) {
+    fail(at({"zero_optimization"}), zero);
   }
   if (c.scheduler.type == "WarmupDecayLR" &&
       c.scheduler.total_num_steps <= c.scheduler.warmup_num_steps) {
@@ -264,33 +241,16 @@ void check_values(const Config& c, const Origin& at) {
                      ") greater than 'scheduler.params.warmup_num_steps' (",
                      c.scheduler.warmup_num_steps, ")"));
   }
-  const std::string ac = check_activation_checkpointing(c.activation_checkpointing);
-  if (!ac.empty()) fail(at({"activation_checkpointing"}), ac);
-  const auto& ao = c.activation_offloading;
-  if (ao.min_offload_size < 0) {
-    fail(at({"activation_offloading.min_offload_size"}), str("'activation_offloading.min_offload_size' = ", ao.min_offload_size,
-                     " must be >= 0 (bytes; 0 offloads every saved tensor)"));
+  if (std::string ac = check_activation_checkpointing(c.activation_checkpointing); !ac.empty()) {
+    fail(at({"activation_checkpointing"}), ac);
   }
-  if (ao.max_fwd_stash_size < 1) {
-    fail(at({"activation_offloading.max_fwd_stash_size"}), str("'activation_offloading.max_fwd_stash_size' = ", ao.max_fwd_stash_size,
-                     " must be at least 1"));
+  if (std::string ao = check_offload_activations(c.activation_offloading); !ao.empty()) {
+    fail(at({"activation_offloading"}), ao);
   }
   if (c.tensor_parallel.size < 1) {
     fail(at({"tensor_parallel.size"}), str("'tensor_parallel.size' = ", c.tensor_parallel.size, " must be at least 1"));
   }
-  const auto& m = c.model;
-  for (auto [path, v] : {std::pair{"model.n_layer", m.n_layer}, {"model.n_head", m.n_head},
-                         {"model.d_model", m.d_model}, {"model.d_ff", m.d_ff},
-                         {"model.seq_len", m.seq_len}}) {
-    if (v < 1) fail(at({path}), str("'", path, "' = ", v, " must be at least 1"));
-  }
-  if (m.d_model % m.n_head != 0) {
-    fail(at({"model.d_model", "model.n_head"}), str("'model.d_model' (", m.d_model, ") must be divisible by 'model.n_head' (",
-                     m.n_head, ")"));
-  }
-  if (m.dropout < 0 || m.dropout >= 1) {
-    fail(at({"model.dropout"}), str("'model.dropout' = ", m.dropout, " must be in [0, 1)"));
-  }
+  if (std::string model = models::check_model_shape(c.model); !model.empty()) fail(at({"model"}), model);
   const auto& t = c.train;
   for (auto [path, v] : {std::pair{"train.steps", t.steps}, {"train.seed", t.seed},
                          {"train.eval_interval", t.eval_interval},
@@ -305,82 +265,6 @@ void check_values(const Config& c, const Origin& at) {
 }
 
 }  // namespace
-
-const std::vector<std::string>& checkpoint_variants() {
-  static const std::vector<std::string> variants = {"none", "full", "selective_layer", "selective_op",
-                                                      "auto"};
-  return variants;
-}
-
-std::string check_checkpoint_variant(const std::string& variant, int every_k) {
-  const auto& all = checkpoint_variants();
-  if (std::find(all.begin(), all.end(), variant) == all.end()) {
-    return str("'activation_checkpointing.variant' = \"", variant,
-               "\" is not a variant; use none, full, selective_layer, selective_op or auto");
-  }
-  if (every_k < 1) {
-    return str("'activation_checkpointing.every_k' = ", every_k,
-               " must be at least 1 (1 checkpoints every block)");
-  }
-  return "";
-}
-
-std::string check_activation_checkpointing(const ActivationCheckpointingConfig& ac) {
-  std::string variant = check_checkpoint_variant(ac.variant, ac.every_k);
-  if (!variant.empty()) return variant;
-  const bool has_budget = ac.memory_budget_bytes || ac.memory_budget_fraction;
-  if (ac.variant == "auto" && !has_budget) {
-    return "'activation_checkpointing.variant' is \"auto\" but no budget is set: set "
-           "'memory_budget_bytes' (per rank) or 'memory_budget_fraction' (of the peak with no "
-           "checkpointing, e.g. 0.5)";
-  }
-  if (ac.memory_budget_bytes && ac.memory_budget_fraction) {
-    return "'activation_checkpointing.memory_budget_bytes' and 'memory_budget_fraction' are both set: "
-           "keep one of them";
-  }
-  if (ac.variant != "auto" && has_budget) {
-    return str("'activation_checkpointing.", ac.memory_budget_bytes ? "memory_budget_bytes" : "memory_budget_fraction",
-               "' is set but 'variant' is \"", ac.variant, "\": a budget is planned by variant \"auto\" "
-               "(set it), or remove the budget");
-  }
-  if (ac.memory_budget_bytes && *ac.memory_budget_bytes <= 0) {
-    return str("'activation_checkpointing.memory_budget_bytes' = ", *ac.memory_budget_bytes, " must be positive");
-  }
-  if (ac.memory_budget_fraction && !(*ac.memory_budget_fraction > 0 && std::isfinite(*ac.memory_budget_fraction))) {
-    return str("'activation_checkpointing.memory_budget_fraction' = ", *ac.memory_budget_fraction,
-               " must be a positive number (0.5: half the peak with no checkpointing)");
-  }
-  if (ac.contiguous_memory_optimization && !ac.number_checkpoints) {
-    return "'activation_checkpointing.contiguous_memory_optimization' is true but "
-           "'activation_checkpointing.number_checkpoints' is not set: set it to the "
-           "number of checkpointed regions per forward (e.g. model.n_layer)";
-  }
-  if (ac.number_checkpoints && *ac.number_checkpoints < 1) {
-    return str("'activation_checkpointing.number_checkpoints' = ", *ac.number_checkpoints,
-               " must be at least 1");
-  }
-  if (ac.contiguous_memory_optimization && !ac.partition_activations && !ac.cpu_checkpointing) {
-    return "'activation_checkpointing.contiguous_memory_optimization' lays out the partitioned or "
-           "offloaded copies of checkpoint inputs: set 'partition_activations' or "
-           "'cpu_checkpointing' to true as well, or set it to false";
-  }
-  if (ac.offload_min_bytes < 0) {
-    return str("'activation_checkpointing.offload_min_bytes' = ", ac.offload_min_bytes,
-               " must be >= 0");
-  }
-  if (ac.offload_max_in_flight < 1) {
-    return str("'activation_checkpointing.offload_max_in_flight' = ", ac.offload_max_in_flight,
-               " must be at least 1");
-  }
-  for (const auto& op : ac.save_ops.value_or(std::vector<std::string>{})) {
-    auto sep = op.find("::");
-    if (sep == std::string::npos || sep == 0 || sep + 2 >= op.size()) {
-      return str("'activation_checkpointing.save_ops' entry \"", op,
-                 "\" is not an operator name like \"aten::mm\"");
-    }
-  }
-  return "";
-}
 
 BatchSizes Config::resolve_batch(int dp) const {
   REMAT_CHECK_GE(dp, 1, "data-parallel size");

@@ -19,9 +19,13 @@
 #include <string>
 #include <vector>
 
+#include "checkpointing/options.h"
+#include "models/shape.h"
+#include "parallel/zero_options.h"
+
 namespace remat {
 
-// optimizer (launch/optim.h builds it).
+// optimizer (engine/optim.h builds it).
 struct OptimizerConfig {
   std::string type = "AdamW";  // AdamW | Adam | SGD
   double lr = 1e-3;
@@ -32,7 +36,7 @@ struct OptimizerConfig {
   bool nesterov = false;  // SGD
 };
 
-// scheduler: the learning rate per step (launch/optim.h).
+// scheduler: the learning rate per step (engine/optim.h).
 struct SchedulerConfig {
   std::string type = "none";  // none | WarmupLR | WarmupDecayLR
   double warmup_min_lr = 0.0;
@@ -42,140 +46,24 @@ struct SchedulerConfig {
   int64_t total_num_steps = 0;      // WarmupDecayLR only; required there
 };
 
-// bf16: compute in bf16 from fp32 master shards (ZeRO stage 3 only; parallel/zero.h).
-struct Bf16Config {
-  bool enabled = false;
-};
-
-// zero_optimization: consumed by parallel::ZeroModel (parallel/zero.h).
-struct ZeroConfig {
-  // 0: data parallel (gradients all-reduced); 1: optimizer state sharded;
-  // 2: optimizer state and gradients sharded; 3: parameters too.
-  int stage = 0;
-  // Elements per gradient reduce collective (stages 1 and 2: per gradient
-  // bucket, each bucket sharded on its own).
-  int64_t reduce_bucket_size = 500000000;
-  // Stages 1 and 2: gradients reduce-scattered into the shards (false: all-reduced,
-  // each rank keeping its shard).
-  bool reduce_scatter = true;
-  // Stages 1 and 2: elements per all-gather of the updated parameters.
-  int64_t allgather_bucket_size = 500000000;
-  // Stages 1 and 2: the updated parameters come back by all-gather (false: one
-  // broadcast per rank's shard).
-  bool allgather_partitions = true;
-  // Stage 3: a unit is prefetched only when it has at most this many elements.
-  int64_t stage3_prefetch_bucket_size = 50000000;
-  // Stage 3: parameters with fewer elements stay whole on every rank.
-  int64_t stage3_param_persistence_threshold = 100000;
-  // Stage 2: a gradient bucket's reduce-scatter runs while the backward goes on
-  // (waited for at finish_backward); false waits for each at once. Stage 3
-  // overlaps by prefetching whatever this says.
-  bool overlap_comm = false;
-  // Stages 1 and 2: each gradient is moved into its bucket's flat buffer as
-  // soon as it is computed (and the parameter's own freed); false keeps
-  // gradients on the parameters until their bucket is reduced.
-  bool contiguous_gradients = true;
-  // Stages 1-3: shard within groups of this many data-parallel ranks and
-  // replicate across the groups (FSDP's HYBRID_SHARD); 0: one group of all.
-  int hybrid_shard_size = 0;
-};
-
-// cpu_checkpointing's settings beyond on/off, shared by the JSON section and
-// the stored-input options of a checkpoint region (checkpointing/stored_inputs.h).
-struct OffloadSettings {
-  // Offloaded tensors (or shares) smaller than this many bytes stay on the
-  // device. 0 moves every input, as DeepSpeed's cpu_checkpointing does; 1024
-  // (torchtune's min_offload_size) keeps tiny tensors whose copy costs more
-  // latency than the memory is worth.
-  int64_t offload_min_bytes = 0;
-  // Copies to the host in flight at once.
-  int offload_max_in_flight = 2;
-  // The last region's inputs stay on the device (backward needs them first).
-  bool offload_keep_last = true;
-};
-
-// Which blocks a whole-model policy checkpoints, shared by the JSON section
-// and the policy options (checkpointing/policy.h).
-struct PolicySettings {
-  // One of checkpoint_variants().
-  std::string variant = "none";
-  // selective_layer: checkpoint every k-th block.
-  int every_k = 1;
-  // selective_layer: which block of each k is checkpointed. "first": blocks
-  // 0, k, 2k, ...; "last": the last block and every k-th before it (n-1,
-  // n-1-k, ...), so the block that runs last is always among them.
-  std::string every_k_from = "first";
-  // selective_op: the ops whose outputs are kept; unset (null): the default
-  // list of checkpointing/selective_op.h.
-  std::optional<std::vector<std::string>> save_ops;
-  // auto: the budget for a step's activation peak per rank (live tensor bytes
-  // above those at the step's start), in bytes or as a fraction of the peak
-  // with no checkpointing; exactly one is set (checkpointing/planner.h).
-  std::optional<int64_t> memory_budget_bytes;
-  std::optional<double> memory_budget_fraction;
-};
-
-// activation_checkpointing: DeepSpeed's keys, then remat's (docs/config.md).
-struct ActivationCheckpointingConfig : OffloadSettings, PolicySettings {
-  // Each tensor-parallel rank keeps 1/tp of a region's inputs.
-  bool partition_activations = false;
-  // A region's inputs (or their shares) move to host memory until recompute.
-  bool cpu_checkpointing = false;
-  // Stored inputs go into preallocated buffers with number_checkpoints slots.
-  bool contiguous_memory_optimization = false;
-  // Regions alive at once (contiguous_memory_optimization needs it).
-  std::optional<int64_t> number_checkpoints;
-  // Synchronize the device at region boundaries.
-  bool synchronize_checkpoint_boundary = false;
-  // Time forward, recompute and backward per region.
-  bool profile = false;
-  // Regions as one custom autograd Function (true) or through saved-tensor
-  // hooks (false); see checkpointing/checkpoint.h.
-  bool reentrant = false;
-};
-
-// activation_offloading: torchtune's OffloadActivations options (the names of
-// Axolotl's get_lora_act_offloading_ctx_manager), checkpointing/offload_activations.h.
-struct ActivationOffloadingConfig {
-  // remat-train runs each forward inside an offloading scope.
-  bool enabled = false;
-  // Host copies of GPU tensors in pinned memory.
-  bool use_pin_memory = true;
-  // Copies on a side stream (GPU), overlapping compute.
-  bool use_streams = true;
-  // Saved tensors smaller than this many bytes stay on the device.
-  int64_t min_offload_size = 1024;
-  // Copies to the host in flight at once (with use_streams).
-  int max_fwd_stash_size = 5;
-  // Warn when no output head is found to keep on the device.
-  bool warn_if_no_head = true;
-  // The head's dotted module path; empty: found by name or type (find_output_head).
-  std::string head;
-};
-
-// none | full | selective_layer | selective_op | auto.
-const std::vector<std::string>& checkpoint_variants();
-
-// The rules of the activation_checkpointing section, written once: an empty
-// string when `config` (or the variant and every_k of a policy) is valid,
-// else what is wrong and which key to change.
-std::string check_checkpoint_variant(const std::string& variant, int every_k);
-std::string check_activation_checkpointing(const ActivationCheckpointingConfig& config);
+// The sections that configure a library are that library's own option
+// structs, declared (with each field's documentation and default) and
+// validated there; config.cc binds their JSON keys onto the structs' fields.
+// bf16 and zero_optimization: parallel::ZeroModel (parallel/zero_options.h).
+using Bf16Config = parallel::Bf16Options;
+using ZeroConfig = parallel::ZeroOptions;
+// activation_checkpointing: the region defaults and the whole-model policy;
+// activation_offloading: the offloading scope (checkpointing/options.h).
+using ActivationCheckpointingConfig = ActivationCheckpointingOptions;
+using ActivationOffloadingConfig = OffloadActivationsOptions;
 
 // tensor_parallel: ranks per tensor-parallel group (runtime/layout.h).
 struct TensorParallelConfig {
   int size = 1;
 };
 
-// model: the GPT's and the test stack's shape (models/stack.h, models/gpt.h).
-struct ModelConfig {
-  int n_layer = 4;   // transformer blocks
-  int n_head = 4;    // attention heads (a multiple of tensor_parallel.size)
-  int d_model = 128; // hidden width (a multiple of n_head)
-  int d_ff = 512;    // MLP width (a multiple of tensor_parallel.size)
-  int seq_len = 64;  // longest sequence (position embeddings)
-  double dropout = 0.1;
-};
+// model: the GPT's and the test stack's shape (models/shape.h).
+using ModelConfig = models::ModelShape;
 
 // data: the corpus remat-train reads (data/dataset.h).
 struct DataConfig {

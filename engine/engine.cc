@@ -53,13 +53,13 @@ std::set<const torch::nn::Module*>& live_models() {
 // Settings that would have no effect are pointed out.
 void warn_ineffective(const Config& c) {
   const auto& ac = c.activation_checkpointing;
-  if (ac.variant == "none" &&
+  if (ac.variant == CheckpointVariant::kNone &&
       (ac.partition_activations || ac.cpu_checkpointing || ac.contiguous_memory_optimization)) {
     log_rank0().warn("activation_checkpointing.variant is none, so partition_activations, "
                      "cpu_checkpointing and contiguous_memory_optimization have no region to "
                      "act on; set variant to full, selective_layer or selective_op");
   }
-  if (ac.variant == "auto" && (ac.save_ops || ac.every_k != 1 || ac.every_k_from != "first")) {
+  if (ac.variant == CheckpointVariant::kAuto && (ac.save_ops || ac.every_k != 1 || ac.every_k_from != EveryKFrom::kFirst)) {
     log_rank0().warn("activation_checkpointing.variant is auto: save_ops, every_k and every_k_from are not "
                      "used (the planner chooses per block between the default and the matmul op lists, "
                      "full checkpoints and keeping)");
@@ -252,12 +252,12 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineO
   s.policy.blocks = blocks;
   // variant auto: planned from a profiling step at the first step (and again
   // for every new plan key).
-  s.auto_plan = s.policy.variant == "auto";
+  s.auto_plan = s.policy.variant == CheckpointVariant::kAuto;
   s.regions = s.auto_plan ? 0 : apply_activation_checkpointing(model, s.policy);
   PlannerOptions planner_options;
   planner_options.blocks = blocks;
-  planner_options.budget_bytes = config_.activation_checkpointing.memory_budget_bytes;
-  planner_options.budget_fraction = config_.activation_checkpointing.memory_budget_fraction;
+  planner_options.memory_budget_bytes = config_.activation_checkpointing.memory_budget_bytes;
+  planner_options.memory_budget_fraction = config_.activation_checkpointing.memory_budget_fraction;
   planner_options.offload = config_.activation_offloading;
   s.planner = std::make_unique<ActivationPlanner>(model, planner_options, s.world.get());
   // Activation offloading: each forward runs inside a scope; the head stays.

@@ -336,7 +336,7 @@ TEST(Engine, TheConfigComesAsAFileJsonTextOrAParsedObjectWithOverrides) {
     TinyLm model;
     auto engine = initialize(model, path, options);
     EXPECT_EQ(engine->config().zero_optimization.stage, 3);
-    EXPECT_EQ(engine->config().activation_checkpointing.variant, "none");
+    EXPECT_EQ(engine->config().activation_checkpointing.variant, CheckpointVariant::kNone);
   }
   {
     TinyLm model;

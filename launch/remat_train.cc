@@ -122,7 +122,7 @@ int train(int argc, char** argv) {
   log_rank0().info("data {} ({} bytes, vocabulary {}), model {} ({} parameters on this rank), checkpointing {}, "
                    "batch {} = micro {} x accumulation {} x dp {}",
                    data.source(), data.train_size() + data.val_size(), data.vocab_size(), options.model_signature,
-                   model->num_parameters(), config.activation_checkpointing.variant, batch.train_batch_size,
+                   model->num_parameters(), checkpoint_variant_name(config.activation_checkpointing.variant), batch.train_batch_size,
                    batch.micro_batch_per_gpu, batch.gradient_accumulation_steps, layout->dims().dp);
 
   std::ofstream metrics;

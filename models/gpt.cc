@@ -18,7 +18,7 @@ GptImpl::GptImpl(const GptOptions& o) : options_(o), tp_(parallel::group_size(o.
   // One draw seeds the initialisation, whatever the layers' constructors draw.
   const uint64_t init_seed = static_cast<uint64_t>(at::randint(1LL << 62, {1}, at::kLong).item<int64_t>());
   const auto& group = o.tensor_parallel;
-  const ModelConfig& shape = o.shape;
+  const ModelShape& shape = o.shape;
   tok_emb_ = register_module("tok_emb", parallel::VocabParallelEmbedding(o.vocab_size, shape.d_model, group));
   pos_emb_ = register_module("pos_emb", torch::nn::Embedding(shape.seq_len, shape.d_model));
   blocks = register_module("blocks", torch::nn::ModuleList());

@@ -13,7 +13,7 @@
 namespace remat::models {
 
 BlockImpl::BlockImpl(const StackOptions& o) : options_(o), tp_(parallel::group_size(o.tensor_parallel)) {
-  const ModelConfig& m = o.shape;
+  const ModelShape& m = o.shape;
   if (m.n_head % tp_ != 0 || m.d_ff % tp_ != 0) {
     throw ConfigError(str("tensor parallelism over ", tp_, " ranks splits attention heads and MLP "
                           "units evenly: model.n_head (", m.n_head, ") and model.d_ff (", m.d_ff,

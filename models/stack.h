@@ -9,15 +9,15 @@
 
 #include <memory>
 
+#include "models/shape.h"
 #include "parallel/layers.h"
-#include "engine/config.h"
 
 namespace remat::models {
 
 struct StackOptions {
   // The model section's n_layer, n_head, d_model, d_ff and dropout (seq_len
   // is the GPT's).
-  ModelConfig shape;
+  ModelShape shape;
   // The tensor-parallel group (null or size 1: none). With a group of size tp,
   // each rank holds n_head / tp heads and d_ff / tp hidden units; dropout on
   // the attention probabilities (inside the tensor-parallel region) draws from

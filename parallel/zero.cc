@@ -7,7 +7,6 @@
 
 #include "parallel/grad_norm.h"
 #include "parallel/sharding_strategy.h"
-#include "engine/config.h"
 #include "runtime/communicator.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
@@ -16,25 +15,18 @@ namespace remat::parallel {
 
 ZeroModel::ZeroModel(torch::nn::Module& model,
                      const std::vector<std::shared_ptr<torch::nn::Module>>& units,
-                     std::shared_ptr<Communicator> dp_group, const ZeroConfig& config,
-                     const Bf16Config& bf16, std::vector<at::Tensor> sharded_tp)
+                     std::shared_ptr<Communicator> dp_group, const ZeroOptions& config,
+                     const Bf16Options& bf16, std::vector<at::Tensor> sharded_tp)
     : stage_(config.stage), model_(model), sharded_tp_(std::move(sharded_tp)) {
   if (bf16.enabled && config.stage != 3) {
     throw ConfigError("bf16.enabled computes in bf16 from fp32 master shards: it needs "
                       "zero_optimization.stage 3 (set it, or turn bf16 off)");
   }
-  if (config.stage < 0 || config.stage > 3) {
-    throw ConfigError(str("zero_optimization.stage ", config.stage,
-                          " does not exist: use 0 (data parallel), 1 (optimizer state sharded), 2 "
-                          "(gradients too) or 3 (parameters too)"));
-  }
+  const std::string invalid = check_zero_options(config);
+  if (!invalid.empty()) throw ConfigError("config error: " + invalid);
   const int dp = dp_group->size(), rank = dp_group->rank();
   DpGroups groups{dp_group, dp_group, nullptr};
   const int hybrid = config.hybrid_shard_size;
-  if (hybrid > 0 && config.stage == 0) {
-    throw ConfigError(str("zero_optimization.hybrid_shard_size ", hybrid, " shards within groups, but "
-                          "stage 0 shards nothing: set zero_optimization.stage to 1, 2 or 3"));
-  }
   if (hybrid > 0 && (hybrid > dp || dp % hybrid != 0)) {
     throw ConfigError(str("zero_optimization.hybrid_shard_size ", hybrid, " must divide the data-parallel "
                           "size ", dp, " (world size / tensor_parallel.size) into equal groups: use one of ",

@@ -80,14 +80,14 @@
 #include <string>
 #include <vector>
 
+#include "parallel/zero_options.h"
+
 namespace torch::nn {
 class Module;
 }
 
 namespace remat {
 class Communicator;
-struct Bf16Config;
-struct ZeroConfig;
 }  // namespace remat
 
 namespace remat::parallel {
@@ -125,13 +125,15 @@ struct ShardLayout {
 class ZeroModel {
  public:
   // `units` are submodules of `model` (each transformer block); `config` is
-  // the zero_optimization section, `bf16` the bf16 section
-  // (stage 3 only); `sharded_tp` lists parameters that differ across
-  // tensor-parallel ranks (for the gradient norm; sharded_parameters()).
-  // A stage or combination that is not implemented is a ConfigError.
+  // the zero_optimization section, `bf16` the bf16 section (stage 3 only;
+  // both in parallel/zero_options.h); `sharded_tp` lists parameters that
+  // differ across tensor-parallel ranks (for the gradient norm;
+  // sharded_parameters()).
+  // Invalid options (check_zero_options), or a stage or combination that is
+  // not implemented, are a ConfigError.
   ZeroModel(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
-            std::shared_ptr<Communicator> dp_group, const ZeroConfig& config,
-            const Bf16Config& bf16, std::vector<at::Tensor> sharded_tp = {});
+            std::shared_ptr<Communicator> dp_group, const ZeroOptions& config,
+            const Bf16Options& bf16, std::vector<at::Tensor> sharded_tp = {});
   ~ZeroModel();
   ZeroModel(const ZeroModel&) = delete;
   ZeroModel& operator=(const ZeroModel&) = delete;

@@ -93,7 +93,7 @@ TrainRun train(const TrainSetup& s) {
   const auto& l = layout(s.tp);
   CheckpointOptions saved_defaults = default_checkpoint_options();
   ActivationCheckpointingConfig ac;
-  ac.variant = s.variant;
+  ac.variant = checkpoint_variant_from_name(s.variant);
   ac.partition_activations = s.partition;
   configure_checkpointing(ac, &l);
   models::GptOptions o = remat::testing::small_gpt(29, 3, s.dropout, s.tp);
@@ -328,7 +328,7 @@ TEST(Zero, MisuseIsAClearError) {
   ZeroConfig stage5;
   stage5.stage = 5;
   EXPECT_THAT(error_of<ConfigError>([&] { ZeroModel(*model, units, l.dp_group(), stage5, Bf16Config{}); }),
-              HasSubstr("does not exist: use 0 (data parallel), 1"));
+              HasSubstr("'zero_optimization.stage' = 5 must be 0, 1, 2 or 3"));
   ZeroConfig stage0;
   Bf16Config bf16;
   bf16.enabled = true;

@@ -4,7 +4,7 @@
 // reason; wrong types with path, expected and actual type: all of them in one
 // error; duplicate keys, malformed JSON with line and column), fills the
 // structs, applies "a.b.c=value" overrides and dumps the structs back. It
-// knows no schema: runtime/config.cc holds remat's.
+// knows no schema: engine/config.cc holds remat's.
 //
 //   struct Section { int size = 1; };
 //   struct Root { Section section; };
@@ -106,6 +106,29 @@ Field leaf(const char* name, T S::*member, std::vector<std::string> choices = {}
   };
   field.kind = KindOf<T>::value;
   set_range<T>(field);
+  return field;
+}
+
+// A string key bound to an enum member: `names[i]` is the name of the
+// enumerator whose value is i (enumerators numbered 0, 1, ...). Any other
+// string is refused, listing the names (with the closest one).
+template <typename S, typename E>
+Field enum_leaf(const char* name, E S::*member, const std::vector<std::string>& names) {
+  static_assert(std::is_enum_v<E>, "enum_leaf binds an enum member");
+  Field field;
+  field.name = name;
+  field.kind = Kind::kString;
+  field.choices = names;
+  // Values reach assign validated against `choices`, so the name is found.
+  field.assign = [member, names](const json& value, void* target) {
+    const auto& text = value.get_ref<const std::string&>();
+    const auto at = std::find(names.begin(), names.end(), text) - names.begin();
+    static_cast<S*>(target)->*member = static_cast<E>(at);
+  };
+  field.dump = [member, names](const void* target) {
+    const auto i = static_cast<size_t>(static_cast<const S*>(target)->*member);
+    return i < names.size() ? json(names[i]) : json(nullptr);
+  };
   return field;
 }
 

@@ -13,6 +13,7 @@ declare -A allowed=(
   [checkpointing]="checkpointing nn rng runtime"
   [parallel]="parallel nn rng runtime"
   [models]="models nn parallel rng runtime"
+  [engine]="engine checkpointing parallel models data nn rng runtime"
 )
 
 bad=0

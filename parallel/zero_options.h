@@ -1,0 +1,54 @@
+// ZeRO's options (parallel::ZeroModel, parallel/zero.h), each declared once
+// with its default and validated here. engine/config.cc binds the JSON
+// sections zero_optimization and bf16 onto these structs; messages name the
+// JSON keys, since that is where users set them.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace remat::parallel {
+
+struct ZeroOptions {
+  // 0: data parallel (gradients all-reduced); 1: optimizer state sharded;
+  // 2: optimizer state and gradients sharded; 3: parameters too.
+  int stage = 0;
+  // Elements per gradient reduce collective (stages 1 and 2: per gradient
+  // bucket, each bucket sharded on its own).
+  int64_t reduce_bucket_size = 500000000;
+  // Stages 1 and 2: gradients reduce-scattered into the shards (false: all-reduced,
+  // each rank keeping its shard).
+  bool reduce_scatter = true;
+  // Stages 1 and 2: elements per all-gather of the updated parameters.
+  int64_t allgather_bucket_size = 500000000;
+  // Stages 1 and 2: the updated parameters come back by all-gather (false: one
+  // broadcast per rank's shard).
+  bool allgather_partitions = true;
+  // Stage 3: a unit is prefetched only when it has at most this many elements.
+  int64_t stage3_prefetch_bucket_size = 50000000;
+  // Stage 3: parameters with fewer elements stay whole on every rank.
+  int64_t stage3_param_persistence_threshold = 100000;
+  // Stage 2: a gradient bucket's reduce-scatter runs while the backward goes on
+  // (waited for at finish_backward); false waits for each at once. Stage 3
+  // overlaps by prefetching whatever this says.
+  bool overlap_comm = false;
+  // Stages 1 and 2: each gradient is moved into its bucket's flat buffer as
+  // soon as it is computed (and the parameter's own freed); false keeps
+  // gradients on the parameters until their bucket is reduced.
+  bool contiguous_gradients = true;
+  // Stages 1-3: shard within groups of this many data-parallel ranks and
+  // replicate across the groups (FSDP's HYBRID_SHARD); 0: one group of all.
+  int hybrid_shard_size = 0;
+};
+
+// Compute in bf16 from fp32 master shards (ZeRO stage 3 only).
+struct Bf16Options {
+  bool enabled = false;
+};
+
+// The rules of ZeroOptions alone, written once: an empty string when valid,
+// else what is wrong and which key to change. ZeroModel checks these, and
+// what needs the data-parallel size or the bf16 options, itself.
+std::string check_zero_options(const ZeroOptions& options);
+
+}  // namespace remat::parallel
