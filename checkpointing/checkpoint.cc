@@ -23,12 +23,7 @@
 
 namespace remat {
 
-CheckpointingState& CheckpointingState::get() {
-  static CheckpointingState state;
-  return state;
-}
-
-CheckpointOptions& default_checkpoint_options() { return CheckpointingState::get().defaults; }
+CheckpointOptions& default_checkpoint_options() { return CheckpointingState::current().defaults; }
 
 void configure_checkpointing(const RegionSettings& config, const ParallelLayout* mpu) {
   const std::string invalid = check_region_settings(config);
@@ -167,7 +162,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       RegionProfile delta;
       delta.calls = 1;
       delta.forward_ms = ms_since(start);
-      add_profile(region->options.name, delta);
+      add_profile(*region, delta);
     }
     return outs;
   }
@@ -175,6 +170,9 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     auto start = Clock::now();
     std::shared_ptr<Region> region = kept_in<std::shared_ptr<Region>>(ctx, "region");
+    // The recompute runs in the forward's context (its defaults for regions
+    // nested in fn, its RNG tracker, its counters), on whatever thread this is.
+    ContextScope scope(region->context);
     const std::string& name = region->options.name;
     if (!torch::autograd::Engine::get_default_engine().is_checkpoint_valid()) {
       throw Error(str(name, ": torch::autograd::grad (or backward with `inputs`) cannot run "
@@ -231,7 +229,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
                       " op outputs the forward saved; the region must run the same ops both "
                       "times"));
     }
-    CheckpointingState::get().recomputes++;
+    region->state->recomputes++;
     double recompute_ms = ms_since(start);
     log_op_sequences(*region, recompute_ops);
     std::vector<at::Tensor> outs;
@@ -268,7 +266,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       delta.recomputes = 1;
       delta.recompute_ms = recompute_ms;
       delta.backward_ms = ms_since(start);
-      add_profile(name, delta);
+      add_profile(*region, delta);
     }
     return result;
   }
@@ -324,14 +322,14 @@ c10::IValue checkpoint_ivalues(const CheckpointFn& fn, std::vector<c10::IValue> 
 }
 
 std::map<std::string, RegionProfile> checkpoint_profile() {
-  auto& state = CheckpointingState::get();
+  auto& state = CheckpointingState::current();
   std::lock_guard<std::mutex> lock(state.profile_mutex);
   return state.profile;
 }
 
 std::map<std::string, RegionProfile> take_checkpoint_profile() {
   std::map<std::string, RegionProfile> profile;
-  auto& state = CheckpointingState::get();
+  auto& state = CheckpointingState::current();
   std::lock_guard<std::mutex> lock(state.profile_mutex);
   profile.swap(state.profile);
   return profile;
@@ -346,13 +344,13 @@ void log_checkpoint_profile_step(int64_t step) {
   }
 }
 
-int64_t checkpoint_recompute_count() { return CheckpointingState::get().recomputes.load(); }
+int64_t checkpoint_recompute_count() { return CheckpointingState::current().recomputes.load(); }
 
-int64_t checkpoint_saved_bytes() { return CheckpointingState::get().saved_bytes.load(); }
+int64_t checkpoint_saved_bytes() { return CheckpointingState::current().saved_bytes.load(); }
 
 std::vector<at::Tensor> checkpoint_stored_tensors() {
   std::vector<at::Tensor> out;
-  auto& state = CheckpointingState::get();
+  auto& state = CheckpointingState::current();
   std::lock_guard<std::mutex> lock(state.regions_mutex);
   for (const auto& w : state.regions) {
     if (auto region = w.lock()) {

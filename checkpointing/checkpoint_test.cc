@@ -9,6 +9,7 @@
 #include "checkpointing/op_recorder.h"
 #include "checkpointing/sequential.h"
 #include "rng/rng_tracker.h"
+#include "runtime/context.h"
 #include "runtime/error.h"
 #include "tests/error_of.h"
 
@@ -363,6 +364,136 @@ TEST_P(Checkpoint, ProfileAggregatesPerRegion) {
   EXPECT_EQ(profile["profiled"].recomputes, 3);
   EXPECT_GT(profile["profiled"].backward_ms, 0);
   EXPECT_GE(profile["profiled"].backward_ms, profile["profiled"].recompute_ms);
+}
+
+// Two contexts in one process: each has its own defaults and counters, and a
+// region counts into the context of its forward even when its backward runs
+// under another context or under none.
+TEST_P(Checkpoint, EachContextHasItsOwnDefaultsAndCounters) {
+  auto a = Context::create();
+  auto b = Context::create();
+  const bool reentrant = default_checkpoint_options().reentrant;  // this case's mode
+  {
+    ContextScope scope(a);
+    EXPECT_EQ(default_checkpoint_options().name, "checkpoint") << "a new context has the defaults";
+    default_checkpoint_options().reentrant = reentrant;
+    default_checkpoint_options().name = "in-a";
+    default_checkpoint_options().profile = true;
+  }
+  {
+    ContextScope scope(b);
+    EXPECT_EQ(default_checkpoint_options().name, "checkpoint") << "b sees nothing of a's defaults";
+    EXPECT_FALSE(default_checkpoint_options().profile);
+  }
+  EXPECT_EQ(default_checkpoint_options().name, "checkpoint") << "nor does the process default";
+  const int64_t outside_recomputes = checkpoint_recompute_count();
+  const int64_t outside_saved = checkpoint_saved_bytes();
+
+  torch::manual_seed(0);
+  torch::nn::Linear lin(4, 4);
+  at::Tensor x = torch::randn({2, 4}, torch::requires_grad());
+  for (const auto& backward_in : {b, std::shared_ptr<Context>()}) {
+    at::Tensor loss;
+    {
+      ContextScope scope(a);
+      loss = checkpoint([&](const at::Tensor& in) { return lin->forward(in).tanh(); }, x).sum();
+      EXPECT_GT(checkpoint_saved_bytes(), 0);
+    }
+    {
+      ContextScope scope(b);
+      EXPECT_EQ(checkpoint_saved_bytes(), 0) << "a's region is not b's";
+    }
+    {
+      ContextScope scope(backward_in);
+      loss.backward();
+      loss = at::Tensor();
+      EXPECT_EQ(checkpoint_recompute_count(), backward_in ? 0 : outside_recomputes)
+          << "the recompute counted where the backward ran, not where the region was made";
+    }
+  }
+  {
+    ContextScope scope(a);
+    EXPECT_EQ(checkpoint_recompute_count(), 2);
+    EXPECT_EQ(checkpoint_saved_bytes(), 0);
+    auto profile = checkpoint_profile();
+    ASSERT_TRUE(profile.count("in-a"));
+    EXPECT_EQ(profile["in-a"].calls, 2);
+    EXPECT_EQ(profile["in-a"].recomputes, 2);
+  }
+  {
+    ContextScope scope(b);
+    EXPECT_EQ(checkpoint_recompute_count(), 0);
+    EXPECT_TRUE(checkpoint_profile().empty());
+  }
+  EXPECT_EQ(checkpoint_recompute_count(), outside_recomputes);
+  EXPECT_EQ(checkpoint_saved_bytes(), outside_saved);
+  EXPECT_EQ(checkpoint_profile().count("in-a"), 0u);
+}
+
+// A region's recompute runs in its forward's context, whatever context (or
+// none) the backward runs under: it replays the forward's RNG into that
+// context's tracker (bitwise the plain run's gradients, though the other
+// context's tracker has another seed), and a region nested in fn that the
+// recompute makes takes that context's defaults.
+TEST_P(Checkpoint, TheRecomputeRunsInItsForwardsContext) {
+  torch::manual_seed(0);
+  DropoutBlock inner, outer;
+  at::Tensor x = torch::randn({6, 8}, torch::requires_grad());
+  auto leaves = inner.params();
+  for (auto& p : outer.params()) leaves.push_back(p);
+  leaves.push_back(x);
+  auto a = Context::create();
+  auto other = Context::create();
+  const bool reentrant = default_checkpoint_options().reentrant;
+  {
+    ContextScope scope(a);
+    default_checkpoint_options().reentrant = reentrant;
+    default_checkpoint_options().name = "nested-in-a";
+    default_checkpoint_options().profile = true;
+  }
+  {
+    ContextScope scope(other);
+    model_parallel_manual_seed(999, 0);
+  }
+  auto run = [&](bool checkpointed, const std::shared_ptr<Context>& backward_in) {
+    at::Tensor y;
+    {
+      ContextScope scope(a);
+      model_parallel_manual_seed(42, 0);
+      auto f = [&](const at::Tensor& in) { return outer(checkpointed ? checkpoint(inner, in) : inner(in)); };
+      y = checkpointed ? checkpoint_with(mode_options(), f, x) : f(x);
+    }
+    {
+      ContextScope scope(backward_in);
+      y.pow(2).sum().backward();
+    }
+    std::vector<at::Tensor> out{y.detach().clone()};
+    for (auto& g : take_grads(leaves)) out.push_back(g);
+    return out;
+  };
+  const auto plain = run(false, nullptr);
+  int64_t recomputes_in_a = 0;
+  for (const auto& backward_in : {std::shared_ptr<Context>(), other}) {
+    expect_all_equal(plain, run(true, backward_in));
+    ContextScope scope(a);
+    // The outer region and the inner one each recompute once, in a.
+    EXPECT_EQ(checkpoint_recompute_count() - recomputes_in_a, 2);
+    recomputes_in_a = checkpoint_recompute_count();
+  }
+  {
+    // The inner region takes a's defaults (its name, profiling on) also when
+    // it is made in the outer's recompute: a non-reentrant outer makes it in
+    // its forward and again in its recompute, a reentrant one (whose forward
+    // runs fn without grad) only in its recompute.
+    ContextScope scope(a);
+    auto profile = checkpoint_profile();
+    ASSERT_TRUE(profile.count("nested-in-a"));
+    EXPECT_EQ(profile["nested-in-a"].calls, reentrant ? 2 : 4);
+    EXPECT_EQ(profile["nested-in-a"].recomputes, 2);
+  }
+  ContextScope scope(other);
+  EXPECT_EQ(checkpoint_recompute_count(), 0);
+  EXPECT_TRUE(checkpoint_profile().empty());
 }
 
 // Counts its forward calls.

@@ -256,6 +256,9 @@ std::vector<at::Tensor> Frame::recompute_inputs() {
 void Frame::recompute(size_t upto) {
   auto start = Clock::now();
   Region& r = *region;
+  // The recompute runs in the forward's context (its defaults for regions
+  // nested in fn, its RNG tracker, its counters), on whatever thread this is.
+  ContextScope scope(r.context);
   const std::string& name = r.options.name;
   const bool in_forward = forward_running;
   const size_t limit = in_forward ? upto + 1 : slots.size();
@@ -329,7 +332,7 @@ void Frame::recompute(size_t upto) {
                     "thing both times (data-dependent control flow or state changed between "
                     "forward and backward?)"));
   }
-  CheckpointingState::get().recomputes++;
+  r.state->recomputes++;
   synchronize_if(r.options.synchronize);
   if (r.options.profile) {
     RegionProfile delta;
@@ -337,7 +340,7 @@ void Frame::recompute(size_t upto) {
     delta.recompute_ms = ms_since(start);
     // The backward itself is the graph's own; one inside fn is the forward's.
     if (!in_forward) delta.backward_ms = delta.recompute_ms;
-    add_profile(name, delta);
+    add_profile(r, delta);
   }
 }
 
@@ -442,7 +445,7 @@ c10::IValue checkpoint_non_reentrant(const CheckpointFn& fn, std::vector<c10::IV
     RegionProfile delta;
     delta.calls = 1;
     delta.forward_ms = ms_since(start);
-    add_profile(options.name, delta);
+    add_profile(r, delta);
   }
   return output;
 }

@@ -16,22 +16,21 @@
 #include "checkpointing/host_transfer.h"
 #include "nn/module_call.h"
 #include "nn/saved_tensors_hooks.h"
+#include "runtime/context.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
 
 namespace remat {
 struct Packed;
 
-namespace {
-
-struct Counters {
+// Activation offloading's share of a context's state (runtime/context.h).
+struct ActivationOffloadCounters {
   std::atomic<int64_t> offloaded_tensors{0}, offloaded_bytes{0}, restored_tensors{0},
       restored_bytes{0}, kept_tensors{0}, kept_bytes{0}, host_bytes{0};
 };
-Counters& counters() {
-  static Counters c;
-  return c;
-}
+
+namespace {
+
 
 // Parameters, and views of them, stay where they are (alive anyway): leaves
 // that require grad, views of such leaves, and tensors on the storage of the
@@ -87,13 +86,14 @@ struct Packed {
   uint32_t saved_version = 0;
   std::string describe;
 
-  ~Packed() {
-    if (counted_host) counters().host_bytes -= bytes;
-    if (counted_kept) counters().kept_bytes -= bytes;
-  }
+  ~Packed();
 };
 
 struct OffloadActivations::State {
+  // The context current when the scope began: its saved tensors count there,
+  // also when backward unpacks them on another thread or after the scope.
+  std::shared_ptr<Context> context = Context::current_shared();
+  ActivationOffloadCounters& counters = context->get<ActivationOffloadCounters>();
   OffloadActivationsOptions options;
   std::mutex mutex;
   std::vector<std::weak_ptr<Packed>> order;  // offloaded tensors, forward order
@@ -112,6 +112,11 @@ struct OffloadActivations::State {
   at::Tensor unpack(Packed& p);
   at::Tensor bring_back(Packed& p);
 };
+
+Packed::~Packed() {
+  if (counted_host) state->counters.host_bytes -= bytes;
+  if (counted_kept) state->counters.kept_bytes -= bytes;
+}
 
 namespace {
 // The innermost offloading scope on this thread (the head's hook marks it).
@@ -139,13 +144,13 @@ std::any OffloadActivations::State::pack(const std::shared_ptr<State>& self, con
   if (p->bytes < options.min_offload_size || after_head) {
     p->kept = data;
     p->counted_kept = true;
-    counters().kept_tensors++;
-    counters().kept_bytes += p->bytes;
+    counters.kept_tensors++;
+    counters.kept_bytes += p->bytes;
     return p;
   }
   p->host = host_buffer(data, options.use_pin_memory && data.is_cuda());
   p->counted_host = true;
-  counters().host_bytes += p->bytes;
+  counters.host_bytes += p->bytes;
   if (data.is_cuda() && options.use_streams) {
     std::lock_guard<std::mutex> lock(mutex);
     p->to_host = host_transfer::copy_to_host(data, p->host);
@@ -162,8 +167,8 @@ std::any OffloadActivations::State::pack(const std::shared_ptr<State>& self, con
     p->id = order.size();
     order.push_back(p);
   }
-  counters().offloaded_tensors++;
-  counters().offloaded_bytes += p->bytes;
+  counters.offloaded_tensors++;
+  counters.offloaded_bytes += p->bytes;
   return p;
 }
 
@@ -226,8 +231,8 @@ at::Tensor OffloadActivations::State::unpack(Packed& p) {
     p.to_device = nullptr;
   }
   if (ready) ready->order_before_use();
-  counters().restored_tensors++;
-  counters().restored_bytes += p.bytes;
+  counters.restored_tensors++;
+  counters.restored_bytes += p.bytes;
   return out;
 }
 
@@ -309,7 +314,7 @@ OffloadActivations::~OffloadActivations() {
 }
 
 ActivationOffloadStats activation_offload_stats() {
-  const auto& c = counters();
+  const auto& c = Context::current().get<ActivationOffloadCounters>();
   ActivationOffloadStats s;
   s.offloaded_tensors = c.offloaded_tensors;
   s.offloaded_bytes = c.offloaded_bytes;

@@ -53,7 +53,9 @@ class saved_tensors_hooks;
 // OffloadActivationsOptions (checkpointing/options.h, where each is
 // documented with its default) are the activation_offloading section's.
 
-// Process-wide counters of activation offloading (metrics, tests, benchmarks).
+// Counters of activation offloading in the current context (runtime/context.h;
+// metrics, tests, benchmarks): a scope's tensors count in the context current
+// when the scope began, also when backward brings them back elsewhere.
 struct ActivationOffloadStats {
   int64_t offloaded_tensors = 0;  // total: tensors copied to the host
   int64_t offloaded_bytes = 0;    // total

@@ -13,6 +13,7 @@
 #include "nn/module_call.h"
 #include "rng/rng_tracker.h"
 #include "engine/config.h"
+#include "runtime/context.h"
 #include "runtime/error.h"
 #include "runtime/memory.h"
 #include "tests/error_of.h"
@@ -103,6 +104,46 @@ TEST(OffloadActivations, GradientsMatchThePlainRunBitwiseAndEveryOffloadedTensor
   EXPECT_EQ(after.restored_bytes - before.restored_bytes, after.offloaded_bytes - before.offloaded_bytes);
   EXPECT_EQ(after.host_bytes, 0) << "host copies outlived the backward";
   EXPECT_EQ(after.kept_bytes, 0);
+}
+
+// A scope counts into the context current when it began: its tensors come
+// back into that context's counters even when the backward runs under
+// another context or none, and no other context sees them.
+TEST(OffloadActivations, CountersBelongToTheContextOfTheScope) {
+  torch::manual_seed(0);
+  Net net;
+  const at::Tensor x = input();
+  auto a = Context::create();
+  auto b = Context::create();
+  const auto outside = activation_offload_stats();
+  at::Tensor loss;
+  {
+    ContextScope scope(a);
+    OffloadActivations offload(options());
+    loss = net->forward(x).pow(2).mean();
+  }
+  ActivationOffloadStats in_a;
+  {
+    ContextScope scope(a);
+    in_a = activation_offload_stats();
+  }
+  EXPECT_GE(in_a.offloaded_tensors, 9);
+  EXPECT_GT(in_a.host_bytes, 0);
+  {
+    ContextScope scope(b);
+    loss.backward();
+    loss = at::Tensor();
+    const auto in_b = activation_offload_stats();
+    EXPECT_EQ(in_b.offloaded_tensors, 0);
+    EXPECT_EQ(in_b.restored_tensors, 0) << "the backward ran under b but restored a's tensors";
+  }
+  ContextScope scope(a);
+  const auto after = activation_offload_stats();
+  EXPECT_EQ(after.restored_tensors, in_a.offloaded_tensors);
+  EXPECT_EQ(after.host_bytes, 0) << "a's host copies outlived the backward";
+  ContextScope none(Context::process_default());
+  EXPECT_EQ(activation_offload_stats().offloaded_tensors, outside.offloaded_tensors);
+  EXPECT_EQ(activation_offload_stats().restored_tensors, outside.restored_tensors);
 }
 
 TEST(OffloadActivations, MinOffloadSizeParametersAndTheHeadStay) {

@@ -19,19 +19,21 @@ std::string TensorMeta::str() const {
 
 void Region::count(int64_t bytes) {
   counted_bytes += bytes;
-  CheckpointingState::get().saved_bytes += bytes;
+  state->saved_bytes += bytes;
 }
 
-Region::~Region() { CheckpointingState::get().saved_bytes -= counted_bytes; }
+Region::~Region() {
+  if (state != nullptr) state->saved_bytes -= counted_bytes;
+}
 
 double ms_since(Clock::time_point start) {
   return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
 }
 
-void add_profile(const std::string& name, const RegionProfile& delta) {
-  auto& state = CheckpointingState::get();
+void add_profile(const Region& region, const RegionProfile& delta) {
+  auto& state = *region.state;
   std::lock_guard<std::mutex> lock(state.profile_mutex);
-  auto& p = state.profile[name];
+  auto& p = state.profile[region.options.name];
   p.calls += delta.calls;
   p.recomputes += delta.recomputes;
   p.forward_ms += delta.forward_ms;
@@ -120,6 +122,8 @@ std::shared_ptr<Region> make_region(const CheckpointFn& fn, std::vector<c10::IVa
                                     const CheckpointOptions& options,
                                     std::vector<at::Tensor>& inputs) {
   auto region = std::make_shared<Region>();
+  region->context = Context::current_shared();
+  region->state = &region->context->get<CheckpointingState>();
   region->fn = fn;
   region->options = options;
   c10::IValue packed(c10::ivalue::Tuple::create(std::move(args)));
@@ -132,7 +136,7 @@ std::shared_ptr<Region> make_region(const CheckpointFn& fn, std::vector<c10::IVa
 }
 
 void track_region(const std::shared_ptr<Region>& region) {
-  auto& state = CheckpointingState::get();
+  auto& state = *region->state;
   std::lock_guard<std::mutex> lock(state.regions_mutex);
   auto& regions = state.regions;
   regions.erase(std::remove_if(regions.begin(), regions.end(),

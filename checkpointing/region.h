@@ -18,6 +18,7 @@
 #include "checkpointing/selective_op.h"
 #include "checkpointing/stored_inputs.h"
 #include "rng/rng_tracker.h"
+#include "runtime/context.h"
 
 namespace torch {
 namespace autograd {
@@ -26,6 +27,8 @@ struct Node;
 }  // namespace torch
 
 namespace remat {
+
+struct CheckpointingState;
 
 struct TensorMeta {
   std::vector<int64_t> sizes;
@@ -42,6 +45,10 @@ struct TensorMeta {
 
 // Everything a region needs between forward and backward.
 struct Region {
+  // The context current at the forward, and its checkpointing state: the
+  // recompute runs under it and the region counts into it (make_region sets both).
+  std::shared_ptr<Context> context;
+  CheckpointingState* state = nullptr;
   CheckpointFn fn;
   CheckpointOptions options;
   c10::IValue args;  // tuple of the arguments, tensors replaced by placeholders
@@ -74,7 +81,8 @@ struct Region {
 
 using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point start);
-void add_profile(const std::string& name, const RegionProfile& delta);
+// Adds `delta` to the profile of the region's name in the region's context.
+void add_profile(const Region& region, const RegionProfile& delta);
 void synchronize_if(bool enabled);
 
 // Tensors inside nested values, collected in a fixed order and put back in the
@@ -84,8 +92,9 @@ c10::IValue with_tensors(const c10::IValue& v, const std::vector<at::Tensor>& va
 // Storage-free stand-ins, so that the region's structure holds no data.
 std::vector<at::Tensor> placeholders(size_t n);
 
-// A new region for `fn` on `args` (grad mode on): options, the arguments'
-// structure, which inputs require grad. `inputs` receives the tensor inputs.
+// A new region for `fn` on `args` (grad mode on) in the current context:
+// options, the arguments' structure, which inputs require grad. `inputs`
+// receives the tensor inputs.
 std::shared_ptr<Region> make_region(const CheckpointFn& fn, std::vector<c10::IValue> args,
                                     const CheckpointOptions& options, std::vector<at::Tensor>& inputs);
 

@@ -1,8 +1,10 @@
-// The process's checkpointing state, in one place (internal to
-// checkpointing/): the default options that configure_checkpointing sets and
-// regions and policies read when they run (with the contiguous buffers), the
-// registry of live regions, the prefetch order of stored inputs, and every
-// counter checkpoint.h and stored_inputs.h report.
+// A context's checkpointing state, in one place (internal to checkpointing/;
+// one per remat::Context, runtime/context.h): the default options that
+// configure_checkpointing sets and regions and policies read when they run
+// (with the contiguous buffers), the registry of live regions, the prefetch
+// order of stored inputs, and every counter checkpoint.h and stored_inputs.h
+// report. A region keeps the context of its forward and uses its state in
+// backward, wherever that runs.
 #pragma once
 
 #include <atomic>
@@ -15,6 +17,7 @@
 #include <vector>
 
 #include "checkpointing/checkpoint.h"
+#include "runtime/context.h"
 
 namespace remat {
 
@@ -58,7 +61,8 @@ struct CheckpointingState {
   std::mutex regions_mutex;
   std::vector<std::weak_ptr<Region>> regions;  // live regions with stored inputs
 
-  static CheckpointingState& get();
+  // The current context's (Context::current()).
+  static CheckpointingState& current() { return Context::current().get<CheckpointingState>(); }
 };
 
 }  // namespace remat

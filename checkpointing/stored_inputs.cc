@@ -16,7 +16,6 @@
 namespace remat {
 namespace {
 
-StoredInputCounters& counters() { return CheckpointingState::get().stored; }
 
 int64_t bytes_of(int64_t numel, at::ScalarType dtype) {
   return numel * static_cast<int64_t>(c10::elementSize(dtype));
@@ -32,9 +31,10 @@ int64_t span_numel(const at::Tensor& t) {
 
 // Counts bytes left on the device for being small; the first time in the
 // process at info level (what to change), then at debug level.
-void note_left_small(const std::string& region, int64_t bytes, int64_t min_bytes) {
+void note_left_small(StoredInputCounters& counters, const std::string& region, int64_t bytes,
+                     int64_t min_bytes) {
   static std::atomic<bool> told{false};
-  counters().left_small_bytes += bytes;
+  counters.left_small_bytes += bytes;
   if (!told.exchange(true)) {
     log().info("cpu_checkpointing: {} leaves {} bytes on the device for being under "
                "offload_min_bytes = {} (set activation_checkpointing.offload_min_bytes to 0 to "
@@ -130,10 +130,10 @@ int64_t ContiguousBuffers::allocated_bytes() const {
 }
 
 StoredInputStats stored_input_stats() {
-  return {counters().kept_bytes.load(),     counters().kept_padding_bytes.load(),
-          counters().gathered_bytes.load(), counters().offloaded_bytes.load(),
-          counters().fetched_bytes.load(),  counters().offload_copies.load(),
-          counters().fetch_copies.load(),   counters().left_small_bytes.load()};
+  const StoredInputCounters& c = CheckpointingState::current().stored;
+  return {c.kept_bytes.load(),     c.kept_padding_bytes.load(), c.gathered_bytes.load(),
+          c.offloaded_bytes.load(), c.fetched_bytes.load(),     c.offload_copies.load(),
+          c.fetch_copies.load(),   c.left_small_bytes.load()};
 }
 
 // ---------------------------------------------------------------------------
@@ -206,15 +206,20 @@ std::vector<bool> StoredInputs::select(const std::vector<at::Tensor>& inputs,
       small += covered_bytes(t);
     }
   }
-  if (small > 0) note_left_small(region, small, options.offload_min_bytes);
+  if (small > 0) {
+    note_left_small(CheckpointingState::current().stored, region, small, options.offload_min_bytes);
+  }
   return store;
 }
 
 StoredInputs::StoredInputs(const std::vector<at::Tensor>& inputs, const std::vector<bool>& store,
                            InputStorageOptions options, std::string region)
-    : options_(std::move(options)), region_(std::move(region)) {
+    : context_(Context::current_shared()),
+      state_(&context_->get<CheckpointingState>()),
+      options_(std::move(options)),
+      region_(std::move(region)) {
   REMAT_CHECK_EQ(inputs.size(), store.size(), "StoredInputs: one flag per input");
-  auto& chain = CheckpointingState::get().chain;
+  auto& chain = state_->chain;
   std::lock_guard<std::recursive_mutex> lock(chain.mutex);
   // The previous region is no longer the last: its inputs leave the device.
   if (chain.pending_offload != nullptr) chain.pending_offload->offload_now();
@@ -264,8 +269,8 @@ StoredInputs::StoredInputs(const std::vector<at::Tensor>& inputs, const std::vec
         e->share = e->numel;
       }
     }
-    counters().kept_bytes += e->kept_bytes();
-    counters().kept_padding_bytes += bytes_of(e->padding, e->dtype);
+    state_->stored.kept_bytes += e->kept_bytes();
+    state_->stored.kept_padding_bytes += bytes_of(e->padding, e->dtype);
     entries_.back() = std::move(e);
     ++position;
   }
@@ -289,7 +294,7 @@ StoredInputs::~StoredInputs() {
 }
 
 void StoredInputs::offload_now() {
-  auto& chain = CheckpointingState::get().chain;
+  auto& chain = state_->chain;
   offload_pending_ = false;
   if (chain.pending_offload == this) chain.pending_offload = nullptr;
   size_t position = 0;
@@ -298,7 +303,7 @@ void StoredInputs::offload_now() {
     const size_t pos = position++;
     if (!e->kept.defined() || e->share == 0) continue;
     if (e->kept_bytes() < options_.offload_min_bytes) {
-      note_left_small(region_, e->kept_bytes(), options_.offload_min_bytes);
+      note_left_small(state_->stored, region_, e->kept_bytes(), options_.offload_min_bytes);
       continue;
     }
     at::Tensor flat = e->strides.empty()
@@ -311,8 +316,8 @@ void StoredInputs::offload_now() {
     e->to_host = host_transfer::copy_to_host(flat, e->host);
     chain.track(e->to_host, options_.offload_max_in_flight);
     e->kept = at::Tensor();  // the device copy is freed once the copy is done
-    counters().offloaded_bytes += static_cast<int64_t>(e->host.nbytes());
-    counters().offload_copies++;
+    state_->stored.offloaded_bytes += static_cast<int64_t>(e->host.nbytes());
+    state_->stored.offload_copies++;
   }
 }
 
@@ -327,8 +332,8 @@ void StoredInputs::prefetch() {
       if (e->to_host) e->to_host->order_before_use();
       e->fetched = at::empty({e->share}, at::TensorOptions().dtype(e->dtype).device(e->device));
       e->fetching = host_transfer::copy_to_device(e->host, e->fetched);
-      counters().fetched_bytes += static_cast<int64_t>(e->fetched.nbytes());
-      counters().fetch_copies++;
+      state_->stored.fetched_bytes += static_cast<int64_t>(e->fetched.nbytes());
+      state_->stored.fetch_copies++;
       source = e->fetched;
     }
     if (options_.partitioned()) {
@@ -336,7 +341,7 @@ void StoredInputs::prefetch() {
       auto& group = options_.partition_group;
       e->gathered = at::empty({e->share * group->size()}, source.options());
       e->gathering = group->allGather(e->gathered, source);
-      counters().gathered_bytes += static_cast<int64_t>(e->gathered.nbytes());
+      state_->stored.gathered_bytes += static_cast<int64_t>(e->gathered.nbytes());
     }
   }
 }
@@ -347,7 +352,7 @@ std::vector<at::Tensor> StoredInputs::restore() {
                     "retain_graph=true to the first backward() to backpropagate twice"));
   }
   {
-    auto& chain = CheckpointingState::get().chain;
+    auto& chain = state_->chain;
     std::lock_guard<std::recursive_mutex> lock(chain.mutex);
     // The last region's inputs never left the device.
     if (chain.pending_offload == this) chain.pending_offload = nullptr;
@@ -382,15 +387,15 @@ std::vector<at::Tensor> StoredInputs::restore() {
 
 void StoredInputs::release() {
   if (released_) return;
-  auto& chain = CheckpointingState::get().chain;
+  auto& chain = state_->chain;
   std::lock_guard<std::recursive_mutex> lock(chain.mutex);
   released_ = true;
   chain.remove(this);
   for (auto& e : entries_) {
     if (!e) continue;
     e->wait_all();  // collectives in flight finish on every rank
-    counters().kept_bytes -= e->kept_bytes();
-    counters().kept_padding_bytes -= bytes_of(e->padding, e->dtype);
+    state_->stored.kept_bytes -= e->kept_bytes();
+    state_->stored.kept_padding_bytes -= bytes_of(e->padding, e->dtype);
     e.reset();
   }
   if (slot_ >= 0) options_.contiguous->release(slot_, slot_generation_);

@@ -43,7 +43,9 @@
 namespace remat {
 
 class Communicator;
+class Context;
 class ContiguousBuffers;
+struct CheckpointingState;
 
 // offload_min_bytes, offload_max_in_flight and offload_keep_last come from
 // OffloadSettings (checkpointing/options.h), where they are documented.
@@ -97,7 +99,8 @@ class ContiguousBuffers {
   mutable std::mutex mutex_;
 };
 
-// Process-wide counters of stored inputs (for tests, metrics and benchmarks).
+// Counters of stored inputs in the current context (runtime/context.h; for
+// tests, metrics and benchmarks): a region counts into the context of its forward.
 struct StoredInputStats {
   int64_t kept_bytes = 0;          // now: bytes live regions keep for stored inputs
   int64_t kept_padding_bytes = 0;  // now: of which padding of the last share
@@ -116,7 +119,8 @@ StoredInputStats stored_input_stats();
 int64_t covered_bytes(const at::Tensor& t);
 
 // The inputs of one region (see above). Created at the region's forward,
-// restored at its recompute.
+// restored at its recompute; it belongs to the context current at its
+// creation (its prefetch chain and counters), wherever it is restored.
 class StoredInputs {
  public:
   // `inputs` are the region's tensor inputs in order; `store[i]` says which are
@@ -153,6 +157,8 @@ class StoredInputs {
   void offload_now();
   void prefetch();
 
+  std::shared_ptr<Context> context_;
+  CheckpointingState* state_;
   InputStorageOptions options_;
   std::string region_;
   std::vector<std::unique_ptr<Entry>> entries_;  // one per input; null when not stored

@@ -15,6 +15,14 @@
 // has been destroyed is never applied (even to a new module at the same
 // address) and is dropped when met. Modules must be owned by a shared_ptr (a
 // ModuleHolder, std::make_shared, or a registered child), as torch::nn's are.
+//
+// Hooks belong to the module, not to a remat::Context (runtime/context.h):
+// every caller of remat::forward on a module runs its hooks, in any context or
+// none, so a model evaluated outside its engine's scope still gathers its
+// ZeRO-3 parameters. Each slot records the context that set it (the current
+// one at set_module_hook), so that an engine can refuse a model that another
+// engine drives (hooks_set_elsewhere) and take its own hooks off when it ends
+// (drop_module_hooks). A hook outlives the context that set it unless removed.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -30,6 +38,8 @@
 #include "nn/ivalue_codec.h"
 
 namespace remat {
+
+class Context;
 
 // Where a hook sits around a module's forward; lower runs outside higher.
 enum class HookSlot : int {
@@ -53,10 +63,26 @@ std::string module_type(const torch::nn::Module& module);
 // The children for error messages: "name (Type), ..." or "none".
 std::string describe_children(const torch::nn::Module& module);
 
-// Sets the hook of `module` in `slot` (null removes it).
+// "sharding", "checkpoint" or "no-offload".
+const char* hook_slot_name(HookSlot slot);
+
+// Sets the hook of `module` in `slot` (null removes it); the current context
+// (Context::current()) becomes the slot's owner.
 void set_module_hook(const torch::nn::Module& module, HookSlot slot, std::shared_ptr<ModuleHook> hook);
 // The hook of `module` in `slot`, or null.
 std::shared_ptr<ModuleHook> module_hook(const torch::nn::Module& module, HookSlot slot);
+// The context that set the hook of `module` in `slot`; null when the slot is
+// empty or that context no longer exists.
+std::shared_ptr<Context> module_hook_owner(const torch::nn::Module& module, HookSlot slot);
+
+// The hooks on `model` and its submodules that a context other than `context`
+// set and that context still exists, as "path (slot), ..." (the model itself
+// is "<root>"); empty when there are none. An engine taking a model checks
+// this with its own context and refuses a model another engine drives.
+std::string hooks_set_elsewhere(const torch::nn::Module& model, const Context& context);
+
+// Removes every hook `owner` set, on any module; returns how many.
+int64_t drop_module_hooks(const Context& owner);
 
 namespace detail {
 

@@ -1,5 +1,6 @@
 // remat::forward and its hooks: slot order, typed arguments and results
-// through the untyped chain, no entry outliving its module, the direct path.
+// through the untyped chain, no entry outliving its module, the direct path,
+// hooks that apply in every context and know which context set them.
 #include "nn/module_call.h"
 
 #include <gmock/gmock.h>
@@ -10,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "runtime/context.h"
 #include "runtime/error.h"
 #include "tests/error_of.h"
 
@@ -98,6 +100,68 @@ TEST(ModuleCall, OnlyModulesOwnedByASharedPtrTakeHooks) {
     set_module_hook(on_stack, HookSlot::kCheckpoint, std::make_shared<Recorder>("x", nullptr));
   });
   EXPECT_THAT(message, HasSubstr("owned by a std::shared_ptr"));
+  EXPECT_EQ(detail::g_hooked_modules.load(), 0);
+}
+
+struct PairImpl : torch::nn::Module {
+  PairImpl() {
+    first = register_module("first", Scale());
+    second = register_module("second", Scale());
+  }
+  Scale first{nullptr}, second{nullptr};
+};
+TORCH_MODULE(Pair);
+
+// A hook belongs to its module: it runs for any caller, in the context that
+// set it, in another, or with no scope at all. Its slot remembers the
+// context that set it, so an engine can see a model another engine drives
+// and take off only its own hooks.
+TEST(ModuleCall, HooksApplyInEveryContextAndKnowWhichContextSetThem) {
+  Pair pair;
+  std::vector<std::string> log;
+  auto engine_a = Context::create();
+  auto engine_b = Context::create();
+  {
+    ContextScope scope(engine_a);
+    set_module_hook(*pair->first, HookSlot::kSharding, std::make_shared<Recorder>("a", &log));
+  }
+  set_module_hook(*pair->second, HookSlot::kCheckpoint, std::make_shared<Recorder>("default", &log));
+  at::Tensor x = torch::ones({2});
+  for (const auto& context : {engine_a, engine_b, std::shared_ptr<Context>()}) {
+    ContextScope scope(context);
+    log.clear();
+    remat::forward(pair->first, x, int64_t{2});
+    remat::forward(pair->second, x, int64_t{2});
+    EXPECT_THAT(log, ElementsAre("a in", "a out", "default in", "default out"));
+  }
+
+  EXPECT_EQ(module_hook_owner(*pair->first, HookSlot::kSharding), engine_a);
+  EXPECT_EQ(module_hook_owner(*pair->first, HookSlot::kCheckpoint), nullptr) << "an empty slot";
+  EXPECT_EQ(module_hook_owner(*pair->second, HookSlot::kCheckpoint), Context::process_default());
+  // What b would be refused for, and what a sees of others.
+  EXPECT_EQ(hooks_set_elsewhere(*pair, *engine_b), "first (sharding), second (checkpoint)");
+  EXPECT_EQ(hooks_set_elsewhere(*pair, *engine_a), "second (checkpoint)");
+  EXPECT_EQ(hooks_set_elsewhere(*pair->first, *engine_a), "");
+
+  // a takes off its own hooks only.
+  EXPECT_EQ(drop_module_hooks(*engine_a), 1);
+  EXPECT_EQ(module_hook(*pair->first, HookSlot::kSharding), nullptr);
+  EXPECT_NE(module_hook(*pair->second, HookSlot::kCheckpoint), nullptr);
+  EXPECT_EQ(detail::g_hooked_modules.load(), 1) << "first's emptied entry is gone";
+
+  // A hook outlives the context that set it, which then blocks no one.
+  {
+    auto gone = Context::create();
+    ContextScope scope(gone);
+    set_module_hook(*pair->first, HookSlot::kSharding, std::make_shared<Recorder>("gone", &log));
+  }
+  EXPECT_EQ(module_hook_owner(*pair->first, HookSlot::kSharding), nullptr);
+  EXPECT_EQ(hooks_set_elsewhere(*pair, *Context::process_default()), "");
+  log.clear();
+  remat::forward(pair->first, x, int64_t{2});
+  EXPECT_THAT(log, ElementsAre("gone in", "gone out"));
+  set_module_hook(*pair->first, HookSlot::kSharding, nullptr);
+  set_module_hook(*pair->second, HookSlot::kCheckpoint, nullptr);
   EXPECT_EQ(detail::g_hooked_modules.load(), 0);
 }
 

@@ -7,6 +7,7 @@
 
 #include "nn/autograd_state.h"
 #include "runtime/communicator.h"
+#include "runtime/context.h"
 #include "runtime/error.h"
 
 namespace remat::parallel {
@@ -15,22 +16,34 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-std::atomic<int64_t> g_comm_bytes{0};
+// The mappings' share of a context's state (runtime/context.h).
+struct MappingCounters {
+  std::atomic<int64_t> comm_bytes{0};
+};
 
-void keep_group(AutogradContext* ctx, const Group& group) { keep_in(ctx, "group", group); }
+MappingCounters& counters(Context& context) { return context.get<MappingCounters>(); }
+
+// A backward that communicates counts into the context of its forward, on
+// whatever thread autograd runs it: the function keeps that context with its group.
+void keep_group(AutogradContext* ctx, const Group& group) {
+  keep_in(ctx, "group", group);
+  keep_in(ctx, "context", Context::current_shared());
+}
 
 const Group& group_of(AutogradContext* ctx) { return kept_in<Group>(ctx, "group"); }
 
-at::Tensor all_reduce(const at::Tensor& x, const Group& group) {
+Context& context_of(AutogradContext* ctx) { return *kept_in<std::shared_ptr<Context>>(ctx, "context"); }
+
+at::Tensor all_reduce(const at::Tensor& x, const Group& group, Context& context) {
   at::Tensor out = x.contiguous().clone();
   group->allReduce(out)->wait();
-  g_comm_bytes += out.nbytes();
+  counters(context).comm_bytes += out.nbytes();
   return out;
 }
 
-at::Tensor all_gather_last(const at::Tensor& x, const Group& group, int64_t full) {
+at::Tensor all_gather_last(const at::Tensor& x, const Group& group, int64_t full, Context& context) {
   at::Tensor out = all_gather_uneven(x, -1, full, group);
-  g_comm_bytes += x.nbytes();
+  counters(context).comm_bytes += x.nbytes();
   return out;
 }
 
@@ -45,13 +58,13 @@ struct CopyToRegion : torch::autograd::Function<CopyToRegion> {
     return x;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {all_reduce(grads[0], group_of(ctx)), at::Tensor()};
+    return {all_reduce(grads[0], group_of(ctx), context_of(ctx)), at::Tensor()};
   }
 };
 
 struct ReduceFromRegion : torch::autograd::Function<ReduceFromRegion> {
   static at::Tensor forward(AutogradContext*, const at::Tensor& x, Group group) {
-    return all_reduce(x, group);
+    return all_reduce(x, group, Context::current());
   }
   static variable_list backward(AutogradContext*, variable_list grads) {
     return {grads[0], at::Tensor()};
@@ -65,7 +78,8 @@ struct ScatterToRegion : torch::autograd::Function<ScatterToRegion> {
     return own_chunk(x, group);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {all_gather_last(grads[0], group_of(ctx), ctx->saved_data["full"].toInt()),
+    return {all_gather_last(grads[0], group_of(ctx), ctx->saved_data["full"].toInt(),
+                            context_of(ctx)),
             at::Tensor()};
   }
 };
@@ -74,7 +88,7 @@ struct GatherFromRegion : torch::autograd::Function<GatherFromRegion> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Group group,
                             int64_t full) {
     keep_group(ctx, group);
-    return all_gather_last(x, group, full);
+    return all_gather_last(x, group, full, Context::current());
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     return {own_chunk(grads[0], group_of(ctx)), at::Tensor(), at::Tensor()};
@@ -157,6 +171,6 @@ at::Tensor gather_from_tensor_parallel_region(const at::Tensor& x, const Group& 
   return GatherFromRegion::apply(x, group, full);
 }
 
-int64_t tensor_parallel_comm_bytes() { return g_comm_bytes.load(); }
+int64_t tensor_parallel_comm_bytes() { return counters(Context::current()).comm_bytes.load(); }
 
 }  // namespace remat::parallel

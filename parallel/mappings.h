@@ -53,7 +53,8 @@ at::Tensor scatter_to_tensor_parallel_region(const at::Tensor& x, const Group& g
 at::Tensor gather_from_tensor_parallel_region(const at::Tensor& x, const Group& group,
                                               int64_t full = -1);
 
-// Bytes the mappings moved through collectives on this process (cumulative).
+// Bytes the mappings moved through collectives in the current context
+// (runtime/context.h; cumulative). A backward counts into its forward's context.
 int64_t tensor_parallel_comm_bytes();
 
 }  // namespace remat::parallel

@@ -14,6 +14,7 @@
 #include "parallel/grad_norm.h"
 #include "parallel/layers.h"
 #include "parallel/mappings.h"
+#include "runtime/context.h"
 #include "runtime/error.h"
 #include "runtime/layout.h"
 #include "runtime/runtime.h"
@@ -58,6 +59,41 @@ TEST(Mappings, CopyToIsIdentityForwardAllReduceBackward) {
   EXPECT_TRUE(at::equal(y, x));
   (y * (r + 1)).sum().backward();
   EXPECT_TRUE(at::equal(x.grad(), at::full({3, 4}, n * (n + 1) / 2.0)));
+}
+
+// The bytes the mappings move count in the current context; a backward
+// counts in its forward's context, whatever context (or none) it runs under.
+TEST(Mappings, CommBytesCountInTheForwardsContext) {
+  auto g = world();
+  const int n = g->size();
+  auto a = Context::create();
+  auto b = Context::create();
+  const int64_t outside = tensor_parallel_comm_bytes();
+  at::Tensor x = at::ones({3, 4}).requires_grad_(true);
+  at::Tensor y, z;
+  {
+    ContextScope scope(a);
+    y = copy_to_tensor_parallel_region(x, g);                 // nothing moves forward
+    z = scatter_to_tensor_parallel_region(y * 1.0, g);        // nor here
+    EXPECT_EQ(tensor_parallel_comm_bytes(), 0);
+    z = reduce_from_tensor_parallel_region(z, g);             // all-reduce forward
+  }
+  const int64_t share = partition_range(4, n, g->rank()).length;
+  const int64_t forward_bytes = n == 1 ? 0 : 3 * share * 4;
+  {
+    ContextScope scope(b);
+    z.sum().backward();  // the all-gather and all-reduce of backward
+    EXPECT_EQ(tensor_parallel_comm_bytes(), 0) << "b ran the backward but moved nothing of its own";
+  }
+  ContextScope scope(a);
+  // Backward: the all-gather sends this rank's share, the all-reduce the whole [3, 4].
+  const int64_t backward_bytes = n == 1 ? 0 : 3 * share * 4 + 3 * 4 * 4;
+  EXPECT_EQ(tensor_parallel_comm_bytes(), forward_bytes + backward_bytes);
+  EXPECT_TRUE(at::equal(x.grad(), at::full({3, 4}, static_cast<double>(n))));
+  {
+    ContextScope none(Context::process_default());
+    EXPECT_EQ(tensor_parallel_comm_bytes(), outside) << "the process default counted nothing";
+  }
 }
 
 TEST(Mappings, ReduceFromIsAllReduceForwardIdentityBackward) {

@@ -5,6 +5,7 @@
 
 #include <mutex>
 
+#include "runtime/context.h"
 #include "runtime/error.h"
 #include "runtime/layout.h"
 
@@ -150,10 +151,7 @@ void RNGStatesTracker::reset() {
   seeds_.clear();
 }
 
-RNGStatesTracker& get_rng_tracker() {
-  static RNGStatesTracker tracker;
-  return tracker;
-}
+RNGStatesTracker& get_rng_tracker() { return Context::current().get<RNGStatesTracker>(); }
 
 void model_parallel_manual_seed(uint64_t seed, int tp_rank) {
   REMAT_CHECK_GE(tp_rank, 0, "model_parallel_manual_seed: tensor-parallel rank");

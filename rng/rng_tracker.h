@@ -80,19 +80,22 @@ class RNGStatesTracker {
   GeneratorStates outside_;
 };
 
-// The process-wide tracker.
+// The current context's tracker (runtime/context.h): each context has its
+// own named states; without a ContextScope, the process default's. The default
+// generators it forks into are LibTorch's, one set per process.
 RNGStatesTracker& get_rng_tracker();
 
 inline constexpr const char* kModelParallelRng = "model-parallel-rng";
 inline constexpr uint64_t kModelParallelSeedOffset = 2718;
 
-// Seeds the default generators with `seed` and the tracker's model-parallel
+// Seeds the default generators with `seed` and the current tracker's model-parallel
 // state with seed + 2718 + tp_rank: dropout inside tensor-parallel regions
 // differs across tensor-parallel ranks and matches across data-parallel ones.
 void model_parallel_manual_seed(uint64_t seed, int tp_rank);
 void model_parallel_manual_seed(uint64_t seed, const ParallelLayout& layout);
 
-// Everything random in the process: default generators and tracker states.
+// Everything random here: the default generators and the current context's
+// tracker states.
 struct RngSnapshot {
   GeneratorStates defaults;
   std::map<std::string, GeneratorStates> tracker;

@@ -7,6 +7,7 @@
 
 #include <sstream>
 
+#include "runtime/context.h"
 #include "runtime/error.h"
 #include "tests/error_of.h"
 
@@ -111,6 +112,87 @@ TEST(RngTracker, CaptureAndRestoreEverything) {
   restore_rng(snap);
   EXPECT_TRUE(torch::equal(a, torch::rand({3})));
   { auto g = get_rng_tracker().fork(); EXPECT_TRUE(torch::equal(b, torch::rand({3}))); }
+}
+
+// Each context has its own tracker: seeding one leaves the other's states
+// (and the process default's) alone, and capture/restore act on the current one.
+TEST(RngTracker, EachContextHasItsOwnTracker) {
+  model_parallel_manual_seed(5, 0);  // the process default's tracker
+  const auto outside = get_rng_tracker().get_states();
+  auto a = Context::create();
+  auto b = Context::create();
+  {
+    ContextScope scope(a);
+    EXPECT_FALSE(get_rng_tracker().has(kModelParallelRng)) << "a new context starts empty";
+    model_parallel_manual_seed(100, 0);
+    get_rng_tracker().add("only-in-a", 7);
+  }
+  {
+    ContextScope scope(b);
+    EXPECT_FALSE(get_rng_tracker().has("only-in-a"));
+    model_parallel_manual_seed(200, 1);
+  }
+  // Each tracker draws from its own seed.
+  auto tracked_draw = [](const std::shared_ptr<Context>& context) {
+    ContextScope scope(context);
+    auto guard = get_rng_tracker().fork();
+    return torch::rand({4});
+  };
+  const at::Tensor from_a = tracked_draw(a);
+  const at::Tensor from_b = tracked_draw(b);
+  torch::manual_seed(100 + 2718);
+  EXPECT_TRUE(torch::equal(from_a, torch::rand({4})));
+  torch::manual_seed(200 + 2718 + 1);
+  EXPECT_TRUE(torch::equal(from_b, torch::rand({4})));
+  // The process default's tracker did not move, and has no state of a's.
+  EXPECT_FALSE(get_rng_tracker().has("only-in-a"));
+  const auto now = get_rng_tracker().get_states();
+  ASSERT_EQ(now.size(), outside.size());
+  EXPECT_TRUE(torch::equal(now.at(kModelParallelRng).cpu, outside.at(kModelParallelRng).cpu));
+
+  // A snapshot taken in a restores a's states, not b's.
+  RngSnapshot snapshot;
+  at::Tensor after_snapshot;
+  {
+    ContextScope scope(a);
+    snapshot = capture_rng();
+    auto guard = get_rng_tracker().fork();
+    after_snapshot = torch::rand({4});  // a's state moves on
+  }
+  const auto b_before = [&] {
+    ContextScope scope(b);
+    return get_rng_tracker().get_states();
+  }();
+  {
+    ContextScope scope(a);
+    restore_rng(snapshot);
+  }
+  EXPECT_TRUE(torch::equal(tracked_draw(a), after_snapshot)) << "a's state was put back";
+  ContextScope scope(b);
+  EXPECT_TRUE(torch::equal(get_rng_tracker().get_states().at(kModelParallelRng).cpu,
+                           b_before.at(kModelParallelRng).cpu))
+      << "b's state was left alone";
+}
+
+TEST(RngTracker, ScopesNestAndTheInnermostWins) {
+  auto a = Context::create();
+  auto b = Context::create();
+  RNGStatesTracker* outer = &get_rng_tracker();
+  {
+    ContextScope sa(a);
+    RNGStatesTracker* in_a = &get_rng_tracker();
+    EXPECT_NE(in_a, outer);
+    {
+      ContextScope sb(b);
+      EXPECT_NE(&get_rng_tracker(), in_a);
+      EXPECT_EQ(&Context::current(), b.get());
+    }
+    EXPECT_EQ(&get_rng_tracker(), in_a);
+    ContextScope none(nullptr);  // installs nothing
+    EXPECT_EQ(&get_rng_tracker(), in_a);
+  }
+  EXPECT_EQ(&get_rng_tracker(), outer);
+  EXPECT_EQ(&Context::current(), Context::process_default().get());
 }
 
 // The snapshot through an archive's bytes and back, as a save and a resume do.
