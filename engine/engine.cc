@@ -28,6 +28,7 @@
 #include "rng/rng_tracker.h"
 #include "runtime/agreement.h"
 #include "runtime/communicator.h"
+#include "runtime/context.h"
 #include "runtime/error.h"
 #include "runtime/layout.h"
 #include "runtime/logging.h"
@@ -112,6 +113,10 @@ enum class Phase { kIdle, kForwarded, kBackwarded };
 }  // namespace
 
 struct Engine::Impl {
+  // Checkpointing defaults and counters, offloading and tensor-parallel
+  // counters and the RNG tracker of this engine alone: installed for each of
+  // its calls (regions keep it for their backward).
+  std::shared_ptr<Context> context = Context::create();
   EngineOptions options;
   std::shared_ptr<ParallelLayout> layout;
   std::shared_ptr<Communicator> world;
@@ -199,6 +204,7 @@ std::shared_ptr<ParallelLayout> init_distributed(const Config& config, const std
 Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineOptions options)
     : model_(std::move(module)), config_(std::move(config)), impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
+  ContextScope scope(s.context);
   s.options = std::move(options);
   REMAT_CHECK(model_ != nullptr, "remat::initialize: the model is null");
   if (s.options.memory) {
@@ -299,6 +305,11 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineO
 }
 
 Engine::~Engine() {
+  {
+    ContextScope scope(impl_->context);
+    impl_->zero.reset();
+    drop_module_hooks(*impl_->context);  // the policy's marks; the model may be trained again
+  }
   std::lock_guard<std::mutex> lock(g_live_mutex);
   live_models().erase(model_.get());
 }
@@ -315,6 +326,7 @@ double Engine::get_lr() const { return impl_->lr; }
 
 at::Tensor Engine::forward(const std::function<at::Tensor()>& fn, const std::vector<int64_t>& plan_key) {
   Impl& s = *impl_;
+  ContextScope scope(s.context);
   if (s.phase == Phase::kForwarded) {
     throw Error("remat::Engine::forward: the previous forward's loss has not been through backward(): call "
                 "backward(loss) after each forward (for a forward without backward, use evaluate())");
@@ -403,6 +415,7 @@ at::Tensor Engine::forward(const std::function<at::Tensor()>& fn, const std::vec
 
 void Engine::backward(const at::Tensor& loss) {
   Impl& s = *impl_;
+  ContextScope scope(s.context);
   if (s.phase != Phase::kForwarded) {
     throw Error(s.phase == Phase::kBackwarded
                     ? "remat::Engine::backward: called twice for one forward: call step() after backward(), "
@@ -429,6 +442,7 @@ void Engine::backward(const at::Tensor& loss) {
 
 bool Engine::step() {
   Impl& s = *impl_;
+  ContextScope scope(s.context);
   if (s.phase != Phase::kBackwarded) {
     throw Error("remat::Engine::step: no backward() since the last step(): call backward(loss) on the loss "
                 "forward() returned before each step()");
@@ -538,11 +552,15 @@ bool Engine::step() {
 }
 
 struct Engine::EvaluationScope::Guards {
+  explicit Guards(std::shared_ptr<Context> context) : scope(std::move(context)) {}
+  ContextScope scope;
   at::NoGradGuard no_grad;
 };
 
 Engine::EvaluationScope::EvaluationScope(Engine& engine)
-    : engine_(engine), was_training_(engine.model_->is_training()), guards_(std::make_unique<Guards>()) {
+    : engine_(engine),
+      was_training_(engine.model_->is_training()),
+      guards_(std::make_unique<Guards>(engine.impl_->context)) {
   if (engine.impl_->phase == Phase::kForwarded) {
     throw Error("remat::Engine::evaluate: a training forward's loss has not been through backward() yet: "
                 "call backward(loss) and step() first");
@@ -569,6 +587,7 @@ std::string Engine::save_checkpoint(const std::string& dir, const nlohmann::json
                     "the window (is_gradient_accumulation_boundary())"));
   }
   use_save_dir(dir, {});
+  ContextScope scope(s.context);  // its RNG tracker is saved
   TrainPosition position;
   position.step = global_steps_;
   position.client_state = client_state.dump();
@@ -594,6 +613,7 @@ nlohmann::json Engine::load_checkpoint(const std::string& dir) {
     throw Error("remat::Engine::load_checkpoint: called inside a gradient accumulation window: load before "
                 "the first forward of a step");
   }
+  ContextScope scope(s.context);  // its RNG tracker is restored
   const TrainPosition position = load_train_state(dir, s.shards(), *s.optimizer, s.identity, *s.world);
   global_steps_ = position.step;
   s.loaded_dir = dir;
@@ -605,6 +625,7 @@ int64_t Engine::export_model(const std::string& path) {
   if (impl_->phase != Phase::kIdle) {
     throw Error("remat::Engine::export_model: called between forward() and step(): export between steps");
   }
+  ContextScope scope(impl_->context);
   return remat::export_model(path, *impl_->zero, *model_, *impl_->world);
 }
 
@@ -668,6 +689,7 @@ GatheredParameters::GatheredParameters(Engine& engine, bool modify) : engine_(en
   }
   // Whole values by name (collective), installed in the parameters where the
   // sharding holds them in pieces (stage 3).
+  ContextScope scope(s.context);
   auto full = s.zero->full_parameters();
   if (s.zero->stage() == 3) {
     std::map<std::string, at::Tensor> by_name(full.begin(), full.end());
@@ -693,6 +715,7 @@ GatheredParameters::~GatheredParameters() noexcept(false) {
   }
   for (auto& [p, data] : restore_) p.set_data(data);
   if (!modify_ || std::uncaught_exceptions() > 0) return;
+  ContextScope scope(s.context);
   at::NoGradGuard no_grad;
   // Rank 0's edit for every data-parallel replica, then each rank's pieces
   // of what changed (at stage 3 an unchanged parameter keeps its float32

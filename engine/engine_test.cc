@@ -32,13 +32,14 @@ using testing::error_of;
 constexpr int64_t kVocab = 11, kSeq = 6, kWidth = 8;
 
 struct MlpBlockImpl : torch::nn::Module {
-  MlpBlockImpl() {
+  explicit MlpBlockImpl(double dropout = 0.2) : p(dropout) {
     up = register_module("up", torch::nn::Linear(kWidth, 2 * kWidth));
     down = register_module("down", torch::nn::Linear(2 * kWidth, kWidth));
   }
   at::Tensor forward(const at::Tensor& x) {
-    return x + at::dropout(down(at::gelu(up(x))), 0.2, is_training());
+    return x + at::dropout(down(at::gelu(up(x))), p, is_training());
   }
+  double p;
   torch::nn::Linear up{nullptr}, down{nullptr};
 };
 TORCH_MODULE(MlpBlock);
@@ -46,10 +47,10 @@ TORCH_MODULE(MlpBlock);
 // An embedding, blocks in a ModuleList called through remat::forward, a
 // norm and a head; `frozen`: the embedding does not train.
 struct TinyLmImpl : torch::nn::Module {
-  explicit TinyLmImpl(int layers = 3, bool frozen = false) {
+  explicit TinyLmImpl(int layers = 3, bool frozen = false, double dropout = 0.2) {
     embed = register_module("embed", torch::nn::Embedding(kVocab, kWidth));
     layers_list = register_module("layers", torch::nn::ModuleList());
-    for (int i = 0; i < layers; ++i) layers_list->push_back(MlpBlock());
+    for (int i = 0; i < layers; ++i) layers_list->push_back(MlpBlock(dropout));
     norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kWidth})));
     head = register_module("head", torch::nn::Linear(kWidth, kVocab));
     if (frozen) embed->weight.requires_grad_(false);
@@ -96,12 +97,12 @@ std::pair<at::Tensor, at::Tensor> batch(int64_t step, int64_t micro) {
 struct Trainer {
   TinyLm model{nullptr};
   std::unique_ptr<Engine> engine;
-  explicit Trainer(const std::string& config, bool frozen = false, EngineOptions options = {}) {
+  explicit Trainer(const std::string& config, bool frozen = false, EngineOptions options = {}, double dropout = 0.2) {
     Config parsed = parse_config(config, "<test>");
     options.layout = std::make_shared<ParallelLayout>(testing::world(),
                                                       ParallelDims::from_world(testing::world()->size(), 1));
     at::manual_seed(static_cast<uint64_t>(parsed.train.seed));
-    model = TinyLm(3, frozen);
+    model = TinyLm(3, frozen, dropout);
     engine = initialize(model, parsed, options);
   }
   // Losses of `steps` optimizer steps from the engine's current step.
@@ -354,6 +355,29 @@ TEST(Engine, TheConfigComesAsAFileJsonTextOrAParsedObjectWithOverrides) {
   const std::string error = error_of<Error>([&] { initialize(model, config_json(0, "none"), options); });
   EXPECT_NE(error.find("zero_optimization.stage=7"), std::string::npos) << error;
   EXPECT_NO_THROW(initialize(model, config_json(0, "none"), EngineOptions{{}, options.layout}));
+}
+
+TEST(Engine, TwoEnginesInOneProcessKeepTheirOwnSettingsAndCounters) {
+  // Without dropout each run is deterministic whatever runs beside it.
+  const std::string offloaded = R"({"train_micro_batch_size_per_gpu": 2, "train": {"seed": 5},
+      "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+      "activation_checkpointing": {"variant": "full", "cpu_checkpointing": true}})";
+  const std::string plain = config_json(0, "none");
+  const std::vector<double> alone_a = Trainer(offloaded, false, {}, 0.0).train(2);
+  const std::vector<double> alone_b = Trainer(plain, false, {}, 0.0).train(2);
+  Trainer a(offloaded, false, {}, 0.0);
+  Trainer b(plain, false, {}, 0.0);  // configures its own checkpointing defaults: none offloaded
+  std::vector<double> beside_a, beside_b;
+  for (int step = 0; step < 2; ++step) {
+    beside_a.push_back(a.train(1)[0]);
+    EXPECT_GT(a.engine->last_metrics().ckpt_offloaded_bytes, 0) << "engine a's regions offload";
+    beside_b.push_back(b.train(1)[0]);
+    EXPECT_EQ(b.engine->last_metrics().ckpt_saved_bytes, 0) << "engine b has no regions";
+    EXPECT_EQ(b.engine->last_metrics().ckpt_offloaded_bytes, 0) << "engine a's counters are not b's";
+    EXPECT_EQ(b.engine->last_metrics().recompute_ms, 0) << "engine a's recompute time is not b's";
+  }
+  EXPECT_EQ(beside_a, alone_a);
+  EXPECT_EQ(beside_b, alone_b);
 }
 
 }  // namespace
