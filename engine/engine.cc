@@ -317,6 +317,7 @@ Engine::~Engine() {
 const ParallelLayout& Engine::layout() const { return *impl_->layout; }
 torch::optim::Optimizer& Engine::optimizer() const { return *impl_->optimizer; }
 parallel::ZeroModel& Engine::sharding() const { return *impl_->zero; }
+const std::shared_ptr<Context>& Engine::context() const { return impl_->context; }
 
 bool Engine::is_gradient_accumulation_boundary() const {
   return micro_steps_ + 1 >= impl_->batch.gradient_accumulation_steps;

@@ -49,6 +49,7 @@ class Optimizer;
 namespace remat {
 
 class Communicator;
+class Context;
 class MemoryTracker;
 class ParallelLayout;
 namespace parallel {
@@ -95,7 +96,7 @@ struct StepMetrics {
   int64_t comm_bytes = 0, zero_comm_bytes = 0, param_bytes = 0, grad_bytes = 0, grad_peak_bytes = 0;
   int64_t optimizer_state_bytes = 0, peak_gathered_param_bytes = 0;
   // variant auto: the plan in force (empty otherwise).
-  nlohmann::json plan;
+  nlohmann::json plan = nlohmann::json::object();
   nlohmann::json to_json() const;
 };
 
@@ -184,6 +185,10 @@ class Engine {
   // The sharding the engine drives (ZeRO stages 0-3): what the optimizer
   // steps (parameters()) and which model elements each holds (layout()).
   parallel::ZeroModel& sharding() const;
+  // The engine's own checkpointing defaults, counters and RNG tracker
+  // (runtime/context.h), installed for each of its calls; install it to
+  // change them: { remat::ContextScope scope(engine->context()); ... }.
+  const std::shared_ptr<Context>& context() const;
   struct Impl;
   Impl& impl() const { return *impl_; }
 
