@@ -24,6 +24,8 @@
 #include "parallel/zero.h"
 #include "rng/rng_tracker.h"
 #include "engine/config.h"
+#include "engine/engine.h"
+#include "runtime/context.h"
 #include "runtime/error.h"
 #include "runtime/layout.h"
 #include "runtime/runtime.h"
@@ -89,18 +91,14 @@ std::unique_ptr<torch::optim::Optimizer> make_test_optimizer(const TrainSetup& s
   return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(s.lr).weight_decay(0.01));
 }
 
+// The GPT trained through the engine with the setting's sharding,
+// checkpointing and optimizer; each step's losses, bytes and gathers measured
+// around engine.step().
 TrainRun train(const TrainSetup& s) {
   const auto& l = layout(s.tp);
-  CheckpointOptions saved_defaults = default_checkpoint_options();
-  ActivationCheckpointingConfig ac;
-  ac.variant = checkpoint_variant_from_name(s.variant);
-  ac.partition_activations = s.partition;
-  configure_checkpointing(ac, &l);
   models::GptOptions o = remat::testing::small_gpt(29, 3, s.dropout, s.tp);
   at::manual_seed(21);
   models::Gpt model(o);
-  model_parallel_manual_seed(21, l.tp_rank());
-  if (s.variant != "none") apply_activation_checkpointing(*model, PolicyOptions(ac));
   TrainRun run;
   std::map<std::string, at::Tensor> frozen;
   if (s.freeze) {
@@ -113,70 +111,63 @@ TrainRun train(const TrainSetup& s) {
     run.frozen = static_cast<int>(frozen.size());
   }
   for (const auto& p : model->parameters()) run.params += p.numel();
-  std::vector<std::shared_ptr<torch::nn::Module>> units;
-  for (const auto& b : *model->blocks) units.push_back(b);
-  ZeroConfig zc;
-  zc.stage = s.stage;
-  zc.stage3_param_persistence_threshold = 0;
-  zc.reduce_bucket_size = 1000;  // several buckets per unit
-  zc.hybrid_shard_size = s.hybrid;
-  zc.contiguous_gradients = s.contiguous_gradients;
-  zc.overlap_comm = s.overlap_comm;
-  zc.reduce_scatter = s.reduce_scatter;
-  zc.allgather_partitions = s.allgather_partitions;
-  zc.allgather_bucket_size = s.allgather_bucket_size;
-  Bf16Config bf16;
-  bf16.enabled = s.bf16;
-  ZeroModel zero(*model, units, l.dp_group(), zc, bf16, sharded_parameters(*model));
+  auto flag = [](bool b) { return b ? "true" : "false"; };
+  // Several buckets per unit.
+  const Config config = parse_config(
+      str(R"({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": )", s.micro_steps,
+          R"(, "gradient_clipping": )", s.clip, R"(, "train": {"seed": 21},
+              "optimizer": {"type": ")", s.optimizer, R"(", "params": {"lr": )", s.lr, R"(}},
+              "bf16": {"enabled": )", flag(s.bf16), R"(},
+              "tensor_parallel": {"size": )", s.tp, R"(},
+              "activation_checkpointing": {"variant": ")", s.variant, R"(", "partition_activations": )",
+          flag(s.partition), R"(},
+              "zero_optimization": {"stage": )", s.stage, R"(, "stage3_param_persistence_threshold": 0,
+                "reduce_bucket_size": 1000, "hybrid_shard_size": )", s.hybrid,
+          R"(, "contiguous_gradients": )", flag(s.contiguous_gradients), R"(, "overlap_comm": )",
+          flag(s.overlap_comm), R"(, "reduce_scatter": )", flag(s.reduce_scatter), R"(, "allgather_partitions": )",
+          flag(s.allgather_partitions), R"(, "allgather_bucket_size": )", s.allgather_bucket_size, R"(}})"),
+      "<zero_test>");
+  EngineOptions options;
+  options.layout = remat::testing::layout_ptr(s.tp);
+  options.optimizer = [&](std::vector<at::Tensor> params) { return make_test_optimizer(s, std::move(params)); };
+  auto engine = initialize(model, config, options);
+  ZeroModel& zero = engine->sharding();
   for (const auto& p : zero.parameters()) EXPECT_EQ(p.scalar_type(), at::kFloat) << "fp32 masters";
-  auto optimizer_ptr = make_test_optimizer(s, zero.parameters());
-  torch::optim::Optimizer& optimizer = *optimizer_ptr;
   for (int step = 0; step < s.steps; ++step) {
+    ContextScope scope(engine->context());  // the counters read below are the engine's
     const Counters before = Counters::read(&zero);
     const auto gathers0 = zero.gather_counts();
-    // Gradients set to none (LibTorch 2.x's zero_grad default; 1.13's zeroes
-    // them in place, which would keep the shards' gradients through the backward).
-    for (auto& p : zero.parameters()) p.mutable_grad() = at::Tensor();
-    double total = 0;
     for (int m = 0; m < s.micro_steps; ++m) {
       // Different data on each data-parallel rank, the same within a tensor-parallel group.
       at::Tensor idx = at::arange(2 * 12, at::kLong).view({2, 12})
                            .mul(l.dp_rank() + 1).add(step * 3 + m).remainder(o.vocab_size);
-      zero.begin_forward();
-      at::Tensor loss = zero.finish_forward(model->loss(idx, idx.roll(-1, 1)) / s.micro_steps);
-      loss.backward();
-      zero.finish_backward(m + 1 == s.micro_steps);
-      total += loss.item<double>();
+      engine->backward(engine->forward([&] { return model->loss(idx, idx.roll(-1, 1)); }));
+      for (const auto& item : model->named_parameters()) {
+        if (frozen.count(item.key()) && item.value().grad().defined()) run.frozen_without_gradient = false;
+      }
+      // With this step's gradients (step() clears them).
+      if (m + 1 == s.micro_steps) run.stats = zero.stats();
+      engine->step();
     }
-    if (s.clip > 0) zero.clip_grad_norm(s.clip, s.tp > 1 ? l.tp_group() : nullptr);
-    for (const auto& item : model->named_parameters()) {
-      if (frozen.count(item.key()) && item.value().grad().defined()) run.frozen_without_gradient = false;
-    }
-    optimizer.step();
-    at::Tensor t = at::full({1}, total, at::kDouble);
-    l.dp_group()->allReduce(t, {ReduceOp::kAvg})->wait();
-    run.losses.push_back(t.item<double>());
-    run.loss_tensors.push_back(t);
+    run.losses.push_back(engine->last_metrics().loss);
+    run.loss_tensors.push_back(at::full({1}, engine->last_metrics().loss, at::kDouble));
     const Counters this_step = Counters::read(&zero).since(before);
     run.step_collective_bytes = this_step.zero.collective_bytes();
     run.gathers_per_step.clear();
     for (const auto& [name, n] : zero.gather_counts()) run.gathers_per_step[name] = n - gathers0.at(name);
     run.recomputes_per_step = this_step.recomputes;
   }
-  run.stats = zero.stats();
   for (const auto& [name, value] : zero.full_parameters()) {
     if (frozen.count(name) && !at::equal(frozen.at(name), value)) run.frozen_unchanged = false;
   }
   int64_t opt = 0;
-  for (const auto& [key, state] : optimizer.state()) {
+  for (const auto& [key, state] : engine->optimizer().state()) {
     if (s.optimizer != "AdamW") break;
     auto& st = static_cast<torch::optim::AdamWParamState&>(*state);
     opt += st.exp_avg().nbytes() + st.exp_avg_sq().nbytes();
   }
   run.optimizer_bytes = opt;
   run.padded = zero.unit_padded_numels();
-  remove_activation_checkpointing(*model);
-  default_checkpoint_options() = saved_defaults;
   return run;
 }
 

@@ -20,12 +20,13 @@ inline std::shared_ptr<Communicator> world() {
 }
 
 // Collective the first time a size is asked for (every rank must ask).
-inline const ParallelLayout& layout(int tp) {
-  static std::map<int, std::unique_ptr<ParallelLayout>> layouts;
+inline const std::shared_ptr<ParallelLayout>& layout_ptr(int tp) {
+  static std::map<int, std::shared_ptr<ParallelLayout>> layouts;
   auto& l = layouts[tp];
-  if (!l) l = std::make_unique<ParallelLayout>(world(), ParallelDims::from_world(world()->size(), tp));
-  return *l;
+  if (!l) l = std::make_shared<ParallelLayout>(world(), ParallelDims::from_world(world()->size(), tp));
+  return l;
 }
+inline const ParallelLayout& layout(int tp) { return *layout_ptr(tp); }
 
 // The tensor-parallel sizes 1, 2, 4, ... up to `max` that divide the world.
 inline std::vector<int> tp_sizes(int max) {
