@@ -55,7 +55,9 @@ rm -f "$marker" "$log"
 # The CMake build beside Bazel (tests are not run twice): build and install
 # everything, then build and run a project that uses find_package(remat).
 cmake_log=build/cmake.log
+examples_log=build/examples.log
 mkdir -p build
+rm -f "$examples_log"
 if { cmake -S . -B build/cmake -G Ninja -DCMAKE_INSTALL_PREFIX="$PWD/build/install" &&
      cmake --build build/cmake -j"$(nproc)" && cmake --install build/cmake; } >"$cmake_log" 2>&1; then
   printf '  %-48s passed %4d  failed %d\n' "cmake build and install" 1 0
@@ -70,6 +72,21 @@ if { cmake -S . -B build/cmake -G Ninja -DCMAKE_INSTALL_PREFIX="$PWD/build/insta
     printf '  %-48s passed %4d  failed %d\n' "find_package(remat) consumer" 0 1
     failed=$((failed + 1))
   fi
+  # The examples (examples/): projects outside remat built against the same
+  # install and trained at 2 ranks; each check of the script is a case.
+  tests/examples_test.sh "$PWD/build/install" "$PWD/build/examples" >"$examples_log" 2>&1
+  line=$(grep -aoE '\[remat-test\] [0-9]+ passed, [0-9]+ failed' "$examples_log" | tail -1)
+  if [[ -n "$line" ]]; then
+    p=$(sed -E 's/.* ([0-9]+) passed, ([0-9]+) failed/\1/' <<<"$line")
+    f=$(sed -E 's/.* ([0-9]+) passed, ([0-9]+) failed/\2/' <<<"$line")
+    [[ $f -ne 0 ]] && grep -a -A12 '^\[ FAILED \]' "$examples_log" | head -60
+  else
+    tail -20 "$examples_log"
+    p=0 f=1
+  fi
+  printf '  %-48s passed %4d  failed %d\n' "examples (tests/examples_test.sh)" "$p" "$f"
+  passed=$((passed + p))
+  failed=$((failed + f))
 else
   tail -30 "$cmake_log"
   printf '  %-48s passed %4d  failed %d\n' "cmake build and install" 0 1
@@ -79,6 +96,7 @@ fi
 # Warning-free project code (what was compiled in this run: cached objects
 # print nothing again).
 build_warnings+=$'\n'$(project_warnings "$cmake_log")
+[[ -f "$examples_log" ]] && build_warnings+=$'\n'$(project_warnings "$examples_log")
 build_warnings=$(sed '/^$/d' <<<"$build_warnings" | sort -u)
 if [[ -z "$build_warnings" ]]; then
   printf '  %-48s passed %4d  failed %d\n' "no compiler warnings in remat's code" 1 0
@@ -133,7 +151,7 @@ if [[ "${REMAT_SKIP_DEBIAN13:-0}" != 1 ]]; then
     echo "Debian 13 leg: no summary (see $leg_log): counted as 1 failed"
     failed=$((failed + 1))
   else
-    grep -aE '^  (//|cmake|find_package|layering|no compiler|sanitizers)' "$leg_log" | sed 's/^/  [debian 13] /'
+    grep -aE '^  (//|cmake|find_package|examples|layering|no compiler|sanitizers)' "$leg_log" | sed 's/^/  [debian 13] /'
     grep -a '^debian13:' "$leg_log"
     p=$(sed -E 's/([0-9]+) passed.*/\1/' <<<"$line")
     f=$(sed -E 's/.* ([0-9]+) failed/\1/' <<<"$line")
