@@ -146,16 +146,7 @@ struct Engine::Impl {
   Clock::time_point start, forward_end;
   double fwd_ms = 0, bwd_ms = 0, loss_sum = 0;
 
-  TrainShards shards() const {
-    TrainShards s;
-    s.tensors = zero->parameters();
-    s.layout = zero->layout();
-    s.tp_rank = layout->tp_rank();
-    s.tp_size = layout->dims().tp;
-    s.dp_rank = layout->dp_rank();
-    s.dp_size = layout->dims().dp;
-    return s;
-  }
+  TrainShards shards() const { return train_shards(*zero, *layout); }
 };
 
 nlohmann::json StepMetrics::to_json() const {

@@ -28,6 +28,7 @@
 #include "runtime/communicator.h"
 #include "runtime/env_knobs.h"
 #include "runtime/error.h"
+#include "runtime/layout.h"
 #include "runtime/logging.h"
 
 namespace remat {
@@ -585,6 +586,17 @@ struct Copy {
 };
 
 }  // namespace
+
+TrainShards train_shards(const parallel::ZeroModel& zero, const ParallelLayout& layout) {
+  TrainShards s;
+  s.tensors = zero.parameters();
+  s.layout = zero.layout();
+  s.tp_rank = layout.tp_rank();
+  s.tp_size = layout.dims().tp;
+  s.dp_rank = layout.dp_rank();
+  s.dp_size = layout.dims().dp;
+  return s;
+}
 
 void save_train_state(const std::string& dir, const TrainPosition& position, const TrainShards& shards,
                       torch::optim::Optimizer& optimizer, const SaveIdentity& identity,

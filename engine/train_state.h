@@ -36,6 +36,7 @@
 namespace remat {
 
 class Communicator;
+class ParallelLayout;
 
 // What one rank saves and resumes: the tensors its optimizer steps and which
 // model parameter elements each holds (ZeroModel::parameters() and layout()),
@@ -45,6 +46,9 @@ struct TrainShards {
   std::vector<parallel::ShardLayout> layout;
   int tp_rank = 0, tp_size = 1, dp_rank = 0, dp_size = 1;
 };
+
+// What this rank of `layout` holds of `zero`'s sharding.
+TrainShards train_shards(const parallel::ZeroModel& zero, const ParallelLayout& layout);
 
 struct TrainPosition {
   int64_t step = 0;  // completed optimizer steps

@@ -92,14 +92,7 @@ struct Trainer {
     return loss.item<double>();
   }
 
-  TrainShards shards() const {
-    TrainShards s;
-    s.tensors = zero->parameters();
-    s.layout = zero->layout();
-    s.dp_rank = layout->dp_rank();
-    s.dp_size = layout->dims().dp;
-    return s;
-  }
+  TrainShards shards() const { return train_shards(*zero, *layout); }
 
   SaveIdentity identity() const {
     SaveIdentity id;
