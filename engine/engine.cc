@@ -82,7 +82,16 @@ bool gradients_finite(const std::vector<at::Tensor>& parameters) {
 // The dotted path of the model's block list: the one given, else the only
 // ModuleList the model holds.
 std::string block_path(torch::nn::Module& model, const std::string& given) {
-  if (!given.empty()) return given;
+  if (!given.empty()) {
+    try {
+      find_block_list(model, given);
+    } catch (const Error& e) {
+      throw ConfigError(str("remat::initialize: EngineOptions::blocks is '", given, "': ", e.what(),
+                            " (set EngineOptions::blocks to the dotted path of the model's ModuleList of "
+                            "blocks, or leave it empty to use the one ModuleList the model holds)"));
+    }
+    return given;
+  }
   std::vector<std::string> lists;
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {
     if (dynamic_cast<const torch::nn::ModuleListImpl*>(item.value().get())) lists.push_back(item.key());
@@ -298,6 +307,26 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineO
 Engine::~Engine() {
   {
     ContextScope scope(impl_->context);
+    // The model is left whole with its trained values, ready for anything
+    // else (collective; skipped while an exception unwinds, when the other
+    // ranks may not be here).
+    if (std::uncaught_exceptions() == 0 && impl_->zero && impl_->phase == Phase::kIdle) {
+      try {
+        if (impl_->zero->stage() == 3) {
+          auto full = impl_->zero->full_parameters();
+          std::map<std::string, at::Tensor> by_name(full.begin(), full.end());
+          at::NoGradGuard no_grad;
+          for (auto& item : model_->named_parameters()) {
+            auto it = by_name.find(item.key());
+            if (it != by_name.end()) item.value().set_data(it->second.view(item.value().sizes()));
+          }
+        } else if (impl_->zero->stage() != 0) {
+          impl_->zero->begin_forward();
+        }
+      } catch (const std::exception& e) {
+        log().error("remat::Engine: leaving the model whole failed: {}", e.what());
+      }
+    }
     impl_->zero.reset();
     drop_module_hooks(*impl_->context);  // the policy's marks; the model may be trained again
   }
@@ -382,8 +411,12 @@ at::Tensor Engine::forward(const std::function<at::Tensor()>& fn, const std::vec
         offload = std::make_unique<OffloadActivations>(config_.activation_offloading, model_.get());
       }
       loss = fn();
-      if (!loss.defined()) {
-        throw Error("remat::Engine::forward: the function returned an undefined tensor: return the loss");
+      if (!loss.defined() || loss.numel() != 1 || !loss.requires_grad()) {
+        throw Error(str("remat::Engine::forward: the function must return the loss, a one-element tensor that "
+                        "requires grad (got ",
+                        loss.defined() ? str(loss.sizes(), loss.requires_grad() ? "" : ", not requiring grad")
+                                       : std::string("an undefined tensor"),
+                        "); for a forward without backward, use evaluate()"));
       }
       loss = s.zero->finish_forward(loss);
     } catch (...) {
@@ -424,8 +457,17 @@ void Engine::backward(const at::Tensor& loss) {
   const bool boundary = is_gradient_accumulation_boundary();
   at::Tensor scaled = loss / static_cast<double>(s.batch.gradient_accumulation_steps);
   const auto t1 = Clock::now();
-  scaled.backward();
-  s.zero->finish_backward(/*synchronize=*/boundary);
+  try {
+    scaled.backward();
+    s.zero->finish_backward(/*synchronize=*/boundary);
+  } catch (...) {
+    // The accumulation window is dropped (its gradients and partial
+    // reductions with it): the next forward starts a new one.
+    s.zero->abandon_backward();
+    micro_steps_ = 0;
+    s.phase = Phase::kIdle;
+    throw;
+  }
   s.act_peak = std::max(s.act_peak, s.memory->peak(s.device) - s.micro_base);
   s.bwd_ms += ms_between(t1, Clock::now());
   s.loss_sum += scaled.item<double>();
@@ -475,6 +517,9 @@ bool Engine::step() {
       grad_norm = s.zero->clip_grad_norm(config_.gradient_clipping, s.layout->tp_group());
     }
     s.optimizer->step();
+    // Stages 1 and 2: every rank's parameters whole again now (the next
+    // forward would gather them anyway), so that they read right between steps.
+    if (s.zero->stage() == 1 || s.zero->stage() == 2) s.zero->begin_forward();
     opt_ms = ms_between(t_opt, Clock::now());
   }
   at::Tensor loss_t = at::full({1}, s.loss_sum, at::kDouble);
@@ -608,6 +653,7 @@ nlohmann::json Engine::load_checkpoint(const std::string& dir) {
   ContextScope scope(s.context);  // its RNG tracker is restored
   const TrainPosition position = load_train_state(dir, s.shards(), *s.optimizer, s.identity, *s.world);
   global_steps_ = position.step;
+  if (s.zero->stage() == 1 || s.zero->stage() == 2) s.zero->begin_forward();  // the loaded shards, whole
   s.loaded_dir = dir;
   s.lr = learning_rate(config_.optimizer, config_.scheduler, global_steps_ + 1);
   return nlohmann::json::parse(position.client_state);
@@ -644,6 +690,14 @@ std::unique_ptr<Engine> initialize(std::shared_ptr<torch::nn::Module> model, Con
     }
   }
   try {
+    for (const auto& item : model->named_parameters()) {
+      const at::Tensor& p = item.value();
+      if (p.numel() > 0 && p.has_storage() && p.storage().nbytes() == 0) {
+        throw ConfigError(str("remat::initialize: parameter '", item.key(), "' has no storage (", p.numel(),
+                              " elements): the model is still sharded by a ZeRO stage 3 that was not gathered "
+                              "back. Give initialize a model whose parameters hold their values"));
+      }
+    }
     if (!options.overrides.empty()) {
       config = parse_config(config.to_json(), "<the config given to initialize>", options.overrides);
     }

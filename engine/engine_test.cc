@@ -5,6 +5,8 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
@@ -13,8 +15,14 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <limits>
+#include <map>
+#include <set>
 
 #include "engine/optim.h"
 #include "nn/module_call.h"
@@ -198,11 +206,8 @@ TEST(Engine, GatheredParametersWritesEditsBackAtEveryStage) {
       GatheredParameters gathered(*run.engine);
       EXPECT_TRUE(at::equal(run.engine->parameter("head.bias"), at::full({kVocab}, 0.25))) << "stage " << stage;
     }
-    // The optimizer steps from the edited values: a step with lr 0 keeps them.
-    set_learning_rate(run.engine->optimizer(), 0.0);
-    auto [x, y] = batch(9, 0);
-    run.engine->backward(run.engine->forward([&, x = x, y = y] { return run.model->loss(x, y); }));
-    run.engine->step();
+    // Training goes on from the edit.
+    EXPECT_NO_THROW(run.train(1)) << "stage " << stage;
   }
 }
 
@@ -378,6 +383,530 @@ TEST(Engine, TwoEnginesInOneProcessKeepTheirOwnSettingsAndCounters) {
   }
   EXPECT_EQ(beside_a, alone_a);
   EXPECT_EQ(beside_b, alone_b);
+}
+
+// The TinyLm's loss with `between(i, h)` applied to block i's input (i = n:
+// the last block's output) and blocks listed in `skip` left out.
+at::Tensor loss_between(TinyLm& m, const at::Tensor& x, const at::Tensor& y,
+                        const std::function<at::Tensor(size_t, at::Tensor)>& between, std::set<size_t> skip = {}) {
+  at::Tensor h = m->embed(x);
+  const size_t n = m->layers_list->size();
+  for (size_t i = 0; i < n; ++i) {
+    h = between(i, h);
+    if (!skip.count(i)) h = remat::forward(m->layers_list->ptr<MlpBlockImpl>(i), h);
+  }
+  h = between(n, h);
+  at::Tensor logits = m->head(m->norm(h));
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, kVocab}), y.reshape({-1}));
+}
+
+// Every parameter whole, by name (collective).
+std::map<std::string, at::Tensor> whole_parameters(Engine& engine) {
+  GatheredParameters gathered(engine);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : engine.module().named_parameters()) out[item.key()] = item.value().detach().clone();
+  return out;
+}
+
+bool all_equal(const std::map<std::string, at::Tensor>& a, const std::map<std::string, at::Tensor>& b,
+               std::string* first_differing = nullptr) {
+  if (a.size() != b.size()) return false;
+  for (const auto& [name, t] : a) {
+    auto it = b.find(name);
+    if (it == b.end() || !at::equal(t, it->second)) {
+      if (first_differing) *first_differing = name;
+      return false;
+    }
+  }
+  return true;
+}
+
+TEST(Engine, ABackwardOfALossBuiltFromTheForwardsLossMatchesAForwardThatReturnsIt) {
+  // `inside`: forward's function returns loss * 2 + 1; else backward gets it.
+  auto run = [](int stage, bool inside) {
+    Trainer t(config_json(stage, "full"));
+    std::vector<double> losses;
+    for (int step = 1; step <= 2; ++step) {
+      auto [x, y] = batch(step, 0);
+      at::Tensor loss = t.engine->forward([&, x = x, y = y] {
+        at::Tensor l = t.model->loss(x, y);
+        return inside ? l * 2 + 1 : l;
+      });
+      t.engine->backward(inside ? loss : loss * 2 + 1);
+      t.engine->step();
+      losses.push_back(t.engine->last_metrics().loss);
+    }
+    losses.push_back(whole_parameters(*t.engine).at("layers.2.down.weight").sum().item<double>());
+    return losses;
+  };
+  for (int stage : {0, 3}) EXPECT_EQ(run(stage, true), run(stage, false)) << "stage " << stage;
+}
+
+TEST(Engine, ALossBackwardRefusesLeavesTheForwardOpenForTheRightOne) {
+  Trainer run(config_json(3, "full"));
+  auto [x, y] = batch(1, 0);
+  at::Tensor loss = run.engine->forward([&, x = x, y = y] { return run.model->loss(x, y); });
+  std::string error = error_of<Error>([&] { run.engine->backward(loss.detach()); });
+  EXPECT_NE(error.find("not requiring grad"), std::string::npos) << error;
+  error = error_of<Error>([&] { run.engine->backward(loss.expand({2})); });
+  EXPECT_NE(error.find("[2]"), std::string::npos) << error;
+  run.engine->backward(loss);
+  EXPECT_TRUE(run.engine->step());
+  EXPECT_EQ(run.engine->global_steps(), 1);
+}
+
+// A forward whose function returns what backward() would refuse (no grad, or
+// many elements) is refused by forward() itself, so that the engine is not
+// left waiting for a backward it can never get.
+TEST(Engine, AForwardReturningNoLossToBackpropagateIsRefusedAndLeavesTheEngineReady) {
+  for (int stage : {0, 3}) {
+    for (bool detached : {true, false}) {
+      Trainer run(config_json(stage, "full"));
+      auto [x, y] = batch(1, 0);
+      const std::string error = error_of<Error>([&, x = x, y = y] {
+        run.engine->forward([&] {
+          return detached ? run.model->loss(x, y).detach() : run.model->head(run.model->embed(x)).sum(-1);
+        });
+      });
+      EXPECT_NE(error.find(detached ? "requires grad" : "one-element"), std::string::npos)
+          << "stage " << stage << ": " << error;
+      EXPECT_NO_THROW(run.train(1)) << "stage " << stage;
+    }
+  }
+}
+
+TEST(Engine, AccumulationOfThreeStepsAtTheThirdAndRefusesSavesBefore) {
+  const std::string dir = scratch("accumulate3");
+  Trainer run(config_json(2, "full", 3));
+  std::vector<bool> boundary, stepped;
+  for (int micro = 0; micro < 3; ++micro) {
+    EXPECT_EQ(run.engine->micro_steps(), micro);
+    auto [x, y] = batch(1, micro);
+    at::Tensor loss = run.engine->forward([&, x = x, y = y] { return run.model->loss(x, y); });
+    const std::string error = error_of<Error>([&] { run.engine->save_checkpoint(dir); });
+    EXPECT_NE(error.find(str("micro-step ", micro + 1, " of 3")), std::string::npos) << error;
+    boundary.push_back(run.engine->is_gradient_accumulation_boundary());
+    run.engine->backward(loss);
+    stepped.push_back(run.engine->step());
+    if (micro < 2) {
+      const std::string between = error_of<Error>([&] { run.engine->save_checkpoint(dir); });
+      EXPECT_NE(between.find(str("micro-step ", micro + 1, " of 3")), std::string::npos) << between;
+      EXPECT_EQ(run.engine->global_steps(), 0);
+    }
+  }
+  EXPECT_EQ(boundary, (std::vector<bool>{false, false, true}));
+  EXPECT_EQ(stepped, (std::vector<bool>{false, false, true}));
+  EXPECT_EQ(run.engine->global_steps(), 1);
+  EXPECT_EQ(run.engine->micro_steps(), 0);
+  EXPECT_EQ(run.engine->save_checkpoint(dir), dir + "/step_00000001");
+}
+
+TEST(Engine, GetLrFollowsWarmupDecayAcrossStepsAndAfterALoad) {
+  const std::string dir = scratch("schedule");
+  nlohmann::json config = nlohmann::json::parse(config_json(1, "none"));
+  config["scheduler"] = {{"type", "WarmupDecayLR"},
+                         {"params", {{"warmup_min_lr", 0.0}, {"warmup_max_lr", 0.01}, {"warmup_num_steps", 4},
+                                     {"warmup_type", "linear"}, {"total_num_steps", 8}}}};
+  // Linear warm-up to 0.01 at step 4, then linear decay to 0 at step 8.
+  auto expected = [](int64_t step) {
+    return step < 4 ? 0.01 * step / 4 : 0.01 * std::clamp<double>(8.0 - step, 0, 4) / 4;
+  };
+  {
+    Trainer run(config.dump());
+    EXPECT_DOUBLE_EQ(run.engine->get_lr(), expected(1));
+    for (int64_t step = 1; step <= 9; ++step) {
+      run.train(1);
+      EXPECT_DOUBLE_EQ(run.engine->last_metrics().lr, expected(step)) << "step " << step;
+      EXPECT_DOUBLE_EQ(run.engine->optimizer().param_groups()[0].options().get_lr(), expected(step)) << "step " << step;
+      EXPECT_DOUBLE_EQ(run.engine->get_lr(), expected(step + 1)) << "after step " << step;
+      if (step == 3) run.engine->save_checkpoint(dir);
+    }
+  }
+  Trainer resumed(config.dump());
+  resumed.engine->load_checkpoint(dir);
+  EXPECT_DOUBLE_EQ(resumed.engine->get_lr(), expected(4));
+  resumed.train(1);
+  EXPECT_DOUBLE_EQ(resumed.engine->last_metrics().lr, expected(4));
+  EXPECT_DOUBLE_EQ(resumed.engine->get_lr(), expected(5));
+}
+
+TEST(Engine, ANonFiniteStepIsSkippedOrStoppedWithTheParametersUnchanged) {
+  for (const char* mode : {"skip", "stop"}) {
+    for (int stage : {0, 3}) {
+      nlohmann::json config = nlohmann::json::parse(config_json(stage, "full"));
+      config["train"]["on_nonfinite"] = mode;
+      config["gradient_clipping"] = 1.0;
+      Trainer run(config.dump());
+      run.train(1);
+      const double norm = run.engine->get_global_grad_norm();
+      EXPECT_GT(norm, 0);
+      const auto before = whole_parameters(*run.engine);
+      auto [x, y] = batch(2, 0);
+      run.engine->backward(run.engine->forward([&, x = x, y = y] {
+        return run.model->loss(x, y) * std::numeric_limits<double>::quiet_NaN();
+      }));
+      const std::string where = str(mode, ", stage ", stage);
+      if (std::string(mode) == "skip") {
+        EXPECT_FALSE(run.engine->step()) << where;
+        EXPECT_EQ(run.engine->global_steps(), 2) << where;  // the step counts (docs/engine.md)
+        EXPECT_TRUE(run.engine->last_metrics().skipped) << where;
+        EXPECT_EQ(run.engine->get_global_grad_norm(), -1) << where;
+      } else {
+        const std::string error = error_of<Error>([&] { run.engine->step(); });
+        EXPECT_NE(error.find("step 2: the loss and the gradients went non-finite"), std::string::npos) << error;
+        EXPECT_EQ(run.engine->global_steps(), 1) << where;
+        EXPECT_EQ(run.engine->get_global_grad_norm(), norm) << where;
+      }
+      std::string differing;
+      EXPECT_TRUE(all_equal(before, whole_parameters(*run.engine), &differing)) << where << ": " << differing;
+      // Training goes on, from finite gradients only.
+      EXPECT_NO_THROW(run.train(1)) << where;
+      EXPECT_FALSE(run.engine->last_metrics().skipped) << where;
+      EXPECT_TRUE(std::isfinite(run.engine->last_metrics().loss)) << where;
+      EXPECT_TRUE(std::isfinite(run.engine->get_global_grad_norm())) << where;
+    }
+  }
+}
+
+TEST(Engine, EvaluateInsideAWindowReturnsItsValueRestoresTheModeAndChangesNoStep) {
+  auto [ex, ey] = batch(77, 0);
+  auto evaluate = [&, ex = ex, ey = ey](Trainer& t) {
+    return t.engine->evaluate([&] { return t.model->loss(ex, ey); });
+  };
+  Trainer plain(config_json(3, "full", 2));
+  const std::vector<double> plain_losses = plain.train(2);
+  Trainer run(config_json(3, "full", 2));
+  std::vector<double> losses;
+  for (int step = 1; step <= 2; ++step) {
+    for (int micro = 0; micro < 2; ++micro) {
+      auto [x, y] = batch(step, micro);
+      at::Tensor loss = run.engine->forward([&, x = x, y = y] { return run.model->loss(x, y); });
+      const std::string error = error_of<Error>([&] { evaluate(run); });
+      EXPECT_NE(error.find("call backward(loss) and step() first"), std::string::npos) << error;
+      EXPECT_TRUE(run.model->is_training());
+      run.engine->backward(loss);
+      run.engine->step();
+      at::Tensor value = evaluate(run);
+      EXPECT_FALSE(value.requires_grad());
+      EXPECT_TRUE(std::isfinite(value.item<double>()));
+      EXPECT_TRUE(run.model->is_training());
+    }
+    losses.push_back(run.engine->last_metrics().loss);
+  }
+  EXPECT_EQ(losses, plain_losses);
+  // Evaluation changed nothing the steps used; in eval mode (no dropout) it
+  // repeats itself, and the mode the caller set is kept.
+  run.model->eval();
+  const at::Tensor value = evaluate(run);
+  EXPECT_FALSE(run.model->is_training());
+  EXPECT_TRUE(at::equal(value, evaluate(run)));
+  EXPECT_TRUE(at::equal(value, evaluate(plain))) << value.item<double>() << " vs " << evaluate(plain).item<double>();
+}
+
+TEST(Engine, NestedAndReadOnlyScopesAtStage3KeepOnlyModifyingEdits) {
+  Trainer run(config_json(3, "full"));
+  run.train(1);
+  const at::Tensor original = whole_parameters(*run.engine).at("head.bias");
+  {
+    GatheredParameters outer(*run.engine);
+    {
+      GatheredParameters inner(*run.engine);
+      EXPECT_TRUE(at::equal(run.engine->parameter("head.bias"), original));
+    }
+    // The inner scope's end leaves the outer's values in place.
+    EXPECT_TRUE(at::equal(run.engine->parameter("head.bias"), original));
+    at::NoGradGuard no_grad;
+    run.engine->parameter("head.bias").fill_(9);  // read-only scope: dropped
+  }
+  EXPECT_NE(error_of<Error>([&] { run.engine->parameter("head.bias"); }).find("GatheredParameters"),
+            std::string::npos);
+  EXPECT_TRUE(at::equal(whole_parameters(*run.engine).at("head.bias"), original));
+  {
+    GatheredParameters outer(*run.engine);
+    {
+      GatheredParameters inner(*run.engine, /*modify=*/true);
+      at::NoGradGuard no_grad;
+      run.engine->parameter("head.bias").fill_(0.5);
+    }
+  }
+  EXPECT_TRUE(at::equal(whole_parameters(*run.engine).at("head.bias"), at::full({kVocab}, 0.5)));
+  EXPECT_NO_THROW(run.train(1));
+}
+
+TEST(Engine, AnEditInAModifyingScopeIsWhatEveryStageTrainsFrom) {
+  auto edited_run = [](int stage) {
+    Trainer run(config_json(stage, "full"));
+    run.train(1);
+    {
+      GatheredParameters gathered(*run.engine, /*modify=*/true);
+      at::NoGradGuard no_grad;
+      run.engine->parameter("head.bias").fill_(0.25);
+      run.engine->parameter("layers.1.down.weight").mul_(0.5);
+    }
+    std::vector<double> losses = run.train(2);
+    losses.push_back(whole_parameters(*run.engine).at("layers.1.down.weight").sum().item<double>());
+    return losses;
+  };
+  const std::vector<double> reference = edited_run(0);
+  for (int stage : {1, 2, 3}) EXPECT_EQ(edited_run(stage), reference) << "stage " << stage;
+}
+
+// Below stage 3 the parameters are whole on every rank, so Engine::parameter
+// works outside a GatheredParameters scope (docs/engine.md): it must then
+// give the values the last step made, not this rank's shard of them alone.
+TEST(Engine, ParameterOutsideAScopeBelowStage3GivesTheSteppedValues) {
+  for (int stage : {0, 1, 2}) {
+    Trainer run(config_json(stage, "none"));
+    run.train(1);
+    std::map<std::string, at::Tensor> outside;
+    for (const char* name : {"embed.weight", "layers.0.up.weight", "head.bias"}) {
+      outside[name] = run.engine->parameter(name).clone();
+    }
+    const auto whole = whole_parameters(*run.engine);
+    for (const auto& [name, value] : outside) EXPECT_TRUE(at::equal(value, whole.at(name))) << "stage " << stage << ": " << name;
+  }
+}
+
+TEST(Engine, AFrozenParameterIsReadLikeAnyOther) {
+  Trainer run(config_json(3, "full"), /*frozen=*/true);
+  const std::string error = error_of<Error>([&] { run.engine->parameter("embed.weight"); });
+  EXPECT_NE(error.find("GatheredParameters"), std::string::npos) << error;
+  GatheredParameters gathered(*run.engine);
+  const at::Tensor weight = run.engine->parameter("embed.weight");
+  EXPECT_EQ(weight.sizes(), (std::vector<int64_t>{kVocab, kWidth}));
+  EXPECT_FALSE(weight.requires_grad());
+}
+
+struct ThrowInBackward : torch::autograd::Function<ThrowInBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list) {
+    throw Error("the model's backward failed on purpose");
+  }
+};
+
+// As a forward that throws does (docs/engine.md), a backward that throws
+// drops its micro-step: the next forward starts it again, and the run goes
+// on as if the failed attempt had not happened.
+TEST(Engine, ABackwardThatThrowsHalfWayLeavesTheEngineReady) {
+  for (int stage : {0, 3}) {
+    const std::vector<double> clean = Trainer(config_json(stage, "full"), false, {}, 0.0).train(2);
+    Trainer run(config_json(stage, "full"), false, {}, 0.0);
+    auto [x, y] = batch(1, 0);
+    at::Tensor loss = run.engine->forward([&, x = x, y = y] {
+      // Blocks 1 and 2 run their backward (reducing their gradients), then block 0's input fails.
+      return loss_between(run.model, x, y, [](size_t i, at::Tensor h) { return i == 1 ? ThrowInBackward::apply(h) : h; });
+    });
+    const std::string error = error_of<std::exception>([&] { run.engine->backward(loss); });
+    EXPECT_NE(error.find("failed on purpose"), std::string::npos) << error;
+    std::vector<double> losses;
+    EXPECT_NO_THROW(losses = run.train(2)) << "stage " << stage;
+    EXPECT_EQ(losses, clean) << "stage " << stage;
+  }
+}
+
+// autograd::grad inside the loss (a gradient penalty on the embeddings):
+// every stage and checkpointing variant computes what stage 0 without
+// checkpointing does, or refuses with remat's Error naming autograd::grad.
+TEST(Engine, AGradientPenaltyInsideTheForwardMatchesStage0) {
+  auto penalised = [](int stage, const char* variant) {
+    Trainer run(config_json(stage, variant), false, {}, 0.0);
+    std::vector<double> losses;
+    for (int step = 1; step <= 2; ++step) {
+      auto [x, y] = batch(step, 0);
+      run.engine->backward(run.engine->forward([&, x = x, y = y] {
+        at::Tensor embedded;
+        at::Tensor ce = loss_between(run.model, x, y, [&](size_t i, at::Tensor h) {
+          if (i == 0) embedded = h;
+          return h;
+        });
+        at::Tensor g = torch::autograd::grad({ce}, {embedded}, {}, /*retain_graph=*/true, /*create_graph=*/true)[0];
+        return ce + 0.1 * g.pow(2).sum();
+      }));
+      run.engine->step();
+      losses.push_back(run.engine->last_metrics().loss);
+    }
+    return losses;
+  };
+  const std::vector<double> reference = penalised(0, "none");
+  for (int stage : {0, 3}) {
+    for (const char* variant : {"none", "full"}) {
+      std::vector<double> losses;
+      try {
+        losses = penalised(stage, variant);
+      } catch (const Error& e) {
+        // Refusing is fine too, if it says so in remat's words.
+        EXPECT_NE(std::string(e.what()).find("autograd::grad"), std::string::npos) << e.what();
+        continue;
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "stage " << stage << ", variant " << variant << ": LibTorch's error instead of a "
+                      << "result or remat's: " << std::string(e.what()).substr(0, 300);
+        continue;
+      }
+      EXPECT_EQ(losses, reference) << "stage " << stage << ", variant " << variant;
+    }
+  }
+}
+
+// Blocks the forward leaves out (the same on every rank) get no gradient;
+// every stage trains the others as stage 0 does.
+TEST(Engine, ABlockLeftOutOfTheForwardTrainsAlikeAtEveryStage) {
+  auto skipping = [](int stage) {
+    Trainer run(config_json(stage, "full"));
+    std::vector<double> losses;
+    for (int step = 1; step <= 2; ++step) {
+      auto [x, y] = batch(step, 0);
+      run.engine->backward(run.engine->forward([&, x = x, y = y] {
+        return loss_between(run.model, x, y, [](size_t, at::Tensor h) { return h; }, {1});
+      }));
+      run.engine->step();
+      losses.push_back(run.engine->last_metrics().loss);
+    }
+    losses.push_back(whole_parameters(*run.engine).at("layers.1.up.weight").sum().item<double>());
+    return losses;
+  };
+  const std::vector<double> reference = skipping(0);
+  for (int stage : {1, 2, 3}) EXPECT_EQ(skipping(stage), reference) << "stage " << stage;
+}
+
+// A block's input that is an expanded view (stride 0), checkpointed with its
+// inputs copied to the host, recomputes as the plain run computes.
+TEST(Engine, AnExpandedViewIntoACheckpointedBlockMatchesThePlainRun) {
+  auto expanded = [](const std::string& config) {
+    Trainer run(config);
+    std::vector<double> losses;
+    for (int step = 1; step <= 2; ++step) {
+      auto [x, y] = batch(step, 0);
+      run.engine->backward(run.engine->forward([&, x = x, y = y] {
+        return loss_between(run.model, x, y, [](size_t i, at::Tensor h) {
+          return i == 0 ? h.narrow(1, 0, 1).expand({h.size(0), kSeq, kWidth}) : h;
+        });
+      }));
+      run.engine->step();
+      losses.push_back(run.engine->last_metrics().loss);
+    }
+    return losses;
+  };
+  const std::string offloaded = R"({"train_micro_batch_size_per_gpu": 2, "train": {"seed": 5},
+      "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+      "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+      "activation_checkpointing": {"variant": "full", "cpu_checkpointing": true}})";
+  EXPECT_EQ(expanded(offloaded), expanded(config_json(0, "none")));
+}
+
+// A tensor captured from outside the forward that requires grad (an input
+// being optimised, as in adversarial training) gets the same gradient at
+// every stage and checkpointing variant.
+TEST(Engine, ACapturedInputGetsTheSameGradientAtEveryStage) {
+  std::vector<at::Tensor> grads;
+  for (int stage : {0, 3}) {
+    for (const char* variant : {"none", "full"}) {
+      Trainer run(config_json(stage, variant));
+      at::manual_seed(17);
+      at::Tensor input = at::randn({2, kSeq, kWidth}).requires_grad_();
+      auto [x, y] = batch(1, 0);
+      run.engine->backward(run.engine->forward([&, y = y] {
+        at::Tensor h = input;
+        for (size_t i = 0; i < run.model->layers_list->size(); ++i) {
+          h = remat::forward(run.model->layers_list->ptr<MlpBlockImpl>(i), h);
+        }
+        at::Tensor logits = run.model->head(run.model->norm(h));
+        return torch::nn::functional::cross_entropy(logits.reshape({-1, kVocab}), y.reshape({-1}));
+      }));
+      EXPECT_TRUE(run.engine->step());
+      ASSERT_TRUE(input.grad().defined()) << "stage " << stage << ", variant " << variant;
+      grads.push_back(input.grad());
+    }
+  }
+  for (size_t i = 1; i < grads.size(); ++i) EXPECT_TRUE(at::equal(grads[i], grads[0])) << i;
+}
+
+struct Float64LmImpl : TinyLmImpl {
+  Float64LmImpl() { to(at::kDouble); }
+};
+TORCH_MODULE(Float64Lm);
+
+struct ParameterlessBlockImpl : torch::nn::Module {
+  at::Tensor forward(const at::Tensor& x) { return at::gelu(x); }
+};
+TORCH_MODULE(ParameterlessBlock);
+
+struct ParameterlessImpl : torch::nn::Module {
+  ParameterlessImpl() {
+    layers = register_module("layers", torch::nn::ModuleList());
+    layers->push_back(ParameterlessBlock());
+  }
+  torch::nn::ModuleList layers{nullptr};
+};
+TORCH_MODULE(Parameterless);
+
+TEST(Engine, InitializeNamesWhatIsWrongWithTheModel) {
+  EngineOptions options;
+  options.layout = std::make_shared<ParallelLayout>(testing::world(),
+                                                    ParallelDims::from_world(testing::world()->size(), 1));
+  Float64Lm doubled;
+  std::string error = error_of<Error>([&] { initialize(doubled, config_json(1, "none"), options); });
+  EXPECT_NE(error.find("parameters must be float32"), std::string::npos) << error;
+  EXPECT_NE(error.find("Double"), std::string::npos) << error;
+
+
+  TinyLm model;
+  options.blocks = "blocks";
+  error = error_of<Error>([&] { initialize(model, config_json(0, "full"), options); });
+  EXPECT_NE(error.find("no submodule 'blocks'"), std::string::npos) << error;
+  EXPECT_NE(error.find("layers"), std::string::npos) << error;
+  EXPECT_NE(error.find("EngineOptions::blocks"), std::string::npos) << error;
+  options.blocks = "norm";
+  error = error_of<Error>([&] { initialize(model, config_json(0, "full"), options); });
+  EXPECT_NE(error.find("not a torch::nn::ModuleList"), std::string::npos) << error;
+  options.blocks = "layers";
+  EXPECT_NO_THROW(initialize(model, config_json(0, "full"), options));
+}
+
+TEST(Engine, SavingOntoAFileOrLoadingFromAnEmptyOrMissingFolderIsAConfigError) {
+  const std::string dir = scratch("not_a_save");
+  const std::string file = dir + "/a_file";
+  if (testing::world()->rank() == 0) {
+    fs::create_directories(dir + "/empty");
+    std::ofstream(file) << "not a folder";
+  }
+  testing::world()->barrier()->wait();
+  Trainer run(config_json(0, "none"));
+  run.train(1);
+  std::string error = error_of<ConfigError>([&] { run.engine->save_checkpoint(file); });
+  EXPECT_NE(error.find(file), std::string::npos) << error;
+  error = error_of<ConfigError>([&] { run.engine->load_checkpoint(dir + "/empty"); });
+  EXPECT_NE(error.find("holds no manifest.json and no 'latest' file"), std::string::npos) << error;
+  error = error_of<ConfigError>([&] { run.engine->load_checkpoint(dir + "/missing"); });
+  EXPECT_NE(error.find("does not exist"), std::string::npos) << error;
+  EXPECT_EQ(run.engine->global_steps(), 1);
+  EXPECT_NO_THROW(run.train(1));
+}
+
+// A model trained by an engine, then by a second one after the first is
+// destroyed (without reading the parameters through it first): the second
+// starts from the values the first trained, whatever its stage, and none of
+// the first's checkpointing remains.
+TEST(Engine, ANewEngineOnTheSameModelStartsFromTheFirstOnesValues) {
+  Trainer reference(config_json(0, "full"));
+  reference.train(1);
+  const auto trained = whole_parameters(*reference.engine);  // every stage steps these bits at dp 2
+  for (int stage : {0, 1, 2, 3}) {
+    Trainer run(config_json(stage, "full"));
+    run.train(1);
+    run.engine.reset();
+    bool storage = true;
+    for (const auto& p : run.model->parameters()) storage = storage && p.storage().nbytes() > 0;
+    ASSERT_TRUE(storage) << "stage " << stage << ": the first engine left parameters without storage";
+    EngineOptions options;
+    options.layout = std::make_shared<ParallelLayout>(testing::world(),
+                                                      ParallelDims::from_world(testing::world()->size(), 1));
+    run.engine = initialize(run.model, parse_config(config_json(0, "none"), "<test>"), options);
+    std::string differing;
+    EXPECT_TRUE(all_equal(trained, whole_parameters(*run.engine), &differing)) << "stage " << stage << ": " << differing;
+    run.train(1);
+    EXPECT_EQ(run.engine->last_metrics().ckpt_saved_bytes, 0) << "stage " << stage;
+    EXPECT_EQ(run.engine->last_metrics().recompute_ms, 0) << "stage " << stage;
+  }
 }
 
 }  // namespace

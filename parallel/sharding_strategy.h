@@ -45,6 +45,9 @@ class ShardingStrategy {
   virtual at::Tensor finish_forward(const at::Tensor& loss) { return loss; }
   virtual void finish_backward(bool synchronize) = 0;
   virtual void end_evaluation() {}
+  // After a backward that failed half-way: waits for what is in flight and
+  // drops every gradient and partial reduction, ready for a new forward.
+  virtual void abandon_backward() {}
 
   // The gradients for the global norm, each group with the communicators its
   // squares are summed over (`sharded_tp`: which tensors differ across the

@@ -113,6 +113,12 @@ at::Tensor ZeroModel::finish_forward(const at::Tensor& loss) { return strategy_-
 void ZeroModel::finish_backward(bool synchronize) { strategy_->finish_backward(synchronize); }
 void ZeroModel::end_evaluation() { strategy_->end_evaluation(); }
 
+void ZeroModel::abandon_backward() {
+  strategy_->abandon_backward();
+  for (auto& p : strategy_->parameters()) p.mutable_grad() = at::Tensor();
+  for (auto& p : model_.parameters()) p.mutable_grad() = at::Tensor();
+}
+
 double ZeroModel::clip_grad_norm(double max_norm, const std::shared_ptr<Communicator>& tp_group) {
   return parallel::clip_grad_norm(strategy_->grad_groups(sharded_tp_, tp_group), max_norm);
 }

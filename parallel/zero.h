@@ -164,6 +164,10 @@ class ZeroModel {
   void finish_backward(bool synchronize = true);
   // Frees the root unit after a forward without backward (evaluation).
   void end_evaluation();
+  // After a backward that threw half-way: waits for the collectives in
+  // flight, frees what is gathered and drops every gradient (the whole
+  // accumulation window's), so the next forward starts clean.
+  void abandon_backward();
 
   // Clips gradients by the global L2 norm (shards summed over the
   // data-parallel group, tensor-parallel shards over `tp_group` too; see

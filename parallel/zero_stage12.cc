@@ -55,6 +55,7 @@ class Stage12 final : public ShardingStrategy {
   std::vector<ShardLayout> layout() const override;
   std::map<std::string, at::Tensor> full_parameters() override;
   void begin_forward() override { sync_parameters(); }
+  void abandon_backward() override;
   at::Tensor finish_forward(const at::Tensor& loss) override;
   void finish_backward(bool synchronize) override;
   std::vector<GradGroup> grad_groups(const std::vector<at::Tensor>& sharded_tp,
@@ -382,6 +383,24 @@ void Stage12::finish_backward(bool synchronize) {
     std::fill(b.arrived.begin(), b.arrived.end(), 0);
     b.arrivals = 0;
   }
+}
+
+void Stage12::abandon_backward() {
+  for (auto& b : buckets_) {
+    if (b.pending) {
+      b.pending->wait();
+      b.pending = nullptr;
+    }
+    b.input = b.output = b.grad = at::Tensor();
+    b.launched = false;
+    std::fill(b.arrived.begin(), b.arrived.end(), 0);
+    b.arrivals = 0;
+    b.shard.mutable_grad() = at::Tensor();
+    for (auto& p : b.params) p.mutable_grad() = at::Tensor();
+  }
+  in_flight_.clear();
+  next_launch_ = 0;
+  track_grad_bytes();
 }
 
 std::vector<GradGroup> Stage12::grad_groups(const std::vector<at::Tensor>& /*sharded_tp*/,

@@ -77,6 +77,7 @@ class Stage3 final : public ShardingStrategy {
   at::Tensor finish_forward(const at::Tensor& loss) override;
   void finish_backward(bool synchronize) override;
   void end_evaluation() override;
+  void abandon_backward() override;
   std::vector<GradGroup> grad_groups(const std::vector<at::Tensor>& sharded_tp,
                                      const std::shared_ptr<Communicator>& tp) const override;
   ZeroStats stats() const override;
@@ -108,6 +109,10 @@ class Stage3 final : public ShardingStrategy {
   // again then. Decided at each forward from the graph that reaches the
   // first unit's input.
   bool root_needed_before_first_unit_ = false;
+  // Between begin_forward and finish_forward (or end_evaluation): a backward
+  // through a unit then is refused (refuse_backward_inside_forward).
+  bool in_forward_ = false;
+  void refuse_backward_inside_forward(const Unit& unit) const;
   int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
   int gathered_units_ = 0, peak_gathered_units_ = 0;
   int64_t allgather_bytes_ = 0, reducescatter_bytes_ = 0, allreduce_bytes_ = 0;
@@ -163,6 +168,7 @@ class ZeroUnitHook final : public ModuleHook {
     }
     static variable_list backward(AutogradContext* ctx, variable_list grads) {
       auto p = kept(ctx);
+      p.zero->refuse_backward_inside_forward(*p.unit);
       // Once a block's backward begins the head's is done; the embeddings'
       // backward needs no weights: the root's parameters can go (its
       // gradients stay until finish_backward reduces them).
@@ -470,9 +476,21 @@ bool Stage3::root_data_needed_in_backward(const at::Tensor& x) const {
 
 void Stage3::begin_forward() {
   gather(*units_.back(), /*wait=*/true);
+  in_forward_ = true;
+}
+
+void Stage3::refuse_backward_inside_forward(const Unit& unit) const {
+  if (!in_forward_) return;
+  throw Error(str("zero stage 3: a backward through unit '", unit.name, "' ran inside the forward (between "
+                  "begin_forward and finish_forward), e.g. torch::autograd::grad of an intermediate result, a "
+                  "loss.backward() in the model code, or a backward from a loss that did not pass through "
+                  "finish_forward(loss). Stage 3 gathers and reduces each unit once per training "
+                  "backward, so a gradient taken inside the forward through sharded units is not supported: "
+                  "take it outside the sharded blocks, or train at zero_optimization.stage 0, 1 or 2"));
 }
 
 at::Tensor Stage3::finish_forward(const at::Tensor& loss) {
+  in_forward_ = false;
   Unit& root = *units_.back();
   if (!at::GradMode::is_enabled() || !loss.requires_grad()) {
     free(root);
@@ -520,7 +538,21 @@ void Stage3::finish_backward(bool synchronize) {
 }
 
 void Stage3::end_evaluation() {
+  in_forward_ = false;
   for (auto& u : units_) free(*u);
+}
+
+void Stage3::abandon_backward() {
+  in_forward_ = false;
+  for (auto& u : units_) {
+    free(*u);
+    u->ran = u->reduced = false;
+    for (auto& g : u->groups) {
+      g.shard.mutable_grad() = at::Tensor();
+      for (auto& p : g.params) p.mutable_grad() = at::Tensor();
+    }
+  }
+  for (auto& p : persistent_) p.mutable_grad() = at::Tensor();
 }
 
 std::vector<GradGroup> Stage3::grad_groups(const std::vector<at::Tensor>& sharded_tp,
