@@ -30,11 +30,11 @@ export REMAT_LOG_LEVEL=warn REMAT_COMM_TIMEOUT_S=120
 bazel_s() { bazel --output_base="$HOME/.cache/remat-bazel-sanitize" "$1" --symlink_prefix=/ "${@:2}"; }
 
 if [[ $mode == quick ]]; then
-  targets=(//runtime:config_test)
+  targets=(//engine:config_test)
 else
   # Every package by name: //... would walk into the normal build's bazel-* links.
   targets=(//runtime/... //nn/... //rng/... //data/... //checkpointing/... //parallel/...
-           //models/... //launch/... //tests/... //configs/...)
+           //models/... //engine/... //launch/... //tests/... //configs/...)
 fi
 log=$(mktemp)
 if ! bazel_s build "${flags[@]}" "${targets[@]}" >"$log" 2>&1; then
@@ -59,15 +59,15 @@ run() {
 }
 
 bin=$(bazel_s info "${flags[@]}" bazel-bin 2>/dev/null)
-run "config_test (fuzz included) under ASan + UBSan" "$bin/runtime/config_test"
+run "config_test (fuzz included) under ASan + UBSan" "$bin/engine/config_test"
 if [[ $mode == full ]]; then
   for t in runtime/runtime_unit_test runtime/memory_test rng/rng_tracker_test \
            checkpointing/checkpoint_test checkpointing/policy_test checkpointing/checkpoint_contract_test \
-           nn/module_call_test launch/optim_test; do
+           nn/module_call_test engine/optim_test; do
     run "$t under ASan + UBSan" "$bin/$t"
   done
   for t in runtime/communicator_test_bin parallel/parallel_test_bin parallel/zero_test_bin \
-           checkpointing/stored_inputs_test_bin; do
+           checkpointing/stored_inputs_test_bin engine/engine_test_bin; do
     for np in 2 4; do
       run "$t at $np ranks under ASan + UBSan" launch/remat-run.sh -np "$np" -- "$bin/$t"
     done
