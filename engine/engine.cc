@@ -119,6 +119,25 @@ std::string optimizer_type(const torch::optim::Optimizer& optimizer) {
 
 enum class Phase { kIdle, kForwarded, kBackwarded };
 
+// Stage 3: every parameter's whole value (collective) put into the model's
+// parameters, in the type they compute in (`as_computed`) or in float32.
+// Returns each parameter with the data it held before.
+std::vector<std::pair<at::Tensor, at::Tensor>> install_whole_parameters(parallel::ZeroModel& zero,
+                                                                        torch::nn::Module& model, bool as_computed) {
+  auto full = zero.full_parameters();
+  std::map<std::string, at::Tensor> by_name(full.begin(), full.end());
+  std::vector<std::pair<at::Tensor, at::Tensor>> before;
+  at::NoGradGuard no_grad;
+  for (auto& item : model.named_parameters()) {
+    at::Tensor p = item.value();
+    auto it = by_name.find(item.key());
+    if (it == by_name.end()) continue;
+    before.emplace_back(p, p.data());
+    p.set_data((as_computed ? it->second.to(p.scalar_type()) : it->second).view(p.sizes()));
+  }
+  return before;
+}
+
 }  // namespace
 
 struct Engine::Impl {
@@ -313,13 +332,7 @@ Engine::~Engine() {
     if (std::uncaught_exceptions() == 0 && impl_->zero && impl_->phase == Phase::kIdle) {
       try {
         if (impl_->zero->stage() == 3) {
-          auto full = impl_->zero->full_parameters();
-          std::map<std::string, at::Tensor> by_name(full.begin(), full.end());
-          at::NoGradGuard no_grad;
-          for (auto& item : model_->named_parameters()) {
-            auto it = by_name.find(item.key());
-            if (it != by_name.end()) item.value().set_data(it->second.view(item.value().sizes()));
-          }
+          install_whole_parameters(*impl_->zero, *model_, /*as_computed=*/false);
         } else if (impl_->zero->stage() != 0) {
           impl_->zero->begin_forward();
         }
@@ -733,20 +746,13 @@ GatheredParameters::GatheredParameters(Engine& engine, bool modify) : engine_(en
     throw Error("remat::GatheredParameters: a training forward's loss has not been through backward() yet: "
                 "open the scope between steps");
   }
-  // Whole values by name (collective), installed in the parameters where the
-  // sharding holds them in pieces (stage 3).
-  ContextScope scope(s.context);
-  auto full = s.zero->full_parameters();
+  // Stage 3 holds the parameters in pieces: their whole values go in for the
+  // scope (the other stages hold them whole already).
   if (s.zero->stage() == 3) {
-    std::map<std::string, at::Tensor> by_name(full.begin(), full.end());
-    at::NoGradGuard no_grad;
-    for (auto& item : engine.module().named_parameters()) {
-      at::Tensor p = item.value();
-      auto it = by_name.find(item.key());
-      if (it == by_name.end()) continue;
-      restore_.emplace_back(p, p.data());
-      p.set_data(it->second.to(p.scalar_type()).view(p.sizes()));
-      if (modify) installed_[item.key()] = p.detach().clone();
+    ContextScope scope(s.context);
+    restore_ = install_whole_parameters(*s.zero, engine.module(), /*as_computed=*/true);
+    if (modify) {
+      for (const auto& item : engine.module().named_parameters()) installed_[item.key()] = item.value().detach().clone();
     }
   }
   ++s.gathered_scopes;
