@@ -35,12 +35,16 @@ enum class EveryKFrom { kFirst, kLast };
 const std::vector<std::string>& every_k_from_names();
 const std::string& every_k_from_name(EveryKFrom from);
 
-// variant "auto": the budget for a step's activation peak per rank (live
-// tensor bytes above those at the step's start), in bytes or as a fraction of
-// the peak with no checkpointing; exactly one is set (checkpointing/planner.h).
+// variant "auto": the budget per rank, exactly one of three
+// (checkpointing/planner.h): for a step's activation peak (live tensor bytes
+// above those at the step's start) in bytes or as a fraction of the peak with
+// no checkpointing, or for everything the rank holds at once
+// (device_memory_budget_bytes: the planner subtracts the model state it is
+// told of, PlannerOptions::state_bytes, and plans the activations in the rest).
 struct MemoryBudget {
   std::optional<int64_t> memory_budget_bytes;
   std::optional<double> memory_budget_fraction;
+  std::optional<int64_t> device_memory_budget_bytes;
 };
 
 // Which blocks a whole-model policy checkpoints (checkpointing/policy.h).

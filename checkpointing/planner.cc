@@ -653,11 +653,34 @@ ActivationPlan plan_activation_checkpointing(torch::nn::Module& model, const std
   const std::string invalid = check_memory_budget(options);
   if (!invalid.empty()) throw ConfigError("activation checkpointing planner: " + invalid);
   BlockCosts costs = profile_activation_choices(model, step, options, comm);
+  log_rank0().debug("{}", describe_costs(costs));
+  if (options.device_memory_budget_bytes) {
+    // The whole device: what the state takes is not the activations' to use.
+    const int64_t device = *options.device_memory_budget_bytes;
+    const int64_t least = smallest_feasible_budget(costs);
+    if (device - options.state_bytes < least) {
+      const std::string state = str(mib(options.state_bytes), options.state_description.empty() ? "" : ": ",
+                                    options.state_description);
+      throw ConfigError(str(
+          "activation checkpointing: device_memory_budget_bytes = ", device, " (", mib(device), ") cannot be met",
+          device <= options.state_bytes ? ", it is below the model state alone" : "", ": the model state takes ",
+          state, " and the smallest activation peak any plan reaches is ", mib(least), " (every block kept: ",
+          mib(costs.keep_peak), "). The smallest feasible budget is ", options.state_bytes + least,
+          " bytes: raise activation_checkpointing.device_memory_budget_bytes to at least that, shard more (a "
+          "higher zero_optimization.stage, more data-parallel ranks) or lower the batch size"));
+    }
+    ActivationPlan plan = solve_activation_plan(costs, device - options.state_bytes);
+    plan.device_budget_bytes = device;
+    plan.predicted_total_peak = options.state_bytes + plan.predicted_peak;
+    apply_activation_plan(model, plan, options);
+    log_rank0().info("{}\nwhole device: budget {}, state {} + predicted activation peak {} = {}", plan.table(costs),
+                     mib(device), mib(options.state_bytes), mib(plan.predicted_peak), mib(plan.predicted_total_peak));
+    return plan;
+  }
   const int64_t budget =
       options.memory_budget_bytes
           ? *options.memory_budget_bytes
           : static_cast<int64_t>(std::min(1e18, std::floor(*options.memory_budget_fraction * static_cast<double>(costs.keep_peak))));
-  log_rank0().debug("{}", describe_costs(costs));
   // With every step offloaded, a budget no plan meets is offloading's doing: said so.
   if (options.offload.enabled && smallest_feasible_budget(costs) > budget) {
     throw_budget_unmet(costs, budget, /*offloading=*/true);

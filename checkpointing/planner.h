@@ -97,6 +97,10 @@ struct ActivationPlan {
   std::vector<BlockChoice> choices;  // one per block
   int64_t budget_bytes = 0;
   int64_t predicted_peak = 0;
+  // device_memory_budget_bytes: the whole budget, and predicted_peak plus
+  // the state the planner was told of (PlannerOptions::state_bytes); else 0.
+  int64_t device_budget_bytes = 0;
+  int64_t predicted_total_peak = 0;
   double predicted_extra_cpu_ms = 0;
   double predicted_extra_wall_ms = 0;
   std::vector<int64_t> batch_shape;  // what it was planned for (remat-train)
@@ -118,9 +122,16 @@ ActivationPlan solve_activation_plan(const BlockCosts& costs, int64_t budget_byt
 // The lowest predicted peak any plan reaches.
 int64_t smallest_feasible_budget(const BlockCosts& costs);
 
-// The budget (MemoryBudget, checkpointing/options.h): absolute bytes, or a
-// fraction of the measured peak with every block kept (exactly one is set).
+// The budget (MemoryBudget, checkpointing/options.h): absolute bytes, a
+// fraction of the measured peak with every block kept, or the whole device's
+// bytes less `state_bytes` (exactly one is set).
 struct PlannerOptions : MemoryBudget {
+  // device_memory_budget_bytes: what the rank holds besides the step's
+  // activation peak as profiled (parameters, optimizer state, whatever is
+  // live at the step's start: the engine measures it), and a description of
+  // it for the message when the budget cannot be met.
+  int64_t state_bytes = 0;
+  std::string state_description;
   // Dotted path of the ModuleList of blocks.
   std::string blocks = "blocks";
   // Candidate choices (keep is always one). Empty: every choice, except that
@@ -170,6 +181,11 @@ class ActivationPlanner {
   bool ensure(const std::vector<int64_t>& batch_shape, const std::function<void()>& step);
   // The plan in effect (none before the first ensure).
   const std::optional<ActivationPlan>& plan() const { return plan_; }
+  // device_memory_budget_bytes: the state the next plan subtracts.
+  void set_state_bytes(int64_t bytes, std::string description) {
+    options_.state_bytes = bytes;
+    options_.state_description = std::move(description);
+  }
   int plans_made() const { return plans_made_; }
 
  private:

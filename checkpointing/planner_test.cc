@@ -383,7 +383,7 @@ TEST_P(Planner, Misuse) {
   PlannerOptions both = budget(0.5);
   both.memory_budget_bytes = 100;
   EXPECT_THAT(error_of<ConfigError>([&] { plan_activation_checkpointing(*model, step, both); }),
-              HasSubstr("are both set: keep one of them"));
+              HasSubstr("the budget is given once, keep exactly one of them"));
   EXPECT_THAT(error_of<ConfigError>([&] { plan_activation_checkpointing(*model, step, budget(0)); }),
               HasSubstr("positive"));
   PlannerOptions path = budget(0.5);

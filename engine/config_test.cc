@@ -153,12 +153,31 @@ TEST(Config, AutoTakesExactlyOneBudget) {
   c = parse(R"({"activation_checkpointing": {"variant": "auto", "memory_budget_bytes": 1000000}})");
   EXPECT_EQ(c.activation_checkpointing.memory_budget_bytes, 1000000);
   auto msg = config_error([] { parse(R"({"activation_checkpointing": {"variant": "auto"}})"); });
-  EXPECT_THAT(msg, HasSubstr("\"auto\" but no budget is set: set 'memory_budget_bytes'"));
+  EXPECT_THAT(msg, HasSubstr("\"auto\" but no budget is set: set one of 'memory_budget_bytes'"));
   msg = config_error([] {
     parse(R"({"activation_checkpointing": {"variant": "auto", "memory_budget_bytes": 10,
                                            "memory_budget_fraction": 0.5}})");
   });
-  EXPECT_THAT(msg, HasSubstr("are both set: keep one of them"));
+  EXPECT_THAT(msg, HasSubstr("sets 'memory_budget_bytes' and 'memory_budget_fraction': the budget is given "
+                             "once, keep exactly one of them"));
+  // The whole-device budget is the third of the three.
+  c = parse(R"({"activation_checkpointing": {"variant": "auto", "device_memory_budget_bytes": 8000000}})");
+  EXPECT_EQ(c.activation_checkpointing.device_memory_budget_bytes, 8000000);
+  msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "auto", "device_memory_budget_bytes": 10,
+                                           "memory_budget_fraction": 0.5, "memory_budget_bytes": 4}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("sets 'memory_budget_bytes', 'memory_budget_fraction' and "
+                             "'device_memory_budget_bytes': the budget is given once"));
+  msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "auto", "device_memory_budget_bytes": 0}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("device_memory_budget_bytes' = 0 must be positive"));
+  msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "none", "device_memory_budget_bytes": 1000}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("'activation_checkpointing.device_memory_budget_bytes' is set but 'variant' is "
+                             "\"none\""));
   msg = config_error([] {
     parse(R"({"activation_checkpointing": {"variant": "full", "memory_budget_fraction": 0.5}})");
   });

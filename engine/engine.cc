@@ -117,6 +117,41 @@ std::string optimizer_type(const torch::optim::Optimizer& optimizer) {
   return typeid(optimizer).name();
 }
 
+// What a step starts from outside its activations: every parameter's and
+// shard's storage once, and the optimizer's state (before its first step,
+// what it will allocate then). For device_memory_budget_bytes.
+std::pair<int64_t, std::string> resident_state(torch::nn::Module& model, parallel::ZeroModel& zero,
+                                               const torch::optim::Optimizer& optimizer) {
+  std::set<const void*> seen;
+  int64_t params = 0, trainable_bytes = 0;
+  auto count = [&](const at::Tensor& t) {
+    if (!t.defined() || !t.has_storage()) return;
+    if (seen.insert(t.storage().unsafeGetStorageImpl()).second) params += static_cast<int64_t>(t.storage().nbytes());
+  };
+  for (const auto& p : model.parameters()) count(p);
+  for (const auto& b : model.buffers()) count(b);
+  for (const auto& p : zero.parameters()) {
+    count(p);
+    if (p.requires_grad()) trainable_bytes += static_cast<int64_t>(p.numel() * p.element_size());
+  }
+  int64_t state = optimizer_state_bytes(optimizer);
+  std::string note;
+  if (state == 0) {
+    const std::string type = optimizer_type(optimizer);
+    if (type == "AdamW" || type == "Adam") {
+      state = 2 * trainable_bytes;
+    } else if (const auto* sgd = dynamic_cast<const torch::optim::SGD*>(&optimizer)) {
+      const auto& o = static_cast<const torch::optim::SGDOptions&>(sgd->param_groups().at(0).options());
+      state = o.momentum() > 0 ? trainable_bytes : 0;
+    } else {
+      note = " (an optimizer remat does not know: its state is not counted)";
+    }
+    if (note.empty()) note = " (to be allocated at the first step)";
+  }
+  const auto mib = [](int64_t b) { return str(std::round(static_cast<double>(b) / 10485.76) / 100, " MiB"); };
+  return {params + state, str("parameters and buffers ", mib(params), " + optimizer state ", mib(state), note)};
+}
+
 enum class Phase { kIdle, kForwarded, kBackwarded };
 
 // Stage 3: every parameter's whole value (collective) put into the model's
@@ -283,6 +318,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineO
   planner_options.blocks = blocks;
   planner_options.memory_budget_bytes = config_.activation_checkpointing.memory_budget_bytes;
   planner_options.memory_budget_fraction = config_.activation_checkpointing.memory_budget_fraction;
+  planner_options.device_memory_budget_bytes = config_.activation_checkpointing.device_memory_budget_bytes;
   planner_options.offload = config_.activation_offloading;
   s.planner = std::make_unique<ActivationPlanner>(model, planner_options, s.world.get());
   // Activation offloading: each forward runs inside a scope; the head stays.
@@ -309,6 +345,16 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineO
   s.optimizer = s.options.optimizer ? s.options.optimizer(s.zero->parameters())
                                     : make_optimizer(config_.optimizer, s.zero->parameters());
   REMAT_CHECK(s.optimizer != nullptr, "remat::initialize: EngineOptions::optimizer returned no optimizer");
+  // A whole-device budget the model state alone fills is refused before any step.
+  if (const auto& device = config_.activation_checkpointing.device_memory_budget_bytes; device && s.auto_plan) {
+    const auto [state, what] = resident_state(model, *s.zero, *s.optimizer);
+    if (*device <= state) {
+      throw ConfigError(str("activation_checkpointing.device_memory_budget_bytes = ", *device,
+                            " is below the model state alone: ", what, " = ", state, " bytes per rank, before any "
+                            "activation. Raise the budget above that, or shard the state (a higher "
+                            "zero_optimization.stage, more data-parallel ranks)"));
+    }
+  }
   // Every setting the saved state's layout or meaning depends on: a resume
   // with another value is refused naming it. train.seed: the random state
   // comes from the save, but a caller's data order may come from the seed.
@@ -391,6 +437,10 @@ at::Tensor Engine::forward(const std::function<at::Tensor()>& fn, const std::vec
         s.zero->finish_backward(/*synchronize=*/true);
       };
       const auto t0 = Clock::now();
+      if (config_.activation_checkpointing.device_memory_budget_bytes) {
+        auto [state, what] = resident_state(*model_, *s.zero, *s.optimizer);
+        s.planner->set_state_bytes(state, std::move(what));
+      }
       s.planned = s.planner->ensure(plan_key, profile_step);
       if (s.planned) {
         s.plan_ms = ms_between(t0, Clock::now());
@@ -586,6 +636,10 @@ bool Engine::step() {
               {"act_plan_extra_cpu_ms", plan->predicted_extra_cpu_ms},
               {"act_plan_extra_wall_ms", plan->predicted_extra_wall_ms},
               {"act_planned", s.planned}};
+    if (plan->device_budget_bytes > 0) {
+      m.plan["act_plan_device_budget_bytes"] = plan->device_budget_bytes;
+      m.plan["act_plan_predicted_total_peak_bytes"] = plan->predicted_total_peak;
+    }
     if (s.planned) m.plan["act_plan_ms"] = s.plan_ms;
   }
   last_metrics_ = std::move(m);

@@ -85,7 +85,7 @@ int train(int argc, char** argv) {
   if (!export_path.empty() && rank0) check_export_path(export_path);
   const BatchSizes batch = config.resolve_batch(layout->dims().dp);
   data::Dataset data = data::Dataset::load(config.data.path, config.data.train_fraction, config.model.seq_len);
-  check_memory_estimate(config, batch, data.vocab_size(), layout->dims().dp);
+  check_memory_estimate(config, batch, data.vocab_size(), world.size());
 
   models::GptOptions model_options;
   model_options.shape = config.model;

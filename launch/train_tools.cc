@@ -26,8 +26,8 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
 
-// Host memory available to this process: MemAvailable shared by the ranks on
-// this host; 0 when unknown.
+}  // namespace
+
 double available_bytes_per_rank() {
   std::ifstream meminfo("/proc/meminfo");
   std::string key;
@@ -44,8 +44,6 @@ double available_bytes_per_rank() {
   return kib * 1024 / local_ranks;
 }
 
-}  // namespace
-
 std::string human_bytes(double b) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
   int u = 0;
@@ -56,33 +54,23 @@ std::string human_bytes(double b) {
   return str(std::round(b * 10) / 10, " ", units[u]);
 }
 
-// A lower bound of what one rank needs, from the config alone (computed in
-// double, so absurd sizes cannot overflow): fp32 parameters, gradients and
-// AdamW's two moments (16 bytes a parameter: 4 + 4 + 8 / N at ZeRO stage 1,
-// 4 + 12 / N at stage 2, 16 / N at stage 3 over N sharding ranks; all divided
-// by the tensor-parallel size), each block's input kept for backward, and the logits. A run
-// whose lower bound exceeds the memory there is refused before anything is
-// built, naming the keys to change.
-void check_memory_estimate(const Config& c, const BatchSizes& batch, int64_t vocab, int dp) {
-  const auto& m = c.model;
-  const double d = m.d_model, L = m.n_layer, T = m.seq_len, B = static_cast<double>(batch.micro_batch_per_gpu);
-  const double params = (vocab + T) * d + L * (4 * d * d + 2 * d * m.d_ff) + vocab * d;
-  const int hybrid = c.zero_optimization.hybrid_shard_size;
-  const double n = hybrid > 0 && hybrid < dp ? hybrid : dp;
-  const double per_param[] = {16, 8 + 8 / n, 4 + 12 / n, 16 / n};
-  const double model_bytes = per_param[std::clamp(c.zero_optimization.stage, 0, 3)] * params /
-                             static_cast<double>(c.tensor_parallel.size);
-  const double activation_bytes = 4 * B * T * (L * d + vocab);
-  const double need = model_bytes + activation_bytes;
+MemoryEstimate check_memory_estimate(const Config& c, const BatchSizes& batch, int64_t vocab, int world_size) {
+  const MemoryEstimate e = estimate_memory(c, world_size, cold_gpt_inputs(c, vocab, batch.micro_batch_per_gpu));
+  log_rank0().info("{}", e.line());
   const double have = available_bytes_per_rank();
-  if (have > 0 && need > have) {
-    throw ConfigError(str("this config needs at least ", human_bytes(need), " per rank (model state ",
-                          human_bytes(model_bytes), ", one step's activations ", human_bytes(activation_bytes),
-                          " at train_micro_batch_size_per_gpu ", batch.micro_batch_per_gpu,
-                          ") but about ", human_bytes(have),
-                          " is available to each rank on this host: lower train_micro_batch_size_per_gpu, "
-                          "model.seq_len or the model's size (model.n_layer, model.d_model, model.d_ff)"));
+  const MemoryEstimateRow& row = e.configured();
+  if (have > 0 && static_cast<double>(row.peak_bytes) > have) {
+    const std::string change = cheapest_fitting_change(e, static_cast<int64_t>(have));
+    throw ConfigError(str("this config needs about ", human_bytes(static_cast<double>(row.peak_bytes)),
+                          " per rank (", e.line(), ") but about ", human_bytes(have),
+                          " is available to each rank on this host: ",
+                          change.empty() ? "no ZeRO stage or checkpointing policy fits; lower "
+                                           "train_micro_batch_size_per_gpu, model.seq_len or the model's size "
+                                           "(model.n_layer, model.d_model, model.d_ff)"
+                                         : "the cheapest change that fits: " + change,
+                          ". remat-estimate prints the whole table"));
   }
+  return e;
 }
 
 Progress::Progress(int64_t first, int64_t total, int64_t every, bool enabled)

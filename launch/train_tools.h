@@ -7,16 +7,21 @@
 #include <string>
 
 #include "engine/config.h"
+#include "engine/memory_estimate.h"
 
 namespace remat {
 
 std::string human_bytes(double bytes);
 
-// A lower bound of what one rank needs for the GPT of `c` (fp32 parameters,
-// gradients and AdamW's moments as sharded by the ZeRO stage, each block's
-// input and the logits): a ConfigError naming the keys to change when it
-// exceeds the host memory available to each rank.
-void check_memory_estimate(const Config& c, const BatchSizes& batch, int64_t vocab, int dp);
+// Host memory available to this process: MemAvailable shared by the ranks on
+// this host (Open MPI's local size); 0 when unknown.
+double available_bytes_per_rank();
+
+// The cold estimate of the GPT of `c` at `world_size` ranks
+// (engine/memory_estimate.h), its line logged; a ConfigError naming the
+// cheapest change that fits when its peak exceeds the host memory available
+// to each rank.
+MemoryEstimate check_memory_estimate(const Config& c, const BatchSizes& batch, int64_t vocab, int world_size);
 
 // A resumed run's --metrics file keeps only the lines of the steps up to the
 // one it resumed at (rewritten beside it, then renamed over it; a device or

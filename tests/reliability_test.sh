@@ -279,7 +279,7 @@ outcome "a bad REMAT_FAULT_SAVE_PAUSE_MS is refused at start" error \
 
 # B3. A step that cannot fit in memory is refused before anything is built.
 expect "a micro-batch beyond the machine's memory is refused with the estimate" \
-  "is available to each rank on this host: lower train_micro_batch_size_per_gpu" \
+  "is available to each rank on this host: no ZeRO stage or checkpointing policy fits; lower train_micro_batch_size_per_gpu" \
   "${tiny[@]}" --set train_micro_batch_size_per_gpu=2000000000
 
 # B1. A stalled rank (SIGSTOP) at several points of a ZeRO-3 step ends the job

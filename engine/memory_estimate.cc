@@ -1,0 +1,482 @@
+#include "engine/memory_estimate.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "runtime/error.h"
+
+namespace remat {
+namespace {
+
+const std::vector<std::string> kPolicies = {"none", "selective_op", "every_k", "auto", "full"};
+
+std::string mib(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f", static_cast<double>(bytes) / 1048576.0);
+  return buf;
+}
+
+size_t column_of(const BlockCosts& costs, BlockChoice choice) {
+  auto it = std::find(costs.choices.begin(), costs.choices.end(), choice);
+  REMAT_CHECK(it != costs.choices.end(), "memory estimate: the costs have no column ", block_choice_name(choice));
+  return static_cast<size_t>(it - costs.choices.begin());
+}
+
+bool has_column(const BlockCosts& costs, BlockChoice choice) {
+  return std::find(costs.choices.begin(), costs.choices.end(), choice) != costs.choices.end();
+}
+
+// Optimizer state bytes per trainable element of the optimizer's type.
+int64_t optimizer_bytes_per_element(const OptimizerConfig& o) {
+  if (o.type == "SGD") return o.momentum > 0 ? 4 : 0;
+  return 8;  // AdamW, Adam: two moments
+}
+
+// The model state of one stage, per rank.
+struct StateBytes {
+  int64_t params = 0, grads = 0, optimizer = 0, gathered = 0, comm = 0;
+  int64_t full_trainable = 0;  // every trainable parameter's bytes (a stage-0 backward's gradients)
+};
+
+StateBytes state_bytes(const MemoryEstimateInputs& in, const Config& config, int stage, int n) {
+  const auto& z = config.zero_optimization;
+  const int64_t eb = in.element_bytes;
+  const int64_t per_opt = optimizer_bytes_per_element(config.optimizer);
+  auto shard = [n](int64_t numel) { return (numel + n - 1) / n; };
+  StateBytes s;
+  int64_t all = 0, trainable = 0, local_trainable = 0;
+  std::map<int, int64_t> unit_sharded;  // block -> its non-persistent elements (stage 3 gathers them)
+  for (const ParameterSize& p : in.parameters) {
+    all += p.numel;
+    if (p.trainable) trainable += p.numel;
+    if (stage == 3) {
+      const bool persistent = p.numel < z.stage3_param_persistence_threshold;
+      const int64_t local = persistent ? p.numel : shard(p.numel);
+      s.params += local * eb;
+      if (p.trainable) local_trainable += local;
+      if (!persistent && p.unit >= 0) unit_sharded[p.unit] += p.numel;
+    }
+  }
+  s.full_trainable = trainable * eb;
+  if (stage < 3) s.params = all * eb;
+  switch (stage) {
+    case 0:
+      s.grads = trainable * eb;
+      s.optimizer = trainable * per_opt;
+      break;
+    case 1:
+    case 2:
+      // Each gradient is moved into its bucket's flat buffer; the rank keeps its shard.
+      s.grads = trainable * eb + shard(trainable) * eb;
+      s.optimizer = shard(trainable) * per_opt;
+      s.comm = std::min<int64_t>(trainable, z.reduce_bucket_size) * eb;
+      break;
+    default: {
+      s.grads = local_trainable * eb;
+      s.optimizer = local_trainable * per_opt;
+      // The unit computing and the one prefetched beside it (the next in
+      // forward, the previous in backward).
+      int64_t pair = 0;
+      for (auto it = unit_sharded.begin(); it != unit_sharded.end(); ++it) {
+        auto next = std::next(it);
+        const bool adjacent = next != unit_sharded.end() && next->first == it->first + 1;
+        const bool prefetched = adjacent && next->second <= z.stage3_prefetch_bucket_size;
+        pair = std::max(pair, it->second + (prefetched ? next->second : 0));
+      }
+      s.gathered = pair * eb;
+      s.comm = s.gathered;
+      break;
+    }
+  }
+  return s;
+}
+
+std::vector<size_t> every_k_columns(const BlockCosts& costs, const Config& config, bool offload) {
+  const auto& ac = config.activation_checkpointing;
+  const int k = ac.variant == CheckpointVariant::kSelectiveLayer ? ac.every_k : 2;
+  const size_t n = costs.blocks.size();
+  const size_t ck = column_of(costs, offload ? BlockChoice::kFullOffload : BlockChoice::kFull);
+  const size_t keep = column_of(costs, offload ? BlockChoice::kOffloadActivations : BlockChoice::kKeep);
+  std::vector<size_t> cols(n, keep);
+  for (size_t i = 0; i < n; ++i) {
+    const size_t from = ac.every_k_from == EveryKFrom::kFirst ? i : n - 1 - i;
+    if (from % static_cast<size_t>(k) == 0) cols[i] = ck;
+  }
+  return cols;
+}
+
+std::string plan_text(const BlockCosts& costs, const std::vector<size_t>& cols) {
+  std::string out, prev;
+  int run = 0;
+  auto flush = [&] {
+    if (run > 0) out += (out.empty() ? "" : " ") + prev + "x" + std::to_string(run);
+  };
+  for (size_t c : cols) {
+    const std::string name = block_choice_name(costs.choices[c]);
+    if (name != prev) {
+      flush();
+      prev = name;
+      run = 0;
+    }
+    ++run;
+  }
+  flush();
+  return out;
+}
+
+}  // namespace
+
+MemoryEstimate estimate_memory(const Config& config, int world_size, const MemoryEstimateInputs& in) {
+  const int tp = config.tensor_parallel.size;
+  if (world_size < 1 || world_size % tp != 0) {
+    throw ConfigError(str("memory estimate: ", world_size, " ranks do not divide into tensor_parallel.size ", tp,
+                          ": give a number of ranks that is a multiple of it"));
+  }
+  REMAT_CHECK(!in.activations.blocks.empty(), "memory estimate: the model has no blocks");
+  MemoryEstimate e;
+  e.mode = in.mode;
+  e.world_size = world_size;
+  e.tp = tp;
+  e.dp = world_size / tp;
+  const int hybrid = config.zero_optimization.hybrid_shard_size;
+  const bool use_hybrid = hybrid > 0 && hybrid < e.dp;
+  e.shard_group = use_hybrid ? hybrid : e.dp;
+  const BlockCosts& costs = in.activations;
+  const size_t n = costs.blocks.size();
+  const auto& ac = config.activation_checkpointing;
+  const bool offload_configured = config.activation_offloading.enabled || ac.cpu_checkpointing;
+  const std::string configured_policy = [&] {
+    switch (ac.variant) {
+      case CheckpointVariant::kNone: return std::string("none");
+      case CheckpointVariant::kFull: return std::string("full");
+      case CheckpointVariant::kSelectiveLayer: return std::string("every_k");
+      case CheckpointVariant::kSelectiveOp: return std::string("selective_op");
+      default: return std::string("auto");
+    }
+  }();
+  std::vector<size_t> keep_cols(n, column_of(costs, BlockChoice::kKeep));
+  const int64_t keep_peak = predict_peak(costs, keep_cols);
+
+  std::vector<std::pair<int, bool>> stages = {{0, false}, {1, false}, {2, false}, {3, false}};
+  if (use_hybrid) {
+    for (int s = 1; s <= 3; ++s) stages.push_back({s, true});
+  }
+  for (const auto& [stage, hyb] : stages) {
+    const int group = hyb ? hybrid : e.dp;
+    const StateBytes st = state_bytes(in, config, stage, group);
+    // What the activations add to the state: a live profile already holds a
+    // whole-model backward's gradients.
+    const int64_t grads_term = in.gradients_in_activations ? st.grads - st.full_trainable : st.grads;
+    const int64_t fixed = st.params + st.optimizer + in.other_bytes + st.gathered;
+    for (bool offload : {false, true}) {
+      for (const std::string& policy : kPolicies) {
+        if (offload && policy == "selective_op") continue;  // no offloading variant of it
+        if (offload && (!has_column(costs, BlockChoice::kFullOffload) ||
+                        !has_column(costs, BlockChoice::kOffloadActivations))) {
+          continue;
+        }
+        MemoryEstimateRow r;
+        r.stage = stage;
+        r.hybrid = hyb;
+        r.policy = policy;
+        r.offload = offload;
+        r.configured = policy == configured_policy && offload == offload_configured && stage ==
+                       config.zero_optimization.stage && (stage == 0 || hyb == use_hybrid);
+        std::vector<size_t> cols(n);
+        const BlockChoice keep = offload ? BlockChoice::kOffloadActivations : BlockChoice::kKeep;
+        const BlockChoice full = offload ? BlockChoice::kFullOffload : BlockChoice::kFull;
+        if (policy == "none") {
+          std::fill(cols.begin(), cols.end(), column_of(costs, keep));
+        } else if (policy == "full") {
+          std::fill(cols.begin(), cols.end(), column_of(costs, full));
+        } else if (policy == "selective_op") {
+          std::fill(cols.begin(), cols.end(), column_of(costs, BlockChoice::kSelectiveOp));
+        } else if (policy == "every_k") {
+          cols = every_k_columns(costs, config, offload);
+        } else {
+          // auto: the configured budget when the variant is auto, else half
+          // the peak with every block kept; a whole-device budget leaves
+          // what the state and gradients take.
+          int64_t budget = keep_peak / 2;
+          if (ac.variant == CheckpointVariant::kAuto) {
+            if (ac.memory_budget_bytes) budget = *ac.memory_budget_bytes;
+            if (ac.memory_budget_fraction) budget = static_cast<int64_t>(*ac.memory_budget_fraction * keep_peak);
+            if (ac.device_memory_budget_bytes) budget = *ac.device_memory_budget_bytes - fixed - grads_term;
+          }
+          BlockCosts choices = costs;
+          if (!offload) {  // the offloading choices only in the offloading rows
+            std::vector<size_t> allowed;
+            for (size_t c = 0; c < costs.choices.size(); ++c) {
+              if (costs.choices[c] != BlockChoice::kFullOffload && costs.choices[c] != BlockChoice::kOffloadActivations) {
+                allowed.push_back(c);
+              }
+            }
+            choices.choices.clear();
+            for (size_t c : allowed) choices.choices.push_back(costs.choices[c]);
+            for (size_t i = 0; i < n; ++i) {
+              choices.blocks[i].clear();
+              for (size_t c : allowed) choices.blocks[i].push_back(costs.blocks[i][c]);
+            }
+          }
+          try {
+            ActivationPlan plan = solve_activation_plan(choices, budget);
+            for (size_t i = 0; i < n; ++i) cols[i] = column_of(costs, plan.choices[i]);
+          } catch (const Error&) {
+            r.feasible = false;
+            std::fill(cols.begin(), cols.end(), column_of(costs, full));
+          }
+        }
+        if (policy == "every_k" || policy == "auto") r.plan = plan_text(costs, cols);
+        int64_t host = 0;
+        if (!in.host_bytes.empty()) {
+          for (size_t i = 0; i < n; ++i) host += in.host_bytes[i][cols[i]];
+        }
+        r.parameter_bytes = st.params;
+        r.gradient_bytes = st.grads;
+        r.optimizer_bytes = st.optimizer;
+        r.gathered_bytes = st.gathered;
+        r.comm_bytes = st.comm;
+        r.other_bytes = in.other_bytes;
+        r.activation_bytes = predict_peak(costs, cols);
+        r.host_bytes = host;
+        // The activation phase, or the optimizer's step (the state, the
+        // gradients and one parameter's update temporaries).
+        r.peak_bytes = std::max(fixed + r.activation_bytes + grads_term, st.params + st.optimizer + st.grads) +
+                       (in.host_is_device ? host : 0);
+        e.rows.push_back(std::move(r));
+      }
+    }
+  }
+  return e;
+}
+
+const MemoryEstimateRow& MemoryEstimate::configured() const {
+  for (const auto& r : rows) {
+    if (r.configured) return r;
+  }
+  throw Error("memory estimate: no row matches the configuration");
+}
+
+const MemoryEstimateRow& MemoryEstimate::row(int stage, const std::string& policy, bool offload) const {
+  const bool hybrid = shard_group < dp;
+  for (const auto& r : rows) {
+    if (r.stage == stage && r.policy == policy && r.offload == offload && (stage == 0 || r.hybrid == hybrid)) return r;
+  }
+  throw Error(str("memory estimate: no row for stage ", stage, " policy ", policy, offload ? " offloaded" : ""));
+}
+
+std::string MemoryEstimate::table() const {
+  std::ostringstream o;
+  o << "Estimated memory per rank (" << mode << "), " << world_size << " ranks = dp " << dp << " x tp " << tp
+    << (shard_group < dp ? str(", hybrid shards of ", shard_group) : std::string()) << ", MiB; * the configuration\n";
+  char line[512];
+  std::snprintf(line, sizeof line, "  %-5s %-13s %-7s %10s %10s %10s %10s %10s %10s %10s %10s  %s\n", "stage",
+                "policy", "offload", "params", "grads", "optimizer", "gathered", "activation", "host", "comm",
+                "peak", "plan");
+  o << line;
+  for (const auto& r : rows) {
+    const std::string stage = str(r.configured ? "*" : " ", r.stage, r.hybrid ? "h" : "");
+    std::snprintf(line, sizeof line, "  %-5s %-13s %-7s %10s %10s %10s %10s %10s %10s %10s %10s  %s%s\n",
+                  stage.c_str(), r.policy.c_str(), r.offload ? "on" : "off", mib(r.parameter_bytes).c_str(),
+                  mib(r.gradient_bytes).c_str(), mib(r.optimizer_bytes).c_str(), mib(r.gathered_bytes).c_str(),
+                  mib(r.activation_bytes).c_str(), mib(r.host_bytes).c_str(), mib(r.comm_bytes).c_str(),
+                  mib(r.peak_bytes).c_str(), r.feasible ? "" : "(no plan fits its budget) ", r.plan.c_str());
+    o << line;
+  }
+  o << "  activation: the step's activation peak above the state (" << (mode == "live" ? "a whole-model backward's "
+       "gradients included; grads: the stage's peak" : "gradients apart")
+    << "); comm: buffers inside grads (stages 1-2 bucket) and gathered (stage 3); peak: what one rank holds at once\n";
+  return o.str();
+}
+
+std::string MemoryEstimate::line() const {
+  const MemoryEstimateRow& r = configured();
+  return str("memory estimate (", mode, "): peak ", mib(r.peak_bytes), " MiB per rank = parameters ",
+             mib(r.parameter_bytes), " + gradients ", mib(r.gradient_bytes), " + optimizer state ",
+             mib(r.optimizer_bytes), " + gathered units ", mib(r.gathered_bytes), " + activations ",
+             mib(r.activation_bytes), r.host_bytes > 0 ? str(" (host ", mib(r.host_bytes), ")") : std::string(),
+             " (ZeRO stage ", r.stage, r.hybrid ? " hybrid" : "", ", ", r.policy, r.plan.empty() ? "" : " ", r.plan,
+             ")");
+}
+
+nlohmann::json MemoryEstimate::to_json() const {
+  nlohmann::json rows_json = nlohmann::json::array();
+  for (const auto& r : rows) {
+    rows_json.push_back({{"stage", r.stage}, {"hybrid", r.hybrid}, {"policy", r.policy}, {"offload", r.offload},
+                         {"configured", r.configured}, {"feasible", r.feasible}, {"plan", r.plan},
+                         {"parameter_bytes", r.parameter_bytes}, {"gradient_bytes", r.gradient_bytes},
+                         {"optimizer_bytes", r.optimizer_bytes}, {"gathered_bytes", r.gathered_bytes},
+                         {"activation_bytes", r.activation_bytes}, {"host_bytes", r.host_bytes},
+                         {"comm_bytes", r.comm_bytes}, {"other_bytes", r.other_bytes},
+                         {"peak_bytes", r.peak_bytes}});
+  }
+  return {{"mode", mode}, {"world_size", world_size}, {"dp", dp}, {"tp", tp}, {"shard_group", shard_group},
+          {"rows", rows_json}};
+}
+
+std::string cheapest_fitting_change(const MemoryEstimate& e, int64_t have) {
+  const MemoryEstimateRow& now = e.configured();
+  const std::vector<std::string> order = {"none", "selective_op", "every_k", "full"};
+  auto rank = [&](const std::string& p) {
+    return static_cast<int>(std::find(order.begin(), order.end(), p) - order.begin());
+  };
+  auto fits = [&](const MemoryEstimateRow& r) { return r.feasible && r.peak_bytes <= have; };
+  auto keys = [&](const MemoryEstimateRow& r) {
+    std::vector<std::string> k;
+    if (r.stage != now.stage) k.push_back(str("zero_optimization.stage=", r.stage));
+    if (r.policy != now.policy) {
+      k.push_back(str("activation_checkpointing.variant=",
+                      r.policy == "every_k" ? "selective_layer" : r.policy));
+    }
+    if (r.offload != now.offload) k.push_back(str("activation_offloading.enabled=", r.offload ? "true" : "false"));
+    std::string out;
+    for (const auto& s : k) out += (out.empty() ? "" : " ") + s;
+    return str(out, " (estimated peak ", mib(r.peak_bytes), " MiB)");
+  };
+  // 1. Another policy at this stage, cheapest recompute first.
+  const MemoryEstimateRow* best = nullptr;
+  for (const auto& r : e.rows) {
+    if (r.stage != now.stage || r.hybrid != now.hybrid || r.offload != now.offload || r.policy == "auto") continue;
+    if (fits(r) && rank(r.policy) > rank(now.policy) && (!best || rank(r.policy) < rank(best->policy))) best = &r;
+  }
+  // 2. A higher stage with this policy.
+  const MemoryEstimateRow* stage_best = nullptr;
+  for (const auto& r : e.rows) {
+    if (r.policy != now.policy || r.offload != now.offload || r.stage <= now.stage) continue;
+    if (fits(r) && (!stage_best || r.stage < stage_best->stage)) stage_best = &r;
+  }
+  std::vector<std::string> options;
+  if (stage_best) options.push_back(keys(*stage_best));
+  if (best) options.push_back(keys(*best));
+  // 3. A whole-device budget for the planner at this stage (or the highest).
+  for (int stage : {now.stage, 3}) {
+    const MemoryEstimateRow& full = e.row(stage, "full", now.offload);
+    if (full.peak_bytes <= have) {
+      options.push_back(str(stage != now.stage ? str("zero_optimization.stage=", stage, " ") : std::string(),
+                            "activation_checkpointing.variant=auto activation_checkpointing.device_memory_budget_bytes=",
+                            have, " (the planner keeps what fits)"));
+      break;
+    }
+  }
+  std::string out;
+  for (const auto& o : options) out += (out.empty() ? "" : "; or ") + o;
+  return out;
+}
+
+MemoryEstimateInputs cold_gpt_inputs(const Config& config, int64_t vocab_size, int64_t micro_batch) {
+  const auto& m = config.model;
+  const int64_t tp = config.tensor_parallel.size;
+  const int64_t B = micro_batch, T = m.seq_len, C = m.d_model, H = m.n_head / tp, F = m.d_ff / tp, V = vocab_size,
+                L = m.n_layer;
+  MemoryEstimateInputs in;
+  in.mode = "cold";
+  in.gradients_in_activations = false;
+  in.host_is_device = true;  // the CPU build; a GPU run's host copies are apart
+  // Parameters (models/gpt.h): the embeddings, per block LayerNorms, qkv,
+  // proj, fc1, fc2 (the column-parallel ones split over tp), ln_f and head.
+  auto add = [&](int64_t numel, int unit) { in.parameters.push_back({numel, true, unit}); };
+  add((V + tp - 1) / tp * C, -1);
+  add(T * C, -1);
+  for (int u = 0; u < L; ++u) {
+    add(C, u), add(C, u);                      // ln1
+    add(C * 3 * C / tp, u), add(3 * C / tp, u);  // qkv
+    add(C / tp * C, u), add(C, u);             // proj
+    add(C, u), add(C, u);                      // ln2
+    add(C * F, u), add(F, u);                  // fc1
+    add(F * C, u), add(C, u);                  // fc2
+  }
+  add(C, -1), add(C, -1);                      // ln_f
+  add(C * ((V + tp - 1) / tp), -1);            // head
+  // Activations, float32, per block (B batch, T time, C width, H heads and F
+  // MLP width on this rank): LayerNorm outputs and statistics, q|k|v, the
+  // softmax output and the dropped-out probabilities, the attention output,
+  // the residual, fc1 and GELU outputs, and the dropout masks (ATen's CPU
+  // dropout keeps float32 masks of the input's size). selective_op keeps the
+  // projections' outputs; a full checkpoint its input alone.
+  // In double, saturated: absurd sizes give absurd estimates, not overflows.
+  const double b = static_cast<double>(B), t = static_cast<double>(T), btc = b * t * C, bhtt = b * H * t * t,
+               btf = b * t * F;
+  auto bytes = [](double x) { return static_cast<int64_t>(std::min(x, 0x1p50)); };
+  const int64_t block = bytes(4 * (7 * btc + 4 * b * t + 2 * bhtt + 2 * btf) + 4 * (bhtt + 2 * btc));
+  const int64_t boundary = bytes(4 * btc);
+  const int64_t kept = bytes(4 * (3 * btc + btc + btf + btc));
+  // The embeddings (ids, dropout mask) and the head (the last output, ln_f
+  // statistics and output, the log-softmax output).
+  const int64_t ends = bytes(8 * (b * t + t) + 4 * btc + 4 * (btc + 2 * b * t + btc + b * t * V));
+  BlockCosts& c = in.activations;
+  c.choices = {BlockChoice::kKeep, BlockChoice::kSelectiveOp, BlockChoice::kFull, BlockChoice::kFullOffload,
+               BlockChoice::kOffloadActivations};
+  for (int64_t i = 0; i < L; ++i) {
+    std::vector<ChoiceCost> row(5);
+    row[0].held_bytes = boundary + block;
+    row[1].held_bytes = boundary + kept;
+    row[2].held_bytes = boundary;
+    row[3].held_bytes = 0;  // the input moves to the host
+    row[4].held_bytes = 0;  // everything it saves moves to the host
+    for (auto& x : row) x.forward_peak_bytes = boundary + block;
+    row[0].transient_bytes = 0;
+    row[1].transient_bytes = block;
+    row[2].transient_bytes = block;
+    row[3].transient_bytes = block + boundary;  // restored, then recomputed
+    row[4].transient_bytes = boundary + block;  // restored
+    // No time is measured cold: a block's recompute in units of its
+    // forward (selective_op recomputes the cheap ops only), so that the auto
+    // row prefers keeping, then selective_op, then full.
+    row[1].extra_cpu_ms = row[1].extra_wall_ms = 0.3;
+    row[2].extra_cpu_ms = row[2].extra_wall_ms = 1.0;
+    row[3].extra_cpu_ms = row[3].extra_wall_ms = 1.1;
+    row[4].extra_cpu_ms = row[4].extra_wall_ms = 0.2;
+    c.blocks.push_back(row);
+    in.host_bytes.push_back({0, 0, 0, boundary, boundary + block});
+  }
+  c.forward_base = ends;
+  c.forward_live_base = bytes(8 * (b * t + t) + 4 * btc);
+  c.backward_base = ends;
+  c.fixed_peak = ends;
+  c.keep_peak = predict_peak(c, std::vector<size_t>(static_cast<size_t>(L), 0));
+  return in;
+}
+
+MemoryEstimateInputs live_inputs(torch::nn::Module& model, const std::string& blocks,
+                                 const std::function<void()>& step) {
+  MemoryEstimateInputs in;
+  in.mode = "live";
+  in.gradients_in_activations = true;
+  // Which block each parameter belongs to: by address, through the block list.
+  std::map<const void*, int> unit_of;
+  std::shared_ptr<torch::nn::Module> list;
+  for (const auto& item : model.named_modules()) {
+    if (item.key() == blocks) list = item.value();
+  }
+  if (!list) throw ConfigError(str("memory estimate: the model has no module '", blocks, "' (the block list)"));
+  int u = 0;
+  for (const auto& block : list->children()) {
+    for (const auto& p : block->parameters()) unit_of[p.unsafeGetTensorImpl()] = u;
+    ++u;
+  }
+  in.host_is_device = true;
+  for (const auto& p : model.parameters()) {
+    auto it = unit_of.find(p.unsafeGetTensorImpl());
+    in.parameters.push_back({p.numel(), p.requires_grad(), it == unit_of.end() ? -1 : it->second});
+    in.element_bytes = static_cast<int64_t>(p.element_size());
+    if (!p.device().is_cpu()) in.host_is_device = false;
+  }
+  for (const auto& b : model.buffers()) in.other_bytes += static_cast<int64_t>(b.nbytes());
+  PlannerOptions options;
+  options.blocks = blocks;
+  options.rounds = 1;
+  options.choices = {BlockChoice::kSelectiveOp, BlockChoice::kFull, BlockChoice::kFullOffload,
+                     BlockChoice::kOffloadActivations};
+  in.activations = profile_activation_choices(model, step, options);
+  return in;
+}
+
+}  // namespace remat

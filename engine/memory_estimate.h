@@ -1,0 +1,119 @@
+// Will a configuration fit, and what holds its peak? Per rank: parameters,
+// gradients, optimizer state, gathered ZeRO-3 units, activations under each
+// checkpointing choice and offloaded host bytes, for every ZeRO stage x
+// policy x offloading, with the configured one marked.
+//
+//   // cold: from the config's sizes, nothing built (the GPT of models/gpt.h)
+//   remat::MemoryEstimate e = remat::estimate_memory(config, /*world_size=*/8,
+//       remat::cold_gpt_inputs(config, vocab, micro_batch));
+//   // live: any model, its parameters read and one step profiled on this rank
+//   remat::MemoryEstimate e = remat::estimate_memory(config, 8,
+//       remat::live_inputs(*model, "blocks", [&] { model->loss(x, y).backward(); }));
+//   std::cout << e.table();
+//
+// The model (docs/memory.md, "The estimator"): per rank,
+//   peak = parameters + optimizer state + activation peak + gradients
+//          + gathered units
+// where the activation peak is the planner's peak model (checkpointing/
+// planner.h) over per-block costs that are measured (live: the planner's
+// profile, which sees the gradients of a whole-model backward) or derived
+// from the block's saved tensors (cold); the model state follows each stage's
+// sharding rules over the parameters' sizes.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "checkpointing/planner.h"
+#include "engine/config.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace remat {
+
+// One parameter as the sharding sees it.
+struct ParameterSize {
+  int64_t numel = 0;
+  bool trainable = true;
+  int unit = -1;  // its block's index; -1: outside the blocks (the root unit)
+};
+
+// What an estimate is computed from.
+struct MemoryEstimateInputs {
+  std::string mode;  // "cold" or "live"
+  std::vector<ParameterSize> parameters;
+  int64_t element_bytes = 4;  // float32 parameters
+  // Per block, columns keep, selective_op, full, full_offload,
+  // offload_activations (planner.h), and the bases of the peak model. Cold
+  // costs leave the gradients out (gradients_in_activations false); a live
+  // profile's backward allocates them (true).
+  BlockCosts activations;
+  bool gradients_in_activations = false;
+  // Host bytes each column moves off the device per block (cold; a live
+  // profile on the CPU measures them as device bytes: the host is the device).
+  std::vector<std::vector<int64_t>> host_bytes;  // [block][column]
+  // The model lives on the CPU: offloaded copies count in the same memory.
+  bool host_is_device = true;
+  // Live: bytes the step's start held beyond the parameters and optimizer
+  // state (buffers, data); cold: 0.
+  int64_t other_bytes = 0;
+};
+
+// One configuration's prediction, per rank.
+struct MemoryEstimateRow {
+  int stage = 0;
+  bool hybrid = false;
+  std::string policy;  // none, full, every_k, selective_op, auto
+  bool offload = false;
+  bool configured = false;
+  bool feasible = true;  // auto: a plan fits its budget
+  std::string plan;      // the per-block choices (every_k, auto)
+  int64_t parameter_bytes = 0, gradient_bytes = 0, optimizer_bytes = 0, gathered_bytes = 0;
+  int64_t activation_bytes = 0, host_bytes = 0, comm_bytes = 0, other_bytes = 0;
+  int64_t peak_bytes = 0;  // what the device (the host, for a CPU model) must hold at once
+};
+
+struct MemoryEstimate {
+  std::string mode;
+  int world_size = 1, dp = 1, tp = 1, shard_group = 1;
+  std::vector<MemoryEstimateRow> rows;
+
+  // The configured row (an Error when the configuration has none: variant
+  // auto whose budget no plan fits is still a row, marked infeasible).
+  const MemoryEstimateRow& configured() const;
+  // The row of `stage`, `policy`, `offload` (hybrid at stages 1-3 when the config shards hybrid).
+  const MemoryEstimateRow& row(int stage, const std::string& policy, bool offload = false) const;
+  // A table like DeepSpeed's estimators print, the configured row marked '*'.
+  std::string table() const;
+  // One line for the configured row (remat-train prints it at start).
+  std::string line() const;
+  nlohmann::json to_json() const;
+};
+
+// Every stage (0-3; 1-3 hybrid too when the config sets hybrid_shard_size)
+// x none, full, every_k, selective_op, auto x offloading off/on for `config`
+// at `world_size` ranks. auto uses the config's budget when its variant is
+// auto, else memory_budget_fraction 0.5.
+MemoryEstimate estimate_memory(const Config& config, int world_size, const MemoryEstimateInputs& inputs);
+
+// The GPT of models/gpt.h from the config's sizes (model section, vocabulary
+// and micro-batch), at its tensor-parallel size: nothing is built.
+MemoryEstimateInputs cold_gpt_inputs(const Config& config, int64_t vocab_size, int64_t micro_batch);
+
+// Any model: its parameters as they are, its activations profiled by running
+// `step` (one forward and backward on the real micro-batch, on one rank,
+// without sharding) under every block choice (profile_activation_choices).
+MemoryEstimateInputs live_inputs(torch::nn::Module& model, const std::string& blocks,
+                                 const std::function<void()>& step);
+
+// The cheapest change to `config` whose row fits `have` bytes per rank (the
+// configured stage under another policy, then another stage, then a memory
+// budget), as the keys to set; empty when none fits.
+std::string cheapest_fitting_change(const MemoryEstimate& estimate, int64_t have);
+
+}  // namespace remat

@@ -1,0 +1,107 @@
+// remat-estimate: will remat-train's configuration fit, before running it?
+// Per rank, for every ZeRO stage x checkpointing policy x offloading: the
+// parameters, gradients, optimizer state, gathered units, activations, host
+// bytes and the peak (engine/memory_estimate.h), the configured row marked.
+//
+//   remat-estimate [--config ds_config.json] [--set key=value ...] [-np N] [--live] [--json FILE]
+//
+// cold (the default): from the config's sizes, nothing built; --live builds
+// the GPT on this process and profiles one step under every block choice.
+#include <ATen/ATen.h>
+#include <CLI/CLI.hpp>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+
+#include "data/dataset.h"
+#include "engine/config.h"
+#include "engine/memory_estimate.h"
+#include "launch/train_tools.h"
+#include "models/gpt.h"
+#include "runtime/error.h"
+#include "runtime/runtime.h"
+
+namespace remat {
+namespace {
+
+int estimate(int argc, char** argv) {
+  CLI::App app{"remat-estimate: the memory remat-train's configuration needs per rank, before running it"};
+  std::string config_path, json_path;
+  std::vector<std::string> overrides;
+  int ranks = 1;
+  bool live = false;
+  app.add_option("--config", config_path, "JSON configuration (default: the embedded one)");
+  app.add_option("--set", overrides, "override a key: --set model.n_layer=8 (repeatable)");
+  app.add_option("-n,--np,--ranks", ranks, "the number of ranks the run would have (data x tensor parallel)")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--live", live, "build the model on this process and profile one step (else: from the sizes alone)");
+  app.add_option("--json", json_path, "also write the rows as JSON to this file");
+  // -np N, as mpirun spells it.
+  std::vector<std::string> args;
+  for (int i = argc - 1; i > 0; --i) args.push_back(std::string(argv[i]) == "-np" ? "--np" : argv[i]);
+  try {
+    app.parse(args);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  const Config config = config_path.empty() ? parse_config(default_config_text(), "<embedded default>", overrides)
+                                            : load_config(config_path, overrides);
+  if (ranks % config.tensor_parallel.size != 0) {
+    throw ConfigError(str("-np ", ranks, " is not a multiple of tensor_parallel.size ", config.tensor_parallel.size,
+                          ": give a number of ranks that is"));
+  }
+  const int dp = ranks / config.tensor_parallel.size;
+  const BatchSizes batch = config.resolve_batch(dp);
+  data::Dataset data = data::Dataset::load(config.data.path, config.data.train_fraction, config.model.seq_len);
+  MemoryEstimateInputs inputs;
+  if (live) {
+    if (config.tensor_parallel.size != 1) {
+      throw ConfigError(str("--live builds the model on this one process, without tensor parallelism, but "
+                            "tensor_parallel.size is ", config.tensor_parallel.size,
+                            ": estimate it cold (without --live), or with --set tensor_parallel.size=1"));
+    }
+    at::manual_seed(static_cast<uint64_t>(config.train.seed));
+    models::GptOptions options;
+    options.shape = config.model;
+    options.vocab_size = data.vocab_size();
+    models::Gpt model(options);
+    model->train();
+    auto [x, y] = data.train_batch(static_cast<uint64_t>(config.train.seed), 0, 0, batch.micro_batch_per_gpu);
+    inputs = live_inputs(*model, "blocks", [&, x = x, y = y] { model->loss(x, y).backward(); });
+  } else {
+    inputs = cold_gpt_inputs(config, data.vocab_size(), batch.micro_batch_per_gpu);
+  }
+  const MemoryEstimate e = estimate_memory(config, ranks, inputs);
+  std::cout << e.table() << e.line() << "\n";
+  const double have = available_bytes_per_rank();
+  if (have > 0) {
+    const int64_t peak = e.configured().peak_bytes;
+    std::cout << "this host has about " << human_bytes(have) << " per rank for " << ranks << " ranks: the "
+              << "configuration " << (peak <= have ? "fits" : "does not fit");
+    if (peak > have) {
+      const std::string change = cheapest_fitting_change(e, static_cast<int64_t>(have));
+      std::cout << (change.empty() ? "; no row of the table fits: lower the batch size or the model's size"
+                                   : "; the cheapest change that fits: " + change);
+    }
+    std::cout << "\n";
+  }
+  if (!json_path.empty()) {
+    std::ofstream out(json_path);
+    out << e.to_json().dump(1) << "\n";
+    if (!out) {
+      throw ConfigError(str("cannot write --json file '", json_path, "' (", std::strerror(errno),
+                            "): give a writable path"));
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace remat
+
+int main(int argc, char** argv) {
+  return remat::run_main([&] { return remat::estimate(argc, argv); });
+}
