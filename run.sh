@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 tools/install_deps.sh
-bazel build //launch:remat-train //launch:remat-run 2>&1 | grep -E '^(ERROR|FAILED)|error:' || true
+bazel build //launch:remat-train //launch:remat-run //launch:remat-estimate 2>&1 | grep -E '^(ERROR|FAILED)|error:' || true
 [[ -x bazel-bin/launch/remat-train ]] || { echo "remat: build failed: run 'bazel build //launch:remat-train'" >&2; exit 1; }
 exec bazel-bin/launch/remat-run -np "${REMAT_NP:-2}" -- \
   bazel-bin/launch/remat-train --config configs/default.json "$@"

@@ -377,9 +377,6 @@ MemoryEstimateInputs cold_gpt_inputs(const Config& config, int64_t vocab_size, i
   const int64_t B = micro_batch, T = m.seq_len, C = m.d_model, H = m.n_head / tp, F = m.d_ff / tp, V = vocab_size,
                 L = m.n_layer;
   MemoryEstimateInputs in;
-  in.mode = "cold";
-  in.gradients_in_activations = false;
-  in.host_is_device = true;  // the CPU build; a GPU run's host copies are apart
   // Parameters (models/gpt.h): the embeddings, per block LayerNorms, qkv,
   // proj, fc1, fc2 (the column-parallel ones split over tp), ln_f and head.
   auto add = [&](int64_t numel, int unit) { in.parameters.push_back({numel, true, unit}); };
@@ -404,17 +401,35 @@ MemoryEstimateInputs cold_gpt_inputs(const Config& config, int64_t vocab_size, i
   // In double, saturated: absurd sizes give absurd estimates, not overflows.
   const double b = static_cast<double>(B), t = static_cast<double>(T), btc = b * t * C, bhtt = b * H * t * t,
                btf = b * t * F;
-  auto bytes = [](double x) { return static_cast<int64_t>(std::min(x, 0x1p50)); };
-  const int64_t block = bytes(4 * (7 * btc + 4 * b * t + 2 * bhtt + 2 * btf) + 4 * (bhtt + 2 * btc));
-  const int64_t boundary = bytes(4 * btc);
-  const int64_t kept = bytes(4 * (3 * btc + btc + btf + btc));
+  auto bytes_of = [](double x) { return static_cast<int64_t>(std::min(x, 0x1p50)); };
+  const int64_t block = bytes_of(4 * (7 * btc + 4 * b * t + 2 * bhtt + 2 * btf) + 4 * (bhtt + 2 * btc));
+  const int64_t boundary = bytes_of(4 * btc);
+  const int64_t kept = bytes_of(4 * (3 * btc + btc + btf + btc));
   // The embeddings (ids, dropout mask) and the head (the last output, ln_f
   // statistics and output, the log-softmax output).
-  const int64_t ends = bytes(8 * (b * t + t) + 4 * btc + 4 * (btc + 2 * b * t + btc + b * t * V));
+  const int64_t ends = bytes_of(8 * (b * t + t) + 4 * btc + 4 * (btc + 2 * b * t + btc + b * t * V));
+  BlockActivationBytes bytes;
+  bytes.boundary = boundary;
+  bytes.saved = block;
+  bytes.selective_op = kept;
+  bytes.embedding = bytes_of(8 * (b * t + t) + 4 * btc);
+  bytes.ends = ends;
+  return cold_inputs(std::move(in.parameters), static_cast<int>(L), bytes);
+}
+
+MemoryEstimateInputs cold_inputs(std::vector<ParameterSize> parameters, int n_blocks,
+                                 const BlockActivationBytes& bytes) {
+  REMAT_CHECK(n_blocks > 0, "memory estimate: the model has no blocks");
+  MemoryEstimateInputs in;
+  in.mode = "cold";
+  in.parameters = std::move(parameters);
+  in.gradients_in_activations = false;
+  in.host_is_device = true;  // the CPU build; a GPU run's host copies are apart
+  const int64_t boundary = bytes.boundary, block = bytes.saved, kept = bytes.selective_op;
   BlockCosts& c = in.activations;
   c.choices = {BlockChoice::kKeep, BlockChoice::kSelectiveOp, BlockChoice::kFull, BlockChoice::kFullOffload,
                BlockChoice::kOffloadActivations};
-  for (int64_t i = 0; i < L; ++i) {
+  for (int i = 0; i < n_blocks; ++i) {
     std::vector<ChoiceCost> row(5);
     row[0].held_bytes = boundary + block;
     row[1].held_bytes = boundary + kept;
@@ -437,11 +452,11 @@ MemoryEstimateInputs cold_gpt_inputs(const Config& config, int64_t vocab_size, i
     c.blocks.push_back(row);
     in.host_bytes.push_back({0, 0, 0, boundary, boundary + block});
   }
-  c.forward_base = ends;
-  c.forward_live_base = bytes(8 * (b * t + t) + 4 * btc);
-  c.backward_base = ends;
-  c.fixed_peak = ends;
-  c.keep_peak = predict_peak(c, std::vector<size_t>(static_cast<size_t>(L), 0));
+  c.forward_base = bytes.ends;
+  c.forward_live_base = bytes.embedding;
+  c.backward_base = bytes.ends;
+  c.fixed_peak = bytes.ends;
+  c.keep_peak = predict_peak(c, std::vector<size_t>(static_cast<size_t>(n_blocks), 0));
   return in;
 }
 

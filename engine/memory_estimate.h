@@ -101,6 +101,20 @@ struct MemoryEstimate {
 // auto, else memory_budget_fraction 0.5.
 MemoryEstimate estimate_memory(const Config& config, int world_size, const MemoryEstimateInputs& inputs);
 
+// A cold estimate of a model remat did not build: its parameters (sizes and
+// blocks) and what one block saves for backward, in bytes, as its
+// architecture gives them (docs/memory.md derives the GPT's; the examples'
+// Llama gives its own).
+struct BlockActivationBytes {
+  int64_t boundary = 0;      // a block's input (the previous block's output)
+  int64_t saved = 0;         // what a block saves with no checkpoint, its input apart
+  int64_t selective_op = 0;  // what selective_op keeps of it (the projections' outputs), its input apart
+  int64_t embedding = 0;     // what the embeddings save (live before the first block)
+  int64_t ends = 0;          // the embeddings', the head's and the loss's saved tensors
+};
+MemoryEstimateInputs cold_inputs(std::vector<ParameterSize> parameters, int n_blocks,
+                                 const BlockActivationBytes& bytes);
+
 // The GPT of models/gpt.h from the config's sizes (model section, vocabulary
 // and micro-batch), at its tensor-parallel size: nothing is built.
 MemoryEstimateInputs cold_gpt_inputs(const Config& config, int64_t vocab_size, int64_t micro_batch);

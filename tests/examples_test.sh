@@ -244,4 +244,41 @@ EOF
   fi
 done
 
+# --- remat's memory estimate of the Llama (docs/memory.md): its cold formula
+# (examples/llama/model.cc) and a live profile, beside the measured peak of
+# step 3 at every ZeRO stage x {none, full, selective_op}: live within 10 %,
+# cold within 25 %.
+run llama_estimate llama --steps 1 --estimate-memory "$tmp/llama_estimate.json" ||
+  fail "llama --estimate-memory" "$(cat "$tmp/llama_estimate.out")"
+for stage in 0 1 2 3; do
+  for variant in none full selective_op; do
+    label="llama_mem_${stage}_$variant"
+    if ! run "$label" llama --steps 3 --set zero_optimization.stage=$stage \
+        --set activation_checkpointing.variant=$variant; then
+      fail "llama stage $stage $variant" "$(cat "$tmp/$label.out")"
+      continue
+    fi
+    if verdict=$(python3 - "$tmp/llama_estimate.json" "$tmp/$label.out" $stage $variant <<'EOF'
+import json, sys
+estimate, out, stage, policy = json.load(open(sys.argv[1])), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+line = next(l for l in open(out) if l.startswith("last step metrics: "))
+measured = json.loads(line[len("last step metrics: "):])["mem_peak_bytes"]
+ok, parts = True, []
+for mode, bound in (("cold", 0.25), ("live", 0.10)):
+    row = next(r for r in estimate[mode]["rows"]
+               if r["stage"] == stage and r["policy"] == policy and not r["offload"] and not r["hybrid"])
+    ratio = row["peak_bytes"] / measured
+    ok &= abs(ratio - 1) <= bound
+    parts.append(f"{mode} {ratio:.3f} x")
+print(f"measured {measured / 2**20:.2f} MiB, " + ", ".join(parts))
+sys.exit(0 if ok else 1)
+EOF
+    ); then
+      pass "llama memory estimate, stage $stage $variant: $verdict"
+    else
+      fail "llama memory estimate, stage $stage $variant (live within 10 %, cold within 25 %)" "$verdict"
+    fi
+  done
+done
+
 summary

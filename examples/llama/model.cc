@@ -164,4 +164,48 @@ std::pair<int64_t, int64_t> LlamaImpl::freeze_base() {
   return {trainable, frozen};
 }
 
+remat::MemoryEstimateInputs cold_memory_inputs(const LlamaOptions& o, int64_t micro_batch) {
+  const int64_t C = o.d_model, H = o.n_head, KV = o.n_kv_head, D = C / H, F = o.d_ff, V = o.vocab_size;
+  const bool lora = o.lora_rank > 0;
+  std::vector<remat::ParameterSize> params;
+  // A LoRA model trains its adapters alone (freeze_base).
+  auto linear = [&](int64_t in, int64_t out, int unit) {
+    params.push_back({in * out, !lora, unit});
+    if (lora) {
+      params.push_back({o.lora_rank * in, true, unit});
+      params.push_back({out * o.lora_rank, true, unit});
+    }
+  };
+  params.push_back({V * C, !lora, -1});  // tok_emb
+  for (int u = 0; u < o.n_layer; ++u) {
+    params.push_back({C, !lora, u});  // attn_norm
+    linear(C, H * D, u), linear(C, KV * D, u), linear(C, KV * D, u), linear(H * D, C, u);
+    params.push_back({C, !lora, u});  // mlp_norm
+    linear(C, F, u), linear(C, F, u), linear(F, C, u);
+  }
+  params.push_back({C, !lora, -1});  // norm
+  params.push_back({C * V, !lora, -1});  // lm_head
+  // Float32 bytes a block saves (B batch, T time): per RMSNorm x*rsqrt, its
+  // output and the rsqrt (BT); q and k before rotary (k at KV/H of the
+  // width), q after it, k and v as the attention's matmuls see them; the
+  // softmax output, its dropout mask and output (BHTT, ATen's CPU dropout
+  // keeping a float mask), the causal mask (TT bools); the attention output
+  // into wo; both residual dropouts' masks and the residual h; w1's and w3's
+  // outputs, SiLU's and the product into w2 (BTF).
+  const double B = static_cast<double>(micro_batch), T = static_cast<double>(o.seq_len);
+  const double r = static_cast<double>(KV) / static_cast<double>(H), btc = B * T * C, bt = B * T;
+  const double bhtt = B * H * T * T, btf = B * T * F;
+  const double kv_saved = KV == H ? 0 : r;  // k before the repeat, when there is one
+  remat::BlockActivationBytes bytes;
+  bytes.boundary = static_cast<int64_t>(4 * btc);
+  bytes.saved = static_cast<int64_t>(4 * ((12 + kv_saved) * btc + 2 * bt + 3 * bhtt + 4 * btf) + T * T);
+  // The projections' outputs: wq, wk, wv, wo, w1, w3, w2.
+  bytes.selective_op = static_cast<int64_t>(4 * ((3 + 2 * r) * btc + 2 * btf));
+  // The token ids and the embedding's dropout mask; the final norm, the
+  // log-softmax output and the targets.
+  bytes.embedding = static_cast<int64_t>(8 * bt + 4 * btc);
+  bytes.ends = bytes.embedding + static_cast<int64_t>(4 * (2 * btc + bt + B * T * V) + 8 * bt);
+  return remat::cold_inputs(std::move(params), static_cast<int>(o.n_layer), bytes);
+}
+
 }  // namespace llama

@@ -19,6 +19,8 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+
+#include "engine/memory_estimate.h"
 #include <string>
 #include <utility>
 
@@ -113,5 +115,10 @@ class LlamaImpl : public torch::nn::Module {
   torch::nn::Linear lm_head_{nullptr};
 };
 TORCH_MODULE(Llama);
+
+// What remat's cold memory estimate needs of this model (remat-estimate does
+// the same for remat's own GPT): its parameters by block, and what one block
+// saves for backward at this micro-batch, counted from the ops above.
+remat::MemoryEstimateInputs cold_memory_inputs(const LlamaOptions& options, int64_t micro_batch);
 
 }  // namespace llama

@@ -15,6 +15,8 @@
 
 #include "checkpointing/checkpoint.h"
 #include "engine/engine.h"
+#include "engine/memory_estimate.h"
+#include "runtime/memory.h"
 #include "runtime/context.h"
 #include "runtime/layout.h"
 
@@ -122,6 +124,8 @@ void add_flags(CLI::App& app, ExampleArgs& a, const std::string& default_config)
   app.add_option("--losses", a.losses, "write 'step loss' per optimizer step here (rank 0, %.17g)");
   app.add_option("--base", a.base, "start from the weights of this export (e.g. the llama example's --export)");
   app.add_option("--params", a.params, "write 'name d0,d1,...' per model parameter here (rank 0)");
+  app.add_option("--estimate-memory", a.estimate_memory, "before training, write remat's memory estimate per rank "
+                 "(every ZeRO stage x policy; cold from the sizes, live from one profiled step) here as JSON");
   app.add_option("--kv-heads", a.kv_heads, "key/value heads of grouped-query attention (divides model.n_head)")
       ->capture_default_str();
   app.add_flag("--no-rng-replay", a.no_rng_replay,
@@ -134,6 +138,7 @@ int train(const ExampleArgs& args, const std::function<void(LlamaImpl&)>& prepar
   if (args.steps) overrides.push_back("train.steps=" + std::to_string(*args.steps));
   if (args.seed) overrides.push_back("train.seed=" + std::to_string(*args.seed));
   const remat::Config config = remat::load_config(args.config, overrides);
+  remat::MemoryTracker memory;  // before the model: its parameters count in the step's peak
   // The processes, and every generator seeded from train.seed: the model is built after it.
   auto layout = remat::init_distributed(config);
   const bool rank0 = layout->rank() == 0;
@@ -156,7 +161,24 @@ int train(const ExampleArgs& args, const std::function<void(LlamaImpl&)>& prepar
   for (const auto& p : model->parameters()) (p.requires_grad() ? trainable : frozen) += p.numel();
   if (rank0 && !args.params.empty()) write_parameter_list(args.params, *model);
 
+  if (rank0 && !args.estimate_memory.empty()) {
+    // Rank 0 alone, before the engine: the profile runs the plain model (its
+    // random state and gradients are put back afterwards).
+    const int world = layout->dims().dp * layout->dims().tp;
+    const int64_t micro = config.resolve_batch(layout->dims().dp).micro_batch_per_gpu;
+    at::Tensor x, y;
+    std::tie(x, y) = corpus.batch(config.train.seed, 1, 0, 0, micro, options.seq_len);
+    const remat::MemoryEstimate cold = remat::estimate_memory(config, world, cold_memory_inputs(options, micro));
+    const remat::MemoryEstimate live = remat::estimate_memory(
+        config, world, remat::live_inputs(*model, "blocks", [&] { model->loss(x, y).backward(); }));
+    std::ofstream out(args.estimate_memory);
+    out << nlohmann::json{{"cold", cold.to_json()}, {"live", live.to_json()}}.dump(1) << "\n";
+    if (!out) throw std::runtime_error("cannot write --estimate-memory file '" + args.estimate_memory + "'");
+    std::printf("%s\n%s\n", cold.line().c_str(), live.line().c_str());
+  }
+
   remat::EngineOptions engine_options;
+  engine_options.memory = &memory;
   engine_options.layout = layout;
   engine_options.model_signature = options.to_string();
   auto engine = remat::initialize(model, config, engine_options);

@@ -32,6 +32,7 @@ struct ExampleArgs {
   std::string losses;               // "step loss" per optimizer step (rank 0)
   std::string params;               // "name d0,d1,..." per parameter (rank 0)
   std::string base;                 // start from these weights (an --export of the same shape)
+  std::string estimate_memory;       // remat's memory estimate (cold and live) as JSON (rank 0)
   int64_t kv_heads = 2;
   int64_t lora_rank = 0;
   // Test seams, to show that the parity checks can fail: checkpoint regions
