@@ -1,0 +1,182 @@
+// The memory estimator's rules on one process: the cold GPT's parameters are
+// the built model's, each stage shards what it should, the rows and the
+// configured mark, the budgets, the cheapest change, and misuse. Its figures
+// against measured steps at 2 ranks: tests/memory_test.sh.
+#include "engine/memory_estimate.h"
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include "models/gpt.h"
+#include "runtime/error.h"
+#include "tests/error_of.h"
+
+namespace remat {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::error_of;
+
+Config config_of(const std::vector<std::string>& overrides) {
+  return parse_config(default_config_text(), "<default>", overrides);
+}
+
+constexpr int64_t kVocab = 118;
+
+models::Gpt build(const Config& c) {
+  at::manual_seed(1);
+  models::GptOptions o;
+  o.shape = c.model;
+  o.vocab_size = kVocab;
+  return models::Gpt(o);
+}
+
+MemoryEstimateInputs live_of(const Config& c, models::Gpt& model, int64_t batch = 2) {
+  at::Tensor x = at::randint(kVocab, {batch, c.model.seq_len}, at::kLong);
+  at::Tensor y = at::randint(kVocab, {batch, c.model.seq_len}, at::kLong);
+  model->train();
+  return live_inputs(*model, "blocks", [&] { model->loss(x, y).backward(); });
+}
+
+// Sorted parameter sizes per unit.
+std::map<int, std::vector<int64_t>> by_unit(const std::vector<ParameterSize>& params) {
+  std::map<int, std::vector<int64_t>> out;
+  for (const auto& p : params) out[p.unit].push_back(p.numel);
+  for (auto& [unit, sizes] : out) std::sort(sizes.begin(), sizes.end());
+  return out;
+}
+
+TEST(MemoryEstimate, ColdGptParametersAreTheBuiltModels) {
+  const Config c = config_of({"model.n_layer=3", "model.d_model=32", "model.d_ff=96", "model.n_head=2"});
+  models::Gpt model = build(c);
+  const MemoryEstimateInputs cold = cold_gpt_inputs(c, kVocab, 2);
+  const MemoryEstimateInputs live = live_of(c, model);
+  EXPECT_EQ(by_unit(cold.parameters), by_unit(live.parameters));
+  int64_t total = 0;
+  for (const auto& p : cold.parameters) total += p.numel;
+  EXPECT_EQ(total, model->num_parameters());
+  EXPECT_EQ(by_unit(live.parameters).size(), 4u);  // three blocks and the root
+  // The live profile leaves the model as it found it: no gradients.
+  for (const auto& p : model->parameters()) EXPECT_FALSE(p.grad().defined());
+}
+
+TEST(MemoryEstimate, EachStageShardsWhatItShould) {
+  const Config c = config_of({"optimizer.type=\"Adam\""});
+  const MemoryEstimateInputs in = cold_gpt_inputs(c, kVocab, 4);
+  int64_t params = 0;
+  for (const auto& p : in.parameters) params += p.numel * 4;
+  for (int ranks : {1, 2, 4}) {
+    const MemoryEstimate e = estimate_memory(c, ranks, in);
+    const auto& s0 = e.row(0, "none");
+    const auto& s1 = e.row(1, "none");
+    const auto& s3 = e.row(3, "none");
+    EXPECT_EQ(s0.parameter_bytes, params);
+    EXPECT_EQ(s0.optimizer_bytes, 2 * params);  // two moments
+    EXPECT_EQ(s0.gradient_bytes, params);
+    EXPECT_EQ(s1.parameter_bytes, params);
+    EXPECT_NEAR(static_cast<double>(s1.optimizer_bytes), 2.0 * params / ranks, 64.0);
+    EXPECT_NEAR(static_cast<double>(s1.gradient_bytes), params + 1.0 * params / ranks, 64.0);
+    // Stage 3: under the persistence threshold a parameter stays whole.
+    EXPECT_LT(s3.parameter_bytes, ranks == 1 ? params + 1 : params);
+    EXPECT_GE(s3.parameter_bytes, params / ranks);
+    EXPECT_EQ(s3.gathered_bytes > 0, true);
+    // The activations do not depend on the stage.
+    EXPECT_EQ(s0.activation_bytes, s3.activation_bytes);
+    EXPECT_EQ(e.row(0, "full").activation_bytes, e.row(3, "full").activation_bytes);
+  }
+  // SGD keeps a momentum buffer only with momentum.
+  const Config sgd = config_of({"optimizer.type=\"SGD\""});
+  EXPECT_EQ(estimate_memory(sgd, 2, in).row(0, "none").optimizer_bytes, 0);
+  const Config momentum = config_of({"optimizer.type=\"SGD\"", "optimizer.params.momentum=0.9"});
+  EXPECT_EQ(estimate_memory(momentum, 2, in).row(0, "none").optimizer_bytes, params);
+}
+
+TEST(MemoryEstimate, PoliciesOrderTheActivations) {
+  const Config c = config_of({});
+  for (const MemoryEstimateInputs& in : {cold_gpt_inputs(c, kVocab, 8)}) {
+    const MemoryEstimate e = estimate_memory(c, 2, in);
+    const int64_t none = e.row(0, "none").activation_bytes, sel = e.row(0, "selective_op").activation_bytes,
+                  every = e.row(0, "every_k").activation_bytes, full = e.row(0, "full").activation_bytes;
+    EXPECT_GT(none, sel);
+    EXPECT_GT(sel, full);
+    EXPECT_GT(none, every);
+    EXPECT_GT(every, full);
+    EXPECT_EQ(e.row(0, "every_k").plan, "fullx1 keepx1 fullx1 keepx1");
+    // Offloaded rows move bytes to the host.
+    EXPECT_GT(e.row(0, "none", true).host_bytes, 0);
+    EXPECT_LT(e.row(0, "none", true).activation_bytes, none);
+  }
+}
+
+TEST(MemoryEstimate, RowsAndTheConfiguredMark) {
+  const Config c = config_of({"zero_optimization.stage=2", "activation_checkpointing.variant=\"selective_op\""});
+  const MemoryEstimate e = estimate_memory(c, 2, cold_gpt_inputs(c, kVocab, 4));
+  EXPECT_EQ(e.rows.size(), 4u * 9u);  // 4 stages x (5 policies + 4 offloaded)
+  EXPECT_EQ(std::count_if(e.rows.begin(), e.rows.end(), [](const auto& r) { return r.configured; }), 1);
+  EXPECT_EQ(e.configured().stage, 2);
+  EXPECT_EQ(e.configured().policy, "selective_op");
+  EXPECT_THAT(e.table(), HasSubstr("*2    selective_op"));
+  EXPECT_THAT(e.line(), HasSubstr("ZeRO stage 2, selective_op"));
+  const auto json = e.to_json();
+  EXPECT_EQ(json["rows"].size(), e.rows.size());
+  // Hybrid sharding adds stages 1-3 over the shard group.
+  const Config hybrid = config_of({"zero_optimization.stage=3", "zero_optimization.hybrid_shard_size=2"});
+  const MemoryEstimate h = estimate_memory(hybrid, 4, cold_gpt_inputs(hybrid, kVocab, 4));
+  EXPECT_EQ(h.rows.size(), 7u * 9u);
+  EXPECT_TRUE(h.configured().hybrid);
+  EXPECT_EQ(h.shard_group, 2);
+  EXPECT_GT(h.configured().parameter_bytes, estimate_memory(hybrid, 4, cold_gpt_inputs(hybrid, kVocab, 4))
+                                                .rows[27].parameter_bytes);  // stage 3 over all 4 ranks
+}
+
+TEST(MemoryEstimate, AutoRowsFollowTheBudgets) {
+  const Config none = config_of({"activation_checkpointing.variant=\"none\""});
+  const MemoryEstimateInputs in = cold_gpt_inputs(none, kVocab, 8);
+  const MemoryEstimate base = estimate_memory(none, 2, in);
+  const int64_t keep = base.row(3, "none").peak_bytes, full = base.row(3, "full").peak_bytes;
+  // A whole-device budget between full checkpointing and none: the row fits it.
+  const int64_t budget = (keep + full) / 2;
+  const Config device = config_of({"zero_optimization.stage=3", "activation_checkpointing.variant=\"auto\"",
+                                   str("activation_checkpointing.device_memory_budget_bytes=", budget)});
+  const auto& row = estimate_memory(device, 2, in).configured();
+  EXPECT_TRUE(row.feasible);
+  EXPECT_LE(row.peak_bytes, budget);
+  EXPECT_GT(row.peak_bytes, full);
+  EXPECT_THAT(row.plan, HasSubstr("keep"));
+  // One below what full checkpointing needs: no plan fits.
+  const Config tiny = config_of({"zero_optimization.stage=3", "activation_checkpointing.variant=\"auto\"",
+                                 str("activation_checkpointing.device_memory_budget_bytes=", full / 2)});
+  EXPECT_FALSE(estimate_memory(tiny, 2, in).configured().feasible);
+  EXPECT_THAT(estimate_memory(tiny, 2, in).table(), HasSubstr("(no plan fits its budget)"));
+}
+
+TEST(MemoryEstimate, TheCheapestChangeThatFits) {
+  const Config c = config_of({"zero_optimization.stage=0", "activation_checkpointing.variant=\"none\""});
+  const MemoryEstimate e = estimate_memory(c, 2, cold_gpt_inputs(c, kVocab, 8));
+  // Room for selective_op but not for none: the least recompute that fits.
+  const int64_t have = e.row(0, "selective_op").peak_bytes + 1;
+  const std::string change = cheapest_fitting_change(e, have);
+  EXPECT_THAT(change, HasSubstr("activation_checkpointing.variant=selective_op"));
+  // Room for full checkpointing alone: the planner's whole-device budget is offered.
+  const std::string tight = cheapest_fitting_change(e, e.row(0, "full").peak_bytes + 1);
+  EXPECT_THAT(tight, HasSubstr("device_memory_budget_bytes="));
+  EXPECT_EQ(cheapest_fitting_change(e, 1000), "");
+}
+
+TEST(MemoryEstimate, Misuse) {
+  const Config tp = config_of({"tensor_parallel.size=2"});
+  EXPECT_THAT(error_of<ConfigError>([&] { estimate_memory(tp, 3, cold_gpt_inputs(tp, kVocab, 2)); }),
+              HasSubstr("3 ranks do not divide into tensor_parallel.size 2"));
+  const Config c = config_of({"model.n_layer=2"});
+  models::Gpt model = build(c);
+  EXPECT_THAT(error_of<ConfigError>([&] { live_inputs(*model, "layers", [] {}); }),
+              HasSubstr("the model has no module 'layers'"));
+}
+
+}  // namespace
+}  // namespace remat
