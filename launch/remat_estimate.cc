@@ -7,6 +7,8 @@
 //
 // cold (the default): from the config's sizes, nothing built; --live builds
 // the GPT on this process and profiles one step under every block choice.
+// Exits 2 when the configuration does not fit the memory a rank has here
+// (REMAT_MEMORY_PER_RANK_BYTES, else the host's over its ranks).
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 
@@ -21,6 +23,7 @@
 #include "engine/memory_estimate.h"
 #include "launch/train_tools.h"
 #include "models/gpt.h"
+#include "runtime/env_knobs.h"
 #include "runtime/error.h"
 #include "runtime/runtime.h"
 
@@ -76,10 +79,15 @@ int estimate(int argc, char** argv) {
   }
   const MemoryEstimate e = estimate_memory(config, ranks, inputs);
   std::cout << e.table() << e.line() << "\n";
-  const double have = available_bytes_per_rank();
+  // What each rank would have with all of them on this host (unless given).
+  const bool given = knobs::get(knobs::kMemoryPerRankBytes).has_value();
+  const double have = available_bytes_per_rank() / (given ? 1 : ranks);
+  bool fits = true;
   if (have > 0) {
     const int64_t peak = e.configured().peak_bytes;
-    std::cout << "this host has about " << human_bytes(have) << " per rank for " << ranks << " ranks: the "
+    fits = peak <= have;
+    std::cout << (given ? "each rank has " : str("with ", ranks, " ranks on this host, each has about "))
+              << human_bytes(have) << ": the "
               << "configuration " << (peak <= have ? "fits" : "does not fit");
     if (peak > have) {
       const std::string change = cheapest_fitting_change(e, static_cast<int64_t>(have));
@@ -96,7 +104,7 @@ int estimate(int argc, char** argv) {
                             "): give a writable path"));
     }
   }
-  return 0;
+  return fits ? 0 : 2;
 }
 
 }  // namespace

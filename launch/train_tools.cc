@@ -29,6 +29,16 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
 }  // namespace
 
 double available_bytes_per_rank() {
+  if (auto v = knobs::get(knobs::kMemoryPerRankBytes)) {
+    char* end = nullptr;
+    errno = 0;
+    const long long bytes = std::strtoll(v->c_str(), &end, 10);
+    if (errno != 0 || end == v->c_str() || *end != '\0' || bytes <= 0) {
+      throw ConfigError(str(knobs::kMemoryPerRankBytes, "='", *v, "' is not a whole number of bytes > 0: give the "
+                            "bytes each rank may use, or unset it to read them from the host"));
+    }
+    return static_cast<double>(bytes);
+  }
   std::ifstream meminfo("/proc/meminfo");
   std::string key;
   double kib = 0;
@@ -39,9 +49,14 @@ double available_bytes_per_rank() {
     }
     meminfo.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
   }
+  double bytes = kib * 1024;
+  // A container's limit (cgroup v2), where one is set.
+  std::ifstream max_file("/sys/fs/cgroup/memory.max"), current_file("/sys/fs/cgroup/memory.current");
+  double max = 0, current = 0;
+  if ((max_file >> max) && (current_file >> current) && max > current) bytes = std::min(bytes, max - current);
   int local_ranks = 1;
   if (auto v = knobs::get("OMPI_COMM_WORLD_LOCAL_SIZE")) local_ranks = std::max(1, std::atoi(v->c_str()));
-  return kib * 1024 / local_ranks;
+  return bytes / local_ranks;
 }
 
 std::string human_bytes(double b) {

@@ -13,8 +13,9 @@ namespace remat {
 
 std::string human_bytes(double bytes);
 
-// Host memory available to this process: MemAvailable shared by the ranks on
-// this host (Open MPI's local size); 0 when unknown.
+// Host memory available to this process: REMAT_MEMORY_PER_RANK_BYTES, else
+// MemAvailable (capped by a cgroup v2 limit) shared by the ranks on this host
+// (Open MPI's local size); 0 when unknown.
 double available_bytes_per_rank();
 
 // The cold estimate of the GPT of `c` at `world_size` ranks

@@ -22,6 +22,10 @@ inline constexpr const char* kProgress = "REMAT_PROGRESS";
 // writing each temporary file and before renaming it into place, so a test can
 // kill a save in progress. Unset: no pause.
 inline constexpr const char* kFaultSavePauseMs = "REMAT_FAULT_SAVE_PAUSE_MS";
+// Bytes each rank may use on this host, for remat-train's fit check and
+// remat-estimate: a whole number > 0. Unset: MemAvailable, capped by the
+// cgroup's memory.max less its memory.current, over the host's ranks.
+inline constexpr const char* kMemoryPerRankBytes = "REMAT_MEMORY_PER_RANK_BYTES";
 // 0: build-time CUDA detection is skipped (read by Bazel's configure step).
 inline constexpr const char* kCuda = "REMAT_CUDA";
 

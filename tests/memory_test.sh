@@ -99,6 +99,18 @@ else
 fi
 
 # --- C. Bad input ------------------------------------------------------------
+# A configuration that does not fit what a rank has is refused before anything
+# is built, naming the cheapest change that fits (here: 15 MiB per rank, ZeRO-3
+# without checkpointing needs about 33 MiB, with full checkpointing 12).
+expect_all "a configuration beyond the rank's memory names the cheapest change that fits" \
+  "is available to each rank on this host: the cheapest change that fits: activation_checkpointing.variant=full" \
+  "device_memory_budget_bytes=15728640" -- \
+  env REMAT_MEMORY_PER_RANK_BYTES=15728640 "$run" -np 2 -- "$train" --steps 1 \
+  --set activation_checkpointing.variant=none
+expect "remat-estimate says the same" "the configuration does not fit; the cheapest change that fits: activation_checkpointing.variant=full" \
+  env REMAT_MEMORY_PER_RANK_BYTES=15728640 "$estimate" -np 2 --set activation_checkpointing.variant=none
+expect "a bad REMAT_MEMORY_PER_RANK_BYTES" "REMAT_MEMORY_PER_RANK_BYTES='lots' is not a whole number of bytes > 0" \
+  env REMAT_MEMORY_PER_RANK_BYTES=lots "$estimate"
 expect "a whole-device budget below the model state alone" "is below the model state alone: parameters and buffers" \
   "$run" -np 2 -- "$train" --steps 1 --set activation_checkpointing.variant=auto \
   --set activation_checkpointing.device_memory_budget_bytes=100000
