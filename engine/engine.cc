@@ -117,39 +117,48 @@ std::string optimizer_type(const torch::optim::Optimizer& optimizer) {
   return typeid(optimizer).name();
 }
 
-// What a step starts from outside its activations: every parameter's and
-// shard's storage once, and the optimizer's state (before its first step,
-// what it will allocate then). For device_memory_budget_bytes.
+// What a micro-step starts from outside its activations: every parameter's
+// and shard's storage once, the optimizer's state (before its first step,
+// what it will allocate then) and, with gradient accumulation, the gradients
+// held between micro-batches. For device_memory_budget_bytes.
 std::pair<int64_t, std::string> resident_state(torch::nn::Module& model, parallel::ZeroModel& zero,
-                                               const torch::optim::Optimizer& optimizer) {
+                                               const torch::optim::Optimizer& optimizer, int64_t accumulation) {
   std::set<const void*> seen;
-  int64_t params = 0, trainable_bytes = 0;
+  int64_t params = 0, local_trainable = 0, model_trainable = 0;
   auto count = [&](const at::Tensor& t) {
     if (!t.defined() || !t.has_storage()) return;
     if (seen.insert(t.storage().unsafeGetStorageImpl()).second) params += static_cast<int64_t>(t.storage().nbytes());
   };
-  for (const auto& p : model.parameters()) count(p);
+  for (const auto& p : model.parameters()) {
+    count(p);
+    if (p.requires_grad()) model_trainable += static_cast<int64_t>(p.numel() * p.element_size());
+  }
   for (const auto& b : model.buffers()) count(b);
   for (const auto& p : zero.parameters()) {
     count(p);
-    if (p.requires_grad()) trainable_bytes += static_cast<int64_t>(p.numel() * p.element_size());
+    if (p.requires_grad()) local_trainable += static_cast<int64_t>(p.numel() * p.element_size());
   }
   int64_t state = optimizer_state_bytes(optimizer);
   std::string note;
   if (state == 0) {
     const std::string type = optimizer_type(optimizer);
     if (type == "AdamW" || type == "Adam") {
-      state = 2 * trainable_bytes;
+      state = 2 * local_trainable;
+      note = " (to be allocated at the first step)";
     } else if (const auto* sgd = dynamic_cast<const torch::optim::SGD*>(&optimizer)) {
       const auto& o = static_cast<const torch::optim::SGDOptions&>(sgd->param_groups().at(0).options());
-      state = o.momentum() > 0 ? trainable_bytes : 0;
+      state = o.momentum() > 0 ? local_trainable : 0;
+      if (state > 0) note = " (to be allocated at the first step)";
     } else {
       note = " (an optimizer remat does not know: its state is not counted)";
     }
-    if (note.empty()) note = " (to be allocated at the first step)";
   }
+  // Between micro-batches stages 0 and 1 hold every gradient, 2 and 3 their shards.
+  const int64_t grads = accumulation > 1 ? (zero.stage() <= 1 ? model_trainable : local_trainable) : 0;
   const auto mib = [](int64_t b) { return str(std::round(static_cast<double>(b) / 10485.76) / 100, " MiB"); };
-  return {params + state, str("parameters and buffers ", mib(params), " + optimizer state ", mib(state), note)};
+  return {params + state + grads,
+          str("parameters and buffers ", mib(params), " + optimizer state ", mib(state), note,
+              grads > 0 ? str(" + gradients held between micro-batches ", mib(grads)) : std::string())};
 }
 
 enum class Phase { kIdle, kForwarded, kBackwarded };
@@ -347,7 +356,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineO
   REMAT_CHECK(s.optimizer != nullptr, "remat::initialize: EngineOptions::optimizer returned no optimizer");
   // A whole-device budget the model state alone fills is refused before any step.
   if (const auto& device = config_.activation_checkpointing.device_memory_budget_bytes; device && s.auto_plan) {
-    const auto [state, what] = resident_state(model, *s.zero, *s.optimizer);
+    const auto [state, what] = resident_state(model, *s.zero, *s.optimizer, s.batch.gradient_accumulation_steps);
     if (*device <= state) {
       throw ConfigError(str("activation_checkpointing.device_memory_budget_bytes = ", *device,
                             " is below the model state alone: ", what, " = ", state, " bytes per rank, before any "
@@ -438,7 +447,7 @@ at::Tensor Engine::forward(const std::function<at::Tensor()>& fn, const std::vec
       };
       const auto t0 = Clock::now();
       if (config_.activation_checkpointing.device_memory_budget_bytes) {
-        auto [state, what] = resident_state(*model_, *s.zero, *s.optimizer);
+        auto [state, what] = resident_state(*model_, *s.zero, *s.optimizer, s.batch.gradient_accumulation_steps);
         s.planner->set_state_bytes(state, std::move(what));
       }
       s.planned = s.planner->ensure(plan_key, profile_step);

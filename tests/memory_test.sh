@@ -98,6 +98,34 @@ else
   fail "device_memory_budget_bytes at ZeRO-3, 8 blocks" "$(cat "$tmp/auto.out")"
 fi
 
+# With gradient accumulation the gradients held between micro-batches are state too.
+acc=(--set gradient_accumulation_steps=2 --set zero_optimization.stage=0 --set train.steps=3 "${quiet[@]}")
+for v in none full; do
+  "$run" -np 2 -- "$train" "${acc[@]}" --set activation_checkpointing.variant=$v --metrics "$tmp/acc_$v.jsonl" \
+    >"$tmp/acc_$v.out" 2>&1 || fail "accumulation, $v" "$(cat "$tmp/acc_$v.out")"
+done
+budget=$(python3 -c "
+import json
+peak = lambda f: max(json.loads(l)['mem_peak_bytes'] for l in open(f))
+print((peak('$tmp/acc_none.jsonl') + peak('$tmp/acc_full.jsonl')) // 2)")
+if "$run" -np 2 -- "$train" "${acc[@]}" --set activation_checkpointing.variant=auto \
+    --set activation_checkpointing.device_memory_budget_bytes="$budget" --metrics "$tmp/acc_auto.jsonl" \
+    >"$tmp/acc_auto.out" 2>&1 &&
+    verdict=$(python3 - "$tmp" "$budget" <<'PY'
+import json, sys
+tmp, budget = sys.argv[1], int(sys.argv[2])
+steps = [json.loads(l) for l in open(f"{tmp}/acc_auto.jsonl")]
+measured = max(s["mem_peak_bytes"] for s in steps)
+predicted = steps[0]["act_plan_predicted_total_peak_bytes"]
+print(f"measured {measured / budget:.3f} x budget, predicted {predicted / measured:.3f} x measured, plan {steps[0]['act_plan']}")
+sys.exit(0 if measured <= 1.05 * budget and abs(predicted / measured - 1) <= 0.10 else 1)
+PY
+); then
+  pass "device_memory_budget_bytes with gradient accumulation (stage 0): $verdict"
+else
+  fail "device_memory_budget_bytes with gradient accumulation (stage 0)" "${verdict:-$(cat "$tmp/acc_auto.out")}"
+fi
+
 # --- C. Bad input ------------------------------------------------------------
 # A configuration that does not fit what a rank has is refused before anything
 # is built, naming the cheapest change that fits (here: 15 MiB per rank, ZeRO-3
