@@ -662,9 +662,9 @@ bool Engine::step() {
 void Engine::trace_memory(const std::string& path, int max_samples) {
   Impl& s = *impl_;
   check_trace_path(path, "remat::Engine::trace_memory");
-  if (max_samples < 3) {
-    throw ConfigError(str("remat::Engine::trace_memory: max_samples is ", max_samples, ": give at least 3 (the first, "
-                          "the last and the peak)"));
+  if (max_samples < 4) {
+    throw ConfigError(str("remat::Engine::trace_memory: max_samples is ", max_samples, ": give at least 4 (the first, "
+                          "the last, and the lowest and highest between them)"));
   }
   if (!s.memory->keeps_allocations()) {
     throw ConfigError("remat::Engine::trace_memory: EngineOptions::memory is a MemoryTracker that does not keep its "

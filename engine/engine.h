@@ -155,10 +155,10 @@ class Engine {
   // backwards and optimizer step, by category, with the spans of each phase,
   // recompute and collective; runtime/memory_trace.h, docs/memory.md) and
   // writes it to `path` in Chrome's Trace Event JSON when that step() ends.
-  // At most `max_samples` samples are written (each stretch of time by its
-  // highest, so the peak stays in). This rank's alone (not collective). A
-  // ConfigError if `path` cannot be written or EngineOptions::memory does not
-  // keep its allocations.
+  // At most `max_samples` samples are written (runs of consecutive samples
+  // by their lowest and highest, so the peak stays in). This rank's alone
+  // (not collective). A ConfigError if `path` cannot be written or
+  // EngineOptions::memory does not keep its allocations.
   void trace_memory(const std::string& path, int max_samples = 4000);
 
   // Saves parameters, optimizer state, every random state, the step and

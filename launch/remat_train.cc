@@ -56,9 +56,9 @@ int train(int argc, char** argv) {
   app.add_option("--memory-trace", memory_trace, "write rank 0's memory timeline of one step (the run's second, "
                  "or its only one) to this file in Chrome's Trace Event JSON (Perfetto, chrome://tracing) and "
                  "its plot beside it (.png, with matplotlib); docs/memory.md");
-  app.add_option("--memory-trace-samples", trace_samples, "at most this many samples in --memory-trace, each "
-                 "stretch of the step kept by its highest (default 4000)")
-      ->check(CLI::Range(3, 1 << 30));
+  app.add_option("--memory-trace-samples", trace_samples, "at most this many samples in --memory-trace (runs "
+                 "of consecutive samples kept by their lowest and highest; default 4000)")
+      ->check(CLI::Range(4, 1 << 30));
   app.add_option("--backend", backend, "communication backend: auto, mpi or nccl");
   try {
     app.parse(argc, argv);

@@ -288,27 +288,29 @@ std::vector<MemoryTraceSpan> MemoryTrace::spans() const {
 
 namespace {
 
-// At most `max` samples: the first, the last, and of each of max - 2 equal
-// stretches of time between them the one with the highest count.
+// At most `max` samples: the first, the last, and of each of (max - 2) / 2
+// runs of consecutive samples between them the lowest and the highest (in
+// their order), so that the peak and the dips stay in.
 std::vector<size_t> kept_samples(const std::vector<MemoryTraceSample>& s, int max) {
   std::vector<size_t> out;
   const size_t n = s.size();
-  const size_t limit = static_cast<size_t>(std::max(max, 3));
+  const size_t limit = static_cast<size_t>(std::max(max, 4));
   if (n <= limit) {
     for (size_t i = 0; i < n; ++i) out.push_back(i);
     return out;
   }
-  const int64_t buckets = static_cast<int64_t>(limit) - 2;
-  const int64_t t0 = s.front().t_ns, span = std::max<int64_t>(s.back().t_ns - t0, 1);
-  std::vector<int64_t> best(static_cast<size_t>(buckets), -1);
-  for (size_t i = 1; i + 1 < n; ++i) {
-    const int64_t b = std::min(buckets - 1, (s[i].t_ns - t0) * buckets / span);
-    int64_t& k = best[static_cast<size_t>(b)];
-    if (k < 0 || s[i].tracked > s[static_cast<size_t>(k)].tracked) k = static_cast<int64_t>(i);
-  }
+  const size_t runs = (limit - 2) / 2, inner = n - 2;
   out.push_back(0);
-  for (int64_t k : best) {
-    if (k >= 0) out.push_back(static_cast<size_t>(k));
+  for (size_t r = 0; r < runs; ++r) {
+    const size_t begin = 1 + r * inner / runs, end = 1 + (r + 1) * inner / runs;
+    if (begin >= end) continue;
+    size_t low = begin, high = begin;
+    for (size_t i = begin; i < end; ++i) {
+      if (s[i].tracked < s[low].tracked) low = i;
+      if (s[i].tracked > s[high].tracked) high = i;
+    }
+    out.push_back(std::min(low, high));
+    if (low != high) out.push_back(std::max(low, high));
   }
   out.push_back(n - 1);
   return out;

@@ -112,8 +112,9 @@ struct MemoryTraceSpan {
 };
 
 struct ChromeTraceOptions {
-  // Counter samples per device at most: kept by time, each stretch of the
-  // timeline by its highest sample, so the peak stays in.
+  // Counter samples per device at most: the first, the last, and of each
+  // run of consecutive samples between them the lowest and the highest, so
+  // the peak stays in.
   int max_samples = 4000;
   int pid = 0;
   std::string process_name = "remat";

@@ -177,7 +177,7 @@ TEST(MemoryTrace, TheChromeTraceKeepsThePeakWithinItsSampleCap) {
     EXPECT_EQ(total, tracked_at.at(e["ts"].get<double>()));
   }
   EXPECT_LE(by_category, 200);
-  EXPECT_GE(by_category, 20);  // by time: stretches without traffic hold none
+  EXPECT_GE(by_category, 190);
   EXPECT_EQ(tracked, by_category);
   EXPECT_EQ(phases, 1);
   EXPECT_EQ(highest, peak);
