@@ -203,11 +203,12 @@ struct Engine::Impl {
     const std::string path = std::move(trace_path);
     trace_path.clear();
     recorded->stop();
+    const auto& variant = checkpoint_variant_name(config.activation_checkpointing.variant);
     nlohmann::json other = {{"step", m.step},
                             {"rank", world->rank()},
                             {"device", c10::DeviceTypeName(device, /*lower_case=*/true)},
                             {"zero_stage", zero->stage()},
-                            {"activation_checkpointing", checkpoint_variant_name(config.activation_checkpointing.variant)},
+                            {"activation_checkpointing", variant},
                             {"gradient_accumulation_steps", batch.gradient_accumulation_steps},
                             {"mem_base_bytes", m.mem_base_bytes},
                             {"mem_peak_bytes", m.mem_peak_bytes}};

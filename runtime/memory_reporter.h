@@ -85,7 +85,7 @@ struct TraceRecorder {
   // kept allocation explains, and for frees of allocations it never kept.
   std::array<int64_t, kSlots> remainder{};
   std::array<int64_t, kSlots> tracked_at_start{}, tracked_at_stop{};
-  bool recording = true;
+  bool stopped = false;
   int64_t stop_ns = 0;
 
   // Called by the reporter under its mutex after it updated its counts.
@@ -94,6 +94,7 @@ struct TraceRecorder {
                int64_t tracked);
 
   std::mutex span_mutex;
+  bool recording = true;  // spans are still taken
   struct Span {
     std::string kind, name, detail;
     int64_t begin_ns = 0, end_ns = -1;

@@ -136,6 +136,7 @@ uint64_t begin_trace_span(const char* kind, const char* name, const std::string&
   span.begin_ns = recorder->now_ns();
   const uint64_t id = g_next_span.fetch_add(1);
   std::lock_guard<std::mutex> lock(recorder->span_mutex);
+  if (!recorder->recording) return 0;
   span.thread = recorder->thread_number();
   recorder->open.emplace(id, std::move(span));
   return id;
@@ -219,7 +220,8 @@ void MemoryTrace::stop() {
   }
   {
     std::lock_guard<std::mutex> lock(r.reporter->mutex);
-    if (!r.recording) return;
+    if (r.stopped) return;
+    r.stopped = true;
     if (r.reporter->recorder == &r) r.reporter->recorder = nullptr;
     r.stop_ns = r.now_ns();
     r.tracked_at_stop = r.reporter->live;
@@ -229,7 +231,8 @@ void MemoryTrace::stop() {
   // Async spans still open (a collective not yet waited for) end with the trace.
   for (auto& [id, span] : r.open) {
     span.end_ns = r.stop_ns;
-    span.detail += span.detail.empty() ? "not complete when the trace stopped" : " (not complete when the trace stopped)";
+    span.detail += span.detail.empty() ? "not complete when the trace stopped"
+                                       : " (not complete when the trace stopped)";
     r.spans.push_back(std::move(span));
   }
   r.open.clear();
@@ -268,7 +271,7 @@ std::vector<MemoryTraceSample> MemoryTrace::samples(c10::DeviceType device) cons
     now.tracked = e.tracked;
     out.push_back(now);
   }
-  if (!r.recording) {
+  if (r.stopped) {
     now.t_ns = std::max(now.t_ns, r.stop_ns);
     now.tracked = r.tracked_at_stop[slot];
     out.push_back(now);
@@ -344,7 +347,9 @@ std::string MemoryTrace::chrome_json(const ChromeTraceOptions& options, const nl
   const int pid = options.pid;
   events.push_back({{"ph", "M"}, {"name", "process_name"}, {"pid", pid}, {"args", {{"name", options.process_name}}}});
   json categories = json::array();
-  for (size_t c = 0; c < kMemoryCategories; ++c) categories.push_back(memory_category_name(static_cast<MemoryCategory>(c)));
+  for (size_t c = 0; c < kMemoryCategories; ++c) {
+    categories.push_back(memory_category_name(static_cast<MemoryCategory>(c)));
+  }
   json peaks = json::object();
   for (c10::DeviceType device : devices()) {
     const std::string dev = c10::DeviceTypeName(device, /*lower_case=*/true);
