@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <mutex>
+#include <optional>
 
 #include "checkpointing/region.h"
 #include "checkpointing/state.h"
@@ -20,6 +21,7 @@
 #include "runtime/error.h"
 #include "runtime/layout.h"
 #include "runtime/logging.h"
+#include "runtime/memory_trace.h"
 
 namespace remat {
 
@@ -198,6 +200,10 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     // Inputs stored outside autograd have no check of their own.
     check_input_versions(*region);
     synchronize_if(region->options.synchronize);
+    // On a memory trace: the span of the restore and the recompute, and what
+    // the recompute allocates counts as saved activations.
+    std::optional<TraceSpan> span(std::in_place, "recompute", name);
+    std::optional<MemoryCategoryScope> activations(std::in_place, MemoryCategory::kSavedActivations);
 
     // The kept op outputs follow the inputs in the saved list.
     put_cached_tensors(region->selective,
@@ -222,6 +228,8 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       at::AutoGradMode grad(true);
       output = run_fn(*region, detached, SelectiveOpScope::Mode::kReplay, recompute_ops);
     }
+    activations.reset();
+    span.reset();
     take_cached_tensors(region->selective);  // autograd owns them again
     if (region->selective.next != region->selective.entries.size()) {
       throw Error(str(name, ": the recompute used ", region->selective.next, " of the ",

@@ -13,6 +13,7 @@
 #endif
 
 #include "runtime/error.h"
+#include "runtime/memory_trace.h"
 
 namespace remat::host_transfer {
 namespace {
@@ -99,6 +100,7 @@ std::shared_ptr<PendingCopy> cuda_copy(const at::Tensor& src, at::Tensor& dst,
 bool wants_pinned(const at::Device& device) { return device.is_cuda(); }
 
 at::Tensor empty_host_like(const at::Tensor& like) {
+  MemoryCategoryScope host(MemoryCategory::kHostCopies);
   return at::empty(like.sizes(), at::TensorOptions()
                                      .dtype(like.scalar_type())
                                      .device(at::kCPU)

@@ -27,6 +27,7 @@
 #include "checkpointing/state.h"
 #include "nn/saved_tensors_hooks.h"
 #include "runtime/error.h"
+#include "runtime/memory_trace.h"
 
 namespace remat {
 namespace {
@@ -270,6 +271,9 @@ void Frame::recompute(size_t upto) {
     }
   }
   synchronize_if(r.options.synchronize);
+  // On a memory trace: the recompute's span; what it allocates counts as saved activations.
+  TraceSpan span("recompute", name);
+  MemoryCategoryScope activations(MemoryCategory::kSavedActivations);
   recomputing = true;
   struct Reset {
     bool& flag;

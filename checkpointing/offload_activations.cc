@@ -19,6 +19,7 @@
 #include "runtime/context.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
+#include "runtime/memory_trace.h"
 
 namespace remat {
 struct Packed;
@@ -52,6 +53,7 @@ bool is_parameter(const at::Tensor& t, const std::unordered_set<const c10::Stora
 at::Tensor host_buffer(const at::Tensor& t, bool pinned) {
   const bool dense = t.is_non_overlapping_and_dense();
   if (t.is_cuda()) {
+    MemoryCategoryScope host(MemoryCategory::kHostCopies);
     auto options = at::TensorOptions().dtype(t.scalar_type()).device(at::kCPU).pinned_memory(pinned);
     return dense ? at::empty_strided(t.sizes(), t.strides(), options) : at::empty(t.sizes(), options);
   }
@@ -176,6 +178,7 @@ std::any OffloadActivations::State::pack(const std::shared_ptr<State>& self, con
 at::Tensor OffloadActivations::State::bring_back(Packed& p) {
   if (p.fetched.defined()) return p.fetched;
   if (p.to_host) p.to_host->wait();
+  MemoryCategoryScope activations(MemoryCategory::kSavedActivations);  // back where it was
   at::Tensor out = at::empty_strided(p.host.sizes(), p.host.strides(),
                                      p.host.options().device(p.device).pinned_memory(false));
   if (p.device.is_cuda() && options.use_streams) {

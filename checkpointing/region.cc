@@ -10,6 +10,7 @@
 #include "checkpointing/state.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
+#include "runtime/memory_trace.h"
 
 namespace remat {
 
@@ -148,8 +149,18 @@ void track_region(const std::shared_ptr<Region>& region) {
 std::vector<bool> store_inputs(Region& region, const std::vector<at::Tensor>& inputs,
                                const std::shared_ptr<Region>& owner) {
   std::vector<bool> store(inputs.size(), false);
-  if (!region.options.storage.active()) return store;
-  store = StoredInputs::select(inputs, region.options.storage, region.options.name);
+  if (region.options.storage.active()) {
+    store = StoredInputs::select(inputs, region.options.storage, region.options.name);
+  }
+  // On a memory trace, inputs kept as they are count as checkpoint inputs
+  // (a parameter passed in stays a parameter); stored ones are counted where
+  // they are stored.
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const at::Tensor& t = inputs[i];
+    if (!store[i] && t.defined() && !(t.is_leaf() && t.requires_grad())) {
+      classify_memory(t, MemoryCategory::kCheckpointInputs);
+    }
+  }
   if (std::count(store.begin(), store.end(), true) > 0) {
     region.stored = std::make_unique<StoredInputs>(inputs, store, region.options.storage,
                                                    region.options.name);

@@ -12,6 +12,7 @@
 #include "runtime/communicator.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
+#include "runtime/memory_trace.h"
 
 namespace remat {
 namespace {
@@ -219,6 +220,7 @@ StoredInputs::StoredInputs(const std::vector<at::Tensor>& inputs, const std::vec
       options_(std::move(options)),
       region_(std::move(region)) {
   REMAT_CHECK_EQ(inputs.size(), store.size(), "StoredInputs: one flag per input");
+  MemoryCategoryScope category(MemoryCategory::kCheckpointInputs);
   auto& chain = state_->chain;
   std::lock_guard<std::recursive_mutex> lock(chain.mutex);
   // The previous region is no longer the last: its inputs leave the device.
@@ -261,6 +263,7 @@ StoredInputs::StoredInputs(const std::vector<at::Tensor>& inputs, const std::vec
       // with gaps (a column, a slice of a fused projection) moves a dense copy
       // of its elements instead.
       e->kept = x.detach();
+      classify_memory(x, MemoryCategory::kCheckpointInputs);
       const int64_t span = span_numel(x);
       if (span <= e->numel) {
         e->share = span;
@@ -309,6 +312,7 @@ void StoredInputs::offload_now() {
     at::Tensor flat = e->strides.empty()
                           ? e->kept.reshape({-1})
                           : e->kept.as_strided({e->share}, {1}, e->kept.storage_offset());
+    MemoryCategoryScope host(MemoryCategory::kHostCopies);
     e->host = options_.contiguous
                   ? options_.contiguous->view(slot_, pos, e->share, e->dtype, at::kCPU,
                                               host_transfer::wants_pinned(e->device), region_)
@@ -324,6 +328,7 @@ void StoredInputs::offload_now() {
 void StoredInputs::prefetch() {
   if (prefetched_ || released_) return;
   prefetched_ = true;
+  MemoryCategoryScope category(MemoryCategory::kCheckpointInputs);
   for (auto& e : entries_) {
     if (!e) continue;
     at::Tensor source = e->kept;
@@ -363,6 +368,7 @@ std::vector<at::Tensor> StoredInputs::restore() {
     if (it != chain.regions.end() && it != chain.regions.begin()) (*(it - 1))->prefetch();
   }
   const bool partitioned = options_.partitioned();
+  MemoryCategoryScope category(MemoryCategory::kCheckpointInputs);
   std::vector<at::Tensor> out(entries_.size());
   for (size_t i = 0; i < entries_.size(); ++i) {
     auto& e = entries_[i];

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <mutex>
+#include <optional>
 #include <set>
 
 #include "checkpointing/checkpoint.h"
@@ -33,6 +34,7 @@
 #include "runtime/layout.h"
 #include "runtime/logging.h"
 #include "runtime/memory.h"
+#include "runtime/memory_trace.h"
 #include "runtime/runtime.h"
 
 namespace remat {
@@ -206,6 +208,10 @@ struct Engine::Impl {
   std::unique_ptr<SaveDirLock> save_lock;
   std::string save_lock_dir, loaded_dir;
   int gathered_scopes = 0;
+  // trace_memory: the file of the next step's timeline, and its recording.
+  std::string trace_path;
+  int trace_samples = 0;
+  std::unique_ptr<MemoryTrace> trace;
 
   // The step in progress.
   Phase phase = Phase::kIdle;
@@ -219,6 +225,44 @@ struct Engine::Impl {
   double fwd_ms = 0, bwd_ms = 0, loss_sum = 0;
 
   TrainShards shards() const { return train_shards(*zero, *layout); }
+
+  // The memory timeline: what is live at the start is split by what holds it.
+  void start_trace(torch::nn::Module& model) {
+    std::vector<MemoryTrace::Known> known;
+    // Stage 3's parameters are views of their gathered units.
+    if (zero->stage() != 3) {
+      for (const auto& p : model.parameters()) known.push_back({p, MemoryCategory::kParameters});
+    }
+    for (const auto& p : zero->parameters()) known.push_back({p, MemoryCategory::kParameters});
+    for (const auto& t : optimizer_state_tensors(*optimizer)) known.push_back({t, MemoryCategory::kOptimizerState});
+    trace = std::make_unique<MemoryTrace>(*memory, known);
+  }
+  // Gradients autograd allocated count as gradients over their whole life.
+  void classify_gradients(torch::nn::Module& model) const {
+    for (const auto& p : model.parameters()) classify_memory(p.grad(), MemoryCategory::kGradients);
+    for (const auto& p : zero->parameters()) classify_memory(p.grad(), MemoryCategory::kGradients);
+  }
+  void finish_trace(const Config& config, const StepMetrics& m) {
+    const auto recorded = std::move(trace);
+    const std::string path = std::move(trace_path);
+    trace_path.clear();
+    recorded->stop();
+    const auto& variant = checkpoint_variant_name(config.activation_checkpointing.variant);
+    nlohmann::json other = {{"step", m.step},
+                            {"rank", world->rank()},
+                            {"device", c10::DeviceTypeName(device, /*lower_case=*/true)},
+                            {"zero_stage", zero->stage()},
+                            {"activation_checkpointing", variant},
+                            {"gradient_accumulation_steps", batch.gradient_accumulation_steps},
+                            {"mem_base_bytes", m.mem_base_bytes},
+                            {"mem_peak_bytes", m.mem_peak_bytes}};
+    ChromeTraceOptions chrome;
+    chrome.max_samples = trace_samples;
+    chrome.pid = world->rank();
+    chrome.process_name = str("remat rank ", world->rank());
+    recorded->write(path, chrome, other);
+    log().info("memory timeline of step {} written to '{}'", m.step, path);
+  }
 };
 
 nlohmann::json StepMetrics::to_json() const {
@@ -273,7 +317,9 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineO
   if (s.options.memory) {
     s.memory = s.options.memory;
   } else {
-    s.own_memory = std::make_unique<MemoryTracker>();
+    MemoryTrackerOptions tracking;
+    tracking.keep_allocations = true;  // what trace_memory starts from
+    s.own_memory = std::make_unique<MemoryTracker>(tracking);
     s.memory = s.own_memory.get();
   }
   s.layout = s.options.layout ? s.options.layout : init_distributed(config_, s.options.backend);
@@ -462,6 +508,7 @@ at::Tensor Engine::forward(const std::function<at::Tensor()>& fn, const std::vec
     // Gradients set to none, as LibTorch 2.x's zero_grad does. Before the
     // base is read: the last step's gradients are not this step's memory.
     for (auto& p : s.zero->parameters()) p.mutable_grad() = at::Tensor();
+    if (!s.trace_path.empty() && !s.trace) s.start_trace(*model_);
     s.base = s.memory->current(s.device);
     s.memory->reset_peak();
     s.zero->reset_peak();
@@ -476,6 +523,10 @@ at::Tensor Engine::forward(const std::function<at::Tensor()>& fn, const std::vec
   const auto t0 = Clock::now();
   at::Tensor loss;
   {
+    // On a memory trace: what the forward allocates (and no scope below
+    // claims) is the activations autograd keeps.
+    TraceSpan span("phase", "forward");
+    MemoryCategoryScope activations(MemoryCategory::kSavedActivations);
     s.zero->begin_forward();
     std::unique_ptr<OffloadActivations> offload;
     try {
@@ -530,8 +581,10 @@ void Engine::backward(const at::Tensor& loss) {
   at::Tensor scaled = loss / static_cast<double>(s.batch.gradient_accumulation_steps);
   const auto t1 = Clock::now();
   try {
+    TraceSpan span("phase", "backward");
     scaled.backward();
     s.zero->finish_backward(/*synchronize=*/boundary);
+    if (s.trace) s.classify_gradients(*model_);
   } catch (...) {
     // The accumulation window is dropped (its gradients and partial
     // reductions with it): the next forward starts a new one.
@@ -557,6 +610,7 @@ bool Engine::step() {
   if (++micro_steps_ < s.batch.gradient_accumulation_steps) return false;
   micro_steps_ = 0;
   const int64_t step = global_steps_ + 1;
+  std::optional<TraceSpan> span(std::in_place, "phase", "optimizer step");
   const auto& tc = config_.train;
   int64_t comm_bytes = 0;
   double opt_ms = 0, grad_norm = -1;
@@ -588,7 +642,10 @@ bool Engine::step() {
     if (config_.gradient_clipping > 0) {
       grad_norm = s.zero->clip_grad_norm(config_.gradient_clipping, s.layout->tp_group());
     }
-    s.optimizer->step();
+    {
+      MemoryCategoryScope state(MemoryCategory::kOptimizerState);
+      s.optimizer->step();
+    }
     // Stages 1 and 2: every rank's parameters whole again now (the next
     // forward would gather them anyway), so that they read right between steps.
     if (s.zero->stage() == 1 || s.zero->stage() == 2) s.zero->begin_forward();
@@ -661,7 +718,29 @@ bool Engine::step() {
   for (auto& p : s.zero->parameters()) p.mutable_grad() = at::Tensor();
   global_steps_ = step;
   s.lr = learning_rate(config_.optimizer, config_.scheduler, global_steps_ + 1);
+  span.reset();
+  if (s.trace) s.finish_trace(config_, last_metrics_);
   return !skipped;
+}
+
+void Engine::trace_memory(const std::string& path, int max_samples) {
+  Impl& s = *impl_;
+  check_trace_path(path, "remat::Engine::trace_memory");
+  if (max_samples < 4) {
+    throw ConfigError(str("remat::Engine::trace_memory: max_samples is ", max_samples, ": give at least 4 (the first, "
+                          "the last, and the lowest and highest between them)"));
+  }
+  if (!s.memory->keeps_allocations()) {
+    throw ConfigError("remat::Engine::trace_memory: EngineOptions::memory is a MemoryTracker that does not keep its "
+                      "allocations, so a timeline cannot split what is live by category: construct it with "
+                      "MemoryTrackerOptions::keep_allocations = true, or leave EngineOptions::memory null");
+  }
+  if (s.trace) {
+    throw Error("remat::Engine::trace_memory: a timeline of the step in progress is recording: call it between "
+                "steps (after the step() that ends one)");
+  }
+  s.trace_path = path;
+  s.trace_samples = max_samples;
 }
 
 struct Engine::EvaluationScope::Guards {

@@ -151,6 +151,16 @@ class Engine {
   // The last optimizer step's metrics.
   const StepMetrics& last_metrics() const { return last_metrics_; }
 
+  // Records the next optimizer step's memory timeline (its forwards,
+  // backwards and optimizer step, by category, with the spans of each phase,
+  // recompute and collective; runtime/memory_trace.h, docs/memory.md) and
+  // writes it to `path` in Chrome's Trace Event JSON when that step() ends.
+  // At most `max_samples` samples are written (runs of consecutive samples
+  // by their lowest and highest, so the peak stays in). This rank's alone
+  // (not collective). A ConfigError if `path` cannot be written or
+  // EngineOptions::memory does not keep its allocations.
+  void trace_memory(const std::string& path, int max_samples = 4000);
+
   // Saves parameters, optimizer state, every random state, the step and
   // `client_state` (rank 0's) to DIR/step_NNNNNNNN (atomic, CRC-checked,
   // locked against a second job, `latest` updated). Refused inside an

@@ -63,9 +63,11 @@ void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
   for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
 }
 
-int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer) {
-  int64_t n = 0;
-  auto add = [&](const at::Tensor& t) { n += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0; };
+std::vector<at::Tensor> optimizer_state_tensors(const torch::optim::Optimizer& optimizer) {
+  std::vector<at::Tensor> out;
+  auto add = [&](const at::Tensor& t) {
+    if (t.defined()) out.push_back(t);
+  };
   for (const auto& [key, state] : optimizer.state()) {
     if (auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(state.get())) {
       add(s->exp_avg());
@@ -79,6 +81,12 @@ int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer) {
       add(s->momentum_buffer());
     }
   }
+  return out;
+}
+
+int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer) {
+  int64_t n = 0;
+  for (const auto& t : optimizer_state_tensors(optimizer)) n += static_cast<int64_t>(t.nbytes());
   return n;
 }
 

@@ -26,8 +26,9 @@ double learning_rate(const OptimizerConfig& optimizer, const SchedulerConfig& sc
 
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr);
 
-// Bytes of the optimizer's per-parameter state tensors (Adam's moments, SGD's
-// momentum buffers).
+// The optimizer's per-parameter state tensors (Adam's moments, SGD's momentum
+// buffers), and their bytes.
+std::vector<at::Tensor> optimizer_state_tensors(const torch::optim::Optimizer& optimizer);
 int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer);
 
 // The optimizer's state for `param` as named tensors: "step" (a 0-dim int64),

@@ -4,7 +4,7 @@
 //
 //   remat-run -np 2 -- remat-train --config configs/default.json [--set key=value ...]
 //       [--steps N] [--seed S] [--metrics FILE] [--save-dir DIR [--overwrite-saves]] [--resume DIR]
-//       [--export FILE]
+//       [--export FILE] [--memory-trace FILE [--memory-trace-samples N]]
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 
@@ -26,6 +26,7 @@
 #include "runtime/layout.h"
 #include "runtime/logging.h"
 #include "runtime/memory.h"
+#include "runtime/memory_trace.h"
 #include "runtime/runtime.h"
 
 namespace remat {
@@ -33,10 +34,11 @@ namespace {
 
 int train(int argc, char** argv) {
   CLI::App app{"remat-train: train a GPT with remat's activation checkpointing"};
-  std::string config_path, metrics_path, save_dir, resume_dir, export_path, backend = "auto";
+  std::string config_path, metrics_path, save_dir, resume_dir, export_path, memory_trace, backend = "auto";
   std::vector<std::string> overrides;
   std::optional<std::string> steps_flag, seed_flag;
   bool overwrite_saves = false;
+  int trace_samples = 4000;
   app.add_option("--config", config_path, "JSON configuration (default: the embedded one)");
   app.add_option("--set", overrides, "override a key: --set model.n_layer=8 (repeatable)");
   app.add_option("--steps", steps_flag, "optimizer steps (train.steps)");
@@ -51,6 +53,12 @@ int train(int argc, char** argv) {
   app.add_option("--export", export_path, "after training (and the final save), write the whole model (full "
                  "parameters by state-dict name) to this file, for torch::pickle_load or Python's torch.load; "
                  "checked at start: a regular file or a new one, in a folder with room for it");
+  app.add_option("--memory-trace", memory_trace, "write rank 0's memory timeline of one step (the run's second, "
+                 "or its only one) to this file in Chrome's Trace Event JSON (Perfetto, chrome://tracing) and "
+                 "its plot beside it (.png, with matplotlib); docs/memory.md");
+  app.add_option("--memory-trace-samples", trace_samples, "at most this many samples in --memory-trace (runs "
+                 "of consecutive samples kept by their lowest and highest; default 4000)")
+      ->check(CLI::Range(4, 1 << 30));
   app.add_option("--backend", backend, "communication backend: auto, mpi or nccl");
   try {
     app.parse(argc, argv);
@@ -58,7 +66,9 @@ int train(int argc, char** argv) {
     return app.exit(e);
   }
 
-  MemoryTracker memory;  // first: everything allocated from here on is counted
+  // First: everything allocated from here on is counted (and, for a memory
+  // trace, kept by allocation).
+  MemoryTracker memory(MemoryTrackerOptions{!memory_trace.empty()});
   Runtime::init();
   // The flags are overrides like any other: validated the same way.
   if (steps_flag) overrides.push_back("train.steps=" + *steps_flag);
@@ -83,6 +93,7 @@ int train(int argc, char** argv) {
   require_same_settings(world, flags, "flags");
   // The export is written after training: a path it cannot be written to stops the run now.
   if (!export_path.empty() && rank0) check_export_path(export_path);
+  if (!memory_trace.empty() && rank0) check_trace_path(memory_trace, "--memory-trace");
   const BatchSizes batch = config.resolve_batch(layout->dims().dp);
   data::Dataset data = data::Dataset::load(config.data.path, config.data.train_fraction, config.model.seq_len);
   check_memory_estimate(config, batch, data.vocab_size(), world.size());
@@ -139,11 +150,18 @@ int train(int argc, char** argv) {
                 resumed > 0 ? str("resumed at step ", resumed).c_str() : "starts at step 0");
   }
   Progress progress(resumed, tc.steps, config.steps_per_print, rank0);
+  // The memory timeline: the run's second step (the optimizer state exists then), or its only one.
+  const int64_t trace_step = memory_trace.empty() || resumed >= tc.steps ? 0 : std::min(resumed + 2, tc.steps);
+  if (!memory_trace.empty() && trace_step == 0) {
+    log_rank0().warn("--memory-trace: this run trains no step, so no memory timeline is written");
+  }
+  int64_t traced_peak = 0;
   const int64_t tokens_per_step = batch.train_batch_size * config.model.seq_len;
   double first_loss = 0, last_loss = 0;
   int64_t max_peak = 0;
   for (int64_t step = resumed + 1; step <= tc.steps; ++step) {
     model->train();
+    if (step == trace_step && rank0) engine->trace_memory(memory_trace, trace_samples);
     for (int64_t micro = 0; micro < batch.gradient_accumulation_steps; ++micro) {
       auto [x, y] = data.train_batch(static_cast<uint64_t>(tc.seed), layout->dp_rank(), window,
                                      batch.micro_batch_per_gpu);
@@ -155,6 +173,7 @@ int train(int argc, char** argv) {
     const StepMetrics& m = engine->last_metrics();
     const double tokens_per_s = tokens_per_step / (m.step_ms / 1000.0);
     max_peak = std::max(max_peak, m.mem_peak_bytes - m.mem_base_bytes);
+    if (step == trace_step) traced_peak = m.mem_peak_bytes;
     if (step == resumed + 1) first_loss = m.loss;
     last_loss = m.loss;
     if (metrics.is_open()) {
@@ -184,6 +203,13 @@ int train(int argc, char** argv) {
   if (rank0 && tc.steps > resumed) {
     std::printf("loss: first %.4f, last %.4f; peak activation memory per step %s\n", first_loss, last_loss,
                 human_bytes(static_cast<double>(max_peak)).c_str());
+  }
+  if (trace_step > 0 && rank0) {
+    const std::string png = memory_plot_path(memory_trace);
+    const std::string plot = plot_memory_trace(memory_trace, png);
+    progress.line(str("memory timeline of step ", trace_step, " (peak ", human_bytes(static_cast<double>(traced_peak)),
+                      ") in ", memory_trace, ": open it in https://ui.perfetto.dev or chrome://tracing; ",
+                      plot.empty() ? "its plot: " + png : plot));
   }
   // The export comes after the final save: a failed export loses no trained
   // state a save could keep.

@@ -1,6 +1,7 @@
 #include "launch/train_tools.h"
 
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -57,6 +58,60 @@ double available_bytes_per_rank() {
   int local_ranks = 1;
   if (auto v = knobs::get("OMPI_COMM_WORLD_LOCAL_SIZE")) local_ranks = std::max(1, std::atoi(v->c_str()));
   return bytes / local_ranks;
+}
+
+namespace {
+
+std::string shell_quoted(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+}  // namespace
+
+const std::string& plot_memory_trace_script();  // tools/plot_memory_trace.py, compiled in
+
+std::string memory_plot_path(const std::string& trace) {
+  const std::string suffix = ".json";
+  if (trace.size() > suffix.size() && trace.compare(trace.size() - suffix.size(), suffix.size(), suffix) == 0) {
+    return trace.substr(0, trace.size() - suffix.size()) + ".png";
+  }
+  return trace + ".png";
+}
+
+std::string plot_memory_trace(const std::string& trace, const std::string& png) {
+  const std::string by_hand = str("python3 tools/plot_memory_trace.py ", trace, " ", png);
+  std::string script = (std::filesystem::temp_directory_path() / "remat_plot_XXXXXX.py").string();
+  const int fd = ::mkstemps(script.data(), 3);
+  if (fd < 0) return str("its plot was not drawn (no temporary file: ", std::strerror(errno), "); run ", by_hand);
+  const std::string& text = plot_memory_trace_script();
+  const bool written = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  ::close(fd);
+  std::string output;
+  int status = -1;
+  if (written) {
+    // The first python3 that has matplotlib (a virtual environment's may not).
+    const std::string command =
+        str("for p in python3 /usr/bin/python3; do command -v \"$p\" >/dev/null 2>&1 && "
+            "\"$p\" -c 'import matplotlib' >/dev/null 2>&1 && exec \"$p\" ",
+            shell_quoted(script), " ", shell_quoted(trace), " ", shell_quoted(png), " 2>&1; done; exit 3");
+    if (FILE* pipe = ::popen(command.c_str(), "r")) {
+      char buffer[512];
+      while (std::fgets(buffer, sizeof buffer, pipe) != nullptr) output += buffer;
+      status = ::pclose(pipe);
+    }
+  }
+  ::unlink(script.c_str());
+  if (status == 0) return "";
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 3) {
+    return str("its plot needs python3 with matplotlib (Debian/Ubuntu: apt-get install python3-matplotlib); "
+               "then run ", by_hand);
+  }
+  while (!output.empty() && output.back() == '\n') output.pop_back();
+  if (output.size() > 300) output = "..." + output.substr(output.size() - 300);
+  return str("drawing its plot failed (", output.empty() ? "exit status " + std::to_string(status) : output,
+             "); run ", by_hand, " to see why");
 }
 
 std::string human_bytes(double b) {

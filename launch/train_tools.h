@@ -29,6 +29,14 @@ MemoryEstimate check_memory_estimate(const Config& c, const BatchSizes& batch, i
 // fifo is left as it is).
 void keep_metrics_through(const std::string& path, int64_t step);
 
+// The plot written beside a memory trace: its path with .png for .json (or
+// .png added).
+std::string memory_plot_path(const std::string& trace);
+// Plots a memory trace (Engine::trace_memory) into `png` with
+// tools/plot_memory_trace.py, compiled in, when a python3 with matplotlib is
+// found. Empty when written; else what is missing and the command to run.
+std::string plot_memory_trace(const std::string& trace, const std::string& png);
+
 // A bar on a terminal, else a line every `every` steps (REMAT_PROGRESS=bar|lines).
 class Progress {
  public:

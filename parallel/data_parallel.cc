@@ -7,6 +7,7 @@
 
 #include "parallel/sharding_strategy.h"
 #include "runtime/communicator.h"
+#include "runtime/memory_trace.h"
 
 namespace remat::parallel {
 
@@ -28,11 +29,15 @@ void all_reduce_gradients(const std::vector<at::Tensor>& all_params, Communicato
       auto& p = params[end];
       // A parameter without a gradient on this rank takes part with zeros,
       // so every rank reduces the same buffer.
-      if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+      if (!p.grad().defined()) {
+        MemoryCategoryScope gradients(MemoryCategory::kGradients);
+        p.mutable_grad() = at::zeros_like(p);
+      }
       bucket.push_back(p.grad().reshape({-1}));
       elements += p.numel();
       ++end;
     }
+    MemoryCategoryScope buffers(MemoryCategory::kCommunication);
     at::Tensor flat = at::cat(bucket);
     if (dp.size() > 1) {
       dp.allReduce(flat, {ReduceOp::kAvg})->wait();

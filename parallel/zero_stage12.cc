@@ -13,6 +13,7 @@
 #include "runtime/communicator.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
+#include "runtime/memory_trace.h"
 
 namespace remat::parallel {
 namespace {
@@ -227,6 +228,7 @@ void Stage12::sync_parameters() {
   const int n = group.size();
   torch::NoGradGuard no_grad;
   if (n > 1) {
+    MemoryCategoryScope buffers(MemoryCategory::kCommunication);
     struct InFlight {
       std::shared_ptr<Work> work;
       at::Tensor input, output, target;  // target: where output goes, when not in place
@@ -284,6 +286,8 @@ void Stage12::on_gradient(size_t bi, size_t k) {
   }
   if (settings_.contiguous_gradients && p.grad().defined()) {
     torch::NoGradGuard no_grad;
+    MemoryCategoryScope gradients(MemoryCategory::kGradients);
+    classify_memory(p.grad(), MemoryCategory::kGradients);
     if (!b.grad.defined()) b.grad = at::zeros({b.padded}, b.flat.options());
     b.grad.narrow(0, b.offsets[k], p.numel()).add_(p.grad().reshape({-1}));
     track_grad_bytes();
@@ -304,10 +308,14 @@ void Stage12::launch(size_t bi) {
   Bucket& b = buckets_[bi];
   Communicator& group = *groups_.shard;
   torch::NoGradGuard no_grad;
+  // On a memory trace the bucket and its reduced part are gradients (the
+  // collective's own buffers are communication).
+  MemoryCategoryScope gradients(MemoryCategory::kGradients);
   at::Tensor flat = b.grad.defined() ? b.grad : at::zeros({b.padded}, b.flat.options());
   b.grad = at::Tensor();
   for (size_t k = 0; k < b.params.size(); ++k) {
     auto& p = b.params[k];
+    classify_memory(p.grad(), MemoryCategory::kGradients);
     if (p.grad().defined()) {
       flat.narrow(0, b.offsets[k], p.numel()).add_(p.grad().reshape({-1}));
       p.mutable_grad() = at::Tensor();
@@ -351,6 +359,7 @@ void Stage12::complete(size_t bi) {
     b.pending = nullptr;
   }
   torch::NoGradGuard no_grad;
+  MemoryCategoryScope gradients(MemoryCategory::kGradients);
   at::Tensor g = b.output;  // this rank's [chunk] of the averaged bucket
   if (groups_.replicate && groups_.replicate->size() > 1) {
     g = g.contiguous();

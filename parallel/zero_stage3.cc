@@ -14,6 +14,7 @@
 #include "runtime/communicator.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
+#include "runtime/memory_trace.h"
 
 namespace remat::parallel {
 namespace {
@@ -362,7 +363,11 @@ void Stage3::gather(Unit& unit, bool wait) {
     unit.gathers++;
     track_gathered_units(+1);
     for (auto& g : unit.groups) {
-      allocate_storage(g.full, g.bytes());
+      {
+        MemoryCategoryScope gathered(MemoryCategory::kGatheredUnits);
+        allocate_storage(g.full, g.bytes());
+      }
+      MemoryCategoryScope buffers(MemoryCategory::kCommunication);
       at::Tensor input = g.shard.detach().to(g.full.scalar_type());
       g.pending = dp_->allGather(g.full, input);
       allgather_bytes_ += g.bytes();
@@ -396,14 +401,22 @@ void Stage3::reduce(Unit& unit) {
   const int n = dp_->size();
   for (auto& g : unit.groups) {
     if (g.frozen) continue;
+    // On a memory trace: the whole gradients (autograd's) and this rank's
+    // reduced shard are gradients; the flat copy and the buckets buffers.
+    MemoryCategoryScope buffers(MemoryCategory::kCommunication);
     at::Tensor flat = at::zeros({g.padded}, g.shard.options().requires_grad(false));
     for (size_t k = 0; k < g.params.size(); ++k) {
       auto& p = g.params[k];
+      classify_memory(p.grad(), MemoryCategory::kGradients);
       if (p.grad().defined()) flat.narrow(0, g.offsets[k], p.numel()).copy_(p.grad().reshape({-1}));
       p.mutable_grad() = at::Tensor();
     }
     at::Tensor by_rank = flat.view({n, g.shard_numel});
-    at::Tensor shard_grad = at::empty({g.shard_numel}, flat.options());
+    at::Tensor shard_grad;
+    {
+      MemoryCategoryScope gradients(MemoryCategory::kGradients);
+      shard_grad = at::empty({g.shard_numel}, flat.options());
+    }
     for (int64_t o = 0; o < g.shard_numel; o += settings_.reduce_bucket_size) {
       const int64_t len = std::min(settings_.reduce_bucket_size, g.shard_numel - o);
       at::Tensor input = by_rank.narrow(1, o, len).contiguous();

@@ -8,6 +8,7 @@
 #include "runtime/context.h"
 #include "runtime/error.h"
 #include "runtime/layout.h"
+#include "runtime/memory_trace.h"
 
 namespace remat {
 namespace {
@@ -40,6 +41,8 @@ GeneratorStates seeded(uint64_t seed) {
 }  // namespace
 
 GeneratorStates capture_default_generators() {
+  // Generator states are not activations, even when a forward captures them.
+  MemoryCategoryScope category(MemoryCategory::kOther);
   GeneratorStates states;
   {
     auto gen = at::detail::getDefaultCPUGenerator();
@@ -127,6 +130,7 @@ void RNGStatesTracker::leave(const std::string& name) {
 }
 
 std::map<std::string, GeneratorStates> RNGStatesTracker::get_states() const {
+  MemoryCategoryScope category(MemoryCategory::kOther);  // as capture_default_generators
   auto copy = states_;
   // The state of a fork in progress lives in the default generators.
   if (!active_.empty()) copy[active_.back()] = capture_default_generators();

@@ -1,41 +1,39 @@
 #include "runtime/memory.h"
 
-#include <c10/core/Allocator.h>
-#include <c10/util/ThreadLocalDebugInfo.h>
-
 #include <algorithm>
-#include <array>
 
-#include "runtime/compat.h"
+#include "runtime/memory_reporter.h"
 
 namespace remat {
 
-// Receives c10's allocation reports (it is installed as the thread's
-// PROFILER_STATE debug info, where the allocators look for a reporter).
-struct MemoryTracker::Reporter : public c10::MemoryReportingInfoBase {
-  static constexpr size_t kSlots = 2;  // CPU, CUDA
-  std::array<int64_t, kSlots> live{};
-  std::array<int64_t, kSlots> high{};
-  // The reporter this one shadows (an enclosing tracker, or the profiler's);
-  // reports are passed on so that nesting loses nothing.
-  std::shared_ptr<c10::DebugInfoBase> outer;
-
-  static size_t slot(c10::DeviceType type) { return type == c10::DeviceType::CUDA ? 1 : 0; }
-
-  void reportMemoryUsage(void* ptr, int64_t alloc_size, compat::MemoryTotal total_allocated,
-                         compat::MemoryTotal total_reserved, c10::Device device) override {
-    size_t s = slot(device.type());
+void MemoryTracker::Reporter::reportMemoryUsage(void* ptr, int64_t alloc_size, compat::MemoryTotal total_allocated,
+                                                compat::MemoryTotal total_reserved, c10::Device device) {
+  const size_t s = slot(device.type());
+  if (!keep) {
     live[s] += alloc_size;
     high[s] = std::max(high[s], live[s]);
-    if (auto* next = dynamic_cast<c10::MemoryReportingInfoBase*>(outer.get())) {
-      if (next->memoryProfilingEnabled()) {
-        next->reportMemoryUsage(ptr, alloc_size, total_allocated, total_reserved, device);
+  } else {
+    std::lock_guard<std::mutex> lock(mutex);
+    live[s] += alloc_size;
+    high[s] = std::max(high[s], live[s]);
+    if (alloc_size >= 0) {
+      Allocation& a = allocations[ptr];
+      a = Allocation{alloc_size, s, current_memory_category(), -1};
+      if (recorder != nullptr) recorder->on_allocation(a, live[s]);
+    } else {
+      auto it = allocations.find(ptr);
+      if (recorder != nullptr) {
+        recorder->on_free(it == allocations.end() ? nullptr : &it->second, s, -alloc_size, live[s]);
       }
+      if (it != allocations.end()) allocations.erase(it);
     }
   }
-
-  bool memoryProfilingEnabled() const override { return true; }
-};
+  if (auto* next = dynamic_cast<c10::MemoryReportingInfoBase*>(outer.get())) {
+    if (next->memoryProfilingEnabled()) {
+      next->reportMemoryUsage(ptr, alloc_size, total_allocated, total_reserved, device);
+    }
+  }
+}
 
 struct MemoryTracker::Guard {
   c10::DebugInfoGuard guard;
@@ -55,7 +53,8 @@ std::shared_ptr<c10::DebugInfoBase> current_profiler_state() {
 
 }  // namespace
 
-MemoryTracker::MemoryTracker() : reporter_(std::make_shared<Reporter>()) {
+MemoryTracker::MemoryTracker(MemoryTrackerOptions options) : reporter_(std::make_shared<Reporter>()) {
+  reporter_->keep = options.keep_allocations;
   reporter_->outer = current_profiler_state();
   guard_ = std::make_unique<Guard>(reporter_);
 }
@@ -71,5 +70,7 @@ int64_t MemoryTracker::peak(c10::DeviceType device) const {
 }
 
 void MemoryTracker::reset_peak() { reporter_->high = reporter_->live; }
+
+bool MemoryTracker::keeps_allocations() const { return reporter_->keep; }
 
 }  // namespace remat

@@ -8,6 +8,11 @@
 //   remat::MemoryTracker mem;
 //   loss = model(x); loss.backward();
 //   mem.peak();   // highest live bytes during the step, above the start
+//
+// With `keep_allocations`, the tracker also keeps each live allocation's size
+// and memory category (runtime/memory_trace.h): what a memory trace starts
+// from, so that memory allocated before the trace is split by category too.
+// It costs a locked map update per allocation and free.
 #pragma once
 
 #include <c10/core/DeviceType.h>
@@ -17,9 +22,13 @@
 
 namespace remat {
 
+struct MemoryTrackerOptions {
+  bool keep_allocations = false;
+};
+
 class MemoryTracker {
  public:
-  MemoryTracker();
+  explicit MemoryTracker(MemoryTrackerOptions options = {});
   ~MemoryTracker();
   MemoryTracker(const MemoryTracker&) = delete;
   MemoryTracker& operator=(const MemoryTracker&) = delete;
@@ -28,8 +37,10 @@ class MemoryTracker {
   int64_t peak(c10::DeviceType device = c10::DeviceType::CPU) const;
   // The peak starts again from the current value.
   void reset_peak();
+  bool keeps_allocations() const;
 
   struct Reporter;
+  const std::shared_ptr<Reporter>& reporter() const { return reporter_; }
 
  private:
   std::shared_ptr<Reporter> reporter_;

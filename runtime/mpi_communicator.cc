@@ -15,6 +15,7 @@
 #include "runtime/env_knobs.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
+#include "runtime/memory_trace.h"
 #include "runtime/tensor_checks.h"
 
 namespace remat {
@@ -325,7 +326,16 @@ std::shared_ptr<Work> MpiCommunicator::launch(Launch&& l) {
       what, rank_, size_, timeout, /*cancellable=*/!l.collective,
       l.collective ? WaitedFor::kCollective : WaitedFor::kPointToPoint, debug_);
   work->keep_alive = l.tensors;
-  l.start(*work);
+  // On a memory trace: its buffers, and its span from launch to completion.
+  const uint64_t span = begin_trace_span("collective", l.op, what);
+  try {
+    MemoryCategoryScope buffers(MemoryCategory::kCommunication);
+    l.start(*work);
+  } catch (...) {
+    end_trace_span(span);
+    throw;
+  }
+  if (span != 0) work->finish.push_back([span] { end_trace_span(span); });
   return work;
 }
 

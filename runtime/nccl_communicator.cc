@@ -10,6 +10,7 @@
 
 #include "runtime/compat.h"
 #include "runtime/error.h"
+#include "runtime/memory_trace.h"
 #include "runtime/tensor_checks.h"
 
 #if defined(REMAT_WITH_C10_CUDA)
@@ -94,7 +95,12 @@ class NcclWork final : public Work {
     cuda_check(cudaEventCreateWithFlags(&done_event_, cudaEventDisableTiming), what_);
     cuda_check(cudaEventRecord(done_event_, state_->stream), what_);
   }
-  ~NcclWork() override { cudaEventDestroy(done_event_); }
+  ~NcclWork() override {
+    end_trace_span(span);
+    cudaEventDestroy(done_event_);
+  }
+
+  uint64_t span = 0;  // on a memory trace: from the launch to the completion seen here
 
   bool isCompleted() override {
     if (!error_.empty()) throw CommError(error_);
@@ -112,6 +118,8 @@ class NcclWork final : public Work {
     if (rc == cudaErrorNotReady) return false;
     cuda_check(rc, what_);
     done_ = true;
+    end_trace_span(span);
+    span = 0;
     // Later work on the compute stream sees the result.
     cuda_check(cudaStreamWaitEvent(compute_stream(), done_event_, 0), what_);
     keep_.clear();
@@ -300,8 +308,16 @@ class NcclCommunicator final : public Communicator {
     cuda_check(cudaEventRecord(ready, compute_stream()), what);
     cuda_check(cudaStreamWaitEvent(state_->stream, ready, 0), what);
     cudaEventDestroy(ready);
-    nccl_check(call(state_->stream), state_->comm, what);
-    return std::make_shared<NcclWork>(state_, what, limit, std::move(tensors), collective, debug_checked);
+    const uint64_t span = begin_trace_span("collective", op, what);
+    try {
+      nccl_check(call(state_->stream), state_->comm, what);
+    } catch (...) {
+      end_trace_span(span);
+      throw;
+    }
+    auto work = std::make_shared<NcclWork>(state_, what, limit, std::move(tensors), collective, debug_checked);
+    work->span = span;
+    return work;
   }
 
   std::shared_ptr<MpiCommunicator> bootstrap_;

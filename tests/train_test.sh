@@ -312,6 +312,49 @@ else
     "$(paste <(losses "$mf") <(losses "$mb") | head -5)"
 fi
 
+# The memory timeline: rank 0's step 2 as a Chrome trace whose categories add
+# up to the tracked count at every sample, with each block's recompute and the
+# step's peak (the metrics' mem_peak_bytes); its plot beside it where a
+# python3 has matplotlib, else the command to draw it.
+mtrace="$tmp/memory.json"
+out=$("$run" -np 2 -- "$train" --config "$configs_dir/default.json" --steps 3 "${small[@]}" \
+    --memory-trace "$mtrace" --metrics "$tmp/memory_metrics.jsonl" 2>&1)
+report=$(python3 - "$mtrace" "$tmp/memory_metrics.jsonl" <<'PY' 2>&1
+import json, sys
+trace = json.load(open(sys.argv[1]))
+step2 = [json.loads(line) for line in open(sys.argv[2])][1]
+events = trace["traceEvents"]
+by_cat = [e for e in events if e["ph"] == "C" and e["name"] == "cpu memory by category"]
+tracked = [e for e in events if e["ph"] == "C" and e["name"] == "cpu memory tracked"]
+off = sum(1 for a, b in zip(by_cat, tracked)
+          if a["ts"] != b["ts"] or sum(a["args"].values()) != b["args"]["tracked"] or min(a["args"].values()) < 0)
+recomputes = sorted(e["name"] for e in events if e["ph"] == "X" and e.get("cat") == "recompute")
+phases = [e["name"] for e in events if e["ph"] == "X" and e.get("cat") == "phase"]
+peak = max(e["args"]["tracked"] for e in tracked)
+ok = (len(by_cat) == len(tracked) > 10 and off == 0 and trace["otherData"]["step"] == 2 and
+      recomputes == ["recompute blocks.0", "recompute blocks.1"] and
+      sorted(phases) == ["backward", "forward", "optimizer step"] and peak == step2["mem_peak_bytes"])
+print(("ok " if ok else "bad ") + f"{len(by_cat)} samples ({off} off), {recomputes}, phases {phases}, "
+      f"peak {peak} vs mem_peak_bytes {step2['mem_peak_bytes']}")
+PY
+)
+if [[ "$report" == ok* ]]; then
+  pass "--memory-trace: ${report#ok }"
+else
+  fail "--memory-trace: ${report#bad }" "$out"
+fi
+if /usr/bin/python3 -c 'import matplotlib' 2>/dev/null || python3 -c 'import matplotlib' 2>/dev/null; then
+  if [[ -s "$tmp/memory.png" ]] && grep -qF "its plot: $tmp/memory.png" <<<"$out"; then
+    pass "--memory-trace: its plot beside it"
+  else
+    fail "--memory-trace: its plot beside it" "$out"
+  fi
+elif grep -qF "apt-get install python3-matplotlib); then run python3 tools/plot_memory_trace.py $mtrace $tmp/memory.png" <<<"$out"; then
+  pass "--memory-trace without matplotlib: the command that draws its plot"
+else
+  fail "--memory-trace without matplotlib: the command that draws its plot" "$out"
+fi
+
 # 7. Bad inputs: a nonzero exit and the message that says what to change.
 expect "tensor_parallel.size that does not divide the world" \
   "tensor_parallel.size=3 does not divide the world size 4: choose one of 1, 2, 4" \
@@ -328,6 +371,11 @@ expect "contiguous buffers without number_checkpoints" \
   "'activation_checkpointing.number_checkpoints' is not set" \
   "$train" --config "$configs_dir/tp2_partitioned.json" \
   --set activation_checkpointing.contiguous_memory_optimization=true
+expect "a --memory-trace in a folder that does not exist, before any step" \
+  "--memory-trace '$tmp/no-such-folder/m.json': its folder '$tmp/no-such-folder' does not exist: create it first" \
+  "$run" -np 2 -- "$train" --config "$configs_dir/default.json" "${small[@]}" --memory-trace "$tmp/no-such-folder/m.json"
+expect "a --memory-trace that is a directory" "--memory-trace '$tmp' is a directory: give a file path" \
+  "$train" --config "$configs_dir/default.json" "${small[@]}" --memory-trace "$tmp"
 expect "missing config file" "cannot read '$tmp/nope.json'" \
   "$run" -np 2 -- "$train" --config "$tmp/nope.json"
 expect "unknown config key" "unknown key 'model.n_layr'; did you mean 'model.n_layer'?" \
