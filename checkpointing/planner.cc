@@ -87,7 +87,7 @@ class ChoiceHook : public ModuleHook {
 struct RunRecord {
   explicit RunRecord(size_t n)
       : held(n, 0), fwd_peak(n, 0), fwd_live(n, 0), after(n, 0), transient(n, 0), fwd_cpu(n, 0), fwd_wall(n, 0), bwd_cpu(n, 0), bwd_wall(n, 0),
-        window_live(n, -1), seen(n, false) {}
+        rec_cpu(n, 0), rec_wall(n, 0), window_live(n, -1), seen(n, false) {}
   MemoryTracker memory;
   c10::DeviceType device = c10::DeviceType::CPU;
   std::vector<int64_t> held, fwd_peak, fwd_live, after, transient;
@@ -100,6 +100,7 @@ struct RunRecord {
     for (size_t i = 0; i < n; ++i) held[i] = (i + 1 < n ? fwd_live[i + 1] : after[i]) - fwd_live[i];
   }
   std::vector<double> fwd_cpu, fwd_wall, bwd_cpu, bwd_wall;
+  std::vector<double> rec_cpu, rec_wall;  // the recompute alone (inside the backward's window)
   std::vector<int64_t> window_live;  // live bytes when the block's backward began
   std::vector<bool> seen;            // the block's backward began
   int open = -1;                     // the block whose backward runs now
@@ -186,7 +187,7 @@ class MeasuringHook : public ModuleHook {
     const int64_t earlier = record->restart_peak();
     if (record->before_blocks < 0) record->before_blocks = earlier;
     const double cpu0 = thread_cpu_ms(), wall0 = wall_ms();
-    c10::IValue out = inner_->run(args, next);
+    c10::IValue out = inner_->run(args, timing_recomputes(next));
     record->settle();
     record->fwd_cpu[index_] += thread_cpu_ms() - cpu0;
     record->fwd_wall[index_] += wall_ms() - wall0;
@@ -219,10 +220,83 @@ class MeasuringHook : public ModuleHook {
   }
 
  private:
+  // `next` for the region: its first call is the forward (timed around the
+  // whole call above), every later one a recompute, timed alone here. A
+  // recompute may end by throwing once it has what backward needs: still
+  // counted.
+  IValueFn timing_recomputes(const IValueFn& next) const {
+    struct Timer {
+      std::shared_ptr<RunRecord> record;
+      int index;
+      double cpu0 = thread_cpu_ms(), wall0 = wall_ms();
+      ~Timer() {
+        try {
+          record->settle();
+        } catch (...) {  // unwinding maybe: the device's error comes again at the next reading
+        }
+        record->rec_cpu[index] += thread_cpu_ms() - cpu0;
+        record->rec_wall[index] += wall_ms() - wall0;
+      }
+    };
+    auto calls = std::make_shared<int>(0);
+    return [next, calls, weak = record_, i = index_](const std::vector<c10::IValue>& args) {
+      auto record = weak.lock();
+      if ((*calls)++ == 0 || !record) return next(args);
+      record->settle();
+      Timer timer{record, i};
+      return next(args);
+    };
+  }
+
   std::shared_ptr<ChoiceHook> inner_;
   int index_;
   std::weak_ptr<RunRecord> record_;
 };
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t h = v.size() / 2;
+  return v.size() % 2 ? v[h] : (v[h - 1] + v[h]) / 2;
+}
+
+// The predicted extra time of each choice per block ([column][block]; column
+// 0 is keep), from each round's time of the block's forward and backward
+// (`total`) and of its recompute alone (`recompute`), both [column][block]
+// [round]. A checkpoint (selective_op, selective_op_matmuls, full) costs its
+// recompute: the median over rounds of that alone. Its forward and the rest
+// of its backward run the same kernels as keeping's, and their difference
+// from keeping's, two long measurements of separate steps, is mostly the
+// machine's noise (docs/checkpointing.md, "The time model"). An offloading
+// choice costs what is not a recompute as well: per round, the block's time
+// less its recompute over keeping's in the same round (the copies and their
+// waits), the median over rounds, at least 0.
+struct TimeModel {
+  std::vector<std::vector<double>> extra, recompute;  // [column][block]
+};
+TimeModel model_extra_time(const std::vector<BlockChoice>& choices,
+                           const std::vector<std::vector<std::vector<double>>>& total,
+                           const std::vector<std::vector<std::vector<double>>>& recompute) {
+  const size_t k = total.size(), n = k ? total[0].size() : 0;
+  TimeModel m{std::vector<std::vector<double>>(k, std::vector<double>(n, 0.0)), {}};
+  m.recompute = m.extra;
+  for (size_t c = 1; c < k; ++c) {
+    const bool offloads = choices[c] == BlockChoice::kFullOffload || choices[c] == BlockChoice::kOffloadActivations;
+    for (size_t i = 0; i < n; ++i) {
+      m.recompute[c][i] = median(recompute[c][i]);
+      double rest = 0;
+      if (offloads) {
+        std::vector<double> over;
+        for (size_t r = 0; r < total[c][i].size(); ++r) {
+          over.push_back(total[c][i][r] - recompute[c][i][r] - total[0][i][r]);
+        }
+        rest = std::max(0.0, median(over));
+      }
+      m.extra[c][i] = m.recompute[c][i] + rest;
+    }
+  }
+  return m;
+}
 
 std::vector<std::shared_ptr<torch::nn::Module>> block_modules(torch::nn::Module& model,
                                                               const std::string& path) {
@@ -309,15 +383,16 @@ std::string describe_costs(const BlockCosts& costs) {
   std::string out = str("measured: forward_live_base ", costs.forward_live_base, ", forward_base ",
                         costs.forward_base, ", backward_base ", costs.backward_base, ", fixed_peak ",
                         costs.fixed_peak, ", every block kept ", costs.keep_peak, " bytes\n");
-  out += "  block  choice                 held bytes  forward peak  transient bytes  extra ms (CPU)  extra ms (wall)\n";
+  out += "  block  choice                 held bytes  forward peak  transient bytes  extra ms (CPU)  extra ms (wall)"
+         "  of which recompute (CPU)  (wall)\n";
   for (size_t i = 0; i < costs.blocks.size(); ++i) {
     for (size_t c = 0; c < costs.choices.size(); ++c) {
       const ChoiceCost& x = costs.blocks[i][c];
-      char line[200];
-      std::snprintf(line, sizeof(line), "  %5zu  %-21s %11lld  %12lld  %15lld  %14.2f  %15.2f\n", i,
+      char line[240];
+      std::snprintf(line, sizeof(line), "  %5zu  %-21s %11lld  %12lld  %15lld  %14.2f  %15.2f  %24.2f  %6.2f\n", i,
                     block_choice_name(costs.choices[c]), static_cast<long long>(x.held_bytes),
                     static_cast<long long>(x.forward_peak_bytes), static_cast<long long>(x.transient_bytes),
-                    x.extra_cpu_ms, x.extra_wall_ms);
+                    x.extra_cpu_ms, x.extra_wall_ms, x.recompute_cpu_ms, x.recompute_wall_ms);
       out += line;
     }
   }
@@ -519,9 +594,10 @@ BlockCosts profile_activation_choices(torch::nn::Module& model, const std::funct
     }
   };
 
-  // [column][block] of the least time over rounds; bytes are the same every run.
-  std::vector<std::vector<double>> cpu(k, std::vector<double>(n, std::numeric_limits<double>::infinity()));
-  std::vector<std::vector<double>> wall = cpu;
+  // [column][block]: each round's times (the block's forward and backward,
+  // and its recompute alone); bytes are the same every run.
+  std::vector<std::vector<std::vector<double>>> cpu(k, std::vector<std::vector<double>>(n));
+  std::vector<std::vector<std::vector<double>>> wall = cpu, rec_cpu = cpu, rec_wall = cpu;
   std::vector<std::vector<int64_t>> held(k, std::vector<int64_t>(n, 0)), transient = held, fwd_peak = held;
   const int64_t lowest = std::numeric_limits<int64_t>::min() / 4;
   int64_t forward_base = lowest, forward_live_base = lowest, backward_base = lowest, fixed_peak = 0, keep_peak = 0;
@@ -578,8 +654,10 @@ BlockCosts profile_activation_choices(torch::nn::Module& model, const std::funct
       fwd_peak[column][i] = std::max(fwd_peak[column][i], record->fwd_peak[i]);
       held[column][i] = std::max(held[column][i], record->held[i]);
       transient[column][i] = std::max(transient[column][i], record->transient[i]);
-      cpu[column][i] = std::min(cpu[column][i], record->fwd_cpu[i] + record->bwd_cpu[i]);
-      wall[column][i] = std::min(wall[column][i], record->fwd_wall[i] + record->bwd_wall[i]);
+      cpu[column][i].push_back(record->fwd_cpu[i] + record->bwd_cpu[i]);
+      wall[column][i].push_back(record->fwd_wall[i] + record->bwd_wall[i]);
+      rec_cpu[column][i].push_back(record->rec_cpu[i]);
+      rec_wall[column][i].push_back(record->rec_wall[i]);
       s += record->held[i];
       backward_base = std::max(backward_base, record->window_live[i] - s);
     }
@@ -596,12 +674,16 @@ BlockCosts profile_activation_choices(torch::nn::Module& model, const std::funct
   reset_grads(true);
   restore_rng(rng);
 
+  // The time model, per block and choice (model_extra_time).
+  const TimeModel cpu_model = model_extra_time(costs.choices, cpu, rec_cpu);
+  const TimeModel wall_model = model_extra_time(costs.choices, wall, rec_wall);
   // Every rank decides on the same numbers: the largest of each.
   std::vector<double> flat;
   for (size_t c = 0; c < k; ++c) {
     for (size_t i = 0; i < n; ++i) {
       flat.insert(flat.end(), {static_cast<double>(held[c][i]), static_cast<double>(fwd_peak[c][i]),
-                               static_cast<double>(transient[c][i]), cpu[c][i], wall[c][i]});
+                               static_cast<double>(transient[c][i]), cpu_model.extra[c][i], wall_model.extra[c][i],
+                               cpu_model.recompute[c][i], wall_model.recompute[c][i]});
     }
   }
   flat.insert(flat.end(), {static_cast<double>(forward_base), static_cast<double>(forward_live_base),
@@ -616,14 +698,16 @@ BlockCosts profile_activation_choices(torch::nn::Module& model, const std::funct
   }
   size_t at_ = 0;
   costs.blocks.assign(n, std::vector<ChoiceCost>(k));
-  std::vector<std::vector<double>> cpu_ms(n, std::vector<double>(k)), wall_ms_(n, std::vector<double>(k));
   for (size_t c = 0; c < k; ++c) {
     for (size_t i = 0; i < n; ++i) {
-      costs.blocks[i][c].held_bytes = static_cast<int64_t>(flat[at_++]);
-      costs.blocks[i][c].forward_peak_bytes = static_cast<int64_t>(flat[at_++]);
-      costs.blocks[i][c].transient_bytes = static_cast<int64_t>(flat[at_++]);
-      cpu_ms[i][c] = flat[at_++];
-      wall_ms_[i][c] = flat[at_++];
+      ChoiceCost& cost = costs.blocks[i][c];
+      cost.held_bytes = static_cast<int64_t>(flat[at_++]);
+      cost.forward_peak_bytes = static_cast<int64_t>(flat[at_++]);
+      cost.transient_bytes = static_cast<int64_t>(flat[at_++]);
+      cost.extra_cpu_ms = flat[at_++];
+      cost.extra_wall_ms = flat[at_++];
+      cost.recompute_cpu_ms = flat[at_++];
+      cost.recompute_wall_ms = flat[at_++];
     }
   }
   costs.forward_base = static_cast<int64_t>(flat[at_++]);
@@ -635,12 +719,6 @@ BlockCosts profile_activation_choices(torch::nn::Module& model, const std::funct
     log_rank0().warn("activation planner: a block's backward ran on another thread than it began on, so its "
                      "thread CPU time is not comparable: deciding on wall time");
     costs.decide_on_wall_time = true;
-  }
-  for (size_t i = 0; i < n; ++i) {
-    for (size_t c = 0; c < k; ++c) {
-      costs.blocks[i][c].extra_cpu_ms = c == 0 ? 0.0 : std::max(0.0, cpu_ms[i][c] - cpu_ms[i][0]);
-      costs.blocks[i][c].extra_wall_ms = c == 0 ? 0.0 : std::max(0.0, wall_ms_[i][c] - wall_ms_[i][0]);
-    }
   }
   // The reference of a fraction: at least what the model predicts with every
   // block kept, so that a fraction of 1 always fits keeping everything.
