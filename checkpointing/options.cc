@@ -36,21 +36,26 @@ const std::string& every_k_from_name(EveryKFrom from) {
 }
 
 std::string check_memory_budget(const MemoryBudget& b) {
-  if (!b.memory_budget_bytes && !b.memory_budget_fraction) {
+  const int set = (b.memory_budget_bytes ? 1 : 0) + (b.memory_budget_fraction ? 1 : 0) + (b.memory_budget_knee ? 1 : 0);
+  if (set == 0) {
     return "'activation_checkpointing.variant' is \"auto\" but no budget is set: set "
            "'memory_budget_bytes' (per rank) or 'memory_budget_fraction' (of the peak with no "
-           "checkpointing, e.g. 0.5)";
+           "checkpointing, e.g. 0.5, or \"knee\" for the plan at the knee of the planner's frontier)";
   }
-  if (b.memory_budget_bytes && b.memory_budget_fraction) {
-    return "'activation_checkpointing.memory_budget_bytes' and 'memory_budget_fraction' are both set: "
-           "keep one of them";
+  if (set > 1) {
+    // (A fraction and the knee together come from C++ only: the JSON key holds one.)
+    return b.memory_budget_bytes
+               ? "'activation_checkpointing.memory_budget_bytes' and 'memory_budget_fraction' are both set: keep "
+                 "one of them"
+               : "'activation_checkpointing.memory_budget_fraction' is both a number and \"knee\" "
+                 "(MemoryBudget::memory_budget_knee): keep one of them";
   }
   if (b.memory_budget_bytes && *b.memory_budget_bytes <= 0) {
     return str("'activation_checkpointing.memory_budget_bytes' = ", *b.memory_budget_bytes, " must be positive");
   }
   if (b.memory_budget_fraction && !(*b.memory_budget_fraction > 0 && std::isfinite(*b.memory_budget_fraction))) {
     return str("'activation_checkpointing.memory_budget_fraction' = ", *b.memory_budget_fraction,
-               " must be a positive number (0.5: half the peak with no checkpointing)");
+               " must be a positive number (0.5: half the peak with no checkpointing) or \"knee\"");
   }
   return "";
 }
@@ -63,7 +68,7 @@ std::string check_policy_settings(const PolicySettings& p) {
   if (p.variant == CheckpointVariant::kAuto) {
     std::string budget = check_memory_budget(p);
     if (!budget.empty()) return budget;
-  } else if (p.memory_budget_bytes || p.memory_budget_fraction) {
+  } else if (p.memory_budget_bytes || p.memory_budget_fraction || p.memory_budget_knee) {
     return str("'activation_checkpointing.", p.memory_budget_bytes ? "memory_budget_bytes" : "memory_budget_fraction",
                "' is set but 'variant' is \"", checkpoint_variant_name(p.variant),
                "\": a budget is planned by variant \"auto\" (set it), or remove the budget");

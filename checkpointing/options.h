@@ -36,11 +36,16 @@ const std::vector<std::string>& every_k_from_names();
 const std::string& every_k_from_name(EveryKFrom from);
 
 // variant "auto": the budget for a step's activation peak per rank (live
-// tensor bytes above those at the step's start), in bytes or as a fraction of
-// the peak with no checkpointing; exactly one is set (checkpointing/planner.h).
+// tensor bytes above those at the step's start), in bytes, as a fraction of
+// the peak with no checkpointing, or the knee of the planner's frontier
+// (JSON: memory_budget_fraction "knee"); exactly one is set
+// (checkpointing/planner.h).
 struct MemoryBudget {
   std::optional<int64_t> memory_budget_bytes;
   std::optional<double> memory_budget_fraction;
+  // The plan at the knee of the frontier of predicted peak against predicted
+  // extra time (checkpointing/frontier.h), whatever its peak.
+  bool memory_budget_knee = false;
 };
 
 // Which blocks a whole-model policy checkpoints (checkpointing/policy.h).

@@ -6,12 +6,14 @@
 #include <chrono>
 #include <cmath>
 #include <ctime>
+#include <filesystem>
 #include <limits>
 #include <map>
 #include <thread>
 
 #include <torch/cuda.h>
 
+#include "checkpointing/frontier.h"
 #include "checkpointing/offload_activations.h"
 #include "checkpointing/policy.h"
 #include "checkpointing/selective_op.h"
@@ -726,21 +728,53 @@ BlockCosts profile_activation_choices(torch::nn::Module& model, const std::funct
   return costs;
 }
 
-ActivationPlan plan_activation_checkpointing(torch::nn::Module& model, const std::function<void()>& step,
-                                             const PlannerOptions& options, Communicator* comm) {
+void check_planner_options(torch::nn::Module& model, const PlannerOptions& options) {
   const std::string invalid = check_memory_budget(options);
   if (!invalid.empty()) throw ConfigError("activation checkpointing planner: " + invalid);
-  BlockCosts costs = profile_activation_choices(model, step, options, comm);
-  const int64_t budget =
-      options.memory_budget_bytes
-          ? *options.memory_budget_bytes
-          : static_cast<int64_t>(std::min(1e18, std::floor(*options.memory_budget_fraction * static_cast<double>(costs.keep_peak))));
-  log_rank0().debug("{}", describe_costs(costs));
-  // With every step offloaded, a budget no plan meets is offloading's doing: said so.
-  if (options.offload.enabled && smallest_feasible_budget(costs) > budget) {
-    throw_budget_unmet(costs, budget, /*offloading=*/true);
+  if (options.rounds < 1) throw ConfigError(str("activation planner: rounds = ", options.rounds, " must be at least 1"));
+  const size_t n = block_modules(model, options.blocks).size();
+  if (options.memory_budget_knee && n < 2) {
+    throw ConfigError(str(
+        "activation_checkpointing.memory_budget_fraction is \"knee\", the plan where the planner's frontier of "
+        "predicted peak against extra time bends, but the model has ", n, " block in '", options.blocks,
+        "': one block has one plan per choice and no frontier across blocks to find a knee on. Set "
+        "memory_budget_fraction to a number (e.g. 0.5) or memory_budget_bytes, or give the model more blocks"));
   }
-  ActivationPlan plan = solve_activation_plan(costs, budget);
+}
+
+ActivationPlan plan_activation_checkpointing(torch::nn::Module& model, const std::function<void()>& step,
+                                             const PlannerOptions& options, Communicator* comm) {
+  check_planner_options(model, options);
+  BlockCosts costs = profile_activation_choices(model, step, options, comm);
+  log_rank0().debug("{}", describe_costs(costs));
+  std::vector<FrontierPoint> frontier;
+  if (options.memory_budget_knee || !options.report_dir.empty()) frontier = activation_frontier(costs);
+  ActivationPlan plan;
+  if (options.memory_budget_knee) {
+    const size_t knee = frontier_knee(frontier);
+    plan = frontier[knee].plan;
+    log_rank0().info("activation planner: the knee is point {} of the {} on the frontier (peak {} of every block "
+                     "kept), the budget memory_budget_fraction \"knee\" plans for",
+                     knee, frontier.size(),
+                     std::round(1000.0 * static_cast<double>(plan.predicted_peak) /
+                                static_cast<double>(std::max<int64_t>(costs.keep_peak, 1))) / 1000.0);
+  } else {
+    const int64_t budget =
+        options.memory_budget_bytes
+            ? *options.memory_budget_bytes
+            : static_cast<int64_t>(std::min(1e18, std::floor(*options.memory_budget_fraction *
+                                                             static_cast<double>(costs.keep_peak))));
+    // With every step offloaded, a budget no plan meets is offloading's doing: said so.
+    if (options.offload.enabled && smallest_feasible_budget(costs) > budget) {
+      throw_budget_unmet(costs, budget, /*offloading=*/true);
+    }
+    plan = solve_activation_plan(costs, budget);
+  }
+  if (!options.report_dir.empty() && (comm == nullptr || comm->rank() == 0)) {
+    const std::string path = (std::filesystem::path(options.report_dir) / "frontier.csv").string();
+    write_frontier_csv(path, costs, frontier, plan);
+    log_rank0().info("activation planner: wrote the frontier ({} plans) to {}", frontier.size(), path);
+  }
   apply_activation_plan(model, plan, options);
   log_rank0().info("{}", plan.table(costs));
   return plan;

@@ -35,7 +35,9 @@
 // - Solving: a multiple-choice knapsack over blocks in order (exact dynamic
 //   programming over the Pareto frontier of held bytes and time) minimising
 //   the predicted extra time (CPU time unless decide_on_wall_time) subject to
-//   the predicted peak <= budget.
+//   the predicted peak <= budget. Every plan a budget can get, from the
+//   smallest feasible one up, is the frontier (checkpointing/frontier.h);
+//   memory_budget_knee plans at its knee.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -144,7 +146,17 @@ struct PlannerOptions : MemoryBudget {
   // Region options for the checkpointed choices; unset: the defaults in
   // effect when each region runs (configure_checkpointing), as policies do.
   std::optional<CheckpointOptions> checkpoint;
+  // Each plan also writes the frontier here as frontier.csv, the plan in
+  // effect marked (write_frontier_csv; rank 0 of the communicator). Empty:
+  // none. remat-train's --plan-report.
+  std::string report_dir;
 };
+
+// The rules plan_activation_checkpointing checks before profiling, for a
+// caller to check earlier: exactly one budget (check_memory_budget), rounds
+// >= 1, a block list at options.blocks, and for the knee at least two blocks.
+// A ConfigError saying what to change otherwise.
+void check_planner_options(torch::nn::Module& model, const PlannerOptions& options);
 
 // Runs `step` (one forward and backward on the real batch) under every
 // candidate choice and returns the measurements. Leaves the model unmarked.
