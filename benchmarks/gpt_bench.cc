@@ -1,17 +1,20 @@
 // The GPT of models/gpt.cc under each checkpointing variant: peak activation
 // bytes (one step per variant and depth, c10's allocator reports through
 // MemoryTracker) and step time (variants interleaved step by step, warm-up
-// dropped). One JSON object per line, the same fields as
-// benchmarks/torch_gpt.py writes for PyTorch. bench.sh runs both.
+// dropped; each step's wall and thread CPU time). One JSON object per line,
+// the same fields as benchmarks/torch_gpt.py writes for PyTorch. bench.sh
+// runs both. autoNN variants plan with the memory planner (its measured
+// costs and each plan's table go to stderr).
 //
 //   bazel-bin/benchmarks/gpt_bench --layers 2,4,8 --variants none,full,every_k2,selective_op,offload
-//       [--steps 20] [--warmup 3] [--memory-only] [--out FILE]   (one command line)
+//       [--steps 20] [--warmup 3] [--memory-only] [--plan-rounds 2] [--out FILE]   (one command line)
 //   remat-run -np 2 -- bazel-bin/benchmarks/gpt_bench --tp 2 --variants full,partitioned ...
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
 
 #include <chrono>
+#include <ctime>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -38,6 +41,13 @@ namespace remat {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// This thread's CPU time (the steps run on one thread).
+double thread_cpu_ms() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) / 1e6;
+}
 
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> out;
@@ -94,7 +104,7 @@ ActivationCheckpointingConfig config_of(const std::string& name) {
 int bench(int argc, char** argv) {
   CLI::App app{"gpt_bench: the GPT under each checkpointing variant"};
   std::string layers = "4", variants = "none,full,every_k2,selective_op,offload", out_path = "-";
-  int steps = 20, warmup = 3, tp = 1;
+  int steps = 20, warmup = 3, tp = 1, plan_rounds = 2;
   bool memory_only = false;
   models::GptOptions o;
   o.vocab_size = 128;
@@ -118,6 +128,8 @@ int bench(int argc, char** argv) {
   app.add_option("--vocab", o.vocab_size)->check(CLI::PositiveNumber);
   app.add_option("--dropout", o.shape.dropout);
   app.add_option("--seed", seed);
+  app.add_option("--plan-rounds", plan_rounds, "autoNN: the planner's profiling rounds per choice")
+      ->check(CLI::PositiveNumber);
   app.add_option("--out", out_path, "JSON lines (appended); - for stdout");
   try {
     app.parse(argc, argv);
@@ -149,12 +161,13 @@ int bench(int argc, char** argv) {
     std::map<std::string, ActivationCheckpointingConfig> configs;
     for (const auto& v : split(variants)) configs[v] = config_of(v);
     struct Result {
-      double fwd_ms, step_ms, loss;
+      double fwd_ms, step_ms, step_cpu_ms, loss;
       int64_t peak, saved;
     };
     // variant auto: one profile per depth, one plan per budget.
     std::map<std::string, ActivationPlan> plans;
     PlannerOptions planner;
+    planner.rounds = plan_rounds;
     auto step = [&](const std::string& v) {
       const auto& c = v == "none" ? config_of("none") : configs.at(v);
       configure_checkpointing(c, &layout);
@@ -171,6 +184,7 @@ int bench(int argc, char** argv) {
       }
       const int64_t base = memory.current();
       memory.reset_peak();
+      const double cpu0 = thread_cpu_ms();
       auto t0 = Clock::now();
       if (v == "act_offload") offload = std::make_unique<OffloadActivations>(OffloadActivationsOptions{}, model.get());
       at::Tensor loss = model->loss(idx, targets);
@@ -180,7 +194,7 @@ int bench(int argc, char** argv) {
       loss.backward();
       auto t2 = Clock::now();
       using ms = std::chrono::duration<double, std::milli>;
-      return Result{ms(t1 - t0).count(), ms(t2 - t0).count(), loss.item<double>(),
+      return Result{ms(t1 - t0).count(), ms(t2 - t0).count(), thread_cpu_ms() - cpu0, loss.item<double>(),
                     memory.peak() - base, saved};
     };
     exclude_output_head(*model, OffloadActivationsOptions{});  // used by act_offload only
@@ -193,6 +207,7 @@ int bench(int argc, char** argv) {
         for (auto& p : model->parameters()) p.mutable_grad().zero_();
         costs = profile_activation_choices(*model, [&] { model->loss(idx, targets).backward(); }, planner,
                                            world.get());
+        if (print) std::fprintf(stderr, "L = %d: %s", o.shape.n_layer, describe_costs(*costs).c_str());
       }
       const auto budget = static_cast<int64_t>(*c.memory_budget_fraction * static_cast<double>(costs->keep_peak));
       if (budget < smallest_feasible_budget(*costs)) {
@@ -221,12 +236,14 @@ int bench(int argc, char** argv) {
           j["budget_bytes"] = plan.budget_bytes;
           j["predicted_peak_bytes"] = plan.predicted_peak;
           j["predicted_extra_cpu_ms"] = plan.predicted_extra_cpu_ms;
+          j["predicted_extra_wall_ms"] = plan.predicted_extra_wall_ms;
           j["keep_peak_bytes"] = costs->keep_peak;
         }
       } else {
         j["step"] = s;
         j["fwd_ms"] = r.fwd_ms;
         j["step_ms"] = r.step_ms;
+        j["step_cpu_ms"] = r.step_cpu_ms;
       }
       out << j.dump() << "\n";
     };

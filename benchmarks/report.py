@@ -70,6 +70,7 @@ def run_length(plan):
 def budget_section(rows, w, img_dir):
     """The memory planner beside every fixed policy at each budget; returns targets."""
     mem, times, infeasible = {}, defaultdict(list), {}
+    steps = defaultdict(dict)  # (variant, L) -> step -> (wall ms, thread CPU ms)
     for r in rows:
         if r.get("infeasible"):
             infeasible[(r["variant"], r["layers"])] = r
@@ -77,6 +78,15 @@ def budget_section(rows, w, img_dir):
             mem[(r["variant"], r["layers"])] = r
         else:
             times[(r["variant"], r["layers"])].append(r["step_ms"])
+            steps[(r["variant"], r["layers"])][r["step"]] = (r["step_ms"], r.get("step_cpu_ms"))
+
+    def extra_over_none(v, L, which):
+        """The median over steps of the variant's step minus none's of the same round (paired)."""
+        own, base = steps[(v, L)], steps[("none", L)]
+        d = [own[s][which] - base[s][which] for s in own if s in base and own[s][which] is not None
+             and base[s][which] is not None]
+        return median(d)
+
     layers = sorted({L for _, L in mem})
     targets = []
     w("## Memory budget planner (variant auto)\n")
@@ -85,8 +95,10 @@ def budget_section(rows, w, img_dir):
       "2 rounds, thread CPU time) and solves for the least extra time whose predicted peak fits. "
       "Beside it: every fixed policy, and the fastest fixed policy whose measured peak fits the same "
       "budget. Times: variants interleaved step by step; median [min, max]. \"As fast\" allows half "
-      "the fixed policy's spread. Extra ms: the plan's predicted extra thread CPU time per step beside "
-      "its measured median step time minus none's.\n")
+      "the fixed policy's spread. Extra ms, predicted / measured: the plan's predicted extra time per "
+      "step (the time model of docs/checkpointing.md: each checkpointed block's recompute) beside the "
+      "median over steps of its step minus none's step of the same round, in thread CPU time and in "
+      "wall time (on a loaded shared machine wall time also counts the waits for a core).\n")
     fig, axes = plt.subplots(1, len(layers), figsize=(6 * len(layers), 4.5), squeeze=False)
     for ax, L in zip(axes[0], layers):
         none = mem[("none", L)]["peak_bytes"]
@@ -101,18 +113,26 @@ def budget_section(rows, w, img_dir):
             w(f"| {v} | {p / MiB:.2f} ({p / none:.3f}) | {median(ts):.1f} [{min(ts):.1f}, {max(ts):.1f}] "
               f"({median(ts) / t_none:.3f}) |")
         w("")
-        w("| budget | plan | predicted / measured peak MiB | planner step ms | extra ms predicted / measured | "
-          "fastest fixed policy that fits | its step ms | planner as fast | strictly faster |")
-        w("|---|---|---|---|---|---|---|---|---|")
+        w("| budget | plan | predicted / measured peak MiB | planner step ms | extra ms CPU predicted / measured | "
+          "extra ms wall predicted / measured | fastest fixed policy that fits | its step ms | planner as fast | "
+          "strictly faster |")
+        w("|---|---|---|---|---|---|---|---|---|---|")
         for v in autos:
             r = mem[(v, L)]
             budget, peak, pred = r["budget_bytes"], r["peak_bytes"], r["predicted_peak_bytes"]
             ts = times[(v, L)]
             fits = [f for f in fixed if mem[(f, L)]["peak_bytes"] <= budget]
             best = min(fits, key=lambda f: median(times[(f, L)])) if fits else None
+            cpu_pred, cpu_meas = r["predicted_extra_cpu_ms"], extra_over_none(v, L, 1)
+            wall_pred, wall_meas = r.get("predicted_extra_wall_ms", float("nan")), extra_over_none(v, L, 0)
             line = (f"| {v[4:]} % = {budget / MiB:.2f} MiB | {run_length(r['plan'])} | {pred / MiB:.2f} / "
                     f"{peak / MiB:.2f} | {median(ts):.1f} [{min(ts):.1f}, {max(ts):.1f}] | "
-                    f"{r['predicted_extra_cpu_ms']:.1f} / {median(ts) - t_none:.1f} | ")
+                    f"{cpu_pred:.1f} / {cpu_meas:.1f} | {wall_pred:.1f} / {wall_meas:.1f} | ")
+            if cpu_meas == cpu_meas and cpu_meas > 0:
+                targets.append((f"planner at {v[4:]} % (L = {L}): predicted extra time within 20 % of the "
+                                "measured (thread CPU time)", abs(cpu_pred / cpu_meas - 1) <= 0.20,
+                                f"{cpu_pred:.1f} / {cpu_meas:.1f} ms = {cpu_pred / cpu_meas:.2f}; wall "
+                                f"{wall_pred:.1f} / {wall_meas:.1f} ms"))
             if best:
                 bt = times[(best, L)]
                 spread = (max(bt) - min(bt)) / median(bt) / 2
@@ -135,7 +155,7 @@ def budget_section(rows, w, img_dir):
         for (v, LL), r in sorted(infeasible.items()):
             if LL == L:
                 w(f"| {v[4:]} % = {r['budget_bytes'] / MiB:.2f} MiB | infeasible: the smallest peak any plan "
-                  f"reaches is {r['smallest_feasible_bytes'] / MiB:.2f} MiB | | | | | | | |")
+                  f"reaches is {r['smallest_feasible_bytes'] / MiB:.2f} MiB | | | | | | | | |")
         w("")
         # Step time against peak: fixed policies, the planner, the frontier.
         pts = [(mem[(v, L)]["peak_bytes"] / none, median(times[(v, L)]) / t_none, v) for v in fixed]

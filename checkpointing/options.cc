@@ -37,17 +37,20 @@ const std::string& every_k_from_name(EveryKFrom from) {
 
 std::string check_memory_budget(const MemoryBudget& b) {
   std::vector<std::string> set;
-  if (b.memory_budget_bytes) set.push_back("memory_budget_bytes");
-  if (b.memory_budget_fraction) set.push_back("memory_budget_fraction");
-  if (b.device_memory_budget_bytes) set.push_back("device_memory_budget_bytes");
+  if (b.memory_budget_bytes) set.push_back("'memory_budget_bytes'");
+  if (b.memory_budget_fraction) set.push_back("'memory_budget_fraction'");
+  // (A fraction and the knee together come from C++ only: the JSON key holds one.)
+  if (b.memory_budget_knee) set.push_back("'memory_budget_fraction' \"knee\" (MemoryBudget::memory_budget_knee)");
+  if (b.device_memory_budget_bytes) set.push_back("'device_memory_budget_bytes'");
   if (set.empty()) {
     return "'activation_checkpointing.variant' is \"auto\" but no budget is set: set one of "
            "'memory_budget_bytes' (activations, per rank), 'memory_budget_fraction' (of the activation peak with "
-           "no checkpointing, e.g. 0.5) or 'device_memory_budget_bytes' (everything a rank holds at once)";
+           "no checkpointing, e.g. 0.5, or \"knee\" for the plan at the knee of the planner's frontier) or "
+           "'device_memory_budget_bytes' (everything a rank holds at once)";
   }
   if (set.size() > 1) {
     std::string names;
-    for (size_t i = 0; i < set.size(); ++i) names += str(i == 0 ? "" : i + 1 == set.size() ? " and " : ", ", "'", set[i], "'");
+    for (size_t i = 0; i < set.size(); ++i) names += str(i == 0 ? "" : i + 1 == set.size() ? " and " : ", ", set[i]);
     return str("'activation_checkpointing' sets ", names, ": the budget is given once, keep exactly one of them");
   }
   if (b.memory_budget_bytes && *b.memory_budget_bytes <= 0) {
@@ -59,7 +62,7 @@ std::string check_memory_budget(const MemoryBudget& b) {
   }
   if (b.memory_budget_fraction && !(*b.memory_budget_fraction > 0 && std::isfinite(*b.memory_budget_fraction))) {
     return str("'activation_checkpointing.memory_budget_fraction' = ", *b.memory_budget_fraction,
-               " must be a positive number (0.5: half the peak with no checkpointing)");
+               " must be a positive number (0.5: half the peak with no checkpointing) or \"knee\"");
   }
   return "";
 }
@@ -72,10 +75,11 @@ std::string check_policy_settings(const PolicySettings& p) {
   if (p.variant == CheckpointVariant::kAuto) {
     std::string budget = check_memory_budget(p);
     if (!budget.empty()) return budget;
-  } else if (p.memory_budget_bytes || p.memory_budget_fraction || p.device_memory_budget_bytes) {
+  } else if (p.memory_budget_bytes || p.memory_budget_fraction || p.memory_budget_knee ||
+             p.device_memory_budget_bytes) {
     return str("'activation_checkpointing.",
                p.memory_budget_bytes ? "memory_budget_bytes"
-               : p.memory_budget_fraction ? "memory_budget_fraction" : "device_memory_budget_bytes",
+               : p.device_memory_budget_bytes ? "device_memory_budget_bytes" : "memory_budget_fraction",
                "' is set but 'variant' is \"", checkpoint_variant_name(p.variant),
                "\": a budget is planned by variant \"auto\" (set it), or remove the budget");
   }

@@ -35,15 +35,19 @@ enum class EveryKFrom { kFirst, kLast };
 const std::vector<std::string>& every_k_from_names();
 const std::string& every_k_from_name(EveryKFrom from);
 
-// variant "auto": the budget per rank, exactly one of three
+// variant "auto": the budget per rank, exactly one of four
 // (checkpointing/planner.h): for a step's activation peak (live tensor bytes
 // above those at the step's start) in bytes or as a fraction of the peak with
-// no checkpointing, or for everything the rank holds at once
+// no checkpointing; the knee of the planner's frontier (JSON:
+// memory_budget_fraction "knee"); or everything the rank holds at once
 // (device_memory_budget_bytes: the planner subtracts the model state it is
 // told of, PlannerOptions::state_bytes, and plans the activations in the rest).
 struct MemoryBudget {
   std::optional<int64_t> memory_budget_bytes;
   std::optional<double> memory_budget_fraction;
+  // The plan at the knee of the frontier of predicted peak against predicted
+  // extra time (checkpointing/frontier.h), whatever its peak.
+  bool memory_budget_knee = false;
   std::optional<int64_t> device_memory_budget_bytes;
 };
 

@@ -6,12 +6,14 @@
 #include <chrono>
 #include <cmath>
 #include <ctime>
+#include <filesystem>
 #include <limits>
 #include <map>
 #include <thread>
 
 #include <torch/cuda.h>
 
+#include "checkpointing/frontier.h"
 #include "checkpointing/offload_activations.h"
 #include "checkpointing/policy.h"
 #include "checkpointing/selective_op.h"
@@ -87,7 +89,7 @@ class ChoiceHook : public ModuleHook {
 struct RunRecord {
   explicit RunRecord(size_t n)
       : held(n, 0), fwd_peak(n, 0), fwd_live(n, 0), after(n, 0), transient(n, 0), fwd_cpu(n, 0), fwd_wall(n, 0), bwd_cpu(n, 0), bwd_wall(n, 0),
-        window_live(n, -1), seen(n, false) {}
+        rec_cpu(n, 0), rec_wall(n, 0), window_live(n, -1), seen(n, false) {}
   MemoryTracker memory;
   c10::DeviceType device = c10::DeviceType::CPU;
   std::vector<int64_t> held, fwd_peak, fwd_live, after, transient;
@@ -100,6 +102,7 @@ struct RunRecord {
     for (size_t i = 0; i < n; ++i) held[i] = (i + 1 < n ? fwd_live[i + 1] : after[i]) - fwd_live[i];
   }
   std::vector<double> fwd_cpu, fwd_wall, bwd_cpu, bwd_wall;
+  std::vector<double> rec_cpu, rec_wall;  // the recompute alone (inside the backward's window)
   std::vector<int64_t> window_live;  // live bytes when the block's backward began
   std::vector<bool> seen;            // the block's backward began
   int open = -1;                     // the block whose backward runs now
@@ -186,7 +189,7 @@ class MeasuringHook : public ModuleHook {
     const int64_t earlier = record->restart_peak();
     if (record->before_blocks < 0) record->before_blocks = earlier;
     const double cpu0 = thread_cpu_ms(), wall0 = wall_ms();
-    c10::IValue out = inner_->run(args, next);
+    c10::IValue out = inner_->run(args, timing_recomputes(next));
     record->settle();
     record->fwd_cpu[index_] += thread_cpu_ms() - cpu0;
     record->fwd_wall[index_] += wall_ms() - wall0;
@@ -219,10 +222,83 @@ class MeasuringHook : public ModuleHook {
   }
 
  private:
+  // `next` for the region: its first call is the forward (timed around the
+  // whole call above), every later one a recompute, timed alone here. A
+  // recompute may end by throwing once it has what backward needs: still
+  // counted.
+  IValueFn timing_recomputes(const IValueFn& next) const {
+    struct Timer {
+      std::shared_ptr<RunRecord> record;
+      int index;
+      double cpu0 = thread_cpu_ms(), wall0 = wall_ms();
+      ~Timer() {
+        try {
+          record->settle();
+        } catch (...) {  // unwinding maybe: the device's error comes again at the next reading
+        }
+        record->rec_cpu[index] += thread_cpu_ms() - cpu0;
+        record->rec_wall[index] += wall_ms() - wall0;
+      }
+    };
+    auto calls = std::make_shared<int>(0);
+    return [next, calls, weak = record_, i = index_](const std::vector<c10::IValue>& args) {
+      auto record = weak.lock();
+      if ((*calls)++ == 0 || !record) return next(args);
+      record->settle();
+      Timer timer{record, i};
+      return next(args);
+    };
+  }
+
   std::shared_ptr<ChoiceHook> inner_;
   int index_;
   std::weak_ptr<RunRecord> record_;
 };
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t h = v.size() / 2;
+  return v.size() % 2 ? v[h] : (v[h - 1] + v[h]) / 2;
+}
+
+// The predicted extra time of each choice per block ([column][block]; column
+// 0 is keep), from each round's time of the block's forward and backward
+// (`total`) and of its recompute alone (`recompute`), both [column][block]
+// [round]. A checkpoint (selective_op, selective_op_matmuls, full) costs its
+// recompute: the median over rounds of that alone. Its forward and the rest
+// of its backward run the same kernels as keeping's, and their difference
+// from keeping's, two long measurements of separate steps, is mostly the
+// machine's noise (docs/checkpointing.md, "The time model"). An offloading
+// choice costs what is not a recompute as well: per round, the block's time
+// less its recompute over keeping's in the same round (the copies and their
+// waits), the median over rounds, at least 0.
+struct TimeModel {
+  std::vector<std::vector<double>> extra, recompute;  // [column][block]
+};
+TimeModel model_extra_time(const std::vector<BlockChoice>& choices,
+                           const std::vector<std::vector<std::vector<double>>>& total,
+                           const std::vector<std::vector<std::vector<double>>>& recompute) {
+  const size_t k = total.size(), n = k ? total[0].size() : 0;
+  TimeModel m{std::vector<std::vector<double>>(k, std::vector<double>(n, 0.0)), {}};
+  m.recompute = m.extra;
+  for (size_t c = 1; c < k; ++c) {
+    const bool offloads = choices[c] == BlockChoice::kFullOffload || choices[c] == BlockChoice::kOffloadActivations;
+    for (size_t i = 0; i < n; ++i) {
+      m.recompute[c][i] = median(recompute[c][i]);
+      double rest = 0;
+      if (offloads) {
+        std::vector<double> over;
+        for (size_t r = 0; r < total[c][i].size(); ++r) {
+          over.push_back(total[c][i][r] - recompute[c][i][r] - total[0][i][r]);
+        }
+        rest = std::max(0.0, median(over));
+      }
+      m.extra[c][i] = m.recompute[c][i] + rest;
+    }
+  }
+  return m;
+}
 
 std::vector<std::shared_ptr<torch::nn::Module>> block_modules(torch::nn::Module& model,
                                                               const std::string& path) {
@@ -309,15 +385,16 @@ std::string describe_costs(const BlockCosts& costs) {
   std::string out = str("measured: forward_live_base ", costs.forward_live_base, ", forward_base ",
                         costs.forward_base, ", backward_base ", costs.backward_base, ", fixed_peak ",
                         costs.fixed_peak, ", every block kept ", costs.keep_peak, " bytes\n");
-  out += "  block  choice                 held bytes  forward peak  transient bytes  extra ms (CPU)  extra ms (wall)\n";
+  out += "  block  choice                 held bytes  forward peak  transient bytes  extra ms (CPU)  extra ms (wall)"
+         "  of which recompute (CPU)  (wall)\n";
   for (size_t i = 0; i < costs.blocks.size(); ++i) {
     for (size_t c = 0; c < costs.choices.size(); ++c) {
       const ChoiceCost& x = costs.blocks[i][c];
-      char line[200];
-      std::snprintf(line, sizeof(line), "  %5zu  %-21s %11lld  %12lld  %15lld  %14.2f  %15.2f\n", i,
+      char line[240];
+      std::snprintf(line, sizeof(line), "  %5zu  %-21s %11lld  %12lld  %15lld  %14.2f  %15.2f  %24.2f  %6.2f\n", i,
                     block_choice_name(costs.choices[c]), static_cast<long long>(x.held_bytes),
                     static_cast<long long>(x.forward_peak_bytes), static_cast<long long>(x.transient_bytes),
-                    x.extra_cpu_ms, x.extra_wall_ms);
+                    x.extra_cpu_ms, x.extra_wall_ms, x.recompute_cpu_ms, x.recompute_wall_ms);
       out += line;
     }
   }
@@ -519,9 +596,10 @@ BlockCosts profile_activation_choices(torch::nn::Module& model, const std::funct
     }
   };
 
-  // [column][block] of the least time over rounds; bytes are the same every run.
-  std::vector<std::vector<double>> cpu(k, std::vector<double>(n, std::numeric_limits<double>::infinity()));
-  std::vector<std::vector<double>> wall = cpu;
+  // [column][block]: each round's times (the block's forward and backward,
+  // and its recompute alone); bytes are the same every run.
+  std::vector<std::vector<std::vector<double>>> cpu(k, std::vector<std::vector<double>>(n));
+  std::vector<std::vector<std::vector<double>>> wall = cpu, rec_cpu = cpu, rec_wall = cpu;
   std::vector<std::vector<int64_t>> held(k, std::vector<int64_t>(n, 0)), transient = held, fwd_peak = held;
   const int64_t lowest = std::numeric_limits<int64_t>::min() / 4;
   int64_t forward_base = lowest, forward_live_base = lowest, backward_base = lowest, fixed_peak = 0, keep_peak = 0;
@@ -578,8 +656,10 @@ BlockCosts profile_activation_choices(torch::nn::Module& model, const std::funct
       fwd_peak[column][i] = std::max(fwd_peak[column][i], record->fwd_peak[i]);
       held[column][i] = std::max(held[column][i], record->held[i]);
       transient[column][i] = std::max(transient[column][i], record->transient[i]);
-      cpu[column][i] = std::min(cpu[column][i], record->fwd_cpu[i] + record->bwd_cpu[i]);
-      wall[column][i] = std::min(wall[column][i], record->fwd_wall[i] + record->bwd_wall[i]);
+      cpu[column][i].push_back(record->fwd_cpu[i] + record->bwd_cpu[i]);
+      wall[column][i].push_back(record->fwd_wall[i] + record->bwd_wall[i]);
+      rec_cpu[column][i].push_back(record->rec_cpu[i]);
+      rec_wall[column][i].push_back(record->rec_wall[i]);
       s += record->held[i];
       backward_base = std::max(backward_base, record->window_live[i] - s);
     }
@@ -596,12 +676,16 @@ BlockCosts profile_activation_choices(torch::nn::Module& model, const std::funct
   reset_grads(true);
   restore_rng(rng);
 
+  // The time model, per block and choice (model_extra_time).
+  const TimeModel cpu_model = model_extra_time(costs.choices, cpu, rec_cpu);
+  const TimeModel wall_model = model_extra_time(costs.choices, wall, rec_wall);
   // Every rank decides on the same numbers: the largest of each.
   std::vector<double> flat;
   for (size_t c = 0; c < k; ++c) {
     for (size_t i = 0; i < n; ++i) {
       flat.insert(flat.end(), {static_cast<double>(held[c][i]), static_cast<double>(fwd_peak[c][i]),
-                               static_cast<double>(transient[c][i]), cpu[c][i], wall[c][i]});
+                               static_cast<double>(transient[c][i]), cpu_model.extra[c][i], wall_model.extra[c][i],
+                               cpu_model.recompute[c][i], wall_model.recompute[c][i]});
     }
   }
   flat.insert(flat.end(), {static_cast<double>(forward_base), static_cast<double>(forward_live_base),
@@ -616,14 +700,16 @@ BlockCosts profile_activation_choices(torch::nn::Module& model, const std::funct
   }
   size_t at_ = 0;
   costs.blocks.assign(n, std::vector<ChoiceCost>(k));
-  std::vector<std::vector<double>> cpu_ms(n, std::vector<double>(k)), wall_ms_(n, std::vector<double>(k));
   for (size_t c = 0; c < k; ++c) {
     for (size_t i = 0; i < n; ++i) {
-      costs.blocks[i][c].held_bytes = static_cast<int64_t>(flat[at_++]);
-      costs.blocks[i][c].forward_peak_bytes = static_cast<int64_t>(flat[at_++]);
-      costs.blocks[i][c].transient_bytes = static_cast<int64_t>(flat[at_++]);
-      cpu_ms[i][c] = flat[at_++];
-      wall_ms_[i][c] = flat[at_++];
+      ChoiceCost& cost = costs.blocks[i][c];
+      cost.held_bytes = static_cast<int64_t>(flat[at_++]);
+      cost.forward_peak_bytes = static_cast<int64_t>(flat[at_++]);
+      cost.transient_bytes = static_cast<int64_t>(flat[at_++]);
+      cost.extra_cpu_ms = flat[at_++];
+      cost.extra_wall_ms = flat[at_++];
+      cost.recompute_cpu_ms = flat[at_++];
+      cost.recompute_wall_ms = flat[at_++];
     }
   }
   costs.forward_base = static_cast<int64_t>(flat[at_++]);
@@ -636,25 +722,43 @@ BlockCosts profile_activation_choices(torch::nn::Module& model, const std::funct
                      "thread CPU time is not comparable: deciding on wall time");
     costs.decide_on_wall_time = true;
   }
-  for (size_t i = 0; i < n; ++i) {
-    for (size_t c = 0; c < k; ++c) {
-      costs.blocks[i][c].extra_cpu_ms = c == 0 ? 0.0 : std::max(0.0, cpu_ms[i][c] - cpu_ms[i][0]);
-      costs.blocks[i][c].extra_wall_ms = c == 0 ? 0.0 : std::max(0.0, wall_ms_[i][c] - wall_ms_[i][0]);
-    }
-  }
   // The reference of a fraction: at least what the model predicts with every
   // block kept, so that a fraction of 1 always fits keeping everything.
   costs.keep_peak = std::max(costs.keep_peak, predict_peak(costs, std::vector<size_t>(n, 0)));
   return costs;
 }
 
-ActivationPlan plan_activation_checkpointing(torch::nn::Module& model, const std::function<void()>& step,
-                                             const PlannerOptions& options, Communicator* comm) {
+void check_planner_options(torch::nn::Module& model, const PlannerOptions& options) {
   const std::string invalid = check_memory_budget(options);
   if (!invalid.empty()) throw ConfigError("activation checkpointing planner: " + invalid);
+  if (options.rounds < 1) throw ConfigError(str("activation planner: rounds = ", options.rounds, " must be at least 1"));
+  const size_t n = block_modules(model, options.blocks).size();
+  if (options.memory_budget_knee && n < 2) {
+    throw ConfigError(str(
+        "activation_checkpointing.memory_budget_fraction is \"knee\", the plan where the planner's frontier of "
+        "predicted peak against extra time bends, but the model has ", n, " block in '", options.blocks,
+        "': one block has one plan per choice and no frontier across blocks to find a knee on. Set "
+        "memory_budget_fraction to a number (e.g. 0.5) or memory_budget_bytes, or give the model more blocks"));
+  }
+}
+
+ActivationPlan plan_activation_checkpointing(torch::nn::Module& model, const std::function<void()>& step,
+                                             const PlannerOptions& options, Communicator* comm) {
+  check_planner_options(model, options);
   BlockCosts costs = profile_activation_choices(model, step, options, comm);
   log_rank0().debug("{}", describe_costs(costs));
-  if (options.device_memory_budget_bytes) {
+  std::vector<FrontierPoint> frontier;
+  if (options.memory_budget_knee || !options.report_dir.empty()) frontier = activation_frontier(costs);
+  ActivationPlan plan;
+  if (options.memory_budget_knee) {
+    const size_t knee = frontier_knee(frontier);
+    plan = frontier[knee].plan;
+    log_rank0().info("activation planner: the knee is point {} of the {} on the frontier (peak {} of every block "
+                     "kept), the budget memory_budget_fraction \"knee\" plans for",
+                     knee, frontier.size(),
+                     std::round(1000.0 * static_cast<double>(plan.predicted_peak) /
+                                static_cast<double>(std::max<int64_t>(costs.keep_peak, 1))) / 1000.0);
+  } else if (options.device_memory_budget_bytes) {
     // The whole device: what the state takes is not the activations' to use.
     const int64_t device = *options.device_memory_budget_bytes;
     const int64_t least = smallest_feasible_budget(costs);
@@ -669,23 +773,28 @@ ActivationPlan plan_activation_checkpointing(torch::nn::Module& model, const std
           " bytes: raise activation_checkpointing.device_memory_budget_bytes to at least that, shard more (a "
           "higher zero_optimization.stage, more data-parallel ranks) or lower the batch size"));
     }
-    ActivationPlan plan = solve_activation_plan(costs, device - options.state_bytes);
+    plan = solve_activation_plan(costs, device - options.state_bytes);
     plan.device_budget_bytes = device;
     plan.predicted_total_peak = options.state_bytes + plan.predicted_peak;
-    apply_activation_plan(model, plan, options);
-    log_rank0().info("{}\nwhole device: budget {}, state {} + predicted activation peak {} = {}", plan.table(costs),
+    log_rank0().info("activation planner: whole device: budget {}, state {} + predicted activation peak {} = {}",
                      mib(device), mib(options.state_bytes), mib(plan.predicted_peak), mib(plan.predicted_total_peak));
-    return plan;
+  } else {
+    const int64_t budget =
+        options.memory_budget_bytes
+            ? *options.memory_budget_bytes
+            : static_cast<int64_t>(std::min(1e18, std::floor(*options.memory_budget_fraction *
+                                                             static_cast<double>(costs.keep_peak))));
+    // With every step offloaded, a budget no plan meets is offloading's doing: said so.
+    if (options.offload.enabled && smallest_feasible_budget(costs) > budget) {
+      throw_budget_unmet(costs, budget, /*offloading=*/true);
+    }
+    plan = solve_activation_plan(costs, budget);
   }
-  const int64_t budget =
-      options.memory_budget_bytes
-          ? *options.memory_budget_bytes
-          : static_cast<int64_t>(std::min(1e18, std::floor(*options.memory_budget_fraction * static_cast<double>(costs.keep_peak))));
-  // With every step offloaded, a budget no plan meets is offloading's doing: said so.
-  if (options.offload.enabled && smallest_feasible_budget(costs) > budget) {
-    throw_budget_unmet(costs, budget, /*offloading=*/true);
+  if (!options.report_dir.empty() && (comm == nullptr || comm->rank() == 0)) {
+    const std::string path = (std::filesystem::path(options.report_dir) / "frontier.csv").string();
+    write_frontier_csv(path, costs, frontier, plan);
+    log_rank0().info("activation planner: wrote the frontier ({} plans) to {}", frontier.size(), path);
   }
-  ActivationPlan plan = solve_activation_plan(costs, budget);
   apply_activation_plan(model, plan, options);
   log_rank0().info("{}", plan.table(costs));
   return plan;

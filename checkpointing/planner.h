@@ -16,12 +16,12 @@
 //   route records, per block: the bytes its forward leaves live (held), the
 //   peak above the live bytes while its backward runs (transient: the
 //   recomputed intermediates and gradient buffers), and the thread CPU time
-//   and wall time of its forward call and its backward. The RNG states are
-//   restored before every run and after the last, the parameters' gradients
-//   (values, and undefined ones left undefined) after the last, so the
-//   profiled steps leave training as they found it. With a communicator, every
-//   measurement is all-reduced (max), so every rank solves the same problem
-//   and gets the same plan.
+//   and wall time of its forward call, its backward and its recompute alone.
+//   The RNG states are restored before every run and after the last, the
+//   parameters' gradients (values, and undefined ones left undefined) after
+//   the last, so the profiled steps leave training as they found it. With a
+//   communicator, every measurement is all-reduced (max), so every rank
+//   solves the same problem and gets the same plan.
 // - The peak model: with S_i the held bytes of blocks 0..i under the plan,
 //   peak = max(fixed_peak, max_i(forward_live_base + S_(i-1) + forward_peak_i),
 //   forward_base + S_last, max_i(backward_base + S_i + transient_i)): a
@@ -29,10 +29,15 @@
 //   end), the head and loss, and a block's backward (a checkpointed one
 //   recomputes first). The bases are the largest values the profiling runs
 //   saw.
+// - The time model: a checkpointed choice costs its recompute (the median
+//   over rounds); an offloading one also what the rest of its forward and
+//   backward takes over keeping's.
 // - Solving: a multiple-choice knapsack over blocks in order (exact dynamic
 //   programming over the Pareto frontier of held bytes and time) minimising
 //   the predicted extra time (CPU time unless decide_on_wall_time) subject to
-//   the predicted peak <= budget.
+//   the predicted peak <= budget. Every plan a budget can get, from the
+//   smallest feasible one up, is the frontier (checkpointing/frontier.h);
+//   memory_budget_knee plans at its knee.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -73,8 +78,10 @@ struct ChoiceCost {
   int64_t held_bytes = 0;       // live after its forward (its output included)
   int64_t forward_peak_bytes = 0;  // peak above the live bytes at its call, during the call
   int64_t transient_bytes = 0;  // peak above the live bytes while its backward runs
-  double extra_cpu_ms = 0;      // thread CPU time over keeping, forward + backward
+  double extra_cpu_ms = 0;      // thread CPU time over keeping, forward + backward (the model's)
   double extra_wall_ms = 0;     // wall time over keeping
+  double recompute_cpu_ms = 0;  // the part of extra_cpu_ms its recompute takes, as measured
+  double recompute_wall_ms = 0;
 };
 
 // The planner's input: measured (profile_activation_choices) or given (tests).
@@ -139,7 +146,7 @@ struct PlannerOptions : MemoryBudget {
   // separate host memory to move to) and full_offload when the region
   // defaults offload already. A list given here is used as it is.
   std::vector<BlockChoice> choices;
-  // Profiling runs per choice; the least time of the runs is used.
+  // Profiling runs per choice; the median time of the runs is used.
   int rounds = 2;
   // Decide on wall time instead of thread CPU time (CPU time is steadier on a
   // shared machine; wall time also sees waiting and other threads' work).
@@ -150,7 +157,17 @@ struct PlannerOptions : MemoryBudget {
   // Region options for the checkpointed choices; unset: the defaults in
   // effect when each region runs (configure_checkpointing), as policies do.
   std::optional<CheckpointOptions> checkpoint;
+  // Each plan also writes the frontier here as frontier.csv, the plan in
+  // effect marked (write_frontier_csv; rank 0 of the communicator). Empty:
+  // none. remat-train's --plan-report.
+  std::string report_dir;
 };
+
+// The rules plan_activation_checkpointing checks before profiling, for a
+// caller to check earlier: exactly one budget (check_memory_budget), rounds
+// >= 1, a block list at options.blocks, and for the knee at least two blocks.
+// A ConfigError saying what to change otherwise.
+void check_planner_options(torch::nn::Module& model, const PlannerOptions& options);
 
 // Runs `step` (one forward and backward on the real batch) under every
 // candidate choice and returns the measurements. Leaves the model unmarked.

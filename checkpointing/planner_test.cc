@@ -6,10 +6,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <filesystem>
+#include <fstream>
 #include <random>
 
 #include "checkpointing/checkpoint.h"
 #include "checkpointing/checkpoint_modes.h"
+#include "checkpointing/frontier.h"
 #include "checkpointing/offload_activations.h"
 #include "checkpointing/planner.h"
 #include "checkpointing/policy.h"
@@ -149,6 +152,137 @@ TEST(PlannerSolver, DecidesOnWallTimeWhenAsked) {
   EXPECT_EQ(solve_activation_plan(c, 50).summary(), "selective_op");
   c.decide_on_wall_time = true;
   EXPECT_EQ(solve_activation_plan(c, 50).summary(), "full");
+}
+
+// ---- the frontier and its knee ----
+
+std::vector<size_t> columns_of(const BlockCosts& c, const ActivationPlan& plan) {
+  std::vector<size_t> columns;
+  for (BlockChoice choice : plan.choices) {
+    columns.push_back(static_cast<size_t>(std::find(c.choices.begin(), c.choices.end(), choice) - c.choices.begin()));
+  }
+  return columns;
+}
+
+// The frontier by brute force: every plan's (peak, time), and in order of
+// peak each time below every time of a smaller peak.
+std::vector<std::pair<int64_t, double>> brute_frontier(const BlockCosts& c) {
+  const size_t n = c.blocks.size(), k = c.choices.size();
+  size_t plans = 1;
+  for (size_t i = 0; i < n; ++i) plans *= k;
+  std::vector<std::pair<int64_t, double>> all;
+  std::vector<size_t> columns(n);
+  for (size_t p = 0; p < plans; ++p) {
+    size_t rest = p;
+    double time = 0;
+    for (size_t i = 0; i < n; ++i) {
+      columns[i] = rest % k;
+      rest /= k;
+      time += c.blocks[i][columns[i]].extra_cpu_ms;
+    }
+    all.emplace_back(predict_peak(c, columns), time);
+  }
+  std::sort(all.begin(), all.end());
+  std::vector<std::pair<int64_t, double>> front;
+  for (const auto& [peak, time] : all) {
+    if (front.empty() || time < front.back().second - 1e-9) front.emplace_back(peak, time);
+  }
+  return front;
+}
+
+TEST(PlannerFrontier, IsEveryPlanNoOtherBeatsOnBothPeakAndTime) {
+  std::mt19937 gen(11);
+  for (int trial = 0; trial < 20; ++trial) {
+    SCOPED_TRACE(str("trial ", trial));
+    BlockCosts c = random_costs(gen, 5, 4);
+    const std::vector<FrontierPoint> frontier = activation_frontier(c);
+    const auto brute = brute_frontier(c);
+    ASSERT_EQ(frontier.size(), brute.size());
+    for (size_t i = 0; i < frontier.size(); ++i) {
+      const ActivationPlan& plan = frontier[i].plan;
+      EXPECT_EQ(plan.predicted_peak, brute[i].first) << "point " << i;
+      EXPECT_NEAR(frontier[i].extra_ms, brute[i].second, 1e-9) << "point " << i;
+      EXPECT_EQ(predict_peak(c, columns_of(c, plan)), plan.predicted_peak) << "point " << i;
+      EXPECT_EQ(plan.budget_bytes, plan.predicted_peak) << "the least budget that gets it";
+      EXPECT_EQ(frontier[i].extra_ms, plan.predicted_extra_cpu_ms);
+      if (i > 0) {
+        EXPECT_GT(plan.predicted_peak, frontier[i - 1].plan.predicted_peak) << "peaks ascend";
+        EXPECT_LT(frontier[i].extra_ms, frontier[i - 1].extra_ms) << "times descend";
+      }
+      // Each point is what its own budget gets, and the budget just below it gets the point before.
+      EXPECT_NEAR(solve_activation_plan(c, plan.predicted_peak).predicted_extra_cpu_ms, frontier[i].extra_ms, 1e-9);
+      if (i > 0) {
+        EXPECT_NEAR(solve_activation_plan(c, plan.predicted_peak - 1).predicted_extra_cpu_ms,
+                    frontier[i - 1].extra_ms, 1e-9);
+      }
+    }
+    EXPECT_EQ(frontier.front().plan.predicted_peak, smallest_feasible_budget(c)) << "first: the smallest feasible";
+    EXPECT_EQ(frontier.back().extra_ms, 0.0) << "last: no extra time";
+  }
+}
+
+TEST(PlannerFrontier, KnownSizesAndTheirKnee) {
+  // equal_blocks: all full (40 bytes, 20 ms); each full -> selective adds 30
+  // bytes and saves 4 ms; each selective -> keep adds 60 bytes and saves 1 ms.
+  const BlockCosts c = equal_blocks();
+  const std::vector<FrontierPoint> frontier = activation_frontier(c);
+  std::vector<std::pair<int64_t, double>> points;
+  for (const auto& p : frontier) points.emplace_back(p.plan.predicted_peak, p.extra_ms);
+  EXPECT_EQ(points, (std::vector<std::pair<int64_t, double>>{
+                        {40, 20}, {70, 16}, {100, 12}, {130, 8}, {160, 4}, {220, 3}, {280, 2}, {340, 1}, {400, 0}}));
+  // Scaled: (160, 4) is 1/3 along the peaks and 1/5 along the times, the least
+  // sum: the knee, where memory stops buying much time.
+  const size_t knee = frontier_knee(frontier);
+  EXPECT_EQ(knee, 4u);
+  EXPECT_EQ(frontier[knee].plan.summary(), "selective_op,selective_op,selective_op,selective_op");
+  EXPECT_EQ(frontier_point_for_budget(frontier, 39), frontier.size());
+  EXPECT_EQ(frontier_point_for_budget(frontier, 40), 0u);
+  EXPECT_EQ(frontier_point_for_budget(frontier, 219), 4u);
+  EXPECT_EQ(frontier_point_for_budget(frontier, 1000), 8u);
+}
+
+TEST(PlannerFrontier, KneeOfHandMadeCurves) {
+  auto curve = [](std::vector<std::pair<int64_t, double>> points) {
+    std::vector<FrontierPoint> out;
+    for (const auto& [peak, ms] : points) {
+      FrontierPoint p;
+      p.plan.predicted_peak = peak;
+      p.extra_ms = ms;
+      out.push_back(p);
+    }
+    return out;
+  };
+  // A sharp bend at the second point.
+  EXPECT_EQ(frontier_knee(curve({{0, 100}, {10, 20}, {20, 10}, {30, 5}, {40, 0}})), 1u);
+  // The same bend later: peaks are scaled, not taken as they are.
+  EXPECT_EQ(frontier_knee(curve({{1000, 100}, {1030, 80}, {1035, 10}, {1040, 0}})), 2u);
+  // No point below the line joining the ends: no knee, the last point (keep what helps).
+  EXPECT_EQ(frontier_knee(curve({{0, 30}, {10, 20}, {20, 10}, {30, 0}})), 3u);
+  EXPECT_EQ(frontier_knee(curve({{0, 30}, {10, 0}})), 1u);
+  EXPECT_EQ(frontier_knee(curve({{0, 0}})), 0u);
+  // Equally far below the line: the smaller peak.
+  EXPECT_EQ(frontier_knee(curve({{0, 10}, {2, 4}, {4, 2}, {10, 0}})), 1u);
+  EXPECT_THAT(error_of<Error>([&] { frontier_knee({}); }), HasSubstr("no points"));
+}
+
+TEST(PlannerFrontier, CsvMarksTheKneeAndThePlanInEffect) {
+  const BlockCosts c = equal_blocks();
+  const std::vector<FrontierPoint> frontier = activation_frontier(c);
+  const std::string path = ::testing::TempDir() + "/frontier_test.csv";
+  write_frontier_csv(path, c, frontier, solve_activation_plan(c, 300));  // the point of 280 bytes
+  std::ifstream in(path);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  ASSERT_EQ(lines.size(), frontier.size() + 1);
+  EXPECT_EQ(lines[0], "point,budget_bytes,budget_fraction,predicted_peak_bytes,predicted_peak_mib,extra_ms,"
+                      "extra_cpu_ms,extra_wall_ms,knee,chosen,plan");
+  EXPECT_EQ(lines[1], "0,40,0.0000,40,0.000,20.000,20.000,20.000,0,0,\"full,full,full,full\"");
+  EXPECT_THAT(lines[5], ::testing::StartsWith("4,160,"));
+  EXPECT_THAT(lines[5], HasSubstr(",1,0,\"selective_op,selective_op,selective_op,selective_op\""));
+  EXPECT_THAT(lines[7], ::testing::StartsWith("6,280,"));
+  EXPECT_THAT(lines[7], HasSubstr(",0,1,\""));
+  EXPECT_THAT(error_of<Error>([&] { write_frontier_csv("/nonexistent-dir/f.csv", c, frontier, frontier[0].plan); }),
+              HasSubstr("cannot write the frontier to '/nonexistent-dir/f.csv'"));
 }
 
 TEST(PlannerSolver, ChoiceNames) {
@@ -299,6 +433,71 @@ TEST_P(Planner, ChoicesGivenAreUsedAsTheyAreActivationOffloadingIncluded) {
   EXPECT_LE(static_cast<double>(peak), 1.10 * static_cast<double>(plan.predicted_peak)) << plan.summary();
   EXPECT_GE(static_cast<double>(peak), 0.75 * static_cast<double>(plan.predicted_peak)) << plan.summary();
   for (size_t i = 0; i < grads.size(); ++i) EXPECT_TRUE(grads[i].equal(plain[i])) << "gradient " << i;
+}
+
+TEST_P(Planner, TheKneePlansAtTheFrontiersKneeAndTheReportMarksIt) {
+  auto [plain_peak, plain] = measured_step();
+  PlannerOptions o;
+  o.memory_budget_knee = true;
+  o.report_dir = ::testing::TempDir() + "/planner_knee_report";
+  std::filesystem::create_directories(o.report_dir);
+  std::filesystem::remove(o.report_dir + "/frontier.csv");
+  ActivationPlan plan = plan_activation_checkpointing(*model, [&] { train_step(); }, o);
+  // The CSV: one row per frontier point, the knee's row is the plan in effect.
+  std::ifstream in(o.report_dir + "/frontier.csv");
+  std::vector<std::string> rows;
+  for (std::string line; std::getline(in, line);) rows.push_back(line);
+  ASSERT_GE(rows.size(), 4u) << "a header and at least three plans";
+  int knees = 0, chosen = 0;
+  for (size_t i = 1; i < rows.size(); ++i) {
+    const bool knee = rows[i].find(",1,1,\"") != std::string::npos;
+    knees += knee || rows[i].find(",1,0,\"") != std::string::npos;
+    chosen += knee || rows[i].find(",0,1,\"") != std::string::npos;
+    if (knee) {
+      EXPECT_THAT(rows[i], HasSubstr("\"" + plan.summary() + "\""));
+      EXPECT_THAT(rows[i], ::testing::StartsWith(str(i - 1, ",", plan.budget_bytes, ",")));
+    }
+  }
+  EXPECT_EQ(knees, 1);
+  EXPECT_EQ(chosen, 1);
+  // Neither end: some blocks checkpointed, some time saved against the smallest peak.
+  EXPECT_NE(plan.summary().find("keep"), std::string::npos) << plan.summary();
+  EXPECT_EQ(plan.budget_bytes, plan.predicted_peak);
+  EXPECT_LT(plan.predicted_peak, plain_peak);
+  // The plan runs as predicted, with the plain gradients.
+  auto [peak, grads] = measured_step();
+  EXPECT_NEAR(static_cast<double>(peak), static_cast<double>(plan.predicted_peak),
+              0.10 * static_cast<double>(plan.predicted_peak));
+  for (size_t i = 0; i < grads.size(); ++i) EXPECT_TRUE(grads[i].equal(plain[i])) << "gradient " << i;
+}
+
+TEST_P(Planner, TheKneeOfOneBlockIsRefusedBeforeProfiling) {
+  torch::manual_seed(0);
+  models::StackOptions so;
+  so.shape.n_layer = 1;
+  so.shape.d_model = 64;
+  so.shape.n_head = 4;
+  so.shape.d_ff = 256;
+  models::Stack one(so);
+  PlannerOptions o;
+  o.memory_budget_knee = true;
+  int steps = 0;
+  const std::string msg = error_of<ConfigError>([&] {
+    plan_activation_checkpointing(*one, [&] { ++steps; }, o);
+  });
+  EXPECT_THAT(msg, HasSubstr("memory_budget_fraction is \"knee\""));
+  EXPECT_THAT(msg, HasSubstr("the model has 1 block in 'blocks'"));
+  EXPECT_THAT(msg, HasSubstr("Set memory_budget_fraction to a number (e.g. 0.5) or memory_budget_bytes"));
+  EXPECT_EQ(steps, 0) << "refused before any profiling step";
+  EXPECT_THAT(error_of<ConfigError>([&] { check_planner_options(*one, o); }), HasSubstr("1 block"));
+  // Two blocks and more have a frontier; one block with a number is planned as before.
+  EXPECT_NO_THROW(check_planner_options(*model, o));
+  o.memory_budget_knee = false;
+  o.memory_budget_fraction = 0.5;
+  EXPECT_NO_THROW(check_planner_options(*one, o));
+  // The knee counts as a budget: with a fraction too it is one too many.
+  o.memory_budget_knee = true;
+  EXPECT_THAT(error_of<ConfigError>([&] { check_planner_options(*model, o); }), HasSubstr("keep one of them"));
 }
 
 TEST_P(Planner, PlansAgainOnlyWhenTheBatchShapeChanges) {

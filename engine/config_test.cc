@@ -197,6 +197,63 @@ TEST(Config, AutoTakesExactlyOneBudget) {
   EXPECT_THAT(msg, HasSubstr("memory_budget_fraction"));
 }
 
+// memory_budget_fraction: a number, or "knee" (the plan at the knee of the
+// planner's frontier) in place of one.
+TEST(Config, MemoryBudgetFractionTakesTheKnee) {
+  const std::string ac = "activation_checkpointing.";
+  Config c = parse(R"({"activation_checkpointing": {"variant": "auto", "memory_budget_fraction": "knee"}})");
+  EXPECT_TRUE(c.activation_checkpointing.memory_budget_knee);
+  EXPECT_FALSE(c.activation_checkpointing.memory_budget_fraction.has_value());
+  EXPECT_THAT(c.to_json(), HasSubstr("\"memory_budget_fraction\": \"knee\""));
+  EXPECT_TRUE(parse_config(c.to_json(), "<dump>").activation_checkpointing.memory_budget_knee);
+  // From --set, as a bare word or quoted; a later number or null replaces it.
+  for (const std::string knee : {"knee", "\"knee\""}) {
+    c = parse("{}", {ac + "variant=auto", ac + "memory_budget_fraction=" + knee});
+    EXPECT_TRUE(c.activation_checkpointing.memory_budget_knee) << knee;
+  }
+  c = parse("{}", {ac + "variant=auto", ac + "memory_budget_fraction=knee", ac + "memory_budget_fraction=0.4"});
+  EXPECT_FALSE(c.activation_checkpointing.memory_budget_knee);
+  EXPECT_EQ(c.activation_checkpointing.memory_budget_fraction, 0.4);
+  c = parse(R"({"activation_checkpointing": {"variant": "auto", "memory_budget_fraction": "knee"}})",
+            {ac + "memory_budget_fraction=null", ac + "memory_budget_bytes=1000"});
+  EXPECT_FALSE(c.activation_checkpointing.memory_budget_knee);
+  EXPECT_EQ(c.activation_checkpointing.memory_budget_bytes, 1000);
+  // Other strings: the closest word, or what the key takes.
+  auto msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "auto", "memory_budget_fraction": "kne"}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("'activation_checkpointing.memory_budget_fraction' = \"kne\" is neither a number "
+                             "nor \"knee\"; did you mean \"knee\"?"));
+  msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "auto", "memory_budget_fraction": "half"}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("'activation_checkpointing.memory_budget_fraction' must be number or \"knee\" or "
+                             "null, got string \"half\""));
+  msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "auto", "memory_budget_fraction": "auto"}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("got string \"auto\" (\"auto\" is filled in by a launcher"));
+  msg = config_error([&] { parse("{}", {ac + "variant=auto", ac + "memory_budget_fraction=Knee"}); });
+  EXPECT_THAT(msg, HasSubstr("config error in --set activation_checkpointing.memory_budget_fraction=Knee: "));
+  EXPECT_THAT(msg, HasSubstr("did you mean \"knee\"?"));
+  msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "auto", "memory_budget_fraction": ["knee"]}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("must be number or \"knee\" or null, got array"));
+  // The knee is a budget like the others: exactly one, and only with auto.
+  msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "auto", "memory_budget_fraction": "knee",
+                                           "memory_budget_bytes": 10}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("are both set: keep one of them"));
+  msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "full", "memory_budget_fraction": "knee"}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("'activation_checkpointing.memory_budget_fraction' is set but 'variant' is \"full\""));
+  msg = config_error([] { parse(R"({"activation_checkpointing": {"variant": "auto"}})"); });
+  EXPECT_THAT(msg, HasSubstr("or \"knee\" for the plan at the knee of the planner's frontier"));
+}
+
 TEST(Config, OverridesApplyWithValidation) {
   Config c = parse("{}", {"model.n_layer=8", "activation_checkpointing.variant=full",
                           "bf16.enabled=true", "data.path=123",

@@ -371,10 +371,11 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineO
   s.regions = s.auto_plan ? 0 : apply_activation_checkpointing(model, s.policy);
   PlannerOptions planner_options;
   planner_options.blocks = blocks;
-  planner_options.memory_budget_bytes = config_.activation_checkpointing.memory_budget_bytes;
-  planner_options.memory_budget_fraction = config_.activation_checkpointing.memory_budget_fraction;
-  planner_options.device_memory_budget_bytes = config_.activation_checkpointing.device_memory_budget_bytes;
+  static_cast<MemoryBudget&>(planner_options) = config_.activation_checkpointing;
   planner_options.offload = config_.activation_offloading;
+  planner_options.report_dir = s.options.plan_report_dir;
+  // A budget the model cannot be planned for (the knee of one block) stops the run here.
+  if (s.auto_plan) check_planner_options(model, planner_options);
   s.planner = std::make_unique<ActivationPlanner>(model, planner_options, s.world.get());
   // Activation offloading: each forward runs inside a scope; the head stays.
   prepare_output_head(model, config_.activation_offloading);

@@ -80,6 +80,9 @@ struct EngineOptions {
   // What identifies the model in saves: a resume with another signature is
   // refused naming both. Empty: built from the parameters' names and shapes.
   std::string model_signature;
+  // variant auto: each plan also writes the planner's frontier to
+  // <plan_report_dir>/frontier.csv (rank 0; PlannerOptions::report_dir).
+  std::string plan_report_dir;
 };
 
 // What one optimizer step did: remat-train writes it as a JSON line.

@@ -4,7 +4,7 @@
 //
 //   remat-run -np 2 -- remat-train --config configs/default.json [--set key=value ...]
 //       [--steps N] [--seed S] [--metrics FILE] [--save-dir DIR [--overwrite-saves]] [--resume DIR]
-//       [--export FILE] [--memory-trace FILE [--memory-trace-samples N]]
+//       [--export FILE] [--plan-report DIR] [--memory-trace FILE [--memory-trace-samples N]]
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 
@@ -17,6 +17,7 @@
 #include "data/dataset.h"
 #include "engine/engine.h"
 #include "engine/export.h"
+#include "launch/plan_report.h"
 #include "launch/train_tools.h"
 #include "models/gpt.h"
 #include "runtime/agreement.h"
@@ -60,6 +61,10 @@ int train(int argc, char** argv) {
                  "of consecutive samples kept by their lowest and highest; default 4000)")
       ->check(CLI::Range(4, 1 << 30));
   app.add_option("--backend", backend, "communication backend: auto, mpi or nccl");
+  std::string plan_report;
+  app.add_option("--plan-report", plan_report, "variant auto: write the planner's frontier (every plan a budget "
+                 "gets: predicted peak, extra time, plan) to DIR/frontier.csv, the plan in effect and the knee "
+                 "marked, and draw it as DIR/frontier.png (with python3 and matplotlib)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -94,6 +99,15 @@ int train(int argc, char** argv) {
   // The export is written after training: a path it cannot be written to stops the run now.
   if (!export_path.empty() && rank0) check_export_path(export_path);
   if (!memory_trace.empty() && rank0) check_trace_path(memory_trace, "--memory-trace");
+  if (!plan_report.empty()) {
+    if (config.activation_checkpointing.variant != CheckpointVariant::kAuto) {
+      throw ConfigError(str("--plan-report writes the memory planner's frontier, but activation_checkpointing.variant "
+                            "is \"", checkpoint_variant_name(config.activation_checkpointing.variant),
+                            "\": set it to \"auto\" (with a memory_budget_fraction, \"knee\" for instance) or "
+                            "leave --plan-report out"));
+    }
+    if (rank0) check_plan_report_dir(plan_report);
+  }
   const BatchSizes batch = config.resolve_batch(layout->dims().dp);
   data::Dataset data = data::Dataset::load(config.data.path, config.data.train_fraction, config.model.seq_len);
   check_memory_estimate(config, batch, data.vocab_size(), world.size());
@@ -108,6 +122,7 @@ int train(int argc, char** argv) {
   options.memory = &memory;
   options.blocks = "blocks";
   options.model_signature = model->options().to_string();
+  options.plan_report_dir = plan_report;
   auto engine = initialize(model, config, options);
   // Checked, created and locked before anything is trained: a run must not
   // find out at its first save that it cannot keep its work.
@@ -171,6 +186,7 @@ int train(int argc, char** argv) {
       engine->step();
     }
     const StepMetrics& m = engine->last_metrics();
+    if (rank0 && !plan_report.empty() && m.plan.contains("act_plan_ms")) plot_frontier(plan_report);
     const double tokens_per_s = tokens_per_step / (m.step_ms / 1000.0);
     max_peak = std::max(max_peak, m.mem_peak_bytes - m.mem_base_bytes);
     if (step == trace_step) traced_peak = m.mem_peak_bytes;

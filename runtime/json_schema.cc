@@ -53,6 +53,7 @@ const char* kind_name(Kind kind) {
     case Kind::kBool: return "boolean";
     case Kind::kInt: return "integer";
     case Kind::kNumber: return "number";
+    case Kind::kNumberOrWord: return "number";
     case Kind::kString: return "string";
     case Kind::kStringList: return "array of strings";
     case Kind::kNumberPair: return "array of 2 numbers";
@@ -202,6 +203,11 @@ std::string type_problem(const std::string& path, const Field& field, const json
            (value.is_number_float() && std::trunc(value.get<double>()) == value.get<double>());
       break;
     case Kind::kNumber: ok = value.is_number(); break;
+    case Kind::kNumberOrWord:
+      ok = value.is_number() ||
+           (value.is_string() && std::find(field.choices.begin(), field.choices.end(),
+                                           value.get_ref<const std::string&>()) != field.choices.end());
+      break;
     case Kind::kString: ok = value.is_string(); break;
     case Kind::kStringList:
       ok = value.is_array() &&
@@ -217,7 +223,14 @@ std::string type_problem(const std::string& path, const Field& field, const json
   if (!ok) {
     // Launchers that fill values in (Hugging Face's Trainer) write "auto".
     const bool auto_value = value.is_string() && value.get_ref<const std::string&>() == "auto";
-    return str("'", path, "' must be ", kind_name(field.kind), field.nullable ? " or null" : "", ", got ",
+    std::string words;  // kNumberOrWord: the strings it takes, and the closest to the one given
+    if (field.kind == Kind::kNumberOrWord) {
+      for (const auto& w : field.choices) words += " or \"" + w + "\"";
+      const std::string near = value.is_string() ? closest(value.get_ref<const std::string&>(), field.choices) : "";
+      if (!near.empty()) return str("'", path, "' = ", shown(), " is neither a number nor", words.substr(3),
+                                    "; did you mean \"", near, "\"?");
+    }
+    return str("'", path, "' must be ", kind_name(field.kind), words, field.nullable ? " or null" : "", ", got ",
                json_type_name(value), " ", shown(),
                auto_value ? std::string(" (\"auto\" is filled in by a launcher such as Hugging Face's "
                                         "Trainer; remat fills nothing in: give a value or leave the key out)")
@@ -240,7 +253,7 @@ std::string type_problem(const std::string& path, const Field& field, const json
                  static_cast<int64_t>(field.min_value), " to ", static_cast<int64_t>(field.max_value));
     }
   }
-  if (!field.choices.empty()) {
+  if (!field.choices.empty() && field.kind != Kind::kNumberOrWord) {
     const auto& s = value.get_ref<const std::string&>();
     if (std::find(field.choices.begin(), field.choices.end(), s) == field.choices.end()) {
       const std::string near = closest(s, field.choices);

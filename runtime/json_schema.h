@@ -29,7 +29,8 @@ namespace remat::json_schema {
 
 using nlohmann::json;
 
-enum class Kind { kBool, kInt, kNumber, kString, kStringList, kNumberPair, kObject };
+// kNumberOrWord: a number, or one of the field's `choices` in its place.
+enum class Kind { kBool, kInt, kNumber, kNumberOrWord, kString, kStringList, kNumberPair, kObject };
 
 const char* kind_name(Kind kind);
 
@@ -150,6 +151,28 @@ Field optional_leaf(const char* name, std::optional<T> S::*member) {
   field.dump = [member](const void* target) {
     const auto& slot = static_cast<const S*>(target)->*member;
     return slot ? json(*slot) : json(nullptr);
+  };
+  return field;
+}
+
+// A number key that also takes the string `word` in place of a number (as
+// "knee" for a fraction): bound to an optional number and a flag, at most one
+// of them set; null clears both. Any other string is refused, naming `word`.
+template <typename S>
+Field number_or_word(const char* name, std::optional<double> S::*number, bool S::*flag, const char* word) {
+  Field field;
+  field.name = name;
+  field.kind = Kind::kNumberOrWord;
+  field.nullable = true;
+  field.choices = {word};
+  field.assign = [number, flag](const json& value, void* target) {
+    auto& s = *static_cast<S*>(target);
+    s.*number = value.is_number() ? std::optional<double>(value.get<double>()) : std::nullopt;
+    s.*flag = value.is_string();  // validated: the word
+  };
+  field.dump = [number, flag, w = std::string(word)](const void* target) {
+    const auto& s = *static_cast<const S*>(target);
+    return s.*flag ? json(w) : (s.*number ? json(*(s.*number)) : json(nullptr));
   };
   return field;
 }
