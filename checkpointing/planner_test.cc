@@ -497,7 +497,7 @@ TEST_P(Planner, TheKneeOfOneBlockIsRefusedBeforeProfiling) {
   EXPECT_NO_THROW(check_planner_options(*one, o));
   // The knee counts as a budget: with a fraction too it is one too many.
   o.memory_budget_knee = true;
-  EXPECT_THAT(error_of<ConfigError>([&] { check_planner_options(*model, o); }), HasSubstr("keep one of them"));
+  EXPECT_THAT(error_of<ConfigError>([&] { check_planner_options(*model, o); }), HasSubstr("keep exactly one of them"));
 }
 
 TEST_P(Planner, PlansAgainOnlyWhenTheBatchShapeChanges) {

@@ -245,7 +245,7 @@ TEST(Config, MemoryBudgetFractionTakesTheKnee) {
     parse(R"({"activation_checkpointing": {"variant": "auto", "memory_budget_fraction": "knee",
                                            "memory_budget_bytes": 10}})");
   });
-  EXPECT_THAT(msg, HasSubstr("are both set: keep one of them"));
+  EXPECT_THAT(msg, HasSubstr("the budget is given once, keep exactly one of them"));
   msg = config_error([] {
     parse(R"({"activation_checkpointing": {"variant": "full", "memory_budget_fraction": "knee"}})");
   });
