@@ -143,7 +143,8 @@ TEST(MemoryEstimate, AutoRowsFollowTheBudgets) {
   const int64_t budget = (keep + full) / 2;
   const Config device = config_of({"zero_optimization.stage=3", "activation_checkpointing.variant=\"auto\"",
                                    str("activation_checkpointing.device_memory_budget_bytes=", budget)});
-  const auto& row = estimate_memory(device, 2, in).configured();
+  const MemoryEstimate planned = estimate_memory(device, 2, in);
+  const MemoryEstimateRow& row = planned.configured();
   EXPECT_TRUE(row.feasible);
   EXPECT_LE(row.peak_bytes, budget);
   EXPECT_GT(row.peak_bytes, full);
