@@ -17,6 +17,7 @@ namespace remat {
 namespace {
 
 const std::vector<std::string> kPolicies = {"none", "selective_op", "every_k", "auto", "full"};
+constexpr size_t kMaxPlannedBlocks = 1024;
 
 std::string mib(int64_t bytes) {
   char buf[32];
@@ -190,6 +191,11 @@ MemoryEstimate estimate_memory(const Config& config, int world_size, const Memor
         r.offload = offload;
         r.configured = policy == configured_policy && offload == offload_configured && stage ==
                        config.zero_optimization.stage && (stage == 0 || hyb == use_hybrid);
+        // The planner's exact solve grows with the square of the blocks: past
+        // kMaxPlannedBlocks only the configured auto row is kept, unsolved,
+        // at full checkpointing's peak (the least any plan reaches).
+        const bool unsolved = policy == "auto" && n > kMaxPlannedBlocks;
+        if (unsolved && !r.configured) continue;
         std::vector<size_t> cols(n);
         const BlockChoice keep = offload ? BlockChoice::kOffloadActivations : BlockChoice::kKeep;
         const BlockChoice full = offload ? BlockChoice::kFullOffload : BlockChoice::kFull;
@@ -201,6 +207,8 @@ MemoryEstimate estimate_memory(const Config& config, int world_size, const Memor
           std::fill(cols.begin(), cols.end(), column_of(costs, BlockChoice::kSelectiveOp));
         } else if (policy == "every_k") {
           cols = every_k_columns(costs, config, offload);
+        } else if (unsolved) {
+          std::fill(cols.begin(), cols.end(), column_of(costs, full));
         } else {
           // auto: the configured budget when the variant is auto, else half
           // the peak with every block kept; a whole-device budget leaves
@@ -235,6 +243,7 @@ MemoryEstimate estimate_memory(const Config& config, int world_size, const Memor
           }
         }
         if (policy == "every_k" || policy == "auto") r.plan = plan_text(costs, cols);
+        if (unsolved) r.plan = str("not solved (more than ", kMaxPlannedBlocks, " blocks): at least this peak");
         int64_t host = 0;
         if (!in.host_bytes.empty()) {
           for (size_t i = 0; i < n; ++i) host += in.host_bytes[i][cols[i]];
@@ -290,6 +299,11 @@ std::string MemoryEstimate::table() const {
                   mib(r.activation_bytes).c_str(), mib(r.host_bytes).c_str(), mib(r.comm_bytes).c_str(),
                   mib(r.peak_bytes).c_str(), r.feasible ? "" : "(no plan fits its budget) ", r.plan.c_str());
     o << line;
+  }
+  if (!rows.empty() && std::count_if(rows.begin(), rows.end(), [](const MemoryEstimateRow& r) {
+        return r.policy == "auto";
+      }) <= 1) {
+    o << "  auto: past " << kMaxPlannedBlocks << " blocks the planner's rows are not solved here (it solves at the run)\n";
   }
   o << "  activation: the step's activation peak above the state (" << (mode == "live" ? "a whole-model backward's "
        "gradients included; grads: the stage's peak" : "gradients apart")

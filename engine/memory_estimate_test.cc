@@ -156,6 +156,19 @@ TEST(MemoryEstimate, AutoRowsFollowTheBudgets) {
   EXPECT_THAT(estimate_memory(tiny, 2, in).table(), HasSubstr("(no plan fits its budget)"));
 }
 
+TEST(MemoryEstimate, ManyBlocksLeaveTheAutoRowsUnsolved) {
+  // The planner's solve grows with the square of the blocks: a deep model's
+  // estimate stays quick, its configured auto row at full checkpointing's peak.
+  const Config c = config_of({"model.n_layer=3000", "activation_checkpointing.variant=\"auto\"",
+                              "activation_checkpointing.memory_budget_fraction=0.5"});
+  const MemoryEstimate e = estimate_memory(c, 2, cold_gpt_inputs(c, kVocab, 2));
+  const MemoryEstimateRow& row = e.configured();
+  EXPECT_THAT(row.plan, HasSubstr("not solved (more than 1024 blocks)"));
+  EXPECT_EQ(row.activation_bytes, e.row(3, "full").activation_bytes);
+  EXPECT_EQ(std::count_if(e.rows.begin(), e.rows.end(), [](const auto& r) { return r.policy == "auto"; }), 1);
+  EXPECT_THAT(e.table(), HasSubstr("the planner's rows are not solved here"));
+}
+
 TEST(MemoryEstimate, TheCheapestChangeThatFits) {
   const Config c = config_of({"zero_optimization.stage=0", "activation_checkpointing.variant=\"none\""});
   const MemoryEstimate e = estimate_memory(c, 2, cold_gpt_inputs(c, kVocab, 8));

@@ -39,7 +39,7 @@ int estimate(int argc, char** argv) {
   app.add_option("--config", config_path, "JSON configuration (default: the embedded one)");
   app.add_option("--set", overrides, "override a key: --set model.n_layer=8 (repeatable)");
   app.add_option("-n,--np,--ranks", ranks, "the number of ranks the run would have (data x tensor parallel)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(1, 1 << 24));
   app.add_flag("--live", live, "build the model on this process and profile one step (else: from the sizes alone)");
   app.add_option("--json", json_path, "also write the rows as JSON to this file");
   // -np N, as mpirun spells it.
