@@ -129,6 +129,10 @@ const std::vector<Field>& schema() {
               leaf("head", &ActivationOffloadingConfig::head)}),
       object("tensor_parallel", &Config::tensor_parallel,
              {leaf("size", &TensorParallelConfig::size),
+              leaf("sequence_parallel", &TensorParallelConfig::sequence_parallel),
+              enum_leaf<TensorParallelConfig, models::SequenceParallelDropout>(
+                  "sequence_parallel_dropout", &TensorParallelConfig::sequence_parallel_dropout,
+                  models::sequence_parallel_dropout_names()),
               deepspeed_only("autotp_size",
                              "remat's tensor parallelism is built into its model's layers, not applied to "
                              "any model automatically",
@@ -253,6 +257,14 @@ void check_values(const Config& c, const Origin& at) {
     fail(at({"tensor_parallel.size"}), str("'tensor_parallel.size' = ", c.tensor_parallel.size, " must be at least 1"));
   }
   if (std::string model = models::check_model_shape(c.model); !model.empty()) fail(at({"model"}), model);
+  if (const int tp = c.tensor_parallel.size; c.tensor_parallel.sequence_parallel_active() && c.model.seq_len % tp != 0) {
+    const int below = c.model.seq_len / tp * tp;
+    fail(at({"tensor_parallel.sequence_parallel", "model.seq_len", "tensor_parallel.size"}),
+         str("tensor_parallel.sequence_parallel splits each sequence evenly across the tensor_parallel.size=", tp,
+             " ranks, and model.seq_len=", c.model.seq_len, " is not a multiple of ", tp, ": set model.seq_len to ",
+             below > 0 ? str(below, " or ") : std::string(), below + tp,
+             " (any multiple of ", tp, "), or turn sequence_parallel off"));
+  }
   const auto& t = c.train;
   for (auto [path, v] : {std::pair{"train.steps", t.steps}, {"train.seed", t.seed},
                          {"train.eval_interval", t.eval_interval},

@@ -57,9 +57,18 @@ using ZeroConfig = parallel::ZeroOptions;
 using ActivationCheckpointingConfig = ActivationCheckpointingOptions;
 using ActivationOffloadingConfig = OffloadActivationsOptions;
 
-// tensor_parallel: ranks per tensor-parallel group (runtime/layout.h).
+// tensor_parallel: ranks per tensor-parallel group (runtime/layout.h), and
+// sequence parallelism over that group (models/stack.h: StackOptions).
 struct TensorParallelConfig {
   int size = 1;
+  // Megatron's --sequence-parallel: LayerNorm, dropout and residual activations
+  // are split along the sequence across the group (model.seq_len a multiple of size).
+  bool sequence_parallel = false;
+  // Where those dropouts draw: "per_rank" or "replicated" (models/shape.h).
+  models::SequenceParallelDropout sequence_parallel_dropout = models::SequenceParallelDropout::kPerRank;
+
+  // Sequence parallelism in effect: asked for, over more than one rank.
+  bool sequence_parallel_active() const { return sequence_parallel && size > 1; }
 };
 
 // model: the GPT's and the test stack's shape (models/shape.h).

@@ -67,6 +67,11 @@ void warn_ineffective(const Config& c) {
                      "used (the planner chooses per block between the default and the matmul op lists, "
                      "full checkpoints and keeping)");
   }
+  if (c.tensor_parallel.sequence_parallel && c.tensor_parallel.size == 1) {
+    log_rank0().warn("tensor_parallel.sequence_parallel with tensor_parallel.size 1 has nothing to split: "
+                     "every rank keeps the whole sequence; set tensor_parallel.size > 1 or leave "
+                     "sequence_parallel out");
+  }
   if (ac.partition_activations && c.tensor_parallel.size == 1) {
     log_rank0().warn("activation_checkpointing.partition_activations with tensor_parallel.size 1 "
                      "keeps whole inputs (there is no group to split them across)");
@@ -362,6 +367,15 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineO
   install_saved_tensors_hooks_engine();
   ActivationCheckpointingConfig checkpointing = config_.activation_checkpointing;
   checkpointing.profile = true;
+  if (config_.tensor_parallel.sequence_parallel_active() && checkpointing.partition_activations) {
+    // A region's input is this rank's own chunk of the sequence, different on
+    // every rank of the group: splitting it again and gathering the pieces
+    // would rebuild another rank's chunk.
+    checkpointing.partition_activations = false;
+    log_rank0().info("activation_checkpointing.partition_activations is not applied with "
+                     "tensor_parallel.sequence_parallel: each region already keeps 1/{} of its input "
+                     "(its own tokens), with no all-gather in the recompute", config_.tensor_parallel.size);
+  }
   configure_checkpointing(checkpointing, s.layout.get());
   s.policy = PolicyOptions(config_.activation_checkpointing);
   s.policy.blocks = blocks;

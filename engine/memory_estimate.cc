@@ -413,20 +413,26 @@ MemoryEstimateInputs cold_gpt_inputs(const Config& config, int64_t vocab_size, i
   // dropout keeps float32 masks of the input's size). selective_op keeps the
   // projections' outputs; a full checkpoint its input alone.
   // In double, saturated: absurd sizes give absurd estimates, not overflows.
+  // With sequence parallelism what lies between the tensor-parallel layers
+  // (LayerNorm outputs and statistics, the residual and its dropout masks,
+  // the block's input and output) is 1/tp of the sequence on each rank.
   const double b = static_cast<double>(B), t = static_cast<double>(T), btc = b * t * C, bhtt = b * H * t * t,
                btf = b * t * F;
+  const double sp = config.tensor_parallel.sequence_parallel_active() ? static_cast<double>(tp) : 1.0;
   auto bytes_of = [](double x) { return static_cast<int64_t>(std::min(x, 0x1p50)); };
-  const int64_t block = bytes_of(4 * (7 * btc + 4 * b * t + 2 * bhtt + 2 * btf) + 4 * (bhtt + 2 * btc));
-  const int64_t boundary = bytes_of(4 * btc);
-  const int64_t kept = bytes_of(4 * (3 * btc + btc + btf + btc));
+  const int64_t block = bytes_of(4 * ((3 * btc + 4 * b * t) / sp + 4 * btc + 2 * bhtt + 2 * btf) +
+                                 4 * (bhtt + 2 * btc / sp));
+  const int64_t boundary = bytes_of(4 * btc / sp);
+  const int64_t kept = bytes_of(4 * (3 * btc + btc / sp + btf + btc / sp));
   // The embeddings (ids, dropout mask) and the head (the last output, ln_f
   // statistics and output, the log-softmax output).
-  const int64_t ends = bytes_of(8 * (b * t + t) + 4 * btc + 4 * (btc + 2 * b * t + btc + b * t * V));
+  const int64_t ends =
+      bytes_of(8 * (b * t + t) + 4 * btc / sp + 4 * ((btc + 2 * b * t + btc) / sp + b * t * V));
   BlockActivationBytes bytes;
   bytes.boundary = boundary;
   bytes.saved = block;
   bytes.selective_op = kept;
-  bytes.embedding = bytes_of(8 * (b * t + t) + 4 * btc);
+  bytes.embedding = bytes_of(8 * (b * t + t) + 4 * btc / sp);
   bytes.ends = ends;
   return cold_inputs(std::move(in.parameters), static_cast<int>(L), bytes);
 }

@@ -116,6 +116,8 @@ int train(int argc, char** argv) {
   model_options.shape = config.model;
   model_options.vocab_size = data.vocab_size();
   if (layout->dims().tp_enabled()) model_options.tensor_parallel = layout->tp_group();
+  model_options.sequence_parallel = config.tensor_parallel.sequence_parallel;
+  model_options.sequence_parallel_dropout = config.tensor_parallel.sequence_parallel_dropout;
   models::Gpt model(model_options);
   EngineOptions options;
   options.layout = layout;

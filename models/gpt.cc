@@ -4,6 +4,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include "nn/module_call.h"
+#include "parallel/mappings.h"
 #include "runtime/error.h"
 
 namespace remat::models {
@@ -19,13 +20,17 @@ GptImpl::GptImpl(const GptOptions& o) : options_(o), tp_(parallel::group_size(o.
   const uint64_t init_seed = static_cast<uint64_t>(at::randint(1LL << 62, {1}, at::kLong).item<int64_t>());
   const auto& group = o.tensor_parallel;
   const ModelShape& shape = o.shape;
-  tok_emb_ = register_module("tok_emb", parallel::VocabParallelEmbedding(o.vocab_size, shape.d_model, group));
+  const bool sp = o.sequence_parallel_active();
+  if (sp) parallel::check_sequence_split(shape.seq_len, group, str("model.seq_len=", shape.seq_len));
+  tok_emb_ = register_module("tok_emb", parallel::VocabParallelEmbedding(o.vocab_size, shape.d_model, group,
+                                                                         /*sequence_dim=*/sp ? 1 : -1));
   pos_emb_ = register_module("pos_emb", torch::nn::Embedding(shape.seq_len, shape.d_model));
   blocks = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < shape.n_layer; ++i) blocks->push_back(Block(static_cast<const StackOptions&>(o)));
   ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({shape.d_model})));
   head_ = register_module("head", parallel::ColumnParallelLinear(
-                                      parallel::ParallelLinearOptions(shape.d_model, o.vocab_size).bias(false), group));
+                                      parallel::ParallelLinearOptions(shape.d_model, o.vocab_size).bias(false).sequence_parallel(sp),
+                                      group));
   at::Generator gen = at::detail::createCPUGenerator(init_seed);
   auto draw = [&](c10::IntArrayRef sizes) { return at::empty(sizes).normal_(0.0, 0.02, gen); };
   torch::NoGradGuard no_grad;
@@ -46,11 +51,22 @@ at::Tensor GptImpl::trunk(const at::Tensor& idx) {
   if (t > options_.shape.seq_len) {
     throw Error(str("GPT: sequence of ", t, " tokens exceeds model.seq_len=", options_.shape.seq_len));
   }
-  at::Tensor pos = at::arange(t, idx.options().dtype(at::kLong));
-  at::Tensor x = at::dropout(tok_emb_->forward(idx) + pos_emb_->forward(pos), options_.shape.dropout,
-                             is_training());
+  const auto& group = options_.tensor_parallel;
+  at::Tensor x;
+  if (options_.sequence_parallel_active()) {
+    // From here to the head each rank holds its 1/tp of the sequence.
+    parallel::check_sequence_split(t, group, str("a sequence of ", t, " tokens"));
+    const int64_t share = t / tp_, start = parallel::group_rank(group) * share;
+    at::Tensor pos = at::arange(start, start + share, idx.options().dtype(at::kLong));
+    at::Tensor positions = at::embedding(parallel::copy_to_tensor_parallel_region(pos_emb_->weight, group), pos);
+    x = tok_emb_->forward(idx) + positions;
+  } else {
+    at::Tensor pos = at::arange(t, idx.options().dtype(at::kLong));
+    x = tok_emb_->forward(idx) + pos_emb_->forward(pos);
+  }
+  x = residual_dropout(x, options_.shape.dropout, is_training(), options_);
   for (size_t i = 0; i < blocks->size(); ++i) x = remat::forward(blocks->ptr<BlockImpl>(i), x);
-  return ln_f_->forward(x);
+  return layer_norm(ln_f_, x, options_);
 }
 
 at::Tensor GptImpl::forward(const at::Tensor& idx) {
@@ -78,7 +94,14 @@ at::Tensor GptImpl::generate(at::Tensor idx, int64_t n, double temperature, at::
   for (int64_t i = 0; i < n; ++i) {
     const int64_t window = options_.shape.seq_len;
     at::Tensor context = idx.size(1) > window ? idx.narrow(1, idx.size(1) - window, window) : idx;
-    at::Tensor logits = forward(context).select(1, -1).to(at::kFloat) / std::max(temperature, 1e-6);
+    const int64_t last = context.size(1) - 1;
+    if (options_.sequence_parallel_active() && context.size(1) % tp_ != 0) {
+      // Padded at the end to split evenly: causal attention keeps the padding
+      // out of the logits at `last`.
+      const int64_t padded = (context.size(1) / tp_ + 1) * tp_;
+      context = at::cat({context, at::zeros({context.size(0), padded - context.size(1)}, context.options())}, 1);
+    }
+    at::Tensor logits = forward(context).select(1, last).to(at::kFloat) / std::max(temperature, 1e-6);
     at::Tensor next = at::multinomial(at::softmax(logits, -1), 1, false, gen);
     idx = at::cat({idx, next}, 1);
   }

@@ -27,6 +27,10 @@ struct GptOptions : StackOptions {
 // The blocks are tensor parallel over options.tensor_parallel (see Block),
 // the token embedding is vocab-parallel and the LM head column-parallel; with
 // a group of size tp > 1 the loss is computed on vocabulary-split logits.
+// With sequence parallelism (StackOptions::sequence_parallel) the embedding's
+// sum is reduce-scattered along the sequence, the position embeddings,
+// dropouts, blocks and final LayerNorm work on 1/tp of it, and the head
+// all-gathers it: seq_len and every sequence given must be multiples of tp.
 class GptImpl : public torch::nn::Module {
  public:
   // Weights are N(0, 0.02) (linears and embeddings; biases zero), drawn in

@@ -21,4 +21,9 @@ std::string check_model_shape(const ModelShape& m) {
   return "";
 }
 
+const std::vector<std::string>& sequence_parallel_dropout_names() {
+  static const std::vector<std::string> names{"per_rank", "replicated"};
+  return names;
+}
+
 }  // namespace remat::models

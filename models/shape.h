@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 namespace remat::models {
 
@@ -15,6 +16,20 @@ struct ModelShape {
   int seq_len = 64;  // longest sequence (position embeddings)
   double dropout = 0.1;
 };
+
+// Where the dropouts inside the sequence-parallel region (after attention,
+// after the MLP, after the embeddings) draw their masks when each
+// tensor-parallel rank holds 1/tp of the sequence:
+//   kPerRank     from the RNG tracker's model-parallel state (a different
+//                stream on each tensor-parallel rank), each rank drawing the
+//                mask of its own tokens only.
+//   kReplicated  the mask of the whole sequence from the default generator
+//                (the same on every rank of the group), each rank keeping its
+//                tokens' rows: the masks without sequence parallelism, so the
+//                model computes what it computes at tp 1, at the cost of
+//                drawing tp x the random numbers.
+enum class SequenceParallelDropout { kPerRank, kReplicated };
+const std::vector<std::string>& sequence_parallel_dropout_names();
 
 // The rules of the shape alone, written once: an empty string when valid,
 // else what is wrong and which key to change. (The multiples of the

@@ -102,7 +102,9 @@ std::vector<at::Tensor> ColumnParallelLinearImpl::sharded_parameters() const {
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
-  at::Tensor y = torch::nn::functional::linear(copy_to_tensor_parallel_region(x, group_), weight, bias);
+  at::Tensor y = options_.sequence_parallel()
+                     ? linear_with_sequence_parallel_input(x, weight, bias, group_, options_.sequence_dim())
+                     : torch::nn::functional::linear(copy_to_tensor_parallel_region(x, group_), weight, bias);
   if (options_.gather_output()) y = gather_from_tensor_parallel_region(y, group_, options_.out_features());
   return y;
 }
@@ -111,6 +113,10 @@ at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
 
 RowParallelLinearImpl::RowParallelLinearImpl(const ParallelLinearOptions& o, Group group)
     : options_(o), group_(std::move(group)) {
+  if (o.sequence_parallel() && !o.input_is_parallel() && group_size(group_) > 1) {
+    throw Error("RowParallelLinear: sequence_parallel takes an input split along its last dimension "
+                "(the output of a ColumnParallelLinear): set input_is_parallel(true)");
+  }
   Range range = partition_range(o.in_features(), group_size(group_), group_rank(group_));
   weight = register_parameter("weight", at::empty({o.out_features(), range.length}));
   if (o.bias()) bias = register_parameter("bias", at::empty({o.out_features()}));
@@ -154,14 +160,21 @@ at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
                     " ranks)"));
   }
   if (group_size(group_) == 1) return torch::nn::functional::linear(xp, weight, bias);
+  if (options_.sequence_parallel()) {
+    at::Tensor y = reduce_scatter_to_sequence_parallel_region(torch::nn::functional::linear(xp, weight), group_,
+                                                              options_.sequence_dim());
+    // Each rank adds the bias to its own tokens: the gradients are summed over the group.
+    return bias.defined() ? y + copy_to_tensor_parallel_region(bias, group_) : y;
+  }
   at::Tensor y = reduce_from_tensor_parallel_region(torch::nn::functional::linear(xp, weight), group_);
   return bias.defined() ? y + bias : y;
 }
 
 // --- VocabParallelEmbedding -------------------------------------------------
 
-VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t vocab_size, int64_t dim, Group group)
-    : vocab_size_(vocab_size), dim_(dim), group_(std::move(group)) {
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t vocab_size, int64_t dim, Group group,
+                                                       int64_t sequence_dim)
+    : vocab_size_(vocab_size), dim_(dim), sequence_dim_(sequence_dim), group_(std::move(group)) {
   range_ = partition_range(vocab_size, group_size(group_), group_rank(group_));
   weight = register_parameter("weight", at::empty({range_.length, dim}));
   // torch::nn::Embedding's initialisation, drawn full size.
@@ -200,6 +213,7 @@ at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& idx) {
   at::Tensor outside = (idx < range_.start).logical_or(idx >= range_.start + range_.length);
   at::Tensor local = (idx - range_.start).masked_fill(outside, 0);
   at::Tensor out = at::embedding(weight, local).masked_fill(outside.unsqueeze(-1), 0.0);
+  if (sequence_dim_ >= 0) return reduce_scatter_to_sequence_parallel_region(out, group_, sequence_dim_);
   return reduce_from_tensor_parallel_region(out, group_);
 }
 

@@ -6,7 +6,9 @@
 //   RowParallelLinear     weight columns (input features) split; the partial
 //                         products are summed by an all-reduce, then the bias.
 //   VocabParallelEmbedding  vocabulary rows split; each rank looks up its own
-//                         rows, zeros elsewhere, and the sum is all-reduced.
+//                         rows, zeros elsewhere, and the sum is all-reduced
+//                         (reduce-scattered along the sequence with
+//                         sequence parallelism).
 //   vocab_parallel_cross_entropy  the loss over vocabulary-split logits
 //                         without gathering them.
 //
@@ -45,6 +47,14 @@ struct ParallelLinearOptions {
   TORCH_ARG(int64_t, stride) = 1;
   // Row: the input already arrives split along its last dimension.
   TORCH_ARG(bool, input_is_parallel) = false;
+  // Sequence parallelism (mappings.h): outside the layer each rank holds 1/size
+  // of the sequence along sequence_dim. Column: the input is all-gathered along
+  // it (reduce-scattered backward) and only this rank's chunk is kept for the
+  // backward; Row (which then needs input_is_parallel): the partial products are
+  // reduce-scattered along it instead of all-reduced, and the replicated bias's
+  // gradient is summed over the group.
+  TORCH_ARG(bool, sequence_parallel) = false;
+  TORCH_ARG(int64_t, sequence_dim) = 1;
 };
 
 // What a sharded layer has in common: the full weight it is cut from and the
@@ -109,8 +119,10 @@ TORCH_MODULE(RowParallelLinear);
 
 class VocabParallelEmbeddingImpl : public torch::nn::Module, public TensorParallelModule {
  public:
-  VocabParallelEmbeddingImpl(int64_t vocab_size, int64_t dim, Group group);
-  // idx: token ids in [0, vocab_size). Returns [..., dim], the same on every rank.
+  // sequence_dim >= 0: sequence parallelism along that dimension of the ids.
+  VocabParallelEmbeddingImpl(int64_t vocab_size, int64_t dim, Group group, int64_t sequence_dim = -1);
+  // idx: token ids in [0, vocab_size). Returns [..., dim], the same on every
+  // rank, or with sequence parallelism this rank's chunk of the sequence.
   at::Tensor forward(const at::Tensor& idx);
 
   std::vector<int64_t> full_weight_sizes() const override;
@@ -123,7 +135,7 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module, public TensorParall
   at::Tensor weight;
 
  private:
-  int64_t vocab_size_, dim_;
+  int64_t vocab_size_, dim_, sequence_dim_;
   Range range_;
   Group group_;
 };

@@ -97,6 +97,116 @@ struct GatherFromRegion : torch::autograd::Function<GatherFromRegion> {
 
 bool fast_path(const Group& group) { return group_size(group) == 1; }
 
+// --- sequence parallelism ---------------------------------------------------
+
+int64_t positive_dim(const at::Tensor& x, int64_t dim) {
+  const int64_t d = dim < 0 ? dim + x.dim() : dim;
+  REMAT_CHECK(d >= 0 && d < x.dim(), "sequence-parallel mapping: dim ", dim, " of a ", x.dim(),
+              "-d tensor");
+  return d;
+}
+
+// Every rank's chunk along `dim` concatenated in rank order (no autograd).
+at::Tensor all_gather_along(const at::Tensor& x, int64_t dim, const Group& group, Context& context) {
+  const int64_t d = positive_dim(x, dim);
+  at::Tensor front = x.movedim(d, 0).contiguous();
+  auto sizes = front.sizes().vec();
+  sizes[0] *= group->size();
+  at::Tensor out = at::empty(sizes, front.options());
+  group->allGather(out, front)->wait();
+  counters(context).comm_bytes += front.nbytes();  // this rank's share, as all_gather_last counts
+  return out.movedim(0, d).contiguous();
+}
+
+// The sum over ranks of `x`, this rank keeping its chunk along `dim` (no autograd).
+at::Tensor reduce_scatter_along(const at::Tensor& x, int64_t dim, const Group& group, Context& context) {
+  const int64_t d = positive_dim(x, dim);
+  check_sequence_split(x.size(d), group, str("a tensor of ", x.size(d), " along its sequence dim ", d));
+  at::Tensor front = x.movedim(d, 0).contiguous();
+  auto sizes = front.sizes().vec();
+  sizes[0] /= group->size();
+  at::Tensor out = at::empty(sizes, front.options());
+  group->reduceScatter(out, front)->wait();
+  counters(context).comm_bytes += front.nbytes();
+  return out.movedim(0, d).contiguous();
+}
+
+at::Tensor own_sequence_chunk(const at::Tensor& x, int64_t dim, const Group& group) {
+  const int64_t d = positive_dim(x, dim);
+  check_sequence_split(x.size(d), group, str("a tensor of ", x.size(d), " along its sequence dim ", d));
+  const int64_t share = x.size(d) / group->size();
+  return x.narrow(d, group->rank() * share, share).contiguous();
+}
+
+void keep_dim(AutogradContext* ctx, int64_t dim) { ctx->saved_data["dim"] = dim; }
+int64_t dim_of(AutogradContext* ctx) { return ctx->saved_data["dim"].toInt(); }
+
+struct ScatterToSequence : torch::autograd::Function<ScatterToSequence> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Group group, int64_t dim) {
+    keep_group(ctx, group);
+    keep_dim(ctx, dim);
+    return own_sequence_chunk(x, dim, group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {all_gather_along(grads[0], dim_of(ctx), group_of(ctx), context_of(ctx)), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+struct GatherFromSequence : torch::autograd::Function<GatherFromSequence> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Group group, int64_t dim) {
+    keep_group(ctx, group);
+    keep_dim(ctx, dim);
+    return all_gather_along(x, dim, group, Context::current());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {reduce_scatter_along(grads[0], dim_of(ctx), group_of(ctx), context_of(ctx)), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+struct ReduceScatterToSequence : torch::autograd::Function<ReduceScatterToSequence> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Group group, int64_t dim) {
+    keep_group(ctx, group);
+    keep_dim(ctx, dim);
+    return reduce_scatter_along(x, dim, group, Context::current());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {all_gather_along(grads[0], dim_of(ctx), group_of(ctx), context_of(ctx)), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+// The input's gradient and the weight's are the kernels autograd runs for
+// at::linear on a contiguous input (the flattened mm and its two backward
+// products), so a sequence-parallel layer computes what the plain one does.
+struct LinearWithSequenceInput : torch::autograd::Function<LinearWithSequenceInput> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& bias, Group group, int64_t dim) {
+    keep_group(ctx, group);
+    keep_dim(ctx, dim);
+    const bool has_bias = bias.numel() > 0;  // an empty tensor stands for none (see the caller)
+    ctx->saved_data["has_bias"] = has_bias;
+    ctx->save_for_backward({x, weight});
+    return at::linear(all_gather_along(x, dim, group, Context::current()), weight,
+                      has_bias ? bias : at::Tensor());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor& weight = saved[1];
+    const Group& group = group_of(ctx);
+    at::Tensor total = all_gather_along(saved[0], dim_of(ctx), group, context_of(ctx));
+    at::Tensor grad = grads[0].contiguous();
+    at::Tensor grad2d = grad.view({-1, grad.size(-1)});
+    at::Tensor total2d = total.view({-1, total.size(-1)});
+    at::Tensor grad_total = grad2d.mm(weight).view(total.sizes());
+    at::Tensor grad_x = reduce_scatter_along(grad_total, dim_of(ctx), group, context_of(ctx));
+    at::Tensor grad_weight = grad2d.t().mm(total2d);
+    at::Tensor grad_bias = ctx->saved_data["has_bias"].toBool() ? grad2d.sum(0) : at::Tensor();
+    return {grad_x, grad_weight, grad_bias, at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 int group_size(const Group& group) { return group ? group->size() : 1; }
@@ -169,6 +279,39 @@ at::Tensor gather_from_tensor_parallel_region(const at::Tensor& x, const Group& 
                     " (shares are split as evenly as possible, the first ranks taking one more)"));
   }
   return GatherFromRegion::apply(x, group, full);
+}
+
+void check_sequence_split(int64_t length, const Group& group, const std::string& what) {
+  const int n = group_size(group);
+  if (length % n == 0) return;
+  throw ConfigError(str("sequence parallelism splits ", what, " evenly across the ", n,
+                        " tensor-parallel ranks, and ", length, " is not a multiple of ", n,
+                        ": use a length that is (", n, ", ", 2 * n, ", ", 3 * n, ", ...; e.g. ",
+                        (length / n) * n > 0 ? (length / n) * n : n, " or ", (length / n + 1) * n,
+                        "), or turn tensor_parallel.sequence_parallel off"));
+}
+
+at::Tensor scatter_to_sequence_parallel_region(const at::Tensor& x, const Group& group, int64_t dim) {
+  if (fast_path(group)) return x;
+  return ScatterToSequence::apply(x, group, dim);
+}
+
+at::Tensor gather_from_sequence_parallel_region(const at::Tensor& x, const Group& group, int64_t dim) {
+  if (fast_path(group)) return x;
+  return GatherFromSequence::apply(x, group, dim);
+}
+
+at::Tensor reduce_scatter_to_sequence_parallel_region(const at::Tensor& x, const Group& group, int64_t dim) {
+  if (fast_path(group)) return x;
+  return ReduceScatterToSequence::apply(x, group, dim);
+}
+
+at::Tensor linear_with_sequence_parallel_input(const at::Tensor& x, const at::Tensor& weight,
+                                               const at::Tensor& bias, const Group& group, int64_t dim) {
+  if (fast_path(group)) return at::linear(x, weight, bias);
+  // Function::apply takes defined tensors only.
+  return LinearWithSequenceInput::apply(x, weight, bias.defined() ? bias : at::empty({0}, weight.options()), group,
+                                        dim);
 }
 
 int64_t tensor_parallel_comm_bytes() { return counters(Context::current()).comm_bytes.load(); }

@@ -11,12 +11,24 @@
 // the same order, forward and backward (the usual collective contract).
 //
 // Last-dimension chunks may be uneven: rank r holds partition_range(n, size, r).
+//
+// Sequence parallelism: between the tensor-parallel layers every rank holds
+// 1/size of the sequence, along `dim` (1 for [batch, seq, hidden]); the
+// length must split evenly (an error names the lengths that do).
+//
+//   scatter_to_sequence_parallel_region         keep own sequence chunk,  all-gather backward
+//   gather_from_sequence_parallel_region        all-gather the sequence,  reduce-scatter backward
+//   reduce_scatter_to_sequence_parallel_region  reduce-scatter sequence,  all-gather backward
+//   linear_with_sequence_parallel_input         all-gather, then x W^T + b; keeps only this
+//                                               rank's chunk for the backward, which gathers
+//                                               it again and reduce-scatters the input's gradient
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 namespace remat {
 class Communicator;
@@ -52,6 +64,21 @@ at::Tensor scatter_to_tensor_parallel_region(const at::Tensor& x, const Group& g
 // size (then full = size x x.size(-1)).
 at::Tensor gather_from_tensor_parallel_region(const at::Tensor& x, const Group& group,
                                               int64_t full = -1);
+
+at::Tensor scatter_to_sequence_parallel_region(const at::Tensor& x, const Group& group, int64_t dim = 1);
+at::Tensor gather_from_sequence_parallel_region(const at::Tensor& x, const Group& group, int64_t dim = 1);
+at::Tensor reduce_scatter_to_sequence_parallel_region(const at::Tensor& x, const Group& group,
+                                                      int64_t dim = 1);
+// `bias` may be undefined. The forward's result equals
+// at::linear(gather_from_sequence_parallel_region(x), weight, bias) bit for bit;
+// what autograd saves is `x` (1/size of the gathered input) and the weight.
+at::Tensor linear_with_sequence_parallel_input(const at::Tensor& x, const at::Tensor& weight,
+                                               const at::Tensor& bias, const Group& group,
+                                               int64_t dim = 1);
+
+// Throws a ConfigError unless `length` splits evenly over the group (the
+// message lists the lengths that work). `what` names the length ("sequence of 13 tokens").
+void check_sequence_split(int64_t length, const Group& group, const std::string& what);
 
 // Bytes the mappings moved through collectives in the current context
 // (runtime/context.h; cumulative). A backward counts into its forward's context.

@@ -2,6 +2,7 @@
 // the whole world being one tensor-parallel group. Closed forms where the
 // values allow them; against the plain layer otherwise.
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/embedding.h>
@@ -137,6 +138,78 @@ TEST(Mappings, GatherRefusesAWrongShare) {
   }
   EXPECT_THAT(error_of<Error>([&] { gather_from_tensor_parallel_region(at::ones({2, 3}), g, 100); }),
               HasSubstr("holds 3 of 100 columns"));
+}
+
+// Rank r holds rows [r·k, (r+1)·k) of the sequence (dim 1 of [batch, seq, hidden]).
+TEST(SequenceParallelMappings, ScatterGatherAndReduceScatterAlongTheSequence) {
+  auto g = world();
+  const int n = g->size(), r = g->rank();
+  const int64_t k = 3, seq = k * n;
+  at::Tensor full = at::arange(2 * seq * 5, at::kFloat).view({2, seq, 5});
+  // Scatter keeps this rank's rows; its backward gathers every rank's gradient.
+  at::Tensor x = full.clone().requires_grad_(true);
+  at::Tensor mine = scatter_to_sequence_parallel_region(x, g);
+  EXPECT_TRUE(at::equal(mine, full.narrow(1, r * k, k)));
+  // Gather puts the rows back in rank order; its backward reduce-scatters:
+  // each rank's gradient (r + 1) summed over ranks, this rank's rows kept.
+  at::Tensor back = gather_from_sequence_parallel_region(mine, g);
+  EXPECT_TRUE(at::equal(back, full));
+  (back * (r + 1)).sum().backward();
+  EXPECT_TRUE(at::equal(x.grad(), at::full({2, seq, 5}, n * (n + 1) / 2.0)));
+  // Reduce-scatter sums (r + 1) over ranks and keeps this rank's rows; its
+  // backward all-gathers: row block q gets rank q's gradient, q + 1.
+  at::Tensor y = at::full({2, seq, 5}, r + 1.0).requires_grad_(true);
+  at::Tensor summed = reduce_scatter_to_sequence_parallel_region(y, g);
+  EXPECT_TRUE(at::equal(summed, at::full({2, k, 5}, n * (n + 1) / 2.0)));
+  (summed * (r + 1)).sum().backward();
+  at::Tensor want = at::empty({2, seq, 5});
+  for (int q = 0; q < n; ++q) want.narrow(1, q * k, k).fill_(q + 1);
+  EXPECT_TRUE(at::equal(y.grad(), want));
+}
+
+TEST(SequenceParallelMappings, ASequenceThatDoesNotSplitIsRefusedNamingLengthsThatDo) {
+  auto g = world();
+  const int n = g->size();
+  if (n == 1) {
+    at::Tensor t = at::ones({1, 5, 2});
+    EXPECT_TRUE(scatter_to_sequence_parallel_region(t, g).is_same(t));
+    return;
+  }
+  const std::string message =
+      error_of<ConfigError>([&] { scatter_to_sequence_parallel_region(at::ones({1, 2 * n + 1, 2}), g); });
+  EXPECT_THAT(message, HasSubstr(str(2 * n + 1, " is not a multiple of ", n)));
+  EXPECT_THAT(message, HasSubstr(str("e.g. ", 2 * n, " or ", 3 * n)));
+}
+
+// The layer on a sequence-parallel input computes what copy + linear computes
+// on the whole input: the output bitwise, the input's gradient (summed over
+// the group) and the weight's to float rounding; it keeps 1/n of the input.
+TEST(SequenceParallelMappings, LinearWithSequenceParallelInputMatchesTheWholeInput) {
+  auto g = world();
+  const int n = g->size(), r = g->rank();
+  const int64_t k = 2, seq = k * n;
+  at::Generator gen = at::detail::createCPUGenerator(7);
+  at::Tensor whole = at::randn({3, seq, 6}, gen);
+  at::Tensor weight_full = at::randn({4, 6}, gen), bias_full = at::randn({4}, gen);
+  at::Tensor out_grad = at::randn({3, seq, 4}, gen) * (r + 1);
+  // Reference: every rank the whole input.
+  at::Tensor xa = whole.clone().requires_grad_(true), wa = weight_full.clone().requires_grad_(true);
+  at::Tensor ya = at::linear(copy_to_tensor_parallel_region(xa, g), wa, bias_full);
+  ya.backward(out_grad);
+  // Sequence parallel: this rank's rows only.
+  at::Tensor xb = whole.narrow(1, r * k, k).clone().requires_grad_(true);
+  at::Tensor wb = weight_full.clone().requires_grad_(true), bb = bias_full.clone().requires_grad_(true);
+  const int64_t before = tensor_parallel_comm_bytes();
+  at::Tensor yb = linear_with_sequence_parallel_input(xb, wb, bb, g);
+  EXPECT_TRUE(at::equal(yb, ya.detach()));
+  yb.backward(out_grad);
+  EXPECT_TRUE(at::allclose(xb.grad(), xa.grad().narrow(1, r * k, k), 1e-5, kTol));
+  EXPECT_TRUE(at::allclose(wb.grad(), wa.grad(), 1e-5, kTol));
+  EXPECT_TRUE(at::allclose(bb.grad(), out_grad.sum(at::IntArrayRef{0, 1}), 1e-5, kTol));
+  // Forward all-gather (this rank's share counted), backward the same again
+  // and the reduce-scatter of the whole input's gradient.
+  const int64_t gathered = 3 * k * 6 * 4, grads = 3 * seq * 6 * 4;
+  EXPECT_EQ(tensor_parallel_comm_bytes() - before, n == 1 ? 0 : 2 * gathered + grads);
 }
 
 TEST(Layers, ColumnAndRowParallelMatchThePlainLinearAndGatherTheSameWeights) {
