@@ -34,6 +34,7 @@ void configure_checkpointing(const RegionSettings& config, const ParallelLayout*
   options.synchronize = config.synchronize_checkpoint_boundary;
   options.profile = config.profile;
   options.reentrant = config.reentrant;
+  options.save_collectives = config.save_collectives;
   InputStorageOptions storage;
   if (config.partition_activations) {
     if (mpu == nullptr) {

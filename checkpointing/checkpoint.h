@@ -72,6 +72,10 @@ struct CheckpointOptions {
   // selective_op: these ops' outputs are kept from the forward and reused by the
   // recompute (see selective_op.h and resolve_save_ops). Null: recompute all.
   std::shared_ptr<const std::set<std::string>> save_ops;
+  // Also keep the outputs of the tensor-parallel collectives
+  // (collective_save_ops()) so that the recompute communicates nothing, at the
+  // cost of holding them until the backward. activation_checkpointing.save_collectives.
+  bool save_collectives = false;
   // Partitioned, offloaded and contiguous storage of the inputs (stored_inputs.h).
   InputStorageOptions storage;
 };
@@ -84,7 +88,7 @@ CheckpointOptions& default_checkpoint_options();
 // partition_activations (over the layout's tensor-parallel group),
 // cpu_checkpointing (with offload_min_bytes, offload_max_in_flight,
 // offload_keep_last), contiguous_memory_optimization with number_checkpoints,
-// synchronize_checkpoint_boundary and profile. Regions and policies read the
+// synchronize_checkpoint_boundary, profile, reentrant and save_collectives. Regions and policies read the
 // defaults when they run, so it may come before or after
 // apply_activation_checkpointing. `layout` may be null when
 // partition_activations is off. Errors name the key to change.

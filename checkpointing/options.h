@@ -96,6 +96,11 @@ struct RegionSettings : OffloadSettings {
   // Regions as one custom autograd Function (true) or through saved-tensor
   // hooks (false); see checkpointing/checkpoint.h.
   bool reentrant = false;
+  // Regions keep the outputs of the tensor-parallel collectives they run
+  // (all-reduce, all-gather, reduce-scatter) and the recompute reuses them
+  // instead of communicating again: no collective in the recompute, their
+  // bytes held until the backward.
+  bool save_collectives = false;
 };
 
 // The activation_checkpointing section: the region defaults and the policy.

@@ -218,9 +218,15 @@ c10::IValue run_fn(Region& region, const std::vector<at::Tensor>& tensors,
   std::unique_ptr<OpRecorder> recorder;
   if (region.options.debug) recorder = std::make_unique<OpRecorder>();
   std::unique_ptr<SelectiveOpScope> selective;
-  if (region.options.save_ops) {
-    selective = std::make_unique<SelectiveOpScope>(*region.options.save_ops, region.selective, mode);
+  const SaveOps* save_ops = region.options.save_ops.get();
+  SaveOps with_collectives;
+  if (region.options.save_collectives) {
+    static const SaveOps collectives = resolve_save_ops(collective_save_ops());
+    with_collectives = collectives;
+    if (save_ops) with_collectives.insert(save_ops->begin(), save_ops->end());
+    save_ops = &with_collectives;
   }
+  if (save_ops) selective = std::make_unique<SelectiveOpScope>(*save_ops, region.selective, mode);
   c10::IValue output = region.fn(with_tensors(region.args, tensors).toTupleRef().elements().vec());
   if (recorder) ops = recorder->ops();
   return output;

@@ -143,10 +143,15 @@ std::vector<std::string> matmul_save_ops() {
           "aten::max"};
 }
 
+std::vector<std::string> collective_save_ops() {
+  return {"remat::tp_all_reduce", "remat::tp_all_gather", "remat::tp_reduce_scatter"};
+}
+
 SaveOps resolve_save_ops(const std::vector<std::string>& names) {
   std::set<std::string> known;
   for (const auto& op : c10::Dispatcher::singleton().getAllOpNames()) known.insert(op.name);
   auto version_specific = matmul_save_ops();
+  for (const auto& name : collective_save_ops()) version_specific.push_back(name);
   SaveOps out;
   for (const auto& name : names) {
     if (known.count(name)) {

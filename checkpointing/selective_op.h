@@ -44,9 +44,16 @@ std::vector<std::string> default_save_ops();
 // the B*H*T*T attention scores too (less recompute, more memory).
 std::vector<std::string> matmul_save_ops();
 
+// The tensor-parallel collectives of the mappings' forwards (all-reduce,
+// all-gather, reduce-scatter), which parallel/mappings.cc registers as
+// operators: kept, the recompute reuses their outputs instead of
+// communicating again (activation_checkpointing.save_collectives).
+std::vector<std::string> collective_save_ops();
+
 // Checks op names against the dispatcher: an unknown name is an Error naming
 // the closest registered op. Names of matmul_save_ops() that this LibTorch
-// lacks (version-specific attention ops) are dropped silently.
+// lacks (version-specific attention ops) and collective_save_ops() in a
+// program without tensor-parallel layers are dropped silently.
 SaveOps resolve_save_ops(const std::vector<std::string>& names);
 
 // While alive, listed ops record into (kRecord) or replay from (kReplay) the cache.

@@ -108,6 +108,7 @@ const std::vector<Field>& schema() {
               leaf("synchronize_checkpoint_boundary", &AC::synchronize_checkpoint_boundary),
               leaf("profile", &AC::profile),
               leaf("reentrant", &AC::reentrant),
+              leaf("save_collectives", &AC::save_collectives),
               leaf<AC, int64_t>("offload_min_bytes", &AC::offload_min_bytes),
               leaf<AC, int>("offload_max_in_flight", &AC::offload_max_in_flight),
               leaf<AC, bool>("offload_keep_last", &AC::offload_keep_last),

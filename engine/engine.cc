@@ -72,6 +72,10 @@ void warn_ineffective(const Config& c) {
                      "every rank keeps the whole sequence; set tensor_parallel.size > 1 or leave "
                      "sequence_parallel out");
   }
+  if (ac.save_collectives && c.tensor_parallel.size == 1) {
+    log_rank0().warn("activation_checkpointing.save_collectives with tensor_parallel.size 1: there are no "
+                     "tensor-parallel collectives to keep");
+  }
   if (ac.partition_activations && c.tensor_parallel.size == 1) {
     log_rank0().warn("activation_checkpointing.partition_activations with tensor_parallel.size 1 "
                      "keeps whole inputs (there is no group to split them across)");
@@ -292,6 +296,7 @@ nlohmann::json StepMetrics::to_json() const {
                       {"ckpt_gathered_bytes", ckpt_gathered_bytes},
                       {"comm_bytes", comm_bytes},
                       {"zero_comm_bytes", zero_comm_bytes},
+                      {"tp_comm_bytes", tp_comm_bytes},
                       {"param_bytes", param_bytes},
                       {"grad_bytes", grad_bytes},
                       {"grad_peak_bytes", grad_peak_bytes},
@@ -705,6 +710,7 @@ bool Engine::step() {
   m.act_kept_bytes = s.act_kept;
   m.comm_bytes = comm_bytes;
   m.zero_comm_bytes = counters.zero.collective_bytes();
+  m.tp_comm_bytes = counters.tensor_parallel_comm_bytes;
   m.param_bytes = counters.zero.param_bytes;
   m.grad_bytes = counters.zero.grad_bytes;
   m.grad_peak_bytes = counters.zero.peak_grad_bytes;

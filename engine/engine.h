@@ -97,6 +97,10 @@ struct StepMetrics {
   int64_t ckpt_saved_bytes = 0, ckpt_offloaded_bytes = 0, ckpt_gathered_bytes = 0;
   int64_t act_offloaded_bytes = 0, act_restored_bytes = 0, act_host_bytes = 0, act_kept_bytes = 0;
   int64_t comm_bytes = 0, zero_comm_bytes = 0, param_bytes = 0, grad_bytes = 0, grad_peak_bytes = 0;
+  // Of comm_bytes, the tensor-parallel mappings' (parallel/mappings.h): with a
+  // checkpointed block's collectives recomputed, this step's count rises by
+  // their forward bytes; with activation_checkpointing.save_collectives it does not.
+  int64_t tp_comm_bytes = 0;
   int64_t optimizer_state_bytes = 0, peak_gathered_param_bytes = 0;
   // variant auto: the plan in force (empty otherwise).
   nlohmann::json plan = nlohmann::json::object();

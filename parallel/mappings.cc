@@ -1,9 +1,13 @@
 #include "parallel/mappings.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
 
 #include <atomic>
+#include <mutex>
+#include <vector>
 
 #include "nn/autograd_state.h"
 #include "runtime/communicator.h"
@@ -52,51 +56,6 @@ at::Tensor own_chunk(const at::Tensor& x, const Group& group) {
   return x.narrow(-1, range.start, range.length).contiguous();
 }
 
-struct CopyToRegion : torch::autograd::Function<CopyToRegion> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Group group) {
-    keep_group(ctx, group);
-    return x;
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {all_reduce(grads[0], group_of(ctx), context_of(ctx)), at::Tensor()};
-  }
-};
-
-struct ReduceFromRegion : torch::autograd::Function<ReduceFromRegion> {
-  static at::Tensor forward(AutogradContext*, const at::Tensor& x, Group group) {
-    return all_reduce(x, group, Context::current());
-  }
-  static variable_list backward(AutogradContext*, variable_list grads) {
-    return {grads[0], at::Tensor()};
-  }
-};
-
-struct ScatterToRegion : torch::autograd::Function<ScatterToRegion> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Group group) {
-    keep_group(ctx, group);
-    ctx->saved_data["full"] = x.size(-1);
-    return own_chunk(x, group);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {all_gather_last(grads[0], group_of(ctx), ctx->saved_data["full"].toInt(),
-                            context_of(ctx)),
-            at::Tensor()};
-  }
-};
-
-struct GatherFromRegion : torch::autograd::Function<GatherFromRegion> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Group group,
-                            int64_t full) {
-    keep_group(ctx, group);
-    return all_gather_last(x, group, full, Context::current());
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {own_chunk(grads[0], group_of(ctx)), at::Tensor(), at::Tensor()};
-  }
-};
-
-bool fast_path(const Group& group) { return group_size(group) == 1; }
-
 // --- sequence parallelism ---------------------------------------------------
 
 int64_t positive_dim(const at::Tensor& x, int64_t dim) {
@@ -138,6 +97,137 @@ at::Tensor own_sequence_chunk(const at::Tensor& x, int64_t dim, const Group& gro
   return x.narrow(d, group->rank() * share, share).contiguous();
 }
 
+// --- the forward's collectives as dispatcher ops ------------------------------
+//
+// remat::tp_all_reduce, remat::tp_all_gather and remat::tp_reduce_scatter run
+// the collectives of the mappings' forwards. As operators they pass through
+// the dispatcher like aten::mm, so a checkpoint region that lists them in its
+// save_ops (activation_checkpointing.save_collectives adds all three) keeps
+// their outputs from the forward and hands them back in the recompute, which
+// then communicates nothing (checkpointing/selective_op.h). Their schemas take
+// the group as an id into this table.
+
+std::mutex g_groups_mutex;
+std::vector<std::weak_ptr<Communicator>>& groups() {
+  static std::vector<std::weak_ptr<Communicator>> table;
+  return table;
+}
+
+int64_t group_id(const Group& group) {
+  std::lock_guard<std::mutex> lock(g_groups_mutex);
+  auto& table = groups();
+  for (size_t i = 0; i < table.size(); ++i) {
+    if (table[i].lock() == group) return static_cast<int64_t>(i);
+  }
+  for (size_t i = 0; i < table.size(); ++i) {  // a destroyed group's slot
+    if (table[i].expired()) {
+      table[i] = group;
+      return static_cast<int64_t>(i);
+    }
+  }
+  table.push_back(group);
+  return static_cast<int64_t>(table.size() - 1);
+}
+
+Group group_of_id(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_groups_mutex);
+  Group group = id >= 0 && id < static_cast<int64_t>(groups().size()) ? groups()[id].lock() : nullptr;
+  REMAT_CHECK(group != nullptr, "tensor-parallel collective: group ", id, " no longer exists");
+  return group;
+}
+
+at::Tensor all_reduce_kernel(const at::Tensor& x, int64_t group) {
+  return all_reduce(x, group_of_id(group), Context::current());
+}
+
+at::Tensor all_gather_kernel(const at::Tensor& x, int64_t dim, int64_t full, int64_t group) {
+  at::Tensor out = all_gather_uneven(x, dim, full, group_of_id(group));
+  counters(Context::current()).comm_bytes += x.nbytes();
+  return out;
+}
+
+at::Tensor reduce_scatter_kernel(const at::Tensor& x, int64_t dim, int64_t group) {
+  return reduce_scatter_along(x, dim, group_of_id(group), Context::current());
+}
+
+TORCH_LIBRARY(remat, m) {
+  m.def("tp_all_reduce(Tensor x, int group) -> Tensor");
+  m.def("tp_all_gather(Tensor x, int dim, int full, int group) -> Tensor");
+  m.def("tp_reduce_scatter(Tensor x, int dim, int group) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(remat, CompositeExplicitAutograd, m) {
+  m.impl("tp_all_reduce", all_reduce_kernel);
+  m.impl("tp_all_gather", all_gather_kernel);
+  m.impl("tp_reduce_scatter", reduce_scatter_kernel);
+}
+
+at::Tensor forward_all_reduce(const at::Tensor& x, const Group& group) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("remat::tp_all_reduce", "")
+                       .typed<at::Tensor(const at::Tensor&, int64_t)>();
+  return op.call(x, group_id(group));
+}
+
+at::Tensor forward_all_gather(const at::Tensor& x, int64_t dim, int64_t full, const Group& group) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("remat::tp_all_gather", "")
+                       .typed<at::Tensor(const at::Tensor&, int64_t, int64_t, int64_t)>();
+  return op.call(x, dim, full, group_id(group));
+}
+
+at::Tensor forward_reduce_scatter(const at::Tensor& x, int64_t dim, const Group& group) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("remat::tp_reduce_scatter", "")
+                       .typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>();
+  return op.call(x, dim, group_id(group));
+}
+
+struct CopyToRegion : torch::autograd::Function<CopyToRegion> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Group group) {
+    keep_group(ctx, group);
+    return x;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {all_reduce(grads[0], group_of(ctx), context_of(ctx)), at::Tensor()};
+  }
+};
+
+struct ReduceFromRegion : torch::autograd::Function<ReduceFromRegion> {
+  static at::Tensor forward(AutogradContext*, const at::Tensor& x, Group group) {
+    return forward_all_reduce(x, group);
+  }
+  static variable_list backward(AutogradContext*, variable_list grads) {
+    return {grads[0], at::Tensor()};
+  }
+};
+
+struct ScatterToRegion : torch::autograd::Function<ScatterToRegion> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Group group) {
+    keep_group(ctx, group);
+    ctx->saved_data["full"] = x.size(-1);
+    return own_chunk(x, group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {all_gather_last(grads[0], group_of(ctx), ctx->saved_data["full"].toInt(),
+                            context_of(ctx)),
+            at::Tensor()};
+  }
+};
+
+struct GatherFromRegion : torch::autograd::Function<GatherFromRegion> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Group group,
+                            int64_t full) {
+    keep_group(ctx, group);
+    return forward_all_gather(x, -1, full, group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {own_chunk(grads[0], group_of(ctx)), at::Tensor(), at::Tensor()};
+  }
+};
+
+bool fast_path(const Group& group) { return group_size(group) == 1; }
+
 void keep_dim(AutogradContext* ctx, int64_t dim) { ctx->saved_data["dim"] = dim; }
 int64_t dim_of(AutogradContext* ctx) { return ctx->saved_data["dim"].toInt(); }
 
@@ -157,7 +247,7 @@ struct GatherFromSequence : torch::autograd::Function<GatherFromSequence> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Group group, int64_t dim) {
     keep_group(ctx, group);
     keep_dim(ctx, dim);
-    return all_gather_along(x, dim, group, Context::current());
+    return forward_all_gather(x, dim, x.size(positive_dim(x, dim)) * group->size(), group);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     return {reduce_scatter_along(grads[0], dim_of(ctx), group_of(ctx), context_of(ctx)), at::Tensor(),
@@ -169,7 +259,7 @@ struct ReduceScatterToSequence : torch::autograd::Function<ReduceScatterToSequen
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Group group, int64_t dim) {
     keep_group(ctx, group);
     keep_dim(ctx, dim);
-    return reduce_scatter_along(x, dim, group, Context::current());
+    return forward_reduce_scatter(x, dim, group);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     return {all_gather_along(grads[0], dim_of(ctx), group_of(ctx), context_of(ctx)), at::Tensor(),
@@ -188,8 +278,8 @@ struct LinearWithSequenceInput : torch::autograd::Function<LinearWithSequenceInp
     const bool has_bias = bias.numel() > 0;  // an empty tensor stands for none (see the caller)
     ctx->saved_data["has_bias"] = has_bias;
     ctx->save_for_backward({x, weight});
-    return at::linear(all_gather_along(x, dim, group, Context::current()), weight,
-                      has_bias ? bias : at::Tensor());
+    at::Tensor total = forward_all_gather(x, dim, x.size(positive_dim(x, dim)) * group->size(), group);
+    return at::linear(total, weight, has_bias ? bias : at::Tensor());
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
