@@ -2,6 +2,7 @@
 # Benchmarks remat's checkpointing against PyTorch's own (torch.utils.checkpoint,
 # Debian's python3-torch) on the same GPT, and writes docs/benchmarks.md and
 # docs/img/*.png. About 20 minutes on 2 cores.
+# Step 7 (sequence parallelism) alone: benchmarks/sequence_parallel_bench.sh.
 #
 #   ./bench.sh            # full run
 #   BENCH_QUICK=1 ./bench.sh   # a smoke run (small depths, few steps) into build/bench
@@ -39,31 +40,34 @@ remat_variants=none,full,full_reentrant,every_k2,every_k2_reentrant,selective_op
 budget_variants=none,full,every_k2,every_k3,every_k4,every_k8,selective_op,selective_op_matmuls,auto20,auto35,auto50,auto70
 torch_variants=none,full_reentrant,full_nonreentrant,every_k2_reentrant,every_k2_nonreentrant,save_on_cpu
 
-echo "[1/6] same function: first-step loss without dropout"
+echo "[1/7] same function: first-step loss without dropout"
 $gpt_bench "${model[@]}" --layers 4 --variants none --memory-only --dropout 0 |
   $py -c 'import json,sys; r=json.loads(sys.stdin.readline()); print(json.dumps({"framework":"remat","kind":"check","loss":r["loss"]}))' >>"$results"
 $py benchmarks/torch_gpt.py "${model[@]}" --layers 4 --variants none --memory-only --dropout 0 |
   $py -c 'import json,sys; r=json.loads(sys.stdin.readline()); print(json.dumps({"framework":"pytorch","kind":"check","loss":r["loss"]}))' >>"$results"
-echo "[2/6] peak activation memory, L = $layers"
+echo "[2/7] peak activation memory, L = $layers"
 $gpt_bench "${model[@]}" --layers "$layers" --variants "$remat_variants" --memory-only --out "$results"
 $py benchmarks/torch_gpt.py "${model[@]}" --layers "$layers" --variants "$torch_variants" --memory-only --out "$results"
-echo "[3/6] step time at L = $time_layers (remat)"
+echo "[3/7] step time at L = $time_layers (remat)"
 $gpt_bench "${model[@]}" --layers "$time_layers" --variants "$remat_variants" --steps "$steps" \
   --warmup "$warmup" --out "$results.time"
 grep '"kind":"time"' "$results.time" >>"$results"
-echo "[4/6] step time at L = $time_layers (PyTorch)"
+echo "[4/7] step time at L = $time_layers (PyTorch)"
 $py benchmarks/torch_gpt.py "${model[@]}" --layers "$time_layers" --variants "$torch_variants" \
   --steps "$steps" --warmup "$warmup" --out "$results.ptime"
 grep '"kind": "time"' "$results.ptime" >>"$results"
-echo "[5/6] partitioned checkpoints at tensor-parallel size 2"
+echo "[5/7] partitioned checkpoints at tensor-parallel size 2"
 bazel-bin/launch/remat-run -np 2 -- $gpt_bench "${model[@]}" --layers "$time_layers" --tp 2 \
   --variants full,partitioned --memory-only --out "$results" >/dev/null
 rm -f "$results.time" "$results.ptime"
-echo "[6/6] memory budget planner beside the fixed policies, L = $budget_layers"
+echo "[6/7] memory budget planner beside the fixed policies, L = $budget_layers"
 budget=build/bench/budget.jsonl
 : >"$budget"
 $gpt_bench "${model[@]}" --layers "$budget_layers" --variants "$budget_variants" --steps "$budget_steps" \
   --warmup 1 --out "$budget"
+
+echo "[7/7] sequence parallelism at tensor-parallel sizes 2 and 4"
+benchmarks/sequence_parallel_bench.sh build/bench/sequence_parallel.jsonl >build/bench/sequence_parallel.md
 
 cat >build/bench/config.json <<JSON
 {"batch": 4, "seq": 64, "d_model": 128, "heads": 4, "d_ff": 512, "vocab": 128, "dropout": 0.1,
@@ -71,5 +75,5 @@ cat >build/bench/config.json <<JSON
  "torch_version": "$($py -c 'import torch; print(torch.__version__)')",
  "machine": "$(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"}
 JSON
-$py benchmarks/report.py "$results" build/bench/config.json "$md" "$img" "$budget"
+$py benchmarks/report.py "$results" build/bench/config.json "$md" "$img" "$budget" build/bench/sequence_parallel.md
 echo "wrote $md and $img/*.png"

@@ -120,6 +120,8 @@ int bench(int argc, char** argv) {
   app.add_option("--warmup", warmup)->check(CLI::NonNegativeNumber);
   app.add_flag("--memory-only", memory_only, "one measured step per variant");
   app.add_option("--tp", tp, "tensor-parallel size (run under remat-run with that many ranks)");
+  app.add_flag("--sequence-parallel", o.sequence_parallel,
+               "sequence parallelism over the tensor-parallel group (tensor_parallel.sequence_parallel)");
   app.add_option("--batch", batch)->check(CLI::PositiveNumber);
   app.add_option("--seq", o.shape.seq_len)->check(CLI::PositiveNumber);
   app.add_option("--d-model", o.shape.d_model)->check(CLI::PositiveNumber);
@@ -226,7 +228,8 @@ int bench(int argc, char** argv) {
     auto emit = [&](const std::string& v, const char* kind, int s, const Result& r) {
       if (!print) return;
       nlohmann::json j = {{"framework", "remat"}, {"variant", v},     {"layers", o.shape.n_layer},
-                          {"kind", kind},         {"loss", r.loss},   {"tp", tp}};
+                          {"kind", kind},         {"loss", r.loss},   {"tp", tp},
+                          {"sequence_parallel", o.sequence_parallel_active()}};
       if (std::string(kind) == "memory") {
         j["peak_bytes"] = r.peak;
         j["ckpt_saved_bytes"] = r.saved;

@@ -194,6 +194,7 @@ def median(xs):
 def main():
     results_path, cfg_path, md_path, img_dir = sys.argv[1:5]
     budget_path = sys.argv[5] if len(sys.argv) > 5 else None
+    sequence_parallel_md = sys.argv[6] if len(sys.argv) > 6 else None
     cfg = json.load(open(cfg_path))
     rows = [json.loads(l) for l in open(results_path) if l.strip()]
     mem = {}
@@ -352,6 +353,9 @@ def main():
     if "full" in tp_rows and "partitioned" in tp_rows:
         a, b = tp_rows["full"]["ckpt_saved_bytes"], tp_rows["partitioned"]["ckpt_saved_bytes"]
         targets.append(("partitioned per-rank checkpoint bytes = 1/mp of unpartitioned (mp = 2)", 2 * b == a, f"{b} of {a}"))
+    if sequence_parallel_md:
+        # Written whole by benchmarks/sequence_parallel_bench.sh, its targets included.
+        w(open(sequence_parallel_md).read())
     if budget_path:
         targets += budget_section([json.loads(l) for l in open(budget_path) if l.strip()], w, img_dir)
     w("## Targets\n")

@@ -355,6 +355,45 @@ else
   fail "--memory-trace without matplotlib: the command that draws its plot" "$out"
 fi
 
+# 6b. Sequence parallelism, tp 2 on 2 ranks, dropout 0.1, 20 steps: the same
+#     losses bitwise under every checkpointing variant, collectives kept or
+#     recomputed; each region keeps half of what it keeps without it.
+sp_order=(none full full_collectives selective_op_collectives full_reentrant)
+declare -A sp_variants=(
+  [none]="--set $ac.variant=none"
+  [full]="--set $ac.variant=full"
+  [full_collectives]="--set $ac.variant=full --set $ac.save_collectives=true"
+  [selective_op_collectives]="--set $ac.variant=selective_op --set $ac.save_collectives=true"
+  [full_reentrant]="--set $ac.variant=full --set $ac.reentrant=true"
+)
+parity sp "sequence parallel, tp 2" 2 sp_order sp_variants --set model.dropout=0.1 \
+  --set tensor_parallel.size=2 --set tensor_parallel.sequence_parallel=true
+m_sp_off="$tmp/sp_off_full.jsonl"
+out=$("$run" -np 2 -- "$train" --config "$configs_dir/default.json" --steps 2 "${small[@]}" \
+    --set tensor_parallel.size=2 --set $ac.variant=full --metrics "$m_sp_off" 2>&1)
+if [[ -n "$(saved "$m_sp_off")" && $(( $(saved "$tmp/sp_full.jsonl") * 2 )) -eq $(saved "$m_sp_off") ]]; then
+  pass "sequence parallel, tp 2: full checkpointing keeps half the region bytes ($(saved "$tmp/sp_full.jsonl") of $(saved "$m_sp_off"))"
+else
+  fail "sequence parallel, tp 2: full checkpointing keeps half the region bytes" "$out" \
+    "with: $(saved "$tmp/sp_full.jsonl"), without: $(saved "$m_sp_off")"
+fi
+tp_bytes() { sed -E 's/.*"tp_comm_bytes":([0-9]+).*/\1/' "$1" | paste -sd' '; }
+if [[ -n "$(tp_bytes "$tmp/sp_none.jsonl")" && "$(tp_bytes "$tmp/sp_full_collectives.jsonl")" == "$(tp_bytes "$tmp/sp_none.jsonl")" &&
+      "$(tp_bytes "$tmp/sp_full.jsonl")" != "$(tp_bytes "$tmp/sp_none.jsonl")" ]]; then
+  pass "sequence parallel, tp 2: with save_collectives each step moves no checkpointing's tensor-parallel bytes"
+else
+  fail "sequence parallel, tp 2: with save_collectives each step moves no checkpointing's tensor-parallel bytes" \
+    "none: $(tp_bytes "$tmp/sp_none.jsonl" | cut -c1-80)" "full: $(tp_bytes "$tmp/sp_full.jsonl" | cut -c1-80)" \
+    "kept: $(tp_bytes "$tmp/sp_full_collectives.jsonl" | cut -c1-80)"
+fi
+out=$("$run" -np 2 -- "$train" --config "$configs_dir/default.json" --steps 1 "${small[@]}" \
+    --set tensor_parallel.sequence_parallel=true 2>&1)
+if [[ $? -eq 0 ]] && grep -qF "tensor_parallel.sequence_parallel with tensor_parallel.size 1 has nothing to split" <<<"$out"; then
+  pass "sequence parallel at tp 1: a warning, and the run goes on"
+else
+  fail "sequence parallel at tp 1: a warning, and the run goes on" "$out"
+fi
+
 # 7. Bad inputs: a nonzero exit and the message that says what to change.
 expect "tensor_parallel.size that does not divide the world" \
   "tensor_parallel.size=3 does not divide the world size 4: choose one of 1, 2, 4" \
@@ -363,6 +402,9 @@ expect "heads not divisible across tensor-parallel ranks" \
   "model.n_head (2) and model.d_ff (256) must be multiples of tensor_parallel.size (4)" \
   "$run" -np 4 -- "$train" --config "$configs_dir/default.json" --set tensor_parallel.size=4 \
   --set model.n_head=2
+expect "sequence parallelism with a seq_len the group does not divide" \
+  "model.seq_len=33 is not a multiple of 2: set model.seq_len to 32 or 34" \
+  "$run" -np 2 -- "$train" --config "$configs_dir/tp2_sequence_parallel.json" "${small[@]}" --set model.seq_len=33
 expect "bf16 without stage 3" "it needs zero_optimization.stage 3" \
   "$train" --config "$configs_dir/default.json" --set zero_optimization.stage=0 --set bf16.enabled=true
 expect "a zero stage that does not exist" "'zero_optimization.stage' = 4 must be 0, 1, 2 or 3" \
