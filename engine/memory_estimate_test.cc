@@ -113,6 +113,25 @@ TEST(MemoryEstimate, PoliciesOrderTheActivations) {
   }
 }
 
+// Sequence parallelism splits what lies between the tensor-parallel layers:
+// a full checkpoint's kept input is exactly 1/tp, and a kept block and the
+// embeddings and head hold less (the float32 count of docs/parallel.md).
+TEST(MemoryEstimate, SequenceParallelismSplitsTheRegionsBetweenTheLayers) {
+  for (int tp : {2, 4}) {
+    const Config off = config_of({"tensor_parallel.size=" + std::to_string(tp)});
+    const Config on = config_of({"tensor_parallel.size=" + std::to_string(tp), "tensor_parallel.sequence_parallel=true"});
+    const BlockCosts a = cold_gpt_inputs(off, kVocab, 4).activations, b = cold_gpt_inputs(on, kVocab, 4).activations;
+    // Column 2 is full: the block's input alone.
+    EXPECT_EQ(b.blocks[0][2].held_bytes * tp, a.blocks[0][2].held_bytes) << "tp " << tp;
+    EXPECT_LT(b.blocks[0][0].held_bytes, a.blocks[0][0].held_bytes) << "tp " << tp;
+    EXPECT_LT(b.forward_base, a.forward_base) << "tp " << tp;
+    // At tp 1 the key changes nothing.
+    const Config one = config_of({"tensor_parallel.sequence_parallel=true"});
+    EXPECT_EQ(cold_gpt_inputs(one, kVocab, 4).activations.blocks[0][0].held_bytes,
+              cold_gpt_inputs(config_of({}), kVocab, 4).activations.blocks[0][0].held_bytes);
+  }
+}
+
 TEST(MemoryEstimate, RowsAndTheConfiguredMark) {
   const Config c = config_of({"zero_optimization.stage=2", "activation_checkpointing.variant=\"selective_op\""});
   const MemoryEstimate e = estimate_memory(c, 2, cold_gpt_inputs(c, kVocab, 4));
