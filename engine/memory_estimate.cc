@@ -433,6 +433,11 @@ MemoryEstimateInputs cold_gpt_inputs(const Config& config, int64_t vocab_size, i
   bytes.saved = block;
   bytes.selective_op = kept;
   bytes.embedding = bytes_of(8 * (b * t + t) + 4 * btc / sp);
+  // save_collectives: per block two all-reduces' outputs, or with sequence
+  // parallelism two all-gathers' (the whole sequence) and two reduce-scatters'.
+  if (config.activation_checkpointing.save_collectives && tp > 1) {
+    bytes.checkpoint_kept = bytes_of(4 * (2 * btc + (sp > 1 ? 2 * btc / sp : 0)));
+  }
   bytes.ends = ends;
   return cold_inputs(std::move(in.parameters), static_cast<int>(L), bytes);
 }
@@ -452,9 +457,9 @@ MemoryEstimateInputs cold_inputs(std::vector<ParameterSize> parameters, int n_bl
   for (int i = 0; i < n_blocks; ++i) {
     std::vector<ChoiceCost> row(5);
     row[0].held_bytes = boundary + block;
-    row[1].held_bytes = boundary + kept;
-    row[2].held_bytes = boundary;
-    row[3].held_bytes = 0;  // the input moves to the host
+    row[1].held_bytes = boundary + kept + bytes.checkpoint_kept;
+    row[2].held_bytes = boundary + bytes.checkpoint_kept;
+    row[3].held_bytes = bytes.checkpoint_kept;  // the input moves to the host
     row[4].held_bytes = 0;  // everything it saves moves to the host
     for (auto& x : row) x.forward_peak_bytes = boundary + block;
     row[0].transient_bytes = 0;

@@ -111,6 +111,10 @@ struct BlockActivationBytes {
   int64_t selective_op = 0;  // what selective_op keeps of it (the projections' outputs), its input apart
   int64_t embedding = 0;     // what the embeddings save (live before the first block)
   int64_t ends = 0;          // the embeddings', the head's and the loss's saved tensors
+  // What a checkpointed block keeps besides its input and selective_op's
+  // outputs: the tensor-parallel collectives' outputs under
+  // activation_checkpointing.save_collectives.
+  int64_t checkpoint_kept = 0;
 };
 MemoryEstimateInputs cold_inputs(std::vector<ParameterSize> parameters, int n_blocks,
                                  const BlockActivationBytes& bytes);

@@ -125,6 +125,14 @@ TEST(MemoryEstimate, SequenceParallelismSplitsTheRegionsBetweenTheLayers) {
     EXPECT_EQ(b.blocks[0][2].held_bytes * tp, a.blocks[0][2].held_bytes) << "tp " << tp;
     EXPECT_LT(b.blocks[0][0].held_bytes, a.blocks[0][0].held_bytes) << "tp " << tp;
     EXPECT_LT(b.forward_base, a.forward_base) << "tp " << tp;
+    // save_collectives: a checkpointed block also holds its collectives'
+    // outputs, two whole [4, 64, 64] all-gathers and two reduce-scatters' 1/tp.
+    Config kept = on;
+    kept.activation_checkpointing.save_collectives = true;
+    const int64_t btc = 4 * on.model.seq_len * on.model.d_model;
+    EXPECT_EQ(cold_gpt_inputs(kept, kVocab, 4).activations.blocks[0][2].held_bytes - b.blocks[0][2].held_bytes,
+              4 * (2 * btc + 2 * btc / tp))
+        << "tp " << tp;
     // At tp 1 the key changes nothing.
     const Config one = config_of({"tensor_parallel.sequence_parallel=true"});
     EXPECT_EQ(cold_gpt_inputs(one, kVocab, 4).activations.blocks[0][0].held_bytes,
