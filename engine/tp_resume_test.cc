@@ -311,7 +311,7 @@ TEST(TpResume, ExportsAreTheSameFileAtEveryTensorParallelSize) {
 }
 
 // A parameter whose whole shape differs is named with both shapes, at the
-// same tensor-parallel size and at another.
+// same tensor-parallel size and at another; so is one the save lacks.
 TEST(TpResume, AnotherWholeShapeIsNamed) {
   if (world()->size() % 2 != 0) GTEST_SKIP() << "needs an even world";
   const std::string dir = job_dir("shape");
@@ -328,6 +328,14 @@ TEST(TpResume, AnotherWholeShapeIsNamed) {
         [&] { load_train_state(dir, run.shards(), run.engine->optimizer(), id, *world()); });
     EXPECT_THAT(e, HasSubstr("holds another model: parameter 'tok_emb.weight' has the whole shape [31, 16] in the "
                              "save but [37, 16] in this model")) << "tp " << tp;
+  }
+  {  // elements of a parameter the save does not hold, at another size
+    TpRun run(world(), 1, 0);
+    TrainShards s = run.shards();
+    s.layout[0].segments[0].name = "no.such.parameter";
+    const std::string e = error_of<ConfigError>(
+        [&] { load_train_state(dir, s, run.engine->optimizer(), run.identity(), *world()); });
+    EXPECT_THAT(e, HasSubstr("holds no values for parameter 'no.such.parameter' (tensor-parallel rank 0 of 1)"));
   }
   done(dir);
 }

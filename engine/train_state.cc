@@ -617,11 +617,13 @@ std::unique_ptr<RankFile> open_rank_file(const std::string& folder, const Manife
     if (manifest.format >= 5) {
       c10::IValue splits;
       file->archive.read("splits", splits);
-      const nlohmann::json own_splits = nlohmann::json::parse(splits.toStringRef());
-      if (own_splits != splits_json(manifest.splits)) {
-        throw ConfigError(str("resume: '", file->path, "' records the tensor-parallel splits ", own_splits.dump(),
-                              " where '", (fs::path(folder) / "manifest.json").string(), "' lists ",
-                              splits_json(manifest.splits).dump(),
+      const nlohmann::json own = nlohmann::json::parse(splits.toStringRef()), listed = splits_json(manifest.splits);
+      for (size_t i = 0; i < std::max(own.size(), listed.size()); ++i) {
+        const nlohmann::json a = i < own.size() ? own[i] : nlohmann::json();
+        const nlohmann::json b = i < listed.size() ? listed[i] : nlohmann::json();
+        if (a == b) continue;
+        throw ConfigError(str("resume: '", file->path, "' records the tensor-parallel split ", a.dump(), " where '",
+                              (fs::path(folder) / "manifest.json").string(), "' lists ", b.dump(),
                               ": the manifest was modified or damaged after it was saved; resume from another step.",
                               offer_newest(root_of(folder), folder)));
       }
@@ -657,7 +659,6 @@ struct Copy {
   size_t target;
   int64_t target_offset, length;
 };
-
 
 // A save of another model is refused naming what differs: each parameter's
 // whole shape (format 5, any tensor-parallel size), and at the saved
