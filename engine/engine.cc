@@ -233,7 +233,7 @@ struct Engine::Impl {
   Clock::time_point start, forward_end;
   double fwd_ms = 0, bwd_ms = 0, loss_sum = 0;
 
-  TrainShards shards() const { return train_shards(*zero, *layout); }
+  TrainShards shards(const torch::nn::Module& model) const { return train_shards(*zero, *layout, model); }
 
   // The memory timeline: what is live at the start is split by what holds it.
   void start_trace(torch::nn::Module& model) {
@@ -430,14 +430,15 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineO
                             "zero_optimization.stage, more data-parallel ranks)"));
     }
   }
-  // Every setting the saved state's layout or meaning depends on: a resume
-  // with another value is refused naming it. train.seed: the random state
-  // comes from the save, but a caller's data order may come from the seed.
+  // Every setting the saved state's meaning depends on: a resume with
+  // another value is refused naming it. train.seed: the random state comes
+  // from the save, but a caller's data order may come from the seed. (The
+  // tensor-parallel size is not one: a save is re-sliced for another.)
   s.identity.model_signature = s.options.model_signature;
   s.identity.run_id = new_run_id(*s.world);
-  s.identity.settings = {{"tensor_parallel.size", std::to_string(config_.tensor_parallel.size)},
-                         {"optimizer.type", optimizer_type(*s.optimizer)},
+  s.identity.settings = {{"optimizer.type", optimizer_type(*s.optimizer)},
                          {"train.seed", std::to_string(config_.train.seed)}};
+  s.identity.seed = static_cast<uint64_t>(config_.train.seed);
   for (const auto& item : model.named_parameters()) {
     s.identity.parameters.emplace_back(item.key(), item.value().sizes().vec());
   }
@@ -804,7 +805,7 @@ std::string Engine::save_checkpoint(const std::string& dir, const nlohmann::json
   TrainPosition position;
   position.step = global_steps_;
   position.client_state = client_state.dump();
-  save_train_state(dir, position, s.shards(), *s.optimizer, s.identity, *s.world);
+  save_train_state(dir, position, s.shards(*model_), *s.optimizer, s.identity, *s.world);
   char folder[32];
   std::snprintf(folder, sizeof folder, "step_%08lld", static_cast<long long>(global_steps_));
   return dir + "/" + folder;
@@ -827,7 +828,7 @@ nlohmann::json Engine::load_checkpoint(const std::string& dir) {
                 "the first forward of a step");
   }
   ContextScope scope(s.context);  // its RNG tracker is restored
-  const TrainPosition position = load_train_state(dir, s.shards(), *s.optimizer, s.identity, *s.world);
+  const TrainPosition position = load_train_state(dir, s.shards(*model_), *s.optimizer, s.identity, *s.world);
   global_steps_ = position.step;
   if (s.zero->stage() == 1 || s.zero->stage() == 2) s.zero->begin_forward();  // the loaded shards, whole
   s.loaded_dir = dir;

@@ -180,9 +180,9 @@ class Engine {
   // `options.overwrite`; removing the later saves is then the caller's
   // (discard_saves_after(dir, engine.global_steps(), world), after loading).
   void use_save_dir(const std::string& dir, SaveDirOptions options = {});
-  // Loads a save (a step folder or the save root) made at any data-parallel
-  // size and ZeRO stage with this model (parameter names and shapes, and
-  // EngineOptions::model_signature), optimizer type, tensor-parallel size and
+  // Loads a save (a step folder or the save root) made at any tensor-parallel
+  // size, data-parallel size and ZeRO stage with this model (parameter names
+  // and whole shapes, and EngineOptions::model_signature), optimizer type and
   // train.seed; returns its client state. Anything else is a ConfigError
   // naming what differs.
   nlohmann::json load_checkpoint(const std::string& dir);

@@ -18,11 +18,13 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <set>
 #include <thread>
 
 #include "engine/optim.h"
+#include "parallel/layers.h"
 #include "rng/rng_state_io.h"
 #include "rng/rng_tracker.h"
 #include "runtime/communicator.h"
@@ -111,8 +113,56 @@ std::string root_of(const std::string& folder) {
 }
 
 // Formats of the manifest and the rank files this remat writes and reads: 3
-// adds the manifest's own checksum and each rank file's ranks and layout.
-constexpr int64_t kFormat = 4;
+// adds the manifest's own checksum and each rank file's ranks and layout, 4
+// the parameters and client state, 5 each parameter's tensor-parallel split
+// (a format 4 save resumes at its own tensor-parallel size only).
+constexpr int64_t kFormat = 5;
+constexpr int64_t kOldestFormat = 4;
+
+using Splits = std::vector<std::pair<std::string, parallel::TensorSplit>>;
+
+// [[name, {"split": "column", "dim": 0, "stride": 3, "shape": [48, 16]}], ...]
+nlohmann::json splits_json(const Splits& splits) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& [name, split] : splits) {
+    out.push_back({name,
+                   {{"split", parallel::split_kind_name(split.kind)},
+                    {"dim", split.dim},
+                    {"stride", split.stride},
+                    {"shape", split.full_sizes}}});
+  }
+  return out;
+}
+
+// What splits_json wrote, or nullopt when `j` is not that.
+std::optional<Splits> parse_splits(const nlohmann::json& j) {
+  if (!j.is_array()) return std::nullopt;
+  Splits out;
+  for (const auto& entry : j) {
+    if (!entry.is_array() || entry.size() != 2 || !entry[0].is_string() || !entry[1].is_object()) return std::nullopt;
+    const auto& o = entry[1];
+    if (!o.contains("split") || !o["split"].is_string() || !o.contains("dim") || !o["dim"].is_number_integer() ||
+        !o.contains("stride") || !o["stride"].is_number_integer() || !o.contains("shape") || !o["shape"].is_array()) {
+      return std::nullopt;
+    }
+    const auto kind = parallel::split_kind_from_name(o["split"].get<std::string>());
+    if (!kind) return std::nullopt;
+    parallel::TensorSplit split{*kind, o["dim"].get<int64_t>(), o["stride"].get<int64_t>(), {}};
+    for (const auto& d : o["shape"]) {
+      if (!d.is_number_integer()) return std::nullopt;
+      split.full_sizes.push_back(d.get<int64_t>());
+    }
+    try {
+      parallel::check_split(split);
+    } catch (const Error&) {
+      return std::nullopt;
+    }
+    out.emplace_back(entry[0].get<std::string>(), std::move(split));
+  }
+  return out;
+}
+
+std::string shape_text(const std::vector<int64_t>& sizes) { return str(c10::IntArrayRef(sizes)); }
 
 struct Manifest;
 Manifest read_manifest(const std::string& path);
@@ -176,8 +226,11 @@ struct Manifest {
   std::string model;
   std::string run_id;  // empty: saved before run ids were recorded
   std::map<std::string, std::string> settings;
-  // The model's parameters as [name, shape] pairs (format 4).
+  // The model's parameters as [name, shape] pairs (format 4), the shapes of
+  // the saved tensor-parallel size's shares.
   nlohmann::json parameters = nlohmann::json::array();
+  // Each parameter's tensor-parallel split (format 5; empty before).
+  Splits splits;
   std::string client_state = "{}";  // JSON text (format 4)
   struct File {
     std::string name;
@@ -245,6 +298,13 @@ Manifest read_manifest(const std::string& path) {
     m.parameters = j["parameters"];
   }
   if (j.contains("client_state")) m.client_state = j["client_state"].dump();
+  if (m.format >= 5) {
+    const auto splits = j.contains("splits") ? parse_splits(j["splits"]) : std::nullopt;
+    if (!splits) {
+      throw bad("splits", "an array of [name, {split, dim, stride, shape}] pairs, one per model parameter");
+    }
+    m.splits = *splits;
+  }
   if (!j.contains("files") || !j["files"].is_array()) throw bad("files", "an array");
   if (m.format >= 2) {
     m.tp_size = integer(j, "tp_size", "");
@@ -293,7 +353,7 @@ Manifest read_manifest(const std::string& path) {
 bool save_verifies(const fs::path& folder) {
   try {
     const Manifest m = read_manifest((folder / "manifest.json").string());
-    if (m.format < kFormat) return false;
+    if (m.format < kOldestFormat || m.format > kFormat) return false;
     for (const auto& file : m.files) {
       const std::string bytes = read_file((folder / file.name).string());
       if (static_cast<int64_t>(bytes.size()) != file.bytes || crc32_of(bytes) != file.crc32) return false;
@@ -553,6 +613,21 @@ std::unique_ptr<RankFile> open_rank_file(const std::string& folder, const Manife
                             "' was modified or damaged after it was saved; resume from another step.",
                             offer_newest(root_of(folder), folder)));
     }
+    // Its record of the tensor-parallel splits (format 5) is the manifest's.
+    if (manifest.format >= 5) {
+      c10::IValue splits;
+      file->archive.read("splits", splits);
+      const nlohmann::json own = nlohmann::json::parse(splits.toStringRef()), listed = splits_json(manifest.splits);
+      for (size_t i = 0; i < std::max(own.size(), listed.size()); ++i) {
+        const nlohmann::json a = i < own.size() ? own[i] : nlohmann::json();
+        const nlohmann::json b = i < listed.size() ? listed[i] : nlohmann::json();
+        if (a == b) continue;
+        throw ConfigError(str("resume: '", file->path, "' records the tensor-parallel split ", a.dump(), " where '",
+                              (fs::path(folder) / "manifest.json").string(), "' lists ", b.dump(),
+                              ": the manifest was modified or damaged after it was saved; resume from another step.",
+                              offer_newest(root_of(folder), folder)));
+      }
+    }
     // Files from another step, rank, world size or run (copied or swapped by
     // hand) stop here.
     if (step.toInt() != manifest.step || world_size.toInt() != manifest.world_size ||
@@ -585,12 +660,203 @@ struct Copy {
   int64_t target_offset, length;
 };
 
+// A save of another model is refused naming what differs: each parameter's
+// whole shape (format 5, any tensor-parallel size), and at the saved
+// tensor-parallel size each share's shape (identity.parameters).
+void check_same_model(const std::string& folder, const Manifest& manifest, const TrainShards& shards,
+                      const SaveIdentity& identity) {
+  if (!manifest.splits.empty() && !shards.splits.empty()) {
+    const Splits& theirs = manifest.splits;
+    const Splits& mine = shards.splits;
+    std::string differs;
+    for (size_t i = 0; i < std::max(mine.size(), theirs.size()) && differs.empty(); ++i) {
+      if (i >= theirs.size()) {
+        differs = str("this model has parameter '", mine[i].first, "' (", shape_text(mine[i].second.full_sizes),
+                      ") which the saved one has not");
+      } else if (i >= mine.size()) {
+        differs = str("the saved model has parameter '", theirs[i].first, "' (",
+                      shape_text(theirs[i].second.full_sizes), ") which this one has not");
+      } else if (mine[i].first != theirs[i].first) {
+        differs = str("its parameter ", i, " is '", theirs[i].first, "' where this model's is '", mine[i].first, "'");
+      } else if (mine[i].second.full_sizes != theirs[i].second.full_sizes) {
+        differs = str("parameter '", mine[i].first, "' has the whole shape ", shape_text(theirs[i].second.full_sizes),
+                      " in the save but ", shape_text(mine[i].second.full_sizes), " in this model");
+      }
+    }
+    if (!differs.empty()) {
+      throw ConfigError(str("resume: the save in '", folder, "' holds another model: ", differs,
+                            "; resume with the model settings it was saved with"));
+    }
+  }
+  if (manifest.tp_size != shards.tp_size || identity.parameters.empty() ||
+      manifest.parameters == parameters_json(identity.parameters)) {
+    return;
+  }
+  const nlohmann::json mine = parameters_json(identity.parameters);
+  const auto& theirs = manifest.parameters;
+  std::string differs;
+  for (size_t i = 0; i < std::max(mine.size(), theirs.size()) && differs.empty(); ++i) {
+    if (i >= theirs.size()) {
+      differs = str("this model has parameter ", mine[i].dump(), " which the saved one has not");
+    } else if (i >= mine.size()) {
+      differs = str("the saved model has parameter ", theirs[i].dump(), " which this one has not");
+    } else if (mine[i] != theirs[i]) {
+      differs = str("its parameter ", i, " is ", theirs[i].dump(), " where this model's is ", mine[i].dump());
+    }
+  }
+  throw ConfigError(str("resume: the save in '", folder, "' holds another model: ", differs,
+                        " ([name, shape]); load it into the model it was saved from"));
+}
+
+// Where the saved segments of each parameter lie.
+struct Source {
+  size_t file, tensor;
+  int64_t param_offset, offset, length;
+};
+std::map<std::string, std::vector<Source>> sources_by_name(const Manifest& manifest,
+                                                           const std::vector<size_t>& candidates) {
+  std::map<std::string, std::vector<Source>> by_name;
+  for (size_t f : candidates) {
+    const auto& tensors = manifest.files[f].tensors;
+    for (size_t j = 0; j < tensors.size(); ++j) {
+      for (const auto& s : tensors[j].segments) by_name[s.name].push_back({f, j, s.param_offset, s.shard_offset, s.length});
+    }
+  }
+  return by_name;
+}
+
+// The same tensor-parallel size: a parameter's flattened share is indexed
+// alike in the save and here, so each of this rank's segments is filled by
+// ranges of the saved segments of its tensor-parallel rank (the first file
+// holding an element provides it).
+std::vector<Copy> same_split_copies(const std::string& folder, const Manifest& manifest, const TrainShards& shards,
+                                    const std::vector<size_t>& candidates) {
+  const auto by_name = sources_by_name(manifest, candidates);
+  std::vector<Copy> copies;
+  for (size_t i = 0; i < shards.layout.size(); ++i) {
+    for (const auto& seg : shards.layout[i].segments) {
+      std::vector<std::pair<int64_t, int64_t>> open{{seg.param_offset, seg.param_offset + seg.length}};
+      auto found = by_name.find(seg.name);
+      if (found != by_name.end()) {
+        for (const auto& src : found->second) {
+          std::vector<std::pair<int64_t, int64_t>> still;
+          for (const auto& [lo, hi] : open) {
+            const int64_t a = std::max(lo, src.param_offset), b = std::min(hi, src.param_offset + src.length);
+            if (a >= b) {
+              still.emplace_back(lo, hi);
+              continue;
+            }
+            copies.push_back({src.file, src.tensor, src.offset + a - src.param_offset, i,
+                              seg.shard_offset + a - seg.param_offset, b - a});
+            if (lo < a) still.emplace_back(lo, a);
+            if (b < hi) still.emplace_back(b, hi);
+          }
+          open = std::move(still);
+          if (open.empty()) break;
+        }
+      }
+      if (!open.empty()) {
+        throw ConfigError(str("resume: the save in '", folder, "' holds no values for elements [", open[0].first,
+                              ", ", open[0].second, ") of parameter '", seg.name, "' (tensor-parallel rank ",
+                              shards.tp_rank, "): it was made for another model; use the config it was made with"));
+      }
+    }
+  }
+  return copies;
+}
+
+// Another tensor-parallel size: each element of this rank's segments is
+// found by its index in the whole parameter (this rank's split), then in the
+// share of each saved tensor-parallel rank (the saved split), then in that
+// rank's saved segments; runs of consecutive elements become one copy. Index
+// tensors (a few int64 per element) are built for at most kChunk elements at
+// a time.
+std::vector<Copy> resliced_copies(const std::string& folder, const Manifest& manifest, const TrainShards& shards,
+                                  const std::vector<size_t>& candidates) {
+  constexpr int64_t kChunk = int64_t{1} << 22;
+  const auto by_name = sources_by_name(manifest, candidates);
+  const std::map<std::string, parallel::TensorSplit> mine(shards.splits.begin(), shards.splits.end());
+  const std::map<std::string, parallel::TensorSplit> theirs(manifest.splits.begin(), manifest.splits.end());
+  // Saved tensor-parallel ranks in the order their copies are preferred
+  // (a replicated parameter is read from the first).
+  std::vector<int64_t> tp_order;
+  for (size_t f : candidates) {
+    const int64_t t = manifest.files[f].tp_rank;
+    if (std::find(tp_order.begin(), tp_order.end(), t) == tp_order.end()) tp_order.push_back(t);
+  }
+  std::vector<Copy> copies;
+  for (size_t i = 0; i < shards.layout.size(); ++i) {
+    for (const auto& seg : shards.layout[i].segments) {
+      auto my_split = mine.find(seg.name);
+      auto saved_split = theirs.find(seg.name);
+      auto found = by_name.find(seg.name);
+      if (my_split == mine.end() || saved_split == theirs.end() || found == by_name.end()) {
+        throw ConfigError(str("resume: the save in '", folder, "' holds no values for parameter '", seg.name,
+                              "' (tensor-parallel rank ", shards.tp_rank, " of ", shards.tp_size,
+                              "): it was made for another model; use the config it was made with"));
+      }
+      for (int64_t done = 0; done < seg.length; done += kChunk) {
+        const int64_t n = std::min(kChunk, seg.length - done);
+        const at::Tensor whole = parallel::full_indices(my_split->second, shards.tp_size, shards.tp_rank,
+                                                        seg.param_offset + done, n);
+        at::Tensor source = at::full({n}, -1, at::kLong);  // index into `origins`
+        at::Tensor offset = at::zeros({n}, at::kLong);       // in that saved tensor
+        at::Tensor filled = at::zeros({n}, at::kBool);
+        std::vector<std::pair<size_t, size_t>> origins;  // (file, tensor)
+        for (int64_t t : tp_order) {
+          const at::Tensor theirs_at = parallel::share_indices(saved_split->second, static_cast<int>(manifest.tp_size),
+                                                               static_cast<int>(t), whole);
+          at::Tensor open = theirs_at.ge(0).logical_and(filled.logical_not());
+          for (const auto& src : found->second) {
+            if (manifest.files[src.file].tp_rank != t || !open.any().item<bool>()) continue;
+            const at::Tensor here = open.logical_and(theirs_at.ge(src.param_offset))
+                                        .logical_and(theirs_at.lt(src.param_offset + src.length));
+            if (!here.any().item<bool>()) continue;
+            source.masked_fill_(here, static_cast<int64_t>(origins.size()));
+            offset = at::where(here, theirs_at - src.param_offset + src.offset, offset);
+            origins.emplace_back(src.file, src.tensor);
+            open.logical_and_(here.logical_not());
+            filled.logical_or_(here);
+          }
+        }
+        if (!filled.all().item<bool>()) {
+          const int64_t first = filled.logical_not().nonzero()[0][0].item<int64_t>();
+          throw ConfigError(str("resume: the save in '", folder, "' holds no values for element ",
+                                whole[first].item<int64_t>(), " of parameter '", seg.name, "' (whole shape ",
+                                shape_text(my_split->second.full_sizes), "), needed by tensor-parallel rank ",
+                                shards.tp_rank, " of ", shards.tp_size, ": no saved file of its ", manifest.tp_size,
+                                " tensor-parallel ranks holds it; the save is incomplete or was made for "
+                                "another model"));
+        }
+        // Runs: the same saved tensor, consecutive offsets.
+        at::Tensor breaks = at::ones({n}, at::kBool);
+        if (n > 1) {
+          breaks.narrow(0, 1, n - 1)
+              .copy_(source.narrow(0, 1, n - 1).ne(source.narrow(0, 0, n - 1))
+                         .logical_or(offset.narrow(0, 1, n - 1).ne(offset.narrow(0, 0, n - 1) + 1)));
+        }
+        const at::Tensor starts = breaks.nonzero().reshape({-1}).contiguous();
+        const auto start = starts.accessor<int64_t, 1>();
+        const auto from = source.accessor<int64_t, 1>();
+        const auto at_offset = offset.accessor<int64_t, 1>();
+        for (int64_t r = 0; r < starts.numel(); ++r) {
+          const int64_t a = start[r], b = r + 1 < starts.numel() ? start[r + 1] : n;
+          const auto [file, tensor] = origins[static_cast<size_t>(from[a])];
+          copies.push_back({file, tensor, at_offset[a], i, seg.shard_offset + done + a, b - a});
+        }
+      }
+    }
+  }
+  return copies;
+}
 }  // namespace
 
-TrainShards train_shards(const parallel::ZeroModel& zero, const ParallelLayout& layout) {
+TrainShards train_shards(const parallel::ZeroModel& zero, const ParallelLayout& layout,
+                         const torch::nn::Module& model) {
   TrainShards s;
   s.tensors = zero.parameters();
   s.layout = zero.layout();
+  s.splits = parallel::parameter_splits(model);
   s.tp_rank = layout.tp_rank();
   s.tp_size = layout.dims().tp;
   s.dp_rank = layout.dp_rank();
@@ -626,6 +892,7 @@ void save_train_state(const std::string& dir, const TrainPosition& position, con
   archive.write("tp_rank", c10::IValue(static_cast<int64_t>(shards.tp_rank)));
   archive.write("dp_rank", c10::IValue(static_cast<int64_t>(shards.dp_rank)));
   archive.write("layout", c10::IValue(layout));
+  archive.write("splits", c10::IValue(splits_json(shards.splits).dump()));
   std::ostringstream out;
   archive.save_to(out);
   const std::string bytes = out.str();
@@ -649,6 +916,7 @@ void save_train_state(const std::string& dir, const TrainPosition& position, con
                                {"run_id", identity.run_id},
                                {"settings", identity.settings},
                                {"parameters", parameters_json(identity.parameters)},
+                               {"splits", splits_json(shards.splits)},
                                {"client_state", nlohmann::json::parse(position.client_state)},
                                {"files", nlohmann::json::array()}};
     for (int r = 0; r < world.size(); ++r) {
@@ -689,9 +957,10 @@ TrainPosition load_train_state(const std::string& dir, const TrainShards& shards
       throw ConfigError(str(e.what(), ".", offer_newest(root_of(folder), folder)));
     }
   }();
-  if (manifest.format < kFormat) {
-    throw ConfigError(str("resume: the save in '", folder, "' was written by an earlier remat (format ",
-                          manifest.format, "; this one reads ", kFormat,
+  if (manifest.format < kOldestFormat || manifest.format > kFormat) {
+    throw ConfigError(str("resume: the save in '", folder, "' was written by ",
+                          manifest.format < kOldestFormat ? "an earlier" : "a later", " remat (format ",
+                          manifest.format, "; this one reads ", kOldestFormat, " to ", kFormat,
                           "), or its manifest was modified: resume it with the remat that wrote it"));
   }
   if (!identity.model_signature.empty() && manifest.model != identity.model_signature) {
@@ -708,89 +977,47 @@ TrainPosition load_train_state(const std::string& dir, const TrainShards& shards
                             key, "=", saved->second, " (the save itself is fine), or start a new run"));
     }
   }
-  if (manifest.tp_size != shards.tp_size) {
+  const bool reslice_tp = manifest.tp_size != shards.tp_size;
+  if (reslice_tp && manifest.splits.empty()) {
     throw ConfigError(str("resume: the save in '", folder, "' was made with tensor_parallel.size ",
                           manifest.tp_size, " but this run has ", shards.tp_size,
-                          ": tensor-parallel shards are not re-sliced; resume with --set tensor_parallel.size=",
-                          manifest.tp_size, " (any data-parallel size and ZeRO stage works)"));
+                          ", and it does not record how its parameters are split across tensor-parallel ranks "
+                          "(format ", manifest.format, ", written by an earlier remat): it resumes only at "
+                          "tensor_parallel.size ", manifest.tp_size, ". Resume with --set tensor_parallel.size=",
+                          manifest.tp_size, " (any data-parallel size and ZeRO stage works); a save this run "
+                          "makes from there resumes at any tensor-parallel size"));
   }
+  REMAT_CHECK(!reslice_tp || !shards.splits.empty(),
+              "load_train_state: TrainShards::splits is empty; build the shards with train_shards()");
 
-  // The files of this tensor-parallel rank, the one at this rank's data-parallel
-  // place first (its random state is taken).
+  // The files to read from: the one at this rank's tensor- and data-parallel
+  // place modulo the saved sizes first (its random state is taken), then the
+  // others of that tensor-parallel rank, then (at another tensor-parallel
+  // size) every other file.
+  const int64_t source_tp = shards.tp_rank % manifest.tp_size;
   const int64_t source_dp = shards.dp_rank % manifest.dp_size;
   std::vector<size_t> candidates;
   for (size_t f = 0; f < manifest.files.size(); ++f) {
     const auto& e = manifest.files[f];
-    if (e.tp_rank == shards.tp_rank && e.dp_rank == source_dp) candidates.insert(candidates.begin(), f);
-    else if (e.tp_rank == shards.tp_rank) candidates.push_back(f);
+    if (e.tp_rank == source_tp && e.dp_rank == source_dp) candidates.insert(candidates.begin(), f);
+    else if (e.tp_rank == source_tp) candidates.push_back(f);
   }
   if (candidates.empty() || manifest.files[candidates[0]].dp_rank != source_dp) {
-    throw ConfigError(str("resume: '", manifest_path, "' lists no file of tensor-parallel rank ", shards.tp_rank,
+    throw ConfigError(str("resume: '", manifest_path, "' lists no file of tensor-parallel rank ", source_tp,
                           " and data-parallel rank ", source_dp, "; the manifest was edited or damaged"));
+  }
+  if (reslice_tp) {
+    for (size_t f = 0; f < manifest.files.size(); ++f) {
+      if (manifest.files[f].tp_rank != source_tp) candidates.push_back(f);
+    }
   }
 
   // This rank's own file first: it verifies the manifest's account of it.
   std::map<size_t, std::unique_ptr<RankFile>> files;
   files[candidates[0]] = open_rank_file(folder, manifest, candidates[0]);
-  if (!identity.parameters.empty() && manifest.parameters != parameters_json(identity.parameters)) {
-    const nlohmann::json mine = parameters_json(identity.parameters);
-    const auto& theirs = manifest.parameters;
-    std::string differs;
-    for (size_t i = 0; i < std::max(mine.size(), theirs.size()) && differs.empty(); ++i) {
-      if (i >= theirs.size()) {
-        differs = str("this model has parameter ", mine[i].dump(), " which the saved one has not");
-      } else if (i >= mine.size()) {
-        differs = str("the saved model has parameter ", theirs[i].dump(), " which this one has not");
-      } else if (mine[i] != theirs[i]) {
-        differs = str("its parameter ", i, " is ", theirs[i].dump(), " where this model's is ", mine[i].dump());
-      }
-    }
-    throw ConfigError(str("resume: the save in '", folder, "' holds another model: ", differs,
-                          " ([name, shape]); load it into the model it was saved from"));
-  }
-  // Which saved elements fill each of this rank's tensors (the first file
-  // holding an element provides it).
-  struct Source {
-    size_t file, tensor;
-    int64_t param_offset, offset, length;
-  };
-  std::map<std::string, std::vector<Source>> by_name;
-  for (size_t f : candidates) {
-    const auto& tensors = manifest.files[f].tensors;
-    for (size_t j = 0; j < tensors.size(); ++j) {
-      for (const auto& s : tensors[j].segments) by_name[s.name].push_back({f, j, s.param_offset, s.shard_offset, s.length});
-    }
-  }
-  std::vector<Copy> copies;
-  for (size_t i = 0; i < shards.layout.size(); ++i) {
-    for (const auto& seg : shards.layout[i].segments) {
-      std::vector<std::pair<int64_t, int64_t>> open{{seg.param_offset, seg.param_offset + seg.length}};
-      auto found = by_name.find(seg.name);
-      if (found != by_name.end()) {
-        for (const auto& src : found->second) {
-          std::vector<std::pair<int64_t, int64_t>> still;
-          for (const auto& [lo, hi] : open) {
-            const int64_t a = std::max(lo, src.param_offset), b = std::min(hi, src.param_offset + src.length);
-            if (a >= b) {
-              still.emplace_back(lo, hi);
-              continue;
-            }
-            copies.push_back({src.file, src.tensor, src.offset + a - src.param_offset, i,
-                              seg.shard_offset + a - seg.param_offset, b - a});
-            if (lo < a) still.emplace_back(lo, a);
-            if (b < hi) still.emplace_back(b, hi);
-          }
-          open = std::move(still);
-          if (open.empty()) break;
-        }
-      }
-      if (!open.empty()) {
-        throw ConfigError(str("resume: the save in '", folder, "' holds no values for elements [", open[0].first,
-                              ", ", open[0].second, ") of parameter '", seg.name, "' (tensor-parallel rank ",
-                              shards.tp_rank, "): it was made for another model; use the config it was made with"));
-      }
-    }
-  }
+  check_same_model(folder, manifest, shards, identity);
+  const std::vector<Copy> copies = reslice_tp ? resliced_copies(folder, manifest, shards, candidates)
+                                              : same_split_copies(folder, manifest, shards, candidates);
 
   for (const auto& c : copies) {
     if (!files.count(c.file)) files[c.file] = open_rank_file(folder, manifest, c.file);
@@ -871,11 +1098,32 @@ TrainPosition load_train_state(const std::string& dir, const TrainShards& shards
                  folder, rng.defaults.cuda.defined() ? "holds" : "holds no",
                  cuda_here ? "has" : "has no");
     }
+    // The model-parallel stream differs per tensor-parallel rank (dropout
+    // inside tensor-parallel regions): at another size no saved rank's stream
+    // is this rank's, so it starts afresh as model_parallel_manual_seed starts it.
+    if (reslice_tp) rng.tracker.erase(kModelParallelRng);
     restore_rng(rng);
+    if (reslice_tp) {
+      const uint64_t seed = identity.seed + kModelParallelSeedOffset + static_cast<uint64_t>(shards.tp_rank);
+      get_rng_tracker().add(kModelParallelRng, seed);
+      log().info("resume: the model-parallel RNG stream is seeded afresh with {} (train.seed {} + {} + "
+                 "tensor-parallel rank {}); the default generators continue those of saved rank {}",
+                 seed, identity.seed, kModelParallelSeedOffset, shards.tp_rank, candidates[0]);
+    }
     position.step = manifest.step;
     position.client_state = manifest.client_state;
   }
-  if (manifest.dp_size != shards.dp_size) {
+  if (reslice_tp) {
+    log_rank0().warn("resume: the save in '{}' was made at tensor-parallel size {} x data-parallel size {}; this "
+                     "run has {} x {}. Parameters and optimizer state are re-sliced exactly through each "
+                     "parameter's whole shape (read from {} saved file(s) on rank 0); each rank continues the "
+                     "default random state of the saved rank at its tensor- and data-parallel ranks modulo {} and "
+                     "{}, and its model-parallel RNG stream is seeded afresh for its tensor-parallel rank, so the "
+                     "run does not repeat an uninterrupted one bitwise (float sums also run in another order at "
+                     "another tensor-parallel size)",
+                     folder, manifest.tp_size, manifest.dp_size, shards.tp_size, shards.dp_size, files.size(),
+                     manifest.tp_size, manifest.dp_size);
+  } else if (manifest.dp_size != shards.dp_size) {
     log_rank0().warn("resume: the save in '{}' was made at data-parallel size {}; this run has {}. Parameters "
                      "and optimizer state are re-sliced exactly (read from {} saved file(s) on rank 0); each rank "
                      "continues the random state of the saved rank at its data-parallel "

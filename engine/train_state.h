@@ -11,14 +11,18 @@
 // shards, or whole parameters at stage 0) with their optimizer state. The
 // manifest records the run that wrote the save (run id), the model, every
 // setting that shapes the saved state, the tensor- and data-parallel sizes,
+// each model parameter's tensor-parallel split (column with its stride, row,
+// vocabulary or replicated, and its whole shape: parallel/tensor_split.h),
 // and for each rank file its size, CRC-32, tensor- and data-parallel rank and
 // layout: which elements of which model parameter each saved tensor holds,
 // and a CRC-32 of its own content (any edit of the manifest is refused); each
-// rank file repeats its own ranks and layout, checked against the manifest.
-// Resuming maps this rank's layout onto the saved ones, so a save resumes at
-// any data-parallel size and ZeRO stage (the same tensor-parallel size):
+// rank file repeats its own ranks, layout and the splits, checked against the
+// manifest. Resuming maps this rank's layout onto the saved ones, so a save
+// resumes at any data-parallel size, ZeRO stage and tensor-parallel size:
 // each element comes from a file that holds it (this rank's own file when the
-// layout is unchanged). Every file read is checked against its size and
+// layout is unchanged; at another tensor-parallel size, through the whole
+// parameter's indices, from the files of every saved tensor-parallel rank
+// whose share holds it). Every file read is checked against its size and
 // CRC-32 and its recorded rank, step and run id, so a damaged file, files
 // mixed from two steps or two runs, or a changed setting is an error naming
 // what differs.
@@ -30,8 +34,15 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "parallel/tensor_split.h"
 #include "parallel/zero.h"
+
+namespace torch::nn {
+class Module;
+}
 
 namespace remat {
 
@@ -40,15 +51,21 @@ class ParallelLayout;
 
 // What one rank saves and resumes: the tensors its optimizer steps and which
 // model parameter elements each holds (ZeroModel::parameters() and layout()),
-// and where the rank sits.
+// how each model parameter is split across the tensor-parallel group, and
+// where the rank sits.
 struct TrainShards {
   std::vector<at::Tensor> tensors;
   std::vector<parallel::ShardLayout> layout;
+  // Every model parameter by state-dict name, in the model's order, with its
+  // split (parallel::parameter_splits): a layout's offsets index this rank's
+  // share of the parameter, flattened.
+  std::vector<std::pair<std::string, parallel::TensorSplit>> splits;
   int tp_rank = 0, tp_size = 1, dp_rank = 0, dp_size = 1;
 };
 
-// What this rank of `layout` holds of `zero`'s sharding.
-TrainShards train_shards(const parallel::ZeroModel& zero, const ParallelLayout& layout);
+// What this rank of `layout` holds of `zero`'s sharding of `model`.
+TrainShards train_shards(const parallel::ZeroModel& zero, const ParallelLayout& layout,
+                         const torch::nn::Module& model);
 
 struct TrainPosition {
   int64_t step = 0;  // completed optimizer steps
@@ -67,6 +84,10 @@ struct SaveIdentity {
   // The model's parameters by state-dict name and shape: a save of another
   // model is refused naming the first that differs (empty: not compared).
   std::vector<std::pair<std::string, std::vector<int64_t>>> parameters;
+  // train.seed: a resume at another tensor-parallel size seeds the
+  // model-parallel RNG stream afresh from it (model_parallel_manual_seed's
+  // rule, at this rank's tensor-parallel rank).
+  uint64_t seed = 0;
 };
 
 // A new id for this run, the same on every rank: rank 0's host, pid and start
@@ -119,14 +140,17 @@ void save_train_state(const std::string& dir, const TrainPosition& position, con
 
 // Loads a save made by save_train_state into `shards.tensors` and their
 // optimizer state: `dir` is a step folder or the save root (then DIR/latest).
-// The random state is that of the saved rank at this
-// rank's tensor-parallel rank and data-parallel rank modulo the saved
-// data-parallel size (its own, when the size is unchanged: the run continues
-// bitwise). A missing, incomplete, damaged or inconsistent save, or one made
-// with another model, tensor-parallel size or setting, is a ConfigError
-// saying which (and, for a save that is unusable, naming the newest step whose
-// manifest and rank files all verify). Collective over `world`: every rank
-// loads the same step.
+// The random state is that of the saved rank at this rank's tensor- and
+// data-parallel ranks modulo the saved sizes (its own, when the sizes are
+// unchanged: the run continues bitwise); at another tensor-parallel size the
+// model-parallel RNG stream is seeded afresh (identity.seed) for this rank's
+// tensor-parallel rank. A missing, incomplete, damaged or inconsistent save,
+// one made with another model (a parameter whose whole shape differs is
+// named with both shapes) or setting, or a save without the tensor-parallel
+// splits (an earlier remat's) at another tensor-parallel size, is a
+// ConfigError saying which (and, for a save that is unusable, naming the
+// newest step whose manifest and rank files all verify). Collective over
+// `world`: every rank loads the same step.
 TrainPosition load_train_state(const std::string& dir, const TrainShards& shards,
                                torch::optim::Optimizer& optimizer, const SaveIdentity& identity,
                                Communicator& world);

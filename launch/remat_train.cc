@@ -50,7 +50,7 @@ int train(int argc, char** argv) {
   app.add_flag("--overwrite-saves", overwrite_saves, "let this run replace the saves in --save-dir: those "
                "after the step it starts from (all of them without --resume) are removed once it has started");
   app.add_option("--resume", resume_dir, "resume from a save (a step folder or the save root), at any "
-                 "data-parallel size and ZeRO stage");
+                 "tensor-parallel size, data-parallel size and ZeRO stage");
   app.add_option("--export", export_path, "after training (and the final save), write the whole model (full "
                  "parameters by state-dict name) to this file, for torch::pickle_load or Python's torch.load; "
                  "checked at start: a regular file or a new one, in a folder with room for it");

@@ -6,7 +6,7 @@
 #include <torch/nn/init.h>
 
 #include <cmath>
-
+#include <map>
 
 #include "runtime/communicator.h"
 #include "runtime/error.h"
@@ -64,14 +64,14 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(const ParallelLinearOptions& 
 }
 
 at::Tensor ColumnParallelLinearImpl::shard(const at::Tensor& full) const {
-  const int n = group_size(group_), r = group_rank(group_);
-  const int64_t block = options_.out_features() / options_.stride();
-  std::vector<at::Tensor> pieces;
-  for (int64_t s = 0; s < options_.stride(); ++s) {
-    Range range = partition_range(block, n, r);
-    pieces.push_back(full.narrow(0, s * block + range.start, range.length));
-  }
-  return pieces.size() == 1 ? pieces[0] : at::cat(pieces, 0);
+  return share_of(full, split_of(full.dim() == 1 ? "bias" : "weight"), group_size(group_), group_rank(group_));
+}
+
+TensorSplit ColumnParallelLinearImpl::split_of(const std::string& name) const {
+  // Weight rows and bias entries are split alike.
+  std::vector<int64_t> sizes{options_.out_features()};
+  if (name != "bias") sizes.push_back(options_.in_features());
+  return {SplitKind::kColumn, 0, options_.stride(), sizes};
 }
 
 std::vector<int64_t> ColumnParallelLinearImpl::full_weight_sizes() const {
@@ -131,9 +131,13 @@ std::vector<int64_t> RowParallelLinearImpl::full_weight_sizes() const {
 
 void RowParallelLinearImpl::load_full_weight(const at::Tensor& full) {
   check_full(full, full_weight_sizes(), "RowParallelLinear");
-  Range range = partition_range(options_.in_features(), group_size(group_), group_rank(group_));
   torch::NoGradGuard no_grad;
-  weight.copy_(full.narrow(1, range.start, range.length));
+  weight.copy_(share_of(full, split_of("weight"), group_size(group_), group_rank(group_)));
+}
+
+TensorSplit RowParallelLinearImpl::split_of(const std::string& name) const {
+  if (name == "bias") return TensorSplit::replicated({options_.out_features()});
+  return {SplitKind::kRow, 1, 1, full_weight_sizes()};
 }
 
 at::Tensor RowParallelLinearImpl::gather_full_weight() const {
@@ -191,7 +195,11 @@ std::vector<int64_t> VocabParallelEmbeddingImpl::full_weight_sizes() const {
 void VocabParallelEmbeddingImpl::load_full_weight(const at::Tensor& full) {
   check_full(full, full_weight_sizes(), "VocabParallelEmbedding");
   torch::NoGradGuard no_grad;
-  weight.copy_(full.narrow(0, range_.start, range_.length));
+  weight.copy_(share_of(full, split_of("weight"), group_size(group_), group_rank(group_)));
+}
+
+TensorSplit VocabParallelEmbeddingImpl::split_of(const std::string& /*name*/) const {
+  return {SplitKind::kVocabulary, 0, 1, full_weight_sizes()};
 }
 
 at::Tensor VocabParallelEmbeddingImpl::gather_full_weight() const {
@@ -275,6 +283,22 @@ std::vector<at::Tensor> sharded_parameters(const torch::nn::Module& module) {
     if (auto* tp = dynamic_cast<const TensorParallelModule*>(m.get())) {
       for (auto& p : tp->sharded_parameters()) out.push_back(p);
     }
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, TensorSplit>> parameter_splits(const torch::nn::Module& module) {
+  std::map<std::string, const TensorParallelModule*> layers;
+  for (const auto& item : module.named_modules()) {
+    if (auto* tp = dynamic_cast<const TensorParallelModule*>(item.value().get())) layers[item.key()] = tp;
+  }
+  std::vector<std::pair<std::string, TensorSplit>> out;
+  for (const auto& item : module.named_parameters()) {
+    const std::string& name = item.key();
+    const auto dot = name.rfind('.');
+    auto layer = layers.find(dot == std::string::npos ? std::string() : name.substr(0, dot));
+    out.emplace_back(name, layer != layers.end() ? layer->second->split_of(name.substr(dot + 1))
+                                                 : TensorSplit::replicated(item.value().sizes().vec()));
   }
   return out;
 }

@@ -29,9 +29,12 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "parallel/mappings.h"
+#include "parallel/tensor_split.h"
 
 namespace remat::parallel {
 
@@ -73,6 +76,10 @@ class TensorParallelModule {
   // is replicated (collective over the group).
   virtual at::Tensor gather_full(const std::string& name, const at::Tensor& shard) const = 0;
   virtual std::vector<at::Tensor> sharded_parameters() const = 0;
+  // How this module's parameter `name` ("weight", "bias") is split across the
+  // group, whatever the group's size (tensor_split.h): the shard a rank holds
+  // is share_of(whole, split_of(name), size, rank).
+  virtual TensorSplit split_of(const std::string& name) const = 0;
 };
 
 class ColumnParallelLinearImpl : public torch::nn::Module, public TensorParallelModule {
@@ -85,6 +92,7 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public TensorParallel
   at::Tensor gather_full_weight() const override;
   at::Tensor gather_full(const std::string& name, const at::Tensor& shard) const override;
   std::vector<at::Tensor> sharded_parameters() const override;
+  TensorSplit split_of(const std::string& name) const override;
   int64_t local_out_features() const { return weight.size(0); }
 
   at::Tensor weight, bias;
@@ -108,6 +116,7 @@ class RowParallelLinearImpl : public torch::nn::Module, public TensorParallelMod
   at::Tensor gather_full_weight() const override;
   at::Tensor gather_full(const std::string& name, const at::Tensor& shard) const override;
   std::vector<at::Tensor> sharded_parameters() const override;
+  TensorSplit split_of(const std::string& name) const override;
 
   at::Tensor weight, bias;  // the bias is replicated
 
@@ -130,6 +139,7 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module, public TensorParall
   at::Tensor gather_full_weight() const override;
   at::Tensor gather_full(const std::string& name, const at::Tensor& shard) const override;
   std::vector<at::Tensor> sharded_parameters() const override;
+  TensorSplit split_of(const std::string& name) const override;
   Range vocab_range() const { return range_; }
 
   at::Tensor weight;
@@ -151,5 +161,10 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
 // The parameters of `module` and its descendants that are sharded across the
 // tensor-parallel group (weights of the layers above, column biases).
 std::vector<at::Tensor> sharded_parameters(const torch::nn::Module& module);
+
+// Every parameter of `module` by state-dict name, in named_parameters()
+// order, with its split: a tensor-parallel layer's as split_of() says, any
+// other parameter replicated at its own shape.
+std::vector<std::pair<std::string, TensorSplit>> parameter_splits(const torch::nn::Module& module);
 
 }  // namespace remat::parallel
