@@ -167,6 +167,28 @@ TEST(SequenceParallelMappings, ScatterGatherAndReduceScatterAlongTheSequence) {
   EXPECT_TRUE(at::equal(y.grad(), want));
 }
 
+// Inputs the mappings did not make: an expanded view and a transposed one
+// give what their contiguous copies give, and the caller's tensors are left alone.
+TEST(SequenceParallelMappings, ExpandedAndTransposedInputsActLikeTheirCopies) {
+  auto g = world();
+  const int n = g->size(), r = g->rank();
+  const int64_t k = 2, seq = k * n;
+  at::Tensor row = at::arange(5, at::kFloat);
+  at::Tensor expanded = row.expand({3, seq, 5});  // stride 0 in two dims
+  at::Tensor mine = scatter_to_sequence_parallel_region(expanded, g);
+  EXPECT_TRUE(at::equal(mine, expanded.contiguous().narrow(1, r * k, k)));
+  at::Tensor transposed = at::arange(seq * 3 * 5, at::kFloat).view({seq, 3, 5}).transpose(0, 1);
+  at::Tensor before = transposed.clone();
+  at::Tensor chunk = transposed.contiguous().narrow(1, r * k, k);
+  at::Tensor weight = at::arange(4 * 5, at::kFloat).view({4, 5}) / 10;
+  at::Tensor from_view = linear_with_sequence_parallel_input(chunk.transpose(0, 1).contiguous().transpose(0, 1),
+                                                             weight, at::Tensor(), g);
+  EXPECT_TRUE(at::equal(from_view, at::linear(transposed.contiguous(), weight)));
+  EXPECT_TRUE(at::equal(gather_from_sequence_parallel_region(chunk.transpose(0, 1).contiguous().transpose(0, 1), g),
+                        transposed.contiguous()));
+  EXPECT_TRUE(at::equal(transposed, before));
+}
+
 TEST(SequenceParallelMappings, ASequenceThatDoesNotSplitIsRefusedNamingLengthsThatDo) {
   auto g = world();
   const int n = g->size();
