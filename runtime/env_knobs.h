@@ -26,6 +26,10 @@ inline constexpr const char* kFaultSavePauseMs = "REMAT_FAULT_SAVE_PAUSE_MS";
 // remat-estimate: a whole number > 0. Unset: MemAvailable, capped by the
 // cgroup's memory.max less its memory.current, over the host's ranks.
 inline constexpr const char* kMemoryPerRankBytes = "REMAT_MEMORY_PER_RANK_BYTES";
+// Intra-op threads per process (LibTorch's and OpenMP's own variable). Unset
+// with several ranks on one machine: remat shares the cores out among them
+// (cores / local ranks, at least 1); remat-run sets it the same way.
+inline constexpr const char* kOmpNumThreads = "OMP_NUM_THREADS";
 // 0: build-time CUDA detection is skipped (read by Bazel's configure step).
 inline constexpr const char* kCuda = "REMAT_CUDA";
 

@@ -1,9 +1,14 @@
 #include "runtime/runtime.h"
 
+#include <ATen/Parallel.h>
+
 #include <cstdio>
+#include <algorithm>
 #include <memory>
+#include <thread>
 
 #include "runtime/error.h"
+#include "runtime/env_knobs.h"
 #include "runtime/local_communicator.h"
 #include "runtime/logging.h"
 
@@ -50,6 +55,7 @@ Runtime::Runtime() {
                           " of ", mpi_size, ": launch several processes with mpirun -np N"));
   }
   set_log_rank(env_.rank, env_.world_size);
+  share_cores();
 #if defined(REMAT_WITH_NCCL)
   int devices = 0;
   if (cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0) {
@@ -59,6 +65,23 @@ Runtime::Runtime() {
     cudaGetLastError();
   }
 #endif
+}
+
+// LibTorch gives every process one intra-op thread per core, so N ranks on
+// one machine run N x cores threads that spin against each other in each
+// parallel kernel (on 2 cores with 4 ranks and LibTorch 2.6, a ZeRO test ran
+// 20x slower). Unless the user set OMP_NUM_THREADS (launch/remat-run.sh sets
+// it), the cores are shared out: cores / local ranks, at least 1.
+void Runtime::share_cores() {
+  if (env_.local_world_size <= 1 || knobs::get(knobs::kOmpNumThreads)) return;
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  if (cores <= 0) return;
+  const int threads = std::max(1, cores / env_.local_world_size);
+  if (at::get_num_threads() <= threads) return;
+  log().info("{} ranks share this machine's {} cores: {} intra-op thread(s) per rank "
+             "(set OMP_NUM_THREADS to choose)",
+             env_.local_world_size, cores, threads);
+  at::set_num_threads(threads);
 }
 
 std::shared_ptr<Communicator> Runtime::world(Backend backend) {

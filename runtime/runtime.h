@@ -41,6 +41,7 @@ class Runtime {
 
  private:
   Runtime();
+  void share_cores();
   ProcessEnv env_;
 };
 

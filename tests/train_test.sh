@@ -458,6 +458,16 @@ for flag in --seed --steps; do
     "$run" -np 2 -- "${per_rank[@]}" "$flag" "$train" --config "$configs_dir/default.json" "${small[@]}" \
     --set train.steps=2
 done
+# The launcher shares the cores out among the ranks' intra-op thread pools
+# unless the user chose a number (each rank prints what it was given).
+threads_of() { env -u OMP_NUM_THREADS "$@" "$run" -np 4 -- sh -c 'echo "threads=${OMP_NUM_THREADS:-unset}"' 2>/dev/null | sort | uniq -c | tr -s ' '; }
+want=$(( $(nproc) / 4 )); want=$(( want < 1 ? 1 : want ))
+got=$(threads_of)
+if [[ "$got" == " 4 threads=$want" ]]; then pass "launcher gives each of 4 ranks $want intra-op thread(s) on $(nproc) cores"
+else fail "launcher gives each of 4 ranks $want intra-op thread(s) on $(nproc) cores" "$got"; fi
+got=$(threads_of OMP_NUM_THREADS=3)
+if [[ "$got" == " 4 threads=3" ]]; then pass "launcher keeps the user's OMP_NUM_THREADS"
+else fail "launcher keeps the user's OMP_NUM_THREADS" "$got"; fi
 expect "launcher without a program" "no program to run" "$run" -np 2
 expect "launcher without -np" "say how many ranks" "$run" -- "$train"
 expect "launcher without mpirun" "install Open MPI (Debian/Ubuntu: apt-get install openmpi-bin)" \
