@@ -30,6 +30,7 @@
 #include "runtime/agreement.h"
 #include "runtime/communicator.h"
 #include "runtime/context.h"
+#include "runtime/env_knobs.h"
 #include "runtime/error.h"
 #include "runtime/layout.h"
 #include "runtime/logging.h"
@@ -301,7 +302,10 @@ nlohmann::json StepMetrics::to_json() const {
                       {"grad_bytes", grad_bytes},
                       {"grad_peak_bytes", grad_peak_bytes},
                       {"optimizer_state_bytes", optimizer_state_bytes},
-                      {"peak_gathered_param_bytes", peak_gathered_param_bytes}};
+                      {"peak_gathered_param_bytes", peak_gathered_param_bytes},
+                      {"reduce_wait_ms", reduce_wait_ms},
+                      {"buckets_reduced", buckets_reduced},
+                      {"buckets_done_in_backward", buckets_done_in_backward}};
   if (grad_norm >= 0) m["grad_norm"] = grad_norm;
   if (skipped) m["skipped"] = true;
   for (const auto& [key, value] : plan.items()) m[key] = value;
@@ -415,8 +419,10 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineO
   // Sharding over the data-parallel group; the optimizer steps what the
   // sharding hands it.
   std::vector<std::shared_ptr<torch::nn::Module>> units(block_list->begin(), block_list->end());
-  s.zero = std::make_unique<parallel::ZeroModel>(model, units, s.layout->dp_group(), config_.zero_optimization,
-                                                 config_.bf16, sharded);
+  parallel::ZeroOptions zero_options = config_.zero_optimization;
+  zero_options.progress_in_hooks = knobs::reduce_progress_in_hooks();
+  s.zero = std::make_unique<parallel::ZeroModel>(model, units, s.layout->dp_group(), zero_options, config_.bf16,
+                                                 sharded);
   s.optimizer = s.options.optimizer ? s.options.optimizer(s.zero->parameters())
                                     : make_optimizer(config_.optimizer, s.zero->parameters());
   REMAT_CHECK(s.optimizer != nullptr, "remat::initialize: EngineOptions::optimizer returned no optimizer");
@@ -509,6 +515,7 @@ at::Tensor Engine::forward(const std::function<at::Tensor()>& fn, const std::vec
         }
         at::Tensor loss = s.zero->finish_forward(fn());
         offload.reset();
+        s.zero->begin_backward(/*synchronize=*/true);
         loss.backward();
         s.zero->finish_backward(/*synchronize=*/true);
       };
@@ -603,6 +610,7 @@ void Engine::backward(const at::Tensor& loss) {
   const auto t1 = Clock::now();
   try {
     TraceSpan span("phase", "backward");
+    s.zero->begin_backward(/*synchronize=*/boundary);
     scaled.backward();
     s.zero->finish_backward(/*synchronize=*/boundary);
     if (s.trace) s.classify_gradients(*model_);
@@ -717,6 +725,9 @@ bool Engine::step() {
   m.grad_peak_bytes = counters.zero.peak_grad_bytes;
   m.optimizer_state_bytes = optimizer_state_bytes(*s.optimizer);
   m.peak_gathered_param_bytes = counters.zero.peak_gathered_bytes;
+  m.reduce_wait_ms = counters.zero.reduce_wait_ms;
+  m.buckets_reduced = counters.zero.buckets_reduced;
+  m.buckets_done_in_backward = counters.zero.buckets_done_in_backward;
   if (const auto& plan = s.planner->plan()) {
     m.plan = {{"act_plan", plan->summary()},
               {"act_plan_budget_bytes", plan->budget_bytes},

@@ -102,6 +102,12 @@ struct StepMetrics {
   // their forward bytes; with activation_checkpointing.save_collectives it does not.
   int64_t tp_comm_bytes = 0;
   int64_t optimizer_state_bytes = 0, peak_gathered_param_bytes = 0;
+  // Data-parallel gradient reduction (stages 0-2): the milliseconds spent
+  // blocked on it, in the backward or after it (with overlap_comm, the
+  // communication the backward did not hide), the gradient buckets reduced,
+  // and how many of them were seen complete before the backward ended.
+  double reduce_wait_ms = 0;
+  int64_t buckets_reduced = 0, buckets_done_in_backward = 0;
   // variant auto: the plan in force (empty otherwise).
   nlohmann::json plan = nlohmann::json::object();
   nlohmann::json to_json() const;

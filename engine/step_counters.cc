@@ -36,6 +36,9 @@ Counters Counters::since(const Counters& before) const {
   d.zero.allgather_bytes -= before.zero.allgather_bytes;
   d.zero.reducescatter_bytes -= before.zero.reducescatter_bytes;
   d.zero.allreduce_bytes -= before.zero.allreduce_bytes;
+  d.zero.reduce_wait_ms -= before.zero.reduce_wait_ms;
+  d.zero.buckets_reduced -= before.zero.buckets_reduced;
+  d.zero.buckets_done_in_backward -= before.zero.buckets_done_in_backward;
   return d;
 }
 

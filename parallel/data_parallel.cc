@@ -1,12 +1,19 @@
-// ZeRO stage 0: every rank holds every parameter, gradients are averaged.
+// ZeRO stage 0: every rank holds every parameter, gradients are averaged
+// (and the helpers the other stages share).
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
 #include <algorithm>
+#include <chrono>
 #include <unordered_set>
 
 #include "parallel/sharding_strategy.h"
 #include "runtime/communicator.h"
+#include "runtime/error.h"
+#include "runtime/logging.h"
 #include "runtime/memory_trace.h"
 
 namespace remat::parallel {
@@ -53,6 +60,12 @@ void all_reduce_gradients(const std::vector<at::Tensor>& all_params, Communicato
   }
 }
 
+void timed_wait(Work& work, double& ms) {
+  const auto start = std::chrono::steady_clock::now();
+  work.wait();
+  ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+}
+
 std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> split_by(
     const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& subset) {
   std::unordered_set<const void*> in;
@@ -81,12 +94,98 @@ ShardLayout flat_layout(const std::vector<at::Tensor>& params, const std::vector
   return out;
 }
 
+struct GradientHooks::Target {
+  Arrived arrived;  // empty once the hooks' owner is gone
+};
+
 namespace {
+
+class GradientArrived final : public torch::autograd::FunctionPostHook {
+ public:
+  GradientArrived(std::shared_ptr<GradientHooks::Target> target, size_t bucket, size_t index)
+      : target_(std::move(target)), bucket_(bucket), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    if (target_->arrived) target_->arrived(bucket_, index_);
+    return outputs;
+  }
+
+ private:
+  std::shared_ptr<GradientHooks::Target> target_;
+  size_t bucket_, index_;
+};
+
+}  // namespace
+
+GradientHooks::GradientHooks(Arrived arrived) : target_(std::make_shared<Target>()) {
+  target_->arrived = std::move(arrived);
+}
+
+GradientHooks::~GradientHooks() { target_->arrived = nullptr; }
+
+void GradientHooks::add(const at::Tensor& param, size_t bucket, size_t index) {
+  auto accumulator = torch::autograd::impl::grad_accumulator(param);
+  accumulator->add_post_hook(std::make_unique<GradientArrived>(target_, bucket, index));
+  accumulators_.push_back(std::move(accumulator));
+}
+
+namespace {
+
+// Parameters whose gradients are averaged by one all-reduce.
+struct DpBucket {
+  std::vector<at::Tensor> params;
+  std::vector<char> arrived;  // gradient of params[k] accumulated in this backward
+  size_t arrivals = 0;
+  int64_t numel = 0;
+  at::Tensor flat;  // the reduction's buffer while it is in flight
+  std::shared_ptr<Work> pending;
+  bool launched = false;      // since the last finish_backward
+  bool done_in_backward = false;  // its reduction was seen complete before the backward ended
+};
 
 class DataParallel final : public ShardingStrategy {
  public:
-  DataParallel(torch::nn::Module& model, std::shared_ptr<Communicator> dp, int64_t bucket)
-      : model_(model), dp_(std::move(dp)), params_(model.parameters()), bucket_(bucket) {}
+  DataParallel(torch::nn::Module& model, std::shared_ptr<Communicator> dp, const DataParallelSettings& settings)
+      : model_(model), dp_(std::move(dp)), params_(model.parameters()), settings_(settings),
+        names_(parameter_names(model)), hooks_([this](size_t b, size_t k) { on_gradient(b, k); }) {
+    // Buckets in reverse registration order, the order a backward produces
+    // gradients in (the head first, the embeddings last). A frozen parameter
+    // (requires_grad false) is in none: it never gets a gradient, since one of
+    // zeros would let weight decay or momentum move it.
+    std::vector<at::Tensor> trainable;
+    for (auto it = params_.rbegin(); it != params_.rend(); ++it) {
+      if (it->requires_grad()) trainable.push_back(*it);
+    }
+    for (const auto& p : trainable) {
+      if (buckets_.empty() || buckets_.back().numel + p.numel() > settings_.reduce_bucket_size) {
+        buckets_.emplace_back();
+      }
+      DpBucket& b = buckets_.back();
+      b.params.push_back(p);
+      b.numel += p.numel();
+    }
+    for (size_t i = 0; i < buckets_.size(); ++i) {
+      buckets_[i].arrived.assign(buckets_[i].params.size(), 0);
+      if (settings_.overlap_comm) {
+        for (size_t k = 0; k < buckets_[i].params.size(); ++k) hooks_.add(buckets_[i].params[k], i, k);
+      }
+    }
+    if (dp_->size() > 1) {
+      log_rank0().info("zero stage 0: {} gradient buckets (reduce_bucket_size {}) all-reduced over {} "
+                       "data-parallel ranks{}",
+                       buckets_.size(), settings_.reduce_bucket_size, dp_->size(),
+                       settings_.overlap_comm ? " while the backward runs (overlap_comm)" : " after the backward");
+    }
+  }
+
+  ~DataParallel() override {
+    for (auto& b : buckets_) {
+      try {
+        if (b.pending) b.pending->wait();
+      } catch (...) {
+      }
+    }
+  }
 
   std::vector<at::Tensor> parameters() const override { return params_; }
 
@@ -97,14 +196,74 @@ class DataParallel final : public ShardingStrategy {
   }
 
   std::vector<ShardLayout> layout() const override {
-    const auto names = parameter_names(model_);
     std::vector<ShardLayout> out;
-    for (const auto& p : params_) out.push_back(flat_layout({p}, {0}, names, 0, p.numel()));
+    for (const auto& p : params_) out.push_back(flat_layout({p}, {0}, names_, 0, p.numel()));
     return out;
   }
 
+  void begin_backward(bool synchronize) override {
+    overlapping_ = settings_.overlap_comm && synchronize && dp_->size() > 1;
+  }
+
   void finish_backward(bool synchronize) override {
-    if (synchronize) all_reduce_gradients(params_, *dp_, bucket_, allreduce_bytes_);
+    if (!synchronize) {
+      if (next_launch_ > 0) {
+        throw Error("zero stage 0: this backward was announced as the last micro-step (begin_backward(true)) "
+                    "and started reducing gradients, but finish_backward(false) says it is not: pass the same "
+                    "synchronize flag to both");
+      }
+      reset();
+      return;
+    }
+    // Buckets the backward left (all, without overlap): a parameter that got
+    // no gradient on this rank takes part with zeros, so every rank reduces
+    // the same buffers in the same order.
+    if (overlapping_) progress();
+    std::vector<std::string> unused;
+    while (next_launch_ < buckets_.size()) {
+      DpBucket& b = buckets_[next_launch_];
+      if (overlapping_) {
+        for (size_t k = 0; k < b.params.size(); ++k) {
+          if (!b.arrived[k]) unused.push_back(names_.at(b.params[k].unsafeGetTensorImpl()));
+        }
+      }
+      launch(next_launch_++);
+    }
+    if (!unused.empty() && !unused_reported_) {
+      unused_reported_ = true;
+      log().info("zero stage 0: {} parameter(s) got no gradient in this backward ({}{}): their buckets, and "
+                 "the ones after them, were reduced after the backward instead of during it (the result is "
+                 "the same)",
+                 unused.size(), unused.front(), unused.size() > 1 ? str(", ", unused[1], unused.size() > 2 ? ", ..." : "") : "");
+    }
+    torch::NoGradGuard no_grad;
+    for (auto& b : buckets_) {
+      if (b.pending) {
+        timed_wait(*b.pending, wait_ms_);
+        b.pending = nullptr;
+      }
+      int64_t offset = 0;
+      for (auto& p : b.params) {
+        p.mutable_grad().copy_(b.flat.narrow(0, offset, p.numel()).view_as(p));
+        offset += p.numel();
+      }
+      ++buckets_reduced_;
+      if (b.done_in_backward) ++buckets_done_in_backward_;
+      b.flat = at::Tensor();
+    }
+    reset();
+  }
+
+  void abandon_backward() override {
+    for (auto& b : buckets_) {
+      try {
+        if (b.pending) b.pending->wait();
+      } catch (...) {
+      }
+      b.pending = nullptr;
+      b.flat = at::Tensor();
+    }
+    reset();
   }
 
   std::vector<GradGroup> grad_groups(const std::vector<at::Tensor>& sharded_tp,
@@ -121,23 +280,101 @@ class DataParallel final : public ShardingStrategy {
     }
     s.allreduce_bytes = allreduce_bytes_;
     s.peak_grad_bytes = s.grad_bytes;
+    s.buckets_reduced = buckets_reduced_;
+    s.buckets_done_in_backward = buckets_done_in_backward_;
+    s.reduce_wait_ms = wait_ms_;
     return s;
   }
 
  private:
+  // A gradient was accumulated (overlap_comm only): launch every bucket
+  // that is complete, in order, and let the reductions in flight progress.
+  void on_gradient(size_t bi, size_t k) {
+    if (!overlapping_) return;
+    DpBucket& b = buckets_[bi];
+    if (b.launched) {
+      throw Error(str("zero stage 0 with overlap_comm: a gradient of '", names_.at(b.params[k].unsafeGetTensorImpl()),
+                      "' arrived after its bucket's all-reduce started (a parameter used by two separate "
+                      "backward passes in one micro-step); call backward once per micro-step, or set "
+                      "zero_optimization.overlap_comm false"));
+    }
+    if (!b.arrived[k]) {
+      b.arrived[k] = 1;
+      ++b.arrivals;
+    }
+    progress();
+    while (next_launch_ < buckets_.size() && buckets_[next_launch_].arrivals == buckets_[next_launch_].params.size()) {
+      launch(next_launch_++);
+    }
+  }
+
+  // MPI's non-blocking collectives advance only inside MPI calls: a test of
+  // each reduction in flight at every gradient lets them run during the
+  // backward (docs/parallel.md, "Overlapped gradient reduction").
+  void progress() {
+    if (!settings_.progress_in_hooks) return;
+    for (size_t i = first_in_flight_; i < next_launch_; ++i) {
+      DpBucket& b = buckets_[i];
+      if (b.pending && !b.done_in_backward) {
+        if (!b.pending->isCompleted()) break;
+        b.done_in_backward = true;
+        first_in_flight_ = i + 1;
+      }
+    }
+  }
+
+  void launch(size_t bi) {
+    DpBucket& b = buckets_[bi];
+    torch::NoGradGuard no_grad;
+    for (auto& p : b.params) {
+      if (!p.grad().defined()) {
+        MemoryCategoryScope gradients(MemoryCategory::kGradients);
+        p.mutable_grad() = at::zeros_like(p);
+      }
+    }
+    MemoryCategoryScope buffers(MemoryCategory::kCommunication);
+    std::vector<at::Tensor> pieces;
+    for (auto& p : b.params) pieces.push_back(p.grad().reshape({-1}));
+    b.flat = at::cat(pieces);
+    b.launched = true;
+    if (dp_->size() > 1) {
+      b.pending = dp_->allReduce(b.flat, {ReduceOp::kAvg});
+      allreduce_bytes_ += 2 * static_cast<int64_t>(b.flat.nbytes());
+    }
+  }
+
+  void reset() {
+    for (auto& b : buckets_) {
+      std::fill(b.arrived.begin(), b.arrived.end(), 0);
+      b.arrivals = 0;
+      b.launched = false;
+      b.done_in_backward = false;
+    }
+    next_launch_ = first_in_flight_ = 0;
+    overlapping_ = false;
+  }
+
   torch::nn::Module& model_;
   std::shared_ptr<Communicator> dp_;
   std::vector<at::Tensor> params_;
-  int64_t bucket_;
-  int64_t allreduce_bytes_ = 0;
+  DataParallelSettings settings_;
+  std::map<const void*, std::string> names_;
+  std::vector<DpBucket> buckets_;  // in the order their gradients are expected
+  GradientHooks hooks_;
+  bool overlapping_ = false;       // this backward reduces as it goes
+  bool unused_reported_ = false;
+  size_t next_launch_ = 0;         // buckets launch in order, the same on every rank
+  size_t first_in_flight_ = 0;     // buckets before it were seen complete in the backward
+  int64_t allreduce_bytes_ = 0, buckets_reduced_ = 0, buckets_done_in_backward_ = 0;
+  double wait_ms_ = 0;
 };
 
 }  // namespace
 
 std::unique_ptr<ShardingStrategy> make_data_parallel(torch::nn::Module& model,
                                                      std::shared_ptr<Communicator> dp,
-                                                     int64_t reduce_bucket_size) {
-  return std::make_unique<DataParallel>(model, std::move(dp), reduce_bucket_size);
+                                                     const DataParallelSettings& settings) {
+  return std::make_unique<DataParallel>(model, std::move(dp), settings);
 }
 
 }  // namespace remat::parallel

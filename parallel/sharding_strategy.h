@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -18,6 +19,13 @@
 namespace torch::nn {
 class Module;
 }
+namespace torch::autograd {
+struct Node;
+}
+
+namespace remat {
+class Work;
+}  // namespace remat
 
 namespace remat::parallel {
 
@@ -43,6 +51,10 @@ class ShardingStrategy {
 
   virtual void begin_forward() {}
   virtual at::Tensor finish_forward(const at::Tensor& loss) { return loss; }
+  // Before a backward: whether the finish_backward after it synchronizes
+  // (the last micro-step of an accumulation window). Stages 0 and 1 with
+  // overlap_comm reduce during that backward only.
+  virtual void begin_backward(bool /*synchronize*/) {}
   virtual void finish_backward(bool synchronize) = 0;
   virtual void end_evaluation() {}
   // After a backward that failed half-way: waits for what is in flight and
@@ -63,10 +75,36 @@ class ShardingStrategy {
   virtual std::map<std::string, int64_t> unit_padded_numels() const { return {}; }
 };
 
-// Stage 0: gradients all-reduced (averaged) in buckets at the last micro-step.
+// Calls `arrived(bucket, index)` each time a backward has accumulated the
+// gradient of a parameter added with that bucket and index (a post hook on
+// the parameter's gradient accumulator). Once it is destroyed the hooks do
+// nothing, so a graph that outlives the strategy is harmless.
+class GradientHooks {
+ public:
+  using Arrived = std::function<void(size_t bucket, size_t index)>;
+  explicit GradientHooks(Arrived arrived);
+  ~GradientHooks();
+  GradientHooks(const GradientHooks&) = delete;
+  GradientHooks& operator=(const GradientHooks&) = delete;
+  void add(const at::Tensor& param, size_t bucket, size_t index);
+  struct Target;  // what the hooks call (data_parallel.cc)
+
+ private:
+  std::shared_ptr<Target> target_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+};
+
+// Stage 0: gradients all-reduced (averaged) in buckets of reduce_bucket_size
+// elements at the last micro-step; with overlap_comm each bucket starts as
+// soon as its gradients are accumulated, during that micro-step's backward.
+struct DataParallelSettings {
+  int64_t reduce_bucket_size = 1;  // elements
+  bool overlap_comm = false;
+  bool progress_in_hooks = true;   // ZeroOptions::progress_in_hooks
+};
 std::unique_ptr<ShardingStrategy> make_data_parallel(torch::nn::Module& model,
                                                      std::shared_ptr<Communicator> dp,
-                                                     int64_t reduce_bucket_size);
+                                                     const DataParallelSettings& settings);
 
 // Stages 1 and 2: see zero.h.
 struct Stage12Settings {
@@ -77,6 +115,7 @@ struct Stage12Settings {
   bool allgather_partitions = true;
   bool overlap_comm = false;
   bool contiguous_gradients = true;
+  bool progress_in_hooks = true;  // ZeroOptions::progress_in_hooks
 };
 std::unique_ptr<ShardingStrategy> make_stage12(torch::nn::Module& model, const DpGroups& groups,
                                                const std::vector<at::Tensor>& sharded_tp,
@@ -109,6 +148,9 @@ std::map<const void*, std::string> parameter_names(const torch::nn::Module& mode
 ShardLayout flat_layout(const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets,
                         const std::map<const void*, std::string>& names, int64_t begin,
                         int64_t length);
+
+// Waits for `work`, adding the milliseconds it blocked to `ms`.
+void timed_wait(Work& work, double& ms);
 
 // Tensors of `params` that are in `subset` (by identity), in order; and the rest.
 std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> split_by(

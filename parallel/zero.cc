@@ -67,7 +67,7 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
   const int64_t bucket = std::max<int64_t>(config.reduce_bucket_size, 1);
   switch (config.stage) {
     case 0:
-      strategy_ = make_data_parallel(model, dp_group, bucket);
+      strategy_ = make_data_parallel(model, dp_group, {bucket, config.overlap_comm, config.progress_in_hooks});
       break;
     case 1:
     case 2: {
@@ -79,6 +79,7 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
       s.allgather_partitions = config.allgather_partitions;
       s.overlap_comm = config.overlap_comm;
       s.contiguous_gradients = config.contiguous_gradients;
+      s.progress_in_hooks = config.progress_in_hooks;
       strategy_ = make_stage12(model, groups, sharded_tp_, s);
       break;
     }
@@ -110,6 +111,8 @@ std::vector<std::pair<std::string, at::Tensor>> ZeroModel::full_parameters() {
 
 void ZeroModel::begin_forward() { strategy_->begin_forward(); }
 at::Tensor ZeroModel::finish_forward(const at::Tensor& loss) { return strategy_->finish_forward(loss); }
+void ZeroModel::begin_backward(bool synchronize) { strategy_->begin_backward(synchronize); }
+
 void ZeroModel::finish_backward(bool synchronize) { strategy_->finish_backward(synchronize); }
 void ZeroModel::end_evaluation() { strategy_->end_evaluation(); }
 

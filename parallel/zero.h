@@ -48,8 +48,11 @@
 // (gradients all-reduced). Units are called through remat::forward, whose
 // sharding hook gathers them (nn/module_call.h).
 //
-// Stage 0: every rank holds every parameter; finish_backward all-reduces the
-// gradients (averaged) in buckets of reduce_bucket_size elements.
+// Stage 0: every rank holds every parameter; the gradients are all-reduced
+// (averaged) in buckets of reduce_bucket_size elements, in reverse
+// registration order: in finish_backward, or with overlap_comm each bucket as
+// soon as the backward accumulated its last gradient (begin_backward(true)
+// announces the last micro-step).
 //
 // Every stage: the model's parameters and buffers start as data-parallel
 // rank 0's (broadcast at construction, whatever each rank initialised).
@@ -67,6 +70,7 @@
 //   auto optimizer = make_optimizer(cfg.optimizer, zero.parameters());
 //   zero.begin_forward();
 //   at::Tensor loss = zero.finish_forward(model->loss(x, y));
+//   zero.begin_backward(/*synchronize=*/true);
 //   loss.backward();
 //   zero.finish_backward();
 //   optimizer->step();
@@ -108,6 +112,12 @@ struct ZeroStats {
   // bucket buffers, reductions in flight and the shards'), since reset_peak();
   // the other stages: grad_bytes.
   int64_t peak_grad_bytes = 0;
+  // Totals: milliseconds spent blocked on gradient reductions (stages 0-2:
+  // the communication the backward did not hide, whether waited for in the
+  // backward's gradient hooks or after it); gradient buckets reduced, and of
+  // those, the ones seen complete before the backward ended (overlap_comm).
+  double reduce_wait_ms = 0;
+  int64_t buckets_reduced = 0, buckets_done_in_backward = 0;
   int64_t collective_bytes() const { return allgather_bytes + reducescatter_bytes + allreduce_bytes; }
 };
 
@@ -157,6 +167,10 @@ class ZeroModel {
   void begin_forward();
   // Frees the root unit; its backward (from the returned loss) gathers it again.
   at::Tensor finish_forward(const at::Tensor& loss);
+  // Before backward: whether the finish_backward after it synchronizes. With
+  // overlap_comm, stages 0 and 1 reduce during a backward announced with true
+  // (without the call they reduce in finish_backward).
+  void begin_backward(bool synchronize);
   // After backward: reduces what is left (root unit; and with `synchronize`,
   // the last micro-step of a gradient-accumulation step: persistent
   // parameters, stage 0: everything) and checks that every unit that ran was

@@ -28,10 +28,19 @@ struct ZeroOptions {
   int64_t stage3_prefetch_bucket_size = 50000000;
   // Stage 3: parameters with fewer elements stay whole on every rank.
   int64_t stage3_param_persistence_threshold = 100000;
-  // Stage 2: a gradient bucket's reduce-scatter runs while the backward goes on
-  // (waited for at finish_backward); false waits for each at once. Stage 3
+  // Stages 0, 1 and 2: each gradient bucket's reduction (stage 0 an
+  // all-reduce, 1 and 2 a reduce-scatter) starts as soon as the backward has
+  // accumulated all its gradients, in the same bucket order on every rank,
+  // and runs while the backward goes on (waited for at finish_backward);
+  // stages 0 and 1 do so in the last micro-step of an accumulation window
+  // only. false: the buckets are reduced after the backward. Stage 3
   // overlaps by prefetching whatever this says.
   bool overlap_comm = false;
+  // With overlap_comm: every gradient hook tests the reductions in flight,
+  // which is what lets MPI's non-blocking collectives progress during the
+  // backward (false: only for measuring how much that does; remat-train reads
+  // it from REMAT_REDUCE_PROGRESS=off).
+  bool progress_in_hooks = true;
   // Stages 1 and 2: each gradient is moved into its bucket's flat buffer as
   // soon as it is computed (and the parameter's own freed); false keeps
   // gradients on the parameters until their bucket is reduced.

@@ -34,14 +34,7 @@ struct Bucket {
   at::Tensor input, output;  // of the reduction in flight
   std::shared_ptr<Work> pending;
   bool launched = false;  // reduced (or in flight) since the last finish_backward
-};
-
-class Stage12;
-
-// Where a gradient hook finds its strategy; cleared when the strategy goes,
-// so that a graph outliving it does nothing.
-struct HookTarget {
-  Stage12* owner = nullptr;
+  bool done_in_backward = false;  // its reduction was seen complete before the backward ended
 };
 
 class Stage12 final : public ShardingStrategy {
@@ -56,6 +49,7 @@ class Stage12 final : public ShardingStrategy {
   std::vector<ShardLayout> layout() const override;
   std::map<std::string, at::Tensor> full_parameters() override;
   void begin_forward() override { sync_parameters(); }
+  void begin_backward(bool synchronize) override;
   void abandon_backward() override;
   at::Tensor finish_forward(const at::Tensor& loss) override;
   void finish_backward(bool synchronize) override;
@@ -64,10 +58,10 @@ class Stage12 final : public ShardingStrategy {
   ZeroStats stats() const override;
   void reset_peak() override { peak_grad_bytes_ = grad_bytes_now(); }
 
+ private:
   // A parameter's gradient was accumulated (AccumulateGrad's post hook).
   void on_gradient(size_t bucket, size_t index);
-
- private:
+  void progress();
   bool stale() const;
   void sync_parameters();
   void launch(size_t b);
@@ -82,8 +76,12 @@ class Stage12 final : public ShardingStrategy {
   std::vector<Bucket> buckets_;  // in the order their gradients are expected
   size_t next_launch_ = 0;       // buckets reduce in order, the same on every rank
   std::deque<size_t> in_flight_;  // launched, not yet completed (overlap_comm)
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
-  std::shared_ptr<HookTarget> target_;
+  // Stage 2 with overlap_comm reduces during every backward; stage 1 during
+  // the one announced as the last micro-step (begin_backward(true)).
+  bool overlapping_ = false;
+  bool overlap_by_default() const { return settings_.overlap_comm && settings_.stage == 2; }
+  int64_t buckets_reduced_ = 0, buckets_done_in_backward_ = 0;
+  double wait_ms_ = 0;
   // Frozen parameters (requires_grad false): whole on every rank, in no
   // bucket, never given a gradient (what the optimizer skips).
   std::vector<at::Tensor> frozen_;
@@ -93,28 +91,14 @@ class Stage12 final : public ShardingStrategy {
   // version counter alone cannot tell that a step happened.
   bool stepped_ = false;
   int64_t peak_grad_bytes_ = 0;
+  GradientHooks hooks_;  // last: its hooks stop before the buckets go
   int64_t allgather_bytes_ = 0, reducescatter_bytes_ = 0, allreduce_bytes_ = 0;
-};
-
-class GradientArrived final : public torch::autograd::FunctionPostHook {
- public:
-  GradientArrived(std::shared_ptr<HookTarget> target, size_t bucket, size_t index)
-      : target_(std::move(target)), bucket_(bucket), index_(index) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    if (target_->owner != nullptr) target_->owner->on_gradient(bucket_, index_);
-    return outputs;
-  }
-
- private:
-  std::shared_ptr<HookTarget> target_;
-  size_t bucket_, index_;
 };
 
 Stage12::Stage12(torch::nn::Module& model, const DpGroups& groups,
                  const std::vector<at::Tensor>& sharded_tp, const Stage12Settings& settings)
     : model_(model), groups_(groups), settings_(settings), names_(parameter_names(model)),
-      target_(std::make_shared<HookTarget>()) {
+      hooks_([this](size_t b, size_t k) { on_gradient(b, k); }) {
   const int n = groups_.shard->size(), r = groups_.shard->rank();
   std::unordered_set<const void*> tp_sharded;
   for (const auto& p : sharded_tp) tp_sharded.insert(p.unsafeGetTensorImpl());
@@ -159,25 +143,20 @@ Stage12::Stage12(torch::nn::Module& model, const DpGroups& groups,
     b.shard = b.flat.narrow(0, r * b.chunk, b.chunk).detach().requires_grad_(true);
     b.shard_version = b.shard._version();
     total += b.numel;
-    for (size_t k = 0; k < b.params.size(); ++k) {
-      auto accumulator = torch::autograd::impl::grad_accumulator(b.params[k]);
-      accumulator->add_post_hook(std::make_unique<GradientArrived>(target_, i, k));
-      accumulators_.push_back(std::move(accumulator));
-    }
+    for (size_t k = 0; k < b.params.size(); ++k) hooks_.add(b.params[k], i, k);
   }
-  target_->owner = this;
+  overlapping_ = overlap_by_default();
   int64_t frozen = 0;
   for (const auto& p : frozen_) frozen += p.numel();
   log_rank0().info("zero stage {}: {} parameter elements in {} gradient buckets (reduce_bucket_size {}), "
                    "optimizer state{} sharded over {} data-parallel ranks{}{}",
                    settings_.stage, total, buckets_.size(), settings_.reduce_bucket_size,
                    settings_.stage == 2 ? " and gradients" : "", n,
-                   settings_.stage == 2 && settings_.overlap_comm ? "; reductions overlap the backward" : "",
+                   settings_.overlap_comm ? "; reductions overlap the backward" : "",
                    frozen > 0 ? str("; ", frozen, " frozen elements kept whole") : std::string());
 }
 
 Stage12::~Stage12() {
-  target_->owner = nullptr;
   for (auto& b : buckets_) {
     try {
       if (b.pending) b.pending->wait();
@@ -297,9 +276,27 @@ void Stage12::on_gradient(size_t bi, size_t k) {
     b.arrived[k] = 1;
     ++b.arrivals;
   }
-  if (settings_.stage == 2) {
+  if (settings_.stage == 2 || overlapping_) {
     while (next_launch_ < buckets_.size() && buckets_[next_launch_].arrivals == buckets_[next_launch_].params.size()) {
       launch(next_launch_++);
+    }
+  }
+  if (overlapping_) progress();
+}
+
+void Stage12::begin_backward(bool synchronize) {
+  overlapping_ = settings_.overlap_comm && (settings_.stage == 2 || synchronize);
+}
+
+// MPI's non-blocking collectives advance only inside MPI calls: testing the
+// reductions in flight at every gradient lets them run during the backward.
+void Stage12::progress() {
+  if (!settings_.progress_in_hooks) return;
+  for (size_t bi : in_flight_) {
+    Bucket& b = buckets_[bi];
+    if (b.pending && !b.done_in_backward) {
+      if (!b.pending->isCompleted()) break;
+      b.done_in_backward = true;
     }
   }
 }
@@ -335,11 +332,11 @@ void Stage12::launch(size_t bi) {
     allreduce_bytes_ += 2 * static_cast<int64_t>(flat.nbytes());
   }
   track_grad_bytes();
-  // Stage 1 reduces after the backward: nothing to overlap with, and each
-  // bucket's full gradients go as soon as its reduction is done. Stage 2 with
-  // overlap_comm keeps at most two reductions in flight, so that the buckets'
-  // full gradients do not all wait for the end of the backward.
-  if (!settings_.overlap_comm || settings_.stage == 1) {
+  // Without overlap (or stage 1 reducing after the backward) each bucket's
+  // full gradients go as soon as its reduction is done. Overlapping keeps at
+  // most two reductions in flight, so that the buckets' full gradients do
+  // not all wait for the end of the backward.
+  if (!overlapping_) {
     complete(bi);
     return;
   }
@@ -355,15 +352,18 @@ void Stage12::complete(size_t bi) {
   Bucket& b = buckets_[bi];
   if (!b.input.defined()) return;
   if (b.pending) {
-    b.pending->wait();
+    timed_wait(*b.pending, wait_ms_);
     b.pending = nullptr;
   }
+  ++buckets_reduced_;
+  if (b.done_in_backward) ++buckets_done_in_backward_;
+  b.done_in_backward = false;
   torch::NoGradGuard no_grad;
   MemoryCategoryScope gradients(MemoryCategory::kGradients);
   at::Tensor g = b.output;  // this rank's [chunk] of the averaged bucket
   if (groups_.replicate && groups_.replicate->size() > 1) {
     g = g.contiguous();
-    groups_.replicate->allReduce(g, {ReduceOp::kAvg})->wait();
+    timed_wait(*groups_.replicate->allReduce(g, {ReduceOp::kAvg}), wait_ms_);
     allreduce_bytes_ += 2 * static_cast<int64_t>(g.nbytes());
   }
   if (b.shard.grad().defined()) {
@@ -378,7 +378,13 @@ void Stage12::complete(size_t bi) {
 void Stage12::finish_backward(bool synchronize) {
   // Stage 2 reduces every micro-step (the shards' gradients accumulate),
   // stage 1 only at the last one (the full gradients accumulate).
+  if (settings_.stage == 1 && !synchronize && next_launch_ > 0) {
+    throw Error("zero stage 1: this backward was announced as the last micro-step (begin_backward(true)) and "
+                "started reducing gradients, but finish_backward(false) says it is not: pass the same "
+                "synchronize flag to both");
+  }
   if (settings_.stage == 2 || synchronize) {
+    if (overlapping_) progress();
     while (next_launch_ < buckets_.size()) launch(next_launch_++);
     for (size_t b : in_flight_) complete(b);
     in_flight_.clear();
@@ -388,6 +394,7 @@ void Stage12::finish_backward(bool synchronize) {
   // The shards hold this step's gradients: whatever the optimizer does next,
   // the following forward gathers.
   if (synchronize) stepped_ = true;
+  overlapping_ = overlap_by_default();
   for (auto& b : buckets_) {
     std::fill(b.arrived.begin(), b.arrived.end(), 0);
     b.arrivals = 0;
@@ -409,6 +416,7 @@ void Stage12::abandon_backward() {
   }
   in_flight_.clear();
   next_launch_ = 0;
+  overlapping_ = overlap_by_default();
   track_grad_bytes();
 }
 
@@ -442,6 +450,9 @@ ZeroStats Stage12::stats() const {
   s.allgather_bytes = allgather_bytes_;
   s.reducescatter_bytes = reducescatter_bytes_;
   s.allreduce_bytes = allreduce_bytes_;
+  s.buckets_reduced = buckets_reduced_;
+  s.buckets_done_in_backward = buckets_done_in_backward_;
+  s.reduce_wait_ms = wait_ms_;
   return s;
 }
 

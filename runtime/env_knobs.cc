@@ -61,4 +61,11 @@ std::optional<std::chrono::milliseconds> fault_save_pause() {
                         "' is not a whole number of milliseconds >= 0 (unset it outside tests)"));
 }
 
+bool reduce_progress_in_hooks() {
+  auto value = get(kReduceProgress);
+  if (!value || *value == "hooks") return true;
+  if (*value == "off") return false;
+  throw ConfigError(str(kReduceProgress, "='", *value, "' is neither hooks (the default) nor off"));
+}
+
 }  // namespace remat::knobs

@@ -30,6 +30,11 @@ inline constexpr const char* kMemoryPerRankBytes = "REMAT_MEMORY_PER_RANK_BYTES"
 // with several ranks on one machine: remat shares the cores out among them
 // (cores / local ranks, at least 1); remat-run sets it the same way.
 inline constexpr const char* kOmpNumThreads = "OMP_NUM_THREADS";
+// Overlapped gradient reduction (zero_optimization.overlap_comm): hooks
+// (default) tests the reductions in flight at every gradient, which lets MPI
+// progress them during the backward; off does not (for measuring the
+// difference, benchmarks/dp_bench.sh).
+inline constexpr const char* kReduceProgress = "REMAT_REDUCE_PROGRESS";
 // 0: build-time CUDA detection is skipped (read by Bazel's configure step).
 inline constexpr const char* kCuda = "REMAT_CUDA";
 
@@ -47,5 +52,9 @@ std::chrono::milliseconds comm_timeout();
 // REMAT_FAULT_SAVE_PAUSE_MS as a duration (nullopt when unset); anything but a
 // whole number of milliseconds >= 0 is an error. remat-train reads it at start.
 std::optional<std::chrono::milliseconds> fault_save_pause();
+
+// REMAT_REDUCE_PROGRESS: true for hooks or unset, false for off; anything
+// else is a ConfigError naming both values.
+bool reduce_progress_in_hooks();
 
 }  // namespace remat::knobs
