@@ -195,6 +195,7 @@ def main():
     results_path, cfg_path, md_path, img_dir = sys.argv[1:5]
     budget_path = sys.argv[5] if len(sys.argv) > 5 else None
     sequence_parallel_md = sys.argv[6] if len(sys.argv) > 6 else None
+    dp_md = sys.argv[7] if len(sys.argv) > 7 else None
     cfg = json.load(open(cfg_path))
     rows = [json.loads(l) for l in open(results_path) if l.strip()]
     mem = {}
@@ -356,6 +357,9 @@ def main():
     if sequence_parallel_md:
         # Written whole by benchmarks/sequence_parallel_bench.sh, its targets included.
         w(open(sequence_parallel_md).read())
+    if dp_md:
+        # Written whole by benchmarks/dp_bench.sh (benchmarks/dp_report.py), its targets included.
+        w(open(dp_md).read())
     if budget_path:
         targets += budget_section([json.loads(l) for l in open(budget_path) if l.strip()], w, img_dir)
     w("## Targets\n")

@@ -4,7 +4,10 @@
 #
 #   tools/debian13.sh            # create or reuse the chroot, then build and test there
 #   tools/debian13.sh --prepare  # only create the chroot and install the dependencies
+#   tools/debian13.sh --exec CMD # copy the tree in and run CMD (bash) there instead of ./test.sh
 #
+# The tree goes to /src/remat in the chroot, or REMAT_DEBIAN13_SRC (a job that
+# must not disturb a ./test.sh running there meanwhile takes a folder of its own).
 # The chroot lives in REMAT_DEBIAN13_ROOT (default /var/cache/remat/debian13),
 # made once with debootstrap from the mirror this machine's apt sources name,
 # and reused afterwards (delete the folder to start afresh: nothing of the host
@@ -105,14 +108,19 @@ printf '%s\n' "build --copt=-Wno-array-bounds --copt=-Wno-stringop-overflow" >"$
 [[ "${1:-}" == "--prepare" ]] && exit 0
 
 # A copy of the working tree, without build outputs or the chroot's own leftovers.
-src="$root/src/remat"
+src_in=${REMAT_DEBIAN13_SRC:-/src/remat}
+src="$root$src_in"
 mkdir -p "$src"
 find "$src" -mindepth 1 -maxdepth 1 ! -name build ! -name 'bazel-*' -exec rm -rf --one-file-system {} +
 tar -c --exclude=./build --exclude='./bazel-*' --exclude=./.git . |
   tar -x -C "$src" || fail "could not copy the tree into $src"
 say "$(enter /bin/sh -c 'g++ --version | head -1; dpkg-query -W -f="libtorch-dev \${Version}, " libtorch-dev; mpirun --version | head -1')"
 start=$SECONDS
-enter /bin/bash -c "cd /src/remat && ./test.sh"
+if [[ "${1:-}" == "--exec" ]]; then
+  enter /bin/bash -c "cd $src_in && ${2:?--exec needs a command}"
+  exit $?
+fi
+enter /bin/bash -c "cd $src_in && ./test.sh"
 rc=$?
 say "test.sh in the chroot took $((SECONDS - start)) s (exit $rc)"
 exit $rc
