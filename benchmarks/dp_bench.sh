@@ -90,7 +90,7 @@ cat >"${rows%.jsonl}.platform.json" <<JSON
  "libtorch": "$(dpkg-query -W -f='${Version}' libtorch-dev 2>/dev/null || echo unknown)",
  "torch_version": "$($py -c 'import torch; print(torch.__version__)')",
  "mpi": "$(mpirun --version 2>/dev/null | head -1)",
- "machine": "$(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)",
+ "machine": "$(getconf _NPROCESSORS_ONLN) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)",
  "rounds": $rounds, "steps": $steps, "warmup": $warmup, "bucket": $bucket}
 JSON
 others=()

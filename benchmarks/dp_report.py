@@ -86,9 +86,13 @@ def platform_section(path, w, targets):
     by = {}
     for r in rows:
         by.setdefault((r["world"], r["framework"], r["mode"]), []).append(r)
+    # The engine's reduce_wait_ms (the backward's end waiting on reductions in
+    # flight), where the engine reports it.
+    wait = any("reduce_wait_ms" in r for r in rows)
     w("| ranks | framework | configuration | step ms, median [min, max] | local step ms | reduce ms "
-      "| hidden share | bytes sent / rank / step | peak RSS growth / rank (MiB) | loss at the first measured step |")
-    w("|---|---|---|---|---|---|---|---|---|---|")
+      "| hidden share | bytes sent / rank / step | peak RSS growth / rank (MiB) | loss at the first measured step |"
+      + (" reduce wait ms |" if wait else ""))
+    w("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if wait else ""))
     medians = {}
     for world in sorted({k[0] for k in by}):
         for fw, mode in ORDER:
@@ -105,7 +109,9 @@ def platform_section(path, w, targets):
             medians[(world, mode)] = step
             w(f"| {world} | {fw} | {LABEL[mode]} | {step:.1f} [{min(t):.1f}, {max(t):.1f}] | {local:.1f} "
               f"| {reduce:.1f} | {share:.2f} ({raw:+.2f}) | {rs[0]['bytes_sent']:,} | {rss:.1f} "
-              f"| {statistics.median(first):.4f} |")
+              f"| {statistics.median(first):.4f} |"
+              + (f" {statistics.median(r['reduce_wait_ms'] for r in rs):.1f} |"
+                 if wait and all("reduce_wait_ms" in r for r in rs) else " - |" if wait else ""))
     w("")
     loss = {c["framework"]: c["loss"] for c in checks}
     if "remat" in loss and "pytorch" in loss:
