@@ -75,8 +75,11 @@ fi
 # cores would run N x C spinning threads (measured on 2 cores with 4 ranks and
 # LibTorch 2.6: a ZeRO test 20x slower). Share the cores out instead, unless
 # the user chose a number.
+# nproc counts the cores this process may use, but follows OMP_NUM_THREADS
+# and OMP_THREAD_LIMIT when they are set: ask without them.
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 if [[ $single_node -eq 1 && -z "${OMP_NUM_THREADS:-}" ]]; then
-  threads=$(($(nproc) / np))
+  threads=$((cores / np))
   export OMP_NUM_THREADS=$((threads < 1 ? 1 : threads))
 fi
 
@@ -84,7 +87,7 @@ cmd=(mpirun -np "$np")
 [[ $(id -u) -eq 0 ]] && cmd+=(--allow-run-as-root)
 if [[ $single_node -eq 1 ]]; then
   cmd+=(--mca btl self,vader --mca btl_vader_single_copy_mechanism none)
-  if [[ "$np" -gt "$(nproc)" ]]; then
+  if [[ "$np" -gt "$cores" ]]; then
     cmd+=(--oversubscribe --bind-to none)
   fi
 fi

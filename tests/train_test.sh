@@ -461,10 +461,17 @@ done
 # The launcher shares the cores out among the ranks' intra-op thread pools
 # unless the user chose a number (each rank prints what it was given).
 threads_of() { env -u OMP_NUM_THREADS "$@" "$run" -np 4 -- sh -c 'echo "threads=${OMP_NUM_THREADS:-unset}"' 2>/dev/null | sort | uniq -c | tr -s ' '; }
-want=$(( $(nproc) / 4 )); want=$(( want < 1 ? 1 : want ))
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
+want=$(( cores / 4 )); want=$(( want < 1 ? 1 : want ))
 got=$(threads_of)
-if [[ "$got" == " 4 threads=$want" ]]; then pass "launcher gives each of 4 ranks $want intra-op thread(s) on $(nproc) cores"
-else fail "launcher gives each of 4 ranks $want intra-op thread(s) on $(nproc) cores" "$got"; fi
+if [[ "$got" == " 4 threads=$want" ]]; then pass "launcher gives each of 4 ranks $want intra-op thread(s) on $cores cores"
+else fail "launcher gives each of 4 ranks $want intra-op thread(s) on $cores cores" "$got"; fi
+# 2 ranks on 2 or more cores are not oversubscribed, whatever OMP_NUM_THREADS says.
+if (( cores >= 2 )); then
+  line=$(OMP_NUM_THREADS=1 "$run" -np 2 -- true 2>&1 | grep '^remat-run:')
+  if [[ "$line" != *--oversubscribe* ]]; then pass "launcher binds 2 ranks on $cores cores with OMP_NUM_THREADS=1"
+  else fail "launcher binds 2 ranks on $cores cores with OMP_NUM_THREADS=1" "$line"; fi
+fi
 got=$(threads_of OMP_NUM_THREADS=3)
 if [[ "$got" == " 4 threads=3" ]]; then pass "launcher keeps the user's OMP_NUM_THREADS"
 else fail "launcher keeps the user's OMP_NUM_THREADS" "$got"; fi
