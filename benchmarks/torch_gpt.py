@@ -47,7 +47,7 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).chunk(3, -1)
         q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in (q, k, v))
         scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(D)
-        causal = torch.ones(T, T, dtype=torch.bool).triu(1)
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
         scores = scores.masked_fill(causal, float("-inf"))
         attn = F.dropout(torch.softmax(scores, -1), self.p, self.training)
         y = torch.matmul(attn, v).transpose(1, 2).contiguous().view(B, T, C)
@@ -83,7 +83,7 @@ class Gpt(nn.Module):
 
     def loss(self, idx, targets):
         T = idx.size(1)
-        pos = torch.arange(T, dtype=torch.long)
+        pos = torch.arange(T, dtype=torch.long, device=idx.device)
         x = F.dropout(self.tok_emb(idx) + self.pos_emb(pos), self.p, self.training)
         for i, block in enumerate(self.blocks):
             if i in self.checkpointed:

@@ -61,6 +61,20 @@ void install_saved_tensors_hooks_engine() {
 
 bool saved_tensors_hooks_engine_installed() { return g_installed.load(); }
 
+namespace {
+// Installed as the program starts, by the static initialisation of this file
+// (linked into every program that makes a scope): LibTorch 2.x starts the
+// autograd engine's per-GPU worker threads once per process, for whichever
+// engine runs the first backward, so an engine installed after a backward has
+// no device threads and its first CUDA backward stops on an internal assert
+// (seen with LibTorch 2.11 on an H100: tools/gpu_checks.sh, engine/gpu_test.cc).
+// LibTorch 1.13 starts them per engine.
+[[maybe_unused]] const bool g_installed_at_start = [] {
+  install_saved_tensors_hooks_engine();
+  return true;
+}();
+}  // namespace
+
 saved_tensors_hooks::saved_tensors_hooks(PackHook pack, UnpackHook unpack) {
   install_saved_tensors_hooks_engine();
   t_scopes.push_back(std::make_shared<const HookPair>(HookPair{std::move(pack), std::move(unpack)}));

@@ -33,9 +33,11 @@
 // - Scopes nest (the innermost applies); disable_saved_tensors_hooks turns
 //   them off for a region (a region that must not be offloaded, the hooks'
 //   own work).
-// - The engine is installed when the first scope is made, or earlier with
-//   install_saved_tensors_hooks_engine() (remat-train does so at start); do it
-//   before the process's first backward so one engine runs every backward.
+// - The engine is installed when the program starts (static initialisation of
+//   nn/saved_tensors_hooks.cc), before any backward: LibTorch 2.x starts the
+//   autograd threads of the GPUs once per process, for the engine that runs the
+//   first backward, so one engine must run every backward.
+//   install_saved_tensors_hooks_engine() is a no-op after that.
 //   A library that installs its own engine afterwards (Python's torch module,
 //   when loaded into the process) replaces it: scopes then see no tensors.
 #pragma once
