@@ -264,7 +264,8 @@ done
 #      gradient norm counts each split adapter's shares and each replicated
 #      one once): within 1e-6 of tp 1; the frozen weights bitwise unchanged and
 #      equal the base; dropout on, full checkpointing equals none bitwise;
-#    - --kv-heads 1 at tp 2: a configuration error naming both values.
+#    - --kv-heads 1 at tp 2: a configuration error naming both values;
+#    - a tp 2 save resumed at tp 1, llama and lora: within 1e-6 of tp 1.
 # within_rel A B N TOL: loss files A and B hold the same N steps, each loss
 # within TOL relative; prints the largest relative difference.
 within_rel() {
@@ -364,6 +365,26 @@ for mode in tp sp; do
     --losses "$tmp/lora_${mode}_full.txt" || fail "lora $what, dropout on, full" "$(cat "$tmp/lora_${mode}_full.out")"
   same "lora: $what, dropout on, full checkpointing equals none" \
     "$tmp/lora_${mode}_none.txt" "$tmp/lora_${mode}_full.txt" $steps
+done
+
+# A tp 2 save at step 4 resumed at tp 1 on one rank (each parameter and its
+# optimizer state re-sliced through its split, LoRA's adapters included)
+# continues within 1e-6 relative of the tp 1 run.
+for name in llama lora; do
+  args=("${nodrop[@]}")
+  ref=tp1
+  [[ $name == lora ]] && args+=(--base "$tmp/llama.pt" --set gradient_clipping=0.1) && ref=lora_tp1
+  run "${name}_tp_save" $name --steps $k "${args[@]}" "${tp2[@]}" --save-dir "$tmp/${name}_tp_saves" ||
+    fail "$name tp 2 run saved at step $k" "$(cat "$tmp/${name}_tp_save.out")"
+  NP=1 run "${name}_tp_resumed" $name --steps $steps "${args[@]}" --resume "$tmp/${name}_tp_saves" \
+    --losses "$tmp/${name}_tp_resumed.txt" || fail "$name resumed at tp 1" "$(cat "$tmp/${name}_tp_resumed.out")"
+  tail -n $((steps - k)) "$tmp/$ref.txt" >"$tmp/${name}_tp_ref_tail.txt"
+  if verdict=$(within_rel "$tmp/${name}_tp_ref_tail.txt" "$tmp/${name}_tp_resumed.txt" $((steps - k)) 1e-6); then
+    pass "$name: a tp 2 save resumed at tp 1 continues within 1e-6 relative of the tp 1 run ($verdict)"
+  else
+    fail "$name: a tp 2 save resumed at tp 1 continues within 1e-6 relative of the tp 1 run ($verdict)" \
+      "$(paste "$tmp/${name}_tp_ref_tail.txt" "$tmp/${name}_tp_resumed.txt")"
+  fi
 done
 
 # --- remat's memory estimate of the Llama (docs/memory.md): its cold formula
