@@ -9,7 +9,11 @@
 #   lora: at ZeRO stages 0-3 with activation offloading, the frozen base weights
 #     are bitwise unchanged by training (and equal the llama export it starts
 #     from) while the adapters move, and the losses equal stage 0's: bitwise
-#     without gradient clipping, within 5e-7 with it (section 6 says why).
+#     without gradient clipping, within 5e-7 with it (section 6 says why);
+#   both at tensor_parallel.size 2 (section 7), with sequence parallelism off
+#     and on: losses within 1e-6 relative of tp 1 (dropout 0), full
+#     checkpointing equal to none bitwise (dropout on), LoRA's frozen weights
+#     bitwise unchanged, --kv-heads not a multiple of the size refused.
 # The bitwise checks have controls that must differ (regions recomputed without
 # the forward's random state, one extra random draw before a resumed run).
 #
@@ -29,11 +33,12 @@ export REMAT_COMM_TIMEOUT_S=60 REMAT_LOG_LEVEL=warn
 # run NAME ARGS...: the example NAME at 2 ranks (launch/remat-run.sh adds
 # --allow-run-as-root as root, and --oversubscribe on fewer than 2 cores);
 # its output goes to $tmp/<label>.out where the caller names the label.
+# NP=1 run ... runs it on one rank (the tensor-parallel size 1 reference).
 run() {
   local label=$1 name=$2
   shift 2
   local start=$SECONDS
-  timeout 300 launch/remat-run.sh -np 2 -- "$root/$name/$name" "$@" >"$tmp/$label.out" 2>&1
+  timeout 300 launch/remat-run.sh -np "${NP:-2}" -- "$root/$name/$name" "$@" >"$tmp/$label.out" 2>&1
   local rc=$?
   echo "  ($label: exit $rc, $((SECONDS - start)) s)"
   return $rc
@@ -241,6 +246,144 @@ EOF
       fail "lora: with clipping, stage $stage losses equal stage 0's within 5e-7 ($verdict)" \
         "$(paste "$tmp/lora0.txt" "$tmp/lora$stage.txt")"
     fi
+  fi
+done
+
+# 7. Tensor parallelism, tensor_parallel.size 2 on the 2 ranks (tp 2 x dp 1),
+#    sequence parallelism off and on:
+#    - against tp 1 (one rank, the same batches), dropout 0: every loss within
+#      1e-6 relative. Not bitwise: the row-parallel layers' partial products
+#      and the vocabulary-split loss sum in another order (some steps differ
+#      by an ulp); the initial weights are bitwise tp 1's (the exports
+#      compared);
+#    - dropout on: full checkpointing gives the losses of no checkpointing
+#      bitwise at tp 2 (the attention dropout draws from the tracked
+#      model-parallel stream, replayed in the recompute; the control without
+#      the replay differs), with and without sequence parallelism;
+#    - LoRA from the llama export, clipping at 0.1 so that it acts (the
+#      gradient norm counts each split adapter's shares and each replicated
+#      one once): within 1e-6 of tp 1; the frozen weights bitwise unchanged and
+#      equal the base; dropout on, full checkpointing equals none bitwise;
+#    - --kv-heads 1 at tp 2: a configuration error naming both values;
+#    - a tp 2 save resumed at tp 1, llama and lora: within 1e-6 of tp 1.
+# within_rel A B N TOL: loss files A and B hold the same N steps, each loss
+# within TOL relative; prints the largest relative difference.
+within_rel() {
+  paste -d' ' "$1" "$2" | awk -v n="$3" -v tol="$4" 'NF != 4 || $1 != $3 { bad = 1 }
+    { d = ($2 - $4) / $2; if (d < 0) d = -d; if (d > worst) worst = d; if ($2 != $4) diff++; rows++ }
+    END { printf "%d steps, %d not bitwise, max relative difference %.3g", rows, diff, worst
+          exit (bad || rows != n || worst > tol) }'
+}
+tp2=(--set tensor_parallel.size=2)
+sp=(--set tensor_parallel.sequence_parallel=true)
+nodrop=(--set model.dropout=0)
+NP=1 run tp1 llama --steps $steps "${nodrop[@]}" --losses "$tmp/tp1.txt" --export-initial "$tmp/tp1_init.pt" ||
+  fail "llama tp 1 reference (one rank, dropout 0)" "$(cat "$tmp/tp1.out")"
+run tp2 llama --steps $steps "${nodrop[@]}" "${tp2[@]}" --losses "$tmp/tp2.txt" --export-initial "$tmp/tp2_init.pt" ||
+  fail "llama tp 2" "$(cat "$tmp/tp2.out")"
+run tp2sp llama --steps $steps "${nodrop[@]}" "${tp2[@]}" "${sp[@]}" --losses "$tmp/tp2sp.txt" ||
+  fail "llama tp 2 with sequence parallelism" "$(cat "$tmp/tp2sp.out")"
+for label in tp2 tp2sp; do
+  if verdict=$(within_rel "$tmp/tp1.txt" "$tmp/$label.txt" $steps 1e-6); then
+    pass "llama: $label (dropout 0) equals tp 1 within 1e-6 relative ($verdict)"
+  else
+    fail "llama: $label (dropout 0) equals tp 1 within 1e-6 relative ($verdict)" "$(paste "$tmp/tp1.txt" "$tmp/$label.txt")"
+  fi
+done
+if out=$(/usr/bin/python3 - "$tmp/tp1_init.pt" "$tmp/tp2_init.pt" 2>&1 <<'EOF'
+import sys
+import torch
+a, b = (torch.load(p, weights_only=True) for p in sys.argv[1:])
+assert sorted(a) == sorted(b), "names differ"
+differ = [n for n in a if not torch.equal(a[n], b[n])]
+assert not differ, f"differ: {differ[:5]}"
+print(f"{len(a)} tensors bitwise equal")
+EOF
+); then
+  pass "llama: the tp 2 model gathered whole (--export-initial) is tp 1's ($out)"
+else
+  fail "llama: the tp 2 model gathered whole (--export-initial) is tp 1's" "$out"
+fi
+for mode in tp sp; do
+  extra=("${tp2[@]}")
+  [[ $mode == sp ]] && extra+=("${sp[@]}")
+  what="at tp 2$([[ $mode == sp ]] && echo ' with sequence parallelism')"
+  run "${mode}_none" llama --steps $steps "${extra[@]}" --losses "$tmp/${mode}_none.txt" ||
+    fail "llama $what, dropout on" "$(cat "$tmp/${mode}_none.out")"
+  run "${mode}_full" llama --steps $steps "${extra[@]}" --set $ac.variant=full --losses "$tmp/${mode}_full.txt" ||
+    fail "llama $what, dropout on, full checkpointing" "$(cat "$tmp/${mode}_full.out")"
+  same "llama: $what, dropout on, full checkpointing equals none" "$tmp/${mode}_none.txt" "$tmp/${mode}_full.txt" $steps
+done
+run tp_norng llama --steps $steps "${tp2[@]}" --set $ac.variant=full --no-rng-replay --losses "$tmp/tp_norng.txt" ||
+  fail "llama tp 2 control without RNG replay" "$(cat "$tmp/tp_norng.out")"
+differs "llama control: at tp 2, full checkpointing without RNG replay differs" "$tmp/tp_none.txt" "$tmp/tp_norng.txt"
+expect "llama: --kv-heads 1 at tensor_parallel.size 2 is refused naming both" \
+  "n_kv_head (--kv-heads) = 1 is not a multiple of tensor_parallel.size = 2" \
+  launch/remat-run.sh -np 2 -- "$root/llama/llama" --steps 1 "${tp2[@]}" --kv-heads 1
+
+lora_tp=(--steps $steps --base "$tmp/llama.pt" --set gradient_clipping=0.1)
+NP=1 run lora_tp1 lora "${lora_tp[@]}" "${nodrop[@]}" --losses "$tmp/lora_tp1.txt" ||
+  fail "lora tp 1 reference (one rank, dropout 0)" "$(cat "$tmp/lora_tp1.out")"
+run lora_tp2 lora "${lora_tp[@]}" "${nodrop[@]}" "${tp2[@]}" --losses "$tmp/lora_tp2.txt" \
+  --export-initial "$tmp/lora_tp2_before.pt" --export "$tmp/lora_tp2_after.pt" ||
+  fail "lora tp 2" "$(cat "$tmp/lora_tp2.out")"
+run lora_tp2sp lora "${lora_tp[@]}" "${nodrop[@]}" "${tp2[@]}" "${sp[@]}" --losses "$tmp/lora_tp2sp.txt" ||
+  fail "lora tp 2 with sequence parallelism" "$(cat "$tmp/lora_tp2sp.out")"
+for label in tp2 tp2sp; do
+  if verdict=$(within_rel "$tmp/lora_tp1.txt" "$tmp/lora_$label.txt" $steps 1e-6); then
+    pass "lora: $label (dropout 0, clipping 0.1) equals tp 1 within 1e-6 relative ($verdict)"
+  else
+    fail "lora: $label (dropout 0, clipping 0.1) equals tp 1 within 1e-6 relative ($verdict)" \
+      "$(paste "$tmp/lora_tp1.txt" "$tmp/lora_$label.txt")"
+  fi
+done
+if out=$(/usr/bin/python3 - "$tmp/llama.pt" "$tmp/lora_tp2_before.pt" "$tmp/lora_tp2_after.pt" 2>&1 <<'EOF'
+import sys
+import torch
+base, before, after = (torch.load(p, weights_only=True) for p in sys.argv[1:])
+adapters = [n for n in after if n.endswith((".lora_a", ".lora_b"))]
+frozen = [n for n in after if n not in adapters]
+assert adapters and sorted(frozen) == sorted(base), "names differ from the base export's"
+changed = [n for n in frozen if not (torch.equal(before[n], after[n]) and torch.equal(base[n], after[n]))]
+assert not changed, f"frozen weights changed: {changed[:5]}"
+moved = [n for n in adapters if not torch.equal(before[n], after[n])]
+assert len(moved) == len(adapters), f"adapters that did not train: {sorted(set(adapters) - set(moved))[:5]}"
+print(f"{len(frozen)} frozen tensors bitwise unchanged and equal to the base, {len(moved)} adapter tensors moved")
+EOF
+); then
+  pass "lora tp 2: $out"
+else
+  fail "lora tp 2: frozen weights unchanged, adapters trained" "$out"
+fi
+for mode in tp sp; do
+  extra=("${tp2[@]}")
+  [[ $mode == sp ]] && extra+=("${sp[@]}")
+  what="at tp 2$([[ $mode == sp ]] && echo ' with sequence parallelism')"
+  run "lora_${mode}_none" lora "${lora_tp[@]}" "${extra[@]}" --losses "$tmp/lora_${mode}_none.txt" ||
+    fail "lora $what, dropout on" "$(cat "$tmp/lora_${mode}_none.out")"
+  run "lora_${mode}_full" lora "${lora_tp[@]}" "${extra[@]}" --set $ac.variant=full \
+    --losses "$tmp/lora_${mode}_full.txt" || fail "lora $what, dropout on, full" "$(cat "$tmp/lora_${mode}_full.out")"
+  same "lora: $what, dropout on, full checkpointing equals none" \
+    "$tmp/lora_${mode}_none.txt" "$tmp/lora_${mode}_full.txt" $steps
+done
+
+# A tp 2 save at step 4 resumed at tp 1 on one rank (each parameter and its
+# optimizer state re-sliced through its split, LoRA's adapters included)
+# continues within 1e-6 relative of the tp 1 run.
+for name in llama lora; do
+  args=("${nodrop[@]}")
+  ref=tp1
+  [[ $name == lora ]] && args+=(--base "$tmp/llama.pt" --set gradient_clipping=0.1) && ref=lora_tp1
+  run "${name}_tp_save" $name --steps $k "${args[@]}" "${tp2[@]}" --save-dir "$tmp/${name}_tp_saves" ||
+    fail "$name tp 2 run saved at step $k" "$(cat "$tmp/${name}_tp_save.out")"
+  NP=1 run "${name}_tp_resumed" $name --steps $steps "${args[@]}" --resume "$tmp/${name}_tp_saves" \
+    --losses "$tmp/${name}_tp_resumed.txt" || fail "$name resumed at tp 1" "$(cat "$tmp/${name}_tp_resumed.out")"
+  tail -n $((steps - k)) "$tmp/$ref.txt" >"$tmp/${name}_tp_ref_tail.txt"
+  if verdict=$(within_rel "$tmp/${name}_tp_ref_tail.txt" "$tmp/${name}_tp_resumed.txt" $((steps - k)) 1e-6); then
+    pass "$name: a tp 2 save resumed at tp 1 continues within 1e-6 relative of the tp 1 run ($verdict)"
+  else
+    fail "$name: a tp 2 save resumed at tp 1 continues within 1e-6 relative of the tp 1 run ($verdict)" \
+      "$(paste "$tmp/${name}_tp_ref_tail.txt" "$tmp/${name}_tp_resumed.txt")"
   fi
 done
 

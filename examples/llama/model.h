@@ -10,19 +10,31 @@
 // B [out, r] (B starts at zero, so the adapted model starts as the base one)
 // and y = x W^T + (alpha / r) (x A^T) B^T. freeze_base() then leaves only the
 // adapters trainable.
+//
+// Tensor parallelism (LlamaOptions::tensor_parallel, a group of size t > 1),
+// Megatron's split written on remat's public parallel/ API: wq, wk, wv and the
+// MLP's gate and up projections are column-parallel (each rank holds
+// n_head / t query heads, n_kv_head / t key/value heads, d_ff / t hidden
+// units), wo and the down projection row-parallel; the token embedding is
+// vocabulary-parallel and the head column-parallel into remat's
+// vocabulary-parallel loss. RMSNorm and the rotary tables are replicated.
+// Dropout on the attention weights (split by heads) draws from the tracked
+// RNG's model-parallel stream, the rest from the default generator, the same
+// on every rank. With sequence_parallel the RMSNorm, dropout and residual
+// regions hold 1/t of the sequence (docs/parallel.md).
 #pragma once
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
-#include <torch/nn/modules/embedding.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
-
-#include "engine/memory_estimate.h"
 #include <string>
 #include <utility>
+#include <vector>
+
+#include "engine/memory_estimate.h"
+#include "parallel/layers.h"
 
 namespace llama {
 
@@ -39,33 +51,87 @@ struct LlamaOptions {
   double norm_eps = 1e-5;
   int64_t lora_rank = 0;  // 0: no adapters
   double lora_alpha = 8.0;
+  // The tensor-parallel group (layout->tp_group()); null or size 1: none.
+  remat::parallel::Group tensor_parallel;
+  // tensor_parallel.sequence_parallel: between the parallel layers each rank
+  // holds 1/t of the sequence (seq_len a multiple of t).
+  bool sequence_parallel = false;
+  // tensor_parallel.sequence_parallel_dropout "replicated": the sequence-parallel
+  // regions' dropout draws the whole sequence's mask from the default
+  // generator and keeps this rank's rows (else each rank's own stream).
+  bool replicated_sequence_dropout = false;
 
-  // Throws std::invalid_argument naming the option that is wrong.
+  int tp_size() const { return remat::parallel::group_size(tensor_parallel); }
+  bool sequence_parallel_active() const { return sequence_parallel && tp_size() > 1; }
+  // Throws remat::ConfigError naming the option that is wrong (and, with
+  // tensor parallelism, the values that split evenly).
   void validate() const;
+  // The shape (not the parallel layout: a save resumes at another tp size).
   std::string to_string() const;
 };
 
+// With a sequence-parallel group, x is this rank's tokens: the (replicated)
+// weight enters through copy_to_tensor_parallel_region, so its gradient is
+// summed over the group's tokens.
 class RMSNormImpl : public torch::nn::Module {
  public:
-  RMSNormImpl(int64_t dim, double eps);
+  RMSNormImpl(int64_t dim, double eps, remat::parallel::Group sequence_parallel = nullptr);
   at::Tensor forward(const at::Tensor& x);
 
   at::Tensor weight;
 
  private:
   double eps_;
+  remat::parallel::Group sequence_parallel_;
 };
 TORCH_MODULE(RMSNorm);
 
-class LoraLinearImpl : public torch::nn::Module {
+enum class Split { kNone, kColumn, kRow };
+
+struct LoraLinearOptions {
+  LoraLinearOptions(int64_t in, int64_t out) : in_features_(in), out_features_(out) {}
+  TORCH_ARG(int64_t, in_features);
+  TORCH_ARG(int64_t, out_features);
+  TORCH_ARG(int64_t, rank) = 0;  // adapters' rank; 0: none
+  TORCH_ARG(double, alpha) = 8.0;
+  // kColumn: output features split (the input replicated, or with
+  // sequence_parallel this rank's tokens, all-gathered); kRow: input features
+  // split (the input is a column-parallel layer's output), partial products
+  // all-reduced (reduce-scattered along the sequence with sequence_parallel).
+  TORCH_ARG(Split, split) = Split::kNone;
+  TORCH_ARG(remat::parallel::Group, group) = nullptr;
+  TORCH_ARG(bool, sequence_parallel) = false;
+};
+
+// A bias-free linear layer with optional LoRA adapters, split across a
+// tensor-parallel group as LoraLinearOptions::split says. On a column-parallel
+// layer A is replicated and B split along the output; on a row-parallel one A
+// is split along the input and B replicated: the adapter's rank-r
+// activations x A^T are whole on every rank between the two. The replicated
+// adapter's gradient equals on every rank (summed over the group where each
+// rank saw other tokens or other features). Full tensors are drawn on every
+// rank and each keeps its share, so the model is the same at any tp size.
+// It implements remat's TensorParallelModule, which is how the engine learns
+// the splits (gradient norm, saves, export).
+class LoraLinearImpl : public torch::nn::Module, public remat::parallel::TensorParallelModule {
  public:
-  LoraLinearImpl(int64_t in, int64_t out, int64_t rank, double alpha);
+  explicit LoraLinearImpl(const LoraLinearOptions& options);
   at::Tensor forward(const at::Tensor& x);
 
-  at::Tensor weight;            // [out, in], the base weight
+  std::vector<int64_t> full_weight_sizes() const override;
+  void load_full_weight(const at::Tensor& full) override;
+  at::Tensor gather_full_weight() const override;
+  at::Tensor gather_full(const std::string& name, const at::Tensor& shard) const override;
+  std::vector<at::Tensor> sharded_parameters() const override;
+  remat::parallel::TensorSplit split_of(const std::string& name) const override;
+
+  at::Tensor weight;            // [out, in], the base weight (this rank's share)
   at::Tensor lora_a, lora_b;    // [rank, in], [out, rank]; undefined with rank 0
 
  private:
+  at::Tensor share(const at::Tensor& full, const std::string& name) const;
+
+  LoraLinearOptions options_;
   double scale_ = 0;
 };
 TORCH_MODULE(LoraLinear);
@@ -83,6 +149,7 @@ class BlockImpl : public torch::nn::Module {
   at::Tensor mlp(const at::Tensor& x);
 
   LlamaOptions options_;
+  int tp_ = 1;
   RMSNorm attn_norm_{nullptr}, mlp_norm_{nullptr};
   LoraLinear wq_{nullptr}, wk_{nullptr}, wv_{nullptr}, wo_{nullptr};
   LoraLinear w1_{nullptr}, w2_{nullptr}, w3_{nullptr};  // gate, down, up
@@ -95,7 +162,8 @@ class LlamaImpl : public torch::nn::Module {
   // the default generator in construction order: seed it first.
   explicit LlamaImpl(const LlamaOptions& options);
 
-  // idx: [batch, time] token ids. Returns logits [batch, time, vocab].
+  // idx: [batch, time] token ids. Returns logits [batch, time, vocab] (gathered
+  // across the tensor-parallel group).
   at::Tensor forward(const at::Tensor& idx);
   // Mean next-token cross-entropy.
   at::Tensor loss(const at::Tensor& idx, const at::Tensor& targets);
@@ -109,16 +177,26 @@ class LlamaImpl : public torch::nn::Module {
   torch::nn::ModuleList blocks{nullptr};
 
  private:
+  // This rank's vocabulary share of the logits, [batch, time, vocab / t].
+  at::Tensor logits_share(const at::Tensor& idx);
+
   LlamaOptions options_;
-  torch::nn::Embedding tok_emb_{nullptr};
+  remat::parallel::VocabParallelEmbedding tok_emb_{nullptr};
   RMSNorm norm_{nullptr};
-  torch::nn::Linear lm_head_{nullptr};
+  remat::parallel::ColumnParallelLinear lm_head_{nullptr};
 };
 TORCH_MODULE(Llama);
 
+// Dropout of activations split along the sequence (sequence parallelism): each
+// rank's own stream (the tracked RNG's model-parallel state), or with
+// replicated_sequence_dropout this rank's rows of the whole sequence's mask;
+// elsewhere at::dropout from the default generator.
+at::Tensor sequence_dropout(const at::Tensor& x, double p, bool train, const LlamaOptions& options);
+
 // What remat's cold memory estimate needs of this model (remat-estimate does
 // the same for remat's own GPT): its parameters by block, and what one block
-// saves for backward at this micro-batch, counted from the ops above.
+// saves for backward at this micro-batch, counted from the ops above, at
+// tensor-parallel size 1.
 remat::MemoryEstimateInputs cold_memory_inputs(const LlamaOptions& options, int64_t micro_batch);
 
 }  // namespace llama

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <random>
 #include <set>
 #include <stdexcept>
@@ -16,6 +17,8 @@
 #include "checkpointing/checkpoint.h"
 #include "engine/engine.h"
 #include "engine/memory_estimate.h"
+#include "parallel/tensor_split.h"
+#include "runtime/error.h"
 #include "runtime/memory.h"
 #include "runtime/context.h"
 #include "runtime/layout.h"
@@ -74,37 +77,43 @@ class Corpus {
   int64_t vocab_ = 0;
 };
 
+// Every parameter's whole shape (what the export holds), whatever share of
+// it this rank holds under tensor parallelism.
 void write_parameter_list(const std::string& path, LlamaImpl& model) {
   FILE* f = std::fopen(path.c_str(), "w");
   if (!f) throw std::runtime_error("cannot write --params file '" + path + "'");
-  for (const auto& item : model.named_parameters()) {
+  for (const auto& [name, split] : remat::parallel::parameter_splits(model)) {
     std::string shape;
-    for (int64_t d : item.value().sizes()) shape += (shape.empty() ? "" : ",") + std::to_string(d);
-    std::fprintf(f, "%s %s\n", item.key().c_str(), shape.c_str());
+    for (int64_t d : split.full_sizes) shape += (shape.empty() ? "" : ",") + std::to_string(d);
+    std::fprintf(f, "%s %s\n", name.c_str(), shape.c_str());
   }
   std::fclose(f);
 }
 
-// Copies every tensor of an export (a {name: tensor} dictionary) into the
-// parameter of that name. Parameters the file lacks keep their initial values
+// Copies every tensor of an export (a {name: tensor} dictionary, whole
+// tensors) into the parameter of that name, this rank's share of it under
+// tensor parallelism. Parameters the file lacks keep their initial values
 // (LoRA's adapters); a tensor the model lacks, or of another shape, is an error.
-void load_weights(const std::string& path, LlamaImpl& model) {
+void load_weights(const std::string& path, LlamaImpl& model, const remat::ParallelLayout& layout) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error("cannot read --base file '" + path + "'");
   const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const c10::Dict<c10::IValue, c10::IValue> dict = torch::jit::pickle_load(bytes).toGenericDict();
   auto parameters = model.named_parameters();
+  std::map<std::string, remat::parallel::TensorSplit> splits;
+  for (auto& [name, split] : remat::parallel::parameter_splits(model)) splits[name] = std::move(split);
   at::NoGradGuard no_grad;
   for (const auto& entry : dict) {
     const std::string name = entry.key().toStringRef();
     const at::Tensor value = entry.value().toTensor();
     at::Tensor* p = parameters.find(name);
     if (!p) throw std::runtime_error("--base '" + path + "': the model has no parameter '" + name + "'");
-    if (!p->sizes().equals(value.sizes())) {
+    const remat::parallel::TensorSplit& split = splits.at(name);
+    if (value.sizes().vec() != split.full_sizes) {
       throw std::runtime_error("--base '" + path + "': '" + name + "' has shape " + c10::str(value.sizes()) +
-                               ", the model's is " + c10::str(p->sizes()));
+                               ", the model's is " + c10::str(c10::IntArrayRef(split.full_sizes)));
     }
-    p->copy_(value);
+    p->copy_(remat::parallel::share_of(value, split, layout.dims().tp, layout.tp_rank()));
   }
 }
 
@@ -154,13 +163,26 @@ int train(const ExampleArgs& args, const std::function<void(LlamaImpl&)>& prepar
   options.seq_len = config.model.seq_len;
   options.dropout = config.model.dropout;
   options.lora_rank = args.lora_rank;
+  // Tensor parallelism: the projections, the embedding and the head split
+  // across the layout's tensor-parallel group (tensor_parallel.size).
+  options.tensor_parallel = layout->tp_group();
+  options.sequence_parallel = config.tensor_parallel.sequence_parallel;
+  options.replicated_sequence_dropout =
+      config.tensor_parallel.sequence_parallel_dropout == remat::models::SequenceParallelDropout::kReplicated;
   Llama model(options);
-  if (!args.base.empty()) load_weights(args.base, *model);
+  if (!args.base.empty()) load_weights(args.base, *model, *layout);
   if (prepare) prepare(*model);
   int64_t trainable = 0, frozen = 0;
   for (const auto& p : model->parameters()) (p.requires_grad() ? trainable : frozen) += p.numel();
   if (rank0 && !args.params.empty()) write_parameter_list(args.params, *model);
 
+  if (!args.estimate_memory.empty() && layout->dims().tp > 1) {
+    // The live profile runs the model on rank 0 alone; split layers would
+    // wait there for the rest of their group.
+    throw remat::ConfigError("--estimate-memory profiles the model on rank 0 alone, which a model split across "
+                             "tensor_parallel.size = " + std::to_string(layout->dims().tp) +
+                             " ranks cannot run: estimate at tensor_parallel.size 1");
+  }
   if (rank0 && !args.estimate_memory.empty()) {
     // Rank 0 alone, before the engine: the profile runs the plain model (its
     // random state and gradients are put back afterwards).
@@ -196,10 +218,11 @@ int train(const ExampleArgs& args, const std::function<void(LlamaImpl&)>& prepar
   if (args.perturb_rng) at::randn({1});
   if (!args.export_initial.empty()) engine->export_model(args.export_initial);
   if (rank0) {
-    std::printf("%s: %lld parameters trained, %lld frozen; %d ranks, ZeRO stage %d, checkpointing %s, activation "
-                "offloading %s, batch %lld = micro %lld x accumulation %lld x dp %d\n",
+    std::printf("%s: %lld parameters trained, %lld frozen (on this rank); %d ranks, tp %d%s, ZeRO stage %d, "
+                "checkpointing %s, activation offloading %s, batch %lld = micro %lld x accumulation %lld x dp %d\n",
                 options.to_string().c_str(), static_cast<long long>(trainable), static_cast<long long>(frozen),
-                layout->dims().dp * layout->dims().tp,
+                layout->dims().dp * layout->dims().tp, layout->dims().tp,
+                options.sequence_parallel_active() ? " (sequence parallel)" : "",
                 config.zero_optimization.stage, remat::checkpoint_variant_name(config.activation_checkpointing.variant).c_str(),
                 config.activation_offloading.enabled ? "on" : "off", static_cast<long long>(batch.train_batch_size),
                 static_cast<long long>(batch.micro_batch_per_gpu),
