@@ -101,12 +101,46 @@ TEST(GpuRng, SnapshotRestoresCudaDefaultAndTrackedStates) {
 // ---------------------------------------------------------------------------
 // Checkpoint regions on the device.
 
-class GpuCheckpoint : public CheckpointModes {};
+models::StackOptions stack_options(double dropout) {
+  models::StackOptions o;
+  o.shape.n_layer = 6;
+  o.shape.d_model = 128;
+  o.shape.n_head = 4;
+  o.shape.d_ff = 512;
+  o.shape.dropout = dropout;
+  return o;
+}
+
+std::vector<at::Tensor> stack_step(models::Stack& model, const at::Tensor& x0) {
+  model_parallel_manual_seed(123, 0);
+  model->zero_grad(/*set_to_none=*/true);
+  at::Tensor x = x0.clone().requires_grad_(true);
+  at::Tensor y = model->forward(x);
+  y.pow(2).mean().backward();
+  std::vector<at::Tensor> out{y.detach(), x.grad()};
+  for (const auto& p : model->parameters()) out.push_back(p.grad().clone());
+  return out;
+}
+
+// Both region kinds, with the 6-block stack (dropout 0.1) on the device and its input.
+class GpuCheckpoint : public CheckpointModes {
+ protected:
+  void SetUp() override {
+    CheckpointModes::SetUp();
+    REQUIRE_GPU();
+    torch::manual_seed(0);
+    model = models::Stack(stack_options(0.1));
+    model->to(kGpu);
+    torch::manual_seed(1);
+    x = at::randn({4, 64, 128}, kGpu);
+  }
+  models::Stack model{nullptr};
+  at::Tensor x;
+};
 INSTANTIATE_CHECKPOINT_MODES(GpuCheckpoint);
 
 // One step of a function with CUDA dropout, inside a region and plainly.
 TEST_P(GpuCheckpoint, RegionWithDropoutRecomputesTheForwardsMaskBitwise) {
-  REQUIRE_GPU();
   auto fn = [](const at::Tensor& x, const at::Tensor& w) {
     at::Tensor h = at::dropout(at::gelu(at::matmul(x, w)), 0.3, true);
     return at::dropout(at::tanh(h), 0.1, true) * 2;
@@ -132,34 +166,7 @@ TEST_P(GpuCheckpoint, RegionWithDropoutRecomputesTheForwardsMaskBitwise) {
   }
 }
 
-models::StackOptions stack_options(double dropout) {
-  models::StackOptions o;
-  o.shape.n_layer = 6;
-  o.shape.d_model = 128;
-  o.shape.n_head = 4;
-  o.shape.d_ff = 512;
-  o.shape.dropout = dropout;
-  return o;
-}
-
-std::vector<at::Tensor> stack_step(models::Stack& model, const at::Tensor& x0) {
-  model_parallel_manual_seed(123, 0);
-  model->zero_grad(/*set_to_none=*/true);
-  at::Tensor x = x0.clone().requires_grad_(true);
-  at::Tensor y = model->forward(x);
-  y.pow(2).mean().backward();
-  std::vector<at::Tensor> out{y.detach(), x.grad()};
-  for (const auto& p : model->parameters()) out.push_back(p.grad().clone());
-  return out;
-}
-
 TEST_P(GpuCheckpoint, EveryPolicyMatchesThePlainRunBitwise) {
-  REQUIRE_GPU();
-  torch::manual_seed(0);
-  models::Stack model(stack_options(0.1));
-  model->to(kGpu);
-  torch::manual_seed(1);
-  const at::Tensor x = at::randn({4, 64, 128}, kGpu);
   const auto plain = stack_step(model, x);
   for (auto [name, k] : {std::pair{"full", 1}, {"selective_layer", 2}, {"selective_op", 1}}) {
     PolicyOptions o;
@@ -178,12 +185,6 @@ TEST_P(GpuCheckpoint, EveryPolicyMatchesThePlainRunBitwise) {
 // Stored inputs in pinned host memory (cpu_checkpointing), contiguous
 // buffers, and the profile's device-synchronised timings.
 TEST_P(GpuCheckpoint, CpuCheckpointingKeepsInputsInPinnedHostMemoryAndTheGradients) {
-  REQUIRE_GPU();
-  torch::manual_seed(0);
-  models::Stack model(stack_options(0.1));
-  model->to(kGpu);
-  torch::manual_seed(1);
-  const at::Tensor x = at::randn({4, 64, 128}, kGpu);
   const auto plain = stack_step(model, x);
 
   const CheckpointOptions saved = default_checkpoint_options();

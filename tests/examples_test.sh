@@ -304,16 +304,25 @@ EOF
 else
   fail "llama: the tp 2 model gathered whole (--export-initial) is tp 1's" "$out"
 fi
-for mode in tp sp; do
-  extra=("${tp2[@]}")
-  [[ $mode == sp ]] && extra+=("${sp[@]}")
-  what="at tp 2$([[ $mode == sp ]] && echo ' with sequence parallelism')"
-  run "${mode}_none" llama --steps $steps "${extra[@]}" --losses "$tmp/${mode}_none.txt" ||
-    fail "llama $what, dropout on" "$(cat "$tmp/${mode}_none.out")"
-  run "${mode}_full" llama --steps $steps "${extra[@]}" --set $ac.variant=full --losses "$tmp/${mode}_full.txt" ||
-    fail "llama $what, dropout on, full checkpointing" "$(cat "$tmp/${mode}_full.out")"
-  same "llama: $what, dropout on, full checkpointing equals none" "$tmp/${mode}_none.txt" "$tmp/${mode}_full.txt" $steps
-done
+# tp2_checkpoint_parity EXAMPLE PREFIX ARGS...: dropout on, at tp 2 without and
+# with sequence parallelism, full checkpointing gives the losses of none
+# (files $tmp/PREFIX{tp,sp}_{none,full}.txt).
+tp2_checkpoint_parity() {
+  local example=$1 prefix=$2 mode what
+  shift 2
+  for mode in tp sp; do
+    local extra=("$@" "${tp2[@]}")
+    [[ $mode == sp ]] && extra+=("${sp[@]}")
+    what="at tp 2$([[ $mode == sp ]] && echo ' with sequence parallelism')"
+    run "$prefix${mode}_none" $example "${extra[@]}" --losses "$tmp/$prefix${mode}_none.txt" ||
+      fail "$example $what, dropout on" "$(cat "$tmp/$prefix${mode}_none.out")"
+    run "$prefix${mode}_full" $example "${extra[@]}" --set $ac.variant=full --losses "$tmp/$prefix${mode}_full.txt" ||
+      fail "$example $what, dropout on, full checkpointing" "$(cat "$tmp/$prefix${mode}_full.out")"
+    same "$example: $what, dropout on, full checkpointing equals none" \
+      "$tmp/$prefix${mode}_none.txt" "$tmp/$prefix${mode}_full.txt" $steps
+  done
+}
+tp2_checkpoint_parity llama "" --steps $steps
 run tp_norng llama --steps $steps "${tp2[@]}" --set $ac.variant=full --no-rng-replay --losses "$tmp/tp_norng.txt" ||
   fail "llama tp 2 control without RNG replay" "$(cat "$tmp/tp_norng.out")"
 differs "llama control: at tp 2, full checkpointing without RNG replay differs" "$tmp/tp_none.txt" "$tmp/tp_norng.txt"
@@ -355,17 +364,7 @@ EOF
 else
   fail "lora tp 2: frozen weights unchanged, adapters trained" "$out"
 fi
-for mode in tp sp; do
-  extra=("${tp2[@]}")
-  [[ $mode == sp ]] && extra+=("${sp[@]}")
-  what="at tp 2$([[ $mode == sp ]] && echo ' with sequence parallelism')"
-  run "lora_${mode}_none" lora "${lora_tp[@]}" "${extra[@]}" --losses "$tmp/lora_${mode}_none.txt" ||
-    fail "lora $what, dropout on" "$(cat "$tmp/lora_${mode}_none.out")"
-  run "lora_${mode}_full" lora "${lora_tp[@]}" "${extra[@]}" --set $ac.variant=full \
-    --losses "$tmp/lora_${mode}_full.txt" || fail "lora $what, dropout on, full" "$(cat "$tmp/lora_${mode}_full.out")"
-  same "lora: $what, dropout on, full checkpointing equals none" \
-    "$tmp/lora_${mode}_none.txt" "$tmp/lora_${mode}_full.txt" $steps
-done
+tp2_checkpoint_parity lora lora_ "${lora_tp[@]}"
 
 # A tp 2 save at step 4 resumed at tp 1 on one rank (each parameter and its
 # optimizer state re-sliced through its split, LoRA's adapters included)
