@@ -52,15 +52,18 @@ while IFS= read -r file; do
 done < <(find -L bazel-testlogs -name test.log -newer "$marker" | sort)
 rm -f "$marker" "$log"
 
-# The CMake build beside Bazel (tests are not run twice): build and install
-# everything, then build and run a project that uses find_package(remat).
+# The CMake build beside Bazel (tests are not run twice): the user's install
+# command (tools/install.sh: libraries and tools, no tests), then the same
+# build folder with the tests and benchmarks compiled too, then a project that
+# uses find_package(remat) and the examples, against that install.
 cmake_log=build/cmake.log
 examples_log=build/examples.log
 mkdir -p build
 rm -f "$examples_log"
-if { cmake -S . -B build/cmake -G Ninja -DCMAKE_INSTALL_PREFIX="$PWD/build/install" &&
-     cmake --build build/cmake -j"$(nproc)" && cmake --install build/cmake; } >"$cmake_log" 2>&1; then
-  printf '  %-48s passed %4d  failed %d\n' "cmake build and install" 1 0
+if { tools/install.sh --prefix "$PWD/build/install" --build-dir build/cmake &&
+     cmake -S . -B build/cmake -DREMAT_BUILD_TESTS=ON -DREMAT_BUILD_BENCHMARKS=ON &&
+     cmake --build build/cmake -j"$(nproc)"; } >"$cmake_log" 2>&1; then
+  printf '  %-48s passed %4d  failed %d\n' "cmake build and install (tools/install.sh)" 1 0
   passed=$((passed + 1))
   if { cmake -S tests/cmake_consumer -B build/consumer -G Ninja \
          -DCMAKE_PREFIX_PATH="$PWD/build/install" && cmake --build build/consumer &&
@@ -89,7 +92,7 @@ if { cmake -S . -B build/cmake -G Ninja -DCMAKE_INSTALL_PREFIX="$PWD/build/insta
   failed=$((failed + f))
 else
   tail -30 "$cmake_log"
-  printf '  %-48s passed %4d  failed %d\n' "cmake build and install" 0 1
+  printf '  %-48s passed %4d  failed %d\n' "cmake build and install (tools/install.sh)" 0 1
   failed=$((failed + 1))
 fi
 
