@@ -22,6 +22,13 @@ if [[ $? -ne 0 ]] && grep -q "REMAT_DEBUG_COLLECTIVES is on and not every rank r
 else
   fail "stalled peer under REMAT_DEBUG_COLLECTIVES=1: the timeout says what the check found" "$out"
 fi
+# REMAT_DEBUG_COLLECTIVES changes what every collective exchanges: set on rank 1
+# alone it hung start-up for good (rank 1 waited to create a communicator the
+# others never made). Every rank now refuses it in the first exchange.
+on_rank1=(bash -c '[[ $OMPI_COMM_WORLD_RANK == 1 ]] && export REMAT_DEBUG_COLLECTIVES=1; exec "$@"' _)
+expect "REMAT_DEBUG_COLLECTIVES on rank 1 only is refused at start" \
+  "the ranks of this job were started with different REMAT_DEBUG_COLLECTIVES: <not set> on rank 0; '1' on rank 1" \
+  env -u REMAT_DEBUG_COLLECTIVES "$remat_run" -np 2 -- "${on_rank1[@]}" "$remat_smoke"
 expect "unknown config key" "unknown key 'model.n_layr'; did you mean 'model.n_layer'?" \
   "$remat_run" -np 2 -- "$remat_smoke" --set model.n_layr=8
 expect "tensor_parallel.size does not divide the world" \
