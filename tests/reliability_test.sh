@@ -274,6 +274,18 @@ expect "1e999 through --set names the key" "'optimizer.params.lr' holds a number
 outcome "a bad REMAT_FAULT_SAVE_PAUSE_MS is refused at start" error \
   "REMAT_FAULT_SAVE_PAUSE_MS='soon' is not a whole number" "^step " \
   env REMAT_FAULT_SAVE_PAUSE_MS=soon "${tiny[@]}" --steps 3 --save-dir "$tmp/knob"
+# The fault-injection pause is bounded: 1e12 ms stalled the first save for good.
+outcome "a REMAT_FAULT_SAVE_PAUSE_MS beyond a minute is refused at start" error \
+  "REMAT_FAULT_SAVE_PAUSE_MS='1000000000000' is not a whole number of milliseconds from 0 to 60000 (1 minute)" "^step " \
+  env REMAT_FAULT_SAVE_PAUSE_MS=1000000000000 "${tiny[@]}" --steps 3 --save-dir "$tmp/knob"
+# OMP_NUM_THREADS=100000 ended in a segmentation fault (exit 139) at the first
+# layer norm, LibTorch starting that many OpenMP threads: the cores bound it.
+cores=$(getconf _NPROCESSORS_ONLN)
+ok "OMP_NUM_THREADS beyond the cores is lowered to them, with a warning" \
+  "OMP_NUM_THREADS=100000 asks for more intra-op threads than this machine's $cores cores: using $cores" \
+  env OMP_NUM_THREADS=100000 "${tiny[@]}" --steps 1
+outcome "an OMP_NUM_THREADS of 0 is refused at start" error \
+  "OMP_NUM_THREADS='0' is not a whole number of threads >= 1" "^step " env OMP_NUM_THREADS=0 "${tiny[@]}" --steps 1
 
 # --- B. No hangs -------------------------------------------------------------
 
