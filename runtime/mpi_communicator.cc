@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -219,6 +221,42 @@ class MpiWork final : public Work {
   std::string error_;
 };
 
+// Ends the process if a blocking start-up call has not returned by the
+// collective timeout. MPI_Init waits for every rank of the job (Open MPI
+// exchanges their addresses there) and has no timeout of its own: a rank
+// stopped before it, as a loaded machine still loading LibTorch made likely,
+// held the others there for good. No MPI call is possible yet, so the
+// process exits with the error; mpirun then ends the job.
+class StartupDeadline {
+ public:
+  StartupDeadline(std::string what, std::chrono::milliseconds limit)
+      : thread_([this, what = std::move(what), limit] {
+          std::unique_lock<std::mutex> lock(mutex_);
+          if (done_cv_.wait_for(lock, limit, [this] { return done_; })) return;
+          std::fprintf(stderr, "%s remat timeout: %s did not complete within %g s: a peer has not reached it (it "
+                       "exited, stalled or is still starting); raise REMAT_COMM_TIMEOUT_S if start-up is only slow\n",
+                       log_prefix().c_str(), what.c_str(), limit.count() / 1000.0);
+          std::fflush(stderr);
+          std::_Exit(1);
+        }) {}
+  ~StartupDeadline() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_ = true;
+    }
+    done_cv_.notify_one();
+    thread_.join();
+  }
+  StartupDeadline(const StartupDeadline&) = delete;
+  StartupDeadline& operator=(const StartupDeadline&) = delete;
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable done_cv_;
+  bool done_ = false;
+  std::thread thread_;  // last: starts once the members it uses exist
+};
+
 // "1 on ranks 1, 3; <not set> on ranks 0, 2": each value with the ranks that hold it.
 std::string values_by_rank(const std::vector<std::string>& values) {
   std::vector<std::pair<std::string, std::vector<int>>> groups;
@@ -297,7 +335,10 @@ MpiSession::MpiSession() {
     ::setenv("HOME", user != nullptr && user->pw_dir != nullptr ? user->pw_dir : "/tmp", 1);
   }
   int provided = 0;
-  mpi_check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
+  {
+    StartupDeadline deadline("MPI_Init (every rank of the job starting MPI)", knobs::comm_timeout());
+    mpi_check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
+  }
   owns_ = true;
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
 }
@@ -332,12 +373,19 @@ std::shared_ptr<MpiCommunicator> MpiCommunicator::world() {
   REMAT_CHECK(MpiSession::initialized(),
               "MPI is not initialised: create a remat::MpiSession (or call "
               "remat::Runtime::init) before asking for a communicator");
-  MPI_Comm dup;
-  mpi_check(MPI_Comm_dup(MPI_COMM_WORLD, &dup), "duplicating MPI_COMM_WORLD");
-  MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
   int rank = 0, size = 1;
-  MPI_Comm_rank(dup, &rank);
-  MPI_Comm_size(dup, &size);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  MPI_Comm dup = MPI_COMM_NULL;
+  {
+    // Nonblocking, so that a rank that never comes is a timeout, not a hang.
+    MpiWork work("duplicating MPI_COMM_WORLD", rank, size, knobs::comm_timeout(), /*cancellable=*/false,
+                 WaitedFor::kCollective, /*debug=*/false);
+    work.requests.resize(1);
+    mpi_check(MPI_Comm_idup(MPI_COMM_WORLD, &dup, &work.requests[0]), "duplicating MPI_COMM_WORLD");
+    work.wait();
+  }
+  MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
   bool debug = false;
   try {
     debug = agreed_debug_collectives(dup, rank, size);
@@ -577,6 +625,9 @@ std::shared_ptr<Work> MpiCommunicator::recv(at::Tensor& tensor, int src, const S
 
 std::shared_ptr<Communicator> MpiCommunicator::split(int color, int key) {
   if (debug_) verifyCollective(str("split(seq=", seq_, ")"), default_timeout_);
+  // MPI_Comm_split blocks with no timeout: every rank first meets in a
+  // barrier that has one, so a missing rank is a timeout here, not a hang.
+  barrier()->wait();
   ++seq_;
   MPI_Comm sub = MPI_COMM_NULL;
   mpi_check(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub), "split");

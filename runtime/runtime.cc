@@ -39,6 +39,7 @@ Runtime& Runtime::init() {
 
 Runtime::Runtime() {
   env_ = detect_process_env();
+  set_log_rank(env_.rank, env_.world_size);  // the launcher's word, for errors while MPI starts
   int mpi_rank = 0, mpi_size = 1;
 #if defined(REMAT_WITH_MPI)
   static MpiSession session;  // lives until exit; finalizes MPI then
