@@ -47,7 +47,8 @@ double parse_decimal(const char* name, const std::string& value, double min, dou
                      const NumberRule& rule) {
   const size_t point = value.find('.');
   const size_t whole_end = point == std::string::npos ? value.size() : point;
-  const bool spelled_well = value.size() > (point == std::string::npos ? 0 : 1) &&
+  const size_t digits = value.size() - (point == std::string::npos ? 0 : 1);
+  const bool spelled_well = digits > 0 &&
                             all_digits(value, 0, whole_end) &&
                             (point == std::string::npos || all_digits(value, point + 1, value.size()));
   if (!spelled_well) refuse(name, value, rule, true);
