@@ -30,16 +30,7 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
 }  // namespace
 
 double available_bytes_per_rank() {
-  if (auto v = knobs::get(knobs::kMemoryPerRankBytes)) {
-    char* end = nullptr;
-    errno = 0;
-    const long long bytes = std::strtoll(v->c_str(), &end, 10);
-    if (errno != 0 || end == v->c_str() || *end != '\0' || bytes <= 0) {
-      throw ConfigError(str(knobs::kMemoryPerRankBytes, "='", *v, "' is not a whole number of bytes > 0: give the "
-                            "bytes each rank may use, or unset it to read them from the host"));
-    }
-    return static_cast<double>(bytes);
-  }
+  if (auto bytes = knobs::memory_per_rank_bytes()) return static_cast<double>(*bytes);
   std::ifstream meminfo("/proc/meminfo");
   std::string key;
   double kib = 0;
@@ -56,7 +47,10 @@ double available_bytes_per_rank() {
   double max = 0, current = 0;
   if ((max_file >> max) && (current_file >> current) && max > current) bytes = std::min(bytes, max - current);
   int local_ranks = 1;
-  if (auto v = knobs::get("OMPI_COMM_WORLD_LOCAL_SIZE")) local_ranks = std::max(1, std::atoi(v->c_str()));
+  if (auto v = knobs::get("OMPI_COMM_WORLD_LOCAL_SIZE")) {
+    local_ranks = static_cast<int>(knobs::parse_whole("OMPI_COMM_WORLD_LOCAL_SIZE", *v, 1, 1 << 30,
+                                                      {"a whole number of ranks >= 1", "fix the launcher"}));
+  }
   return bytes / local_ranks;
 }
 

@@ -288,6 +288,48 @@ TEST_F(DebugCollectives, MismatchNamesBothRanksAndBothCalls) {
   EXPECT_THAT(msg, HasSubstr(r == 0 ? "called broadcast(seq=1" : "called allReduce(seq=1"));
 }
 
+// REMAT_DEBUG_COLLECTIVES changes what every collective exchanges: set on
+// rank 1 alone it hung start-up for good (rank 1 waited to create the debug
+// mode's communicator, which the others never made). The ranks now agree on
+// it as the communicator is made, and every rank raises the same error.
+TEST(DebugCollectivesAgreement, OnSomeRanksOnlyEveryRankRefusesIt) {
+  auto comm = world();
+  const int n = comm->size(), r = comm->rank();
+  if (n == 1) {  // one rank agrees with itself
+    setenv("REMAT_DEBUG_COLLECTIVES", "1", 1);
+    EXPECT_TRUE(std::dynamic_pointer_cast<MpiCommunicator>(world())->debugCollectives());
+    unsetenv("REMAT_DEBUG_COLLECTIVES");
+    return;
+  }
+  const std::vector<std::pair<int, const char*>> cases = {{1, "1"}, {n - 1, "maybe"}};
+  for (const auto& [odd_rank, value] : cases) {
+    if (r == odd_rank) setenv("REMAT_DEBUG_COLLECTIVES", value, 1);
+    std::string msg;
+    try {
+      world();
+    } catch (const ConfigError& e) {
+      msg = e.what();
+    }
+    unsetenv("REMAT_DEBUG_COLLECTIVES");
+    std::string others;
+    for (int q = 0; q < n; ++q) {
+      if (q != odd_rank) others += str(others.empty() ? "" : ", ", q);
+    }
+    const std::string held = str("<not set> on rank", n > 2 ? "s " : " ", others, "; '", value, "' on rank ", odd_rank);
+    if (std::string(value) == "1") {
+      EXPECT_THAT(msg, HasSubstr(str("the ranks of this job were started with different REMAT_DEBUG_COLLECTIVES: ",
+                                     held, ". It changes what every collective exchanges")));
+    } else {
+      EXPECT_THAT(msg, HasSubstr(str("REMAT_DEBUG_COLLECTIVES='maybe' is not a boolean: use 1 or 0 (or true/false), "
+                                     "without spaces (rank ", odd_rank, "'s value; the ranks have ", held, ")")));
+    }
+  }
+  // The refusal left the ranks in step.
+  at::Tensor t = at::ones({2});
+  comm->allReduce(t)->wait();
+  EXPECT_TRUE(at::equal(t, at::full({2}, n, at::kFloat)));
+}
+
 TEST(Timeouts, UnansweredReceiveTimesOutWithAClearError) {
   auto comm = world();
   const int n = comm->size(), r = comm->rank();

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -20,15 +21,16 @@ inline constexpr const char* kCommTimeoutSeconds = "REMAT_COMM_TIMEOUT_S";
 inline constexpr const char* kProgress = "REMAT_PROGRESS";
 // Fault-injection seam for tests: milliseconds remat-train's save pauses after
 // writing each temporary file and before renaming it into place, so a test can
-// kill a save in progress. Unset: no pause.
+// kill a save in progress: from 0 to 60000 (1 minute). Unset: no pause.
 inline constexpr const char* kFaultSavePauseMs = "REMAT_FAULT_SAVE_PAUSE_MS";
 // Bytes each rank may use on this host, for remat-train's fit check and
 // remat-estimate: a whole number > 0. Unset: MemAvailable, capped by the
 // cgroup's memory.max less its memory.current, over the host's ranks.
 inline constexpr const char* kMemoryPerRankBytes = "REMAT_MEMORY_PER_RANK_BYTES";
-// Intra-op threads per process (LibTorch's and OpenMP's own variable). Unset
-// with several ranks on one machine: remat shares the cores out among them
-// (cores / local ranks, at least 1); remat-run sets it the same way.
+// Intra-op threads per process (LibTorch's and OpenMP's own variable): a whole
+// number >= 1; more than the machine's cores is lowered to the cores, with a
+// warning. Unset with several ranks on one machine: remat shares the cores out
+// among them (cores / local ranks, at least 1); remat-run sets it the same way.
 inline constexpr const char* kOmpNumThreads = "OMP_NUM_THREADS";
 // Overlapped gradient reduction (zero_optimization.overlap_comm): hooks
 // (default) tests the reductions in flight at every gradient, which lets MPI
@@ -41,6 +43,22 @@ inline constexpr const char* kCuda = "REMAT_CUDA";
 // The variable's value, or nullopt when unset or empty.
 std::optional<std::string> get(const char* name);
 
+// One reading for every numeric and boolean variable, so that all of them
+// take the same spellings: the value exactly as set (surrounding spaces are
+// not trimmed), numbers in plain decimal digits (no sign, hex, octal or
+// exponent; a fraction only where the variable takes one), booleans as
+// 1/true/yes/on or 0/false/no/off in any case. Anything else, or a number
+// outside [min, max], is a ConfigError "NAME='VALUE' is not EXPECTED: ADVICE".
+struct NumberRule {
+  const char* expected;  // "a whole number of bytes > 0"
+  const char* advice;    // what to do instead
+};
+int64_t parse_whole(const char* name, const std::string& value, int64_t min, int64_t max,
+                    const NumberRule& rule);
+double parse_decimal(const char* name, const std::string& value, double min, double max,
+                     const NumberRule& rule);
+bool parse_bool(const char* name, const std::string& value);
+
 // True for 1/true/yes/on (any case); false when unset. Anything else is an error.
 bool get_bool(const char* name);
 
@@ -50,8 +68,16 @@ bool get_bool(const char* name);
 std::chrono::milliseconds comm_timeout();
 
 // REMAT_FAULT_SAVE_PAUSE_MS as a duration (nullopt when unset); anything but a
-// whole number of milliseconds >= 0 is an error. remat-train reads it at start.
+// whole number of milliseconds from 0 to 60000 is an error (a longer pause
+// would only stall the save past any collective timeout). remat-train reads
+// it at start.
 std::optional<std::chrono::milliseconds> fault_save_pause();
+
+// REMAT_MEMORY_PER_RANK_BYTES (nullopt when unset): a whole number > 0.
+std::optional<int64_t> memory_per_rank_bytes();
+
+// OMP_NUM_THREADS (nullopt when unset): a whole number >= 1.
+std::optional<int64_t> omp_num_threads();
 
 // REMAT_REDUCE_PROGRESS: true for hooks or unset, false for off; anything
 // else is a ConfigError naming both values.

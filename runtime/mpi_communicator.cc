@@ -4,8 +4,11 @@
 #include <pwd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
+#include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -218,6 +221,105 @@ class MpiWork final : public Work {
   std::string error_;
 };
 
+// Ends the process if a blocking start-up call has not returned by the
+// collective timeout. MPI_Init waits for every rank of the job (Open MPI
+// exchanges their addresses there) and has no timeout of its own: a rank
+// stopped before it, as a loaded machine still loading LibTorch made likely,
+// held the others there for good. No MPI call is possible yet, so the
+// process exits with the error; mpirun then ends the job.
+class StartupDeadline {
+ public:
+  StartupDeadline(std::string what, std::chrono::milliseconds limit)
+      : thread_([this, what = std::move(what), limit] {
+          std::unique_lock<std::mutex> lock(mutex_);
+          if (done_cv_.wait_for(lock, limit, [this] { return done_; })) return;
+          std::fprintf(stderr, "%s remat timeout: %s did not complete within %g s: a peer has not reached it (it "
+                       "exited, stalled or is still starting); raise REMAT_COMM_TIMEOUT_S if start-up is only slow\n",
+                       log_prefix().c_str(), what.c_str(), limit.count() / 1000.0);
+          std::fflush(stderr);
+          std::_Exit(1);
+        }) {}
+  ~StartupDeadline() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_ = true;
+    }
+    done_cv_.notify_one();
+    thread_.join();
+  }
+  StartupDeadline(const StartupDeadline&) = delete;
+  StartupDeadline& operator=(const StartupDeadline&) = delete;
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable done_cv_;
+  bool done_ = false;
+  std::thread thread_;  // last: starts once the members it uses exist
+};
+
+// "1 on ranks 1, 3; <not set> on ranks 0, 2": each value with the ranks that hold it.
+std::string values_by_rank(const std::vector<std::string>& values) {
+  std::vector<std::pair<std::string, std::vector<int>>> groups;
+  for (int r = 0; r < static_cast<int>(values.size()); ++r) {
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == values[r]; });
+    if (it == groups.end()) {
+      groups.emplace_back(values[r], std::vector<int>{});
+      it = groups.end() - 1;
+    }
+    it->second.push_back(r);
+  }
+  std::string out;
+  for (const auto& [value, ranks] : groups) {
+    out += str(out.empty() ? "" : "; ", value.empty() ? "<not set>" : "'" + value + "'", " on rank",
+               ranks.size() > 1 ? "s" : "");
+    for (size_t i = 0; i < ranks.size(); ++i) out += str(i == 0 ? " " : ", ", ranks[i]);
+  }
+  return out;
+}
+
+// REMAT_DEBUG_COLLECTIVES changes what every collective exchanges (a
+// description goes first, on a communicator of its own): a rank that read it
+// differently waits for a call the others never make, and did so for good at
+// start-up. So the ranks agree on it in the communicator's first exchange,
+// whose shape no setting changes: every rank parses every rank's value with
+// the same rule and raises the same error where one is bad or they differ.
+bool agreed_debug_collectives(MPI_Comm comm, int rank, int size) {
+  constexpr int kSlot = 64;  // longer values are no boolean either: shown cut
+  const char* name = knobs::kDebugCollectives;
+  const std::string mine = knobs::get(name).value_or("");
+  at::Tensor slot = at::zeros({kSlot}, at::kChar);
+  std::memcpy(slot.data_ptr(), mine.data(), std::min<size_t>(mine.size(), kSlot - 1));
+  at::Tensor all = at::zeros({static_cast<int64_t>(kSlot) * size}, at::kChar);
+  MpiWork work(str("agreeing on ", name, " at start-up"), rank, size, knobs::comm_timeout(),
+               /*cancellable=*/false, WaitedFor::kCollective, /*debug=*/false);
+  work.keep_alive = {slot, all};
+  work.requests.resize(1);
+  mpi_check(MPI_Iallgather(slot.data_ptr(), kSlot, MPI_CHAR, all.data_ptr(), kSlot, MPI_CHAR, comm,
+                           &work.requests[0]),
+            str("agreeing on ", name));
+  work.wait();
+  std::vector<std::string> values;
+  std::vector<bool> on;
+  for (int r = 0; r < size; ++r) {
+    values.emplace_back(static_cast<const char*>(all.data_ptr()) + static_cast<size_t>(r) * kSlot);
+    if (values[r].size() == static_cast<size_t>(kSlot - 1)) values[r] += "...";
+  }
+  for (int r = 0; r < size; ++r) {
+    try {
+      on.push_back(!values[r].empty() && knobs::parse_bool(name, values[r]));
+    } catch (const ConfigError& e) {
+      throw ConfigError(str(e.what(), " (rank ", r, "'s value; the ranks have ", values_by_rank(values), ")"));
+    }
+  }
+  if (std::find(on.begin(), on.end(), !on[0]) != on.end()) {
+    throw ConfigError(str("the ranks of this job were started with different ", name, ": ", values_by_rank(values),
+                          ". It changes what every collective exchanges, so every rank must have the same value: "
+                          "set it for all ranks (remat-run passes every REMAT_* variable on; with mpirun, -x ",
+                          name, ") or for none"));
+  }
+  return on[0];
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -233,7 +335,10 @@ MpiSession::MpiSession() {
     ::setenv("HOME", user != nullptr && user->pw_dir != nullptr ? user->pw_dir : "/tmp", 1);
   }
   int provided = 0;
-  mpi_check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
+  {
+    StartupDeadline deadline("MPI_Init (every rank of the job starting MPI)", knobs::comm_timeout());
+    mpi_check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
+  }
   owns_ = true;
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
 }
@@ -268,16 +373,33 @@ std::shared_ptr<MpiCommunicator> MpiCommunicator::world() {
   REMAT_CHECK(MpiSession::initialized(),
               "MPI is not initialised: create a remat::MpiSession (or call "
               "remat::Runtime::init) before asking for a communicator");
-  MPI_Comm dup;
-  mpi_check(MPI_Comm_dup(MPI_COMM_WORLD, &dup), "duplicating MPI_COMM_WORLD");
-  return std::shared_ptr<MpiCommunicator>(new MpiCommunicator(dup));
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  MPI_Comm dup = MPI_COMM_NULL;
+  {
+    // Nonblocking, so that a rank that never comes is a timeout, not a hang.
+    MpiWork work("duplicating MPI_COMM_WORLD", rank, size, knobs::comm_timeout(), /*cancellable=*/false,
+                 WaitedFor::kCollective, /*debug=*/false);
+    work.requests.resize(1);
+    mpi_check(MPI_Comm_idup(MPI_COMM_WORLD, &dup, &work.requests[0]), "duplicating MPI_COMM_WORLD");
+    work.wait();
+  }
+  MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
+  bool debug = false;
+  try {
+    debug = agreed_debug_collectives(dup, rank, size);
+  } catch (...) {
+    MPI_Comm_free(&dup);
+    throw;
+  }
+  return std::shared_ptr<MpiCommunicator>(new MpiCommunicator(dup, debug));
 }
 
-MpiCommunicator::MpiCommunicator(MPI_Comm comm) : Communicator(0, 1), comm_(comm) {
+MpiCommunicator::MpiCommunicator(MPI_Comm comm, bool debug) : Communicator(0, 1), comm_(comm), debug_(debug) {
   MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
   mpi_check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
   mpi_check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
-  debug_ = knobs::get_bool(knobs::kDebugCollectives);
   if (debug_) mpi_check(MPI_Comm_dup(comm_, &check_comm_), "duplicating for debug checks");
 }
 
@@ -503,11 +625,14 @@ std::shared_ptr<Work> MpiCommunicator::recv(at::Tensor& tensor, int src, const S
 
 std::shared_ptr<Communicator> MpiCommunicator::split(int color, int key) {
   if (debug_) verifyCollective(str("split(seq=", seq_, ")"), default_timeout_);
+  // MPI_Comm_split blocks with no timeout: every rank first meets in a
+  // barrier that has one, so a missing rank is a timeout here, not a hang.
+  barrier()->wait();
   ++seq_;
   MPI_Comm sub = MPI_COMM_NULL;
   mpi_check(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub), "split");
   if (sub == MPI_COMM_NULL) return nullptr;
-  return std::shared_ptr<MpiCommunicator>(new MpiCommunicator(sub));
+  return std::shared_ptr<MpiCommunicator>(new MpiCommunicator(sub, debug_));
 }
 
 }  // namespace remat

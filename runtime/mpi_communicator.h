@@ -33,7 +33,9 @@ class MpiSession {
 
 class MpiCommunicator final : public Communicator {
  public:
-  // A communicator over all processes (a duplicate of MPI_COMM_WORLD).
+  // A communicator over all processes (a duplicate of MPI_COMM_WORLD). Its
+  // first exchange agrees on REMAT_DEBUG_COLLECTIVES: a ConfigError on every
+  // rank, naming each rank's value, where they differ or one is no boolean.
   static std::shared_ptr<MpiCommunicator> world();
 
   ~MpiCommunicator() override;
@@ -67,7 +69,9 @@ class MpiCommunicator final : public Communicator {
   MPI_Comm mpiComm() const { return comm_; }
 
  private:
-  explicit MpiCommunicator(MPI_Comm comm);
+  // `debug`: REMAT_DEBUG_COLLECTIVES as the ranks agreed on it (world()), or
+  // the parent's (split()).
+  MpiCommunicator(MPI_Comm comm, bool debug);
 
   struct Launch;
   // The one place every MPI collective goes through: checks arguments' device,

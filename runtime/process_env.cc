@@ -9,17 +9,9 @@ namespace {
 std::optional<int> read_int(const EnvLookup& lookup, const char* name) {
   auto value = lookup(name);
   if (!value) return std::nullopt;
-  try {
-    size_t used = 0;
-    long parsed = std::stol(*value, &used);
-    if (used == value->size() && parsed >= 0 && parsed <= (1 << 30)) {
-      return static_cast<int>(parsed);
-    }
-  } catch (const std::exception&) {
-  }
-  throw ConfigError(
-      str("environment variable ", name, "='", *value,
-          "' is not a non-negative integer; unset it or fix the launcher"));
+  return static_cast<int>(knobs::parse_whole(name, *value, 0, 1 << 30,
+                                             {"a non-negative integer (at most 1073741824)",
+                                              "unset it or fix the launcher"}));
 }
 
 ProcessEnv from_vars(const EnvLookup& lookup, const char* source,

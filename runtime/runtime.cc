@@ -3,6 +3,8 @@
 #include <ATen/Parallel.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 #include <algorithm>
 #include <memory>
 #include <thread>
@@ -37,6 +39,7 @@ Runtime& Runtime::init() {
 
 Runtime::Runtime() {
   env_ = detect_process_env();
+  set_log_rank(env_.rank, env_.world_size);  // the launcher's word, for errors while MPI starts
   int mpi_rank = 0, mpi_size = 1;
 #if defined(REMAT_WITH_MPI)
   static MpiSession session;  // lives until exit; finalizes MPI then
@@ -73,15 +76,32 @@ Runtime::Runtime() {
 // 20x slower). Unless the user set OMP_NUM_THREADS (launch/remat-run.sh sets
 // it), the cores are shared out: cores / local ranks, at least 1.
 void Runtime::share_cores() {
-  if (env_.local_world_size <= 1 || knobs::get(knobs::kOmpNumThreads)) return;
   const int cores = static_cast<int>(std::thread::hardware_concurrency());
-  if (cores <= 0) return;
+  if (auto asked = knobs::omp_num_threads()) {
+    bound_threads(*asked, cores);
+    return;
+  }
+  if (env_.local_world_size <= 1 || cores <= 0) return;
   const int threads = std::max(1, cores / env_.local_world_size);
   if (at::get_num_threads() <= threads) return;
   log().info("{} ranks share this machine's {} cores: {} intra-op thread(s) per rank "
              "(set OMP_NUM_THREADS to choose)",
              env_.local_world_size, cores, threads);
   at::set_num_threads(threads);
+}
+
+// The user's OMP_NUM_THREADS, at most the cores: more threads than cores
+// never run at once, and LibTorch starting OMP_NUM_THREADS=100000 of them
+// ended the process in a segmentation fault at its first parallel kernel.
+// Set here, before any kernel, the bound holds for every thread LibTorch
+// starts; the variable itself is lowered too, for anything the rank starts.
+void Runtime::bound_threads(int64_t asked, int cores) {
+  if (cores <= 0 || asked <= cores) return;
+  log().warn("{}={} asks for more intra-op threads than this machine's {} cores: using {} (set it to at most "
+             "{} to silence this)",
+             knobs::kOmpNumThreads, asked, cores, cores, cores);
+  at::set_num_threads(cores);
+  ::setenv(knobs::kOmpNumThreads, std::to_string(cores).c_str(), 1);
 }
 
 std::shared_ptr<Communicator> Runtime::world(Backend backend) {

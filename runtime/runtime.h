@@ -42,6 +42,7 @@ class Runtime {
  private:
   Runtime();
   void share_cores();
+  static void bound_threads(int64_t asked, int cores);
   ProcessEnv env_;
 };
 

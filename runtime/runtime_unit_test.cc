@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <vector>
 
@@ -146,6 +147,69 @@ TEST(Knobs, CommTimeoutIsFiniteAndBetweenOneMillisecondAndSevenDays) {
   ScopedEnv env(knobs::kCommTimeoutSeconds, "604800");
   const auto deadline = std::chrono::steady_clock::now() + knobs::comm_timeout();
   EXPECT_GT(deadline, std::chrono::steady_clock::now());
+}
+
+// One reading for every numeric and boolean variable: the value exactly as
+// set, in plain decimal digits. REMAT_COMM_TIMEOUT_S took hex ("0x10" = 16 s)
+// and exponents, the whole-number variables took leading spaces and a sign,
+// and the booleans took neither: the same value meant a number to one
+// variable and an error to another.
+TEST(Knobs, EveryNumericAndBooleanVariableTakesTheSameSpellings) {
+  struct Variable {
+    const char* name;
+    std::function<double(const std::string&)> read;  // the value it takes from the text
+  };
+  auto from_env = [](const char* name, auto read) {
+    return [name, read](const std::string& text) {
+      ScopedEnv env(name, text.c_str());
+      return static_cast<double>(read());
+    };
+  };
+  const std::vector<Variable> numbers = {
+      {knobs::kCommTimeoutSeconds, from_env(knobs::kCommTimeoutSeconds, [] { return knobs::comm_timeout().count() / 1000; })},
+      {knobs::kFaultSavePauseMs, from_env(knobs::kFaultSavePauseMs, [] { return knobs::fault_save_pause()->count(); })},
+      {knobs::kMemoryPerRankBytes, from_env(knobs::kMemoryPerRankBytes, [] { return *knobs::memory_per_rank_bytes(); })},
+      {knobs::kOmpNumThreads, from_env(knobs::kOmpNumThreads, [] { return *knobs::omp_num_threads(); })},
+      {"OMPI_COMM_WORLD_SIZE", [](const std::string& text) {
+         return detect({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", text}}).world_size;
+       }},
+  };
+  for (const auto& v : numbers) {
+    EXPECT_EQ(v.read("16"), 16) << v.name;
+    EXPECT_EQ(v.read("016"), 16) << v.name << ": decimal, not octal";
+    for (const char* bad : {" 16", "16 ", "\t16", "16\n", "+16", "0x10", "1.6e1", "16abc", "-16", "1,6"}) {
+      EXPECT_THAT(error_of<ConfigError>([&] { v.read(bad); }), HasSubstr(str(v.name, "='", bad, "' is not ")))
+          << v.name << " took '" << bad << "'";
+    }
+  }
+  for (const char* bad : {" 1", "1 ", "+1", "0x1", "\ton"}) {
+    ScopedEnv env(knobs::kDebugCollectives, bad);
+    EXPECT_THAT(error_of<ConfigError>([] { knobs::get_bool(knobs::kDebugCollectives); }),
+                HasSubstr(str("REMAT_DEBUG_COLLECTIVES='", bad, "' is not a boolean")))
+        << bad;
+  }
+  ScopedEnv env(knobs::kDebugCollectives, "On");
+  EXPECT_TRUE(knobs::get_bool(knobs::kDebugCollectives));
+  // The error says how to write the number.
+  ScopedEnv spaced(knobs::kFaultSavePauseMs, " 5");
+  EXPECT_THAT(error_of<ConfigError>([] { knobs::fault_save_pause(); }),
+              HasSubstr("REMAT_FAULT_SAVE_PAUSE_MS=' 5' is not a whole number of milliseconds from 0 to 60000 (1 "
+                        "minute) (write it in plain decimal digits: no spaces, sign, hex or exponent): it pauses"));
+}
+
+// The save pauses this long after each file it writes: 1e12 ms stalled a save
+// for good. The seam is for tests; a minute is more than any test waits.
+TEST(Knobs, FaultSavePauseIsBoundedAtOneMinute) {
+  for (const char* bad : {"60001", "1000000000000", "99999999999999999999999"}) {
+    ScopedEnv env(knobs::kFaultSavePauseMs, bad);
+    EXPECT_THAT(error_of<ConfigError>([] { knobs::fault_save_pause(); }),
+                HasSubstr(str("REMAT_FAULT_SAVE_PAUSE_MS='", bad,
+                              "' is not a whole number of milliseconds from 0 to 60000 (1 minute): it pauses each "
+                              "save for a test to interrupt")))
+        << bad;
+  }
+  ScopedEnv env(knobs::kFaultSavePauseMs, "60000");
+  EXPECT_EQ(knobs::fault_save_pause()->count(), 60000);
 }
 
 TEST(Logging, PrefixCarriesRankAndLayout) {

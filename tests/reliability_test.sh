@@ -274,6 +274,18 @@ expect "1e999 through --set names the key" "'optimizer.params.lr' holds a number
 outcome "a bad REMAT_FAULT_SAVE_PAUSE_MS is refused at start" error \
   "REMAT_FAULT_SAVE_PAUSE_MS='soon' is not a whole number" "^step " \
   env REMAT_FAULT_SAVE_PAUSE_MS=soon "${tiny[@]}" --steps 3 --save-dir "$tmp/knob"
+# The fault-injection pause is bounded: 1e12 ms stalled the first save for good.
+outcome "a REMAT_FAULT_SAVE_PAUSE_MS beyond a minute is refused at start" error \
+  "REMAT_FAULT_SAVE_PAUSE_MS='1000000000000' is not a whole number of milliseconds from 0 to 60000 (1 minute)" "^step " \
+  env REMAT_FAULT_SAVE_PAUSE_MS=1000000000000 "${tiny[@]}" --steps 3 --save-dir "$tmp/knob"
+# OMP_NUM_THREADS=100000 ended in a segmentation fault (exit 139) at the first
+# layer norm, LibTorch starting that many OpenMP threads: the cores bound it.
+cores=$(getconf _NPROCESSORS_ONLN)
+ok "OMP_NUM_THREADS beyond the cores is lowered to them, with a warning" \
+  "OMP_NUM_THREADS=100000 asks for more intra-op threads than this machine's $cores cores: using $cores" \
+  env OMP_NUM_THREADS=100000 "${tiny[@]}" --steps 1
+outcome "an OMP_NUM_THREADS of 0 is refused at start" error \
+  "OMP_NUM_THREADS='0' is not a whole number of threads >= 1" "^step " env OMP_NUM_THREADS=0 "${tiny[@]}" --steps 1
 
 # --- B. No hangs -------------------------------------------------------------
 
@@ -283,31 +295,42 @@ expect "a micro-batch beyond the machine's memory is refused with the estimate" 
   "${tiny[@]}" --set train_micro_batch_size_per_gpu=2000000000
 
 # B1. A stalled rank (SIGSTOP) at several points of a ZeRO-3 step ends the job
-#     within 1.2 x the collective timeout, the error printed at once.
+#     soon after the collective timeout, the error printed at once.
+#     The delays count from the first step, and the rank stopped is a child of
+#     the job's mpirun: counted from the launch and picked as the newest
+#     process with the job's command line, the stop on a loaded machine (mpirun
+#     slow to start its ranks) hit mpirun itself, the ranks trained on, and
+#     the case ran into its own 30 s limit ("34.3 s, exit 137"). A rank stopped
+#     while the job starts (in or before MPI_Init, which has no timeout of its
+#     own) ends it at the timeout too: MpiSession bounds MPI_Init.
+#     The bound is the timeout plus 5 s for the abort and mpirun's teardown of
+#     the stopped rank: 0.1 s on an idle machine, up to 2.8 s measured at a
+#     load average of 11 on 2 cores (over 1.2 x the timeout there), so a
+#     loaded CI machine meets it and a hang does not.
 timeout_s=10
 for delay in 2 3.5 5; do
   REMAT_COMM_TIMEOUT_S=$timeout_s "$run" -np 2 -- "$train" "${small[@]}" --steps 100000 \
     --set zero_optimization.stage=3 --set activation_checkpointing.variant=full \
     --set model.n_layer=4 >"$tmp/stall.log" 2>&1 &
-  job=$!
+  job=$!  # remat-run, then the mpirun it becomes; the ranks are its children
+  for _ in $(seq 1 600); do grep -q '^step 1/' "$tmp/stall.log" && break; sleep 0.1; done
   sleep "$delay"
-  victim=$(pgrep -f -n -- "--steps 100000 --set zero_optimization.stage=3")
+  victim=$(pgrep -P "$job" | tail -1)
   kill -STOP "$victim" 2>/dev/null
   stopped=$(date +%s.%N)
   for _ in $(seq 1 $((timeout_s * 30))); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
   ended=$(date +%s.%N)
   kill -CONT "$victim" 2>/dev/null
   if kill -0 "$job" 2>/dev/null; then
-    kill -9 "$job" 2>/dev/null
-    pkill -9 -f -- "--steps 100000 --set zero_optimization.stage=3"
+    kill -9 $(pgrep -P "$job") "$job" 2>/dev/null
   fi
   wait "$job" 2>/dev/null; rc=$?
   took=$(awk -v a="$stopped" -v b="$ended" 'BEGIN { printf "%.1f", b - a }')
-  if [[ $rc -ne 0 ]] && awk -v t="$took" -v l="$timeout_s" 'BEGIN { exit !(t <= 1.2 * l) }' &&
+  if [[ $rc -ne 0 && -n "$victim" ]] && awk -v t="$took" -v l="$timeout_s" 'BEGIN { exit !(t <= l + 5) }' &&
      grep -q "did not complete within $timeout_s s" "$tmp/stall.log"; then
     pass "a rank stopped ${delay} s into a ZeRO-3 run ends the job in ${took} s (timeout ${timeout_s} s)"
   else
-    fail "a rank stopped ${delay} s into a ZeRO-3 run ends the job within 1.2 x ${timeout_s} s (took ${took} s, exit $rc)" \
+    fail "a rank stopped ${delay} s into a ZeRO-3 run ends the job within ${timeout_s} + 5 s (took ${took} s, exit $rc, rank ${victim:-not found})" \
       "$(tail -5 "$tmp/stall.log")"
   fi
 done
