@@ -320,7 +320,8 @@ std::string MemoryEstimate::table() const {
   }
   o << "  activation: the step's activation peak above the state (" << (mode == "live" ? "a whole-model backward's "
        "gradients included; grads: the stage's peak" : "gradients apart")
-    << "); comm: buffers inside grads (stages 1-2 bucket) and gathered (stage 3); peak: what one rank holds at once\n";
+    << "); host: what offloading moves to the host and holds there at the peak (apart from the peak); comm: buffers "
+       "inside grads (stages 1-2 bucket) and gathered (stage 3); peak: what one rank holds at once\n";
   return o.str();
 }
 
