@@ -17,6 +17,7 @@
 #include "checkpointing/offload_activations.h"
 #include "checkpointing/policy.h"
 #include "checkpointing/selective_op.h"
+#include "checkpointing/stored_inputs.h"
 #include "rng/rng_tracker.h"
 #include "runtime/communicator.h"
 #include "runtime/error.h"
@@ -88,18 +89,30 @@ class ChoiceHook : public ModuleHook {
 // What one profiling run measured, per block.
 struct RunRecord {
   explicit RunRecord(size_t n)
-      : held(n, 0), fwd_peak(n, 0), fwd_live(n, 0), after(n, 0), transient(n, 0), fwd_cpu(n, 0), fwd_wall(n, 0), bwd_cpu(n, 0), bwd_wall(n, 0),
+      : held(n, 0), fwd_peak(n, 0), fwd_live(n, 0), after(n, 0), transient(n, 0), host(n, 0), host_live(n, 0),
+        host_after(n, 0), fwd_cpu(n, 0), fwd_wall(n, 0), bwd_cpu(n, 0), bwd_wall(n, 0),
         rec_cpu(n, 0), rec_wall(n, 0), window_live(n, -1), seen(n, false) {}
   MemoryTracker memory;
   c10::DeviceType device = c10::DeviceType::CPU;
   std::vector<int64_t> held, fwd_peak, fwd_live, after, transient;
+  // The same for the bytes moved to the host (host_moved() at the same points).
+  std::vector<int64_t> host, host_live, host_after;
 
   // What each block holds: the live bytes from its call's start to the next
   // block's, so that an input the block frees once its call returns (moved to
   // the host, say) is its own; the last block's is measured over its call.
   void settle_held() {
     const size_t n = held.size();
-    for (size_t i = 0; i < n; ++i) held[i] = (i + 1 < n ? fwd_live[i + 1] : after[i]) - fwd_live[i];
+    for (size_t i = 0; i < n; ++i) {
+      held[i] = (i + 1 < n ? fwd_live[i + 1] : after[i]) - fwd_live[i];
+      host[i] = (i + 1 < n ? host_live[i + 1] : host_after[i]) - host_live[i];
+    }
+  }
+  // Bytes moved to the host so far: in a forward nothing comes back before
+  // the backward, so the difference between two points of it is what the
+  // blocks between them moved and hold there.
+  static int64_t host_moved() {
+    return activation_offload_stats().offloaded_bytes + stored_input_stats().offloaded_bytes;
   }
   std::vector<double> fwd_cpu, fwd_wall, bwd_cpu, bwd_wall;
   std::vector<double> rec_cpu, rec_wall;  // the recompute alone (inside the backward's window)
@@ -186,6 +199,7 @@ class MeasuringHook : public ModuleHook {
     if (!record) return inner_->run(args, next);
     record->settle();
     const int64_t before = record->memory.current(record->device);
+    const int64_t host_before = RunRecord::host_moved();
     const int64_t earlier = record->restart_peak();
     if (record->before_blocks < 0) record->before_blocks = earlier;
     const double cpu0 = thread_cpu_ms(), wall0 = wall_ms();
@@ -196,6 +210,8 @@ class MeasuringHook : public ModuleHook {
     record->fwd_live[index_] = before;
     record->fwd_peak[index_] = std::max(record->fwd_peak[index_], record->restart_peak() - before);
     record->after[index_] = record->memory.current(record->device);
+    record->host_live[index_] = host_before;
+    record->host_after[index_] = RunRecord::host_moved();
     std::weak_ptr<RunRecord> weak = record_;
     const int i = index_;
     at::Tensor output = first_grad_tensor(out);
@@ -600,7 +616,8 @@ BlockCosts profile_activation_choices(torch::nn::Module& model, const std::funct
   // and its recompute alone); bytes are the same every run.
   std::vector<std::vector<std::vector<double>>> cpu(k, std::vector<std::vector<double>>(n));
   std::vector<std::vector<std::vector<double>>> wall = cpu, rec_cpu = cpu, rec_wall = cpu;
-  std::vector<std::vector<int64_t>> held(k, std::vector<int64_t>(n, 0)), transient = held, fwd_peak = held;
+  std::vector<std::vector<int64_t>> held(k, std::vector<int64_t>(n, 0)), transient = held, fwd_peak = held,
+      host = held;
   const int64_t lowest = std::numeric_limits<int64_t>::min() / 4;
   int64_t forward_base = lowest, forward_live_base = lowest, backward_base = lowest, fixed_peak = 0, keep_peak = 0;
   bool cpu_valid = true;
@@ -655,6 +672,7 @@ BlockCosts profile_activation_choices(torch::nn::Module& model, const std::funct
       forward_live_base = std::max(forward_live_base, record->fwd_live[i] - s);
       fwd_peak[column][i] = std::max(fwd_peak[column][i], record->fwd_peak[i]);
       held[column][i] = std::max(held[column][i], record->held[i]);
+      host[column][i] = std::max(host[column][i], record->host[i]);
       transient[column][i] = std::max(transient[column][i], record->transient[i]);
       cpu[column][i].push_back(record->fwd_cpu[i] + record->bwd_cpu[i]);
       wall[column][i].push_back(record->fwd_wall[i] + record->bwd_wall[i]);
@@ -685,7 +703,8 @@ BlockCosts profile_activation_choices(torch::nn::Module& model, const std::funct
     for (size_t i = 0; i < n; ++i) {
       flat.insert(flat.end(), {static_cast<double>(held[c][i]), static_cast<double>(fwd_peak[c][i]),
                                static_cast<double>(transient[c][i]), cpu_model.extra[c][i], wall_model.extra[c][i],
-                               cpu_model.recompute[c][i], wall_model.recompute[c][i]});
+                               cpu_model.recompute[c][i], wall_model.recompute[c][i],
+                               static_cast<double>(host[c][i])});
     }
   }
   flat.insert(flat.end(), {static_cast<double>(forward_base), static_cast<double>(forward_live_base),
@@ -710,6 +729,7 @@ BlockCosts profile_activation_choices(torch::nn::Module& model, const std::funct
       cost.extra_wall_ms = flat[at_++];
       cost.recompute_cpu_ms = flat[at_++];
       cost.recompute_wall_ms = flat[at_++];
+      cost.host_bytes = static_cast<int64_t>(flat[at_++]);
     }
   }
   costs.forward_base = static_cast<int64_t>(flat[at_++]);

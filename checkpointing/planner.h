@@ -82,6 +82,12 @@ struct ChoiceCost {
   double extra_wall_ms = 0;     // wall time over keeping
   double recompute_cpu_ms = 0;  // the part of extra_cpu_ms its recompute takes, as measured
   double recompute_wall_ms = 0;
+  // Moved to the host by its forward and held there until its backward
+  // (offloaded activations, offloaded checkpoint inputs), as the offloading
+  // counters count them. Where the host is the device (a CPU model) bytes the
+  // memory tracker sees are in held_bytes too: activation offloading's host
+  // arena is outside it, cpu_checkpointing's copies are not.
+  int64_t host_bytes = 0;
 };
 
 // The planner's input: measured (profile_activation_choices) or given (tests).

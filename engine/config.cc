@@ -241,6 +241,9 @@ void check_values(const Config& c, const Origin& at) {
   if (std::string zero = parallel::check_zero_options(c.zero_optimization); !zero.empty()) {
     fail(at({"zero_optimization"}), zero);
   }
+  if (std::string bf16 = parallel::check_bf16_options(c.bf16, c.zero_optimization); !bf16.empty()) {
+    fail(at({"bf16.enabled", "zero_optimization.stage"}), bf16);
+  }
   if (c.scheduler.type == "WarmupDecayLR" &&
       c.scheduler.total_num_steps <= c.scheduler.warmup_num_steps) {
     fail(at({"scheduler.type", "scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps"}), str("scheduler WarmupDecayLR needs 'scheduler.params.total_num_steps' (",

@@ -256,7 +256,7 @@ TEST(Config, MemoryBudgetFractionTakesTheKnee) {
 
 TEST(Config, OverridesApplyWithValidation) {
   Config c = parse("{}", {"model.n_layer=8", "activation_checkpointing.variant=full",
-                          "bf16.enabled=true", "data.path=123",
+                          "bf16.enabled=true", "zero_optimization.stage=3", "data.path=123",
                           "optimizer.params.betas=[0.8, 0.9]"});
   EXPECT_EQ(c.model.n_layer, 8);
   EXPECT_EQ(checkpoint_variant_name(c.activation_checkpointing.variant), "full");

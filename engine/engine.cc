@@ -132,9 +132,13 @@ std::string optimizer_type(const torch::optim::Optimizer& optimizer) {
 // What a micro-step starts from outside its activations: every parameter's
 // and shard's storage once, the optimizer's state (before its first step,
 // what it will allocate then) and, with gradient accumulation, the gradients
-// held between micro-batches. For device_memory_budget_bytes.
+// held between micro-batches. For device_memory_budget_bytes. `live`: the
+// tracker's count at the step's start, when known: what it holds beyond the
+// parameters and the optimizer state allocated so far (the batch, whatever
+// the caller keeps) is held through the step as well.
 std::pair<int64_t, std::string> resident_state(torch::nn::Module& model, parallel::ZeroModel& zero,
-                                               const torch::optim::Optimizer& optimizer, int64_t accumulation) {
+                                               const torch::optim::Optimizer& optimizer, int64_t accumulation,
+                                               int64_t live = 0) {
   std::set<const void*> seen;
   int64_t params = 0, local_trainable = 0, model_trainable = 0;
   auto count = [&](const at::Tensor& t) {
@@ -151,6 +155,7 @@ std::pair<int64_t, std::string> resident_state(torch::nn::Module& model, paralle
     if (p.requires_grad()) local_trainable += static_cast<int64_t>(p.numel() * p.element_size());
   }
   int64_t state = optimizer_state_bytes(optimizer);
+  const int64_t other = std::max<int64_t>(0, live - params - state);
   std::string note;
   if (state == 0) {
     const std::string type = optimizer_type(optimizer);
@@ -168,9 +173,11 @@ std::pair<int64_t, std::string> resident_state(torch::nn::Module& model, paralle
   // Between micro-batches stages 0 and 1 hold every gradient, 2 and 3 their shards.
   const int64_t grads = accumulation > 1 ? (zero.stage() <= 1 ? model_trainable : local_trainable) : 0;
   const auto mib = [](int64_t b) { return str(std::round(static_cast<double>(b) / 10485.76) / 100, " MiB"); };
-  return {params + state + grads,
+  return {params + state + grads + other,
           str("parameters and buffers ", mib(params), " + optimizer state ", mib(state), note,
-              grads > 0 ? str(" + gradients held between micro-batches ", mib(grads)) : std::string())};
+              grads > 0 ? str(" + gradients held between micro-batches ", mib(grads)) : std::string(),
+              other > 0 ? str(" + other tensors live at the step's start (the batch among them) ", mib(other))
+                        : std::string())};
 }
 
 enum class Phase { kIdle, kForwarded, kBackwarded };
@@ -516,12 +523,14 @@ at::Tensor Engine::forward(const std::function<at::Tensor()>& fn, const std::vec
         at::Tensor loss = s.zero->finish_forward(fn());
         offload.reset();
         s.zero->begin_backward(/*synchronize=*/true);
-        loss.backward();
+        // Scaled as backward() scales it: the same tensors as the step's.
+        (loss / static_cast<double>(s.batch.gradient_accumulation_steps)).backward();
         s.zero->finish_backward(/*synchronize=*/true);
       };
       const auto t0 = Clock::now();
       if (config_.activation_checkpointing.device_memory_budget_bytes) {
-        auto [state, what] = resident_state(*model_, *s.zero, *s.optimizer, s.batch.gradient_accumulation_steps);
+        auto [state, what] = resident_state(*model_, *s.zero, *s.optimizer, s.batch.gradient_accumulation_steps,
+                                            s.memory->current(s.device));
         s.planner->set_state_bytes(state, std::move(what));
       }
       s.planned = s.planner->ensure(plan_key, profile_step);

@@ -11,6 +11,7 @@
 #include <set>
 #include <sstream>
 
+#include "parallel/zero_options.h"
 #include "runtime/error.h"
 
 namespace remat {
@@ -49,7 +50,13 @@ struct StateBytes {
 
 StateBytes state_bytes(const MemoryEstimateInputs& in, const Config& config, int stage, int n) {
   const auto& z = config.zero_optimization;
-  const int64_t eb = in.element_bytes;
+  // bf16 (stage 3): float32 master shards, every parameter sharded, units
+  // gathered in bf16. in.element_bytes is the profiled model's (bf16 in a
+  // live bf16 profile, whose backward allocated bf16 gradients).
+  const bool bf16 = config.bf16.enabled;
+  const int64_t eb = bf16 ? 4 : in.element_bytes;
+  const int64_t gathered_eb = bf16 ? 2 : in.element_bytes;
+  const int64_t persistence = bf16 ? 0 : z.stage3_param_persistence_threshold;
   const int64_t per_opt = optimizer_bytes_per_element(config.optimizer);
   auto shard = [n](int64_t numel) { return (numel + n - 1) / n; };
   StateBytes s;
@@ -59,14 +66,14 @@ StateBytes state_bytes(const MemoryEstimateInputs& in, const Config& config, int
     all += p.numel;
     if (p.trainable) trainable += p.numel;
     if (stage == 3) {
-      const bool persistent = p.numel < z.stage3_param_persistence_threshold;
+      const bool persistent = p.numel < persistence;
       const int64_t local = persistent ? p.numel : shard(p.numel);
       s.params += local * eb;
       if (p.trainable) local_trainable += local;
       if (!persistent && p.unit >= 0) unit_sharded[p.unit] += p.numel;
     }
   }
-  s.full_trainable = trainable * eb;
+  s.full_trainable = trainable * in.element_bytes;
   if (stage < 3) s.params = all * eb;
   switch (stage) {
     case 0:
@@ -92,7 +99,7 @@ StateBytes state_bytes(const MemoryEstimateInputs& in, const Config& config, int
         const bool prefetched = adjacent && next->second <= z.stage3_prefetch_bucket_size;
         pair = std::max(pair, it->second + (prefetched ? next->second : 0));
       }
-      s.gathered = pair * eb;
+      s.gathered = pair * gathered_eb;
       s.comm = s.gathered;
       break;
     }
@@ -147,6 +154,11 @@ MemoryEstimate estimate_memory(const Config& config, int world_size, const Memor
   e.world_size = world_size;
   e.tp = tp;
   e.dp = world_size / tp;
+  // The trainer's rules that need the number of ranks (ZeroModel's), so that
+  // the estimate refuses what the run would.
+  if (std::string bad = parallel::check_hybrid_shard_size(config.zero_optimization, e.dp); !bad.empty()) {
+    throw ConfigError(bad);
+  }
   const int hybrid = config.zero_optimization.hybrid_shard_size;
   const bool use_hybrid = hybrid > 0 && hybrid < e.dp;
   e.shard_group = use_hybrid ? hybrid : e.dp;
@@ -258,8 +270,9 @@ MemoryEstimate estimate_memory(const Config& config, int world_size, const Memor
         r.host_bytes = host;
         // The activation phase, or the optimizer's step (the state, the
         // gradients and one parameter's update temporaries).
-        r.peak_bytes = std::max(fixed + r.activation_bytes + grads_term, st.params + st.optimizer + st.grads) +
-                       (in.host_is_device ? host : 0);
+        // Host bytes are apart: what of them a CPU model's tracker counts
+        // (cpu_checkpointing's copies) is in the activations already.
+        r.peak_bytes = std::max(fixed + r.activation_bytes + grads_term, st.params + st.optimizer + st.grads);
         e.rows.push_back(std::move(r));
       }
     }
@@ -307,7 +320,8 @@ std::string MemoryEstimate::table() const {
   }
   o << "  activation: the step's activation peak above the state (" << (mode == "live" ? "a whole-model backward's "
        "gradients included; grads: the stage's peak" : "gradients apart")
-    << "); comm: buffers inside grads (stages 1-2 bucket) and gathered (stage 3); peak: what one rank holds at once\n";
+    << "); host: what offloading moves to the host and holds there at the peak (apart from the peak); comm: buffers "
+       "inside grads (stages 1-2 bucket) and gathered (stage 3); peak: what one rank holds at once\n";
   return o.str();
 }
 
@@ -420,23 +434,26 @@ MemoryEstimateInputs cold_gpt_inputs(const Config& config, int64_t vocab_size, i
                btf = b * t * F;
   const double sp = config.tensor_parallel.sequence_parallel_active() ? static_cast<double>(tp) : 1.0;
   auto bytes_of = [](double x) { return static_cast<int64_t>(std::min(x, 0x1p50)); };
-  const int64_t block = bytes_of(4 * ((3 * btc + 4 * b * t) / sp + 4 * btc + 2 * bhtt + 2 * btf) +
-                                 4 * (bhtt + 2 * btc / sp));
-  const int64_t boundary = bytes_of(4 * btc / sp);
-  const int64_t kept = bytes_of(4 * (3 * btc + btc / sp + btf + btc / sp));
+  // Bytes per activation element: bf16 (ZeRO stage 3) computes in bf16, its
+  // saved tensors and dropout masks included; the loss is float32 either way.
+  const double a = config.bf16.enabled ? 2 : 4;
+  const int64_t block = bytes_of(a * ((3 * btc + 4 * b * t) / sp + 4 * btc + 2 * bhtt + 2 * btf) +
+                                 a * (bhtt + 2 * btc / sp));
+  const int64_t boundary = bytes_of(a * btc / sp);
+  const int64_t kept = bytes_of(a * (3 * btc + btc / sp + btf + btc / sp));
   // The embeddings (ids, dropout mask) and the head (the last output, ln_f
-  // statistics and output, the log-softmax output).
+  // statistics and output, the log-softmax output in float32).
   const int64_t ends =
-      bytes_of(8 * (b * t + t) + 4 * btc / sp + 4 * ((btc + 2 * b * t + btc) / sp + b * t * V));
+      bytes_of(8 * (b * t + t) + a * btc / sp + a * (btc + 2 * b * t + btc) / sp + 4 * b * t * V);
   BlockActivationBytes bytes;
   bytes.boundary = boundary;
   bytes.saved = block;
   bytes.selective_op = kept;
-  bytes.embedding = bytes_of(8 * (b * t + t) + 4 * btc / sp);
+  bytes.embedding = bytes_of(8 * (b * t + t) + a * btc / sp);
   // save_collectives: per block two all-reduces' outputs, or with sequence
   // parallelism two all-gathers' (the whole sequence) and two reduce-scatters'.
   if (config.activation_checkpointing.save_collectives && tp > 1) {
-    bytes.checkpoint_kept = bytes_of(4 * (2 * btc + (sp > 1 ? 2 * btc / sp : 0)));
+    bytes.checkpoint_kept = bytes_of(a * (2 * btc + (sp > 1 ? 2 * btc / sp : 0)));
   }
   bytes.ends = ends;
   return cold_inputs(std::move(in.parameters), static_cast<int>(L), bytes);
@@ -459,14 +476,22 @@ MemoryEstimateInputs cold_inputs(std::vector<ParameterSize> parameters, int n_bl
     row[0].held_bytes = boundary + block;
     row[1].held_bytes = boundary + kept + bytes.checkpoint_kept;
     row[2].held_bytes = boundary + bytes.checkpoint_kept;
-    row[3].held_bytes = bytes.checkpoint_kept;  // the input moves to the host
-    row[4].held_bytes = 0;  // everything it saves moves to the host
+    // The input moves to the host: cpu_checkpointing's host copy is made
+    // through c10's allocator, so on a CPU model it is counted where it was.
+    row[3].held_bytes = bytes.checkpoint_kept + (in.host_is_device ? boundary : 0);
+    row[4].held_bytes = 0;  // everything it saves moves to the host (an arena outside c10's allocator)
     for (auto& x : row) x.forward_peak_bytes = boundary + block;
+    // Offloaded as they are saved: about half the block's saved bytes are on
+    // the device at once during its forward, as in its backward.
+    row[4].forward_peak_bytes = boundary + block / 2;
     row[0].transient_bytes = 0;
     row[1].transient_bytes = block;
     row[2].transient_bytes = block;
     row[3].transient_bytes = block + boundary;  // restored, then recomputed
-    row[4].transient_bytes = boundary + block;  // restored
+    // Restored one saved tensor at a time as the backward reaches it, each
+    // freed after its use: about half the block's saved bytes are back at
+    // once (0.51 in the GPT's live profile), not all of them.
+    row[4].transient_bytes = block / 2;
     // No time is measured cold: a block's recompute in units of its
     // forward (selective_op recomputes the cheap ops only), so that the auto
     // row prefers keeping, then selective_op, then full.
@@ -516,6 +541,11 @@ MemoryEstimateInputs live_inputs(torch::nn::Module& model, const std::string& bl
   options.choices = {BlockChoice::kSelectiveOp, BlockChoice::kFull, BlockChoice::kFullOffload,
                      BlockChoice::kOffloadActivations};
   in.activations = profile_activation_choices(model, step, options);
+  for (const auto& block : in.activations.blocks) {
+    std::vector<int64_t> host;
+    for (const ChoiceCost& cost : block) host.push_back(cost.host_bytes);
+    in.host_bytes.push_back(std::move(host));
+  }
   return in;
 }
 

@@ -54,10 +54,14 @@ struct MemoryEstimateInputs {
   // profile's backward allocates them (true).
   BlockCosts activations;
   bool gradients_in_activations = false;
-  // Host bytes each column moves off the device per block (cold; a live
-  // profile on the CPU measures them as device bytes: the host is the device).
+  // Host bytes each column moves off the device per block and holds there
+  // until the block's backward (cold: derived; live: the offloading counters
+  // during the profile). A row's host column is their sum, what the host
+  // holds at the step's peak; it is not added to the peak.
   std::vector<std::vector<int64_t>> host_bytes;  // [block][column]
-  // The model lives on the CPU: offloaded copies count in the same memory.
+  // The model lives on the CPU: cpu_checkpointing's host copies, made through
+  // c10's allocator, count in the same memory (in the blocks' held bytes);
+  // activation offloading's host arena does not.
   bool host_is_device = true;
   // Live: bytes the step's start held beyond the parameters and optimizer
   // state (buffers, data); cold: 0.

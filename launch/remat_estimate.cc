@@ -71,6 +71,8 @@ int estimate(int argc, char** argv) {
     options.shape = config.model;
     options.vocab_size = data.vocab_size();
     models::Gpt model(options);
+    // bf16 computes in bf16 (ZeRO stage 3's gathered units): profiled so.
+    if (config.bf16.enabled) model->to(at::kBFloat16);
     model->train();
     auto [x, y] = data.train_batch(static_cast<uint64_t>(config.train.seed), 0, 0, batch.micro_batch_per_gpu);
     inputs = live_inputs(*model, "blocks", [&, x = x, y = y] { model->loss(x, y).backward(); });

@@ -18,26 +18,13 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
                      std::shared_ptr<Communicator> dp_group, const ZeroOptions& config,
                      const Bf16Options& bf16, std::vector<at::Tensor> sharded_tp)
     : stage_(config.stage), model_(model), sharded_tp_(std::move(sharded_tp)) {
-  if (bf16.enabled && config.stage != 3) {
-    throw ConfigError("bf16.enabled computes in bf16 from fp32 master shards: it needs "
-                      "zero_optimization.stage 3 (set it, or turn bf16 off)");
-  }
+  if (std::string bad = check_bf16_options(bf16, config); !bad.empty()) throw ConfigError(bad);
   const std::string invalid = check_zero_options(config);
   if (!invalid.empty()) throw ConfigError("config error: " + invalid);
   const int dp = dp_group->size(), rank = dp_group->rank();
   DpGroups groups{dp_group, dp_group, nullptr};
   const int hybrid = config.hybrid_shard_size;
-  if (hybrid > 0 && (hybrid > dp || dp % hybrid != 0)) {
-    throw ConfigError(str("zero_optimization.hybrid_shard_size ", hybrid, " must divide the data-parallel "
-                          "size ", dp, " (world size / tensor_parallel.size) into equal groups: use one of ",
-                          [&] {
-                            std::string d;
-                            for (int k = 1; k <= dp; ++k) {
-                              if (dp % k == 0) d += (d.empty() ? "" : ", ") + std::to_string(k);
-                            }
-                            return d;
-                          }()));
-  }
+  if (std::string bad = check_hybrid_shard_size(config, dp); !bad.empty()) throw ConfigError(bad);
   if (hybrid > 0 && hybrid < dp) {
     // Groups of `hybrid` consecutive data-parallel ranks shard; the ranks at
     // the same place in each group replicate.

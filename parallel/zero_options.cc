@@ -36,4 +36,23 @@ std::string check_zero_options(const ZeroOptions& z) {
   return "";
 }
 
+std::string check_bf16_options(const Bf16Options& bf16, const ZeroOptions& zero) {
+  if (bf16.enabled && zero.stage != 3) {
+    return str("bf16.enabled computes in bf16 from fp32 master shards: it needs zero_optimization.stage 3 (it is ",
+               zero.stage, "; set it to 3, or turn bf16 off)");
+  }
+  return "";
+}
+
+std::string check_hybrid_shard_size(const ZeroOptions& zero, int dp) {
+  const int hybrid = zero.hybrid_shard_size;
+  if (hybrid <= 0 || (hybrid <= dp && dp % hybrid == 0)) return "";
+  std::string divisors;
+  for (int k = 1; k <= dp; ++k) {
+    if (dp % k == 0) divisors += (divisors.empty() ? "" : ", ") + std::to_string(k);
+  }
+  return str("zero_optimization.hybrid_shard_size ", hybrid, " must divide the data-parallel size ", dp,
+             " (world size / tensor_parallel.size) into equal groups: use one of ", divisors);
+}
+
 }  // namespace remat::parallel

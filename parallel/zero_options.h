@@ -60,4 +60,13 @@ struct Bf16Options {
 // what needs the data-parallel size or the bf16 options, itself.
 std::string check_zero_options(const ZeroOptions& options);
 
+// bf16 with the ZeRO stage it needs: stage 3 keeps the fp32 master shards
+// bf16 computes from. Empty when valid.
+std::string check_bf16_options(const Bf16Options& bf16, const ZeroOptions& zero);
+
+// zero_optimization.hybrid_shard_size against the data-parallel size `dp`
+// (world size / tensor_parallel.size): the groups must be equal. Empty when
+// valid. ZeroModel checks it at the run, remat-estimate for its -np.
+std::string check_hybrid_shard_size(const ZeroOptions& zero, int dp);
+
 }  // namespace remat::parallel
