@@ -694,4 +694,36 @@ TEST(Config, DeepSpeedSectionsSwitchedOffAreAccepted) {
   }
 }
 
+// Issue 38, item 15: out-of-range values were reported one per run. Every
+// broken rule is now listed in one error, each with its source.
+TEST(ConfigMessages, EveryOutOfRangeValueIsListedInOneError) {
+  const std::string msg = config_error([] {
+    parse(R"({"gradient_clipping": -1, "optimizer": {"params": {"lr": 0}}, "model": {"n_layer": 0},
+              "train": {"steps": -1}, "data": {"train_fraction": 2},
+              "zero_optimization": {"stage": 4, "reduce_bucket_size": 0}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("config error in test.json: 7 problems (nothing was applied):"));
+  for (const char* problem :
+       {"\n  - 'gradient_clipping' = -1 must be >= 0", "\n  - 'optimizer.params.lr' = 0 must be > 0",
+        "\n  - 'model.n_layer' = 0 must be at least 1", "\n  - 'train.steps' = -1 must be >= 0",
+        "\n  - 'data.train_fraction' = 2 must be in (0, 1)", "\n  - 'zero_optimization.stage' = 4 must be 0, 1, 2 or 3",
+        "\n  - 'zero_optimization.reduce_bucket_size' = 0 must be at least 1"}) {
+    EXPECT_THAT(msg, HasSubstr(problem));
+  }
+  // From the file and from overrides: each names its source.
+  const std::string mixed = config_error([] { parse(R"({"train": {"steps": -1}})", {"model.dropout=1.5"}); });
+  EXPECT_THAT(mixed, HasSubstr("config error: 2 problems (nothing was applied):\n  - in --set model.dropout=1.5: "
+                               "'model.dropout' = 1.5 must be in [0, 1)"));
+  EXPECT_THAT(mixed, HasSubstr("\n  - in test.json: 'train.steps' = -1 must be >= 0"));
+  // Overrides of the wrong type: every one is named.
+  const std::string typed = config_error([] { parse("{}", {"model.n_layer=x", "train.steps=y"}); });
+  EXPECT_THAT(typed, HasSubstr("config error: 2 problems (nothing was applied):\n  - in --set model.n_layer=x: "
+                               "'model.n_layer' must be integer, got string \"x\""));
+  EXPECT_THAT(typed, HasSubstr("\n  - in --set train.steps=y: 'train.steps' must be integer"));
+  // A zero head count is named once, with no division by it.
+  EXPECT_THAT(config_error([] { parse(R"({"model": {"n_head": 0}})"); }),
+              ::testing::AllOf(HasSubstr("config error in test.json: 'model.n_head' = 0 must be at least 1"),
+                               ::testing::Not(HasSubstr("divisible"))));
+}
+
 }  // namespace remat
