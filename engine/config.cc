@@ -178,7 +178,7 @@ class Origin {
     for (const auto& [key, text] : overrides_) {
       for (const auto& k : keys) {
         if (within(k, key) || within(key, k)) {
-          named += (named.empty() ? "--set " : " and --set ") + json_schema::preview(text);
+          named += (named.empty() ? "" : " and ") + json_schema::override_source(text);
           break;
         }
       }

@@ -726,4 +726,50 @@ TEST(ConfigMessages, EveryOutOfRangeValueIsListedInOneError) {
                                ::testing::Not(HasSubstr("divisible"))));
 }
 
+// Item 16: an override is quoted whole (it was cut at 60 characters,
+// 100000000 reading as "10000000..."), and null is named once.
+TEST(ConfigMessages, AnOverrideIsQuotedWholeAndNullOnce) {
+  const std::string set = "activation_checkpointing.device_memory_budget_bytes=100000000";
+  const std::string msg = config_error([&] { parse("{}", {set}); });
+  EXPECT_THAT(msg, HasSubstr("config error in --set " + set + ": 'activation_checkpointing."
+                             "device_memory_budget_bytes' is set but 'variant' is \"none\""));
+  EXPECT_THAT(msg, ::testing::Not(HasSubstr("...")));
+  const std::string null = config_error([] { parse("{}", {"model.n_layer=null"}); });
+  EXPECT_THAT(null, HasSubstr("'model.n_layer' must be integer, got null (leave the key out to keep its default)"));
+  EXPECT_THAT(null, ::testing::Not(HasSubstr("null null")));
+  EXPECT_THAT(config_error([] { parse(R"({"optimizer": {"params": {"lr": null}}})"); }),
+              HasSubstr("'optimizer.params.lr' must be number, got null (leave the key out"));
+}
+
+// Item 17: a key path with an empty part was read without it
+// (model.n_layer.=2 set model.n_layer).
+TEST(ConfigMessages, AKeyPathWithAnEmptyPartIsRefused) {
+  for (const char* set : {"model.n_layer.=2", ".model.n_layer=2", "model..n_layer=2"}) {
+    EXPECT_THAT(config_error([&] { parse("{}", {set}); }),
+                HasSubstr("has an empty key part (a leading, trailing or doubled '.')")) << set;
+  }
+  EXPECT_THAT(config_error([] { parse("{}", {"model.n_layer.=2"}); }),
+              HasSubstr("config error in --set model.n_layer.=2: 'model.n_layer.' has an empty key part"));
+}
+
+// Item 17: a section given whole through --set was put in place of the
+// file's (model={"n_layer": 2} reset d_model to 128); it is merged into it.
+TEST(ConfigMessages, ASectionGivenWholeIsMergedIntoTheFilesSection) {
+  const Config c = parse(R"({"model": {"d_model": 64, "n_head": 4, "n_layer": 6},
+                             "optimizer": {"type": "AdamW", "params": {"lr": 0.5, "weight_decay": 0.1}}})",
+                         {R"(model={"n_layer": 2})", R"(optimizer={"type": "SGD", "params": {"momentum": 0.9}})"});
+  EXPECT_EQ(c.model.n_layer, 2);
+  EXPECT_EQ(c.model.d_model, 64);
+  EXPECT_EQ(c.model.n_head, 4);
+  EXPECT_EQ(c.optimizer.type, "SGD");
+  EXPECT_EQ(c.optimizer.lr, 0.5);
+  EXPECT_EQ(c.optimizer.weight_decay, 0.1);
+  EXPECT_EQ(c.optimizer.momentum, 0.9);
+  // A section the file leaves out starts from the defaults, as before.
+  EXPECT_EQ(parse("{}", {R"(model={"n_layer": 3})"}).model.d_model, ModelConfig{}.d_model);
+  // Its keys are checked as before.
+  EXPECT_THAT(config_error([] { parse(R"({"model": {"d_model": 64}})", {R"(model={"n_layr": 2})"}); }),
+              HasSubstr("unknown key 'model.n_layr'"));
+}
+
 }  // namespace remat
