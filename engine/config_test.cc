@@ -741,6 +741,23 @@ TEST(ConfigMessages, AnOverrideIsQuotedWholeAndNullOnce) {
               HasSubstr("'optimizer.params.lr' must be number, got null (leave the key out"));
 }
 
+// Item 16: DeepSpeed-Ulysses' long-sequence keys, as each DeepSpeed version
+// spells them, are recognised and point to remat's sequence parallelism.
+TEST(ConfigMessages, LongSequenceKeysOfEveryDeepSpeedVersionGetAHint) {
+  for (const char* key : {"sequence_parallel_size", "seq_parallel_communication_data_type",
+                          "seq_parallel_comm_data_type"}) {
+    const std::string msg = config_error([&] { parse(str("{\"", key, "\": 2}")); });
+    EXPECT_THAT(msg, HasSubstr(str("recognised DeepSpeed key, not supported by remat: '", key, "', because it ")))
+        << key;
+    EXPECT_THAT(msg, HasSubstr("remat's sequence parallelism")) << key;
+    EXPECT_THAT(msg, HasSubstr("(or set tensor_parallel.size to the ranks that split a sequence and "
+                               "tensor_parallel.sequence_parallel to true)")) << key;
+  }
+  EXPECT_THAT(config_error([] { parse(R"({"sequence_parallel_size": 2, "data_parallel_size": 2})"); }),
+              HasSubstr("'data_parallel_size', because remat derives the data-parallel size: the world size / "
+                        "tensor_parallel.size"));
+}
+
 // Item 17: a key path with an empty part was read without it
 // (model.n_layer.=2 set model.n_layer).
 TEST(ConfigMessages, AKeyPathWithAnEmptyPartIsRefused) {
