@@ -385,6 +385,54 @@ BatchSizes Config::resolve_batch(int dp) const {
   return out;
 }
 
+std::vector<std::string> ineffective_settings(const Config& c) {
+  std::vector<std::string> out;
+  const auto& ac = c.activation_checkpointing;
+  if (ac.variant == CheckpointVariant::kNone &&
+      (ac.partition_activations || ac.cpu_checkpointing || ac.contiguous_memory_optimization)) {
+    out.push_back("activation_checkpointing.variant is none, so partition_activations, "
+                  "cpu_checkpointing and contiguous_memory_optimization have no region to "
+                  "act on; set variant to full, selective_layer or selective_op");
+  }
+  if (ac.variant == CheckpointVariant::kAuto &&
+      (ac.save_ops || ac.every_k != 1 || ac.every_k_from != EveryKFrom::kFirst)) {
+    out.push_back("activation_checkpointing.variant is auto: save_ops, every_k and every_k_from are not "
+                  "used (the planner chooses per block between the default and the matmul op lists, "
+                  "full checkpoints and keeping)");
+  }
+  const auto& tp = c.tensor_parallel;
+  if (tp.sequence_parallel && tp.size == 1) {
+    out.push_back("tensor_parallel.sequence_parallel with tensor_parallel.size 1 has nothing to split: "
+                  "every rank keeps the whole sequence; set tensor_parallel.size > 1 or leave "
+                  "sequence_parallel out");
+  }
+  // (per_rank is the default: only a value other than it was surely asked for.)
+  if (tp.sequence_parallel_dropout != models::SequenceParallelDropout::kPerRank) {
+    const std::string name = models::sequence_parallel_dropout_names().at(
+        static_cast<size_t>(tp.sequence_parallel_dropout));
+    if (!tp.sequence_parallel_active()) {
+      out.push_back(str("tensor_parallel.sequence_parallel_dropout is \"", name, "\" but sequence parallelism is ",
+                        tp.sequence_parallel ? "over one rank (tensor_parallel.size 1)" : "off",
+                        ": it only chooses where the dropouts of a split sequence draw; set "
+                        "tensor_parallel.sequence_parallel to true with tensor_parallel.size > 1, or leave "
+                        "sequence_parallel_dropout out"));
+    } else if (c.model.dropout == 0) {
+      out.push_back(str("tensor_parallel.sequence_parallel_dropout is \"", name, "\" but model.dropout is 0: "
+                        "there are no dropout masks to draw; set model.dropout > 0, or leave "
+                        "sequence_parallel_dropout out"));
+    }
+  }
+  if (ac.save_collectives && tp.size == 1) {
+    out.push_back("activation_checkpointing.save_collectives with tensor_parallel.size 1: there are no "
+                  "tensor-parallel collectives to keep");
+  }
+  if (ac.partition_activations && tp.size == 1) {
+    out.push_back("activation_checkpointing.partition_activations with tensor_parallel.size 1 "
+                  "keeps whole inputs (there is no group to split them across)");
+  }
+  return out;
+}
+
 std::string Config::to_json() const { return json_schema::dump("", schema(), this).dump(2); }
 
 Config parse_config(const std::string& text, const std::string& source,

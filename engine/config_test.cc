@@ -789,4 +789,23 @@ TEST(ConfigMessages, ASectionGivenWholeIsMergedIntoTheFilesSection) {
               HasSubstr("unknown key 'model.n_layr'"));
 }
 
+// Item 17: sequence_parallel_dropout where it has no effect is pointed out.
+TEST(ConfigMessages, SequenceParallelDropoutWithoutEffectIsWarned) {
+  auto warnings = [](std::vector<std::string> overrides) {
+    std::string all;
+    for (const auto& w : ineffective_settings(parse_config("{}", "test.json", overrides))) all += w + "\n";
+    return all;
+  };
+  const std::string replicated = "tensor_parallel.sequence_parallel_dropout=replicated";
+  const std::string sp = "tensor_parallel.sequence_parallel=true";
+  EXPECT_THAT(warnings({replicated}),
+              HasSubstr("tensor_parallel.sequence_parallel_dropout is \"replicated\" but sequence parallelism is "
+                        "off: it only chooses where the dropouts of a split sequence draw"));
+  EXPECT_THAT(warnings({replicated, sp}), HasSubstr("sequence parallelism is over one rank (tensor_parallel.size 1)"));
+  EXPECT_THAT(warnings({replicated, sp, "tensor_parallel.size=2", "model.dropout=0"}),
+              HasSubstr("tensor_parallel.sequence_parallel_dropout is \"replicated\" but model.dropout is 0"));
+  EXPECT_EQ(warnings({replicated, sp, "tensor_parallel.size=2", "model.dropout=0.1"}), "");
+  EXPECT_EQ(warnings({}), "");
+}
+
 }  // namespace remat
