@@ -586,8 +586,7 @@ std::unique_ptr<RankFile> open_rank_file(const std::string& folder, const Manife
                             other->name, "' (rank ", other - manifest.files.begin(), "; same ", bytes.size(),
                             " bytes and CRC-32 ", crc, "), not rank ", index,
                             "'s: the rank files of this save were renamed or swapped. Give each its own name "
-                            "back (rename '", other->name, "' to '", entry.name, "' and so on), or resume "
-                            "from another step.", offer_newest(root_of(folder), folder)));
+                            "back (this one is '", other->name, "'), or resume from another step.", offer_newest(root_of(folder), folder)));
     }
     throw ConfigError(str("resume: '", file->path, "' is damaged: ", bytes.size(), " bytes with CRC-32 ", crc,
                           " where the manifest recorded ", entry.bytes, " bytes with CRC-32 ", entry.crc32,
@@ -659,7 +658,8 @@ std::unique_ptr<RankFile> open_rank_file(const std::string& folder, const Manife
       throw ConfigError(str(
           "resume: '", file->path, "' holds rank ", rank.toInt(), "'s state", what.empty() ? "" : " of ", what,
           " but the manifest of '", folder, "' (step ", manifest.step, ") lists it as rank ", index, "'s",
-          differs.empty() ? ": the rank files of this save were renamed or swapped. Give each its own name back"
+          differs.empty() ? ": the rank files of this save were renamed or swapped. Give each its own name back, "
+                            "or resume from another step"
                           : ": the folder mixes files of different saves; resume from a folder written as a "
                             "whole by --save-dir"));
     }

@@ -425,7 +425,7 @@ TEST(TrainState, SwappedRankFilesAreNamedAsSwapped) {
   EXPECT_THAT(e, ::testing::HasSubstr(str("rank_", me, ".pt' is intact but holds the file the manifest lists as 'rank_",
                                           previous, ".pt' (rank ", previous, "; same ")));
   EXPECT_THAT(e, ::testing::HasSubstr(str("the rank files of this save were renamed or swapped. Give each its own "
-                                          "name back (rename 'rank_", previous, ".pt' to 'rank_", me, ".pt'")));
+                                          "name back (this one is 'rank_", previous, ".pt')")));
   EXPECT_THAT(e, ::testing::Not(::testing::HasSubstr("damaged")));
   world()->barrier()->wait();
   if (world()->rank() == 0) fs::remove_all(dir);
