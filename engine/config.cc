@@ -169,7 +169,7 @@ class Origin {
     for (const auto& o : overrides) overrides_.emplace_back(o.substr(0, o.find('=')), o);
   }
 
-  std::string operator()(std::initializer_list<std::string> keys) const {
+  std::string operator()(const std::vector<std::string>& keys) const {
     auto within = [](const std::string& inner, const std::string& outer) {
       return inner == outer || (inner.size() > outer.size() && inner.compare(0, outer.size(), outer) == 0 &&
                                 inner[outer.size()] == '.');
@@ -191,17 +191,33 @@ class Origin {
   std::vector<std::pair<std::string, std::string>> overrides_;  // key, whole override
 };
 
+// The keys inside `section` that `line` quotes ('model.n_head').
+std::vector<std::string> quoted_keys(const std::string& line, const std::string& section) {
+  std::vector<std::string> keys;
+  for (size_t open = line.find('\''); open != std::string::npos;) {
+    const size_t close = line.find('\'', open + 1);
+    if (close == std::string::npos) break;
+    std::string key = line.substr(open + 1, close - open - 1);
+    if (key.rfind(section + ".", 0) == 0) keys.push_back(std::move(key));
+    open = line.find('\'', close + 1);
+  }
+  return keys;
+}
+
 // Every broken rule of a configuration, each with where its values came
 // from; one ConfigError lists them all, so that a file is mended in one pass.
 class Problems {
  public:
   explicit Problems(const Origin& origin) : origin_(origin) {}
 
-  // A rule over `keys` is broken. A library's check may report several, one per line.
-  void add(std::initializer_list<std::string> keys, const std::string& message) {
+  // A rule over `keys` is broken. A library's check of a section may report
+  // several, one per line: each is traced to the keys of the section it quotes.
+  void add(const std::vector<std::string>& keys, const std::string& message) {
     std::stringstream lines(message);
     for (std::string line; std::getline(lines, line);) {
-      if (!line.empty()) found_.emplace_back(origin_(keys), line);
+      if (line.empty()) continue;
+      const std::vector<std::string> quoted = keys.size() == 1 ? quoted_keys(line, keys[0]) : keys;
+      found_.emplace_back(origin_(quoted.empty() ? keys : quoted), line);
     }
   }
 

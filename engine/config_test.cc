@@ -715,6 +715,10 @@ TEST(ConfigMessages, EveryOutOfRangeValueIsListedInOneError) {
   EXPECT_THAT(mixed, HasSubstr("config error: 2 problems (nothing was applied):\n  - in --set model.dropout=1.5: "
                                "'model.dropout' = 1.5 must be in [0, 1)"));
   EXPECT_THAT(mixed, HasSubstr("\n  - in test.json: 'train.steps' = -1 must be >= 0"));
+  // Two rules of one library's section: each names the override that broke it.
+  const std::string section = config_error([] { parse("{}", {"model.n_head=0", "model.dropout=-1"}); });
+  EXPECT_THAT(section, HasSubstr("\n  - in --set model.n_head=0: 'model.n_head' = 0 must be at least 1"));
+  EXPECT_THAT(section, HasSubstr("\n  - in --set model.dropout=-1: 'model.dropout' = -1 must be in [0, 1)"));
   // Overrides of the wrong type: every one is named.
   const std::string typed = config_error([] { parse("{}", {"model.n_layer=x", "train.steps=y"}); });
   EXPECT_THAT(typed, HasSubstr("config error: 2 problems (nothing was applied):\n  - in --set model.n_layer=x: "
