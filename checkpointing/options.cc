@@ -67,71 +67,86 @@ std::string check_memory_budget(const MemoryBudget& b) {
   return "";
 }
 
+namespace {
+
+// Appends one broken rule to `problems` (one per line).
+void add_problem(std::string& problems, const std::string& problem) {
+  if (!problem.empty()) problems += (problems.empty() ? "" : "\n") + problem;
+}
+
+}  // namespace
+
 std::string check_policy_settings(const PolicySettings& p) {
+  std::string problems;
   if (p.every_k < 1) {
-    return str("'activation_checkpointing.every_k' = ", p.every_k,
-               " must be at least 1 (1 checkpoints every block)");
+    add_problem(problems, str("'activation_checkpointing.every_k' = ", p.every_k,
+                              " must be at least 1 (1 checkpoints every block)"));
   }
   if (p.variant == CheckpointVariant::kAuto) {
-    std::string budget = check_memory_budget(p);
-    if (!budget.empty()) return budget;
+    add_problem(problems, check_memory_budget(p));
   } else if (p.memory_budget_bytes || p.memory_budget_fraction || p.memory_budget_knee ||
              p.device_memory_budget_bytes) {
-    return str("'activation_checkpointing.",
-               p.memory_budget_bytes ? "memory_budget_bytes"
-               : p.device_memory_budget_bytes ? "device_memory_budget_bytes" : "memory_budget_fraction",
-               "' is set but 'variant' is \"", checkpoint_variant_name(p.variant),
-               "\": a budget is planned by variant \"auto\" (set it), or remove the budget");
+    add_problem(problems, str("'activation_checkpointing.",
+                              p.memory_budget_bytes ? "memory_budget_bytes"
+                              : p.device_memory_budget_bytes ? "device_memory_budget_bytes" : "memory_budget_fraction",
+                              "' is set but 'variant' is \"", checkpoint_variant_name(p.variant),
+                              "\": a budget is planned by variant \"auto\" (set it), or remove the budget"));
   }
   for (const auto& op : p.save_ops.value_or(std::vector<std::string>{})) {
     auto sep = op.find("::");
     if (sep == std::string::npos || sep == 0 || sep + 2 >= op.size()) {
-      return str("'activation_checkpointing.save_ops' entry \"", op,
-                 "\" is not an operator name like \"aten::mm\"");
+      add_problem(problems, str("'activation_checkpointing.save_ops' entry \"", op,
+                                "\" is not an operator name like \"aten::mm\""));
+      break;
     }
   }
-  return "";
+  return problems;
 }
 
 std::string check_region_settings(const RegionSettings& r) {
+  std::string problems;
   if (r.contiguous_memory_optimization && !r.number_checkpoints) {
-    return "'activation_checkpointing.contiguous_memory_optimization' is true but "
-           "'activation_checkpointing.number_checkpoints' is not set: set it to the "
-           "number of checkpointed regions per forward (e.g. model.n_layer)";
+    add_problem(problems, "'activation_checkpointing.contiguous_memory_optimization' is true but "
+                          "'activation_checkpointing.number_checkpoints' is not set: set it to the "
+                          "number of checkpointed regions per forward (e.g. model.n_layer)");
   }
   if (r.number_checkpoints && *r.number_checkpoints < 1) {
-    return str("'activation_checkpointing.number_checkpoints' = ", *r.number_checkpoints,
-               " must be at least 1");
+    add_problem(problems, str("'activation_checkpointing.number_checkpoints' = ", *r.number_checkpoints,
+                              " must be at least 1"));
   }
   if (r.contiguous_memory_optimization && !r.partition_activations && !r.cpu_checkpointing) {
-    return "'activation_checkpointing.contiguous_memory_optimization' lays out the partitioned or "
-           "offloaded copies of checkpoint inputs: set 'partition_activations' or "
-           "'cpu_checkpointing' to true as well, or set it to false";
+    add_problem(problems, "'activation_checkpointing.contiguous_memory_optimization' lays out the partitioned or "
+                          "offloaded copies of checkpoint inputs: set 'partition_activations' or "
+                          "'cpu_checkpointing' to true as well, or set it to false");
   }
   if (r.offload_min_bytes < 0) {
-    return str("'activation_checkpointing.offload_min_bytes' = ", r.offload_min_bytes, " must be >= 0");
+    add_problem(problems, str("'activation_checkpointing.offload_min_bytes' = ", r.offload_min_bytes,
+                              " must be >= 0"));
   }
   if (r.offload_max_in_flight < 1) {
-    return str("'activation_checkpointing.offload_max_in_flight' = ", r.offload_max_in_flight,
-               " must be at least 1");
+    add_problem(problems, str("'activation_checkpointing.offload_max_in_flight' = ", r.offload_max_in_flight,
+                              " must be at least 1"));
   }
-  return "";
+  return problems;
 }
 
 std::string check_activation_checkpointing(const ActivationCheckpointingOptions& options) {
-  std::string policy = check_policy_settings(options);
-  return policy.empty() ? check_region_settings(options) : policy;
+  std::string problems = check_policy_settings(options);
+  add_problem(problems, check_region_settings(options));
+  return problems;
 }
 
 std::string check_offload_activations(const OffloadActivationsOptions& o) {
+  std::string problems;
   if (o.min_offload_size < 0) {
-    return str("'activation_offloading.min_offload_size' = ", o.min_offload_size,
-               " must be >= 0 (bytes; 0 offloads every saved tensor)");
+    add_problem(problems, str("'activation_offloading.min_offload_size' = ", o.min_offload_size,
+                              " must be >= 0 (bytes; 0 offloads every saved tensor)"));
   }
   if (o.max_fwd_stash_size < 1) {
-    return str("'activation_offloading.max_fwd_stash_size' = ", o.max_fwd_stash_size, " must be at least 1");
+    add_problem(problems, str("'activation_offloading.max_fwd_stash_size' = ", o.max_fwd_stash_size,
+                              " must be at least 1"));
   }
-  return "";
+  return problems;
 }
 
 }  // namespace remat

@@ -126,7 +126,8 @@ struct OffloadActivationsOptions {
 };
 
 // The rules, each written once: an empty string when the options are valid,
-// else what is wrong and which key to change.
+// else every rule broken, one per line, each saying what is wrong and which
+// key to change (check_memory_budget: the first, as its rules build on each other).
 std::string check_memory_budget(const MemoryBudget& budget);
 // every_k, save_ops, and a budget exactly when the variant is auto.
 std::string check_policy_settings(const PolicySettings& policy);

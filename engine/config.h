@@ -137,6 +137,11 @@ struct Config {
 Config parse_config(const std::string& text, const std::string& source,
                     const std::vector<std::string>& overrides = {});
 
+// Settings that are valid but would have no effect in `config` (e.g.
+// sequence_parallel_dropout with sequence parallelism off), one sentence
+// each saying what to change; the engine logs them as warnings.
+std::vector<std::string> ineffective_settings(const Config& config);
+
 // Reads and parses a file; an unreadable file is a ConfigError.
 Config load_config(const std::string& path,
                    const std::vector<std::string>& overrides = {});

@@ -694,4 +694,122 @@ TEST(Config, DeepSpeedSectionsSwitchedOffAreAccepted) {
   }
 }
 
+// Issue 38, item 15: out-of-range values were reported one per run. Every
+// broken rule is now listed in one error, each with its source.
+TEST(ConfigMessages, EveryOutOfRangeValueIsListedInOneError) {
+  const std::string msg = config_error([] {
+    parse(R"({"gradient_clipping": -1, "optimizer": {"params": {"lr": 0}}, "model": {"n_layer": 0},
+              "train": {"steps": -1}, "data": {"train_fraction": 2},
+              "zero_optimization": {"stage": 4, "reduce_bucket_size": 0}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("config error in test.json: 7 problems (nothing was applied):"));
+  for (const char* problem :
+       {"\n  - 'gradient_clipping' = -1 must be >= 0", "\n  - 'optimizer.params.lr' = 0 must be > 0",
+        "\n  - 'model.n_layer' = 0 must be at least 1", "\n  - 'train.steps' = -1 must be >= 0",
+        "\n  - 'data.train_fraction' = 2 must be in (0, 1)", "\n  - 'zero_optimization.stage' = 4 must be 0, 1, 2 or 3",
+        "\n  - 'zero_optimization.reduce_bucket_size' = 0 must be at least 1"}) {
+    EXPECT_THAT(msg, HasSubstr(problem));
+  }
+  // From the file and from overrides: each names its source.
+  const std::string mixed = config_error([] { parse(R"({"train": {"steps": -1}})", {"model.dropout=1.5"}); });
+  EXPECT_THAT(mixed, HasSubstr("config error: 2 problems (nothing was applied):\n  - in --set model.dropout=1.5: "
+                               "'model.dropout' = 1.5 must be in [0, 1)"));
+  EXPECT_THAT(mixed, HasSubstr("\n  - in test.json: 'train.steps' = -1 must be >= 0"));
+  // Two rules of one library's section: each names the override that broke it.
+  const std::string section = config_error([] { parse("{}", {"model.n_head=0", "model.dropout=-1"}); });
+  EXPECT_THAT(section, HasSubstr("\n  - in --set model.n_head=0: 'model.n_head' = 0 must be at least 1"));
+  EXPECT_THAT(section, HasSubstr("\n  - in --set model.dropout=-1: 'model.dropout' = -1 must be in [0, 1)"));
+  // Overrides of the wrong type: every one is named.
+  const std::string typed = config_error([] { parse("{}", {"model.n_layer=x", "train.steps=y"}); });
+  EXPECT_THAT(typed, HasSubstr("config error: 2 problems (nothing was applied):\n  - in --set model.n_layer=x: "
+                               "'model.n_layer' must be integer, got string \"x\""));
+  EXPECT_THAT(typed, HasSubstr("\n  - in --set train.steps=y: 'train.steps' must be integer"));
+  // A zero head count is named once, with no division by it.
+  EXPECT_THAT(config_error([] { parse(R"({"model": {"n_head": 0}})"); }),
+              ::testing::AllOf(HasSubstr("config error in test.json: 'model.n_head' = 0 must be at least 1"),
+                               ::testing::Not(HasSubstr("divisible"))));
+}
+
+// Item 16: an override is quoted whole (it was cut at 60 characters,
+// 100000000 reading as "10000000..."), and null is named once.
+TEST(ConfigMessages, AnOverrideIsQuotedWholeAndNullOnce) {
+  const std::string set = "activation_checkpointing.device_memory_budget_bytes=100000000";
+  const std::string msg = config_error([&] { parse("{}", {set}); });
+  EXPECT_THAT(msg, HasSubstr("config error in --set " + set + ": 'activation_checkpointing."
+                             "device_memory_budget_bytes' is set but 'variant' is \"none\""));
+  EXPECT_THAT(msg, ::testing::Not(HasSubstr("...")));
+  const std::string null = config_error([] { parse("{}", {"model.n_layer=null"}); });
+  EXPECT_THAT(null, HasSubstr("'model.n_layer' must be integer, got null (leave the key out to keep its default)"));
+  EXPECT_THAT(null, ::testing::Not(HasSubstr("null null")));
+  EXPECT_THAT(config_error([] { parse(R"({"optimizer": {"params": {"lr": null}}})"); }),
+              HasSubstr("'optimizer.params.lr' must be number, got null (leave the key out"));
+}
+
+// Item 16: DeepSpeed-Ulysses' long-sequence keys, as each DeepSpeed version
+// spells them, are recognised and point to remat's sequence parallelism.
+TEST(ConfigMessages, LongSequenceKeysOfEveryDeepSpeedVersionGetAHint) {
+  for (const char* key : {"sequence_parallel_size", "seq_parallel_communication_data_type",
+                          "seq_parallel_comm_data_type"}) {
+    const std::string msg = config_error([&] { parse(str("{\"", key, "\": 2}")); });
+    EXPECT_THAT(msg, HasSubstr(str("recognised DeepSpeed key, not supported by remat: '", key, "', because it ")))
+        << key;
+    EXPECT_THAT(msg, HasSubstr("remat's sequence parallelism")) << key;
+    EXPECT_THAT(msg, HasSubstr("(or set tensor_parallel.size to the ranks that split a sequence and "
+                               "tensor_parallel.sequence_parallel to true)")) << key;
+  }
+  EXPECT_THAT(config_error([] { parse(R"({"sequence_parallel_size": 2, "data_parallel_size": 2})"); }),
+              HasSubstr("'data_parallel_size', because remat derives the data-parallel size: the world size / "
+                        "tensor_parallel.size"));
+}
+
+// Item 17: a key path with an empty part was read without it
+// (model.n_layer.=2 set model.n_layer).
+TEST(ConfigMessages, AKeyPathWithAnEmptyPartIsRefused) {
+  for (const char* set : {"model.n_layer.=2", ".model.n_layer=2", "model..n_layer=2"}) {
+    EXPECT_THAT(config_error([&] { parse("{}", {set}); }),
+                HasSubstr("has an empty key part (a leading, trailing or doubled '.')")) << set;
+  }
+  EXPECT_THAT(config_error([] { parse("{}", {"model.n_layer.=2"}); }),
+              HasSubstr("config error in --set model.n_layer.=2: 'model.n_layer.' has an empty key part"));
+}
+
+// Item 17: a section given whole through --set was put in place of the
+// file's (model={"n_layer": 2} reset d_model to 128); it is merged into it.
+TEST(ConfigMessages, ASectionGivenWholeIsMergedIntoTheFilesSection) {
+  const Config c = parse(R"({"model": {"d_model": 64, "n_head": 4, "n_layer": 6},
+                             "optimizer": {"type": "AdamW", "params": {"lr": 0.5, "weight_decay": 0.1}}})",
+                         {R"(model={"n_layer": 2})", R"(optimizer={"type": "SGD", "params": {"momentum": 0.9}})"});
+  EXPECT_EQ(c.model.n_layer, 2);
+  EXPECT_EQ(c.model.d_model, 64);
+  EXPECT_EQ(c.model.n_head, 4);
+  EXPECT_EQ(c.optimizer.type, "SGD");
+  EXPECT_EQ(c.optimizer.lr, 0.5);
+  EXPECT_EQ(c.optimizer.weight_decay, 0.1);
+  EXPECT_EQ(c.optimizer.momentum, 0.9);
+  // A section the file leaves out starts from the defaults, as before.
+  EXPECT_EQ(parse("{}", {R"(model={"n_layer": 3})"}).model.d_model, ModelConfig{}.d_model);
+  // Its keys are checked as before.
+  EXPECT_THAT(config_error([] { parse(R"({"model": {"d_model": 64}})", {R"(model={"n_layr": 2})"}); }),
+              HasSubstr("unknown key 'model.n_layr'"));
+}
+
+// Item 17: sequence_parallel_dropout where it has no effect is pointed out.
+TEST(ConfigMessages, SequenceParallelDropoutWithoutEffectIsWarned) {
+  auto warnings = [](std::vector<std::string> overrides) {
+    std::string all;
+    for (const auto& w : ineffective_settings(parse_config("{}", "test.json", overrides))) all += w + "\n";
+    return all;
+  };
+  const std::string replicated = "tensor_parallel.sequence_parallel_dropout=replicated";
+  const std::string sp = "tensor_parallel.sequence_parallel=true";
+  EXPECT_THAT(warnings({replicated}),
+              HasSubstr("tensor_parallel.sequence_parallel_dropout is \"replicated\" but sequence parallelism is "
+                        "off: it only chooses where the dropouts of a split sequence draw"));
+  EXPECT_THAT(warnings({replicated, sp}), HasSubstr("sequence parallelism is over one rank (tensor_parallel.size 1)"));
+  EXPECT_THAT(warnings({replicated, sp, "tensor_parallel.size=2", "model.dropout=0"}),
+              HasSubstr("tensor_parallel.sequence_parallel_dropout is \"replicated\" but model.dropout is 0"));
+  EXPECT_EQ(warnings({replicated, sp, "tensor_parallel.size=2", "model.dropout=0.1"}), "");
+  EXPECT_EQ(warnings({}), "");
+}
+
 }  // namespace remat

@@ -24,6 +24,13 @@ std::vector<Field> deepspeed_only_top_level() {
   const char* metrics = "give remat-train --metrics FILE: one JSON object per step";
   const char* no_data_schedule = "remat-train has no data sampling or curriculum schedules";
   const char* no_quantization = "remat does not compress or quantize models";
+  const char* ulysses_group = "it sizes DeepSpeed-Ulysses' sequence-parallel group, and remat's sequence "
+                              "parallelism is Megatron's: it splits each sequence across the tensor-parallel group";
+  const char* ulysses_dtype = "it sets the dtype of DeepSpeed-Ulysses' collectives, and remat's sequence "
+                              "parallelism (Megatron's, over the tensor-parallel group) runs its collectives "
+                              "in the dtype of what they carry";
+  const char* megatron_sp = "set tensor_parallel.size to the ranks that split a sequence and "
+                            "tensor_parallel.sequence_parallel to true";
   return {
       deepspeed_only("fp16", "remat has no fp16 training with loss scaling",
                      "set bf16.enabled with zero_optimization.stage 3: bf16 compute from fp32 master shards"),
@@ -59,7 +66,14 @@ std::vector<Field> deepspeed_only_top_level() {
                      "split the model with tensor_parallel.size and zero_optimization.stage"),
       deepspeed_only("communication_data_type",
                      "remat's collectives run in the dtype of what they carry (gradients in fp32)"),
-      deepspeed_only("seq_parallel_comm_data_type", "remat has no sequence parallelism"),
+      // DeepSpeed-Ulysses' long-sequence keys, in the spellings of its versions
+      // (seq_parallel_comm_data_type until the key took its documented name).
+      deepspeed_only("seq_parallel_comm_data_type", ulysses_dtype, megatron_sp),
+      deepspeed_only("seq_parallel_communication_data_type", ulysses_dtype, megatron_sp),
+      deepspeed_only("sequence_parallel_size", ulysses_group, megatron_sp),
+      deepspeed_only("data_parallel_size",
+                     "remat derives the data-parallel size: the world size / tensor_parallel.size",
+                     "launch data-parallel size x tensor_parallel.size ranks"),
       deepspeed_only("prescale_gradients",
                      "remat averages gradients in the collective itself (one sum, then one division by the "
                      "data-parallel size)"),

@@ -54,33 +54,9 @@ std::set<const torch::nn::Module*>& live_models() {
   return models;
 }
 
-// Settings that would have no effect are pointed out.
+// Settings that would have no effect are pointed out (config.h: ineffective_settings).
 void warn_ineffective(const Config& c) {
-  const auto& ac = c.activation_checkpointing;
-  if (ac.variant == CheckpointVariant::kNone &&
-      (ac.partition_activations || ac.cpu_checkpointing || ac.contiguous_memory_optimization)) {
-    log_rank0().warn("activation_checkpointing.variant is none, so partition_activations, "
-                     "cpu_checkpointing and contiguous_memory_optimization have no region to "
-                     "act on; set variant to full, selective_layer or selective_op");
-  }
-  if (ac.variant == CheckpointVariant::kAuto && (ac.save_ops || ac.every_k != 1 || ac.every_k_from != EveryKFrom::kFirst)) {
-    log_rank0().warn("activation_checkpointing.variant is auto: save_ops, every_k and every_k_from are not "
-                     "used (the planner chooses per block between the default and the matmul op lists, "
-                     "full checkpoints and keeping)");
-  }
-  if (c.tensor_parallel.sequence_parallel && c.tensor_parallel.size == 1) {
-    log_rank0().warn("tensor_parallel.sequence_parallel with tensor_parallel.size 1 has nothing to split: "
-                     "every rank keeps the whole sequence; set tensor_parallel.size > 1 or leave "
-                     "sequence_parallel out");
-  }
-  if (ac.save_collectives && c.tensor_parallel.size == 1) {
-    log_rank0().warn("activation_checkpointing.save_collectives with tensor_parallel.size 1: there are no "
-                     "tensor-parallel collectives to keep");
-  }
-  if (ac.partition_activations && c.tensor_parallel.size == 1) {
-    log_rank0().warn("activation_checkpointing.partition_activations with tensor_parallel.size 1 "
-                     "keeps whole inputs (there is no group to split them across)");
-  }
+  for (const auto& warning : ineffective_settings(c)) log_rank0().warn("{}", warning);
 }
 
 bool gradients_finite(const std::vector<at::Tensor>& parameters) {

@@ -577,6 +577,17 @@ std::unique_ptr<RankFile> open_rank_file(const std::string& folder, const Manife
   const std::string bytes = read_file(file->path);
   const int64_t crc = crc32_of(bytes);
   if (static_cast<int64_t>(bytes.size()) != entry.bytes || crc != entry.crc32) {
+    // Intact but another rank's file of this save (renamed or swapped by hand): not damage.
+    const auto other = std::find_if(manifest.files.begin(), manifest.files.end(), [&](const auto& f) {
+      return f.bytes == static_cast<int64_t>(bytes.size()) && f.crc32 == crc;
+    });
+    if (other != manifest.files.end()) {
+      throw ConfigError(str("resume: '", file->path, "' is intact but holds the file the manifest lists as '",
+                            other->name, "' (rank ", other - manifest.files.begin(), "; same ", bytes.size(),
+                            " bytes and CRC-32 ", crc, "), not rank ", index,
+                            "'s: the rank files of this save were renamed or swapped. Give each its own name "
+                            "back (this one is '", other->name, "'), or resume from another step.", offer_newest(root_of(folder), folder)));
+    }
     throw ConfigError(str("resume: '", file->path, "' is damaged: ", bytes.size(), " bytes with CRC-32 ", crc,
                           " where the manifest recorded ", entry.bytes, " bytes with CRC-32 ", entry.crc32,
                           ". It changed after it was saved; resume from another step.",
@@ -633,12 +644,24 @@ std::unique_ptr<RankFile> open_rank_file(const std::string& folder, const Manife
     if (step.toInt() != manifest.step || world_size.toInt() != manifest.world_size ||
         rank.toInt() != static_cast<int64_t>(index) ||
         (!manifest.run_id.empty() && run_id.toStringRef() != manifest.run_id)) {
-      throw ConfigError(str("resume: '", file->path, "' holds step ", step.toInt(), " of rank ", rank.toInt(),
-                            " of ", world_size.toInt(), " ranks of run ", run_id.toStringRef(),
-                            " but the manifest of '", folder, "' lists it as rank ", index, " of step ",
-                            manifest.step, " of run ", manifest.run_id,
-                            ": the folder mixes files of different saves; resume from a folder "
-                            "written as a whole by --save-dir"));
+      // Only what differs is named ("step 8 ... step 8" says nothing).
+      std::vector<std::string> differs;
+      if (step.toInt() != manifest.step) differs.push_back(str("step ", step.toInt(), " (not ", manifest.step, ")"));
+      if (world_size.toInt() != manifest.world_size) {
+        differs.push_back(str("a save of ", world_size.toInt(), " ranks (not ", manifest.world_size, ")"));
+      }
+      if (!manifest.run_id.empty() && run_id.toStringRef() != manifest.run_id) {
+        differs.push_back(str("run ", run_id.toStringRef(), " (not ", manifest.run_id, ")"));
+      }
+      std::string what;
+      for (const auto& d : differs) what += (what.empty() ? "" : ", ") + d;
+      throw ConfigError(str(
+          "resume: '", file->path, "' holds rank ", rank.toInt(), "'s state", what.empty() ? "" : " of ", what,
+          " but the manifest of '", folder, "' (step ", manifest.step, ") lists it as rank ", index, "'s",
+          differs.empty() ? ": the rank files of this save were renamed or swapped. Give each its own name back, "
+                            "or resume from another step"
+                          : ": the folder mixes files of different saves; resume from a folder written as a "
+                            "whole by --save-dir"));
     }
     file->archive.read("tensors", file->tensors);
     for (const std::string& key : file->tensors.keys()) {
@@ -1137,8 +1160,10 @@ TrainPosition load_train_state(const std::string& dir, const TrainShards& shards
   world.allGather(all, mine)->wait();
   for (int r = 1; r < world.size(); ++r) {
     if (!at::equal(all.narrow(0, 2 * r, 2), all.narrow(0, 0, 2))) {
-      throw ConfigError(str("resume: rank ", r, " loaded step ", all[2 * r].item<int64_t>(),
-                            " but rank 0 loaded step ", all[0].item<int64_t>(),
+      const int64_t step_r = all[2 * r].item<int64_t>(), step_0 = all[0].item<int64_t>();
+      throw ConfigError(str("resume: rank ", r, " loaded ",
+                            step_r != step_0 ? str("step ", step_r, " but rank 0 loaded step ", step_0)
+                                             : str("step ", step_r, " of another run than rank 0 did"),
                             " (from different saves): resume every rank from the same step folder"));
     }
   }

@@ -401,6 +401,60 @@ TEST(TrainState, DamagedOrForeignSavesAreClearErrors) {
   if (world()->rank() == 0) fs::remove_all(dir);
 }
 
+// Rank files renamed among themselves are intact files of this save, not
+// damaged ones: the message says so and which name each should have (issue
+// 38, item 16). Every rank's file is another's, so every rank reports.
+TEST(TrainState, SwappedRankFilesAreNamedAsSwapped) {
+  const std::string dir = job_dir("swapped");
+  {
+    Trainer t(world(), 0);
+    t.step();
+    save_train_state(dir, {1}, t.shards(), *t.optimizer, t.identity(), *world());
+  }
+  const int n = world()->size();
+  const std::string step = dir + "/step_00000001/";
+  if (world()->rank() == 0) {  // rank_i.pt becomes rank_{i+1}.pt
+    for (int i = 0; i < n; ++i) fs::rename(str(step, "rank_", i, ".pt"), str(step, "moved_", (i + 1) % n, ".pt"));
+    for (int i = 0; i < n; ++i) fs::rename(str(step, "moved_", i, ".pt"), str(step, "rank_", i, ".pt"));
+  }
+  world()->barrier()->wait();
+  Trainer t(world(), 0);
+  const int me = world()->rank(), previous = (me + n - 1) % n;
+  const std::string e = remat::testing::error_of<ConfigError>(
+      [&] { load_train_state(dir, t.shards(), *t.optimizer, t.identity(), *world()); });
+  EXPECT_THAT(e, ::testing::HasSubstr(str("rank_", me, ".pt' is intact but holds the file the manifest lists as 'rank_",
+                                          previous, ".pt' (rank ", previous, "; same ")));
+  EXPECT_THAT(e, ::testing::HasSubstr(str("the rank files of this save were renamed or swapped. Give each its own "
+                                          "name back (this one is 'rank_", previous, ".pt')")));
+  EXPECT_THAT(e, ::testing::Not(::testing::HasSubstr("damaged")));
+  world()->barrier()->wait();
+  if (world()->rank() == 0) fs::remove_all(dir);
+}
+
+// Ranks that loaded the same step of two runs' saves: the message names the
+// runs, not "step 1 but ... step 1" (issue 38, item 16).
+TEST(TrainState, TheSameStepOfAnotherRunIsNamedAsSuch) {
+  const std::string a = job_dir("run_a"), b = job_dir("run_b");
+  for (const auto& [dir, run] : {std::pair{a, "run-a"}, std::pair{b, "run-b"}}) {
+    Trainer t(world(), 0);
+    t.step();
+    SaveIdentity id = t.identity();
+    id.run_id = run;
+    save_train_state(dir, {1}, t.shards(), *t.optimizer, id, *world());
+  }
+  Trainer t(world(), 0);
+  const std::string e = remat::testing::error_of<ConfigError>(
+      [&] { load_train_state(world()->rank() == 0 ? a : b, t.shards(), *t.optimizer, t.identity(), *world()); });
+  EXPECT_THAT(e, ::testing::HasSubstr("resume: rank 1 loaded step 1 of another run than rank 0 did (from different "
+                                      "saves): resume every rank from the same step folder"));
+  EXPECT_THAT(e, ::testing::Not(::testing::HasSubstr("but rank 0 loaded step 1")));
+  world()->barrier()->wait();
+  if (world()->rank() == 0) {
+    fs::remove_all(a);
+    fs::remove_all(b);
+  }
+}
+
 // A manifest is protected by its own checksum: two parameter names of the
 // same size swapped (every field still well-formed) is refused naming it.
 TEST(TrainState, AnEditedManifestIsRefused) {

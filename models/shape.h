@@ -32,7 +32,8 @@ enum class SequenceParallelDropout { kPerRank, kReplicated };
 const std::vector<std::string>& sequence_parallel_dropout_names();
 
 // The rules of the shape alone, written once: an empty string when valid,
-// else what is wrong and which key to change. (The multiples of the
+// else every rule broken, one per line, each saying what is wrong and which
+// key to change. (The multiples of the
 // tensor-parallel size are checked where the group is known: BlockImpl.)
 std::string check_model_shape(const ModelShape& shape);
 

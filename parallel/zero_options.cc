@@ -5,35 +5,37 @@
 namespace remat::parallel {
 
 std::string check_zero_options(const ZeroOptions& z) {
+  std::string problems;
+  auto add = [&](const std::string& problem) { problems += (problems.empty() ? "" : "\n") + problem; };
   if (z.stage < 0 || z.stage > 3) {
-    return str("'zero_optimization.stage' = ", z.stage, " must be 0, 1, 2 or 3");
+    add(str("'zero_optimization.stage' = ", z.stage, " must be 0, 1, 2 or 3"));
   }
   if (z.reduce_bucket_size < 1) {
-    return str("'zero_optimization.reduce_bucket_size' = ", z.reduce_bucket_size,
-               " must be at least 1 (elements per reduce)");
+    add(str("'zero_optimization.reduce_bucket_size' = ", z.reduce_bucket_size,
+            " must be at least 1 (elements per reduce)"));
   }
   if (z.allgather_bucket_size < 1) {
-    return str("'zero_optimization.allgather_bucket_size' = ", z.allgather_bucket_size,
-               " must be at least 1 (elements per all-gather)");
+    add(str("'zero_optimization.allgather_bucket_size' = ", z.allgather_bucket_size,
+            " must be at least 1 (elements per all-gather)"));
   }
   if (z.hybrid_shard_size < 0) {
-    return str("'zero_optimization.hybrid_shard_size' = ", z.hybrid_shard_size,
-               " must be >= 0 (0 shards over every data-parallel rank)");
+    add(str("'zero_optimization.hybrid_shard_size' = ", z.hybrid_shard_size,
+            " must be >= 0 (0 shards over every data-parallel rank)"));
   }
   if (z.hybrid_shard_size > 0 && z.stage == 0) {
-    return str("'zero_optimization.hybrid_shard_size' = ", z.hybrid_shard_size,
-               " shards within groups, but stage 0 shards nothing: set zero_optimization.stage "
-               "to 1, 2 or 3, or leave hybrid_shard_size out");
+    add(str("'zero_optimization.hybrid_shard_size' = ", z.hybrid_shard_size,
+            " shards within groups, but stage 0 shards nothing: set zero_optimization.stage "
+            "to 1, 2 or 3, or leave hybrid_shard_size out"));
   }
   if (z.stage3_prefetch_bucket_size < 0) {
-    return str("'zero_optimization.stage3_prefetch_bucket_size' = ", z.stage3_prefetch_bucket_size,
-               " must be >= 0 (0 turns prefetching off)");
+    add(str("'zero_optimization.stage3_prefetch_bucket_size' = ", z.stage3_prefetch_bucket_size,
+            " must be >= 0 (0 turns prefetching off)"));
   }
   if (z.stage3_param_persistence_threshold < 0) {
-    return str("'zero_optimization.stage3_param_persistence_threshold' = ",
-               z.stage3_param_persistence_threshold, " must be >= 0");
+    add(str("'zero_optimization.stage3_param_persistence_threshold' = ", z.stage3_param_persistence_threshold,
+            " must be >= 0"));
   }
-  return "";
+  return problems;
 }
 
 std::string check_bf16_options(const Bf16Options& bf16, const ZeroOptions& zero) {

@@ -56,7 +56,8 @@ struct Bf16Options {
 };
 
 // The rules of ZeroOptions alone, written once: an empty string when valid,
-// else what is wrong and which key to change. ZeroModel checks these, and
+// else every rule broken, one per line, each saying what is wrong and which
+// key to change. ZeroModel checks these, and
 // what needs the data-parallel size or the bf16 options, itself.
 std::string check_zero_options(const ZeroOptions& options);
 

@@ -230,8 +230,11 @@ std::string type_problem(const std::string& path, const Field& field, const json
       if (!near.empty()) return str("'", path, "' = ", shown(), " is neither a number nor", words.substr(3),
                                     "; did you mean \"", near, "\"?");
     }
+    // null: the type says it all ("got null null" says it twice); it does not mean "the default".
+    const std::string got = value.is_null() ? std::string("null (leave the key out to keep its default)")
+                                            : json_type_name(value) + " " + shown();
     return str("'", path, "' must be ", kind_name(field.kind), words, field.nullable ? " or null" : "", ", got ",
-               json_type_name(value), " ", shown(),
+               got,
                auto_value ? std::string(" (\"auto\" is filled in by a launcher such as Hugging Face's "
                                         "Trainer; remat fills nothing in: give a value or leave the key out)")
                           : std::string());
@@ -455,6 +458,12 @@ namespace {
 // Finds the field a dotted path names, or fails with the closest valid key.
 const Field& find_field(const std::vector<Field>& schema, const std::string& source,
                         const std::string& dotted) {
+  // getline drops a trailing empty part: model.n_layer.=2 would set model.n_layer.
+  if (dotted.empty()) fail(source, "an empty key cannot be set");
+  if (dotted.front() == '.' || dotted.back() == '.' || dotted.find("..") != std::string::npos) {
+    fail(source, str("'", preview(dotted), "' has an empty key part (a leading, trailing or doubled '.'): "
+                     "a key path is key names joined by single dots, e.g. model.n_layer=8"));
+  }
   const std::vector<Field>* fields = &schema;
   const Field* found = nullptr;
   std::string path;
@@ -477,10 +486,32 @@ const Field& find_field(const std::vector<Field>& schema, const std::string& sou
   return *found;
 }
 
+// Writes the keys of `patch` into `target`, section into section: what
+// `patch` leaves out keeps its value.
+void merge_into(json& target, const json& patch) {
+  for (const auto& [key, value] : patch.items()) {
+    json& slot = target[key];
+    if (slot.is_object() && value.is_object()) {
+      merge_into(slot, value);
+    } else {
+      slot = value;
+    }
+  }
+}
+
 }  // namespace
 
+std::string override_source(const std::string& text) {
+  // Whole up to a size a typed override has, so that no number is cut short.
+  constexpr size_t kWhole = 200;
+  if (text.size() <= kWhole) return "--set " + text;
+  const auto eq = text.find('=');
+  if (eq == std::string::npos) return "--set " + preview(text, kWhole);
+  return str("--set ", preview(text.substr(0, eq), 100), "=", preview(text.substr(eq + 1), 100));
+}
+
 void apply_override(json& root, const std::vector<Field>& schema, const std::string& text) {
-  const std::string source = "--set " + preview(text);
+  const std::string source = override_source(text);
   auto eq = text.find('=');
   if (eq == std::string::npos || eq == 0) {
     fail(source, "overrides are written key.path=value, e.g. model.n_layer=8");
@@ -513,7 +544,12 @@ void apply_override(json& root, const std::vector<Field>& schema, const std::str
     if (!next.is_object()) fail(source, str("'", keys[i], "' is not an object: '", dotted, "' cannot be set"));
     node = &next;
   }
-  (*node)[keys.back()] = value;
+  json& slot = (*node)[keys.back()];
+  if (field.kind == Kind::kObject && slot.is_object()) {
+    merge_into(slot, value);
+  } else {
+    slot = value;
+  }
 }
 
 

@@ -221,7 +221,14 @@ json dump(const std::string& path, const std::vector<Field>& fields, const void*
 
 // Applies "a.b.c=value" to the document `root` (value is JSON, else a plain
 // string); an unknown key fails (with a valid one when one is close), as does
-// a refused one. Errors name "--set a.b.c=value" as their source.
+// a refused one, and a key path with an empty part ("model.n_layer."). A
+// section given whole (model={"n_layer": 2}) is merged into what `root` holds
+// there: the keys it leaves out keep their values, as with a key at a time.
+// Errors name override_source(text) as their source.
 void apply_override(json& root, const std::vector<Field>& fields, const std::string& text);
+
+// "--set a.b.c=value" for messages: the override whole as typed (a number is
+// never cut short), only a very long one cut.
+std::string override_source(const std::string& text);
 
 }  // namespace remat::json_schema

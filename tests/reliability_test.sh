@@ -192,7 +192,7 @@ expect "a rank file from another step is refused" "the folder mixes files of dif
 cp -r "$tmp/saves" "$tmp/swapped" && cp -r "$tmp/saves/step_00000004" "$tmp/swapped/orig" &&
   mix "$tmp/swapped" orig 1 0 && mix "$tmp/swapped" orig 0 1
 # (whichever rank reads its file first reports: rank 0 finds rank 1's file, or the other way round)
-expect "rank files swapped between ranks are refused" "holds step 4 of rank" \
+expect "rank files swapped between ranks are refused as swapped" "the rank files of this save were renamed or swapped" \
   "$run" -np 2 -- "$train" "${small[@]}" --steps 6 --resume "$tmp/swapped"
 ok "the untouched save resumes" "loss: first" \
   "$run" -np 2 -- "$train" "${small[@]}" --steps 6 --resume "$tmp/saves"
