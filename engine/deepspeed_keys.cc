@@ -53,7 +53,8 @@ std::vector<Field> deepspeed_only_top_level() {
                      "set activation_checkpointing.variant to \"auto\" with a memory budget: the planner "
                      "chooses checkpointing per block"),
       deepspeed_only("elasticity", "remat runs a fixed number of ranks",
-                     "save with --save-dir and --resume with another number of ranks: the save is re-sliced"),
+                     "save (Engine::save_checkpoint; remat-train --save-dir) and load it with another number of ranks "
+                     "(Engine::load_checkpoint; remat-train --resume): the save is re-sliced"),
       deepspeed_only("data_efficiency", no_data_schedule),
       deepspeed_only("curriculum_learning", no_data_schedule),
       deepspeed_only("compression_training", no_quantization),
@@ -110,8 +111,8 @@ std::vector<Field> deepspeed_only_zero() {
   const char* stage3_shards = "set zero_optimization.stage to 3 to shard them over the data-parallel ranks";
   const char* live = "remat's stage 3 frees a unit's parameters when its call returns and gathers ahead by "
                      "stage3_prefetch_bucket_size";
-  const char* gather_on_save = "remat's saves hold fp32 shards, re-sliced on --resume";
-  const char* export_whole = "give remat-train --export FILE to write the whole model in one file";
+  const char* gather_on_save = "remat's saves hold fp32 shards, re-sliced when loaded";
+  const char* export_whole = "Engine::export_model (remat-train --export FILE) writes the whole model in one file";
   const char* no_quantized = "remat's collectives carry unquantized values";
   const char* no_trace = "remat's stage 3 gathers each unit around its remat::forward call, with no trace";
   return {
@@ -152,7 +153,7 @@ std::vector<Field> deepspeed_only_zero() {
       deepspeed_only("zero_quantized_nontrainable_weights", no_quantized),
       deepspeed_only("zero_quantized_gradients", no_quantized),
       deepspeed_only("zeropp_loco_param", no_quantized),
-      deepspeed_only("elastic_checkpoint", "remat's saves are re-sliced on --resume for another data-parallel "
+      deepspeed_only("elastic_checkpoint", "remat's saves are re-sliced when loaded at another data-parallel "
                                            "size or stage, whatever this says"),
       deepspeed_only("load_from_fp32_weights", "remat's saves hold fp32 master shards, and it always loads them"),
       deepspeed_only("ignore_unused_parameters", "remat has no check of unused parameters to turn off"),

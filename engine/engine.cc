@@ -156,6 +156,103 @@ std::pair<int64_t, std::string> resident_state(torch::nn::Module& model, paralle
                         : std::string())};
 }
 
+// The elements of one of the optimizer's tensors that belong to parameters
+// no rank gave a gradient this step, with their values and optimizer state
+// before the step.
+struct UnusedElements {
+  at::Tensor tensor;  // one of ZeroModel::parameters()
+  std::vector<parallel::ShardSegment> segments;
+  std::vector<at::Tensor> values;
+  std::vector<std::map<std::string, at::Tensor>> state;
+};
+
+// The optimizer state of `tensor` by name, without its step count (none for
+// an optimizer remat does not know: its values alone are then kept).
+std::map<std::string, at::Tensor> moments_of(const torch::optim::Optimizer& optimizer, const at::Tensor& tensor) {
+  std::map<std::string, at::Tensor> out;
+  try {
+    out = optimizer_state_of(optimizer, tensor);
+  } catch (const Error&) {
+  }
+  out.erase("step");
+  return out;
+}
+
+// A parameter no forward used on any rank (`arrived`: take_gradient_arrivals()
+// reduced over every rank) is not stepped, as a plain LibTorch loop leaves a
+// parameter whose .grad is undefined alone: the reduction handed the optimizer
+// zeros for it, which weight decay or momentum would act on. An optimizer
+// tensor holding only such parameters loses its gradient (so the optimizer
+// skips it and keeps no state for it); one that also holds used parameters is
+// stepped, and the unused elements are put back by put_back_unused.
+std::vector<UnusedElements> leave_unused_alone(parallel::ZeroModel& zero, torch::nn::Module& model,
+                                               const at::Tensor& arrived, const torch::optim::Optimizer& optimizer) {
+  std::set<std::string> unused;
+  const at::Tensor flags = arrived.contiguous();
+  const auto got = flags.accessor<double, 1>();
+  int64_t k = 0;
+  for (const auto& item : model.named_parameters()) {
+    if (item.value().requires_grad() && got[k] == 0) unused.insert(item.key());
+    ++k;
+  }
+  std::vector<UnusedElements> held;
+  if (unused.empty()) return held;
+  const auto tensors = zero.parameters();
+  const auto layout = zero.layout();
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!tensors[i].grad().defined()) continue;
+    UnusedElements e{tensors[i], {}, {}, {}};
+    bool any_used = false;
+    for (const auto& seg : layout[i].segments) {
+      if (unused.count(seg.name)) {
+        e.segments.push_back(seg);
+      } else {
+        any_used = true;
+      }
+    }
+    if (e.segments.empty()) continue;
+    if (!any_used) {
+      tensors[i].mutable_grad() = at::Tensor();
+      continue;
+    }
+    const at::Tensor flat = tensors[i].detach().view({-1});
+    const auto moments = moments_of(optimizer, tensors[i]);
+    for (const auto& seg : e.segments) {
+      e.values.push_back(flat.narrow(0, seg.shard_offset, seg.length).clone());
+      std::map<std::string, at::Tensor> state;
+      for (const auto& [field, value] : moments) {
+        state[field] = value.reshape({-1}).narrow(0, seg.shard_offset, seg.length).clone();
+      }
+      e.state.push_back(std::move(state));
+    }
+    held.push_back(std::move(e));
+  }
+  return held;
+}
+
+// After the optimizer step: the unused elements' values and state as they
+// were (state the step created for them starts at zero, as it would have).
+void put_back_unused(const std::vector<UnusedElements>& held, const torch::optim::Optimizer& optimizer) {
+  at::NoGradGuard no_grad;
+  for (const auto& e : held) {
+    const at::Tensor flat = e.tensor.detach().view({-1});
+    const auto moments = moments_of(optimizer, e.tensor);
+    for (size_t j = 0; j < e.segments.size(); ++j) {
+      const auto& seg = e.segments[j];
+      flat.narrow(0, seg.shard_offset, seg.length).copy_(e.values[j]);
+      for (const auto& [field, value] : moments) {
+        at::Tensor slice = value.view({-1}).narrow(0, seg.shard_offset, seg.length);
+        auto before = e.state[j].find(field);
+        if (before == e.state[j].end()) {
+          slice.zero_();
+        } else {
+          slice.copy_(before->second);
+        }
+      }
+    }
+  }
+}
+
 enum class Phase { kIdle, kForwarded, kBackwarded };
 
 // Stage 3: every parameter's whole value (collective) put into the model's
@@ -521,6 +618,7 @@ at::Tensor Engine::forward(const std::function<at::Tensor()>& fn, const std::vec
     // Gradients set to none, as LibTorch 2.x's zero_grad does. Before the
     // base is read: the last step's gradients are not this step's memory.
     for (auto& p : s.zero->parameters()) p.mutable_grad() = at::Tensor();
+    s.zero->take_gradient_arrivals();  // a profiling step's are not this step's
     if (!s.trace_path.empty() && !s.trace) s.start_trace(*model_);
     s.base = s.memory->current(s.device);
     s.memory->reset_peak();
@@ -629,14 +727,18 @@ bool Engine::step() {
   int64_t comm_bytes = 0;
   double opt_ms = 0, grad_norm = -1;
   // A non-finite loss or gradient (DeepSpeed's overflow check): every rank
-  // sees the same verdict, so all stop or all skip together.
-  at::Tensor nonfinite = at::zeros({2}, at::kDouble);
-  nonfinite[0] = std::isfinite(s.loss_sum) ? 0.0 : 1.0;
-  nonfinite[1] = gradients_finite(s.zero->parameters()) ? 0.0 : 1.0;
+  // sees the same verdict, so all stop or all skip together. In the same
+  // reduction, which parameters got a gradient on any rank.
+  const at::Tensor arrivals = s.zero->take_gradient_arrivals();
+  at::Tensor checks = at::zeros({2 + arrivals.numel()}, at::kDouble);
+  checks[0] = std::isfinite(s.loss_sum) ? 0.0 : 1.0;
+  checks[1] = gradients_finite(s.zero->parameters()) ? 0.0 : 1.0;
+  checks.narrow(0, 2, arrivals.numel()).copy_(arrivals);
   if (s.world->size() > 1) {
-    s.world->allReduce(nonfinite, {ReduceOp::kMax})->wait();
-    comm_bytes += nonfinite.nbytes();
+    s.world->allReduce(checks, {ReduceOp::kMax})->wait();
+    comm_bytes += checks.nbytes();
   }
+  const at::Tensor nonfinite = checks.narrow(0, 0, 2), arrived = checks.narrow(0, 2, arrivals.numel());
   const bool bad_loss = nonfinite[0].item<double>() > 0, bad_grads = nonfinite[1].item<double>() > 0;
   const bool skipped = bad_loss || bad_grads;
   if (skipped) {
@@ -653,6 +755,7 @@ bool Engine::step() {
     s.optimizer->zero_grad();
   } else {
     const auto t_opt = Clock::now();
+    const auto unused = leave_unused_alone(*s.zero, *model_, arrived, *s.optimizer);
     if (config_.gradient_clipping > 0) {
       grad_norm = s.zero->clip_grad_norm(config_.gradient_clipping, s.layout->tp_group());
     }
@@ -660,6 +763,7 @@ bool Engine::step() {
       MemoryCategoryScope state(MemoryCategory::kOptimizerState);
       s.optimizer->step();
     }
+    put_back_unused(unused, *s.optimizer);
     // Stages 1 and 2: every rank's parameters whole again now (the next
     // forward would gather them anyway), so that they read right between steps.
     if (s.zero->stage() == 1 || s.zero->stage() == 2) s.zero->begin_forward();

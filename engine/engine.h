@@ -21,7 +21,10 @@
 // remat::forward(block, ...) (nn/module_call.h). A tensor-parallel model is
 // built with the groups of remat::init_distributed() before initialize().
 // Every call below is collective over the engine's processes unless it says
-// otherwise: every rank makes the same calls in the same order.
+// otherwise: every rank makes the same calls in the same order. A call that
+// fails on some ranks only (a save folder one rank cannot write, a damaged
+// rank file) throws the same error on every rank, naming the ranks, so a
+// program that catches it goes on alike everywhere.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -141,7 +144,10 @@ class Engine {
   // After every backward. At the accumulation boundary: the non-finite check
   // (train.on_nonfinite), clipping (gradient_clipping), the optimizer step
   // and the gradients cleared; returns whether it stepped (false inside an
-  // accumulation window, or when a non-finite step was skipped).
+  // accumulation window, or when a non-finite step was skipped). A parameter
+  // that got no gradient on any rank in the window (no forward used it) is
+  // not stepped, as a plain LibTorch loop leaves a parameter without .grad:
+  // its values and optimizer state stay as they were.
   bool step();
 
   // Runs `fn` without autograd, in eval mode, with ZeRO-3's parameters

@@ -4,6 +4,7 @@
 #include "engine/engine.h"
 
 #include <ATen/ATen.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -22,7 +23,10 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <cstdlib>
+#include <cstring>
 #include <set>
+#include <type_traits>
 
 #include "engine/optim.h"
 #include "nn/module_call.h"
@@ -107,8 +111,10 @@ struct Trainer {
   std::unique_ptr<Engine> engine;
   explicit Trainer(const std::string& config, bool frozen = false, EngineOptions options = {}, double dropout = 0.2) {
     Config parsed = parse_config(config, "<test>");
-    options.layout = std::make_shared<ParallelLayout>(testing::world(),
-                                                      ParallelDims::from_world(testing::world()->size(), 1));
+    if (!options.layout) {
+      options.layout = std::make_shared<ParallelLayout>(testing::world(),
+                                                        ParallelDims::from_world(testing::world()->size(), 1));
+    }
     at::manual_seed(static_cast<uint64_t>(parsed.train.seed));
     model = TinyLm(3, frozen, dropout);
     engine = initialize(model, parsed, options);
@@ -930,6 +936,305 @@ TEST(Engine, ANewEngineOnTheSameModelStartsFromTheFirstOnesValues) {
     run.train(1);
     EXPECT_EQ(run.engine->last_metrics().ckpt_saved_bytes, 0) << "stage " << stage;
     EXPECT_EQ(run.engine->last_metrics().recompute_ms, 0) << "stage " << stage;
+  }
+}
+
+
+// A TinyLm with parameters no forward uses (one of the root's, one in a
+// block: a model's spare head, a branch left for later) and one that only
+// rank 1's loss uses.
+struct SpareLmImpl : TinyLmImpl {
+  SpareLmImpl() : TinyLmImpl(3) {
+    register_parameter("spare", at::full({5}, 0.5));
+    layers_list[1]->register_parameter("spare", at::full({3}, -0.25));
+    rank1_only = register_parameter("rank1_only", at::full({4}, 0.75));
+  }
+  at::Tensor rank1_only;
+};
+TORCH_MODULE(SpareLm);
+
+// AdamW with weight decay, which moves every parameter it steps.
+std::string decaying_config(int stage) {
+  return str(R"({"train_micro_batch_size_per_gpu": 2,
+                 "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
+                 "zero_optimization": {"stage": )", stage, R"(, "stage3_param_persistence_threshold": 0,
+                                       "reduce_bucket_size": 200},
+                 "train": {"seed": 5}})");
+}
+
+// Every parameter whole after `steps` AdamW steps of `model` (the loss of a
+// SpareLm adds rank1_only's on rank 1).
+template <class Model>
+std::map<std::string, at::Tensor> trained(Model model, int stage, int steps) {
+  EngineOptions options;
+  options.layout = std::make_shared<ParallelLayout>(testing::world(),
+                                                    ParallelDims::from_world(testing::world()->size(), 1));
+  auto engine = initialize(model, parse_config(decaying_config(stage), "<test>"), options);
+  for (int step = 1; step <= steps; ++step) {
+    auto [x, y] = batch(step, 0);
+    engine->backward(engine->forward([&, x = x, y = y] {
+      at::Tensor loss = model->loss(x, y);
+      if constexpr (std::is_same_v<Model, SpareLm>) {
+        if (testing::world()->rank() == 1) loss = loss + model->rank1_only.square().sum();
+      }
+      return loss;
+    }));
+    engine->step();
+  }
+  return whole_parameters(*engine);
+}
+
+// A parameter no rank's forward uses is not stepped (a plain LibTorch loop
+// leaves a parameter without .grad alone; weight decay would shrink the
+// zeros the reduction gives it), at every stage, whether it has an optimizer
+// tensor of its own or shares a shard with used ones; the used parameters
+// train bitwise as in the model without the spare ones, and a parameter one
+// rank uses is stepped alike on every rank.
+TEST(Engine, AParameterNoForwardUsesIsNotSteppedAtEveryStage) {
+  at::manual_seed(5);
+  const auto reference = trained(TinyLm(3), 0, 3);
+  for (int stage : {0, 1, 2, 3}) {
+    const std::string where = str("stage ", stage);
+    at::manual_seed(5);
+    auto after = trained(SpareLm(), stage, 3);
+    EXPECT_TRUE(at::equal(after.at("spare"), at::full({5}, 0.5))) << where << ": " << after.at("spare");
+    EXPECT_TRUE(at::equal(after.at("layers.1.spare"), at::full({3}, -0.25)))
+        << where << ": " << after.at("layers.1.spare");
+    // Used on rank 1 only: averaged over both ranks and stepped on both.
+    at::Tensor used_by_one = after.at("rank1_only");
+    EXPECT_FALSE(at::equal(used_by_one, at::full({4}, 0.75))) << where;
+    at::Tensor from_rank0 = used_by_one.clone();
+    testing::world()->broadcast(from_rank0, {0})->wait();
+    EXPECT_TRUE(at::equal(used_by_one, from_rank0)) << where;
+    for (const char* name : {"spare", "layers.1.spare", "rank1_only"}) after.erase(name);
+    std::string differing;
+    EXPECT_TRUE(all_equal(after, reference, &differing)) << where << ": " << differing;
+  }
+}
+
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+// Options whose layout's collectives time out after 10 s (the tests' world
+// waits 60): a call that leaves one rank waiting for another fails fast.
+EngineOptions quick_timeout() {
+  const char* given = std::getenv("REMAT_COMM_TIMEOUT_S");
+  const std::string before = given ? given : "";
+  ::setenv("REMAT_COMM_TIMEOUT_S", "10", 1);
+  auto world = testing::world()->split(0, testing::world()->rank());
+  EngineOptions options;
+  options.layout = std::make_shared<ParallelLayout>(world, ParallelDims::from_world(world->size(), 1));
+  if (before.empty()) {
+    ::unsetenv("REMAT_COMM_TIMEOUT_S");
+  } else {
+    ::setenv("REMAT_COMM_TIMEOUT_S", before.c_str(), 1);
+  }
+  return options;
+}
+
+// Whether every rank holds the same `text` (collective).
+bool same_on_every_rank(const std::string& text) {
+  auto& world = *testing::world();
+  at::Tensor length = at::full({1}, static_cast<int64_t>(text.size()), at::kLong);
+  world.broadcast(length, {0})->wait();
+  const bool same_length = length.item<int64_t>() == static_cast<int64_t>(text.size());
+  at::Tensor bytes = at::zeros({std::max<int64_t>(length.item<int64_t>(), 1)}, at::kByte);
+  if (world.rank() == 0) std::memcpy(bytes.data_ptr(), text.data(), text.size());
+  world.broadcast(bytes, {0})->wait();
+  at::Tensor verdict = at::full({1}, same_length && std::string(static_cast<const char*>(bytes.data_ptr()),
+                                                                text.size()) == text ? 1 : 0, at::kLong);
+  world.allReduce(verdict, {ReduceOp::kMin})->wait();
+  return verdict.item<int64_t>() == 1;
+}
+
+// An engine call that fails on one rank fails on every rank with the same
+// error (a program that catches it, "resume if there is a save, else start
+// fresh", goes on on every rank instead of leaving the others waiting), and
+// the error names the engine's API, not remat-train's flags.
+TEST(Engine, ASaveFolderOneRankCannotTakeIsTheSameErrorOnEveryRank) {
+  const std::string dir = scratch("agree_folder");
+  const std::string file = dir + "/a_file";
+  if (testing::world()->rank() == 0) {
+    fs::create_directories(dir);
+    std::ofstream(file) << "not a folder";
+  }
+  testing::world()->barrier()->wait();
+  Trainer run(config_json(0, "none"), false, quick_timeout());
+  run.train(1);
+  // Rank 1 is given a file where rank 0 has a good folder.
+  const std::string mine = testing::world()->rank() == 1 ? file : dir + "/saves";
+  const std::string error = error_of<ConfigError>([&] { run.engine->save_checkpoint(mine); });
+  EXPECT_THAT(error, HasSubstr(str("save folder '", file, "' cannot be created")));
+  EXPECT_THAT(error, HasSubstr("(the save folder check failed on rank 1 of 2; every rank stops with this error)"));
+  EXPECT_TRUE(same_on_every_rank(error)) << error;
+  // Every rank goes on: rank 0 let go of the folder it locked.
+  EXPECT_EQ(run.engine->save_checkpoint(dir + "/saves"), dir + "/saves/step_00000001");
+  EXPECT_NO_THROW(run.train(1));
+}
+
+TEST(Engine, ASaveFolderOfAnotherRunIsRefusedOnEveryRankNamingTheApi) {
+  const std::string dir = scratch("agree_taken");
+  {
+    Trainer first(config_json(0, "none"), false, quick_timeout());
+    first.train(1);
+    first.engine->save_checkpoint(dir);
+  }
+  Trainer second(config_json(1, "none"), false, quick_timeout());
+  second.train(1);
+  // Rank 0 checks the folder under its lock; rank 1 learns its verdict.
+  const std::string error = error_of<ConfigError>([&] { second.engine->save_checkpoint(dir); });
+  EXPECT_THAT(error, HasSubstr(str("save folder '", dir, "' holds the saves of another run (1 step folder(s), "
+                                   "latest step 1): a new run would overwrite them. Resume that run with "
+                                   "Engine::load_checkpoint(\"", dir, "\"), give this run another save folder, or "
+                                   "pass SaveDirOptions::overwrite = true to Engine::use_save_dir")));
+  EXPECT_THAT(error, HasSubstr("failed on rank 0 of 2"));
+  EXPECT_THAT(error, Not(HasSubstr("--")));
+  EXPECT_TRUE(same_on_every_rank(error)) << error;
+  SaveDirOptions overwrite;
+  overwrite.overwrite = true;
+  EXPECT_NO_THROW(second.engine->use_save_dir(dir, overwrite));
+  EXPECT_EQ(second.engine->save_checkpoint(dir), dir + "/step_00000001");
+}
+
+TEST(Engine, ASaveOneRankCannotWriteIsTheSameErrorOnEveryRank) {
+  const std::string dir = scratch("agree_write");
+  Trainer run(config_json(2, "none"), false, quick_timeout());
+  run.train(1);
+  run.engine->use_save_dir(dir);
+  // Rank 1's file cannot be put in place: a folder holds its name.
+  const std::string blocked = dir + "/step_00000001/rank_1.pt";
+  if (testing::world()->rank() == 0) fs::create_directories(blocked + "/in_the_way");
+  testing::world()->barrier()->wait();
+  const std::string error = error_of<Error>([&] { run.engine->save_checkpoint(dir); });
+  EXPECT_THAT(error, HasSubstr(blocked));
+  EXPECT_THAT(error, HasSubstr("(the save of step 1 failed on rank 1 of 2; every rank stops with this error)"));
+  EXPECT_TRUE(same_on_every_rank(error)) << error;
+  EXPECT_EQ(latest_step(dir), -1) << "an incomplete save is not the latest";
+  if (testing::world()->rank() == 0) fs::remove_all(blocked);
+  testing::world()->barrier()->wait();
+  EXPECT_EQ(run.engine->save_checkpoint(dir), dir + "/step_00000001");
+  EXPECT_EQ(latest_step(dir), 1);
+  EXPECT_NO_THROW(run.train(1));
+}
+
+TEST(Engine, ALoadOneRankCannotReadIsTheSameErrorOnEveryRankAndLoadsNothing) {
+  const std::string dir = scratch("agree_load");
+  {
+    Trainer first(config_json(2, "none"), false, quick_timeout());
+    first.train(2);
+    first.engine->save_checkpoint(dir);
+  }
+  const std::string damaged = dir + "/step_00000002/rank_1.pt";
+  if (testing::world()->rank() == 0) {
+    std::fstream f(damaged, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(100);
+    f.put('\x5a');
+  }
+  testing::world()->barrier()->wait();
+  Trainer second(config_json(2, "none"), false, quick_timeout());
+  second.train(1);
+  const auto before = whole_parameters(*second.engine);
+  const std::string error = error_of<ConfigError>([&] { second.engine->load_checkpoint(dir); });
+  EXPECT_THAT(error, HasSubstr(str("resume: '", damaged, "' is damaged")));
+  EXPECT_THAT(error, HasSubstr(str("(loading the save in '", dir, "' failed on rank 1 of 2; every rank stops "
+                                   "with this error)")));
+  EXPECT_THAT(error, Not(HasSubstr("--")));
+  EXPECT_TRUE(same_on_every_rank(error)) << error;
+  // No rank took anything of the save: the run starts fresh alike everywhere.
+  EXPECT_EQ(second.engine->global_steps(), 1);
+  std::string differing;
+  EXPECT_TRUE(all_equal(before, whole_parameters(*second.engine), &differing)) << differing;
+  EXPECT_NO_THROW(second.train(1));
+}
+
+TEST(Engine, AnExportRankZeroCannotWriteIsTheSameErrorOnEveryRank) {
+  const std::string dir = scratch("agree_export");
+  const std::string path = dir + "/no/such/folder/model.pt";
+  Trainer run(config_json(3, "none"), false, quick_timeout());
+  run.train(1);
+  const std::string error = error_of<Error>([&] { run.engine->export_model(path); });
+  EXPECT_THAT(error, HasSubstr(str("export file '", path, "'")));
+  EXPECT_THAT(error, HasSubstr("(the export failed on rank 0 of 2; every rank stops with this error)"));
+  EXPECT_TRUE(same_on_every_rank(error)) << error;
+  if (testing::world()->rank() == 0) fs::create_directories(dir);
+  testing::world()->barrier()->wait();
+  const int64_t bytes = run.engine->export_model(dir + "/model.pt");
+  EXPECT_EQ(bytes > 0, testing::world()->rank() == 0);
+  EXPECT_NO_THROW(run.train(1));
+}
+
+
+// docs/engine.md's complete example, small: an embedding, residual MLP
+// blocks and a head, the head called through remat::forward as the model
+// contract says (`direct_head`: called as head(h), as the example did).
+struct DocsBlockImpl : torch::nn::Module {
+  explicit DocsBlockImpl(int64_t d)
+      : norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))),
+        fc1(register_module("fc1", torch::nn::Linear(d, 4 * d))),
+        fc2(register_module("fc2", torch::nn::Linear(4 * d, d))) {}
+  at::Tensor forward(const at::Tensor& x) { return x + fc2(at::gelu(fc1(norm(x)))); }
+  torch::nn::LayerNorm norm;
+  torch::nn::Linear fc1, fc2;
+};
+TORCH_MODULE(DocsBlock);
+
+struct DocsNetImpl : torch::nn::Module {
+  DocsNetImpl(int64_t vocab, int64_t d, int n_blocks)
+      : embed(register_module("embed", torch::nn::Embedding(vocab, d))),
+        blocks(register_module("blocks", torch::nn::ModuleList())),
+        head(register_module("head", torch::nn::Linear(d, vocab))) {
+    for (int i = 0; i < n_blocks; ++i) blocks->push_back(DocsBlock(d));
+  }
+  at::Tensor loss(const at::Tensor& x, const at::Tensor& y) {
+    at::Tensor h = embed(x);
+    for (size_t i = 0; i < blocks->size(); ++i) h = remat::forward(blocks->ptr<DocsBlockImpl>(i), h);
+    at::Tensor logits = direct_head ? head(h) : remat::forward(head, h);
+    return at::cross_entropy_loss(logits.view({-1, logits.size(-1)}), y.view({-1}));
+  }
+  torch::nn::Embedding embed;
+  torch::nn::ModuleList blocks;
+  torch::nn::Linear head;
+  bool direct_head = false;
+};
+TORCH_MODULE(DocsNet);
+
+// With activation offloading on, the example trains as docs/engine.md now
+// writes it; its earlier head(h) fails at the first backward with the
+// error the model contract's table quotes.
+TEST(Engine, TheDocsCompleteExampleTrainsWithActivationOffloadingOnlyWithItsHeadOnTheCallRoute) {
+  const std::string config = R"({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+      "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "weight_decay": 0.01}},
+      "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000},
+      "activation_checkpointing": {"variant": "full"},
+      "activation_offloading": {"enabled": true, "min_offload_size": 0},
+      "train": {"seed": 1234}})";
+  for (bool direct_head : {false, true}) {
+    at::manual_seed(1234);
+    DocsNet model(kVocab, 16, 2);
+    model->direct_head = direct_head;
+    EngineOptions options;
+    options.layout = std::make_shared<ParallelLayout>(testing::world(),
+                                                      ParallelDims::from_world(testing::world()->size(), 1));
+    auto engine = initialize(model, parse_config(config, "<test>"), options);
+    auto train_step = [&] {
+      for (int64_t m = 0; m < 2; ++m) {
+        auto [x, y] = batch(engine->global_steps() + 1, m);
+        engine->backward(engine->forward([&, x = x, y = y] { return model->loss(x, y); }));
+        engine->step();
+      }
+    };
+    if (!direct_head) {
+      EXPECT_NO_THROW(train_step());
+      EXPECT_NO_THROW(train_step());
+      EXPECT_EQ(engine->global_steps(), 2);
+      EXPECT_GT(engine->last_metrics().act_offloaded_bytes, 0);
+    } else {
+      const std::string error = error_of<Error>(train_step);
+      EXPECT_THAT(error, HasSubstr("activation offloading: the output head 'head' was not called through "
+                                   "remat::forward in this forward"));
+      EXPECT_THAT(error, HasSubstr("Call it through remat::forward(module, args...)"));
+    }
   }
 }
 

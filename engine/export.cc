@@ -22,6 +22,7 @@
 #include "parallel/zero.h"
 #include "runtime/communicator.h"
 #include "runtime/error.h"
+#include "runtime/outcome.h"
 
 namespace remat {
 namespace fs = std::filesystem;
@@ -108,14 +109,14 @@ int64_t write_model_file(const std::string& path,
   std::string tmp;
   const int fd = make_temporary(path, tmp);
   if (fd < 0) {
-    throw Error(str("--export '", path, "': cannot create a file in '", folder_of(path), "' (",
+    throw Error(str("export file '", path, "': cannot create a file in '", folder_of(path), "' (",
                     std::strerror(errno), ")"));
   }
   // Any failure from here on leaves nothing behind.
   auto fail = [&](const std::string& what, int err) {
     ::close(fd);
     ::unlink(tmp.c_str());
-    return Error(str("--export '", path, "': ", what, " (", std::strerror(err), "); the temporary file is removed"));
+    return Error(str("export file '", path, "': ", what, " (", std::strerror(err), "); the temporary file is removed"));
   };
   for (size_t done = 0; done < bytes.size();) {
     const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
@@ -127,7 +128,7 @@ int64_t write_model_file(const std::string& path,
   if (::close(fd) != 0) {
     const int err = errno;
     ::unlink(tmp.c_str());
-    throw Error(str("--export '", path, "': closing '", tmp, "' failed (", std::strerror(err),
+    throw Error(str("export file '", path, "': closing '", tmp, "' failed (", std::strerror(err),
                     "); the temporary file is removed"));
   }
   // Checked at start too: the path may have changed since.
@@ -135,7 +136,7 @@ int64_t write_model_file(const std::string& path,
   if (!what.empty() || ::rename(tmp.c_str(), path.c_str()) != 0) {
     const int err = errno;
     ::unlink(tmp.c_str());
-    throw Error(str("--export '", path, "': cannot put the file there (",
+    throw Error(str("export file '", path, "': cannot put the file there (",
                     what.empty() ? std::string(std::strerror(err)) : "it is " + what + " now",
                     "); the temporary file is removed"));
   }
@@ -146,33 +147,23 @@ int64_t export_model(const std::string& path, parallel::ZeroModel& zero, const t
                      Communicator& world) {
   const auto params = consolidated_parameters(zero, model);
   int64_t bytes = 0;
-  std::string failure;
-  if (world.rank() == 0) {
-    try {
-      bytes = write_model_file(path, params);
-    } catch (const std::exception& e) {
-      failure = e.what();
-    }
-  }
-  // Every rank learns whether rank 0 wrote it.
-  at::Tensor failed = at::full({1}, failure.empty() ? 0 : 1, at::kLong);
-  if (world.size() > 1) world.broadcast(failed, {0})->wait();
-  if (failed.item<int64_t>() != 0) {
-    throw Error(world.rank() == 0 ? failure : str("--export '", path, "': rank 0 could not write it"));
-  }
+  // Every rank learns whether rank 0 wrote it, and why not.
+  agree_on_outcome(world, "the export", [&] {
+    if (world.rank() == 0) bytes = write_model_file(path, params);
+  });
   return bytes;
 }
 
 void check_export_path(const std::string& path) {
   const std::string what = not_a_file(path);
   if (what == "a directory") {
-    throw ConfigError(str("--export '", path, "' is a directory: give a file path (e.g. ",
+    throw ConfigError(str("export file '", path, "' is a directory: give a file path (e.g. ",
                           (fs::path(path) / "model.pt").string(), ")"));
   }
   if (!what.empty()) {
     std::error_code ec;
     const fs::path target = fs::is_symlink(fs::symlink_status(path, ec)) ? fs::read_symlink(path, ec) : fs::path();
-    throw ConfigError(str("--export '", path, "' is ", what,
+    throw ConfigError(str("export file '", path, "' is ", what,
                           ", not a regular file: the export is written beside it and renamed to that path, "
                           "which would replace it. Give the path of a regular file or of a new one",
                           target.empty() ? std::string() : str(" (to write where the link points: '",
@@ -181,7 +172,7 @@ void check_export_path(const std::string& path) {
   std::string probe;
   const int fd = make_temporary(path, probe);
   if (fd < 0) {
-    throw ConfigError(str("--export '", path, "' cannot be written (", std::strerror(errno),
+    throw ConfigError(str("export file '", path, "' cannot be written (", std::strerror(errno),
                           "): give a file path in a writable folder"));
   }
   ::close(fd);
@@ -194,9 +185,9 @@ void check_export_space(const std::string& path, int64_t bytes) {
   if (::statvfs(folder.c_str(), &fsinfo) != 0) return;  // unknown: the write will tell
   const int64_t free_bytes = static_cast<int64_t>(fsinfo.f_bavail) * static_cast<int64_t>(fsinfo.f_frsize);
   if (free_bytes < bytes) {
-    throw ConfigError(str("--export '", path, "' needs about ", bytes, " bytes (", (bytes + 1023) / 1024,
+    throw ConfigError(str("export file '", path, "' needs about ", bytes, " bytes (", (bytes + 1023) / 1024,
                           " KiB) but '", folder, "' has ", free_bytes, " bytes (", free_bytes / 1024,
-                          " KiB) free: free space there, or give --export a path on a disk with room"));
+                          " KiB) free: free space there, or export to a disk with room"));
   }
 }
 

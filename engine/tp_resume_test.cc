@@ -370,7 +370,7 @@ TEST(TpResume, ASaveWithoutSplitsResumesAtItsOwnSizeOnly) {
         [&] { load_train_state(dir, run.shards(), run.engine->optimizer(), run.identity(), *world()); });
     EXPECT_THAT(e, HasSubstr("was made with tensor_parallel.size 2 but this run has 1, and it does not record how "
                              "its parameters are split across tensor-parallel ranks (format 4"));
-    EXPECT_THAT(e, HasSubstr("Resume with --set tensor_parallel.size=2"));
+    EXPECT_THAT(e, HasSubstr("Resume with the override \"tensor_parallel.size=2\" (EngineOptions::overrides;"));
   }
   {
     TpRun run(world(), 2, 3);

@@ -32,6 +32,7 @@
 #include "runtime/error.h"
 #include "runtime/layout.h"
 #include "runtime/logging.h"
+#include "runtime/outcome.h"
 
 namespace remat {
 namespace fs = std::filesystem;
@@ -186,7 +187,7 @@ std::string offer_newest(const std::string& root, const std::string& skip = "") 
   return newest.empty() ? str(" No ", skip.empty() ? "" : "other ", "save in '", root,
                               "' verifies (a manifest and every rank file intact).")
                         : str(" The newest intact save is '", newest, "' (its manifest and every rank file "
-                              "verify): pass --resume ", newest, ".");
+                              "verify): load it with Engine::load_checkpoint(\"", newest, "\").");
 }
 
 // The step folder to load: `dir` itself when it holds a manifest, else the
@@ -194,7 +195,7 @@ std::string offer_newest(const std::string& root, const std::string& skip = "") 
 std::string resolve_save(const std::string& dir) {
   if (fs::exists(fs::path(dir) / "manifest.json")) return dir;
   if (!fs::exists(dir)) {
-    throw ConfigError(str("resume: '", dir, "' does not exist: pass a folder written by --save-dir"));
+    throw ConfigError(str("resume: '", dir, "' does not exist: pass a folder written by Engine::save_checkpoint"));
   }
   if (!fs::is_directory(dir)) {
     throw ConfigError(str("resume: '", dir, "' is not a folder: pass a save root or a step folder"));
@@ -405,35 +406,36 @@ void check_save_root(const std::string& dir, const SaveDirOptions& options) {
   std::error_code ec;
   const fs::file_status status = fs::symlink_status(latest, ec);
   if (fs::exists(status) && !fs::is_regular_file(status)) {
-    throw ConfigError(str("--save-dir '", dir, "': '", latest.string(), "' is ",
+    throw ConfigError(str("save folder '", dir, "': '", latest.string(), "' is ",
                           fs::is_directory(status)  ? "a directory"
                           : fs::is_symlink(status)  ? "a symbolic link"
                                                     : "not a regular file",
                           ", where remat keeps the name of the latest save (a one-line file it replaces at "
-                          "every save): move it away, or give another --save-dir"));
+                          "every save): move it away, or give another save folder"));
   }
   // Another run's saves are not overwritten unless asked: a new run would
   // replace its step folders one by one and leave `latest` on its last.
   const auto saves = step_folders(dir);
   if (!options.resuming && !options.overwrite && (!saves.empty() || fs::exists(status))) {
     const int64_t newest = latest_step(dir);
-    throw ConfigError(str("--save-dir '", dir, "' holds the saves of another run (",
+    throw ConfigError(str("save folder '", dir, "' holds the saves of another run (",
                           saves.size(), " step folder(s)",
                           newest >= 0 ? str(", latest step ", newest) : std::string(),
-                          "): a new run would overwrite them. Resume that run with --resume ", dir,
-                          ", give this run another --save-dir, or pass --overwrite-saves to replace them"));
+                          "): a new run would overwrite them. Resume that run with Engine::load_checkpoint(\"", dir,
+                          "\"), give this run another save folder, or pass SaveDirOptions::overwrite = true to "
+                          "Engine::use_save_dir to replace them"));
   }
 }
 
-}  // namespace
-
-SaveDirLock::SaveDirLock(const std::string& dir, const std::string& run_id, Communicator& world,
-                         SaveDirOptions options) {
+// This rank's part of SaveDirLock's constructor: checks every rank makes;
+// rank 0 locks (into `fd`) and checks what the folder holds.
+void take_save_dir(const std::string& dir, const std::string& run_id, Communicator& world,
+                   const SaveDirOptions& options, int& fd) {
   // Every rank writes its files there: each checks it can, before training.
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec || !fs::is_directory(dir)) {
-    throw ConfigError(str("--save-dir '", dir, "' cannot be created (",
+    throw ConfigError(str("save folder '", dir, "' cannot be created (",
                           ec ? ec.message() : "a file of that name exists",
                           "): give a writable folder"));
   }
@@ -443,42 +445,50 @@ SaveDirLock::SaveDirLock(const std::string& dir, const std::string& run_id, Comm
     out << run_id << "\n";
     out.flush();
     if (!out) {
-      throw ConfigError(str("--save-dir '", dir, "' is not writable (", std::strerror(errno),
+      throw ConfigError(str("save folder '", dir, "' is not writable (", std::strerror(errno),
                             "): give a folder this job can write, or fix its permissions"));
     }
   }
   fs::remove(probe, ec);
   if (world.rank() == 0) {
     const std::string path = (fs::path(dir) / ".lock").string();
-    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (fd_ < 0) {
-      throw ConfigError(str("--save-dir '", dir, "': cannot create '", path, "' (", std::strerror(errno), ")"));
+    fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) {
+      throw ConfigError(str("save folder '", dir, "': cannot create '", path, "' (", std::strerror(errno), ")"));
     }
-    if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
       std::string holder(256, '\0');
-      const ssize_t n = ::pread(fd_, holder.data(), holder.size() - 1, 0);
+      const ssize_t n = ::pread(fd, holder.data(), holder.size() - 1, 0);
       holder.resize(n > 0 ? static_cast<size_t>(n) : 0);
       holder.erase(holder.find_last_not_of(" \n") + 1);
-      ::close(fd_);
-      fd_ = -1;
-      throw ConfigError(str("--save-dir '", dir, "' is in use by another job (",
+      ::close(fd);
+      fd = -1;
+      throw ConfigError(str("save folder '", dir, "' is in use by another job (",
                             holder.empty() ? std::string("its lock holder is unknown") : holder,
                             "): two jobs saving to one folder overwrite each other; give this one "
-                            "another --save-dir, or wait for the other to end"));
+                            "another save folder, or wait for the other to end"));
     }
     const std::string me = str("pid ", ::getpid(), " on ", host_name(), ", run ", run_id, "\n");
-    if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, me.data(), me.size(), 0) != static_cast<ssize_t>(me.size())) {
-      log().warn("--save-dir '{}': could not record this job in its lock file", dir);
+    if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) != static_cast<ssize_t>(me.size())) {
+      log().warn("save folder '{}': could not record this job in its lock file", dir);
     }
-    try {
-      check_save_root(dir, options);
-    } catch (...) {
-      ::close(fd_);
-      fd_ = -1;
-      throw;
-    }
+    check_save_root(dir, options);
   }
-  world.barrier()->wait();
+}
+
+}  // namespace
+
+SaveDirLock::SaveDirLock(const std::string& dir, const std::string& run_id, Communicator& world,
+                         SaveDirOptions options) {
+  // Every rank checks, rank 0 locks; then the ranks agree, so a folder one
+  // rank cannot use is the same error on every rank (none waits for it).
+  try {
+    agree_on_outcome(world, "the save folder check", [&] { take_save_dir(dir, run_id, world, options, fd_); });
+  } catch (...) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+    throw;
+  }
 }
 
 SaveDirLock::~SaveDirLock() {
@@ -661,7 +671,7 @@ std::unique_ptr<RankFile> open_rank_file(const std::string& folder, const Manife
           differs.empty() ? ": the rank files of this save were renamed or swapped. Give each its own name back, "
                             "or resume from another step"
                           : ": the folder mixes files of different saves; resume from a folder written as a "
-                            "whole by --save-dir"));
+                            "whole by Engine::save_checkpoint"));
     }
     file->archive.read("tensors", file->tensors);
     for (const std::string& key : file->tensors.keys()) {
@@ -887,14 +897,13 @@ TrainShards train_shards(const parallel::ZeroModel& zero, const ParallelLayout& 
   return s;
 }
 
-void save_train_state(const std::string& dir, const TrainPosition& position, const TrainShards& shards,
-                      torch::optim::Optimizer& optimizer, const SaveIdentity& identity,
-                      Communicator& world) {
-  REMAT_CHECK(shards.tensors.size() == shards.layout.size(),
-              "save_train_state: one layout per tensor (ZeroModel::parameters() and layout())");
-  const std::string folder = (fs::path(dir) / step_folder(position.step)).string();
-  fs::create_directories(folder);
+namespace {
 
+// This rank's file of a save: its tensors with their optimizer state, its
+// random state, and what identifies it; `layout` gets its layout's JSON.
+std::string rank_file_bytes(const TrainPosition& position, const TrainShards& shards,
+                            torch::optim::Optimizer& optimizer, const SaveIdentity& identity, Communicator& world,
+                            std::string& layout) {
   torch::serialize::OutputArchive archive, tensors, rng_archive;
   for (size_t i = 0; i < shards.tensors.size(); ++i) {
     tensors.write(tensor_key(i), shards.tensors[i].detach());
@@ -903,7 +912,7 @@ void save_train_state(const std::string& dir, const TrainPosition& position, con
     }
   }
   write_rng_snapshot(rng_archive, capture_rng());
-  const std::string layout = layout_json(shards.layout).dump();
+  layout = layout_json(shards.layout).dump();
   archive.write("format", c10::IValue(kFormat));
   archive.write("tensors", tensors);
   archive.write("rng", rng_archive);
@@ -918,8 +927,64 @@ void save_train_state(const std::string& dir, const TrainPosition& position, con
   archive.write("splits", c10::IValue(splits_json(shards.splits).dump()));
   std::ostringstream out;
   archive.save_to(out);
-  const std::string bytes = out.str();
-  write_atomically((fs::path(folder) / str("rank_", world.rank(), ".pt")).string(), bytes);
+  return out.str();
+}
+
+// Rank 0: the manifest of the step folder (every rank's file listed from
+// `all`, each rank's size, CRC-32, tensor- and data-parallel rank, and
+// `layouts`), then `latest`.
+void write_manifest(const std::string& dir, const std::string& folder, const TrainPosition& position,
+                    const TrainShards& shards, const SaveIdentity& identity, Communicator& world,
+                    const at::Tensor& all, const std::vector<std::string>& layouts) {
+  nlohmann::json manifest = {{"format", kFormat},
+                             {"step", position.step},
+                             {"world_size", world.size()},
+                             {"tp_size", shards.tp_size},
+                             {"dp_size", shards.dp_size},
+                             {"model", identity.model_signature},
+                             {"run_id", identity.run_id},
+                             {"settings", identity.settings},
+                             {"parameters", parameters_json(identity.parameters)},
+                             {"splits", splits_json(shards.splits)},
+                             {"client_state", nlohmann::json::parse(position.client_state)},
+                             {"files", nlohmann::json::array()}};
+  for (int r = 0; r < world.size(); ++r) {
+    manifest["files"].push_back({{"name", str("rank_", r, ".pt")},
+                                 {"bytes", all[4 * r].item<int64_t>()},
+                                 {"crc32", all[4 * r + 1].item<int64_t>()},
+                                 {"tp_rank", all[4 * r + 2].item<int64_t>()},
+                                 {"dp_rank", all[4 * r + 3].item<int64_t>()},
+                                 {"tensors", nlohmann::json::parse(layouts[r])}});
+  }
+  // Its own checksum, over its compact form without this field.
+  manifest["manifest_crc32"] = crc32_of(manifest.dump());
+  write_atomically((fs::path(folder) / "manifest.json").string(), manifest.dump(1));
+  const int64_t current = latest_step(dir);
+  if (current > position.step) {
+    // A later save of an earlier run this one resumed before: the newest
+    // save stays the one resumed by default.
+    log().info("saved step {} to '{}'; 'latest' still names step {}, which is later", position.step, dir,
+               current);
+  } else {
+    write_atomically((fs::path(dir) / "latest").string(), step_folder(position.step) + "\n");
+  }
+}
+
+}  // namespace
+
+void save_train_state(const std::string& dir, const TrainPosition& position, const TrainShards& shards,
+                      torch::optim::Optimizer& optimizer, const SaveIdentity& identity,
+                      Communicator& world) {
+  REMAT_CHECK(shards.tensors.size() == shards.layout.size(),
+              "save_train_state: one layout per tensor (ZeroModel::parameters() and layout())");
+  const std::string folder = (fs::path(dir) / step_folder(position.step)).string();
+  std::string bytes, layout;
+  // Each rank's file; a rank that cannot write it stops every rank here.
+  agree_on_outcome(world, str("the save of step ", position.step), [&] {
+    fs::create_directories(folder);
+    bytes = rank_file_bytes(position, shards, optimizer, identity, world, layout);
+    write_atomically((fs::path(folder) / str("rank_", world.rank(), ".pt")).string(), bytes);
+  });
 
   // Every rank's file is in place (and its size, checksum and layout known)
   // before the manifest.
@@ -929,48 +994,29 @@ void save_train_state(const std::string& dir, const TrainPosition& position, con
   at::Tensor all = at::empty({4 * world.size()}, at::kLong);
   world.allGather(all, mine)->wait();
   const std::vector<std::string> layouts = gather_text(layout, world);
-  if (world.rank() == 0) {
-    nlohmann::json manifest = {{"format", kFormat},
-                               {"step", position.step},
-                               {"world_size", world.size()},
-                               {"tp_size", shards.tp_size},
-                               {"dp_size", shards.dp_size},
-                               {"model", identity.model_signature},
-                               {"run_id", identity.run_id},
-                               {"settings", identity.settings},
-                               {"parameters", parameters_json(identity.parameters)},
-                               {"splits", splits_json(shards.splits)},
-                               {"client_state", nlohmann::json::parse(position.client_state)},
-                               {"files", nlohmann::json::array()}};
-    for (int r = 0; r < world.size(); ++r) {
-      manifest["files"].push_back({{"name", str("rank_", r, ".pt")},
-                                   {"bytes", all[4 * r].item<int64_t>()},
-                                   {"crc32", all[4 * r + 1].item<int64_t>()},
-                                   {"tp_rank", all[4 * r + 2].item<int64_t>()},
-                                   {"dp_rank", all[4 * r + 3].item<int64_t>()},
-                                   {"tensors", nlohmann::json::parse(layouts[r])}});
-    }
-    // Its own checksum, over its compact form without this field.
-    manifest["manifest_crc32"] = crc32_of(manifest.dump());
-    write_atomically((fs::path(folder) / "manifest.json").string(), manifest.dump(1));
-    const int64_t current = latest_step(dir);
-    if (current > position.step) {
-      // A later save of an earlier run this one resumed before: the newest
-      // save stays the one resumed by default.
-      log().info("saved step {} to '{}'; 'latest' still names step {}, which is later", position.step, dir,
-                 current);
-    } else {
-      write_atomically((fs::path(dir) / "latest").string(), step_folder(position.step) + "\n");
-    }
-  }
-  world.barrier()->wait();
+  agree_on_outcome(world, str("the save of step ", position.step), [&] {
+    if (world.rank() == 0) write_manifest(dir, folder, position, shards, identity, world, all, layouts);
+  });
 }
 
-TrainPosition load_train_state(const std::string& dir, const TrainShards& shards,
-                               torch::optim::Optimizer& optimizer, const SaveIdentity& identity,
-                               Communicator& world) {
-  REMAT_CHECK(shards.tensors.size() == shards.layout.size(),
-              "load_train_state: one layout per tensor (ZeroModel::parameters() and layout())");
+namespace {
+
+// What a rank loads from a save, read and checked but not yet put into the
+// run: the values of each of its tensors (on the host), their optimizer
+// state, the random state and the position.
+struct StagedLoad {
+  TrainPosition position;
+  std::string run_id;
+  std::vector<at::Tensor> tensors;
+  std::vector<std::map<std::string, at::Tensor>> states;
+  RngSnapshot rng;
+  std::optional<uint64_t> model_parallel_seed;  // at another tensor-parallel size: the stream seeded afresh
+};
+
+// This rank's part of load_train_state: everything that can fail, touching
+// nothing of the run.
+StagedLoad stage_train_state(const std::string& dir, const TrainShards& shards, const SaveIdentity& identity) {
+  StagedLoad staged;
   const std::string folder = resolve_save(dir);
   const std::string manifest_path = (fs::path(folder) / "manifest.json").string();
   const Manifest manifest = [&] {
@@ -996,8 +1042,9 @@ TrainPosition load_train_state(const std::string& dir, const TrainShards& shards
     if (saved != manifest.settings.end() && saved->second != value) {
       throw ConfigError(str("resume: the save in '", folder, "' was made with ", key, " = ",
                             saved->second, " but this run has ", value,
-                            ": a resumed run keeps the settings its saved state depends on; resume with --set ",
-                            key, "=", saved->second, " (the save itself is fine), or start a new run"));
+                            ": a resumed run keeps the settings its saved state depends on; resume with the "
+                            "override \"", key, "=", saved->second, "\" (EngineOptions::overrides; the save "
+                            "itself is fine), or start a new run"));
     }
   }
   const bool reslice_tp = manifest.tp_size != shards.tp_size;
@@ -1006,9 +1053,10 @@ TrainPosition load_train_state(const std::string& dir, const TrainShards& shards
                           manifest.tp_size, " but this run has ", shards.tp_size,
                           ", and it does not record how its parameters are split across tensor-parallel ranks "
                           "(format ", manifest.format, ", written by an earlier remat): it resumes only at "
-                          "tensor_parallel.size ", manifest.tp_size, ". Resume with --set tensor_parallel.size=",
-                          manifest.tp_size, " (any data-parallel size and ZeRO stage works); a save this run "
-                          "makes from there resumes at any tensor-parallel size"));
+                          "tensor_parallel.size ", manifest.tp_size, ". Resume with the override "
+                          "\"tensor_parallel.size=", manifest.tp_size, "\" (EngineOptions::overrides; any "
+                          "data-parallel size and ZeRO stage works); a save this run makes from there resumes at "
+                          "any tensor-parallel size"));
   }
   REMAT_CHECK(!reslice_tp || !shards.splits.empty(),
               "load_train_state: TrainShards::splits is empty; build the shards with train_shards()");
@@ -1051,9 +1099,11 @@ TrainPosition load_train_state(const std::string& dir, const TrainShards& shards
     return t.reshape({-1});
   };
 
-  TrainPosition position;
   {
     torch::NoGradGuard no_grad;
+    for (const auto& t : shards.tensors) {
+      staged.tensors.push_back(t.is_cpu() ? t.detach().clone() : t.detach().cpu());
+    }
     std::vector<std::map<std::string, at::Tensor>> states(shards.tensors.size());
     std::vector<std::set<int64_t>> steps(shards.tensors.size());
     std::map<std::pair<size_t, std::string>, at::Tensor> cache;
@@ -1064,7 +1114,7 @@ TrainPosition load_train_state(const std::string& dir, const TrainShards& shards
       return it->second;
     };
     for (const auto& c : copies) {
-      at::Tensor target = shards.tensors[c.target].detach().view({-1});
+      at::Tensor target = staged.tensors[c.target].view({-1});
       const at::Tensor& values = cached(c.file, tensor_key(c.source));
       if (!values.defined() || values.numel() < c.source_offset + c.length) {
         throw ConfigError(str("resume: '", files.at(c.file)->path, "' lacks tensor ", c.source,
@@ -1093,17 +1143,14 @@ TrainPosition load_train_state(const std::string& dir, const TrainShards& shards
       std::map<std::string, at::Tensor> state;
       for (auto& [field, value] : states[i]) state[field] = value.view(shards.tensors[i].sizes());
       if (!steps[i].empty()) state["step"] = at::scalar_tensor(*steps[i].begin(), at::kLong);
-      try {
-        set_optimizer_state(optimizer, shards.tensors[i], state);
-      } catch (const Error& e) {
-        throw ConfigError(str("resume: the save in '", folder, "' does not fit this run's optimizer: ", e.what()));
-      }
+      staged.states.push_back(std::move(state));
     }
 
     RankFile& own = *files.at(candidates[0]);
     torch::serialize::InputArchive rng_archive;
     own.archive.read("rng", rng_archive);
-    RngSnapshot rng = read_rng_snapshot(rng_archive);
+    RngSnapshot& rng = staged.rng;
+    rng = read_rng_snapshot(rng_archive);
     const at::Tensor cuda_now = capture_default_generators().cuda;
     const bool cuda_here = cuda_now.defined();
     // LibTorch versions lay out the CUDA generator state differently (1.13
@@ -1124,17 +1171,17 @@ TrainPosition load_train_state(const std::string& dir, const TrainShards& shards
     // The model-parallel stream differs per tensor-parallel rank (dropout
     // inside tensor-parallel regions): at another size no saved rank's stream
     // is this rank's, so it starts afresh as model_parallel_manual_seed starts it.
-    if (reslice_tp) rng.tracker.erase(kModelParallelRng);
-    restore_rng(rng);
     if (reslice_tp) {
+      rng.tracker.erase(kModelParallelRng);
       const uint64_t seed = identity.seed + kModelParallelSeedOffset + static_cast<uint64_t>(shards.tp_rank);
-      get_rng_tracker().add(kModelParallelRng, seed);
+      staged.model_parallel_seed = seed;
       log().info("resume: the model-parallel RNG stream is seeded afresh with {} (train.seed {} + {} + "
                  "tensor-parallel rank {}); the default generators continue those of saved rank {}",
                  seed, identity.seed, kModelParallelSeedOffset, shards.tp_rank, candidates[0]);
     }
-    position.step = manifest.step;
-    position.client_state = manifest.client_state;
+    staged.position.step = manifest.step;
+    staged.position.client_state = manifest.client_state;
+    staged.run_id = manifest.run_id;
   }
   if (reslice_tp) {
     log_rank0().warn("resume: the save in '{}' was made at tensor-parallel size {} x data-parallel size {}; this "
@@ -1154,8 +1201,41 @@ TrainPosition load_train_state(const std::string& dir, const TrainShards& shards
                      folder, manifest.dp_size, shards.dp_size, files.size(), manifest.dp_size);
   }
 
+  return staged;
+}
+
+// Puts a staged load of the save in `dir` into the run: values, optimizer
+// state, random state.
+void apply_load(const std::string& dir, const StagedLoad& staged, const TrainShards& shards,
+                torch::optim::Optimizer& optimizer) {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < shards.tensors.size(); ++i) {
+    shards.tensors[i].detach().copy_(staged.tensors[i]);
+    try {
+      set_optimizer_state(optimizer, shards.tensors[i], staged.states[i]);
+    } catch (const Error& e) {
+      throw ConfigError(str("resume: the save in '", dir, "' does not fit this run's optimizer: ", e.what()));
+    }
+  }
+  restore_rng(staged.rng);
+  if (staged.model_parallel_seed) get_rng_tracker().add(kModelParallelRng, *staged.model_parallel_seed);
+}
+
+}  // namespace
+
+TrainPosition load_train_state(const std::string& dir, const TrainShards& shards,
+                               torch::optim::Optimizer& optimizer, const SaveIdentity& identity,
+                               Communicator& world) {
+  REMAT_CHECK(shards.tensors.size() == shards.layout.size(),
+              "load_train_state: one layout per tensor (ZeroModel::parameters() and layout())");
+  // Every rank reads and checks its part first; a rank that cannot stops
+  // every rank before any of them changes its state.
+  StagedLoad staged;
+  agree_on_outcome(world, str("loading the save in '", dir, "'"),
+                   [&] { staged = stage_train_state(dir, shards, identity); });
+  const TrainPosition& position = staged.position;
   // Every rank resumes at the same step of the same run, or none does.
-  at::Tensor mine = at::tensor({position.step, crc32_of(manifest.run_id)}, at::kLong);
+  at::Tensor mine = at::tensor({position.step, crc32_of(staged.run_id)}, at::kLong);
   at::Tensor all = at::empty({2 * world.size()}, at::kLong);
   world.allGather(all, mine)->wait();
   for (int r = 1; r < world.size(); ++r) {
@@ -1167,6 +1247,7 @@ TrainPosition load_train_state(const std::string& dir, const TrainShards& shards
                             " (from different saves): resume every rank from the same step folder"));
     }
   }
+  agree_on_outcome(world, str("loading the save in '", dir, "'"), [&] { apply_load(dir, staged, shards, optimizer); });
   return position;
 }
 

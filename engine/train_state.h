@@ -95,10 +95,12 @@ struct SaveIdentity {
 std::string new_run_id(Communicator& world);
 
 struct SaveDirOptions {
-  // The run resumes (--resume): saves already in the folder may be continued.
+  // The run resumes (it loaded a save from this folder; remat-train's
+  // --resume): saves already in the folder may be continued.
   bool resuming = false;
-  // --overwrite-saves: a new run may take a folder holding another run's
-  // saves (discard_saves_after removes them once the run has started).
+  // A new run may take a folder holding another run's saves
+  // (discard_saves_after removes them once the run has started; remat-train's
+  // --overwrite-saves).
   bool overwrite = false;
 };
 
@@ -107,8 +109,9 @@ struct SaveDirOptions {
 // job given the same directory stops at its start naming the first one's pid
 // and host (collective over `world`). A `latest` that is not a regular file,
 // or (neither resuming nor overwriting) saves of another run there, are a
-// ConfigError before anything is trained. Released when destroyed or the
-// process ends.
+// ConfigError before anything is trained, the same on every rank whichever
+// rank found it (runtime/outcome.h). Released when destroyed or the process
+// ends.
 class SaveDirLock {
  public:
   SaveDirLock(const std::string& dir, const std::string& run_id, Communicator& world,
@@ -131,7 +134,8 @@ int discard_saves_after(const std::string& dir, int64_t step, Communicator& worl
 // step folder).
 int64_t latest_step(const std::string& dir);
 
-// Writes this rank's state for `position.step` (collective over `world`).
+// Writes this rank's state for `position.step` (collective over `world`; a
+// rank that cannot write its file stops every rank with the same error).
 // `latest` moves to it unless it names a later step (of an earlier run this
 // one resumed before its end): it never moves backwards.
 void save_train_state(const std::string& dir, const TrainPosition& position, const TrainShards& shards,
@@ -150,7 +154,9 @@ void save_train_state(const std::string& dir, const TrainPosition& position, con
 // splits (an earlier remat's) at another tensor-parallel size, is a
 // ConfigError saying which (and, for a save that is unusable, naming the
 // newest step whose manifest and rank files all verify). Collective over
-// `world`: every rank loads the same step.
+// `world`: every rank loads the same step; every rank reads and checks its
+// files before any changes its state, so an error on one rank is the same
+// error on every rank and no rank has loaded anything.
 TrainPosition load_train_state(const std::string& dir, const TrainShards& shards,
                                torch::optim::Optimizer& optimizer, const SaveIdentity& identity,
                                Communicator& world);

@@ -395,7 +395,7 @@ TEST(TrainState, DamagedOrForeignSavesAreClearErrors) {
     const std::string e = remat::testing::error_of<ConfigError>(
         [&] { load_train_state(dir, t.shards(), *t.optimizer, id, *world()); });
     EXPECT_NE(e.find("made with optimizer.type = AdamW but this run has Adam"), std::string::npos) << e;
-    EXPECT_NE(e.find("resume with --set optimizer.type=AdamW"), std::string::npos) << e;
+    EXPECT_NE(e.find("resume with the override \"optimizer.type=AdamW\" (EngineOptions::overrides;"), std::string::npos) << e;
   }
   world()->barrier()->wait();
   if (world()->rank() == 0) fs::remove_all(dir);

@@ -12,7 +12,9 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <optional>
+#include <regex>
 
 #include "data/dataset.h"
 #include "engine/engine.h"
@@ -265,6 +267,39 @@ int train(int argc, char** argv) {
 }  // namespace
 }  // namespace remat
 
+namespace remat {
+namespace {
+
+// The engine's errors name its API (Engine::load_checkpoint("DIR"),
+// SaveDirOptions::overwrite, ...); remat-train's user has flags for them.
+std::string in_flag_terms(std::string text) {
+  static const std::vector<std::pair<std::regex, std::string>> terms = {
+      {std::regex("another save folder"), "another --save-dir"},
+      {std::regex("save folder '"), "--save-dir '"},
+      {std::regex("SaveDirOptions::overwrite = true to Engine::use_save_dir"), "--overwrite-saves"},
+      {std::regex(R"re(Engine::load_checkpoint\("([^"]*)"\))re"), "--resume $1"},
+      {std::regex("Engine::save_checkpoint"), "--save-dir"},
+      {std::regex(R"re(the override "([^"]*)" \(EngineOptions::overrides; )re"), "--set $1 ("},
+      {std::regex("export file '"), "--export '"}};
+  for (const auto& [pattern, flag] : terms) text = std::regex_replace(text, pattern, flag);
+  return text;
+}
+
+int with_flag_terms(const std::function<int()>& run) {
+  try {
+    return run();
+  } catch (const CommError&) {
+    throw;
+  } catch (const ConfigError& e) {
+    throw ConfigError(in_flag_terms(e.what()));
+  } catch (const Error& e) {
+    throw Error(in_flag_terms(e.what()));
+  }
+}
+
+}  // namespace
+}  // namespace remat
+
 int main(int argc, char** argv) {
-  return remat::run_main([&] { return remat::train(argc, argv); });
+  return remat::run_main([&] { return remat::with_flag_terms([&] { return remat::train(argc, argv); }); });
 }

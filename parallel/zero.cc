@@ -1,9 +1,11 @@
 #include "parallel/zero.h"
 
+#include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <torch/nn/module.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include "parallel/grad_norm.h"
 #include "parallel/sharding_strategy.h"
@@ -80,9 +82,31 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
       break;
     }
   }
+  arrivals_ = std::make_unique<Arrivals>(model);
 }
 
+// A flag per model parameter, set by a post hook on its gradient
+// accumulator (autograd may run it on a device thread: atomics).
+struct ZeroModel::Arrivals {
+  explicit Arrivals(torch::nn::Module& model)
+      : flags(model.parameters().size()), hooks([this](size_t, size_t k) { flags[k] = true; }) {
+    const auto params = model.parameters();
+    for (size_t k = 0; k < params.size(); ++k) {
+      if (params[k].requires_grad()) hooks.add(params[k], 0, k);
+    }
+  }
+  std::vector<std::atomic<bool>> flags;
+  GradientHooks hooks;
+};
+
 ZeroModel::~ZeroModel() = default;
+
+at::Tensor ZeroModel::take_gradient_arrivals() {
+  at::Tensor out = at::zeros({static_cast<int64_t>(arrivals_->flags.size())}, at::kFloat);
+  float* data = out.data_ptr<float>();
+  for (size_t k = 0; k < arrivals_->flags.size(); ++k) data[k] = arrivals_->flags[k].exchange(false) ? 1.0f : 0.0f;
+  return out;
+}
 
 std::vector<at::Tensor> ZeroModel::parameters() const { return strategy_->parameters(); }
 std::vector<ShardLayout> ZeroModel::layout() const { return strategy_->layout(); }
@@ -107,6 +131,7 @@ void ZeroModel::abandon_backward() {
   strategy_->abandon_backward();
   for (auto& p : strategy_->parameters()) p.mutable_grad() = at::Tensor();
   for (auto& p : model_.parameters()) p.mutable_grad() = at::Tensor();
+  take_gradient_arrivals();
 }
 
 double ZeroModel::clip_grad_norm(double max_norm, const std::shared_ptr<Communicator>& tp_group) {

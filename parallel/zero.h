@@ -183,6 +183,14 @@ class ZeroModel {
   // accumulation window's), so the next forward starts clean.
   void abandon_backward();
 
+  // Which of the model's parameters (named_parameters() order, one element
+  // each: 1 or 0) a backward accumulated a gradient for on this rank since
+  // the last call (or abandon_backward()); the call starts counting afresh.
+  // A parameter no forward used gets none, though the reduction hands the
+  // optimizer zeros for it: reduced (max) over every rank, these say which
+  // parameters no rank used, which the optimizer must not step (weight decay
+  // and momentum would move them; remat::Engine::step leaves them alone).
+  at::Tensor take_gradient_arrivals();
   // Clips gradients by the global L2 norm (shards summed over the
   // data-parallel group, tensor-parallel shards over `tp_group` too; see
   // grad_norm.h). Returns the norm before clipping.
@@ -204,6 +212,8 @@ class ZeroModel {
   std::shared_ptr<Communicator> shard_group_, replicate_group_;
   std::vector<at::Tensor> sharded_tp_;
   std::unique_ptr<ShardingStrategy> strategy_;
+  struct Arrivals;  // take_gradient_arrivals()'s hooks and flags
+  std::unique_ptr<Arrivals> arrivals_;
 };
 
 }  // namespace remat::parallel
