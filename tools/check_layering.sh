@@ -10,10 +10,11 @@ declare -A allowed=(
   [nn]="nn runtime"
   [rng]="rng runtime"
   [data]="data runtime"
+  [optim]="optim runtime"
   [checkpointing]="checkpointing nn rng runtime"
-  [parallel]="parallel nn rng runtime"
+  [parallel]="parallel nn optim rng runtime"
   [models]="models nn parallel rng runtime"
-  [engine]="engine checkpointing parallel models data nn rng runtime"
+  [engine]="engine checkpointing parallel models data nn optim rng runtime"
 )
 
 bad=0

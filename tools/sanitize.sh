@@ -33,7 +33,7 @@ if [[ $mode == quick ]]; then
   targets=(//engine:config_test)
 else
   # Every package by name: //... would walk into the normal build's bazel-* links.
-  targets=(//runtime/... //nn/... //rng/... //data/... //checkpointing/... //parallel/...
+  targets=(//runtime/... //nn/... //rng/... //data/... //optim/... //checkpointing/... //parallel/...
            //models/... //engine/... //launch/... //tests/... //configs/...)
 fi
 log=$(mktemp)
@@ -63,7 +63,7 @@ run "config_test (fuzz included) under ASan + UBSan" "$bin/engine/config_test"
 if [[ $mode == full ]]; then
   for t in runtime/runtime_unit_test runtime/memory_test rng/rng_tracker_test \
            checkpointing/checkpoint_test checkpointing/policy_test checkpointing/checkpoint_contract_test \
-           nn/module_call_test engine/optim_test; do
+           nn/module_call_test engine/optim_test optim/host_adam_test; do
     run "$t under ASan + UBSan" "$bin/$t"
   done
   for t in runtime/communicator_test_bin parallel/parallel_test_bin parallel/zero_test_bin \
