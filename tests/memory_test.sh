@@ -206,6 +206,18 @@ else
   fail "device_memory_budget_bytes with gradient accumulation (stage 0)" "${verdict:-$(cat "$tmp/acc_auto.out")}"
 fi
 
+# Prints the budget, the measured peak of a --metrics file's steps and the
+# plan; fails where the peak is over the budget.
+peak_within_budget() {
+  python3 - "$1" "$2" <<'PY'
+import json, sys
+steps = [json.loads(l) for l in open(sys.argv[1])]
+budget, peak = int(sys.argv[2]), max(s["mem_peak_bytes"] for s in steps)
+print(f"budget {budget} B, measured peak {peak} B ({peak - budget:+d} B), plan {steps[0]['act_plan']}")
+sys.exit(0 if peak <= budget else 1)
+PY
+}
+
 # --- C. Bad input ------------------------------------------------------------
 # A configuration that does not fit what a rank has is refused before anything
 # is built, naming the cheapest change that fits (here: 15 MiB per rank, ZeRO-3
@@ -255,14 +267,7 @@ smallest=$(REMAT_LOG_LEVEL=warn "$run" -np 2 -- "$train" --steps 1 "${quiet[@]}"
 if [[ -n $smallest ]] && "$run" -np 2 -- "$train" --steps 3 "${quiet[@]}" --set activation_checkpointing.variant=auto \
     --set activation_checkpointing.device_memory_budget_bytes="$smallest" --metrics "$tmp/smallest.jsonl" \
     >"$tmp/smallest.out" 2>&1 &&
-    verdict=$(python3 - "$tmp/smallest.jsonl" "$smallest" <<'PY'
-import json, sys
-steps = [json.loads(l) for l in open(sys.argv[1])]
-budget, peak = int(sys.argv[2]), max(s["mem_peak_bytes"] for s in steps)
-print(f"budget {budget} B, measured peak {peak} B ({peak - budget:+d} B), plan {steps[0]['act_plan']}")
-sys.exit(0 if peak <= budget else 1)
-PY
-); then
+    verdict=$(peak_within_budget "$tmp/smallest.jsonl" "$smallest"); then
   pass "the smallest feasible budget remat names is met: $verdict"
 else
   fail "the smallest feasible budget remat names is met (measured peak <= budget)" "${verdict:-$(cat "$tmp/smallest.out" 2>/dev/null)}"
@@ -277,14 +282,7 @@ predicted=$(python3 -c "import json, sys; print(json.loads(open(sys.argv[1]).rea
   "$tmp/mid.jsonl" 2>/dev/null)
 if [[ -n $predicted ]] && "$run" -np 2 -- "$train" --steps 3 "${quiet[@]}" --set activation_checkpointing.variant=auto \
     --set activation_checkpointing.device_memory_budget_bytes="$predicted" --metrics "$tmp/at.jsonl" >"$tmp/at.out" 2>&1 &&
-    verdict=$(python3 - "$tmp/at.jsonl" "$predicted" <<'PY'
-import json, sys
-steps = [json.loads(l) for l in open(sys.argv[1])]
-budget, peak = int(sys.argv[2]), max(s["mem_peak_bytes"] for s in steps)
-print(f"budget {budget} B, measured peak {peak} B ({peak - budget:+d} B), plan {steps[0]['act_plan']}")
-sys.exit(0 if peak <= budget else 1)
-PY
-); then
+    verdict=$(peak_within_budget "$tmp/at.jsonl" "$predicted"); then
   pass "a budget of exactly a plan's predicted total is met: $verdict"
 else
   fail "a budget of exactly a plan's predicted total is met (measured peak <= budget)" \
