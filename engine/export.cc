@@ -22,6 +22,7 @@
 #include "parallel/zero.h"
 #include "runtime/communicator.h"
 #include "runtime/error.h"
+#include "runtime/output_file.h"
 
 namespace remat {
 namespace fs = std::filesystem;
@@ -144,6 +145,22 @@ int64_t write_model_file(const std::string& path,
 
 int64_t export_model(const std::string& path, parallel::ZeroModel& zero, const torch::nn::Module& model,
                      Communicator& world) {
+  // A path the file cannot go to is refused before anything is gathered, on every rank.
+  std::string refused;
+  if (world.rank() == 0) {
+    try {
+      check_export_path(path, "remat::Engine::export_model");
+    } catch (const ConfigError& e) {
+      refused = e.what();
+    }
+  }
+  at::Tensor usable = at::full({1}, refused.empty() ? 1 : 0, at::kLong);
+  if (world.size() > 1) world.broadcast(usable, {0})->wait();
+  if (usable.item<int64_t>() == 0) {
+    throw ConfigError(world.rank() == 0 ? refused
+                                        : str("remat::Engine::export_model: rank 0 refused the path '",
+                                              shown_path(path), "'; its message says why"));
+  }
   const auto params = consolidated_parameters(zero, model);
   int64_t bytes = 0;
   std::string failure;
@@ -163,29 +180,8 @@ int64_t export_model(const std::string& path, parallel::ZeroModel& zero, const t
   return bytes;
 }
 
-void check_export_path(const std::string& path) {
-  const std::string what = not_a_file(path);
-  if (what == "a directory") {
-    throw ConfigError(str("--export '", path, "' is a directory: give a file path (e.g. ",
-                          (fs::path(path) / "model.pt").string(), ")"));
-  }
-  if (!what.empty()) {
-    std::error_code ec;
-    const fs::path target = fs::is_symlink(fs::symlink_status(path, ec)) ? fs::read_symlink(path, ec) : fs::path();
-    throw ConfigError(str("--export '", path, "' is ", what,
-                          ", not a regular file: the export is written beside it and renamed to that path, "
-                          "which would replace it. Give the path of a regular file or of a new one",
-                          target.empty() ? std::string() : str(" (to write where the link points: '",
-                                                                target.string(), "')")));
-  }
-  std::string probe;
-  const int fd = make_temporary(path, probe);
-  if (fd < 0) {
-    throw ConfigError(str("--export '", path, "' cannot be written (", std::strerror(errno),
-                          "): give a file path in a writable folder"));
-  }
-  ::close(fd);
-  ::unlink(probe.c_str());
+void check_export_path(const std::string& path, const std::string& flag) {
+  check_output_file({flag, path, "model.pt"});
 }
 
 void check_export_space(const std::string& path, int64_t bytes) {
