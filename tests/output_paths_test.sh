@@ -8,9 +8,9 @@
 # training, and messages cut very long paths and name what works.
 # Prints "[remat-test] N passed, M failed".
 set -uo pipefail
-train="$1"
-run="$2"
-estimate="$3"
+train="$(realpath "$1")"
+run="$(realpath "$2")"
+estimate="$(realpath "$3")"
 tmp="${TEST_TMPDIR:-$(mktemp -d)}"
 export REMAT_COMM_TIMEOUT_S=60 REMAT_LOG_LEVEL=warn
 source "$(dirname "$0")/testlib.sh"
@@ -79,11 +79,13 @@ else fail "no per-rank save folder was created" "$(ls "$tmp")"; fi
 
 # 5. Empty paths are refused, not taken for "not given".
 "${tiny[@]}" --steps 2 --save-dir "$tmp/kept" >/dev/null 2>&1
+kept_id=$(run_id "$tmp/kept/step_00000002")
 expect "--resume \"\" is refused" "--resume is empty: give it a path, or leave --resume out" \
   "${tiny[@]}" --steps 2 --save-dir "$tmp/kept" --overwrite-saves --resume ""
 expect "--config \"\" is refused" "--config is empty: give it a path, or leave --config out" \
   "${tiny[@]}" --steps 2 --config ""
-if [[ "$(cat "$tmp/kept/latest" 2>/dev/null)" == step_00000002 ]]; then pass "the saves of --save-dir are kept"
+if [[ -n "$kept_id" && "$(run_id "$tmp/kept/step_00000002")" == "$kept_id" ]]; then
+  pass "the saves of --save-dir are kept"
 else fail "the saves of --save-dir are kept" "$(ls -A "$tmp/kept")"; fi
 
 # 6. --overwrite-saves with --resume from another folder: every save of the
