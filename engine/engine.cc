@@ -350,7 +350,13 @@ struct Engine::Impl {
     chrome.max_samples = trace_samples;
     chrome.pid = world->rank();
     chrome.process_name = str("remat rank ", world->rank());
-    recorded->write(path, chrome, other);
+    try {
+      recorded->write(path, chrome, other);
+    } catch (const Error& e) {
+      // An auxiliary output: its failure costs neither this step nor the saves after it.
+      log().warn("{}; the memory timeline of step {} is not written, and training goes on", e.what(), m.step);
+      return;
+    }
     log().info("memory timeline of step {} written to '{}'", m.step, path);
   }
 };

@@ -177,7 +177,9 @@ class Engine {
   // At most `max_samples` samples are written (runs of consecutive samples
   // by their lowest and highest, so the peak stays in). This rank's alone
   // (not collective). A ConfigError if `path` cannot be written or
-  // EngineOptions::memory does not keep its allocations.
+  // EngineOptions::memory does not keep its allocations. A write that fails
+  // when the step ends (disk full) is a warning: the step and training go on,
+  // and no temporary file is left.
   void trace_memory(const std::string& path, int max_samples = 4000);
 
   // Saves parameters, optimizer state, every random state, the step and
@@ -189,8 +191,10 @@ class Engine {
   // first save): created, checked writable on every rank and locked against
   // a second job. Saves of another run there are refused unless
   // `options.resuming` (set by itself after a load_checkpoint from `dir`) or
-  // `options.overwrite`; removing the later saves is then the caller's
-  // (discard_saves_after(dir, engine.global_steps(), world), after loading).
+  // `options.overwrite`; removing the later saves is then the caller's, once
+  // its first save is complete (discard_saves_after(dir, the step it started
+  // from, world, the step of that save)), so a run that fails earlier loses
+  // nothing.
   void use_save_dir(const std::string& dir, SaveDirOptions options = {});
   // Loads a save (a step folder or the save root) made at any tensor-parallel
   // size, data-parallel size and ZeRO stage with this model (parameter names

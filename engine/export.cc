@@ -23,6 +23,7 @@
 #include "runtime/communicator.h"
 #include "runtime/error.h"
 #include "runtime/outcome.h"
+#include "runtime/output_file.h"
 
 namespace remat {
 namespace fs = std::filesystem;
@@ -145,6 +146,10 @@ int64_t write_model_file(const std::string& path,
 
 int64_t export_model(const std::string& path, parallel::ZeroModel& zero, const torch::nn::Module& model,
                      Communicator& world) {
+  // A path the file cannot go to is refused before anything is gathered, on every rank.
+  agree_on_outcome(world, "the export's path check", [&] {
+    if (world.rank() == 0) check_export_path(path, "remat::Engine::export_model");
+  });
   const auto params = consolidated_parameters(zero, model);
   int64_t bytes = 0;
   // Every rank learns whether rank 0 wrote it, and why not.
@@ -154,29 +159,8 @@ int64_t export_model(const std::string& path, parallel::ZeroModel& zero, const t
   return bytes;
 }
 
-void check_export_path(const std::string& path) {
-  const std::string what = not_a_file(path);
-  if (what == "a directory") {
-    throw ConfigError(str("export file '", path, "' is a directory: give a file path (e.g. ",
-                          (fs::path(path) / "model.pt").string(), ")"));
-  }
-  if (!what.empty()) {
-    std::error_code ec;
-    const fs::path target = fs::is_symlink(fs::symlink_status(path, ec)) ? fs::read_symlink(path, ec) : fs::path();
-    throw ConfigError(str("export file '", path, "' is ", what,
-                          ", not a regular file: the export is written beside it and renamed to that path, "
-                          "which would replace it. Give the path of a regular file or of a new one",
-                          target.empty() ? std::string() : str(" (to write where the link points: '",
-                                                                target.string(), "')")));
-  }
-  std::string probe;
-  const int fd = make_temporary(path, probe);
-  if (fd < 0) {
-    throw ConfigError(str("export file '", path, "' cannot be written (", std::strerror(errno),
-                          "): give a file path in a writable folder"));
-  }
-  ::close(fd);
-  ::unlink(probe.c_str());
+void check_export_path(const std::string& path, const std::string& flag) {
+  check_output_file({flag, path, "model.pt"});
 }
 
 void check_export_space(const std::string& path, int64_t bytes) {

@@ -39,7 +39,9 @@ int64_t write_model_file(const std::string& path,
                          const std::vector<std::pair<std::string, at::Tensor>>& parameters);
 
 // consolidated_parameters(), written by rank 0 of `world`. Returns the bytes
-// written on rank 0, 0 elsewhere. A failed write is an Error on every rank.
+// written on rank 0, 0 elsewhere. A path check_export_path refuses is a
+// ConfigError on every rank before anything is gathered; a failed write is an
+// Error on every rank.
 int64_t export_model(const std::string& path, parallel::ZeroModel& zero, const torch::nn::Module& model,
                      Communicator& world);
 
@@ -47,9 +49,10 @@ int64_t export_model(const std::string& path, parallel::ZeroModel& zero, const t
 // before it trains (call on the rank that writes). Each is a ConfigError
 // saying what to change.
 //
-// `path`, where it exists, is a regular file (not a directory, symbolic link,
-// device or fifo), and its folder takes a new file (a probe of a unique name).
-void check_export_path(const std::string& path);
+// `path` follows runtime/output_file.h's rule: where it exists, a regular
+// file (not a directory, symbolic link, device or fifo), in a folder that
+// takes a new file (a probe of a unique name). `flag` names it in the message.
+void check_export_path(const std::string& path, const std::string& flag = "--export");
 // The folder of `path` has `bytes` free (statvfs).
 void check_export_space(const std::string& path, int64_t bytes);
 

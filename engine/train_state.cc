@@ -495,12 +495,12 @@ SaveDirLock::~SaveDirLock() {
   if (fd_ >= 0) ::close(fd_);  // releases the lock
 }
 
-int discard_saves_after(const std::string& dir, int64_t step, Communicator& world) {
+int discard_saves_after(const std::string& dir, int64_t step, Communicator& world, int64_t except) {
   int64_t removed = 0;
   if (world.rank() == 0) {
     std::string keep;  // the newest complete save kept
     for (const auto& [s, folder] : step_folders(dir)) {
-      if (s > step) {
+      if (s > step && s != except) {
         fs::remove_all(folder);
         ++removed;
       } else if (keep.empty() && fs::exists(folder / "manifest.json")) {
@@ -509,7 +509,8 @@ int discard_saves_after(const std::string& dir, int64_t step, Communicator& worl
     }
     const fs::path latest = fs::path(dir) / "latest";
     std::error_code ec;
-    if (latest_step(dir) < 0 || latest_step(dir) > step) {
+    const int64_t named = latest_step(dir);
+    if (named < 0 || (named > step && named != except)) {
       if (keep.empty()) {
         fs::remove(latest, ec);
       } else {

@@ -99,8 +99,8 @@ struct SaveDirOptions {
   // --resume): saves already in the folder may be continued.
   bool resuming = false;
   // A new run may take a folder holding another run's saves
-  // (discard_saves_after removes them once the run has started; remat-train's
-  // --overwrite-saves).
+  // (discard_saves_after removes them once its first save is complete;
+  // remat-train's --overwrite-saves).
   bool overwrite = false;
 };
 
@@ -124,11 +124,13 @@ class SaveDirLock {
   int fd_ = -1;
 };
 
-// Removes the saves in `dir` later than `step` (every one for step 0) and
-// points `latest` at the newest complete save left, or removes it: what
-// --overwrite-saves does once a run has started (after its resume). Rank 0
-// removes; collective over `world`. Returns the number of step folders removed.
-int discard_saves_after(const std::string& dir, int64_t step, Communicator& world);
+// Removes the saves in `dir` later than `step` (every one for step 0), but
+// the one of step `except`, and points `latest` at the newest complete save
+// left, or removes it: what --overwrite-saves does once a run's first save
+// (`except`) is complete, so that a run which fails before it leaves the old
+// saves as they were. Rank 0 removes; collective over `world`. Returns the
+// number of step folders removed.
+int discard_saves_after(const std::string& dir, int64_t step, Communicator& world, int64_t except = -1);
 
 // The step `latest` in `dir` names, or -1 when there is none (or it names no
 // step folder).

@@ -241,6 +241,24 @@ TEST(TrainState, SameLayoutContinuesBitwise) {
   }
 }
 
+// A path the export cannot be written to is refused before the parameters are
+// gathered, as the same ConfigError kind on every rank (it used to fail on
+// rank 0 only after gathering and writing: "it is a directory now").
+TEST(Export, APathThatIsADirectoryIsRefusedOnEveryRankBeforeGathering) {
+  const std::string dir = job_dir("export_dir");
+  Trainer t(world(), 3);
+  t.step();
+  const std::string message = remat::testing::error_of<ConfigError>(
+      [&] { export_model(dir, *t.zero, *t.model, *world()); });
+  EXPECT_THAT(message, ::testing::HasSubstr(world()->rank() == 0
+                                                ? str("remat::Engine::export_model '", dir,
+                                                      "' is a directory: give a file path (e.g. ", dir, "/model.pt)")
+                                                : str("remat::Engine::export_model: rank 0 refused the path '", dir,
+                                                      "'")));
+  world()->barrier()->wait();
+  if (world()->rank() == 0) fs::remove_all(dir);
+}
+
 // The export holds every parameter whole under its state-dict name, bitwise
 // equal to the gathered parameters, and reads back with torch::pickle_load.
 TEST(Export, PickleLoadReadsTheGatheredParameters) {
@@ -521,6 +539,24 @@ TEST(TrainState, LatestNeverMovesBack) {
   if (world()->rank() == 0) fs::remove_all(dir);
 }
 
+// --overwrite-saves once the new run's first save (step 2) is complete: the
+// old run's saves go, its own stays, and `latest` (on the old step 4) names it.
+TEST(TrainState, DiscardKeepsTheNewRunsFirstSave) {
+  const std::string dir = job_dir("discard_except");
+  Trainer t(world(), 1);
+  t.step();
+  for (int64_t step : {1, 3, 4, 2}) save_train_state(dir, {step}, t.shards(), *t.optimizer, t.identity(), *world());
+  world()->barrier()->wait();
+  EXPECT_EQ(discard_saves_after(dir, 0, *world(), 2), 3);
+  world()->barrier()->wait();
+  if (world()->rank() == 0) {
+    EXPECT_EQ(latest_step(dir), 2);
+    for (int64_t step : {1, 3, 4}) EXPECT_FALSE(fs::exists(dir + str("/step_0000000", step))) << step;
+    EXPECT_TRUE(fs::exists(dir + "/step_00000002/manifest.json"));
+  }
+  world()->barrier()->wait();
+  if (world()->rank() == 0) fs::remove_all(dir);
+}
 
 // Frozen parameters travel with saves and exports: unchanged by training, in
 // the export, and restored by a resume at another stage (over values the

@@ -25,6 +25,7 @@
 #include "models/gpt.h"
 #include "runtime/env_knobs.h"
 #include "runtime/error.h"
+#include "runtime/output_file.h"
 #include "runtime/runtime.h"
 
 namespace remat {
@@ -50,6 +51,8 @@ int estimate(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  // Checked before the estimate, by the rule of remat-train's outputs.
+  if (app.count("--json") > 0) check_output_file({"--json", json_path, "estimate.json"});
   const Config config = config_path.empty() ? parse_config(default_config_text(), "<embedded default>", overrides)
                                             : load_config(config_path, overrides);
   if (ranks % config.tensor_parallel.size != 0) {

@@ -7,10 +7,12 @@
 //       [--export FILE] [--plan-report DIR] [--memory-trace FILE [--memory-trace-samples N]]
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
+#include <sys/stat.h>
 
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <optional>
@@ -19,6 +21,7 @@
 #include "data/dataset.h"
 #include "engine/engine.h"
 #include "engine/export.h"
+#include "engine/train_state.h"
 #include "launch/plan_report.h"
 #include "launch/train_tools.h"
 #include "models/gpt.h"
@@ -30,10 +33,114 @@
 #include "runtime/logging.h"
 #include "runtime/memory.h"
 #include "runtime/memory_trace.h"
+#include "runtime/output_file.h"
 #include "runtime/runtime.h"
 
 namespace remat {
 namespace {
+
+namespace fs = std::filesystem;
+
+// The path flags: "" is refused, not taken for "not given" (`--resume ""`
+// with --overwrite-saves would remove the saves it was meant to resume).
+void refuse_empty_paths(const CLI::App& app, const std::vector<std::pair<std::string, const std::string*>>& paths) {
+  for (const auto& [flag, value] : paths) {
+    if (app.count(flag) > 0 && value->empty()) {
+      throw ConfigError(str(flag, " is empty: give it a path, or leave ", flag, " out"));
+    }
+  }
+}
+
+// A path flag as the ranks compare it: as written (a cluster's nodes may
+// spell one shared folder alike and mean it, or spell alike per-node folders;
+// only the spelling is the same everywhere). A long path is compared by its
+// hash and shown cut.
+std::string as_compared(const std::string& path) {
+  if (path.empty()) return "not given";
+  if (path.size() <= 200) return "'" + path + "'";
+  return str("'", shown_path(path), "' (hash ", std::hash<std::string>{}(path), ")");
+}
+
+// Whether the save `resume` (a step folder or a save root) lies in `save_dir`.
+bool resumes_from(const std::string& resume, const std::string& save_dir) {
+  std::error_code ec;
+  const fs::path save = fs::canonical(resume, ec);
+  if (ec) return false;
+  return fs::equivalent(save, save_dir, ec) || fs::equivalent(save.parent_path(), save_dir, ec);
+}
+
+// What is left to resume from when a save fails.
+std::string intact_save_note(const std::string& save_dir, const std::string& resume_dir) {
+  const int64_t newest = latest_step(save_dir);
+  if (newest >= 0) {
+    return str("The newest complete save is step ", newest, " in '", shown_path(save_dir), "' (its 'latest'): free "
+               "space there, then run again with the same settings and --resume ", shown_path(save_dir));
+  }
+  if (!resume_dir.empty()) {
+    return str("No save of this run is complete; the save it resumed, '", shown_path(resume_dir), "', is as it was");
+  }
+  return "No save of this run is complete: free space there, or give --save-dir a folder on a disk with room";
+}
+
+// Engine::save_checkpoint, its failure (a full disk) naming what is left to
+// resume from.
+void save_naming_intact(Engine& engine, const std::string& save_dir, const std::string& resume_dir,
+                        int64_t window) {
+  try {
+    engine.save_checkpoint(save_dir, {{"data_window", window}});
+  } catch (const CommError&) {
+    throw;  // another rank's failure: its own message says what
+  } catch (const ConfigError& e) {
+    throw ConfigError(str(e.what(), ". ", intact_save_note(save_dir, resume_dir)));
+  } catch (const Error& e) {
+    throw Error(str(e.what(), ". ", intact_save_note(save_dir, resume_dir)));
+  }
+}
+
+// The files of this run's outputs (and those written beside them), for
+// check_distinct_outputs.
+std::vector<std::pair<std::string, std::string>> output_files(const std::string& metrics, const std::string& trace,
+                                                              const std::string& export_path,
+                                                              const std::string& plan_report) {
+  std::vector<std::pair<std::string, std::string>> files{{"--metrics", metrics}, {"--export", export_path}};
+  if (!trace.empty()) {
+    files.push_back({"--memory-trace", trace});
+    files.push_back({"the plot of --memory-trace", memory_plot_path(trace)});
+    files.push_back({"the plot script beside --memory-trace", memory_plot_script_path(trace)});
+  }
+  if (!plan_report.empty()) {
+    for (const char* name : {"frontier.csv", "frontier.png", "plot_frontier.py"}) {
+      files.push_back({str("--plan-report's ", name), (fs::path(plan_report) / name).string()});
+    }
+  }
+  return files;
+}
+
+// Rank 0's outputs, checked before anything trains: each follows the one
+// rule (runtime/output_file.h), and no two are one file.
+void check_outputs(const std::string& metrics, const std::string& trace, const std::string& export_path,
+                   const std::string& plan_report) {
+  if (!metrics.empty()) check_output_file({"--metrics", metrics, "metrics.jsonl"});
+  if (!export_path.empty()) check_export_path(export_path);
+  if (!trace.empty()) {
+    check_trace_path(trace, "--memory-trace");
+    check_output_file({"the plot of --memory-trace", memory_plot_path(trace), "memory.png"});
+  }
+  if (!plan_report.empty()) check_plan_report_dir(plan_report);
+  const auto files = output_files(metrics, trace, export_path, plan_report);
+  for (const auto& [flag, path] : files) {
+    if (flag.rfind("--plan-report", 0) == 0) check_output_file({flag, path});
+  }
+  check_distinct_outputs(files);
+}
+
+// The file's identity (device and inode; 0 when it does not exist): a
+// temporary file renamed over a path gives it a new one.
+std::pair<dev_t, ino_t> identity_of(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return {0, 0};
+  return {st.st_dev, st.st_ino};
+}
 
 int train(int argc, char** argv) {
   CLI::App app{"remat-train: train a GPT with remat's activation checkpointing"};
@@ -72,6 +179,9 @@ int train(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  refuse_empty_paths(app, {{"--config", &config_path}, {"--metrics", &metrics_path}, {"--save-dir", &save_dir},
+                           {"--resume", &resume_dir}, {"--export", &export_path}, {"--memory-trace", &memory_trace},
+                           {"--plan-report", &plan_report}});
 
   // First: everything allocated from here on is counted (and, for a memory
   // trace, kept by allocation).
@@ -91,25 +201,26 @@ int train(int argc, char** argv) {
   auto layout = init_distributed(config, backend);
   auto& world = *layout->world();
   const bool rank0 = world.rank() == 0;
-  // Every rank runs with the flags the others have (the engine compares the configs).
-  std::map<std::string, std::string> flags{{"--backend", backend}};
+  // Every rank runs with the flags the others have (the engine compares the
+  // configs), the paths as written.
+  std::map<std::string, std::string> flags{{"--backend", backend},
+                                           {"--overwrite-saves", overwrite_saves ? "given" : "not given"}};
   for (const auto& [flag, value] : {std::pair<const char*, const std::string*>{"--save-dir", &save_dir},
-                                    {"--resume", &resume_dir}, {"--export", &export_path}}) {
-    flags[flag] = value->empty() ? "not given" : "given";
+                                    {"--resume", &resume_dir}, {"--export", &export_path},
+                                    {"--metrics", &metrics_path}, {"--memory-trace", &memory_trace},
+                                    {"--plan-report", &plan_report}}) {
+    flags[flag] = as_compared(*value);
   }
-  require_same_settings(world, flags, "flags");
-  // The export is written after training: a path it cannot be written to stops the run now.
-  if (!export_path.empty() && rank0) check_export_path(export_path);
-  if (!memory_trace.empty() && rank0) check_trace_path(memory_trace, "--memory-trace");
-  if (!plan_report.empty()) {
-    if (config.activation_checkpointing.variant != CheckpointVariant::kAuto) {
-      throw ConfigError(str("--plan-report writes the memory planner's frontier, but activation_checkpointing.variant "
-                            "is \"", checkpoint_variant_name(config.activation_checkpointing.variant),
-                            "\": set it to \"auto\" (with a memory_budget_fraction, \"knee\" for instance) or "
-                            "leave --plan-report out"));
-    }
-    if (rank0) check_plan_report_dir(plan_report);
+  require_same_settings(world, flags, "flags (paths are compared as written, so one folder spelled two ways "
+                                      "differs: spell each path the same on every rank)");
+  if (!plan_report.empty() && config.activation_checkpointing.variant != CheckpointVariant::kAuto) {
+    throw ConfigError(str("--plan-report writes the memory planner's frontier, but activation_checkpointing.variant "
+                          "is \"", checkpoint_variant_name(config.activation_checkpointing.variant),
+                          "\": set it to \"auto\" (with a memory_budget_fraction, \"knee\" for instance) or "
+                          "leave --plan-report out"));
   }
+  // Written after training or beside it: a path one cannot be written to stops the run now.
+  if (rank0) check_outputs(metrics_path, memory_trace, export_path, plan_report);
   const BatchSizes batch = config.resolve_batch(layout->dims().dp);
   data::Dataset data = data::Dataset::load(config.data.path, config.data.train_fraction, config.model.seq_len);
   check_memory_estimate(config, batch, data.vocab_size(), world.size());
@@ -130,7 +241,9 @@ int train(int argc, char** argv) {
   auto engine = initialize(model, config, options);
   // Checked, created and locked before anything is trained: a run must not
   // find out at its first save that it cannot keep its work.
-  if (!save_dir.empty()) engine->use_save_dir(save_dir, {!resume_dir.empty(), overwrite_saves});
+  // Resuming lets a folder hold saves only when they are the ones resumed.
+  const bool resumes_here = !resume_dir.empty() && !save_dir.empty() && resumes_from(resume_dir, save_dir);
+  if (!save_dir.empty()) engine->use_save_dir(save_dir, {resumes_here, overwrite_saves});
   if (!export_path.empty() && rank0) check_export_space(export_path, estimated_export_bytes(*model));
 
   int64_t window = 0;  // the next training window of this rank's data stream
@@ -139,11 +252,13 @@ int train(int argc, char** argv) {
     log_rank0().info("resumed from '{}' at step {}", resume_dir, engine->global_steps());
   }
   const int64_t resumed = engine->global_steps();
-  // Saves of an earlier run later than where this one starts: replaced when
-  // asked, else kept (`latest` stays on them until this run passes them).
-  if (!save_dir.empty() && overwrite_saves) {
-    discard_saves_after(save_dir, resumed, world);
-  } else if (!save_dir.empty() && rank0 && latest_step(save_dir) > resumed) {
+  // Saves of an earlier run later than where this one starts (all of them
+  // when it resumes from elsewhere): replaced when asked, once this run's
+  // first save is complete; else kept (`latest` stays on them until this run
+  // passes them).
+  const int64_t replace_after = resumes_here ? resumed : 0;
+  bool replaced = !overwrite_saves;
+  if (!save_dir.empty() && !overwrite_saves && rank0 && latest_step(save_dir) > resumed) {
     log_rank0().warn("--save-dir '{}' holds saves up to step {} and this run starts at step {}: its saves "
                      "replace those of the same steps, and 'latest' stays on step {} until this run passes "
                      "it; pass --overwrite-saves to remove the later saves instead",
@@ -160,10 +275,11 @@ int train(int argc, char** argv) {
     if (resumed > 0) keep_metrics_through(metrics_path, resumed);
     metrics.open(metrics_path, resumed > 0 ? std::ios::app : std::ios::trunc);
     if (!metrics) {
-      throw ConfigError(str("cannot write --metrics file '", metrics_path, "' (", std::strerror(errno),
+      throw ConfigError(str("cannot write --metrics file '", shown_path(metrics_path), "' (", std::strerror(errno),
                             "): give a writable file path"));
     }
   }
+  std::pair<dev_t, ino_t> trace_before{0, 0};
   if (resumed >= tc.steps && rank0) {
     std::printf("nothing to train: train.steps is %lld and the run %s\n", static_cast<long long>(tc.steps),
                 resumed > 0 ? str("resumed at step ", resumed).c_str() : "starts at step 0");
@@ -180,7 +296,10 @@ int train(int argc, char** argv) {
   int64_t max_peak = 0;
   for (int64_t step = resumed + 1; step <= tc.steps; ++step) {
     model->train();
-    if (step == trace_step && rank0) engine->trace_memory(memory_trace, trace_samples);
+    if (step == trace_step && rank0) {
+      trace_before = identity_of(memory_trace);
+      engine->trace_memory(memory_trace, trace_samples);
+    }
     for (int64_t micro = 0; micro < batch.gradient_accumulation_steps; ++micro) {
       auto [x, y] = data.train_batch(static_cast<uint64_t>(tc.seed), layout->dp_rank(), window,
                                      batch.micro_batch_per_gpu);
@@ -201,9 +320,11 @@ int train(int argc, char** argv) {
       line["tokens_per_s"] = tokens_per_s;
       metrics << line.dump() << "\n" << std::flush;
       if (!metrics) {
-        throw Error(str("writing the --metrics file '", metrics_path, "' failed at step ", step, " (",
-                        std::strerror(errno), "; disk full?): the metrics would be incomplete. "
-                        "Free space or give another path"));
+        // An auxiliary output: its failure must not cost the training or its saves.
+        log_rank0().warn("writing the --metrics file '{}' failed at step {} ({}; disk full?): it holds the steps "
+                         "before, no more lines are written, and training goes on",
+                         shown_path(metrics_path), step, std::strerror(errno));
+        metrics.close();
       }
     }
     progress.step(step, m.loss, tokens_per_s, m.mem_peak_bytes - m.mem_base_bytes);
@@ -216,15 +337,22 @@ int train(int argc, char** argv) {
       progress.line(str("step ", step, ": held-out loss ", val / std::max<int64_t>(tc.eval_batches, 1)));
     }
     if (!save_dir.empty() && ((tc.save_interval > 0 && step % tc.save_interval == 0) || step == tc.steps)) {
-      engine->save_checkpoint(save_dir, {{"data_window", window}});
+      save_naming_intact(*engine, save_dir, resume_dir, window);
       progress.line(str("saved step ", step, " to ", save_dir));
+      if (!replaced) {
+        discard_saves_after(save_dir, replace_after, world, step);  // --overwrite-saves, now that one is complete
+        replaced = true;
+      }
     }
   }
   if (rank0 && tc.steps > resumed) {
     std::printf("loss: first %.4f, last %.4f; peak activation memory per step %s\n", first_loss, last_loss,
                 human_bytes(static_cast<double>(max_peak)).c_str());
   }
-  if (trace_step > 0 && rank0) {
+  if (trace_step > 0 && rank0 && identity_of(memory_trace) == trace_before) {
+    progress.line(str("no memory timeline of step ", trace_step, " was written to ", memory_trace,
+                      " (the warning above says why)"));
+  } else if (trace_step > 0 && rank0) {
     const std::string png = memory_plot_path(memory_trace);
     const std::string plot = plot_memory_trace(memory_trace, png);
     progress.line(str("memory timeline of step ", trace_step, " (peak ", human_bytes(static_cast<double>(traced_peak)),

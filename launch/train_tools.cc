@@ -17,6 +17,7 @@
 #include "runtime/env_knobs.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
+#include "runtime/output_file.h"
 
 namespace remat {
 namespace {
@@ -74,11 +75,39 @@ std::string memory_plot_path(const std::string& trace) {
   return trace + ".png";
 }
 
+std::string memory_plot_script_path(const std::string& trace) {
+  const std::string png = memory_plot_path(trace);
+  return png.substr(0, png.size() - 4) + ".plot.py";
+}
+
+namespace {
+
+// The plotting script written beside the trace, for drawing the plot by hand
+// (a temporary file renamed over its path); what to run, or why it is not there.
+std::string plot_by_hand(const std::string& trace, const std::string& png) {
+  const std::string script = memory_plot_script_path(trace);
+  std::string tmp;
+  const int fd = open_temporary_beside(script, tmp);
+  const std::string& text = plot_memory_trace_script();
+  bool written = fd >= 0 && ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  if (fd >= 0) written = ::close(fd) == 0 && written;
+  if (written && not_a_regular_file(script).empty() && ::rename(tmp.c_str(), script.c_str()) == 0) {
+    return str("python3 ", shell_quoted(script), " ", shell_quoted(trace), " ", shell_quoted(png));
+  }
+  const int err = errno;
+  if (fd >= 0) ::unlink(tmp.c_str());
+  return str("the script that draws it could not be written to ", script, " (", std::strerror(err), ")");
+}
+
+}  // namespace
+
 std::string plot_memory_trace(const std::string& trace, const std::string& png) {
-  const std::string by_hand = str("python3 tools/plot_memory_trace.py ", trace, " ", png);
   std::string script = (std::filesystem::temp_directory_path() / "remat_plot_XXXXXX.py").string();
   const int fd = ::mkstemps(script.data(), 3);
-  if (fd < 0) return str("its plot was not drawn (no temporary file: ", std::strerror(errno), "); run ", by_hand);
+  if (fd < 0) {
+    return str("its plot was not drawn (no temporary file: ", std::strerror(errno), "); run ",
+               plot_by_hand(trace, png));
+  }
   const std::string& text = plot_memory_trace_script();
   const bool written = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
   ::close(fd);
@@ -100,12 +129,12 @@ std::string plot_memory_trace(const std::string& trace, const std::string& png) 
   if (status == 0) return "";
   if (WIFEXITED(status) && WEXITSTATUS(status) == 3) {
     return str("its plot needs python3 with matplotlib (Debian/Ubuntu: apt-get install python3-matplotlib); "
-               "then run ", by_hand);
+               "then run ", plot_by_hand(trace, png));
   }
   while (!output.empty() && output.back() == '\n') output.pop_back();
   if (output.size() > 300) output = "..." + output.substr(output.size() - 300);
   return str("drawing its plot failed (", output.empty() ? "exit status " + std::to_string(status) : output,
-             "); run ", by_hand, " to see why");
+             "); run ", plot_by_hand(trace, png), " to see why");
 }
 
 std::string human_bytes(double b) {

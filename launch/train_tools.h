@@ -32,9 +32,14 @@ void keep_metrics_through(const std::string& path, int64_t step);
 // The plot written beside a memory trace: its path with .png for .json (or
 // .png added).
 std::string memory_plot_path(const std::string& trace);
+// Where the plotting script goes when the plot cannot be drawn: the plot's
+// path with .plot.py for .png.
+std::string memory_plot_script_path(const std::string& trace);
 // Plots a memory trace (Engine::trace_memory) into `png` with
 // tools/plot_memory_trace.py, compiled in, when a python3 with matplotlib is
-// found. Empty when written; else what is missing and the command to run.
+// found. Empty when written; else what is missing and the command to run,
+// with the script written beside the trace (memory_plot_script_path), so the
+// command works wherever remat is installed.
 std::string plot_memory_trace(const std::string& trace, const std::string& png);
 
 // A bar on a terminal, else a line every `every` steps (REMAT_PROGRESS=bar|lines).

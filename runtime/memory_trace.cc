@@ -15,6 +15,7 @@
 
 #include "runtime/error.h"
 #include "runtime/memory_reporter.h"
+#include "runtime/output_file.h"
 
 namespace remat {
 namespace {
@@ -403,47 +404,38 @@ std::string MemoryTrace::chrome_json(const ChromeTraceOptions& options, const nl
 void MemoryTrace::write(const std::string& path, const ChromeTraceOptions& options,
                         const nlohmann::json& other_data) const {
   const std::string text = chrome_json(options, other_data);
-  const std::string temporary = path + ".tmp";
-  {
-    std::ofstream out(temporary, std::ios::trunc);
-    out << text;
-    out.flush();
-    if (!out) {
-      throw Error(str("writing the memory trace '", path, "' failed (", std::strerror(errno),
-                      "): free space there or give another path"));
-    }
+  // A file of a unique name beside the path: an existing PATH.tmp is the user's.
+  std::string temporary;
+  const int fd = open_temporary_beside(path, temporary);
+  if (fd < 0) {
+    throw Error(str("writing the memory trace '", shown_path(path), "' failed: cannot create a file beside it (",
+                    std::strerror(errno), "): give a path in a writable folder"));
   }
-  std::error_code ec;
-  fs::rename(temporary, path, ec);
-  if (ec) {
-    fs::remove(temporary, ec);
-    throw Error(str("writing the memory trace '", path, "' failed (", ec.message(), "): give another path"));
+  size_t done = 0;
+  int err = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      err = n < 0 ? errno : ENOSPC;
+      break;
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::close(fd) != 0 && err == 0) err = errno;
+  // Checked at start too: the path may have become a device, fifo or link since.
+  const std::string what = err == 0 ? not_a_regular_file(path) : std::string();
+  if (err == 0 && what.empty() && ::rename(temporary.c_str(), path.c_str()) != 0) err = errno;
+  if (err != 0 || !what.empty()) {
+    ::unlink(temporary.c_str());
+    throw Error(str("writing the memory trace '", shown_path(path), "' failed (",
+                    what.empty() ? std::string(std::strerror(err)) : "it is " + what + " now",
+                    "): free space there or give another path; the temporary file is removed"));
   }
 }
 
 void check_trace_path(const std::string& path, const std::string& flag) {
-  if (path.empty()) throw ConfigError(str(flag, " is empty: give the path of the file to write"));
-  std::error_code ec;
-  if (fs::is_directory(path, ec)) {
-    throw ConfigError(str(flag, " '", path, "' is a directory: give a file path (e.g. ",
-                          (fs::path(path) / "memory.json").string(), ")"));
-  }
-  const fs::path parent = fs::path(path).has_parent_path() ? fs::path(path).parent_path() : fs::path(".");
-  if (!fs::is_directory(parent, ec)) {
-    throw ConfigError(str(flag, " '", path, "': its folder '", parent.string(), "' ",
-                          fs::exists(parent, ec) ? "is not a directory" : "does not exist",
-                          ": create it first, or give a path in an existing folder"));
-  }
-  // What write() does: a file beside the path, renamed over it.
-  const std::string probe = path + ".tmp";
-  const bool existed = fs::exists(probe, ec);
-  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT, 0644);
-  if (fd < 0) {
-    throw ConfigError(str(flag, " '", path, "' cannot be written (", std::strerror(errno),
-                          "): give a file path in a writable folder"));
-  }
-  ::close(fd);
-  if (!existed) ::unlink(probe.c_str());
+  check_output_file({flag, path, "memory.json"});
 }
 
 }  // namespace remat

@@ -152,7 +152,8 @@ class MemoryTrace {
   // pairs for async spans, and `other_data` with the peak under "otherData".
   std::string chrome_json(const ChromeTraceOptions& options, const nlohmann::json& other_data) const;
   std::string chrome_json(const ChromeTraceOptions& options = {}) const;
-  // Written to `path` (beside it, then renamed); an Error naming the path if it cannot be.
+  // Written to `path` (a temporary file of a unique name beside it, then
+  // renamed); an Error naming the path if it cannot be, the temporary file removed.
   void write(const std::string& path, const ChromeTraceOptions& options, const nlohmann::json& other_data) const;
 
  private:
@@ -160,7 +161,8 @@ class MemoryTrace {
 };
 
 // A ConfigError naming `flag` and what to change unless a file can be
-// written at `path` (it is not created).
+// written at `path` by the rule of every output (runtime/output_file.h: a
+// regular file or a new one; it is not created).
 void check_trace_path(const std::string& path, const std::string& flag);
 
 }  // namespace remat

@@ -295,7 +295,7 @@ expect "remat-estimate --live with tensor parallelism" "--live builds the model 
   "$estimate" -np 2 --live --set tensor_parallel.size=2
 expect "remat-estimate with ranks tensor parallelism does not divide" "-np 3 is not a multiple of tensor_parallel.size 2" \
   "$estimate" -np 3 --set tensor_parallel.size=2
-expect "remat-estimate --json to a folder that does not exist" "cannot write --json file" \
+expect "remat-estimate --json to a folder that does not exist" "--json '$tmp/no/such/dir/e.json': its folder '$tmp/no/such/dir' does not exist" \
   "$estimate" --json "$tmp/no/such/dir/e.json"
 
 summary

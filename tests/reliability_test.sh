@@ -107,9 +107,11 @@ outcome "a --save-dir whose latest is a directory is refused before training" er
   "latest' is a directory, where remat keeps the name of the latest save" "^step " \
   "${tiny[@]}" --steps 2 --save-dir "$tmp/latest_dir"
 
-# A3. Metrics writes are checked: a full disk (/dev/full) or a file that takes
-#     no data is an error at the step it happens.
-expect "--metrics on a full disk is an error" "failed at step 1 (No space left on device" \
+# A3. Metrics paths are checked at start: a device (/dev/full) or a file in a
+#     folder that takes no file is refused before training (a write that fails
+#     later is a warning: tests/output_paths_test.sh).
+expect "--metrics on a device is refused before training" \
+  "--metrics '/dev/full' is a character device, not a regular file" \
   "${tiny[@]}" --steps 3 --metrics /dev/full
 expect "--metrics that takes no data is an error" "--metrics" \
   "${tiny[@]}" --steps 3 --metrics /proc/version

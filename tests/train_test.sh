@@ -359,7 +359,7 @@ if /usr/bin/python3 -c 'import matplotlib' 2>/dev/null || python3 -c 'import mat
   else
     fail "--memory-trace: its plot beside it" "$out"
   fi
-elif grep -qF "apt-get install python3-matplotlib); then run python3 tools/plot_memory_trace.py $mtrace $tmp/memory.png" <<<"$out"; then
+elif grep -qF "apt-get install python3-matplotlib); then run python3 '$tmp/memory.plot.py' '$mtrace' '$tmp/memory.png'" <<<"$out"; then
   pass "--memory-trace without matplotlib: the command that draws its plot"
 else
   fail "--memory-trace without matplotlib: the command that draws its plot" "$out"

@@ -140,7 +140,7 @@ else
 fi
 expect "an --export path that is a directory stops the run before training" "--export '$tmp' is a directory" \
   "$train" --config "$configs_dir/zero1.json" --steps 1 "${small[@]}" --export "$tmp"
-expect "an --export path that cannot be written stops the run before training" "--export '$tmp/no/such/dir/m.pt' cannot be written" \
+expect "an --export path that cannot be written stops the run before training" "--export '$tmp/no/such/dir/m.pt': its folder '$tmp/no/such/dir' does not exist" \
   "$train" --config "$configs_dir/zero1.json" --steps 1 "${small[@]}" --export "$tmp/no/such/dir/m.pt"
 # A path the export's rename would replace: a symbolic link (which stays one)
 # or a fifo (never opened: that would wait for a reader).

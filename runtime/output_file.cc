@@ -1,0 +1,126 @@
+#include "runtime/output_file.h"
+
+#include <fcntl.h>
+#include <limits.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <map>
+
+#include "runtime/error.h"
+
+namespace remat {
+namespace fs = std::filesystem;
+
+namespace {
+
+// The folder a file path lies in ("." for a bare name).
+fs::path folder_of(const std::string& path) {
+  const fs::path parent = fs::path(path).parent_path();
+  return parent.empty() ? fs::path(".") : parent;
+}
+
+// The symbolic link's target, for the hint of where to write instead.
+std::string link_target(const std::string& path) {
+  std::error_code ec;
+  const fs::path target = fs::read_symlink(path, ec);
+  return ec ? std::string() : target.string();
+}
+
+}  // namespace
+
+std::string shown_path(const std::string& path) {
+  constexpr size_t kHead = 80, kTail = 120;
+  if (path.size() <= kHead + kTail + 40) return path;
+  return str(path.substr(0, kHead), "...(", path.size() - kHead - kTail, " characters)...",
+             path.substr(path.size() - kTail));
+}
+
+std::string not_a_regular_file(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0 || S_ISREG(st.st_mode)) return "";
+  if (S_ISDIR(st.st_mode)) return "a directory";
+  if (S_ISLNK(st.st_mode)) return "a symbolic link";
+  if (S_ISCHR(st.st_mode)) return "a character device";
+  if (S_ISBLK(st.st_mode)) return "a block device";
+  if (S_ISFIFO(st.st_mode)) return "a fifo";
+  if (S_ISSOCK(st.st_mode)) return "a socket";
+  return "not a regular file";
+}
+
+int open_temporary_beside(const std::string& path, std::string& name) {
+  name = path + ".tmp.XXXXXX";
+  const int fd = ::mkstemp(name.data());
+  if (fd >= 0) {
+    // mkstemp creates the file 0600; the output gets the mode a new file gets here.
+    const mode_t mask = ::umask(0);
+    ::umask(mask);
+    ::fchmod(fd, 0666 & ~mask);
+  }
+  return fd;
+}
+
+void check_output_file(const OutputFile& out) {
+  const std::string shown = shown_path(out.path);
+  if (out.path.empty()) throw ConfigError(str(out.flag, " is empty: give the path of the file to write"));
+  if (out.path.size() >= PATH_MAX || fs::path(out.path).filename().string().size() > NAME_MAX) {
+    throw ConfigError(str(out.flag, " '", shown, "' is ", out.path.size(), " characters long, more than a path "
+                          "may have here (", PATH_MAX - 1, ", a name ", NAME_MAX, "): give a shorter path"));
+  }
+  const std::string what = not_a_regular_file(out.path);
+  if (what == "a directory") {
+    throw ConfigError(str(out.flag, " '", shown, "' is a directory: give a file path (e.g. ",
+                          shown_path((fs::path(out.path) / out.example).string()), ")"));
+  }
+  if (!what.empty()) {
+    const std::string target = what == "a symbolic link" ? link_target(out.path) : std::string();
+    throw ConfigError(str(out.flag, " '", shown, "' is ", what,
+                          ", not a regular file: the output is written beside it and renamed to that path, "
+                          "which would replace it. Give the path of a regular file or of a new one",
+                          target.empty() ? std::string() : str(" (to write where the link points: '",
+                                                                shown_path(target), "')")));
+  }
+  std::error_code ec;
+  const fs::path folder = folder_of(out.path);
+  if (!fs::is_directory(folder, ec)) {
+    throw ConfigError(str(out.flag, " '", shown, "': its folder '", shown_path(folder.string()), "' ",
+                          fs::exists(folder, ec) ? "is not a directory" : "does not exist",
+                          ": create it first, or give a path in an existing folder"));
+  }
+  std::string probe;
+  const int fd = open_temporary_beside(out.path, probe);
+  if (fd < 0) {
+    throw ConfigError(str(out.flag, " '", shown, "' cannot be written (", std::strerror(errno),
+                          "): give a file path in a writable folder"));
+  }
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+
+std::string output_identity(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) return str("inode ", st.st_dev, ":", st.st_ino);
+  std::error_code ec;
+  const fs::path folder = fs::canonical(folder_of(path), ec);
+  if (ec) return "";
+  return (folder / fs::path(path).filename()).string();
+}
+
+void check_distinct_outputs(const std::vector<std::pair<std::string, std::string>>& outputs) {
+  std::map<std::string, const std::pair<std::string, std::string>*> seen;
+  for (const auto& output : outputs) {
+    if (output.second.empty()) continue;
+    const std::string id = output_identity(output.second);
+    if (id.empty()) continue;  // its own check names the folder
+    const auto [it, added] = seen.emplace(id, &output);
+    if (added) continue;
+    const auto& [flag, path] = *it->second;
+    throw ConfigError(str(output.first, " '", shown_path(output.second), "' and ", flag, " '", shown_path(path),
+                          "' are the same file, so one would overwrite the other: give each its own path"));
+  }
+}
+
+}  // namespace remat

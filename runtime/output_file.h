@@ -1,0 +1,56 @@
+// The one rule every file remat writes at a path the user gave follows
+// (--metrics, --memory-trace, --export, the estimator's --json, and the same
+// files reached through the library), checked before anything runs:
+//
+//   check_output_file({"--export", path, "model.pt"});   // a ConfigError if not
+//   check_distinct_outputs({{"--metrics", m}, {"--export", e}});
+//
+// A path is usable when it is a regular file, or a new one in an existing
+// folder this process can create files in. A directory, a device node, a
+// fifo, a socket or a symbolic link is refused: the files are written beside
+// the path and renamed over it, which would replace the node or the link (as
+// root, even /dev/null).
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace remat {
+
+struct OutputFile {
+  std::string flag;  // what the user gave it as ("--metrics", "remat::Engine::export_model")
+  std::string path;
+  std::string example = "out.json";  // a file name suggested inside a directory given by mistake
+};
+
+// A ConfigError naming `out.flag`, what the path is and what to change,
+// unless a file can be written at `out.path` (a probe of a unique name beside
+// it is created and removed; the path itself is not touched).
+void check_output_file(const OutputFile& out);
+
+// What `path` is when it exists and is not a regular file ("a directory", "a
+// symbolic link", "a fifo", ...), "" when it is one or does not exist.
+std::string not_a_regular_file(const std::string& path);
+
+// Where `path` leads, for comparing two outputs: the real path of its folder
+// (through `..` and symbolic links) and its name; "" when its folder does not
+// resolve. Two spellings of one file compare equal (hard links too, by
+// device and inode, where the file exists).
+std::string output_identity(const std::string& path);
+
+// A ConfigError naming both flags when two of `outputs` (flag, path) are one
+// file, so that one output would overwrite the other. Empty paths are skipped.
+void check_distinct_outputs(const std::vector<std::pair<std::string, std::string>>& outputs);
+
+// `path` for a message, cut in the middle when longer than 240 characters
+// (its first 80 and last 120 kept, with how many were left out), so that an
+// error about a path of megabytes stays readable and still names the file.
+std::string shown_path(const std::string& path);
+
+// A temporary file of a unique name beside `path` (PATH.tmp.XXXXXX), open,
+// with the mode a new file gets here: an existing PATH.tmp, whoever's, is left
+// alone. Returns the descriptor (-1 with errno set) and the name in `name`.
+int open_temporary_beside(const std::string& path, std::string& name);
+
+}  // namespace remat

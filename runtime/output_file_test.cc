@@ -1,0 +1,106 @@
+// The rule every output path follows (output_file.h): what it refuses, in
+// what words, and which spellings it finds to be one file.
+#include "runtime/output_file.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+
+#include "runtime/error.h"
+#include "tests/error_of.h"
+
+namespace remat {
+namespace {
+
+namespace fs = std::filesystem;
+using ::remat::testing::error_of;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+class OutputFileTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("remat_output_file_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_ / "sub");
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string at(const std::string& name) const { return (dir_ / name).string(); }
+  static std::string refusal(const std::string& path) {
+    return error_of<ConfigError>([&] { check_output_file({"--memory-trace", path, "memory.json"}); });
+  }
+  fs::path dir_;
+};
+
+TEST_F(OutputFileTest, NewAndRegularFilesAreAcceptedAndLeftAsTheyWere) {
+  EXPECT_NO_THROW(check_output_file({"--metrics", at("new.jsonl")}));
+  EXPECT_FALSE(fs::exists(at("new.jsonl")));
+  std::ofstream(at("old.jsonl")) << "kept";
+  std::ofstream(at("old.jsonl.tmp")) << "the user's";
+  EXPECT_NO_THROW(check_output_file({"--metrics", at("old.jsonl")}));
+  std::ifstream old(at("old.jsonl")), tmp(at("old.jsonl.tmp"));
+  std::string a, b;
+  std::getline(old, a);
+  std::getline(tmp, b);
+  EXPECT_EQ(a, "kept");
+  EXPECT_EQ(b, "the user's");
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir_), fs::directory_iterator()), 3);  // no probe left
+}
+
+TEST_F(OutputFileTest, NodesLinksAndDirectoriesAreRefusedAndNamed) {
+  ASSERT_EQ(::mkfifo(at("fifo").c_str(), 0644), 0);
+  fs::create_symlink("/dev/null", at("to_null"));
+  std::ofstream(at("file")) << "x";
+  fs::create_symlink(at("file"), at("to_file"));
+  EXPECT_THAT(refusal("/dev/null"), HasSubstr("--memory-trace '/dev/null' is a character device, not a regular "
+                                              "file: the output is written beside it and renamed to that path, "
+                                              "which would replace it"));
+  EXPECT_THAT(refusal(at("fifo")), HasSubstr("is a fifo, not a regular file"));
+  EXPECT_THAT(refusal(at("to_null")), HasSubstr("is a symbolic link, not a regular file"));
+  EXPECT_THAT(refusal(at("to_file")), HasSubstr("(to write where the link points: '" + at("file") + "')"));
+  EXPECT_THAT(refusal(dir_.string()), HasSubstr("--memory-trace '" + dir_.string() + "' is a directory: give a file "
+                                                "path (e.g. " + at("memory.json") + ")"));
+  EXPECT_THAT(refusal(at("no/m.json")), HasSubstr("its folder '" + at("no") + "' does not exist: create it first"));
+  EXPECT_THAT(refusal(at("file/m.json")), HasSubstr("its folder '" + at("file") + "' is not a directory"));
+  EXPECT_THAT(refusal(""), HasSubstr("--memory-trace is empty: give the path of the file to write"));
+  EXPECT_TRUE(fs::is_symlink(at("to_null")));  // left as it was
+}
+
+TEST_F(OutputFileTest, OneFileSpelledTwiceIsRefusedNamingBothFlags) {
+  fs::create_directory_symlink(dir_ / "sub", at("link"));
+  const std::string metrics = at("sub/m.json");
+  for (const std::string& other : {at("sub/../sub/m.json"), at("link/m.json"), metrics}) {
+    EXPECT_THAT(error_of<ConfigError>([&] { check_distinct_outputs({{"--metrics", metrics}, {"--export", other}}); }),
+                HasSubstr("--export '" + other + "' and --metrics '" + metrics +
+                          "' are the same file, so one would overwrite the other: give each its own path"))
+        << other;
+  }
+  std::ofstream(metrics) << "{}";  // an existing file: by device and inode, hard links too
+  fs::create_hard_link(metrics, at("hard.json"));
+  EXPECT_THAT(error_of<ConfigError>(
+                  [&] { check_distinct_outputs({{"--metrics", metrics}, {"--memory-trace", at("link/m.json")}}); }),
+              HasSubstr("are the same file"));
+  EXPECT_THAT(error_of<ConfigError>(
+                  [&] { check_distinct_outputs({{"--metrics", metrics}, {"--export", at("hard.json")}}); }),
+              HasSubstr("are the same file"));
+  EXPECT_NO_THROW(check_distinct_outputs({{"--metrics", metrics}, {"--export", at("sub/e.pt")}, {"--json", ""}}));
+}
+
+TEST_F(OutputFileTest, AVeryLongPathIsCutInMessagesKeepingBothEnds) {
+  const std::string name = std::string(3000, 'a') + "/" + std::string(5000, 'b') + "/end.json";
+  const std::string shown = shown_path(name);
+  EXPECT_EQ(shown, std::string(80, 'a') + "...(7810 characters)..." + std::string(111, 'b') + "/end.json");
+  EXPECT_EQ(shown_path("short/path.json"), "short/path.json");
+  const std::string message = refusal(name);
+  EXPECT_LT(message.size(), 600u);
+  EXPECT_THAT(message, HasSubstr("characters long, more than a path may have here"));
+  EXPECT_THAT(message, Not(HasSubstr(std::string(200, 'b'))));
+}
+
+}  // namespace
+}  // namespace remat
