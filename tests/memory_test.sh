@@ -90,10 +90,12 @@ fi
 # the host and hold there at the step's peak, cold and live alike, against
 # the run's act_host_bytes (the offloading counter of the same thing), and it
 # is apart from the peak (cold added it: 5.9 x the measured peak; live read
-# 0). Both modes plan the same offloaded auto row: the same choices, as many
-# blocks each (the default config's blocks are alike, so which of them the
-# live plan keeps is decided by time differences within the noise;
-# engine/memory_estimate_test.cc compares whole plans).
+# 0). The offloaded auto rows of both modes are printed, not compared: on a
+# CPU an offloaded block costs about what a kept one does, so the live plan's
+# choice between them follows timing noise (a loaded machine gave cold
+# 'offload_activationsx3 keepx1', live 'offload_activationsx4');
+# engine/memory_estimate_test.cc's HostBytesAreOneThingColdAndLive compares
+# the two modes' whole plans on costs that do not move.
 offload=(--set activation_offloading.enabled=true --set activation_checkpointing.variant=none)
 if "$estimate" -np 2 "${offload[@]}" --json "$tmp/off_cold.json" >"$tmp/off.out" 2>&1 &&
     "$estimate" -np 2 --live "${offload[@]}" --json "$tmp/off_live.json" >>"$tmp/off.out" 2>&1 &&
@@ -112,13 +114,6 @@ for mode, bound in (("cold", 0.25), ("live", 0.10)):
     r, rh = row["peak_bytes"] / peak, row["host_bytes"] / host
     ok &= abs(r - 1) <= bound and abs(rh - 1) <= 0.10
     out.append(f"{mode} peak {r:.3f} x, host {rh:.3f} x")
-def counts(plan):
-    out = {}
-    for run in plan.split():
-        choice, n = run.rsplit("x", 1)
-        out[choice] = out.get(choice, 0) + int(n)
-    return out
-ok &= counts(plans[0]) == counts(plans[1])
 print("ok" if ok else "off", f"measured peak {peak / 2**20:.2f} MiB, host {host / 2**20:.2f} MiB;", ", ".join(out),
       f"; auto plans cold '{plans[0]}', live '{plans[1]}'")
 PY
@@ -126,7 +121,7 @@ PY
   if [[ $verdict == ok* ]]; then
     pass "activation offloading: ${verdict#ok }"
   else
-    fail "activation offloading: the estimate is off (peak: cold 25 %, live 10 %; host within 10 %; one auto plan)" "$verdict"
+    fail "activation offloading: the estimate is off (peak: cold 25 %, live 10 %; host within 10 %)" "$verdict"
   fi
 else
   fail "activation offloading: estimate and run" "$(cat "$tmp/off.out")"
