@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "parallel/zero_options.h"
+#include "runtime/compat.h"
 #include "runtime/error.h"
 
 namespace remat {
@@ -437,8 +438,11 @@ MemoryEstimateInputs cold_gpt_inputs(const Config& config, int64_t vocab_size, i
   // Bytes per activation element: bf16 (ZeRO stage 3) computes in bf16, its
   // saved tensors and dropout masks included; the loss is float32 either way.
   const double a = config.bf16.enabled ? 2 : 4;
-  const int64_t block = bytes_of(a * ((3 * btc + 4 * b * t) / sp + 4 * btc + 2 * bhtt + 2 * btf) +
-                                 a * (bhtt + 2 * btc / sp));
+  // The attention's scores, probabilities and mask, and its q, k, v: float32
+  // where LibTorch's attention computes reduced precision in float32.
+  const double att = config.bf16.enabled && REMAT_SDPA_MATH_UPCASTS ? 4 : a;
+  const int64_t block = bytes_of(a * ((3 * btc + 4 * b * t) / sp + 4 * btc + 2 * btf) + att * 3 * bhtt +
+                                 (att - a) * 3 * btc + a * 2 * btc / sp);
   const int64_t boundary = bytes_of(a * btc / sp);
   const int64_t kept = bytes_of(a * (3 * btc + btc / sp + btf + btc / sp));
   // The embeddings (ids, dropout mask) and the head (the last output, ln_f
