@@ -36,35 +36,6 @@ std::string folder_of(const std::string& path) {
   return parent.empty() ? std::string(".") : parent.string();
 }
 
-// What `path` is when it exists and is not a regular file ("" otherwise): a
-// rename over it would replace it.
-std::string not_a_file(const std::string& path) {
-  struct stat st {};
-  if (::lstat(path.c_str(), &st) != 0 || S_ISREG(st.st_mode)) return "";
-  if (S_ISDIR(st.st_mode)) return "a directory";
-  if (S_ISLNK(st.st_mode)) return "a symbolic link";
-  if (S_ISCHR(st.st_mode)) return "a character device";
-  if (S_ISBLK(st.st_mode)) return "a block device";
-  if (S_ISFIFO(st.st_mode)) return "a fifo";
-  if (S_ISSOCK(st.st_mode)) return "a socket";
-  return "not a regular file";
-}
-
-// A new empty file of a unique name beside `path` (PATH.tmp.XXXXXX), open:
-// an existing PATH.tmp, whoever's, is left alone.
-int make_temporary(const std::string& path, std::string& name) {
-  std::string pattern = path + ".tmp.XXXXXX";
-  const int fd = ::mkstemp(pattern.data());
-  if (fd >= 0) {
-    // mkstemp creates the file 0600; the export gets the mode a new file gets here.
-    const mode_t mask = ::umask(0);
-    ::umask(mask);
-    ::fchmod(fd, 0666 & ~mask);
-  }
-  name = pattern;
-  return fd;
-}
-
 }  // namespace
 
 std::vector<std::pair<std::string, at::Tensor>> consolidated_parameters(parallel::ZeroModel& zero,
@@ -108,7 +79,7 @@ int64_t write_model_file(const std::string& path,
     torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(), pickler.tensorData(), writer);
   }  // the writer finishes the zip archive when it goes
   std::string tmp;
-  const int fd = make_temporary(path, tmp);
+  const int fd = open_temporary_beside(path, tmp);
   if (fd < 0) {
     throw Error(str("export file '", path, "': cannot create a file in '", folder_of(path), "' (",
                     std::strerror(errno), ")"));
@@ -133,7 +104,7 @@ int64_t write_model_file(const std::string& path,
                     "); the temporary file is removed"));
   }
   // Checked at start too: the path may have changed since.
-  const std::string what = not_a_file(path);
+  const std::string what = not_a_regular_file(path);
   if (!what.empty() || ::rename(tmp.c_str(), path.c_str()) != 0) {
     const int err = errno;
     ::unlink(tmp.c_str());
