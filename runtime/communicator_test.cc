@@ -11,7 +11,7 @@
 #include "runtime/error.h"
 #include "tests/error_of.h"
 #include "runtime/layout.h"
-#include "runtime/nccl_communicator.h"
+#include "runtime/internal/nccl_communicator.h"
 #include "runtime/runtime.h"
 
 namespace remat {

@@ -6,7 +6,7 @@
 //   REMAT_CHECK(ptr != nullptr, "buffer for ", name, " was released");
 //   REMAT_CHECK_EQ(out.numel(), in.numel() * size, "allGather output");
 //     -> "allGather output: expected out.numel() == in.numel() * size (6 vs 8)
-//         at runtime/mpi_communicator.cc:120"
+//         at runtime/internal/mpi_communicator.cc:120"
 #pragma once
 
 #include <sstream>

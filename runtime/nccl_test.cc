@@ -6,8 +6,8 @@
 #include <gtest/gtest.h>
 
 #include "runtime/error.h"
-#include "runtime/mpi_communicator.h"
-#include "runtime/nccl_communicator.h"
+#include "runtime/internal/mpi_communicator.h"
+#include "runtime/internal/nccl_communicator.h"
 #include "runtime/runtime.h"
 
 namespace remat {

@@ -11,12 +11,12 @@
 
 #include "runtime/error.h"
 #include "runtime/env_knobs.h"
-#include "runtime/local_communicator.h"
+#include "runtime/internal/local_communicator.h"
 #include "runtime/logging.h"
 
 #if defined(REMAT_WITH_MPI)
-#include "runtime/mpi_communicator.h"
-#include "runtime/nccl_communicator.h"
+#include "runtime/internal/mpi_communicator.h"
+#include "runtime/internal/nccl_communicator.h"
 #endif
 
 #if defined(REMAT_WITH_NCCL)

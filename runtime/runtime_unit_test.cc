@@ -247,7 +247,7 @@ TEST(ParallelDimsTest, ErrorsListEveryFactorAndTheWorldSize) {
 
 #include <ATen/ATen.h>
 
-#include "runtime/local_communicator.h"
+#include "runtime/internal/local_communicator.h"
 
 namespace remat {
 namespace {

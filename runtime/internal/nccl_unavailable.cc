@@ -1,6 +1,6 @@
 // The NCCL entry points in a build without CUDA.
 #include "runtime/error.h"
-#include "runtime/nccl_communicator.h"
+#include "runtime/internal/nccl_communicator.h"
 
 namespace remat {
 

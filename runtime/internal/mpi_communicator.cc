@@ -1,4 +1,4 @@
-#include "runtime/mpi_communicator.h"
+#include "runtime/internal/mpi_communicator.h"
 
 #include <ATen/ATen.h>
 #include <pwd.h>
@@ -19,7 +19,7 @@
 #include "runtime/error.h"
 #include "runtime/logging.h"
 #include "runtime/memory_trace.h"
-#include "runtime/tensor_checks.h"
+#include "runtime/internal/tensor_checks.h"
 
 namespace remat {
 namespace {

@@ -1,10 +1,10 @@
-#include "runtime/local_communicator.h"
+#include "runtime/internal/local_communicator.h"
 
 #include <ATen/ATen.h>
 
 #include "runtime/error.h"
 #include "runtime/memory_trace.h"
-#include "runtime/tensor_checks.h"
+#include "runtime/internal/tensor_checks.h"
 
 namespace remat {
 namespace {

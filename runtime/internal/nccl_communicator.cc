@@ -1,4 +1,4 @@
-#include "runtime/nccl_communicator.h"
+#include "runtime/internal/nccl_communicator.h"
 
 #include <ATen/ATen.h>
 #include <cuda_runtime_api.h>
@@ -11,7 +11,7 @@
 #include "runtime/compat.h"
 #include "runtime/error.h"
 #include "runtime/memory_trace.h"
-#include "runtime/tensor_checks.h"
+#include "runtime/internal/tensor_checks.h"
 
 #if defined(REMAT_WITH_C10_CUDA)
 #include <c10/cuda/CUDAStream.h>

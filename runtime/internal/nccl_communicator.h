@@ -12,7 +12,7 @@
 #include <string>
 
 #include "runtime/communicator.h"
-#include "runtime/mpi_communicator.h"
+#include "runtime/internal/mpi_communicator.h"
 
 namespace remat {
 

@@ -1,4 +1,4 @@
-#include "runtime/tensor_checks.h"
+#include "runtime/internal/tensor_checks.h"
 
 #include "runtime/error.h"
 
