@@ -6,7 +6,7 @@
 #include "runtime/memory_trace.h"
 #include "runtime/internal/tensor_checks.h"
 
-namespace remat {
+namespace remat::internal {
 namespace {
 
 // On a memory trace: the collective's span (done at once) and its buffers.
@@ -71,4 +71,4 @@ std::shared_ptr<Communicator> LocalCommunicator::split(int color, int) {
   return std::make_shared<LocalCommunicator>();
 }
 
-}  // namespace remat
+}  // namespace remat::internal

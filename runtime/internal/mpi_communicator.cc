@@ -21,7 +21,7 @@
 #include "runtime/memory_trace.h"
 #include "runtime/internal/tensor_checks.h"
 
-namespace remat {
+namespace remat::internal {
 namespace {
 
 // The choke point for MPI return codes.
@@ -635,4 +635,4 @@ std::shared_ptr<Communicator> MpiCommunicator::split(int color, int key) {
   return std::shared_ptr<MpiCommunicator>(new MpiCommunicator(sub, debug_));
 }
 
-}  // namespace remat
+}  // namespace remat::internal

@@ -17,7 +17,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
-namespace remat {
+namespace remat::internal {
 namespace {
 
 // The choke points for CUDA and NCCL return codes.
@@ -343,4 +343,4 @@ std::shared_ptr<Communicator> make_nccl_communicator(std::shared_ptr<MpiCommunic
   return std::make_shared<NcclCommunicator>(std::move(bootstrap));
 }
 
-}  // namespace remat
+}  // namespace remat::internal
