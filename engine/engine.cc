@@ -697,8 +697,9 @@ bool Engine::step() {
   const Impl::Verdict verdict = s.check_gradients();
   const bool skipped = verdict.bad_loss || verdict.bad_grads;
   if (skipped) {
-    const std::string what = str(verdict.bad_loss ? "the loss" : "", verdict.bad_loss && verdict.bad_grads ? " and " : "",
-                                 verdict.bad_grads ? "the gradients" : "");
+    const bool bad_loss = verdict.bad_loss, bad_grads = verdict.bad_grads;
+    const std::string what = str(bad_loss ? "the loss" : "", bad_loss && bad_grads ? " and " : "",
+                                 bad_grads ? "the gradients" : "");
     if (config_.train.on_nonfinite == "stop") {
       throw Error(str("step ", step, ": ", what, " went non-finite (nan or inf; local loss ", s.loss_sum,
                       "). Stopped before updating or saving anything of this step. "
@@ -718,8 +719,8 @@ bool Engine::step() {
                     "checkpoint region in this step's backward: the model calls its blocks directly. Call each "
                     "block through remat::forward(block, ...) (docs/engine.md, the model contract)"));
   }
-  last_metrics_ = s.meter.finish_step({step, loss, s.lr, grad_norm, skipped}, s.planner->plan() ? &*s.planner->plan()
-                                                                                              : nullptr);
+  const auto& plan = s.planner->plan();
+  last_metrics_ = s.meter.finish_step({step, loss, s.lr, grad_norm, skipped}, plan ? &*plan : nullptr);
   const StepMetrics& m = last_metrics_;
   if (config_.wall_clock_breakdown && (step % config_.steps_per_print == 0 || step == 1)) {
     log_rank0().info("step {} wall clock: forward {:.1f} ms, backward {:.1f} ms (recompute {:.1f}), "
