@@ -8,7 +8,6 @@
 #include <torch/optim/sgd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <mutex>
@@ -20,6 +19,7 @@
 #include "checkpointing/planner.h"
 #include "checkpointing/policy.h"
 #include "engine/export.h"
+#include "engine/internal/step_meter.h"
 #include "engine/optim.h"
 #include "engine/step_counters.h"
 #include "engine/save/dir_lock.h"
@@ -42,12 +42,6 @@
 namespace remat {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double ms_between(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double, std::milli>(b - a).count();
-}
-
 // Models that a live engine trains: a second initialize() of one is refused.
 std::mutex g_live_mutex;
 std::set<const torch::nn::Module*>& live_models() {
@@ -58,6 +52,19 @@ std::set<const torch::nn::Module*>& live_models() {
 // Settings that would have no effect are pointed out (config.h: ineffective_settings).
 void warn_ineffective(const Config& c) {
   for (const auto& warning : ineffective_settings(c)) log_rank0().warn("{}", warning);
+}
+
+// Every rank runs what the others run: ranks configured differently would
+// hang in a collective only some of them make, or train diverging replicas.
+void require_same_config(Communicator& world, const Config& config) {
+  std::map<std::string, std::string> settings;
+  const nlohmann::json flat = nlohmann::json::parse(config.to_json()).flatten();
+  for (const auto& item : flat.items()) {
+    std::string key = item.key().substr(1);
+    std::replace(key.begin(), key.end(), '/', '.');
+    settings[key] = item.value().dump();
+  }
+  require_same_settings(world, settings, "configurations");
 }
 
 bool gradients_finite(const std::vector<at::Tensor>& parameters) {
@@ -280,105 +287,41 @@ struct Engine::Impl {
   std::unique_ptr<SaveDirLock> save_lock;
   std::string save_lock_dir, loaded_dir;
   int gathered_scopes = 0;
-  // trace_memory: the file of the next step's timeline, and its recording.
-  std::string trace_path;
-  int trace_samples = 0;
-  std::unique_ptr<MemoryTrace> trace;
+  // The step's measurement: peaks, timers, counters, the memory timeline.
+  internal::StepMeter meter;
 
   // The step in progress.
   Phase phase = Phase::kIdle;
   double lr = 0;
-  bool planned = false;
-  double plan_ms = 0;
-  int64_t base = 0, saved = 0, act_host = 0, act_kept = 0, fwd_held = 0, act_peak = 0, step_peak = 0;
-  int64_t micro_base = 0;
-  Counters before;
-  Clock::time_point start, forward_end;
-  double fwd_ms = 0, bwd_ms = 0, loss_sum = 0;
+  double loss_sum = 0;
 
   TrainShards shards(const torch::nn::Module& model) const { return train_shards(*zero, *layout, model); }
 
-  // The memory timeline: what is live at the start is split by what holds it.
-  void start_trace(torch::nn::Module& model) {
-    std::vector<MemoryTrace::Known> known;
-    // Parameters gathered on use (stage 3) are views of their gathered units.
-    if (!zero->parameters_gathered_on_use()) {
-      for (const auto& p : model.parameters()) known.push_back({p, MemoryCategory::kParameters});
-    }
-    for (const auto& p : zero->parameters()) known.push_back({p, MemoryCategory::kParameters});
-    for (const auto& t : optimizer_state_tensors(*optimizer)) known.push_back({t, MemoryCategory::kOptimizerState});
-    trace = std::make_unique<MemoryTrace>(*memory, known);
-  }
-  // Gradients autograd allocated count as gradients over their whole life.
-  void classify_gradients(torch::nn::Module& model) const {
-    for (const auto& p : model.parameters()) classify_memory(p.grad(), MemoryCategory::kGradients);
-    for (const auto& p : zero->parameters()) classify_memory(p.grad(), MemoryCategory::kGradients);
-  }
-  void finish_trace(const Config& config, const StepMetrics& m) {
-    const auto recorded = std::move(trace);
-    const std::string path = std::move(trace_path);
-    trace_path.clear();
-    recorded->stop();
-    const auto& variant = checkpoint_variant_name(config.activation_checkpointing.variant);
-    nlohmann::json other = {{"step", m.step},
-                            {"rank", world->rank()},
-                            {"device", c10::DeviceTypeName(device, /*lower_case=*/true)},
-                            {"zero_stage", zero->stage()},
-                            {"activation_checkpointing", variant},
-                            {"gradient_accumulation_steps", batch.gradient_accumulation_steps},
-                            {"mem_base_bytes", m.mem_base_bytes},
-                            {"mem_peak_bytes", m.mem_peak_bytes}};
-    ChromeTraceOptions chrome;
-    chrome.max_samples = trace_samples;
-    chrome.pid = world->rank();
-    chrome.process_name = str("remat rank ", world->rank());
-    try {
-      recorded->write(path, chrome, other);
-    } catch (const Error& e) {
-      // An auxiliary output: its failure costs neither this step nor the saves after it.
-      log().warn("{}; the memory timeline of step {} is not written, and training goes on", e.what(), m.step);
-      return;
-    }
-    log().info("memory timeline of step {} written to '{}'", m.step, path);
-  }
-};
+  // The constructor's wiring, in its order.
+  void wire_memory();
+  void wire_layout(const Config& config);
+  void wire_checkpointing(torch::nn::Module& model, const Config& config, const std::string& blocks,
+                          int64_t n_blocks);
+  void wire_sharding(torch::nn::Module& model, const Config& config, const torch::nn::ModuleListImpl& blocks,
+                     const std::vector<at::Tensor>& sharded);
+  void wire_identity(torch::nn::Module& model, const Config& config);
+  void wire_meter(torch::nn::Module& model, const Config& config);
 
-nlohmann::json StepMetrics::to_json() const {
-  nlohmann::json m = {{"step", step},
-                      {"loss", loss},
-                      {"lr", lr},
-                      {"step_ms", step_ms},
-                      {"fwd_ms", fwd_ms},
-                      {"bwd_ms", bwd_ms},
-                      {"opt_ms", opt_ms},
-                      {"recompute_ms", recompute_ms},
-                      {"mem_base_bytes", mem_base_bytes},
-                      {"mem_peak_bytes", mem_peak_bytes},
-                      {"mem_act_peak_bytes", mem_act_peak_bytes},
-                      {"ckpt_saved_bytes", ckpt_saved_bytes},
-                      {"act_offloaded_bytes", act_offloaded_bytes},
-                      {"act_restored_bytes", act_restored_bytes},
-                      {"act_host_bytes", act_host_bytes},
-                      {"act_kept_bytes", act_kept_bytes},
-                      {"mem_fwd_held_bytes", mem_fwd_held_bytes},
-                      {"ckpt_offloaded_bytes", ckpt_offloaded_bytes},
-                      {"ckpt_gathered_bytes", ckpt_gathered_bytes},
-                      {"comm_bytes", comm_bytes},
-                      {"zero_comm_bytes", zero_comm_bytes},
-                      {"tp_comm_bytes", tp_comm_bytes},
-                      {"param_bytes", param_bytes},
-                      {"grad_bytes", grad_bytes},
-                      {"grad_peak_bytes", grad_peak_bytes},
-                      {"optimizer_state_bytes", optimizer_state_bytes},
-                      {"peak_gathered_param_bytes", peak_gathered_param_bytes},
-                      {"reduce_wait_ms", reduce_wait_ms},
-                      {"buckets_reduced", buckets_reduced},
-                      {"buckets_done_in_backward", buckets_done_in_backward}};
-  if (grad_norm >= 0) m["grad_norm"] = grad_norm;
-  if (skipped) m["skipped"] = true;
-  for (const auto& [key, value] : plan.items()) m[key] = value;
-  return m;
-}
+  // forward()'s parts.
+  void check_forward_order() const;
+  void plan_blocks(torch::nn::Module& model, const Config& config, const std::function<at::Tensor()>& fn,
+                   const std::vector<int64_t>& plan_key);
+  at::Tensor run_forward(torch::nn::Module& model, const Config& config, const std::function<at::Tensor()>& fn);
+
+  // step()'s parts.
+  struct Verdict {
+    bool bad_loss = false, bad_grads = false;
+    at::Tensor arrived;  // per parameter: whether any rank gave it a gradient
+  };
+  Verdict check_gradients();
+  double update(torch::nn::Module& model, const Config& config, const at::Tensor& arrived);
+  double mean_loss();
+};
 
 std::shared_ptr<ParallelLayout> init_distributed(const Config& config, const std::string& backend) {
   auto world = Runtime::init().world(parse_backend(backend));
@@ -396,34 +339,9 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineO
   ContextScope scope(s.context);
   s.options = std::move(options);
   REMAT_CHECK(model_ != nullptr, "remat::initialize: the model is null");
-  if (s.options.memory) {
-    s.memory = s.options.memory;
-  } else {
-    MemoryTrackerOptions tracking;
-    tracking.keep_allocations = true;  // what trace_memory starts from
-    s.own_memory = std::make_unique<MemoryTracker>(tracking);
-    s.memory = s.own_memory.get();
-  }
-  s.layout = s.options.layout ? s.options.layout : init_distributed(config_, s.options.backend);
-  s.world = s.layout->world();
-  if (s.layout->dims().tp != config_.tensor_parallel.size) {
-    throw ConfigError(str("remat::initialize: tensor_parallel.size is ", config_.tensor_parallel.size,
-                          " but the layout given in EngineOptions::layout has tensor-parallel size ",
-                          s.layout->dims().tp, ": build the layout with init_distributed(config) from the "
-                          "same config"));
-  }
-  // Every rank runs what the others run: ranks configured differently would
-  // hang in a collective only some of them make, or train diverging replicas.
-  {
-    std::map<std::string, std::string> settings;
-    const nlohmann::json flat = nlohmann::json::parse(config_.to_json()).flatten();
-    for (const auto& item : flat.items()) {
-      std::string key = item.key().substr(1);
-      std::replace(key.begin(), key.end(), '/', '.');
-      settings[key] = item.value().dump();
-    }
-    require_same_settings(*s.world, settings, "configurations");
-  }
+  s.wire_memory();
+  s.wire_layout(config_);
+  require_same_config(*s.world, config_);
   warn_ineffective(config_);
   s.batch = config_.resolve_batch(s.layout->dims().dp);
   torch::nn::Module& model = *model_;
@@ -435,68 +353,101 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineO
   const auto sharded = parallel::sharded_parameters(model);
   const std::string blocks = block_path(model, s.options.blocks);
   auto block_list = find_block_list(model, blocks);
+  s.wire_checkpointing(model, config_, blocks, static_cast<int64_t>(block_list->size()));
+  s.wire_sharding(model, config_, *block_list, sharded);
+  s.wire_identity(model, config_);
+  s.wire_meter(model, config_);
+  s.lr = learning_rate(config_.optimizer, config_.scheduler, 1);
+}
 
-  // The config's activation_checkpointing section becomes the defaults every
-  // region starts from. Regions are timed whatever its profile key says: the
-  // recompute time goes into the metrics. Non-reentrant regions and
-  // activation offloading answer autograd's saved-tensor hooks query through
-  // remat's engine: installed before any backward.
+// The memory metrics' tracker: the caller's, or the engine's own.
+void Engine::Impl::wire_memory() {
+  if (options.memory) {
+    memory = options.memory;
+  } else {
+    MemoryTrackerOptions tracking;
+    tracking.keep_allocations = true;  // what trace_memory starts from
+    own_memory = std::make_unique<MemoryTracker>(tracking);
+    memory = own_memory.get();
+  }
+}
+
+void Engine::Impl::wire_layout(const Config& config) {
+  layout = options.layout ? options.layout : init_distributed(config, options.backend);
+  world = layout->world();
+  if (layout->dims().tp != config.tensor_parallel.size) {
+    throw ConfigError(str("remat::initialize: tensor_parallel.size is ", config.tensor_parallel.size,
+                          " but the layout given in EngineOptions::layout has tensor-parallel size ",
+                          layout->dims().tp, ": build the layout with init_distributed(config) from the "
+                          "same config"));
+  }
+}
+
+// The config's activation_checkpointing section becomes the defaults every
+// region starts from. Regions are timed whatever its profile key says: the
+// recompute time goes into the metrics. Non-reentrant regions and
+// activation offloading answer autograd's saved-tensor hooks query through
+// remat's engine: installed before any backward.
+void Engine::Impl::wire_checkpointing(torch::nn::Module& model, const Config& config, const std::string& blocks,
+                                      int64_t n_blocks) {
   install_saved_tensors_hooks_engine();
-  ActivationCheckpointingConfig checkpointing = config_.activation_checkpointing;
+  ActivationCheckpointingConfig checkpointing = config.activation_checkpointing;
   checkpointing.profile = true;
-  if (config_.tensor_parallel.sequence_parallel_active() && checkpointing.partition_activations) {
+  if (config.tensor_parallel.sequence_parallel_active() && checkpointing.partition_activations) {
     // A region's input is this rank's own chunk of the sequence, different on
     // every rank of the group: splitting it again and gathering the pieces
     // would rebuild another rank's chunk.
     checkpointing.partition_activations = false;
     log_rank0().info("activation_checkpointing.partition_activations is not applied with "
                      "tensor_parallel.sequence_parallel: each region already keeps 1/{} of its input "
-                     "(its own tokens), with no all-gather in the recompute", config_.tensor_parallel.size);
+                     "(its own tokens), with no all-gather in the recompute", config.tensor_parallel.size);
   }
-  configure_checkpointing(checkpointing, s.layout.get());
-  s.policy = PolicyOptions(config_.activation_checkpointing);
-  s.policy.blocks = blocks;
+  configure_checkpointing(checkpointing, layout.get());
+  policy = PolicyOptions(config.activation_checkpointing);
+  policy.blocks = blocks;
   // variant auto: planned from a profiling step at the first step (and again
   // for every new plan key).
-  s.auto_plan = s.policy.variant == CheckpointVariant::kAuto;
-  s.regions = s.auto_plan ? 0 : apply_activation_checkpointing(model, s.policy);
+  auto_plan = policy.variant == CheckpointVariant::kAuto;
+  regions = auto_plan ? 0 : apply_activation_checkpointing(model, policy);
   PlannerOptions planner_options;
   planner_options.blocks = blocks;
-  static_cast<MemoryBudget&>(planner_options) = config_.activation_checkpointing;
-  planner_options.offload = config_.activation_offloading;
-  planner_options.report_dir = s.options.plan_report_dir;
+  static_cast<MemoryBudget&>(planner_options) = config.activation_checkpointing;
+  planner_options.offload = config.activation_offloading;
+  planner_options.report_dir = options.plan_report_dir;
   // A budget the model cannot be planned for (the knee of one block) stops the run here.
-  if (s.auto_plan) check_planner_options(model, planner_options);
-  s.planner = std::make_unique<ActivationPlanner>(model, planner_options, s.world.get());
+  if (auto_plan) check_planner_options(model, planner_options);
+  planner = std::make_unique<ActivationPlanner>(model, planner_options, world.get());
   // Activation offloading: each forward runs inside a scope; the head stays.
-  prepare_output_head(model, config_.activation_offloading);
-  const auto& number_checkpoints = config_.activation_checkpointing.number_checkpoints;
-  const int64_t n_blocks = static_cast<int64_t>(block_list->size());
+  prepare_output_head(model, config.activation_offloading);
+  const auto& number_checkpoints = config.activation_checkpointing.number_checkpoints;
   // The planner profiles every block as a region: each may need a slot.
-  if (s.auto_plan && number_checkpoints && *number_checkpoints < n_blocks) {
+  if (auto_plan && number_checkpoints && *number_checkpoints < n_blocks) {
     throw ConfigError(str("activation_checkpointing.variant is auto, which may checkpoint every block, but "
                           "number_checkpoints is ", *number_checkpoints, ": set number_checkpoints to the "
                           "number of blocks (", n_blocks, ")",
-                          config_.activation_checkpointing.contiguous_memory_optimization ? "" : " or leave it out"));
+                          config.activation_checkpointing.contiguous_memory_optimization ? "" : " or leave it out"));
   }
-  if (number_checkpoints && s.regions > *number_checkpoints) {
+  if (number_checkpoints && regions > *number_checkpoints) {
     throw ConfigError(str("activation_checkpointing.number_checkpoints is ", *number_checkpoints,
-                          " but the policy marks ", s.regions, " regions per forward: set it to ", s.regions,
+                          " but the policy marks ", regions, " regions per forward: set it to ", regions,
                           " (or leave it out)"));
   }
-  // Sharding over the data-parallel group; the optimizer steps what the
-  // sharding hands it.
-  std::vector<std::shared_ptr<torch::nn::Module>> units(block_list->begin(), block_list->end());
-  parallel::ZeroOptions zero_options = config_.zero_optimization;
+}
+
+// Sharding over the data-parallel group; the optimizer steps what the
+// sharding hands it.
+void Engine::Impl::wire_sharding(torch::nn::Module& model, const Config& config,
+                                 const torch::nn::ModuleListImpl& blocks, const std::vector<at::Tensor>& sharded) {
+  std::vector<std::shared_ptr<torch::nn::Module>> units(blocks.begin(), blocks.end());
+  parallel::ZeroOptions zero_options = config.zero_optimization;
   zero_options.progress_in_hooks = knobs::reduce_progress_in_hooks();
-  s.zero = std::make_unique<parallel::ZeroModel>(model, units, s.layout->dp_group(), zero_options, config_.bf16,
-                                                 sharded);
-  s.optimizer = s.options.optimizer ? s.options.optimizer(s.zero->parameters())
-                                    : make_optimizer(config_.optimizer, s.zero->parameters());
-  REMAT_CHECK(s.optimizer != nullptr, "remat::initialize: EngineOptions::optimizer returned no optimizer");
+  zero = std::make_unique<parallel::ZeroModel>(model, units, layout->dp_group(), zero_options, config.bf16, sharded);
+  optimizer = options.optimizer ? options.optimizer(zero->parameters())
+                                : make_optimizer(config.optimizer, zero->parameters());
+  REMAT_CHECK(optimizer != nullptr, "remat::initialize: EngineOptions::optimizer returned no optimizer");
   // A whole-device budget the model state alone fills is refused before any step.
-  if (const auto& device = config_.activation_checkpointing.device_memory_budget_bytes; device && s.auto_plan) {
-    const auto [state, what] = resident_state(model, *s.zero, *s.optimizer, s.batch.gradient_accumulation_steps);
+  if (const auto& device = config.activation_checkpointing.device_memory_budget_bytes; device && auto_plan) {
+    const auto [state, what] = resident_state(model, *zero, *optimizer, batch.gradient_accumulation_steps);
     if (*device <= state) {
       throw ConfigError(str("activation_checkpointing.device_memory_budget_bytes = ", *device,
                             " is below the model state alone: ", what, " = ", state, " bytes per rank, before any "
@@ -504,19 +455,38 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineO
                             "zero_optimization.stage, more data-parallel ranks)"));
     }
   }
-  // Every setting the saved state's meaning depends on: a resume with
-  // another value is refused naming it. train.seed: the random state comes
-  // from the save, but a caller's data order may come from the seed. (The
-  // tensor-parallel size is not one: a save is re-sliced for another.)
-  s.identity.model_signature = s.options.model_signature;
-  s.identity.run_id = new_run_id(*s.world);
-  s.identity.settings = {{"optimizer.type", optimizer_type(*s.optimizer)},
-                         {"train.seed", std::to_string(config_.train.seed)}};
-  s.identity.seed = static_cast<uint64_t>(config_.train.seed);
+}
+
+// Every setting the saved state's meaning depends on: a resume with
+// another value is refused naming it. train.seed: the random state comes
+// from the save, but a caller's data order may come from the seed. (The
+// tensor-parallel size is not one: a save is re-sliced for another.)
+void Engine::Impl::wire_identity(torch::nn::Module& model, const Config& config) {
+  identity.model_signature = options.model_signature;
+  identity.run_id = new_run_id(*world);
+  identity.settings = {{"optimizer.type", optimizer_type(*optimizer)},
+                       {"train.seed", std::to_string(config.train.seed)}};
+  identity.seed = static_cast<uint64_t>(config.train.seed);
   for (const auto& item : model.named_parameters()) {
-    s.identity.parameters.emplace_back(item.key(), item.value().sizes().vec());
+    identity.parameters.emplace_back(item.key(), item.value().sizes().vec());
   }
-  s.lr = learning_rate(config_.optimizer, config_.scheduler, 1);
+}
+
+void Engine::Impl::wire_meter(torch::nn::Module& model, const Config& config) {
+  internal::StepMeterTargets targets;
+  targets.memory = memory;
+  targets.device = device;
+  targets.model = &model;
+  targets.zero = zero.get();
+  targets.optimizer = optimizer.get();
+  targets.rank = world->rank();
+  targets.trace_labels = {{"rank", world->rank()},
+                          {"device", c10::DeviceTypeName(device, /*lower_case=*/true)},
+                          {"zero_stage", zero->stage()},
+                          {"activation_checkpointing",
+                           checkpoint_variant_name(config.activation_checkpointing.variant)},
+                          {"gradient_accumulation_steps", batch.gradient_accumulation_steps}};
+  meter.attach(std::move(targets));
 }
 
 Engine::~Engine() {
@@ -553,107 +523,103 @@ double Engine::get_lr() const { return impl_->lr; }
 at::Tensor Engine::forward(const std::function<at::Tensor()>& fn, const std::vector<int64_t>& plan_key) {
   Impl& s = *impl_;
   ContextScope scope(s.context);
-  if (s.phase == Phase::kForwarded) {
-    throw Error("remat::Engine::forward: the previous forward's loss has not been through backward(): call "
-                "backward(loss) after each forward (for a forward without backward, use evaluate())");
-  }
-  if (s.phase == Phase::kBackwarded) {
-    throw Error("remat::Engine::forward: step() was not called after the last backward(): call step() after "
-                "every backward (it steps the optimizer only at the accumulation boundary)");
-  }
-  REMAT_CHECK(s.gathered_scopes == 0, "remat::Engine::forward inside a GatheredParameters scope: end the scope "
-              "first (a training forward gathers and frees the parameters itself)");
+  s.check_forward_order();
   if (micro_steps_ == 0) {
     // The first micro-step of an optimizer step.
     s.lr = learning_rate(config_.optimizer, config_.scheduler, global_steps_ + 1);
     set_learning_rate(*s.optimizer, s.lr);
-    s.planned = false;
-    if (s.auto_plan) {
-      // One forward and backward of this micro-batch per profiling run; the
-      // planner puts the RNG back, the gradients are dropped below.
-      auto profile_step = [&] {
-        s.zero->begin_forward();
-        std::unique_ptr<OffloadActivations> offload;
-        if (config_.activation_offloading.enabled) {
-          offload = std::make_unique<OffloadActivations>(config_.activation_offloading, model_.get());
-        }
-        at::Tensor loss = s.zero->finish_forward(fn());
-        offload.reset();
-        s.zero->begin_backward(/*synchronize=*/true);
-        // Scaled as backward() scales it: the same tensors as the step's.
-        (loss / static_cast<double>(s.batch.gradient_accumulation_steps)).backward();
-        s.zero->finish_backward(/*synchronize=*/true);
-      };
-      const auto t0 = Clock::now();
-      if (config_.activation_checkpointing.device_memory_budget_bytes) {
-        auto [state, what] = resident_state(*model_, *s.zero, *s.optimizer, s.batch.gradient_accumulation_steps,
-                                            s.memory->current(s.device));
-        s.planner->set_state_bytes(state, std::move(what));
-      }
-      s.planned = s.planner->ensure(plan_key, profile_step);
-      if (s.planned) {
-        s.plan_ms = ms_between(t0, Clock::now());
-        const auto& choices = s.planner->plan()->choices;
-        s.regions = static_cast<int>(std::count_if(choices.begin(), choices.end(), [](BlockChoice c) {
-          return c != BlockChoice::kKeep && c != BlockChoice::kOffloadActivations;
-        }));
-      }
-    }
+    if (s.auto_plan) s.plan_blocks(*model_, config_, fn, plan_key);
     // Gradients set to none, as LibTorch 2.x's zero_grad does. Before the
     // base is read: the last step's gradients are not this step's memory.
     for (auto& p : s.zero->parameters()) p.mutable_grad() = at::Tensor();
     s.zero->take_gradient_arrivals();  // a profiling step's are not this step's
-    if (!s.trace_path.empty() && !s.trace) s.start_trace(*model_);
-    s.base = s.memory->current(s.device);
-    s.memory->reset_peak();
-    s.zero->reset_peak();
-    s.before = Counters::read(s.zero.get());
-    s.start = Clock::now();
-    s.fwd_ms = s.bwd_ms = s.loss_sum = 0;
-    s.saved = s.act_host = s.act_kept = s.fwd_held = s.act_peak = s.step_peak = 0;
+    s.meter.begin_step();
+    s.loss_sum = 0;
   }
-  s.step_peak = std::max(s.step_peak, s.memory->peak(s.device));
-  s.micro_base = s.memory->current(s.device);
-  s.memory->reset_peak();
-  const auto t0 = Clock::now();
-  at::Tensor loss;
-  {
-    // On a memory trace: what the forward allocates (and no scope below
-    // claims) is the activations autograd keeps.
-    TraceSpan span("phase", "forward");
-    MemoryCategoryScope activations(MemoryCategory::kSavedActivations);
-    s.zero->begin_forward();
-    std::unique_ptr<OffloadActivations> offload;
-    try {
-      if (config_.activation_offloading.enabled) {
-        offload = std::make_unique<OffloadActivations>(config_.activation_offloading, model_.get());
-      }
-      loss = fn();
-      if (!loss.defined() || loss.numel() != 1 || !loss.requires_grad()) {
-        throw Error(str("remat::Engine::forward: the function must return the loss, a one-element tensor that "
-                        "requires grad (got ",
-                        loss.defined() ? str(loss.sizes(), loss.requires_grad() ? "" : ", not requiring grad")
-                                       : std::string("an undefined tensor"),
-                        "); for a forward without backward, use evaluate()"));
-      }
-      loss = s.zero->finish_forward(loss);
-    } catch (...) {
-      // Whatever the forward left gathered is freed; the next forward starts
-      // clean (its regions and graph die with the exception's stack).
-      offload.reset();
-      s.zero->end_evaluation();
-      throw;
-    }
-  }
-  const Counters held = Counters::read();
-  s.saved = std::max(s.saved, held.checkpoint_saved_bytes);
-  s.act_host = std::max(s.act_host, held.offload.host_bytes);
-  s.act_kept = std::max(s.act_kept, held.offload.kept_bytes);
-  s.fwd_held = std::max(s.fwd_held, s.memory->current(s.device) - s.micro_base);
-  s.forward_end = Clock::now();
-  s.fwd_ms += ms_between(t0, s.forward_end);
+  s.meter.begin_forward();
+  at::Tensor loss = s.run_forward(*model_, config_, fn);
+  s.meter.end_forward();
   s.phase = Phase::kForwarded;
   return loss;
+}
+
+void Engine::Impl::check_forward_order() const {
+  if (phase == Phase::kForwarded) {
+    throw Error("remat::Engine::forward: the previous forward's loss has not been through backward(): call "
+                "backward(loss) after each forward (for a forward without backward, use evaluate())");
+  }
+  if (phase == Phase::kBackwarded) {
+    throw Error("remat::Engine::forward: step() was not called after the last backward(): call step() after "
+                "every backward (it steps the optimizer only at the accumulation boundary)");
+  }
+  REMAT_CHECK(gathered_scopes == 0, "remat::Engine::forward inside a GatheredParameters scope: end the scope "
+              "first (a training forward gathers and frees the parameters itself)");
+}
+
+// variant auto: the blocks planned for this plan key (a profiling run of
+// `fn` when the key is new).
+void Engine::Impl::plan_blocks(torch::nn::Module& model, const Config& config, const std::function<at::Tensor()>& fn,
+                               const std::vector<int64_t>& plan_key) {
+  // One forward and backward of this micro-batch per profiling run; the
+  // planner puts the RNG back, the gradients are dropped by forward().
+  auto profile_step = [&] {
+    zero->begin_forward();
+    std::unique_ptr<OffloadActivations> offload;
+    if (config.activation_offloading.enabled) {
+      offload = std::make_unique<OffloadActivations>(config.activation_offloading, &model);
+    }
+    at::Tensor loss = zero->finish_forward(fn());
+    offload.reset();
+    zero->begin_backward(/*synchronize=*/true);
+    // Scaled as backward() scales it: the same tensors as the step's.
+    (loss / static_cast<double>(batch.gradient_accumulation_steps)).backward();
+    zero->finish_backward(/*synchronize=*/true);
+  };
+  meter.begin_planning();
+  if (config.activation_checkpointing.device_memory_budget_bytes) {
+    auto [state, what] = resident_state(model, *zero, *optimizer, batch.gradient_accumulation_steps,
+                                        memory->current(device));
+    planner->set_state_bytes(state, std::move(what));
+  }
+  const bool planned = planner->ensure(plan_key, profile_step);
+  meter.end_planning(planned);
+  if (planned) {
+    const auto& choices = planner->plan()->choices;
+    regions = static_cast<int>(std::count_if(choices.begin(), choices.end(), [](BlockChoice c) {
+      return c != BlockChoice::kKeep && c != BlockChoice::kOffloadActivations;
+    }));
+  }
+}
+
+// The model's forward under the sharding and activation offloading.
+at::Tensor Engine::Impl::run_forward(torch::nn::Module& model, const Config& config,
+                                     const std::function<at::Tensor()>& fn) {
+  // On a memory trace: what the forward allocates (and no scope below
+  // claims) is the activations autograd keeps.
+  TraceSpan span("phase", "forward");
+  MemoryCategoryScope activations(MemoryCategory::kSavedActivations);
+  zero->begin_forward();
+  std::unique_ptr<OffloadActivations> offload;
+  try {
+    if (config.activation_offloading.enabled) {
+      offload = std::make_unique<OffloadActivations>(config.activation_offloading, &model);
+    }
+    at::Tensor loss = fn();
+    if (!loss.defined() || loss.numel() != 1 || !loss.requires_grad()) {
+      throw Error(str("remat::Engine::forward: the function must return the loss, a one-element tensor that "
+                      "requires grad (got ",
+                      loss.defined() ? str(loss.sizes(), loss.requires_grad() ? "" : ", not requiring grad")
+                                     : std::string("an undefined tensor"),
+                      "); for a forward without backward, use evaluate()"));
+    }
+    return zero->finish_forward(loss);
+  } catch (...) {
+    // Whatever the forward left gathered is freed; the next forward starts
+    // clean (its regions and graph die with the exception's stack).
+    offload.reset();
+    zero->end_evaluation();
+    throw;
+  }
 }
 
 void Engine::backward(const at::Tensor& loss) {
@@ -674,13 +640,13 @@ void Engine::backward(const at::Tensor& loss) {
   }
   const bool boundary = is_gradient_accumulation_boundary();
   at::Tensor scaled = loss / static_cast<double>(s.batch.gradient_accumulation_steps);
-  const auto t1 = Clock::now();
+  s.meter.begin_backward();
   try {
     TraceSpan span("phase", "backward");
     s.zero->begin_backward(/*synchronize=*/boundary);
     scaled.backward();
     s.zero->finish_backward(/*synchronize=*/boundary);
-    if (s.trace) s.classify_gradients(*model_);
+    s.meter.end_backward();
   } catch (...) {
     // The accumulation window is dropped (its gradients and partial
     // reductions with it): the next forward starts a new one.
@@ -689,8 +655,6 @@ void Engine::backward(const at::Tensor& loss) {
     s.phase = Phase::kIdle;
     throw;
   }
-  s.act_peak = std::max(s.act_peak, s.memory->peak(s.device) - s.micro_base);
-  s.bwd_ms += ms_between(t1, Clock::now());
   s.loss_sum += scaled.item<double>();
   s.phase = Phase::kBackwarded;
 }
@@ -707,28 +671,14 @@ bool Engine::step() {
   micro_steps_ = 0;
   const int64_t step = global_steps_ + 1;
   std::optional<TraceSpan> span(std::in_place, "phase", "optimizer step");
-  const auto& tc = config_.train;
-  int64_t comm_bytes = 0;
-  double opt_ms = 0, grad_norm = -1;
-  // A non-finite loss or gradient (DeepSpeed's overflow check): every rank
-  // sees the same verdict, so all stop or all skip together. In the same
-  // reduction, which parameters got a gradient on any rank.
-  const at::Tensor arrivals = s.zero->take_gradient_arrivals();
-  at::Tensor checks = at::zeros({2 + arrivals.numel()}, at::kDouble);
-  checks[0] = std::isfinite(s.loss_sum) ? 0.0 : 1.0;
-  checks[1] = gradients_finite(s.zero->parameters()) ? 0.0 : 1.0;
-  checks.narrow(0, 2, arrivals.numel()).copy_(arrivals);
-  if (s.world->size() > 1) {
-    s.world->allReduce(checks, {ReduceOp::kMax})->wait();
-    comm_bytes += checks.nbytes();
-  }
-  const at::Tensor nonfinite = checks.narrow(0, 0, 2), arrived = checks.narrow(0, 2, arrivals.numel());
-  const bool bad_loss = nonfinite[0].item<double>() > 0, bad_grads = nonfinite[1].item<double>() > 0;
-  const bool skipped = bad_loss || bad_grads;
+  double grad_norm = -1;
+  const Impl::Verdict verdict = s.check_gradients();
+  const bool skipped = verdict.bad_loss || verdict.bad_grads;
   if (skipped) {
+    const bool bad_loss = verdict.bad_loss, bad_grads = verdict.bad_grads;
     const std::string what = str(bad_loss ? "the loss" : "", bad_loss && bad_grads ? " and " : "",
                                  bad_grads ? "the gradients" : "");
-    if (tc.on_nonfinite == "stop") {
+    if (config_.train.on_nonfinite == "stop") {
       throw Error(str("step ", step, ": ", what, " went non-finite (nan or inf; local loss ", s.loss_sum,
                       "). Stopped before updating or saving anything of this step. "
                       "Lower optimizer.params.lr, set gradient_clipping, or set "
@@ -738,94 +688,82 @@ bool Engine::step() {
                      "(train.on_nonfinite=skip)", step, what);
     s.optimizer->zero_grad();
   } else {
-    const auto t_opt = Clock::now();
-    const auto unused = leave_unused_alone(*s.zero, *model_, arrived, *s.optimizer);
-    if (config_.gradient_clipping > 0) {
-      grad_norm = s.zero->clip_grad_norm(config_.gradient_clipping, s.layout->tp_group());
-    }
-    {
-      MemoryCategoryScope state(MemoryCategory::kOptimizerState);
-      s.optimizer->step();
-    }
-    put_back_unused(unused, *s.optimizer);
-    // Every rank's parameters read right between steps (stages 1 and 2 gather the stepped shards).
-    s.zero->after_step();
-    opt_ms = ms_between(t_opt, Clock::now());
+    grad_norm = s.update(*model_, config_, verdict.arrived);
   }
-  at::Tensor loss_t = at::full({1}, s.loss_sum, at::kDouble);
-  const auto& dp_group = s.layout->dp_group();
-  if (dp_group->size() > 1) {
-    dp_group->allReduce(loss_t, {ReduceOp::kAvg})->wait();
-    comm_bytes += loss_t.nbytes();
-  }
-  const Counters counters = Counters::read(s.zero.get()).since(s.before);
-  comm_bytes += counters.comm_bytes();
+  const double loss = s.mean_loss();
+  const Counters& counters = s.meter.read_counters();
   if (global_steps_ == 0 && s.regions > 0 && counters.recomputes == 0) {
     throw Error(str("remat::Engine: the checkpointing policy marks ", s.regions, " blocks but none ran as a "
                     "checkpoint region in this step's backward: the model calls its blocks directly. Call each "
                     "block through remat::forward(block, ...) (docs/engine.md, the model contract)"));
   }
-  s.step_peak = std::max(s.step_peak, s.memory->peak(s.device));
-
-  StepMetrics m;
-  m.step = step;
-  m.loss = loss_t.item<double>();
-  m.lr = s.lr;
-  m.grad_norm = grad_norm;
-  m.skipped = skipped;
-  m.step_ms = ms_between(s.start, Clock::now());
-  m.fwd_ms = s.fwd_ms;
-  m.bwd_ms = s.bwd_ms;
-  m.opt_ms = opt_ms;
-  m.recompute_ms = counters.recompute_ms;
-  m.mem_base_bytes = s.base;
-  m.mem_peak_bytes = s.step_peak;
-  m.mem_act_peak_bytes = s.act_peak;
-  m.mem_fwd_held_bytes = s.fwd_held;
-  m.ckpt_saved_bytes = s.saved;
-  m.ckpt_offloaded_bytes = counters.stored.offloaded_bytes;
-  m.ckpt_gathered_bytes = counters.stored.gathered_bytes;
-  m.act_offloaded_bytes = counters.offload.offloaded_bytes;
-  m.act_restored_bytes = counters.offload.restored_bytes;
-  m.act_host_bytes = s.act_host;
-  m.act_kept_bytes = s.act_kept;
-  m.comm_bytes = comm_bytes;
-  m.zero_comm_bytes = counters.zero.collective_bytes();
-  m.tp_comm_bytes = counters.tensor_parallel_comm_bytes;
-  m.param_bytes = counters.zero.param_bytes;
-  m.grad_bytes = counters.zero.grad_bytes;
-  m.grad_peak_bytes = counters.zero.peak_grad_bytes;
-  m.optimizer_state_bytes = optimizer_state_bytes(*s.optimizer);
-  m.peak_gathered_param_bytes = counters.zero.peak_gathered_bytes;
-  m.reduce_wait_ms = counters.zero.reduce_wait_ms;
-  m.buckets_reduced = counters.zero.buckets_reduced;
-  m.buckets_done_in_backward = counters.zero.buckets_done_in_backward;
-  if (const auto& plan = s.planner->plan()) {
-    m.plan = {{"act_plan", plan->summary()},
-              {"act_plan_budget_bytes", plan->budget_bytes},
-              {"act_plan_predicted_peak_bytes", plan->predicted_peak},
-              {"act_plan_extra_cpu_ms", plan->predicted_extra_cpu_ms},
-              {"act_plan_extra_wall_ms", plan->predicted_extra_wall_ms},
-              {"act_planned", s.planned}};
-    if (plan->device_budget_bytes > 0) {
-      m.plan["act_plan_device_budget_bytes"] = plan->device_budget_bytes;
-      m.plan["act_plan_predicted_total_peak_bytes"] = plan->predicted_total_peak;
-    }
-    if (s.planned) m.plan["act_plan_ms"] = s.plan_ms;
-  }
-  last_metrics_ = std::move(m);
+  const auto& plan = s.planner->plan();
+  last_metrics_ = s.meter.finish_step({step, loss, s.lr, grad_norm, skipped}, plan ? &*plan : nullptr);
+  const StepMetrics& m = last_metrics_;
   if (config_.wall_clock_breakdown && (step % config_.steps_per_print == 0 || step == 1)) {
     log_rank0().info("step {} wall clock: forward {:.1f} ms, backward {:.1f} ms (recompute {:.1f}), "
-                     "optimizer {:.1f} ms, whole step {:.1f} ms", step, last_metrics_.fwd_ms,
-                     last_metrics_.bwd_ms, last_metrics_.recompute_ms, opt_ms, last_metrics_.step_ms);
+                     "optimizer {:.1f} ms, whole step {:.1f} ms", step, m.fwd_ms, m.bwd_ms, m.recompute_ms,
+                     m.opt_ms, m.step_ms);
   }
   // Gradients cleared: the next step starts without them.
   for (auto& p : s.zero->parameters()) p.mutable_grad() = at::Tensor();
   global_steps_ = step;
   s.lr = learning_rate(config_.optimizer, config_.scheduler, global_steps_ + 1);
   span.reset();
-  if (s.trace) s.finish_trace(config_, last_metrics_);
+  s.meter.finish_trace(last_metrics_);
   return !skipped;
+}
+
+// A non-finite loss or gradient (DeepSpeed's overflow check): every rank
+// sees the same verdict, so all stop or all skip together. In the same
+// reduction, which parameters got a gradient on any rank.
+Engine::Impl::Verdict Engine::Impl::check_gradients() {
+  const at::Tensor arrivals = zero->take_gradient_arrivals();
+  at::Tensor checks = at::zeros({2 + arrivals.numel()}, at::kDouble);
+  checks[0] = std::isfinite(loss_sum) ? 0.0 : 1.0;
+  checks[1] = gradients_finite(zero->parameters()) ? 0.0 : 1.0;
+  checks.narrow(0, 2, arrivals.numel()).copy_(arrivals);
+  if (world->size() > 1) {
+    world->allReduce(checks, {ReduceOp::kMax})->wait();
+    meter.count_comm(checks.nbytes());
+  }
+  const at::Tensor nonfinite = checks.narrow(0, 0, 2);
+  Verdict verdict;
+  verdict.arrived = checks.narrow(0, 2, arrivals.numel());
+  verdict.bad_loss = nonfinite[0].item<double>() > 0;
+  verdict.bad_grads = nonfinite[1].item<double>() > 0;
+  return verdict;
+}
+
+// The optimizer step over the parameters some rank gave a gradient; returns
+// the gradient norm before clipping (-1: clipping is off).
+double Engine::Impl::update(torch::nn::Module& model, const Config& config, const at::Tensor& arrived) {
+  double grad_norm = -1;
+  meter.begin_optimizer();
+  const auto unused = leave_unused_alone(*zero, model, arrived, *optimizer);
+  if (config.gradient_clipping > 0) {
+    grad_norm = zero->clip_grad_norm(config.gradient_clipping, layout->tp_group());
+  }
+  {
+    MemoryCategoryScope state(MemoryCategory::kOptimizerState);
+    optimizer->step();
+  }
+  put_back_unused(unused, *optimizer);
+  // Every rank's parameters read right between steps (stages 1 and 2 gather the stepped shards).
+  zero->after_step();
+  meter.end_optimizer();
+  return grad_norm;
+}
+
+// The step's loss: the mean over micro-steps (summed already) and data-parallel ranks.
+double Engine::Impl::mean_loss() {
+  at::Tensor loss_t = at::full({1}, loss_sum, at::kDouble);
+  const auto& dp_group = layout->dp_group();
+  if (dp_group->size() > 1) {
+    dp_group->allReduce(loss_t, {ReduceOp::kAvg})->wait();
+    meter.count_comm(loss_t.nbytes());
+  }
+  return loss_t.item<double>();
 }
 
 void Engine::trace_memory(const std::string& path, int max_samples) {
@@ -840,12 +778,11 @@ void Engine::trace_memory(const std::string& path, int max_samples) {
                       "allocations, so a timeline cannot split what is live by category: construct it with "
                       "MemoryTrackerOptions::keep_allocations = true, or leave EngineOptions::memory null");
   }
-  if (s.trace) {
+  if (s.meter.recording()) {
     throw Error("remat::Engine::trace_memory: a timeline of the step in progress is recording: call it between "
                 "steps (after the step() that ends one)");
   }
-  s.trace_path = path;
-  s.trace_samples = max_samples;
+  s.meter.record_next_step(path, max_samples);
 }
 
 struct Engine::EvaluationScope::Guards {

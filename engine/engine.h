@@ -41,6 +41,7 @@
 
 #include "engine/config.h"
 #include "engine/save_dir.h"
+#include "engine/step_metrics.h"
 
 namespace torch::nn {
 class Module;
@@ -86,34 +87,6 @@ struct EngineOptions {
   // variant auto: each plan also writes the planner's frontier to
   // <plan_report_dir>/frontier.csv (rank 0; PlannerOptions::report_dir).
   std::string plan_report_dir;
-};
-
-// What one optimizer step did: remat-train writes it as a JSON line.
-struct StepMetrics {
-  int64_t step = 0;
-  double loss = 0;  // mean over micro-steps and data-parallel ranks
-  double lr = 0;
-  double grad_norm = -1;  // before clipping; -1: clipping is off
-  bool skipped = false;   // non-finite, dropped (train.on_nonfinite skip)
-  double step_ms = 0, fwd_ms = 0, bwd_ms = 0, opt_ms = 0, recompute_ms = 0;
-  int64_t mem_base_bytes = 0, mem_peak_bytes = 0, mem_act_peak_bytes = 0, mem_fwd_held_bytes = 0;
-  int64_t ckpt_saved_bytes = 0, ckpt_offloaded_bytes = 0, ckpt_gathered_bytes = 0;
-  int64_t act_offloaded_bytes = 0, act_restored_bytes = 0, act_host_bytes = 0, act_kept_bytes = 0;
-  int64_t comm_bytes = 0, zero_comm_bytes = 0, param_bytes = 0, grad_bytes = 0, grad_peak_bytes = 0;
-  // Of comm_bytes, the tensor-parallel mappings' (parallel/mappings.h): with a
-  // checkpointed block's collectives recomputed, this step's count rises by
-  // their forward bytes; with activation_checkpointing.save_collectives it does not.
-  int64_t tp_comm_bytes = 0;
-  int64_t optimizer_state_bytes = 0, peak_gathered_param_bytes = 0;
-  // Data-parallel gradient reduction (stages 0-2): the milliseconds spent
-  // blocked on it, in the backward or after it (with overlap_comm, the
-  // communication the backward did not hide), the gradient buckets reduced,
-  // and how many of them were seen complete before the backward ended.
-  double reduce_wait_ms = 0;
-  int64_t buckets_reduced = 0, buckets_done_in_backward = 0;
-  // variant auto: the plan in force (empty otherwise).
-  nlohmann::json plan = nlohmann::json::object();
-  nlohmann::json to_json() const;
 };
 
 // Builds the parallel layout a run trains across (data × tensor parallel, from
@@ -222,8 +195,6 @@ class Engine {
   // (runtime/context.h), installed for each of its calls; install it to
   // change them: { remat::ContextScope scope(engine->context()); ... }.
   const std::shared_ptr<Context>& context() const;
-  struct Impl;
-  Impl& impl() const { return *impl_; }
 
   class EvaluationScope {
    public:
@@ -243,7 +214,9 @@ class Engine {
   friend std::unique_ptr<Engine> initialize(std::shared_ptr<torch::nn::Module>, Config, EngineOptions);
   friend class GatheredParameters;
   Engine(std::shared_ptr<torch::nn::Module> model, Config config, EngineOptions options);
-  void end_forward_state();
+  // The engine's state (engine.cc): for its own calls, GatheredParameters and EvaluationScope.
+  struct Impl;
+  Impl& impl() const { return *impl_; }
 
   std::shared_ptr<torch::nn::Module> model_;
   Config config_;

@@ -1,9 +1,61 @@
 #include "engine/step_counters.h"
 
 #include "checkpointing/checkpoint.h"
+#include "engine/internal/field_table.h"
 #include "parallel/mappings.h"
 
 namespace remat {
+namespace {
+
+using internal::FieldKind;
+using internal::FieldTable;
+constexpr FieldKind kTotal = FieldKind::kTotal, kNow = FieldKind::kNow, kPeak = FieldKind::kPeak;
+
+// Every counter, once: a new one is its field and its row here.
+const FieldTable<Counters> kCounterFields = {
+    {"recomputes", kTotal, &Counters::recomputes},
+    {"checkpoint_saved_bytes", kNow, &Counters::checkpoint_saved_bytes},
+    {"recompute_ms", kTotal, &Counters::recompute_ms},
+    {"tensor_parallel_comm_bytes", kTotal, &Counters::tensor_parallel_comm_bytes},
+};
+
+const FieldTable<StoredInputStats> kStoredInputFields = {
+    {"kept_bytes", kNow, &StoredInputStats::kept_bytes},
+    {"kept_padding_bytes", kNow, &StoredInputStats::kept_padding_bytes},
+    {"gathered_bytes", kTotal, &StoredInputStats::gathered_bytes},
+    {"offloaded_bytes", kTotal, &StoredInputStats::offloaded_bytes},
+    {"fetched_bytes", kTotal, &StoredInputStats::fetched_bytes},
+    {"offload_copies", kTotal, &StoredInputStats::offload_copies},
+    {"fetch_copies", kTotal, &StoredInputStats::fetch_copies},
+    {"left_small_bytes", kTotal, &StoredInputStats::left_small_bytes},
+};
+
+const FieldTable<ActivationOffloadStats> kActivationOffloadFields = {
+    {"offloaded_tensors", kTotal, &ActivationOffloadStats::offloaded_tensors},
+    {"offloaded_bytes", kTotal, &ActivationOffloadStats::offloaded_bytes},
+    {"restored_tensors", kTotal, &ActivationOffloadStats::restored_tensors},
+    {"restored_bytes", kTotal, &ActivationOffloadStats::restored_bytes},
+    {"kept_tensors", kTotal, &ActivationOffloadStats::kept_tensors},
+    {"kept_bytes", kNow, &ActivationOffloadStats::kept_bytes},
+    {"host_bytes", kNow, &ActivationOffloadStats::host_bytes},
+};
+
+const FieldTable<parallel::ZeroStats> kZeroFields = {
+    {"param_bytes", kNow, &parallel::ZeroStats::param_bytes},
+    {"grad_bytes", kNow, &parallel::ZeroStats::grad_bytes},
+    {"gathered_bytes", kNow, &parallel::ZeroStats::gathered_bytes},
+    {"peak_gathered_bytes", kPeak, &parallel::ZeroStats::peak_gathered_bytes},
+    {"peak_gathered_units", kPeak, &parallel::ZeroStats::peak_gathered_units},
+    {"allgather_bytes", kTotal, &parallel::ZeroStats::allgather_bytes},
+    {"reducescatter_bytes", kTotal, &parallel::ZeroStats::reducescatter_bytes},
+    {"allreduce_bytes", kTotal, &parallel::ZeroStats::allreduce_bytes},
+    {"peak_grad_bytes", kPeak, &parallel::ZeroStats::peak_grad_bytes},
+    {"reduce_wait_ms", kTotal, &parallel::ZeroStats::reduce_wait_ms},
+    {"buckets_reduced", kTotal, &parallel::ZeroStats::buckets_reduced},
+    {"buckets_done_in_backward", kTotal, &parallel::ZeroStats::buckets_done_in_backward},
+};
+
+}  // namespace
 
 Counters Counters::read(const parallel::ZeroModel* zero) {
   Counters c;
@@ -19,26 +71,10 @@ Counters Counters::read(const parallel::ZeroModel* zero) {
 
 Counters Counters::since(const Counters& before) const {
   Counters d = *this;
-  d.recomputes -= before.recomputes;
-  d.recompute_ms -= before.recompute_ms;
-  d.stored.gathered_bytes -= before.stored.gathered_bytes;
-  d.stored.offloaded_bytes -= before.stored.offloaded_bytes;
-  d.stored.fetched_bytes -= before.stored.fetched_bytes;
-  d.stored.offload_copies -= before.stored.offload_copies;
-  d.stored.fetch_copies -= before.stored.fetch_copies;
-  d.stored.left_small_bytes -= before.stored.left_small_bytes;
-  d.offload.offloaded_tensors -= before.offload.offloaded_tensors;
-  d.offload.offloaded_bytes -= before.offload.offloaded_bytes;
-  d.offload.restored_tensors -= before.offload.restored_tensors;
-  d.offload.restored_bytes -= before.offload.restored_bytes;
-  d.offload.kept_tensors -= before.offload.kept_tensors;
-  d.tensor_parallel_comm_bytes -= before.tensor_parallel_comm_bytes;
-  d.zero.allgather_bytes -= before.zero.allgather_bytes;
-  d.zero.reducescatter_bytes -= before.zero.reducescatter_bytes;
-  d.zero.allreduce_bytes -= before.zero.allreduce_bytes;
-  d.zero.reduce_wait_ms -= before.zero.reduce_wait_ms;
-  d.zero.buckets_reduced -= before.zero.buckets_reduced;
-  d.zero.buckets_done_in_backward -= before.zero.buckets_done_in_backward;
+  internal::subtract_totals(kCounterFields, d, before);
+  internal::subtract_totals(kStoredInputFields, d.stored, before.stored);
+  internal::subtract_totals(kActivationOffloadFields, d.offload, before.offload);
+  internal::subtract_totals(kZeroFields, d.zero, before.zero);
   return d;
 }
 

@@ -38,7 +38,8 @@ struct Counters {
 
   // This snapshot's share since `before`: totals as differences, values that
   // describe "now" (kept bytes, parameter and gradient bytes, gathered bytes
-  // and their peaks) as they are in this snapshot.
+  // and their peaks) as they are in this snapshot. Each field's kind is its
+  // row in step_counters.cc's field tables: a new counter is its field and its row.
   Counters since(const Counters& before) const;
 
   // Bytes through every collective: stored-input all-gathers, tensor-parallel

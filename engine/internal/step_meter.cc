@@ -1,0 +1,173 @@
+#include "engine/internal/step_meter.h"
+
+#include <torch/nn/module.h>
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "checkpointing/planner.h"
+#include "engine/optim.h"
+#include "parallel/zero.h"
+#include "runtime/error.h"
+#include "runtime/logging.h"
+#include "runtime/memory.h"
+#include "runtime/memory_trace.h"
+
+namespace remat::internal {
+namespace {
+
+double ms_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+}  // namespace
+
+StepMeter::StepMeter() = default;
+StepMeter::~StepMeter() = default;
+
+void StepMeter::attach(StepMeterTargets targets) { t_ = std::move(targets); }
+
+void StepMeter::begin_planning() {
+  planned_ = false;
+  plan_start_ = Clock::now();
+}
+
+void StepMeter::end_planning(bool planned) {
+  planned_ = planned;
+  if (planned) plan_ms_ = ms_between(plan_start_, Clock::now());
+}
+
+void StepMeter::begin_step() {
+  if (!trace_path_.empty() && !trace_) start_trace();
+  base_ = t_.memory->current(t_.device);
+  t_.memory->reset_peak();
+  t_.zero->reset_peak();
+  before_ = Counters::read(t_.zero);
+  start_ = Clock::now();
+  fwd_ms_ = bwd_ms_ = opt_ms_ = 0;
+  engine_comm_bytes_ = 0;
+  saved_ = act_host_ = act_kept_ = fwd_held_ = act_peak_ = step_peak_ = 0;
+}
+
+void StepMeter::begin_forward() {
+  step_peak_ = std::max(step_peak_, t_.memory->peak(t_.device));
+  micro_base_ = t_.memory->current(t_.device);
+  t_.memory->reset_peak();
+  phase_start_ = Clock::now();
+}
+
+void StepMeter::end_forward() {
+  const Counters held = Counters::read();
+  saved_ = std::max(saved_, held.checkpoint_saved_bytes);
+  act_host_ = std::max(act_host_, held.offload.host_bytes);
+  act_kept_ = std::max(act_kept_, held.offload.kept_bytes);
+  fwd_held_ = std::max(fwd_held_, t_.memory->current(t_.device) - micro_base_);
+  fwd_ms_ += ms_between(phase_start_, Clock::now());
+}
+
+void StepMeter::begin_backward() { phase_start_ = Clock::now(); }
+
+void StepMeter::end_backward() {
+  if (trace_) classify_gradients();
+  act_peak_ = std::max(act_peak_, t_.memory->peak(t_.device) - micro_base_);
+  bwd_ms_ += ms_between(phase_start_, Clock::now());
+}
+
+void StepMeter::begin_optimizer() { phase_start_ = Clock::now(); }
+
+void StepMeter::end_optimizer() { opt_ms_ = ms_between(phase_start_, Clock::now()); }
+
+const Counters& StepMeter::read_counters() {
+  share_ = Counters::read(t_.zero).since(before_);
+  return share_;
+}
+
+StepMetrics StepMeter::finish_step(const StepOutcome& outcome, const ActivationPlan* plan) {
+  step_peak_ = std::max(step_peak_, t_.memory->peak(t_.device));
+  StepMetrics m = StepMetrics::from_counters(share_);
+  m.step = outcome.step;
+  m.loss = outcome.loss;
+  m.lr = outcome.lr;
+  m.grad_norm = outcome.grad_norm;
+  m.skipped = outcome.skipped;
+  m.step_ms = ms_between(start_, Clock::now());
+  m.fwd_ms = fwd_ms_;
+  m.bwd_ms = bwd_ms_;
+  m.opt_ms = opt_ms_;
+  m.mem_base_bytes = base_;
+  m.mem_peak_bytes = step_peak_;
+  m.mem_act_peak_bytes = act_peak_;
+  m.mem_fwd_held_bytes = fwd_held_;
+  m.ckpt_saved_bytes = saved_;
+  m.act_host_bytes = act_host_;
+  m.act_kept_bytes = act_kept_;
+  m.comm_bytes += engine_comm_bytes_;
+  m.optimizer_state_bytes = optimizer_state_bytes(*t_.optimizer);
+  if (plan != nullptr) m.plan = plan_metrics(*plan);
+  return m;
+}
+
+nlohmann::json StepMeter::plan_metrics(const ActivationPlan& plan) const {
+  nlohmann::json out = {{"act_plan", plan.summary()},
+                        {"act_plan_budget_bytes", plan.budget_bytes},
+                        {"act_plan_predicted_peak_bytes", plan.predicted_peak},
+                        {"act_plan_extra_cpu_ms", plan.predicted_extra_cpu_ms},
+                        {"act_plan_extra_wall_ms", plan.predicted_extra_wall_ms},
+                        {"act_planned", planned_}};
+  if (plan.device_budget_bytes > 0) {
+    out["act_plan_device_budget_bytes"] = plan.device_budget_bytes;
+    out["act_plan_predicted_total_peak_bytes"] = plan.predicted_total_peak;
+  }
+  if (planned_) out["act_plan_ms"] = plan_ms_;
+  return out;
+}
+
+void StepMeter::record_next_step(const std::string& path, int max_samples) {
+  trace_path_ = path;
+  trace_samples_ = max_samples;
+}
+
+// The memory timeline: what is live at the start is split by what holds it.
+void StepMeter::start_trace() {
+  std::vector<MemoryTrace::Known> known;
+  // Parameters gathered on use (stage 3) are views of their gathered units.
+  if (!t_.zero->parameters_gathered_on_use()) {
+    for (const auto& p : t_.model->parameters()) known.push_back({p, MemoryCategory::kParameters});
+  }
+  for (const auto& p : t_.zero->parameters()) known.push_back({p, MemoryCategory::kParameters});
+  for (const auto& t : optimizer_state_tensors(*t_.optimizer)) known.push_back({t, MemoryCategory::kOptimizerState});
+  trace_ = std::make_unique<MemoryTrace>(*t_.memory, known);
+}
+
+// Gradients autograd allocated count as gradients over their whole life.
+void StepMeter::classify_gradients() const {
+  for (const auto& p : t_.model->parameters()) classify_memory(p.grad(), MemoryCategory::kGradients);
+  for (const auto& p : t_.zero->parameters()) classify_memory(p.grad(), MemoryCategory::kGradients);
+}
+
+void StepMeter::finish_trace(const StepMetrics& m) {
+  if (!trace_) return;
+  const auto recorded = std::move(trace_);
+  const std::string path = std::move(trace_path_);
+  trace_path_.clear();
+  recorded->stop();
+  nlohmann::json other = t_.trace_labels;
+  other["step"] = m.step;
+  other["mem_base_bytes"] = m.mem_base_bytes;
+  other["mem_peak_bytes"] = m.mem_peak_bytes;
+  ChromeTraceOptions chrome;
+  chrome.max_samples = trace_samples_;
+  chrome.pid = t_.rank;
+  chrome.process_name = str("remat rank ", t_.rank);
+  try {
+    recorded->write(path, chrome, other);
+  } catch (const Error& e) {
+    // An auxiliary output: its failure costs neither this step nor the saves after it.
+    log().warn("{}; the memory timeline of step {} is not written, and training goes on", e.what(), m.step);
+    return;
+  }
+  log().info("memory timeline of step {} written to '{}'", m.step, path);
+}
+
+}  // namespace remat::internal

@@ -1,0 +1,47 @@
+// What one optimizer step did (Engine::last_metrics()): remat-train writes
+// it as a JSON line. Each field is described once, by its row in
+// step_metrics.cc (its JSON name, and for the counters' metrics where it
+// comes from): a new metric is its field here and its row there.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+
+namespace remat {
+
+struct Counters;
+
+struct StepMetrics {
+  int64_t step = 0;
+  double loss = 0;  // mean over micro-steps and data-parallel ranks
+  double lr = 0;
+  double grad_norm = -1;  // before clipping; -1: clipping is off
+  bool skipped = false;   // non-finite, dropped (train.on_nonfinite skip)
+  double step_ms = 0, fwd_ms = 0, bwd_ms = 0, opt_ms = 0, recompute_ms = 0;
+  int64_t mem_base_bytes = 0, mem_peak_bytes = 0, mem_act_peak_bytes = 0, mem_fwd_held_bytes = 0;
+  int64_t ckpt_saved_bytes = 0, ckpt_offloaded_bytes = 0, ckpt_gathered_bytes = 0;
+  int64_t act_offloaded_bytes = 0, act_restored_bytes = 0, act_host_bytes = 0, act_kept_bytes = 0;
+  int64_t comm_bytes = 0, zero_comm_bytes = 0, param_bytes = 0, grad_bytes = 0, grad_peak_bytes = 0;
+  // Of comm_bytes, the tensor-parallel mappings' (parallel/mappings.h): with a
+  // checkpointed block's collectives recomputed, this step's count rises by
+  // their forward bytes; with activation_checkpointing.save_collectives it does not.
+  int64_t tp_comm_bytes = 0;
+  int64_t optimizer_state_bytes = 0, peak_gathered_param_bytes = 0;
+  // Data-parallel gradient reduction (stages 0-2): the milliseconds spent
+  // blocked on it, in the backward or after it (with overlap_comm, the
+  // communication the backward did not hide), the gradient buckets reduced,
+  // and how many of them were seen complete before the backward ended.
+  double reduce_wait_ms = 0;
+  int64_t buckets_reduced = 0, buckets_done_in_backward = 0;
+  // variant auto: the plan in force (empty otherwise).
+  nlohmann::json plan = nlohmann::json::object();
+
+  // The metrics a step's share of the counters (Counters::since) gives;
+  // comm_bytes counts the counters' collectives only. The others are zero.
+  static StepMetrics from_counters(const Counters& step);
+  // One object: every field by its name, grad_norm when clipping is on,
+  // skipped when true, and the plan's keys.
+  nlohmann::json to_json() const;
+};
+
+}  // namespace remat

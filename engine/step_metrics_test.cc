@@ -1,0 +1,128 @@
+// The field tables of the step's counters and metrics (step_counters.cc,
+// step_metrics.cc): a step's share of each kind of counter, the metrics the
+// counters give, and the metrics' JSON with its value types.
+#include "engine/step_metrics.h"
+
+#include <gtest/gtest.h>
+
+#include <set>
+#include <string>
+
+#include "engine/step_counters.h"
+
+namespace remat {
+namespace {
+
+TEST(StepCounters, TotalsAreDifferencesNowAndPeaksAsRead) {
+  Counters before, now;
+  before.recomputes = 2, now.recomputes = 5;                                // total
+  before.recompute_ms = 1.5, now.recompute_ms = 4.0;                        // total
+  before.checkpoint_saved_bytes = 100, now.checkpoint_saved_bytes = 40;     // now
+  before.tensor_parallel_comm_bytes = 8, now.tensor_parallel_comm_bytes = 24;
+  before.stored.kept_bytes = 9, now.stored.kept_bytes = 3;                  // now
+  before.stored.gathered_bytes = 10, now.stored.gathered_bytes = 30;        // total
+  before.stored.left_small_bytes = 1, now.stored.left_small_bytes = 2;      // total
+  before.offload.offloaded_bytes = 64, now.offload.offloaded_bytes = 192;   // total
+  before.offload.kept_tensors = 1, now.offload.kept_tensors = 4;            // total
+  before.offload.host_bytes = 50, now.offload.host_bytes = 70;              // now
+  before.zero.param_bytes = 7, now.zero.param_bytes = 7;                    // now
+  before.zero.peak_gathered_units = 3, now.zero.peak_gathered_units = 2;    // peak
+  before.zero.peak_grad_bytes = 300, now.zero.peak_grad_bytes = 200;        // peak
+  before.zero.allgather_bytes = 10, now.zero.allgather_bytes = 25;          // total
+  before.zero.reduce_wait_ms = 0.25, now.zero.reduce_wait_ms = 1.0;         // total
+  before.zero.buckets_done_in_backward = 2, now.zero.buckets_done_in_backward = 6;
+
+  const Counters step = now.since(before);
+  EXPECT_EQ(step.recomputes, 3);
+  EXPECT_EQ(step.recompute_ms, 2.5);
+  EXPECT_EQ(step.checkpoint_saved_bytes, 40);
+  EXPECT_EQ(step.tensor_parallel_comm_bytes, 16);
+  EXPECT_EQ(step.stored.kept_bytes, 3);
+  EXPECT_EQ(step.stored.gathered_bytes, 20);
+  EXPECT_EQ(step.stored.left_small_bytes, 1);
+  EXPECT_EQ(step.offload.offloaded_bytes, 128);
+  EXPECT_EQ(step.offload.kept_tensors, 3);
+  EXPECT_EQ(step.offload.host_bytes, 70);
+  EXPECT_EQ(step.zero.param_bytes, 7);
+  EXPECT_EQ(step.zero.peak_gathered_units, 2);
+  EXPECT_EQ(step.zero.peak_grad_bytes, 200);
+  EXPECT_EQ(step.zero.allgather_bytes, 15);
+  EXPECT_EQ(step.zero.reduce_wait_ms, 0.75);
+  EXPECT_EQ(step.zero.buckets_done_in_backward, 4);
+  EXPECT_EQ(step.comm_bytes(), 20 + 16 + 15);
+}
+
+TEST(StepMetrics, FromCountersReadsEachMetricWhereItComesFrom) {
+  Counters c;
+  c.recompute_ms = 3.25;
+  c.stored.offloaded_bytes = 11;
+  c.stored.gathered_bytes = 12;
+  c.offload.offloaded_bytes = 13;
+  c.offload.restored_bytes = 14;
+  c.tensor_parallel_comm_bytes = 15;
+  c.zero.allgather_bytes = 100, c.zero.reducescatter_bytes = 200, c.zero.allreduce_bytes = 300;
+  c.zero.param_bytes = 16, c.zero.grad_bytes = 17, c.zero.peak_grad_bytes = 18, c.zero.peak_gathered_bytes = 19;
+  c.zero.reduce_wait_ms = 0.5, c.zero.buckets_reduced = 20, c.zero.buckets_done_in_backward = 21;
+  c.checkpoint_saved_bytes = 999;  // the meter's peak over forwards, not this
+  const StepMetrics m = StepMetrics::from_counters(c);
+  EXPECT_EQ(m.recompute_ms, 3.25);
+  EXPECT_EQ(m.ckpt_offloaded_bytes, 11);
+  EXPECT_EQ(m.ckpt_gathered_bytes, 12);
+  EXPECT_EQ(m.act_offloaded_bytes, 13);
+  EXPECT_EQ(m.act_restored_bytes, 14);
+  EXPECT_EQ(m.tp_comm_bytes, 15);
+  EXPECT_EQ(m.zero_comm_bytes, 600);
+  EXPECT_EQ(m.comm_bytes, 12 + 15 + 600);
+  EXPECT_EQ(m.param_bytes, 16);
+  EXPECT_EQ(m.grad_bytes, 17);
+  EXPECT_EQ(m.grad_peak_bytes, 18);
+  EXPECT_EQ(m.peak_gathered_param_bytes, 19);
+  EXPECT_EQ(m.reduce_wait_ms, 0.5);
+  EXPECT_EQ(m.buckets_reduced, 20);
+  EXPECT_EQ(m.buckets_done_in_backward, 21);
+  EXPECT_EQ(m.ckpt_saved_bytes, 0);
+  EXPECT_EQ(m.step, 0);
+  EXPECT_EQ(m.mem_peak_bytes, 0);
+}
+
+TEST(StepMetrics, JsonHasEveryFieldInItsOwnType) {
+  StepMetrics m;
+  m.step = 7;
+  m.loss = 2.5;
+  m.act_offloaded_bytes = 1 << 20;
+  m.reduce_wait_ms = 0;
+  nlohmann::json j = m.to_json();
+  const std::set<std::string> doubles = {"loss", "lr", "step_ms", "fwd_ms", "bwd_ms", "opt_ms", "recompute_ms",
+                                         "reduce_wait_ms"};
+  const std::set<std::string> ints = {
+      "step", "mem_base_bytes", "mem_peak_bytes", "mem_act_peak_bytes", "mem_fwd_held_bytes", "ckpt_saved_bytes",
+      "ckpt_offloaded_bytes", "ckpt_gathered_bytes", "act_offloaded_bytes", "act_restored_bytes", "act_host_bytes",
+      "act_kept_bytes", "comm_bytes", "zero_comm_bytes", "tp_comm_bytes", "param_bytes", "grad_bytes",
+      "grad_peak_bytes", "optimizer_state_bytes", "peak_gathered_param_bytes", "buckets_reduced",
+      "buckets_done_in_backward"};
+  ASSERT_EQ(j.size(), doubles.size() + ints.size()) << j.dump();
+  for (const auto& [key, value] : j.items()) {
+    if (doubles.count(key)) {
+      EXPECT_TRUE(value.is_number_float()) << key << ": " << value;
+    } else {
+      EXPECT_TRUE(ints.count(key) && value.is_number_integer()) << key << ": " << value;
+    }
+  }
+  EXPECT_EQ(j["step"], 7);
+  EXPECT_EQ(j["loss"], 2.5);
+  EXPECT_EQ(j["act_offloaded_bytes"], 1 << 20);
+
+  // Clipping on, a skipped step and a plan add their keys.
+  m.grad_norm = 0.75;
+  m.skipped = true;
+  m.plan = {{"act_plan", "full,keep"}, {"act_planned", true}};
+  j = m.to_json();
+  EXPECT_EQ(j.size(), doubles.size() + ints.size() + 4);
+  EXPECT_EQ(j["grad_norm"], 0.75);
+  EXPECT_EQ(j["skipped"], true);
+  EXPECT_EQ(j["act_plan"], "full,keep");
+  EXPECT_EQ(j["act_planned"], true);
+}
+
+}  // namespace
+}  // namespace remat
