@@ -1,0 +1,108 @@
+// Engine::Impl: what an engine keeps between its calls, shared by engine.cc
+// (the calls of a step, saves, evaluation) and wiring.cc (initialize() and
+// the constructor's wiring, the destructor). The engine's own: not installed.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "checkpointing/planner.h"
+#include "checkpointing/policy.h"
+#include "engine/config.h"
+#include "engine/engine.h"
+#include "engine/internal/step_meter.h"
+#include "engine/save/dir_lock.h"
+#include "engine/save/train_state.h"
+#include "parallel/zero.h"
+#include "runtime/context.h"
+#include "runtime/memory.h"
+
+namespace torch::nn {
+class ModuleListImpl;
+}
+
+namespace remat {
+namespace internal {
+
+// Where the engine is in a micro-step: forward() and backward() alternate,
+// step() follows a backward.
+enum class Phase { kIdle, kForwarded, kBackwarded };
+
+// What a micro-step starts from outside its activations: every parameter's
+// and shard's storage once, the optimizer's state (before its first step,
+// what it will allocate then) and, with gradient accumulation, the gradients
+// held between micro-batches. For device_memory_budget_bytes. `live`: the
+// tracker's count at the step's start, when known: what it holds beyond the
+// parameters and the optimizer state allocated so far (the batch, whatever
+// the caller keeps) is held through the step as well.
+std::pair<int64_t, std::string> resident_state(torch::nn::Module& model, parallel::ZeroModel& zero,
+                                               const torch::optim::Optimizer& optimizer, int64_t accumulation,
+                                               int64_t live = 0);
+
+}  // namespace internal
+
+struct Engine::Impl {
+  // Checkpointing defaults and counters, offloading and tensor-parallel
+  // counters and the RNG tracker of this engine alone: installed for each of
+  // its calls (regions keep it for their backward).
+  std::shared_ptr<Context> context = Context::create();
+  EngineOptions options;
+  std::shared_ptr<ParallelLayout> layout;
+  std::shared_ptr<Communicator> world;
+  BatchSizes batch;
+  std::unique_ptr<MemoryTracker> own_memory;
+  MemoryTracker* memory = nullptr;
+  c10::DeviceType device = c10::DeviceType::CPU;  // where the model's memory is counted
+  PolicyOptions policy;
+  bool auto_plan = false;
+  int regions = 0;
+  std::unique_ptr<ActivationPlanner> planner;
+  std::unique_ptr<parallel::ZeroModel> zero;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  SaveIdentity identity;
+  std::unique_ptr<SaveDirLock> save_lock;
+  std::string save_lock_dir, loaded_dir;
+  int gathered_scopes = 0;
+  // The step's measurement: peaks, timers, counters, the memory timeline.
+  internal::StepMeter meter;
+
+  // The step in progress.
+  internal::Phase phase = internal::Phase::kIdle;
+  double lr = 0;
+  double loss_sum = 0;
+
+  TrainShards shards(const torch::nn::Module& model) const { return train_shards(*zero, *layout, model); }
+
+  // The constructor's wiring, in its order.
+  void wire_memory();
+  void wire_layout(const Config& config);
+  void wire_checkpointing(torch::nn::Module& model, const Config& config, const std::string& blocks,
+                          int64_t n_blocks);
+  void wire_sharding(torch::nn::Module& model, const Config& config, const torch::nn::ModuleListImpl& blocks,
+                     const std::vector<at::Tensor>& sharded);
+  void wire_identity(torch::nn::Module& model, const Config& config);
+  void wire_meter(torch::nn::Module& model, const Config& config);
+
+  // forward()'s parts.
+  void check_forward_order() const;
+  void plan_blocks(torch::nn::Module& model, const Config& config, const std::function<at::Tensor()>& fn,
+                   const std::vector<int64_t>& plan_key);
+  at::Tensor run_forward(torch::nn::Module& model, const Config& config, const std::function<at::Tensor()>& fn);
+
+  // step()'s parts.
+  struct Verdict {
+    bool bad_loss = false, bad_grads = false;
+    at::Tensor arrived;  // per parameter: whether any rank gave it a gradient
+  };
+  Verdict check_gradients();
+  double update(torch::nn::Module& model, const Config& config, const at::Tensor& arrived);
+  double mean_loss();
+};
+
+}  // namespace remat

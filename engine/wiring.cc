@@ -1,0 +1,389 @@
+// initialize(), init_distributed() and the Engine's construction: the
+// wiring of the floors below for a model, in its documented order (engine.h),
+// and its undoing in the destructor.
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <set>
+
+#include "checkpointing/checkpoint.h"
+#include "checkpointing/offload_activations.h"
+#include "checkpointing/planner.h"
+#include "checkpointing/policy.h"
+#include "engine/engine.h"
+#include "engine/internal/engine_impl.h"
+#include "engine/optim.h"
+#include "nn/saved_tensors_hooks.h"
+#include "parallel/layers.h"
+#include "parallel/zero.h"
+#include "rng/rng_tracker.h"
+#include "runtime/agreement.h"
+#include "runtime/communicator.h"
+#include "runtime/context.h"
+#include "runtime/env_knobs.h"
+#include "runtime/error.h"
+#include "runtime/layout.h"
+#include "runtime/logging.h"
+#include "runtime/memory.h"
+#include "runtime/runtime.h"
+
+namespace remat {
+namespace {
+
+using internal::Phase;
+
+// Models that a live engine trains: a second initialize() of one is refused.
+std::mutex g_live_mutex;
+std::set<const torch::nn::Module*>& live_models() {
+  static std::set<const torch::nn::Module*> models;
+  return models;
+}
+
+// Settings that would have no effect are pointed out (config.h: ineffective_settings).
+void warn_ineffective(const Config& c) {
+  for (const auto& warning : ineffective_settings(c)) log_rank0().warn("{}", warning);
+}
+
+// Every rank runs what the others run: ranks configured differently would
+// hang in a collective only some of them make, or train diverging replicas.
+void require_same_config(Communicator& world, const Config& config) {
+  std::map<std::string, std::string> settings;
+  const nlohmann::json flat = nlohmann::json::parse(config.to_json()).flatten();
+  for (const auto& item : flat.items()) {
+    std::string key = item.key().substr(1);
+    std::replace(key.begin(), key.end(), '/', '.');
+    settings[key] = item.value().dump();
+  }
+  require_same_settings(world, settings, "configurations");
+}
+
+// The dotted path of the model's block list: the one given, else the only
+// ModuleList the model holds.
+std::string block_path(torch::nn::Module& model, const std::string& given) {
+  if (!given.empty()) {
+    try {
+      find_block_list(model, given);
+    } catch (const Error& e) {
+      throw ConfigError(str("remat::initialize: EngineOptions::blocks is '", given, "': ", e.what(),
+                            " (set EngineOptions::blocks to the dotted path of the model's ModuleList of "
+                            "blocks, or leave it empty to use the one ModuleList the model holds)"));
+    }
+    return given;
+  }
+  std::vector<std::string> lists;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    if (dynamic_cast<const torch::nn::ModuleListImpl*>(item.value().get())) lists.push_back(item.key());
+  }
+  if (lists.size() == 1) return lists[0];
+  if (lists.empty()) {
+    throw ConfigError(str("remat::initialize: the model (", module_type(model), " with children ",
+                          describe_children(model), ") holds no torch::nn::ModuleList of blocks. remat "
+                          "shards and checkpoints a model block by block: keep the blocks in a ModuleList "
+                          "registered on the model and call each through remat::forward(block, ...) "
+                          "(docs/engine.md, the model contract)"));
+  }
+  std::string names;
+  for (const auto& l : lists) names += (names.empty() ? "'" : ", '") + l + "'";
+  throw ConfigError(str("remat::initialize: the model holds several ModuleLists (", names,
+                        "): name the one of its blocks in EngineOptions::blocks"));
+}
+
+std::string optimizer_type(const torch::optim::Optimizer& optimizer) {
+  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer)) return "AdamW";
+  if (dynamic_cast<const torch::optim::Adam*>(&optimizer)) return "Adam";
+  if (dynamic_cast<const torch::optim::SGD*>(&optimizer)) return "SGD";
+  return typeid(optimizer).name();
+}
+
+}  // namespace
+
+namespace internal {
+
+std::pair<int64_t, std::string> resident_state(torch::nn::Module& model, parallel::ZeroModel& zero,
+                                               const torch::optim::Optimizer& optimizer, int64_t accumulation,
+                                               int64_t live) {
+  std::set<const void*> seen;
+  int64_t params = 0, local_trainable = 0, model_trainable = 0;
+  auto count = [&](const at::Tensor& t) {
+    if (!t.defined() || !t.has_storage()) return;
+    if (seen.insert(t.storage().unsafeGetStorageImpl()).second) params += static_cast<int64_t>(t.storage().nbytes());
+  };
+  for (const auto& p : model.parameters()) {
+    count(p);
+    if (p.requires_grad()) model_trainable += static_cast<int64_t>(p.numel() * p.element_size());
+  }
+  for (const auto& b : model.buffers()) count(b);
+  for (const auto& p : zero.parameters()) {
+    count(p);
+    if (p.requires_grad()) local_trainable += static_cast<int64_t>(p.numel() * p.element_size());
+  }
+  int64_t state = optimizer_state_bytes(optimizer);
+  const int64_t other = std::max<int64_t>(0, live - params - state);
+  std::string note;
+  if (state == 0) {
+    const std::string type = optimizer_type(optimizer);
+    if (type == "AdamW" || type == "Adam") {
+      state = 2 * local_trainable;
+      note = " (to be allocated at the first step)";
+    } else if (const auto* sgd = dynamic_cast<const torch::optim::SGD*>(&optimizer)) {
+      const auto& o = static_cast<const torch::optim::SGDOptions&>(sgd->param_groups().at(0).options());
+      state = o.momentum() > 0 ? local_trainable : 0;
+      if (state > 0) note = " (to be allocated at the first step)";
+    } else {
+      note = " (an optimizer remat does not know: its state is not counted)";
+    }
+  }
+  // Held between micro-batches: the stage's rule (parallel/zero_memory.h).
+  const int64_t grads =
+      accumulation > 1 ? zero.gradient_hold(model_trainable, local_trainable).between_micro_batches : 0;
+  const auto mib = [](int64_t b) { return str(std::round(static_cast<double>(b) / 10485.76) / 100, " MiB"); };
+  return {params + state + grads + other,
+          str("parameters and buffers ", mib(params), " + optimizer state ", mib(state), note,
+              grads > 0 ? str(" + gradients held between micro-batches ", mib(grads)) : std::string(),
+              other > 0 ? str(" + other tensors live at the step's start (the batch among them) ", mib(other))
+                        : std::string())};
+}
+
+}  // namespace internal
+
+std::shared_ptr<ParallelLayout> init_distributed(const Config& config, const std::string& backend) {
+  auto world = Runtime::init().world(parse_backend(backend));
+  auto layout = std::make_shared<ParallelLayout>(world, ParallelDims::from_world(world->size(),
+                                                                                 config.tensor_parallel.size));
+  // The model is built after this: every rank initialises it from the same
+  // seed (sharding then starts every replica from rank 0's values anyway).
+  at::manual_seed(static_cast<uint64_t>(config.train.seed));
+  return layout;
+}
+
+Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineOptions options)
+    : model_(std::move(module)), config_(std::move(config)), impl_(std::make_unique<Impl>()) {
+  Impl& s = *impl_;
+  ContextScope scope(s.context);
+  s.options = std::move(options);
+  REMAT_CHECK(model_ != nullptr, "remat::initialize: the model is null");
+  s.wire_memory();
+  s.wire_layout(config_);
+  require_same_config(*s.world, config_);
+  warn_ineffective(config_);
+  s.batch = config_.resolve_batch(s.layout->dims().dp);
+  torch::nn::Module& model = *model_;
+  model_parallel_manual_seed(static_cast<uint64_t>(config_.train.seed), *s.layout);
+  for (const auto& p : model.parameters()) {
+    s.device = p.device().type();
+    break;
+  }
+  const auto sharded = parallel::sharded_parameters(model);
+  const std::string blocks = block_path(model, s.options.blocks);
+  auto block_list = find_block_list(model, blocks);
+  s.wire_checkpointing(model, config_, blocks, static_cast<int64_t>(block_list->size()));
+  s.wire_sharding(model, config_, *block_list, sharded);
+  s.wire_identity(model, config_);
+  s.wire_meter(model, config_);
+  s.lr = learning_rate(config_.optimizer, config_.scheduler, 1);
+}
+
+// The memory metrics' tracker: the caller's, or the engine's own.
+void Engine::Impl::wire_memory() {
+  if (options.memory) {
+    memory = options.memory;
+  } else {
+    MemoryTrackerOptions tracking;
+    tracking.keep_allocations = true;  // what trace_memory starts from
+    own_memory = std::make_unique<MemoryTracker>(tracking);
+    memory = own_memory.get();
+  }
+}
+
+void Engine::Impl::wire_layout(const Config& config) {
+  layout = options.layout ? options.layout : init_distributed(config, options.backend);
+  world = layout->world();
+  if (layout->dims().tp != config.tensor_parallel.size) {
+    throw ConfigError(str("remat::initialize: tensor_parallel.size is ", config.tensor_parallel.size,
+                          " but the layout given in EngineOptions::layout has tensor-parallel size ",
+                          layout->dims().tp, ": build the layout with init_distributed(config) from the "
+                          "same config"));
+  }
+}
+
+// The config's activation_checkpointing section becomes the defaults every
+// region starts from. Regions are timed whatever its profile key says: the
+// recompute time goes into the metrics. Non-reentrant regions and
+// activation offloading answer autograd's saved-tensor hooks query through
+// remat's engine: installed before any backward.
+void Engine::Impl::wire_checkpointing(torch::nn::Module& model, const Config& config, const std::string& blocks,
+                                      int64_t n_blocks) {
+  install_saved_tensors_hooks_engine();
+  ActivationCheckpointingConfig checkpointing = config.activation_checkpointing;
+  checkpointing.profile = true;
+  if (config.tensor_parallel.sequence_parallel_active() && checkpointing.partition_activations) {
+    // A region's input is this rank's own chunk of the sequence, different on
+    // every rank of the group: splitting it again and gathering the pieces
+    // would rebuild another rank's chunk.
+    checkpointing.partition_activations = false;
+    log_rank0().info("activation_checkpointing.partition_activations is not applied with "
+                     "tensor_parallel.sequence_parallel: each region already keeps 1/{} of its input "
+                     "(its own tokens), with no all-gather in the recompute", config.tensor_parallel.size);
+  }
+  configure_checkpointing(checkpointing, layout.get());
+  policy = PolicyOptions(config.activation_checkpointing);
+  policy.blocks = blocks;
+  // variant auto: planned from a profiling step at the first step (and again
+  // for every new plan key).
+  auto_plan = policy.variant == CheckpointVariant::kAuto;
+  regions = auto_plan ? 0 : apply_activation_checkpointing(model, policy);
+  PlannerOptions planner_options;
+  planner_options.blocks = blocks;
+  static_cast<MemoryBudget&>(planner_options) = config.activation_checkpointing;
+  planner_options.offload = config.activation_offloading;
+  planner_options.report_dir = options.plan_report_dir;
+  // A budget the model cannot be planned for (the knee of one block) stops the run here.
+  if (auto_plan) check_planner_options(model, planner_options);
+  planner = std::make_unique<ActivationPlanner>(model, planner_options, world.get());
+  // Activation offloading: each forward runs inside a scope; the head stays.
+  prepare_output_head(model, config.activation_offloading);
+  const auto& number_checkpoints = config.activation_checkpointing.number_checkpoints;
+  // The planner profiles every block as a region: each may need a slot.
+  if (auto_plan && number_checkpoints && *number_checkpoints < n_blocks) {
+    throw ConfigError(str("activation_checkpointing.variant is auto, which may checkpoint every block, but "
+                          "number_checkpoints is ", *number_checkpoints, ": set number_checkpoints to the "
+                          "number of blocks (", n_blocks, ")",
+                          config.activation_checkpointing.contiguous_memory_optimization ? "" : " or leave it out"));
+  }
+  if (number_checkpoints && regions > *number_checkpoints) {
+    throw ConfigError(str("activation_checkpointing.number_checkpoints is ", *number_checkpoints,
+                          " but the policy marks ", regions, " regions per forward: set it to ", regions,
+                          " (or leave it out)"));
+  }
+}
+
+// Sharding over the data-parallel group; the optimizer steps what the
+// sharding hands it.
+void Engine::Impl::wire_sharding(torch::nn::Module& model, const Config& config,
+                                 const torch::nn::ModuleListImpl& blocks, const std::vector<at::Tensor>& sharded) {
+  std::vector<std::shared_ptr<torch::nn::Module>> units(blocks.begin(), blocks.end());
+  parallel::ZeroOptions zero_options = config.zero_optimization;
+  zero_options.progress_in_hooks = knobs::reduce_progress_in_hooks();
+  zero = std::make_unique<parallel::ZeroModel>(model, units, layout->dp_group(), zero_options, config.bf16, sharded);
+  optimizer = options.optimizer ? options.optimizer(zero->parameters())
+                                : make_optimizer(config.optimizer, zero->parameters());
+  REMAT_CHECK(optimizer != nullptr, "remat::initialize: EngineOptions::optimizer returned no optimizer");
+  // A whole-device budget the model state alone fills is refused before any step.
+  if (const auto& device = config.activation_checkpointing.device_memory_budget_bytes; device && auto_plan) {
+    const auto [state, what] = internal::resident_state(model, *zero, *optimizer, batch.gradient_accumulation_steps);
+    if (*device <= state) {
+      throw ConfigError(str("activation_checkpointing.device_memory_budget_bytes = ", *device,
+                            " is below the model state alone: ", what, " = ", state, " bytes per rank, before any "
+                            "activation. Raise the budget above that, or shard the state (a higher "
+                            "zero_optimization.stage, more data-parallel ranks)"));
+    }
+  }
+}
+
+// Every setting the saved state's meaning depends on: a resume with
+// another value is refused naming it. train.seed: the random state comes
+// from the save, but a caller's data order may come from the seed. (The
+// tensor-parallel size is not one: a save is re-sliced for another.)
+void Engine::Impl::wire_identity(torch::nn::Module& model, const Config& config) {
+  identity.model_signature = options.model_signature;
+  identity.run_id = new_run_id(*world);
+  identity.settings = {{"optimizer.type", optimizer_type(*optimizer)},
+                       {"train.seed", std::to_string(config.train.seed)}};
+  identity.seed = static_cast<uint64_t>(config.train.seed);
+  for (const auto& item : model.named_parameters()) {
+    identity.parameters.emplace_back(item.key(), item.value().sizes().vec());
+  }
+}
+
+void Engine::Impl::wire_meter(torch::nn::Module& model, const Config& config) {
+  internal::StepMeterTargets targets;
+  targets.memory = memory;
+  targets.device = device;
+  targets.model = &model;
+  targets.zero = zero.get();
+  targets.optimizer = optimizer.get();
+  targets.rank = world->rank();
+  targets.trace_labels = {{"rank", world->rank()},
+                          {"device", c10::DeviceTypeName(device, /*lower_case=*/true)},
+                          {"zero_stage", zero->stage()},
+                          {"activation_checkpointing",
+                           checkpoint_variant_name(config.activation_checkpointing.variant)},
+                          {"gradient_accumulation_steps", batch.gradient_accumulation_steps}};
+  meter.attach(std::move(targets));
+}
+
+Engine::~Engine() {
+  {
+    ContextScope scope(impl_->context);
+    // The model is left whole with its trained values, ready for anything
+    // else (collective; skipped while an exception unwinds, when the other
+    // ranks may not be here).
+    if (std::uncaught_exceptions() == 0 && impl_->zero && impl_->phase == Phase::kIdle) {
+      try {
+        impl_->zero->leave_whole();
+      } catch (const std::exception& e) {
+        log().error("remat::Engine: leaving the model whole failed: {}", e.what());
+      }
+    }
+    impl_->zero.reset();
+    drop_module_hooks(*impl_->context);  // the policy's marks; the model may be trained again
+  }
+  std::lock_guard<std::mutex> lock(g_live_mutex);
+  live_models().erase(model_.get());
+}
+
+std::unique_ptr<Engine> initialize(std::shared_ptr<torch::nn::Module> model, Config config, EngineOptions options) {
+  REMAT_CHECK(model != nullptr, "remat::initialize: the model is null");
+  {
+    std::lock_guard<std::mutex> lock(g_live_mutex);
+    if (!live_models().insert(model.get()).second) {
+      throw Error(str("remat::initialize: this model (", module_type(*model), ") is already trained by another "
+                      "live engine: one engine per model (destroy the first engine, or build a second model)"));
+    }
+  }
+  try {
+    for (const auto& item : model->named_parameters()) {
+      const at::Tensor& p = item.value();
+      if (p.numel() > 0 && p.has_storage() && p.storage().nbytes() == 0) {
+        throw ConfigError(str("remat::initialize: parameter '", item.key(), "' has no storage (", p.numel(),
+                              " elements): the model is still sharded by a ZeRO stage 3 that was not gathered "
+                              "back. Give initialize a model whose parameters hold their values"));
+      }
+    }
+    if (!options.overrides.empty()) {
+      config = parse_config(config.to_json(), "<the config given to initialize>", options.overrides);
+    }
+    return std::unique_ptr<Engine>(new Engine(model, std::move(config), std::move(options)));
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(g_live_mutex);
+    live_models().erase(model.get());
+    throw;
+  }
+}
+
+std::unique_ptr<Engine> initialize(std::shared_ptr<torch::nn::Module> model, const std::string& config,
+                                   EngineOptions options) {
+  const auto first = config.find_first_not_of(" \t\r\n");
+  std::vector<std::string> overrides = std::move(options.overrides);
+  options.overrides.clear();
+  Config parsed = first != std::string::npos && config[first] == '{'
+                      ? parse_config(config, "<JSON text given to initialize>", overrides)
+                      : load_config(config, overrides);
+  return initialize(std::move(model), std::move(parsed), std::move(options));
+}
+
+std::unique_ptr<Engine> initialize(std::shared_ptr<torch::nn::Module> model, const nlohmann::json& config,
+                                   EngineOptions options) {
+  REMAT_CHECK(config.is_object(), "remat::initialize: the JSON config must be an object (got ", config.type_name(),
+              ")");
+  return initialize(std::move(model), config.dump(), std::move(options));
+}
+
+}  // namespace remat
