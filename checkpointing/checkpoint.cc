@@ -14,8 +14,8 @@
 #include <mutex>
 #include <optional>
 
-#include "checkpointing/region.h"
-#include "checkpointing/state.h"
+#include "checkpointing/internal/region.h"
+#include "checkpointing/internal/state.h"
 #include "nn/autograd_state.h"
 #include "rng/rng_tracker.h"
 #include "runtime/error.h"

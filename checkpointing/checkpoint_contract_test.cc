@@ -14,11 +14,11 @@
 #include <thread>
 
 #include "checkpointing/checkpoint.h"
-#include "checkpointing/checkpoint_modes.h"
 #include "checkpointing/stored_inputs.h"
-#include "rng/rng_tracker.h"
 #include "engine/config.h"
+#include "rng/rng_tracker.h"
 #include "runtime/error.h"
+#include "tests/checkpoint_modes.h"
 #include "tests/error_of.h"
 
 namespace remat {

@@ -23,8 +23,8 @@
 #include <thread>
 #include <typeinfo>
 
-#include "checkpointing/region.h"
-#include "checkpointing/state.h"
+#include "checkpointing/internal/region.h"
+#include "checkpointing/internal/state.h"
 #include "nn/saved_tensors_hooks.h"
 #include "runtime/error.h"
 #include "runtime/memory_trace.h"

@@ -7,15 +7,15 @@
 #include <torch/torch.h>
 
 #include "checkpointing/checkpoint.h"
-#include "checkpointing/checkpoint_modes.h"
-#include "checkpointing/op_recorder.h"
+#include "checkpointing/internal/op_recorder.h"
 #include "checkpointing/policy.h"
 #include "checkpointing/selective_op.h"
+#include "engine/config.h"
 #include "models/stack.h"
 #include "rng/rng_tracker.h"
-#include "engine/config.h"
 #include "runtime/error.h"
 #include "runtime/memory.h"
+#include "tests/checkpoint_modes.h"
 #include "tests/error_of.h"
 
 namespace remat {

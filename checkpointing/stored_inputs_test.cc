@@ -9,16 +9,16 @@
 #include <map>
 
 #include "checkpointing/checkpoint.h"
-#include "checkpointing/checkpoint_modes.h"
 #include "checkpointing/policy.h"
 #include "checkpointing/stored_inputs.h"
+#include "engine/config.h"
 #include "models/gpt.h"
 #include "parallel/layers.h"
 #include "rng/rng_tracker.h"
-#include "engine/config.h"
 #include "runtime/error.h"
 #include "runtime/layout.h"
 #include "runtime/runtime.h"
+#include "tests/checkpoint_modes.h"
 #include "tests/error_of.h"
 #include "tests/parallel_setup.h"
 
