@@ -56,6 +56,7 @@ std::vector<BlockChoice> candidate_choices(const PlannerOptions& options, c10::D
   return choices;
 }
 
+// Block i's hook for `choice`, its regions named like a policy's ("blocks.3").
 std::shared_ptr<internal::ChoiceHook> choice_hook(BlockChoice choice, size_t i, const PlannerOptions& options,
                                                   const std::shared_ptr<torch::nn::Module>& block) {
   return std::make_shared<internal::ChoiceHook>(choice, str(options.blocks, ".", i), options.checkpoint,
