@@ -110,13 +110,25 @@ else
   failed=$((failed + 1))
 fi
 
-# The floors of docs/architecture.md: no package includes one above it.
-if tools/check_layering.sh >"build/layering.log" 2>&1; then
+# The floors and walls of docs/architecture.md: no package includes one above
+# it or another's internal headers (the check first proves it catches both).
+if { tools/check_layering.sh --self-test && tools/check_layering.sh; } >"build/layering.log" 2>&1; then
   printf '  %-48s passed %4d  failed %d\n' "layering (docs/architecture.md)" 1 0
   passed=$((passed + 1))
 else
   cat build/layering.log
   printf '  %-48s passed %4d  failed %d\n' "layering (docs/architecture.md)" 0 1
+  failed=$((failed + 1))
+fi
+
+# The sizes of docs/architecture.md: no library function over 80 lines, no
+# file over 720, declarative tables excepted (tools/size_exceptions.txt).
+if tools/check_sizes.sh >"build/sizes.log" 2>&1; then
+  printf '  %-48s passed %4d  failed %d\n' "sizes (tools/check_sizes.sh)" 1 0
+  passed=$((passed + 1))
+else
+  cat build/sizes.log
+  printf '  %-48s passed %4d  failed %d\n' "sizes (tools/check_sizes.sh)" 0 1
   failed=$((failed + 1))
 fi
 
@@ -154,7 +166,7 @@ if [[ "${REMAT_SKIP_DEBIAN13:-0}" != 1 ]]; then
     echo "Debian 13 leg: no summary (see $leg_log): counted as 1 failed"
     failed=$((failed + 1))
   else
-    grep -aE '^  (//|cmake|find_package|examples|layering|no compiler|sanitizers)' "$leg_log" | sed 's/^/  [debian 13] /'
+    grep -aE '^  (//|cmake|find_package|examples|layering|sizes|no compiler|sanitizers)' "$leg_log" | sed 's/^/  [debian 13] /'
     grep -a '^debian13:' "$leg_log"
     p=$(sed -E 's/([0-9]+) passed.*/\1/' <<<"$line")
     f=$(sed -E 's/.* ([0-9]+) failed/\1/' <<<"$line")

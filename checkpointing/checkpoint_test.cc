@@ -5,7 +5,7 @@
 #include <torch/torch.h>
 
 #include "checkpointing/checkpoint.h"
-#include "checkpointing/internal/op_recorder.h"
+#include "checkpointing/op_recorder.h"
 #include "checkpointing/sequential.h"
 #include "rng/rng_tracker.h"
 #include "runtime/context.h"

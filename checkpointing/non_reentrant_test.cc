@@ -14,7 +14,7 @@
 #include <functional>
 
 #include "checkpointing/checkpoint.h"
-#include "checkpointing/internal/op_recorder.h"
+#include "checkpointing/op_recorder.h"
 #include "checkpointing/stored_inputs.h"
 #include "rng/rng_tracker.h"
 #include "runtime/error.h"

@@ -6,8 +6,8 @@
 #include <algorithm>
 #include <mutex>
 
-#include "checkpointing/internal/op_recorder.h"
 #include "checkpointing/internal/state.h"
+#include "checkpointing/op_recorder.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
 #include "runtime/memory_trace.h"

@@ -22,7 +22,8 @@
 #include "engine/export.h"
 #include "engine/optim.h"
 #include "engine/step_counters.h"
-#include "engine/train_state.h"
+#include "engine/save/dir_lock.h"
+#include "engine/save/train_state.h"
 #include "nn/saved_tensors_hooks.h"
 #include "parallel/layers.h"
 #include "parallel/zero.h"
@@ -146,8 +147,8 @@ std::pair<int64_t, std::string> resident_state(torch::nn::Module& model, paralle
       note = " (an optimizer remat does not know: its state is not counted)";
     }
   }
-  // Between micro-batches stages 0 and 1 hold every gradient, 2 and 3 their shards.
-  const int64_t grads = accumulation > 1 ? (zero.stage() <= 1 ? model_trainable : local_trainable) : 0;
+  // Held between micro-batches: the stage's rule (parallel/zero_memory.h).
+  const int64_t grads = accumulation > 1 ? zero.gradient_hold(model_trainable, local_trainable).between_micro_batches : 0;
   const auto mib = [](int64_t b) { return str(std::round(static_cast<double>(b) / 10485.76) / 100, " MiB"); };
   return {params + state + grads + other,
           str("parameters and buffers ", mib(params), " + optimizer state ", mib(state), note,
@@ -255,25 +256,6 @@ void put_back_unused(const std::vector<UnusedElements>& held, const torch::optim
 
 enum class Phase { kIdle, kForwarded, kBackwarded };
 
-// Stage 3: every parameter's whole value (collective) put into the model's
-// parameters, in the type they compute in (`as_computed`) or in float32.
-// Returns each parameter with the data it held before.
-std::vector<std::pair<at::Tensor, at::Tensor>> install_whole_parameters(parallel::ZeroModel& zero,
-                                                                        torch::nn::Module& model, bool as_computed) {
-  auto full = zero.full_parameters();
-  std::map<std::string, at::Tensor> by_name(full.begin(), full.end());
-  std::vector<std::pair<at::Tensor, at::Tensor>> before;
-  at::NoGradGuard no_grad;
-  for (auto& item : model.named_parameters()) {
-    at::Tensor p = item.value();
-    auto it = by_name.find(item.key());
-    if (it == by_name.end()) continue;
-    before.emplace_back(p, p.data());
-    p.set_data((as_computed ? it->second.to(p.scalar_type()) : it->second).view(p.sizes()));
-  }
-  return before;
-}
-
 }  // namespace
 
 struct Engine::Impl {
@@ -319,8 +301,8 @@ struct Engine::Impl {
   // The memory timeline: what is live at the start is split by what holds it.
   void start_trace(torch::nn::Module& model) {
     std::vector<MemoryTrace::Known> known;
-    // Stage 3's parameters are views of their gathered units.
-    if (zero->stage() != 3) {
+    // Parameters gathered on use (stage 3) are views of their gathered units.
+    if (!zero->parameters_gathered_on_use()) {
       for (const auto& p : model.parameters()) known.push_back({p, MemoryCategory::kParameters});
     }
     for (const auto& p : zero->parameters()) known.push_back({p, MemoryCategory::kParameters});
@@ -545,11 +527,7 @@ Engine::~Engine() {
     // ranks may not be here).
     if (std::uncaught_exceptions() == 0 && impl_->zero && impl_->phase == Phase::kIdle) {
       try {
-        if (impl_->zero->stage() == 3) {
-          install_whole_parameters(*impl_->zero, *model_, /*as_computed=*/false);
-        } else if (impl_->zero->stage() != 0) {
-          impl_->zero->begin_forward();
-        }
+        impl_->zero->leave_whole();
       } catch (const std::exception& e) {
         log().error("remat::Engine: leaving the model whole failed: {}", e.what());
       }
@@ -770,9 +748,8 @@ bool Engine::step() {
       s.optimizer->step();
     }
     put_back_unused(unused, *s.optimizer);
-    // Stages 1 and 2: every rank's parameters whole again now (the next
-    // forward would gather them anyway), so that they read right between steps.
-    if (s.zero->stage() == 1 || s.zero->stage() == 2) s.zero->begin_forward();
+    // Every rank's parameters read right between steps (stages 1 and 2 gather the stepped shards).
+    s.zero->after_step();
     opt_ms = ms_between(t_opt, Clock::now());
   }
   at::Tensor loss_t = at::full({1}, s.loss_sum, at::kDouble);
@@ -936,7 +913,7 @@ nlohmann::json Engine::load_checkpoint(const std::string& dir) {
   ContextScope scope(s.context);  // its RNG tracker is restored
   const TrainPosition position = load_train_state(dir, s.shards(*model_), *s.optimizer, s.identity, *s.world);
   global_steps_ = position.step;
-  if (s.zero->stage() == 1 || s.zero->stage() == 2) s.zero->begin_forward();  // the loaded shards, whole
+  s.zero->after_load();  // the model's parameters from the loaded shards
   s.loaded_dir = dir;
   s.lr = learning_rate(config_.optimizer, config_.scheduler, global_steps_ + 1);
   return nlohmann::json::parse(position.client_state);
@@ -1016,14 +993,13 @@ GatheredParameters::GatheredParameters(Engine& engine, bool modify) : engine_(en
     throw Error("remat::GatheredParameters: a training forward's loss has not been through backward() yet: "
                 "open the scope between steps");
   }
-  // Stage 3 holds the parameters in pieces: their whole values go in for the
-  // scope (the other stages hold them whole already).
-  if (s.zero->stage() == 3) {
+  // Parameters gathered on use (stage 3) get their whole values for the
+  // scope; the other stages hold them whole already.
+  {
     ContextScope scope(s.context);
-    restore_ = install_whole_parameters(*s.zero, engine.module(), /*as_computed=*/true);
-    if (modify) {
-      for (const auto& item : engine.module().named_parameters()) installed_[item.key()] = item.value().detach().clone();
-    }
+    auto whole = s.zero->install_whole_parameters(/*as_computed=*/true, /*keep_values=*/modify);
+    restore_ = std::move(whole.restore);
+    installed_ = std::move(whole.values);
   }
   ++s.gathered_scopes;
 }
@@ -1038,32 +1014,7 @@ GatheredParameters::~GatheredParameters() noexcept(false) {
   for (auto& [p, data] : restore_) p.set_data(data);
   if (!modify_ || std::uncaught_exceptions() > 0) return;
   ContextScope scope(s.context);
-  at::NoGradGuard no_grad;
-  // Rank 0's edit for every data-parallel replica, then each rank's pieces
-  // of what changed (at stage 3 an unchanged parameter keeps its float32
-  // shard as it is, whatever the compute type).
-  const auto& dp = s.layout->dp_group();
-  for (auto it = edited.begin(); it != edited.end();) {
-    if (dp->size() > 1) dp->broadcast(it->second, {0})->wait();
-    auto before = installed_.find(it->first);
-    if (s.zero->stage() == 3 && before != installed_.end() && at::equal(before->second, it->second)) {
-      it = edited.erase(it);
-    } else {
-      ++it;
-    }
-  }
-  const auto tensors = s.zero->parameters();
-  const auto layout = s.zero->layout();
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    REMAT_CHECK(tensors[i].is_contiguous(), "GatheredParameters: a sharded tensor is not contiguous");
-    at::Tensor flat = tensors[i].detach().view({-1});
-    for (const auto& seg : layout[i].segments) {
-      auto it = edited.find(seg.name);
-      if (it == edited.end()) continue;
-      flat.narrow(0, seg.shard_offset, seg.length)
-          .copy_(it->second.reshape({-1}).narrow(0, seg.param_offset, seg.length));
-    }
-  }
+  s.zero->write_back_parameters(std::move(edited), installed_);
 }
 
 }  // namespace remat

@@ -40,7 +40,7 @@
 #include <vector>
 
 #include "engine/config.h"
-#include "engine/train_state.h"
+#include "engine/save_dir.h"
 
 namespace torch::nn {
 class Module;

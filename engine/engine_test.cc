@@ -29,6 +29,7 @@
 #include <type_traits>
 
 #include "engine/optim.h"
+#include "engine/save_dir.h"
 #include "nn/module_call.h"
 #include "runtime/error.h"
 #include "runtime/layout.h"

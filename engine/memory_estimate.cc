@@ -11,6 +11,7 @@
 #include <set>
 #include <sstream>
 
+#include "parallel/zero_memory.h"
 #include "parallel/zero_options.h"
 #include "runtime/compat.h"
 #include "runtime/error.h"
@@ -49,62 +50,31 @@ struct StateBytes {
   int64_t full_trainable = 0;  // every trainable parameter's bytes (a stage-0 backward's gradients)
 };
 
+// The stage's memory rule (parallel/zero_memory.h, what the engine's live
+// accounting applies too) over the parameters' sizes, in bytes.
 StateBytes state_bytes(const MemoryEstimateInputs& in, const Config& config, int stage, int n) {
-  const auto& z = config.zero_optimization;
+  parallel::ZeroOptions z = config.zero_optimization;
+  z.stage = stage;
   // bf16 (stage 3): float32 master shards, every parameter sharded, units
   // gathered in bf16. in.element_bytes is the profiled model's (bf16 in a
   // live bf16 profile, whose backward allocated bf16 gradients).
   const bool bf16 = config.bf16.enabled;
   const int64_t eb = bf16 ? 4 : in.element_bytes;
   const int64_t gathered_eb = bf16 ? 2 : in.element_bytes;
-  const int64_t persistence = bf16 ? 0 : z.stage3_param_persistence_threshold;
   const int64_t per_opt = optimizer_bytes_per_element(config.optimizer);
-  auto shard = [n](int64_t numel) { return (numel + n - 1) / n; };
+  std::vector<parallel::ParameterCount> params;
+  params.reserve(in.parameters.size());
+  for (const ParameterSize& p : in.parameters) params.push_back({p.numel, p.trainable, p.unit});
+  const parallel::StateElements e = parallel::state_elements(z, config.bf16, n, params);
   StateBytes s;
-  int64_t all = 0, trainable = 0, local_trainable = 0;
-  std::map<int, int64_t> unit_sharded;  // block -> its non-persistent elements (stage 3 gathers them)
-  for (const ParameterSize& p : in.parameters) {
-    all += p.numel;
-    if (p.trainable) trainable += p.numel;
-    if (stage == 3) {
-      const bool persistent = p.numel < persistence;
-      const int64_t local = persistent ? p.numel : shard(p.numel);
-      s.params += local * eb;
-      if (p.trainable) local_trainable += local;
-      if (!persistent && p.unit >= 0) unit_sharded[p.unit] += p.numel;
-    }
-  }
-  s.full_trainable = trainable * in.element_bytes;
-  if (stage < 3) s.params = all * eb;
-  switch (stage) {
-    case 0:
-      s.grads = trainable * eb;
-      s.optimizer = trainable * per_opt;
-      break;
-    case 1:
-    case 2:
-      // Each gradient is moved into its bucket's flat buffer; the rank keeps its shard.
-      s.grads = trainable * eb + shard(trainable) * eb;
-      s.optimizer = shard(trainable) * per_opt;
-      s.comm = std::min<int64_t>(trainable, z.reduce_bucket_size) * eb;
-      break;
-    default: {
-      s.grads = local_trainable * eb;
-      s.optimizer = local_trainable * per_opt;
-      // The unit computing and the one prefetched beside it (the next in
-      // forward, the previous in backward).
-      int64_t pair = 0;
-      for (auto it = unit_sharded.begin(); it != unit_sharded.end(); ++it) {
-        auto next = std::next(it);
-        const bool adjacent = next != unit_sharded.end() && next->first == it->first + 1;
-        const bool prefetched = adjacent && next->second <= z.stage3_prefetch_bucket_size;
-        pair = std::max(pair, it->second + (prefetched ? next->second : 0));
-      }
-      s.gathered = pair * gathered_eb;
-      s.comm = s.gathered;
-      break;
-    }
-  }
+  s.params = e.stored * eb;
+  s.grads = e.gradients.peak * eb;
+  s.optimizer = e.local_trainable * per_opt;
+  s.gathered = e.gathered * gathered_eb;
+  // The buffers of the collectives: stages 1-2's gradient bucket (inside
+  // grads), stage 3's gathered units.
+  s.comm = e.bucket * eb + s.gathered;
+  s.full_trainable = e.trainable * in.element_bytes;
   return s;
 }
 
@@ -141,6 +111,148 @@ std::string plan_text(const BlockCosts& costs, const std::vector<size_t>& cols) 
   return out;
 }
 
+std::string configured_policy(const ActivationCheckpointingOptions& ac) {
+  switch (ac.variant) {
+    case CheckpointVariant::kNone: return "none";
+    case CheckpointVariant::kFull: return "full";
+    case CheckpointVariant::kSelectiveLayer: return "every_k";
+    case CheckpointVariant::kSelectiveOp: return "selective_op";
+    default: return "auto";
+  }
+}
+
+// `costs` without the offloading choices (the rows without offloading).
+BlockCosts without_offloading(const BlockCosts& costs) {
+  std::vector<size_t> allowed;
+  for (size_t c = 0; c < costs.choices.size(); ++c) {
+    if (costs.choices[c] != BlockChoice::kFullOffload && costs.choices[c] != BlockChoice::kOffloadActivations) {
+      allowed.push_back(c);
+    }
+  }
+  BlockCosts choices = costs;
+  choices.choices.clear();
+  for (size_t c : allowed) choices.choices.push_back(costs.choices[c]);
+  for (size_t i = 0; i < costs.blocks.size(); ++i) {
+    choices.blocks[i].clear();
+    for (size_t c : allowed) choices.blocks[i].push_back(costs.blocks[i][c]);
+  }
+  return choices;
+}
+
+// What one stage's rows share: its model state, and what the activations
+// add to it (a live profile already holds a whole-model backward's gradients).
+struct StageTerms {
+  StateBytes state;
+  int64_t grads_term = 0;
+  int64_t fixed = 0;  // parameters, optimizer state, other bytes and gathered units
+};
+
+// The planner's columns for the auto row: the configured budget when the
+// variant is auto, else half the peak with every block kept; a whole-device
+// budget leaves what the state and gradients take. A budget no plan fits:
+// infeasible, at full checkpointing's columns.
+std::vector<size_t> auto_columns(const BlockCosts& costs, const Config& config, bool offload, int64_t keep_peak,
+                                 const StageTerms& t, bool& feasible) {
+  const auto& ac = config.activation_checkpointing;
+  int64_t budget = keep_peak / 2;
+  if (ac.variant == CheckpointVariant::kAuto) {
+    if (ac.memory_budget_bytes) budget = *ac.memory_budget_bytes;
+    if (ac.memory_budget_fraction) budget = static_cast<int64_t>(*ac.memory_budget_fraction * keep_peak);
+    if (ac.device_memory_budget_bytes) budget = *ac.device_memory_budget_bytes - t.fixed - t.grads_term;
+  }
+  const size_t n = costs.blocks.size();
+  std::vector<size_t> cols(n);
+  try {
+    ActivationPlan plan = solve_activation_plan(offload ? costs : without_offloading(costs), budget);
+    for (size_t i = 0; i < n; ++i) cols[i] = column_of(costs, plan.choices[i]);
+  } catch (const Error&) {
+    feasible = false;
+    const BlockChoice full = offload ? BlockChoice::kFullOffload : BlockChoice::kFull;
+    std::fill(cols.begin(), cols.end(), column_of(costs, full));
+  }
+  return cols;
+}
+
+// Each block's column under `policy` (`unsolved`: the auto row past
+// kMaxPlannedBlocks, at full checkpointing's peak).
+std::vector<size_t> policy_columns(const BlockCosts& costs, const Config& config, const std::string& policy,
+                                   bool offload, bool unsolved, int64_t keep_peak, const StageTerms& t,
+                                   bool& feasible) {
+  const size_t n = costs.blocks.size();
+  const BlockChoice keep = offload ? BlockChoice::kOffloadActivations : BlockChoice::kKeep;
+  const BlockChoice full = offload ? BlockChoice::kFullOffload : BlockChoice::kFull;
+  if (policy == "none") return std::vector<size_t>(n, column_of(costs, keep));
+  if (policy == "full" || (policy == "auto" && unsolved)) return std::vector<size_t>(n, column_of(costs, full));
+  if (policy == "selective_op") return std::vector<size_t>(n, column_of(costs, BlockChoice::kSelectiveOp));
+  if (policy == "every_k") return every_k_columns(costs, config, offload);
+  return auto_columns(costs, config, offload, keep_peak, t, feasible);
+}
+
+// A row's bytes from its stage's terms and its blocks' columns.
+void fill_row(MemoryEstimateRow& r, const StageTerms& t, const MemoryEstimateInputs& in,
+              const std::vector<size_t>& cols) {
+  const StateBytes& st = t.state;
+  int64_t host = 0;
+  if (!in.host_bytes.empty()) {
+    for (size_t i = 0; i < cols.size(); ++i) host += in.host_bytes[i][cols[i]];
+  }
+  r.parameter_bytes = st.params;
+  r.gradient_bytes = st.grads;
+  r.optimizer_bytes = st.optimizer;
+  r.gathered_bytes = st.gathered;
+  r.comm_bytes = st.comm;
+  r.other_bytes = in.other_bytes;
+  r.activation_bytes = predict_peak(in.activations, cols);
+  r.host_bytes = host;
+  // The activation phase, or the optimizer's step (the state, the
+  // gradients and one parameter's update temporaries).
+  // Host bytes are apart: what of them a CPU model's tracker counts
+  // (cpu_checkpointing's copies) is in the activations already.
+  r.peak_bytes = std::max(t.fixed + r.activation_bytes + t.grads_term, st.params + st.optimizer + st.grads);
+}
+
+// The rows of one stage (`hybrid`: sharded within hybrid groups), every
+// policy with offloading off and on.
+void add_stage_rows(MemoryEstimate& e, const Config& config, const MemoryEstimateInputs& in, int stage, bool hybrid,
+                    int group, bool use_hybrid, int64_t keep_peak) {
+  const BlockCosts& costs = in.activations;
+  const size_t n = costs.blocks.size();
+  const auto& ac = config.activation_checkpointing;
+  const bool offload_configured = config.activation_offloading.enabled || ac.cpu_checkpointing;
+  const std::string configured = configured_policy(ac);
+  StageTerms t;
+  t.state = state_bytes(in, config, stage, group);
+  t.grads_term = in.gradients_in_activations ? t.state.grads - t.state.full_trainable : t.state.grads;
+  t.fixed = t.state.params + t.state.optimizer + in.other_bytes + t.state.gathered;
+  for (bool offload : {false, true}) {
+    for (const std::string& policy : kPolicies) {
+      if (offload && policy == "selective_op") continue;  // no offloading variant of it
+      if (offload && (!has_column(costs, BlockChoice::kFullOffload) ||
+                      !has_column(costs, BlockChoice::kOffloadActivations))) {
+        continue;
+      }
+      MemoryEstimateRow r;
+      r.stage = stage;
+      r.hybrid = hybrid;
+      r.policy = policy;
+      r.offload = offload;
+      r.configured = policy == configured && offload == offload_configured &&
+                     stage == config.zero_optimization.stage && (stage == 0 || hybrid == use_hybrid);
+      // The planner's exact solve grows with the square of the blocks: past
+      // kMaxPlannedBlocks only the configured auto row is kept, unsolved,
+      // at full checkpointing's peak (the least any plan reaches).
+      const bool unsolved = policy == "auto" && n > kMaxPlannedBlocks;
+      if (unsolved && !r.configured) continue;
+      const std::vector<size_t> cols =
+          policy_columns(costs, config, policy, offload, unsolved, keep_peak, t, r.feasible);
+      if (policy == "every_k" || policy == "auto") r.plan = plan_text(costs, cols);
+      if (unsolved) r.plan = str("not solved (more than ", kMaxPlannedBlocks, " blocks): at least this peak");
+      fill_row(r, t, in, cols);
+      e.rows.push_back(std::move(r));
+    }
+  }
+}
+
 }  // namespace
 
 MemoryEstimate estimate_memory(const Config& config, int world_size, const MemoryEstimateInputs& in) {
@@ -164,119 +276,14 @@ MemoryEstimate estimate_memory(const Config& config, int world_size, const Memor
   const bool use_hybrid = hybrid > 0 && hybrid < e.dp;
   e.shard_group = use_hybrid ? hybrid : e.dp;
   const BlockCosts& costs = in.activations;
-  const size_t n = costs.blocks.size();
-  const auto& ac = config.activation_checkpointing;
-  const bool offload_configured = config.activation_offloading.enabled || ac.cpu_checkpointing;
-  const std::string configured_policy = [&] {
-    switch (ac.variant) {
-      case CheckpointVariant::kNone: return std::string("none");
-      case CheckpointVariant::kFull: return std::string("full");
-      case CheckpointVariant::kSelectiveLayer: return std::string("every_k");
-      case CheckpointVariant::kSelectiveOp: return std::string("selective_op");
-      default: return std::string("auto");
-    }
-  }();
-  std::vector<size_t> keep_cols(n, column_of(costs, BlockChoice::kKeep));
+  const std::vector<size_t> keep_cols(costs.blocks.size(), column_of(costs, BlockChoice::kKeep));
   const int64_t keep_peak = predict_peak(costs, keep_cols);
-
   std::vector<std::pair<int, bool>> stages = {{0, false}, {1, false}, {2, false}, {3, false}};
   if (use_hybrid) {
     for (int s = 1; s <= 3; ++s) stages.push_back({s, true});
   }
   for (const auto& [stage, hyb] : stages) {
-    const int group = hyb ? hybrid : e.dp;
-    const StateBytes st = state_bytes(in, config, stage, group);
-    // What the activations add to the state: a live profile already holds a
-    // whole-model backward's gradients.
-    const int64_t grads_term = in.gradients_in_activations ? st.grads - st.full_trainable : st.grads;
-    const int64_t fixed = st.params + st.optimizer + in.other_bytes + st.gathered;
-    for (bool offload : {false, true}) {
-      for (const std::string& policy : kPolicies) {
-        if (offload && policy == "selective_op") continue;  // no offloading variant of it
-        if (offload && (!has_column(costs, BlockChoice::kFullOffload) ||
-                        !has_column(costs, BlockChoice::kOffloadActivations))) {
-          continue;
-        }
-        MemoryEstimateRow r;
-        r.stage = stage;
-        r.hybrid = hyb;
-        r.policy = policy;
-        r.offload = offload;
-        r.configured = policy == configured_policy && offload == offload_configured && stage ==
-                       config.zero_optimization.stage && (stage == 0 || hyb == use_hybrid);
-        // The planner's exact solve grows with the square of the blocks: past
-        // kMaxPlannedBlocks only the configured auto row is kept, unsolved,
-        // at full checkpointing's peak (the least any plan reaches).
-        const bool unsolved = policy == "auto" && n > kMaxPlannedBlocks;
-        if (unsolved && !r.configured) continue;
-        std::vector<size_t> cols(n);
-        const BlockChoice keep = offload ? BlockChoice::kOffloadActivations : BlockChoice::kKeep;
-        const BlockChoice full = offload ? BlockChoice::kFullOffload : BlockChoice::kFull;
-        if (policy == "none") {
-          std::fill(cols.begin(), cols.end(), column_of(costs, keep));
-        } else if (policy == "full") {
-          std::fill(cols.begin(), cols.end(), column_of(costs, full));
-        } else if (policy == "selective_op") {
-          std::fill(cols.begin(), cols.end(), column_of(costs, BlockChoice::kSelectiveOp));
-        } else if (policy == "every_k") {
-          cols = every_k_columns(costs, config, offload);
-        } else if (unsolved) {
-          std::fill(cols.begin(), cols.end(), column_of(costs, full));
-        } else {
-          // auto: the configured budget when the variant is auto, else half
-          // the peak with every block kept; a whole-device budget leaves
-          // what the state and gradients take.
-          int64_t budget = keep_peak / 2;
-          if (ac.variant == CheckpointVariant::kAuto) {
-            if (ac.memory_budget_bytes) budget = *ac.memory_budget_bytes;
-            if (ac.memory_budget_fraction) budget = static_cast<int64_t>(*ac.memory_budget_fraction * keep_peak);
-            if (ac.device_memory_budget_bytes) budget = *ac.device_memory_budget_bytes - fixed - grads_term;
-          }
-          BlockCosts choices = costs;
-          if (!offload) {  // the offloading choices only in the offloading rows
-            std::vector<size_t> allowed;
-            for (size_t c = 0; c < costs.choices.size(); ++c) {
-              if (costs.choices[c] != BlockChoice::kFullOffload && costs.choices[c] != BlockChoice::kOffloadActivations) {
-                allowed.push_back(c);
-              }
-            }
-            choices.choices.clear();
-            for (size_t c : allowed) choices.choices.push_back(costs.choices[c]);
-            for (size_t i = 0; i < n; ++i) {
-              choices.blocks[i].clear();
-              for (size_t c : allowed) choices.blocks[i].push_back(costs.blocks[i][c]);
-            }
-          }
-          try {
-            ActivationPlan plan = solve_activation_plan(choices, budget);
-            for (size_t i = 0; i < n; ++i) cols[i] = column_of(costs, plan.choices[i]);
-          } catch (const Error&) {
-            r.feasible = false;
-            std::fill(cols.begin(), cols.end(), column_of(costs, full));
-          }
-        }
-        if (policy == "every_k" || policy == "auto") r.plan = plan_text(costs, cols);
-        if (unsolved) r.plan = str("not solved (more than ", kMaxPlannedBlocks, " blocks): at least this peak");
-        int64_t host = 0;
-        if (!in.host_bytes.empty()) {
-          for (size_t i = 0; i < n; ++i) host += in.host_bytes[i][cols[i]];
-        }
-        r.parameter_bytes = st.params;
-        r.gradient_bytes = st.grads;
-        r.optimizer_bytes = st.optimizer;
-        r.gathered_bytes = st.gathered;
-        r.comm_bytes = st.comm;
-        r.other_bytes = in.other_bytes;
-        r.activation_bytes = predict_peak(costs, cols);
-        r.host_bytes = host;
-        // The activation phase, or the optimizer's step (the state, the
-        // gradients and one parameter's update temporaries).
-        // Host bytes are apart: what of them a CPU model's tracker counts
-        // (cpu_checkpointing's copies) is in the activations already.
-        r.peak_bytes = std::max(fixed + r.activation_bytes + grads_term, st.params + st.optimizer + st.grads);
-        e.rows.push_back(std::move(r));
-      }
-    }
+    add_stage_rows(e, config, in, stage, hyb, hyb ? hybrid : e.dp, use_hybrid, keep_peak);
   }
   return e;
 }

@@ -25,7 +25,7 @@
 #include "engine/config.h"
 #include "engine/engine.h"
 #include "engine/optim.h"
-#include "engine/train_state.h"
+#include "engine/save/train_state.h"
 #include "models/gpt.h"
 #include "parallel/layers.h"
 #include "parallel/zero.h"

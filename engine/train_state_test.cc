@@ -15,7 +15,8 @@
 
 #include "engine/export.h"
 #include "engine/optim.h"
-#include "engine/train_state.h"
+#include "engine/save/train_state.h"
+#include "engine/save_dir.h"
 #include "models/gpt.h"
 #include "parallel/layers.h"
 #include "parallel/zero.h"

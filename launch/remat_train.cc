@@ -21,7 +21,7 @@
 #include "data/dataset.h"
 #include "engine/engine.h"
 #include "engine/export.h"
-#include "engine/train_state.h"
+#include "engine/save_dir.h"
 #include "launch/plan_report.h"
 #include "launch/train_tools.h"
 #include "models/gpt.h"

@@ -18,7 +18,7 @@
 #include <utility>
 
 namespace remat {
-namespace detail {
+namespace internal {
 
 template <typename T>
 struct Kept : torch::CustomClassHolder {
@@ -26,19 +26,19 @@ struct Kept : torch::CustomClassHolder {
   T value;
 };
 
-}  // namespace detail
+}  // namespace internal
 
 // `Context` is torch::autograd::AutogradContext (a template here so this
 // header does not pull in the autograd headers).
 template <typename T, typename Context>
 void keep_in(Context* ctx, const std::string& key, T value) {
-  ctx->saved_data[key] = c10::IValue::make_capsule(c10::make_intrusive<detail::Kept<T>>(std::move(value)));
+  ctx->saved_data[key] = c10::IValue::make_capsule(c10::make_intrusive<internal::Kept<T>>(std::move(value)));
 }
 
 // The value kept under `key` by keep_in<T>; it lives as long as the context.
 template <typename T, typename Context>
 T& kept_in(Context* ctx, const std::string& key) {
-  return static_cast<detail::Kept<T>*>(ctx->saved_data.at(key).toCapsule().get())->value;
+  return static_cast<internal::Kept<T>*>(ctx->saved_data.at(key).toCapsule().get())->value;
 }
 
 }  // namespace remat

@@ -3,7 +3,7 @@
 // arguments and results in one untyped form.
 //
 //   IValueFn f = erase_types<at::Tensor, int64_t>([](at::Tensor x, int64_t k) { return x * k; });
-//   at::Tensor y = detail::IValueCodec<at::Tensor>::decode(f({encode(x), encode(k)}));
+//   at::Tensor y = IValueCodec<at::Tensor>::decode(f({encode(x), encode(k)}));
 //
 // Supported: tensors, optional tensors, int, int64, float, double, bool,
 // strings, and vectors, pairs and tuples of these.
@@ -21,8 +21,8 @@ namespace remat {
 
 using IValueFn = std::function<c10::IValue(const std::vector<c10::IValue>&)>;
 
-namespace detail {
-
+// IValueCodec<T>::encode(value) and ::decode(ivalue): one typed value to and
+// from an IValue, for each supported type.
 template <typename T>
 struct IValueCodec {
   static c10::IValue encode(const T& v) { return c10::IValue(v); }
@@ -98,25 +98,35 @@ struct IValueCodec<std::pair<T, T>> {
   }
 };
 
+// An argument's or result's type as a codec sees it: no reference, no const.
 template <typename T>
 using Plain = std::remove_cv_t<std::remove_reference_t<T>>;
+
+namespace internal {
 
 template <typename... Ts, size_t... I>
 std::tuple<Ts...> decode_args(const std::vector<c10::IValue>& in, std::index_sequence<I...>) {
   return std::tuple<Ts...>(IValueCodec<Ts>::decode(in[I])...);
 }
 
+}  // namespace internal
+
+// The names checkpointing/checkpoint.h still gives the codec; when it names
+// them unqualified, this goes (docs/architecture.md, "Namespaces").
+namespace detail {
+using ::remat::IValueCodec;
+using ::remat::Plain;
 }  // namespace detail
 
 // fn (taking Args...) as an IValueFn; fn is copied into it.
 template <typename... Args, typename F>
 IValueFn erase_types(F&& fn) {
-  using Result = detail::Plain<std::invoke_result_t<F&, detail::Plain<Args>...>>;
+  using Result = Plain<std::invoke_result_t<F&, Plain<Args>...>>;
   return [fn = std::decay_t<F>(std::forward<F>(fn))](
              const std::vector<c10::IValue>& in) mutable -> c10::IValue {
     return std::apply(
-        [&](auto... decoded) { return detail::IValueCodec<Result>::encode(fn(std::move(decoded)...)); },
-        detail::decode_args<detail::Plain<Args>...>(in, std::index_sequence_for<Args...>{}));
+        [&](auto... decoded) { return IValueCodec<Result>::encode(fn(std::move(decoded)...)); },
+        internal::decode_args<Plain<Args>...>(in, std::index_sequence_for<Args...>{}));
   };
 }
 

@@ -8,11 +8,11 @@
 #include "runtime/error.h"
 
 namespace remat {
-namespace detail {
+namespace internal {
 
 std::atomic<int64_t> g_hooked_modules{0};
 
-}  // namespace detail
+}  // namespace internal
 
 namespace {
 
@@ -59,7 +59,7 @@ class HookTable {
   Entry& add(const torch::nn::Module& module, std::weak_ptr<const torch::nn::Module> alive) {
     Entry& entry = entries_[&module];
     entry.module = std::move(alive);
-    detail::g_hooked_modules++;
+    internal::g_hooked_modules++;
     return entry;
   }
 
@@ -86,7 +86,7 @@ class HookTable {
  private:
   using Map = std::unordered_map<const torch::nn::Module*, Entry>;
   Map::iterator erase(Map::iterator it) {
-    detail::g_hooked_modules--;
+    internal::g_hooked_modules--;
     return entries_.erase(it);
   }
 
@@ -198,7 +198,7 @@ int64_t drop_module_hooks(const Context& owner) {
   return dropped;
 }
 
-namespace detail {
+namespace internal {
 
 std::vector<std::shared_ptr<ModuleHook>> hooks_of(const torch::nn::Module* module) {
   std::vector<std::shared_ptr<ModuleHook>> out;
@@ -233,5 +233,5 @@ c10::IValue run_hooks(std::vector<std::shared_ptr<ModuleHook>> hooks,
   return run_from(shared, 0, args, body);
 }
 
-}  // namespace detail
+}  // namespace internal
 }  // namespace remat

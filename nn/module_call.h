@@ -84,7 +84,7 @@ std::string hooks_set_elsewhere(const torch::nn::Module& model, const Context& c
 // Removes every hook `owner` set, on any module; returns how many.
 int64_t drop_module_hooks(const Context& owner);
 
-namespace detail {
+namespace internal {
 
 // Modules with a hook now (stale entries included until they are met).
 extern std::atomic<int64_t> g_hooked_modules;
@@ -96,9 +96,9 @@ std::vector<std::shared_ptr<ModuleHook>> hooks_of(const torch::nn::Module* modul
 c10::IValue run_hooks(std::vector<std::shared_ptr<ModuleHook>> hooks,
                       const std::vector<c10::IValue>& args, IValueFn body);
 
-}  // namespace detail
+}  // namespace internal
 
-namespace detail {
+namespace internal {
 
 // The module as a std::shared_ptr (ModuleHolders hand theirs out).
 template <typename M>
@@ -110,26 +110,26 @@ auto shared_module(const M& module) {
   }
 }
 
-}  // namespace detail
+}  // namespace internal
 
 // Runs module->forward(args...) through the hooks `module` has. `module` is a
 // ModuleHolder or a std::shared_ptr to the module.
 template <typename M, typename... Args>
 auto forward(const M& holder, Args&&... args) {
-  auto module = detail::shared_module(holder);
-  if (detail::g_hooked_modules.load(std::memory_order_relaxed) == 0) {
+  auto module = internal::shared_module(holder);
+  if (internal::g_hooked_modules.load(std::memory_order_relaxed) == 0) {
     return module->forward(std::forward<Args>(args)...);
   }
-  auto hooks = detail::hooks_of(module.get());
+  auto hooks = internal::hooks_of(module.get());
   if (hooks.empty()) return module->forward(std::forward<Args>(args)...);
-  using Result = detail::Plain<decltype(module->forward(std::forward<Args>(args)...))>;
-  std::vector<c10::IValue> packed{detail::IValueCodec<detail::Plain<Args>>::encode(args)...};
+  using Result = Plain<decltype(module->forward(std::forward<Args>(args)...))>;
+  std::vector<c10::IValue> packed{IValueCodec<Plain<Args>>::encode(args)...};
   // The body keeps its own handle on the module: a checkpoint region calls it
   // again in backward.
   IValueFn body = erase_types<Args...>(
       [module](auto&&... a) { return module->forward(std::forward<decltype(a)>(a)...); });
-  return detail::IValueCodec<Result>::decode(
-      detail::run_hooks(std::move(hooks), packed, std::move(body)));
+  return IValueCodec<Result>::decode(
+      internal::run_hooks(std::move(hooks), packed, std::move(body)));
 }
 
 }  // namespace remat

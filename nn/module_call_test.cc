@@ -62,7 +62,7 @@ TEST(ModuleCall, HooksRunInSlotOrderAroundTheForwardWithTypedValues) {
 
   set_module_hook(*m, HookSlot::kSharding, nullptr);
   set_module_hook(*m, HookSlot::kCheckpoint, nullptr);
-  EXPECT_EQ(detail::g_hooked_modules.load(), 0) << "no hook left: the direct path again";
+  EXPECT_EQ(internal::g_hooked_modules.load(), 0) << "no hook left: the direct path again";
   log.clear();
   remat::forward(m, x, int64_t{2});
   EXPECT_TRUE(log.empty());
@@ -76,11 +76,11 @@ TEST(ModuleCall, AHookDoesNotOutliveItsModuleEvenAtTheSameAddress) {
     Scale m;
     old_address = m.get();
     set_module_hook(*m, HookSlot::kCheckpoint, std::make_shared<Recorder>("stale", &log));
-    EXPECT_EQ(detail::hooks_of(old_address).size(), 1u);
+    EXPECT_EQ(internal::hooks_of(old_address).size(), 1u);
   }
   // The module is gone: its entry is not applied and is dropped when met.
-  EXPECT_TRUE(detail::hooks_of(old_address).empty());
-  EXPECT_EQ(detail::g_hooked_modules.load(), 0);
+  EXPECT_TRUE(internal::hooks_of(old_address).empty());
+  EXPECT_EQ(internal::g_hooked_modules.load(), 0);
   // New modules of the same type, one of which usually lands at the freed
   // address: none of them runs the old hook.
   std::vector<Scale> fresh;
@@ -100,7 +100,7 @@ TEST(ModuleCall, OnlyModulesOwnedByASharedPtrTakeHooks) {
     set_module_hook(on_stack, HookSlot::kCheckpoint, std::make_shared<Recorder>("x", nullptr));
   });
   EXPECT_THAT(message, HasSubstr("owned by a std::shared_ptr"));
-  EXPECT_EQ(detail::g_hooked_modules.load(), 0);
+  EXPECT_EQ(internal::g_hooked_modules.load(), 0);
 }
 
 struct PairImpl : torch::nn::Module {
@@ -147,7 +147,7 @@ TEST(ModuleCall, HooksApplyInEveryContextAndKnowWhichContextSetThem) {
   EXPECT_EQ(drop_module_hooks(*engine_a), 1);
   EXPECT_EQ(module_hook(*pair->first, HookSlot::kSharding), nullptr);
   EXPECT_NE(module_hook(*pair->second, HookSlot::kCheckpoint), nullptr);
-  EXPECT_EQ(detail::g_hooked_modules.load(), 1) << "first's emptied entry is gone";
+  EXPECT_EQ(internal::g_hooked_modules.load(), 1) << "first's emptied entry is gone";
 
   // A hook outlives the context that set it, which then blocks no one.
   {
@@ -162,7 +162,7 @@ TEST(ModuleCall, HooksApplyInEveryContextAndKnowWhichContextSetThem) {
   EXPECT_THAT(log, ElementsAre("gone in", "gone out"));
   set_module_hook(*pair->first, HookSlot::kSharding, nullptr);
   set_module_hook(*pair->second, HookSlot::kCheckpoint, nullptr);
-  EXPECT_EQ(detail::g_hooked_modules.load(), 0);
+  EXPECT_EQ(internal::g_hooked_modules.load(), 0);
 }
 
 }  // namespace

@@ -11,7 +11,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "optim/adam_kernel.h"
+#include "optim/internal/adam_kernel.h"
 #include "runtime/compat.h"
 #include "runtime/error.h"
 

@@ -11,7 +11,7 @@
 // intra-op threads (at::parallel_for).
 //
 // The numbers are LibTorch's, bit for bit: the loop keeps LibTorch's op order
-// (optim/adam_kernel_body.h), its scalars are computed in double and cast to
+// (optim/internal/adam_kernel_body.h), its scalars are computed in double and cast to
 // float as ATen casts them, and a multiply-add is fused exactly where ATen's
 // kernels fuse it. ATen's AVX2 and AVX-512 kernels round `x + a * b` once
 // (their scalar tails too, which the compiler contracts), its generic kernels

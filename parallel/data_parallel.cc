@@ -145,8 +145,8 @@ struct DpBucket {
 
 class DataParallel final : public ShardingStrategy {
  public:
-  DataParallel(torch::nn::Module& model, std::shared_ptr<Communicator> dp, const DataParallelSettings& settings)
-      : model_(model), dp_(std::move(dp)), params_(model.parameters()), settings_(settings),
+  DataParallel(torch::nn::Module& model, std::shared_ptr<Communicator> dp, const ZeroOptions& options)
+      : model_(model), dp_(std::move(dp)), params_(model.parameters()), options_(options),
         names_(parameter_names(model)), hooks_([this](size_t b, size_t k) { on_gradient(b, k); }) {
     // Buckets in reverse registration order, the order a backward produces
     // gradients in (the head first, the embeddings last). A frozen parameter
@@ -157,7 +157,7 @@ class DataParallel final : public ShardingStrategy {
       if (it->requires_grad()) trainable.push_back(*it);
     }
     for (const auto& p : trainable) {
-      if (buckets_.empty() || buckets_.back().numel + p.numel() > settings_.reduce_bucket_size) {
+      if (buckets_.empty() || buckets_.back().numel + p.numel() > options_.reduce_bucket_size) {
         buckets_.emplace_back();
       }
       DpBucket& b = buckets_.back();
@@ -166,15 +166,15 @@ class DataParallel final : public ShardingStrategy {
     }
     for (size_t i = 0; i < buckets_.size(); ++i) {
       buckets_[i].arrived.assign(buckets_[i].params.size(), 0);
-      if (settings_.overlap_comm) {
+      if (options_.overlap_comm) {
         for (size_t k = 0; k < buckets_[i].params.size(); ++k) hooks_.add(buckets_[i].params[k], i, k);
       }
     }
     if (dp_->size() > 1) {
       log_rank0().info("zero stage 0: {} gradient buckets (reduce_bucket_size {}) all-reduced over {} "
                        "data-parallel ranks{}",
-                       buckets_.size(), settings_.reduce_bucket_size, dp_->size(),
-                       settings_.overlap_comm ? " while the backward runs (overlap_comm)" : " after the backward");
+                       buckets_.size(), options_.reduce_bucket_size, dp_->size(),
+                       options_.overlap_comm ? " while the backward runs (overlap_comm)" : " after the backward");
     }
   }
 
@@ -189,6 +189,10 @@ class DataParallel final : public ShardingStrategy {
 
   std::vector<at::Tensor> parameters() const override { return params_; }
 
+  GradientHold gradient_hold(int64_t trainable, int64_t local_trainable) const override {
+    return data_parallel_gradients(trainable, local_trainable);
+  }
+
   std::map<std::string, at::Tensor> full_parameters() override {
     std::map<std::string, at::Tensor> out;
     for (const auto& item : model_.named_parameters()) out[item.key()] = item.value().detach().to(at::kFloat).clone();
@@ -202,7 +206,7 @@ class DataParallel final : public ShardingStrategy {
   }
 
   void begin_backward(bool synchronize) override {
-    overlapping_ = settings_.overlap_comm && synchronize && dp_->size() > 1;
+    overlapping_ = options_.overlap_comm && synchronize && dp_->size() > 1;
   }
 
   void finish_backward(bool synchronize) override {
@@ -312,7 +316,7 @@ class DataParallel final : public ShardingStrategy {
   // each reduction in flight at every gradient lets them run during the
   // backward (docs/parallel.md, "Overlapped gradient reduction").
   void progress() {
-    if (!settings_.progress_in_hooks) return;
+    if (!options_.progress_in_hooks) return;
     for (size_t i = first_in_flight_; i < next_launch_; ++i) {
       DpBucket& b = buckets_[i];
       if (b.pending && !b.done_in_backward) {
@@ -357,7 +361,7 @@ class DataParallel final : public ShardingStrategy {
   torch::nn::Module& model_;
   std::shared_ptr<Communicator> dp_;
   std::vector<at::Tensor> params_;
-  DataParallelSettings settings_;
+  ZeroOptions options_;
   std::map<const void*, std::string> names_;
   std::vector<DpBucket> buckets_;  // in the order their gradients are expected
   GradientHooks hooks_;
@@ -373,8 +377,8 @@ class DataParallel final : public ShardingStrategy {
 
 std::unique_ptr<ShardingStrategy> make_data_parallel(torch::nn::Module& model,
                                                      std::shared_ptr<Communicator> dp,
-                                                     const DataParallelSettings& settings) {
-  return std::make_unique<DataParallel>(model, std::move(dp), settings);
+                                                     const ZeroOptions& options) {
+  return std::make_unique<DataParallel>(model, std::move(dp), options);
 }
 
 }  // namespace remat::parallel

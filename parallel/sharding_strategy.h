@@ -15,6 +15,7 @@
 
 #include "parallel/grad_norm.h"
 #include "parallel/zero.h"
+#include "parallel/zero_memory.h"
 
 namespace torch::nn {
 class Module;
@@ -48,6 +49,19 @@ class ShardingStrategy {
 
   // What the optimizer steps.
   virtual std::vector<at::Tensor> parameters() const = 0;
+
+  // The model's parameters brought up to date with what the optimizer
+  // stepped or a load wrote into parameters() (stages 1 and 2 gather the
+  // shards; stage 0 steps the parameters themselves and stage 3 gathers
+  // them at each use: nothing to do).
+  virtual void sync_parameters() {}
+  // Whether the model's parameters are views of the units gathered around
+  // each use, empty between uses (stage 3): reading them between steps needs
+  // their whole values put in (ZeroModel::install_whole_parameters). The
+  // other stages keep them whole.
+  virtual bool parameters_gathered_on_use() const { return false; }
+  // The gradients this rank holds (the stage's rule, zero_memory.h).
+  virtual GradientHold gradient_hold(int64_t trainable, int64_t local_trainable) const = 0;
 
   virtual void begin_forward() {}
   virtual at::Tensor finish_forward(const at::Tensor& loss) { return loss; }
@@ -94,44 +108,39 @@ class GradientHooks {
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
 };
 
+// Each strategy takes ZeroModel's options as they are (zero_options.h,
+// validated there): the defaults live there alone.
+//
 // Stage 0: gradients all-reduced (averaged) in buckets of reduce_bucket_size
 // elements at the last micro-step; with overlap_comm each bucket starts as
 // soon as its gradients are accumulated, during that micro-step's backward.
-struct DataParallelSettings {
-  int64_t reduce_bucket_size = 1;  // elements
-  bool overlap_comm = false;
-  bool progress_in_hooks = true;   // ZeroOptions::progress_in_hooks
-};
 std::unique_ptr<ShardingStrategy> make_data_parallel(torch::nn::Module& model,
                                                      std::shared_ptr<Communicator> dp,
-                                                     const DataParallelSettings& settings);
+                                                     const ZeroOptions& options);
 
 // Stages 1 and 2: see zero.h.
-struct Stage12Settings {
-  int stage = 1;
-  int64_t reduce_bucket_size = 1;     // elements per gradient bucket
-  int64_t allgather_bucket_size = 1;  // elements per parameter all-gather
-  bool reduce_scatter = true;
-  bool allgather_partitions = true;
-  bool overlap_comm = false;
-  bool contiguous_gradients = true;
-  bool progress_in_hooks = true;  // ZeroOptions::progress_in_hooks
-};
 std::unique_ptr<ShardingStrategy> make_stage12(torch::nn::Module& model, const DpGroups& groups,
                                                const std::vector<at::Tensor>& sharded_tp,
-                                               const Stage12Settings& settings);
+                                               const ZeroOptions& options);
 
-// Stage 3: see zero.h.
-struct Stage3Settings {
-  int64_t param_persistence_threshold = 0;  // elements
-  int64_t reduce_bucket_size = 1;           // elements per reduce collective
-  int64_t prefetch_bucket_size = 0;         // prefetch a unit of at most this many elements
-  bool bf16 = false;                        // gathered parameters in bf16, shards in fp32
-};
+// Stage 3: see zero.h. With bf16 the units are gathered in bf16 from float32
+// shards, and every parameter is sharded (none persistent).
 std::unique_ptr<ShardingStrategy> make_stage3(
     torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
-    const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp,
-    const Stage3Settings& settings);
+    const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp, const ZeroOptions& options,
+    const Bf16Options& bf16);
+
+// Each stage's memory rule (zero_memory.h; written once, in zero_memory.cc):
+// what a rank stores from the parameters' sizes, and the gradients it holds
+// from the model's trainable amount and its own part of it. Each strategy's
+// gradient_hold() is its stage's.
+StateElements data_parallel_state(const std::vector<ParameterCount>& params);
+GradientHold data_parallel_gradients(int64_t trainable, int64_t local_trainable);
+StateElements stage12_state(const ZeroOptions& options, int shard_group, const std::vector<ParameterCount>& params);
+GradientHold stage12_gradients(const ZeroOptions& options, int64_t trainable, int64_t local_trainable);
+StateElements stage3_state(const ZeroOptions& options, const Bf16Options& bf16, int shard_group,
+                           const std::vector<ParameterCount>& params);
+GradientHold stage3_gradients(int64_t trainable, int64_t local_trainable);
 
 // Averages the gradients of `params` over `dp` in buckets of at most
 // `bucket_size` elements (a parameter without a gradient takes part with

@@ -1,7 +1,7 @@
 // How a parameter is split across a tensor-parallel group, and which elements
 // of the whole tensor each rank's share holds: the one description the
 // tensor-parallel layers cut their shards by (layers.h) and saves are
-// re-sliced by at another tensor-parallel size (engine/train_state.h).
+// re-sliced by at another tensor-parallel size (engine/save/reslice.h).
 //
 //   kColumn      dim 0 (a linear's output features, weight rows and bias), in
 //                `stride` equal blocks each split on its own (a fused q | k | v

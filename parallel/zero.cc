@@ -19,7 +19,7 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
                      const std::vector<std::shared_ptr<torch::nn::Module>>& units,
                      std::shared_ptr<Communicator> dp_group, const ZeroOptions& config,
                      const Bf16Options& bf16, std::vector<at::Tensor> sharded_tp)
-    : stage_(config.stage), model_(model), sharded_tp_(std::move(sharded_tp)) {
+    : stage_(config.stage), model_(model), dp_group_(dp_group), sharded_tp_(std::move(sharded_tp)) {
   if (std::string bad = check_bf16_options(bf16, config); !bad.empty()) throw ConfigError(bad);
   const std::string invalid = check_zero_options(config);
   if (!invalid.empty()) throw ConfigError("config error: " + invalid);
@@ -53,34 +53,11 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
   }
   shard_group_ = groups.shard;
   replicate_group_ = groups.replicate;
-  const int64_t bucket = std::max<int64_t>(config.reduce_bucket_size, 1);
   switch (config.stage) {
-    case 0:
-      strategy_ = make_data_parallel(model, dp_group, {bucket, config.overlap_comm, config.progress_in_hooks});
-      break;
+    case 0: strategy_ = make_data_parallel(model, dp_group, config); break;
     case 1:
-    case 2: {
-      Stage12Settings s;
-      s.stage = config.stage;
-      s.reduce_bucket_size = bucket;
-      s.allgather_bucket_size = std::max<int64_t>(config.allgather_bucket_size, 1);
-      s.reduce_scatter = config.reduce_scatter;
-      s.allgather_partitions = config.allgather_partitions;
-      s.overlap_comm = config.overlap_comm;
-      s.contiguous_gradients = config.contiguous_gradients;
-      s.progress_in_hooks = config.progress_in_hooks;
-      strategy_ = make_stage12(model, groups, sharded_tp_, s);
-      break;
-    }
-    default: {
-      Stage3Settings s;
-      s.param_persistence_threshold = config.stage3_param_persistence_threshold;
-      s.reduce_bucket_size = bucket;
-      s.prefetch_bucket_size = config.stage3_prefetch_bucket_size;
-      s.bf16 = bf16.enabled;
-      strategy_ = make_stage3(model, units, groups, sharded_tp_, s);
-      break;
-    }
+    case 2: strategy_ = make_stage12(model, groups, sharded_tp_, config); break;
+    default: strategy_ = make_stage3(model, units, groups, sharded_tp_, config, bf16); break;
   }
   arrivals_ = std::make_unique<Arrivals>(model);
 }
@@ -118,6 +95,69 @@ std::vector<std::pair<std::string, at::Tensor>> ZeroModel::full_parameters() {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& item : model_.named_parameters()) out.emplace_back(item.key(), full.at(item.key()));
   return out;
+}
+
+void ZeroModel::after_step() { strategy_->sync_parameters(); }
+void ZeroModel::after_load() { strategy_->sync_parameters(); }
+bool ZeroModel::parameters_gathered_on_use() const { return strategy_->parameters_gathered_on_use(); }
+GradientHold ZeroModel::gradient_hold(int64_t trainable, int64_t local_trainable) const {
+  return strategy_->gradient_hold(trainable, local_trainable);
+}
+
+ZeroModel::WholeParameters ZeroModel::install_whole_parameters(bool as_computed, bool keep_values) {
+  WholeParameters out;
+  if (!strategy_->parameters_gathered_on_use()) return out;  // whole already
+  auto full = full_parameters();
+  std::map<std::string, at::Tensor> by_name(full.begin(), full.end());
+  c10::NoGradGuard no_grad;
+  for (auto& item : model_.named_parameters()) {
+    at::Tensor p = item.value();
+    auto it = by_name.find(item.key());
+    if (it == by_name.end()) continue;
+    out.restore.emplace_back(p, p.data());
+    p.set_data((as_computed ? it->second.to(p.scalar_type()) : it->second).view(p.sizes()));
+  }
+  if (keep_values) {
+    for (const auto& item : model_.named_parameters()) out.values[item.key()] = item.value().detach().clone();
+  }
+  return out;
+}
+
+void ZeroModel::write_back_parameters(std::map<std::string, at::Tensor> edited,
+                                      const std::map<std::string, at::Tensor>& began_with) {
+  c10::NoGradGuard no_grad;
+  // Rank 0's edit for every data-parallel replica, then each rank's pieces
+  // of what changed (a parameter that began the scope with the same value
+  // keeps its float32 shard as it is, whatever the compute type).
+  for (auto it = edited.begin(); it != edited.end();) {
+    if (dp_group_->size() > 1) dp_group_->broadcast(it->second, {0})->wait();
+    auto before = began_with.find(it->first);
+    if (before != began_with.end() && at::equal(before->second, it->second)) {
+      it = edited.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  const auto tensors = parameters();
+  const auto shards = layout();
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    REMAT_CHECK(tensors[i].is_contiguous(), "GatheredParameters: a sharded tensor is not contiguous");
+    at::Tensor flat = tensors[i].detach().view({-1});
+    for (const auto& seg : shards[i].segments) {
+      auto it = edited.find(seg.name);
+      if (it == edited.end()) continue;
+      flat.narrow(0, seg.shard_offset, seg.length)
+          .copy_(it->second.reshape({-1}).narrow(0, seg.param_offset, seg.length));
+    }
+  }
+}
+
+void ZeroModel::leave_whole() {
+  if (strategy_->parameters_gathered_on_use()) {
+    install_whole_parameters(/*as_computed=*/false, /*keep_values=*/false);
+  } else {
+    strategy_->sync_parameters();
+  }
 }
 
 void ZeroModel::begin_forward() { strategy_->begin_forward(); }

@@ -63,7 +63,10 @@
 // in parameters() and layout() (so saves hold them) and in full_parameters().
 //
 // Each stage is its own strategy behind ZeroModel (sharding_strategy.h):
-// data_parallel.cc for stage 0, zero_stage3.cc for stage 3.
+// data_parallel.cc for stage 0, zero_stage12.cc for stages 1 and 2,
+// zero_stage3.cc for stage 3. Each answers for its stage (what follows an
+// optimizer step or a load, whether parameters are gathered on use, its
+// memory rule: zero_memory.h), so that a caller never switches on stage().
 //
 //   remat::parallel::ZeroModel zero(*model, blocks, layout.dp_group(), cfg.zero_optimization,
 //                                   cfg.bf16, remat::parallel::sharded_parameters(*model));
@@ -84,6 +87,7 @@
 #include <string>
 #include <vector>
 
+#include "parallel/zero_memory.h"
 #include "parallel/zero_options.h"
 
 namespace torch::nn {
@@ -162,6 +166,44 @@ class ZeroModel {
   int shard_size() const;
   int replicate_size() const;
 
+  // After the optimizer stepped parameters(): stages 1 and 2 gather the
+  // stepped shards, so that every rank's parameters read right between steps
+  // (the next forward would gather them anyway); the other stages have
+  // nothing to do. Collective.
+  void after_step();
+  // After a load wrote parameters(): the model's parameters rebuilt from
+  // them where they are whole copies of the shards (stages 1 and 2). Collective.
+  void after_load();
+  // Whether the model's parameters are views of units gathered around each
+  // use and empty between uses (stage 3), rather than whole tensors.
+  bool parameters_gathered_on_use() const;
+  // The gradients this rank holds under its stage (zero_memory.h), from the
+  // model's trainable bytes and those of parameters().
+  GradientHold gradient_hold(int64_t trainable, int64_t local_trainable) const;
+
+  // A scope with whole parameters, between steps. install_whole_parameters
+  // puts every parameter's whole value into the model where they are
+  // gathered on use (collective over the data-parallel group), in the type
+  // each computes in (`as_computed`) or in float32; elsewhere they are whole
+  // already and nothing is done. `restore`: each parameter with the data it
+  // held before (set it back to end the scope); `values` (`keep_values`):
+  // the whole values the scope began with, by name.
+  struct WholeParameters {
+    std::vector<std::pair<at::Tensor, at::Tensor>> restore;
+    std::map<std::string, at::Tensor> values;
+  };
+  WholeParameters install_whole_parameters(bool as_computed, bool keep_values);
+  // Writes `edited` (whole values by name) into parameters(): rank 0's value
+  // for every data-parallel rank (collective), each rank its pieces;
+  // `began_with` (WholeParameters::values): what is unchanged from it is
+  // left as it is.
+  void write_back_parameters(std::map<std::string, at::Tensor> edited,
+                             const std::map<std::string, at::Tensor>& began_with);
+  // The model left whole and current for use without ZeroModel
+  // (collective): stage 3 puts every parameter's whole value in, in float32;
+  // stages 1 and 2 gather the stepped shards.
+  void leave_whole();
+
   // Stage 3: gathers the root unit; stages 1 and 2: brings the parameters up
   // to date with the shards the optimizer stepped. Call before each forward.
   void begin_forward();
@@ -209,7 +251,7 @@ class ZeroModel {
  private:
   int stage_;
   torch::nn::Module& model_;
-  std::shared_ptr<Communicator> shard_group_, replicate_group_;
+  std::shared_ptr<Communicator> dp_group_, shard_group_, replicate_group_;
   std::vector<at::Tensor> sharded_tp_;
   std::unique_ptr<ShardingStrategy> strategy_;
   struct Arrivals;  // take_gradient_arrivals()'s hooks and flags

@@ -42,12 +42,17 @@ class Stage12 final : public ShardingStrategy {
   static constexpr size_t kMaxInFlight = 2;
 
   Stage12(torch::nn::Module& model, const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp,
-          const Stage12Settings& settings);
+          const ZeroOptions& options);
   ~Stage12() override;
 
   std::vector<at::Tensor> parameters() const override;
   std::vector<ShardLayout> layout() const override;
   std::map<std::string, at::Tensor> full_parameters() override;
+  // The buckets made whole again from the stepped shards (when they changed).
+  void sync_parameters() override;
+  GradientHold gradient_hold(int64_t trainable, int64_t local_trainable) const override {
+    return stage12_gradients(options_, trainable, local_trainable);
+  }
   void begin_forward() override { sync_parameters(); }
   void begin_backward(bool synchronize) override;
   void abandon_backward() override;
@@ -63,7 +68,6 @@ class Stage12 final : public ShardingStrategy {
   void on_gradient(size_t bucket, size_t index);
   void progress();
   bool stale() const;
-  void sync_parameters();
   void launch(size_t b);
   void complete(size_t b);
   int64_t grad_bytes_now() const;
@@ -71,7 +75,7 @@ class Stage12 final : public ShardingStrategy {
 
   torch::nn::Module& model_;
   DpGroups groups_;
-  Stage12Settings settings_;
+  ZeroOptions options_;
   std::map<const void*, std::string> names_;
   std::vector<Bucket> buckets_;  // in the order their gradients are expected
   size_t next_launch_ = 0;       // buckets reduce in order, the same on every rank
@@ -79,7 +83,7 @@ class Stage12 final : public ShardingStrategy {
   // Stage 2 with overlap_comm reduces during every backward; stage 1 during
   // the one announced as the last micro-step (begin_backward(true)).
   bool overlapping_ = false;
-  bool overlap_by_default() const { return settings_.overlap_comm && settings_.stage == 2; }
+  bool overlap_by_default() const { return options_.overlap_comm && options_.stage == 2; }
   int64_t buckets_reduced_ = 0, buckets_done_in_backward_ = 0;
   double wait_ms_ = 0;
   // Frozen parameters (requires_grad false): whole on every rank, in no
@@ -96,8 +100,8 @@ class Stage12 final : public ShardingStrategy {
 };
 
 Stage12::Stage12(torch::nn::Module& model, const DpGroups& groups,
-                 const std::vector<at::Tensor>& sharded_tp, const Stage12Settings& settings)
-    : model_(model), groups_(groups), settings_(settings), names_(parameter_names(model)),
+                 const std::vector<at::Tensor>& sharded_tp, const ZeroOptions& options)
+    : model_(model), groups_(groups), options_(options), names_(parameter_names(model)),
       hooks_([this](size_t b, size_t k) { on_gradient(b, k); }) {
   const int n = groups_.shard->size(), r = groups_.shard->rank();
   std::unordered_set<const void*> tp_sharded;
@@ -117,7 +121,7 @@ Stage12::Stage12(torch::nn::Module& model, const DpGroups& groups,
     REMAT_CHECK(p.scalar_type() == at::kFloat, "ZeroModel: parameters must be float32 (",
                 names_.at(p.unsafeGetTensorImpl()), " is ", c10::toString(p.scalar_type()), ")");
     const int kind = tp_sharded.count(p.unsafeGetTensorImpl()) ? 1 : 0;
-    if (open[kind] < 0 || buckets_[open[kind]].numel + p.numel() > settings_.reduce_bucket_size) {
+    if (open[kind] < 0 || buckets_[open[kind]].numel + p.numel() > options_.reduce_bucket_size) {
       open[kind] = static_cast<int>(buckets_.size());
       buckets_.emplace_back();
       buckets_.back().tp_sharded = kind == 1;
@@ -150,9 +154,9 @@ Stage12::Stage12(torch::nn::Module& model, const DpGroups& groups,
   for (const auto& p : frozen_) frozen += p.numel();
   log_rank0().info("zero stage {}: {} parameter elements in {} gradient buckets (reduce_bucket_size {}), "
                    "optimizer state{} sharded over {} data-parallel ranks{}{}",
-                   settings_.stage, total, buckets_.size(), settings_.reduce_bucket_size,
-                   settings_.stage == 2 ? " and gradients" : "", n,
-                   settings_.overlap_comm ? "; reductions overlap the backward" : "",
+                   options_.stage, total, buckets_.size(), options_.reduce_bucket_size,
+                   options_.stage == 2 ? " and gradients" : "", n,
+                   options_.overlap_comm ? "; reductions overlap the backward" : "",
                    frozen > 0 ? str("; ", frozen, " frozen elements kept whole") : std::string());
 }
 
@@ -214,7 +218,7 @@ void Stage12::sync_parameters() {
     };
     std::vector<InFlight> flights;
     for (auto& b : buckets_) {
-      if (!settings_.allgather_partitions) {
+      if (!options_.allgather_partitions) {
         for (int q = 0; q < n; ++q) {
           at::Tensor part = b.flat.narrow(0, q * b.chunk, b.chunk);
           flights.push_back({group.broadcast(part, {q}), part, at::Tensor(), at::Tensor()});
@@ -222,7 +226,7 @@ void Stage12::sync_parameters() {
         allgather_bytes_ += static_cast<int64_t>(b.flat.nbytes());
         continue;
       }
-      const int64_t piece = std::max<int64_t>(settings_.allgather_bucket_size / n, 1);
+      const int64_t piece = std::max<int64_t>(options_.allgather_bucket_size / n, 1);
       if (piece >= b.chunk) {
         at::Tensor input = b.shard.detach().clone();
         flights.push_back({group.allGather(b.flat, input), input, at::Tensor(), at::Tensor()});
@@ -248,7 +252,7 @@ void Stage12::sync_parameters() {
 
 at::Tensor Stage12::finish_forward(const at::Tensor& loss) {
   if (stale()) {
-    throw Error(str("zero stage ", settings_.stage, ": the optimizer changed the parameter shards since the "
+    throw Error(str("zero stage ", options_.stage, ": the optimizer changed the parameter shards since the "
                     "parameters were last gathered, so this forward used stale weights; call "
                     "begin_forward() before each forward"));
   }
@@ -259,11 +263,11 @@ void Stage12::on_gradient(size_t bi, size_t k) {
   Bucket& b = buckets_[bi];
   at::Tensor& p = b.params[k];
   if (b.launched) {
-    throw Error(str("zero stage ", settings_.stage, ": a gradient of '", names_.at(p.unsafeGetTensorImpl()),
+    throw Error(str("zero stage ", options_.stage, ": a gradient of '", names_.at(p.unsafeGetTensorImpl()),
                     "' arrived after its bucket was reduced in this backward (a parameter used by two "
                     "separate backward passes of one micro-step); call finish_backward() between them"));
   }
-  if (settings_.contiguous_gradients && p.grad().defined()) {
+  if (options_.contiguous_gradients && p.grad().defined()) {
     torch::NoGradGuard no_grad;
     MemoryCategoryScope gradients(MemoryCategory::kGradients);
     classify_memory(p.grad(), MemoryCategory::kGradients);
@@ -276,7 +280,7 @@ void Stage12::on_gradient(size_t bi, size_t k) {
     b.arrived[k] = 1;
     ++b.arrivals;
   }
-  if (settings_.stage == 2 || overlapping_) {
+  if (options_.stage == 2 || overlapping_) {
     while (next_launch_ < buckets_.size() && buckets_[next_launch_].arrivals == buckets_[next_launch_].params.size()) {
       launch(next_launch_++);
     }
@@ -285,13 +289,13 @@ void Stage12::on_gradient(size_t bi, size_t k) {
 }
 
 void Stage12::begin_backward(bool synchronize) {
-  overlapping_ = settings_.overlap_comm && (settings_.stage == 2 || synchronize);
+  overlapping_ = options_.overlap_comm && (options_.stage == 2 || synchronize);
 }
 
 // MPI's non-blocking collectives advance only inside MPI calls: testing the
 // reductions in flight at every gradient lets them run during the backward.
 void Stage12::progress() {
-  if (!settings_.progress_in_hooks) return;
+  if (!options_.progress_in_hooks) return;
   for (size_t bi : in_flight_) {
     Bucket& b = buckets_[bi];
     if (b.pending && !b.done_in_backward) {
@@ -322,7 +326,7 @@ void Stage12::launch(size_t bi) {
   b.input = flat;
   if (group.size() == 1) {
     b.output = flat;
-  } else if (settings_.reduce_scatter) {
+  } else if (options_.reduce_scatter) {
     b.output = at::empty({b.chunk}, flat.options());
     b.pending = group.reduceScatter(b.output, flat, {ReduceOp::kAvg});
     reducescatter_bytes_ += static_cast<int64_t>(flat.nbytes());
@@ -378,12 +382,12 @@ void Stage12::complete(size_t bi) {
 void Stage12::finish_backward(bool synchronize) {
   // Stage 2 reduces every micro-step (the shards' gradients accumulate),
   // stage 1 only at the last one (the full gradients accumulate).
-  if (settings_.stage == 1 && !synchronize && next_launch_ > 0) {
+  if (options_.stage == 1 && !synchronize && next_launch_ > 0) {
     throw Error("zero stage 1: this backward was announced as the last micro-step (begin_backward(true)) and "
                 "started reducing gradients, but finish_backward(false) says it is not: pass the same "
                 "synchronize flag to both");
   }
-  if (settings_.stage == 2 || synchronize) {
+  if (options_.stage == 2 || synchronize) {
     if (overlapping_) progress();
     while (next_launch_ < buckets_.size()) launch(next_launch_++);
     for (size_t b : in_flight_) complete(b);
@@ -460,8 +464,8 @@ ZeroStats Stage12::stats() const {
 
 std::unique_ptr<ShardingStrategy> make_stage12(torch::nn::Module& model, const DpGroups& groups,
                                                const std::vector<at::Tensor>& sharded_tp,
-                                               const Stage12Settings& settings) {
-  return std::make_unique<Stage12>(model, groups, sharded_tp, settings);
+                                               const ZeroOptions& options) {
+  return std::make_unique<Stage12>(model, groups, sharded_tp, options);
 }
 
 }  // namespace remat::parallel

@@ -64,12 +64,49 @@ struct Unit {
   }
 };
 
+// A unit's name, module (null: the root unit) and parameters, before flattening.
+struct UnitParameters {
+  std::string name;
+  const torch::nn::Module* module = nullptr;
+  std::vector<at::Tensor> params;
+};
+
+// Each given unit's parameters (a parameter shared by two units in the first
+// only), then the root unit's: every other parameter of the model.
+std::vector<UnitParameters> unit_parameters(torch::nn::Module& model,
+                                            const std::vector<std::shared_ptr<torch::nn::Module>>& units) {
+  std::unordered_set<const void*> in_units;
+  std::vector<UnitParameters> out;
+  std::map<const torch::nn::Module*, std::string> names;
+  for (const auto& item : model.named_modules()) names[item.value().get()] = item.key();
+  for (const auto& m : units) {
+    REMAT_CHECK(names.count(m.get()), "ZeroModel: a unit is not a submodule of the model");
+    std::vector<at::Tensor> ps;
+    for (const auto& p : m->parameters()) {
+      if (in_units.insert(p.unsafeGetTensorImpl()).second) ps.push_back(p);
+    }
+    out.push_back({names[m.get()], m.get(), ps});
+  }
+  std::vector<at::Tensor> root;
+  for (const auto& p : model.parameters()) {
+    if (!in_units.count(p.unsafeGetTensorImpl())) root.push_back(p);
+  }
+  out.push_back({"root", nullptr, root});
+  return out;
+}
+
 class Stage3 final : public ShardingStrategy {
  public:
   Stage3(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
-         const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp,
-         const Stage3Settings& settings);
+         const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp, const ZeroOptions& options,
+         const Bf16Options& bf16);
   ~Stage3() override;
+
+  // The model's parameters are views of their units' flat buffers.
+  bool parameters_gathered_on_use() const override { return true; }
+  GradientHold gradient_hold(int64_t trainable, int64_t local_trainable) const override {
+    return stage3_gradients(trainable, local_trainable);
+  }
 
   std::vector<at::Tensor> parameters() const override;
   std::vector<ShardLayout> layout() const override;
@@ -89,6 +126,11 @@ class Stage3 final : public ShardingStrategy {
 
  private:
   friend class ZeroUnitHook;
+  // A unit's parameters flattened by kind into buffers of `compute` type,
+  // each rank keeping its float32 shard (those below the persistence
+  // threshold kept whole in persistent_).
+  std::unique_ptr<Unit> flatten_unit(const UnitParameters& unit, size_t index,
+                                     const std::unordered_set<const void*>& tp_sharded, at::ScalarType compute);
   void gather(Unit& unit, bool wait);
   void wait_gathered(Unit& unit);
   void free(Unit& unit);
@@ -102,7 +144,9 @@ class Stage3 final : public ShardingStrategy {
   std::shared_ptr<Communicator> replicate_;  // hybrid: the ranks holding the same shards
   std::shared_ptr<Communicator> all_dp_;     // every data-parallel rank
   std::map<const void*, std::string> names_;
-  Stage3Settings settings_;
+  ZeroOptions options_;
+  bool bf16_ = false;                        // gathered parameters in bf16, shards in fp32
+  int64_t persistence_threshold_ = 0;        // elements; 0 with bf16 (every parameter an fp32 master)
   std::vector<std::unique_ptr<Unit>> units_;  // blocks in order, then the root
   std::vector<at::Tensor> persistent_;
   // A root parameter's backward needs its data after the first unit's
@@ -236,78 +280,17 @@ at::Tensor ZeroUnitHook::run(const at::Tensor& x,
 Stage3::Stage3(torch::nn::Module& model,
                const std::vector<std::shared_ptr<torch::nn::Module>>& units,
                const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp,
-               const Stage3Settings& settings)
+               const ZeroOptions& options, const Bf16Options& bf16)
     : dp_(groups.shard), replicate_(groups.replicate), all_dp_(groups.dp),
-      names_(parameter_names(model)), settings_(settings) {
-  const int n = dp_->size(), r = dp_->rank();
+      names_(parameter_names(model)), options_(options), bf16_(bf16.enabled),
+      persistence_threshold_(bf16.enabled ? 0 : options.stage3_param_persistence_threshold) {
   std::unordered_set<const void*> tp_sharded;
   for (const auto& p : sharded_tp) tp_sharded.insert(p.unsafeGetTensorImpl());
-  std::unordered_set<const void*> in_units;
-  std::vector<std::pair<std::string, std::vector<at::Tensor>>> unit_params;
-  std::vector<const torch::nn::Module*> unit_modules;
-  std::map<const torch::nn::Module*, std::string> names;
-  for (const auto& item : model.named_modules()) names[item.value().get()] = item.key();
-  for (const auto& m : units) {
-    REMAT_CHECK(names.count(m.get()), "ZeroModel: a unit is not a submodule of the model");
-    std::vector<at::Tensor> ps;
-    for (const auto& p : m->parameters()) {
-      if (in_units.insert(p.unsafeGetTensorImpl()).second) ps.push_back(p);
-    }
-    unit_params.emplace_back(names[m.get()], ps);
-    unit_modules.push_back(m.get());
-  }
-  std::vector<at::Tensor> root;
-  for (const auto& p : model.parameters()) {
-    if (!in_units.count(p.unsafeGetTensorImpl())) root.push_back(p);
-  }
-  unit_params.emplace_back("root", root);
-  unit_modules.push_back(nullptr);
-
-  if (settings_.bf16) settings_.param_persistence_threshold = 0;  // every parameter gets an fp32 master
-  const at::ScalarType compute = settings_.bf16 ? at::kBFloat16 : at::kFloat;
+  const at::ScalarType compute = bf16_ ? at::kBFloat16 : at::kFloat;
   torch::NoGradGuard no_grad;
+  const std::vector<UnitParameters> unit_params = unit_parameters(model, units);
   for (size_t i = 0; i < unit_params.size(); ++i) {
-    auto unit = std::make_unique<Unit>();
-    unit->name = unit_params[i].first;
-    unit->module = unit_modules[i];
-    unit->index = i;
-    // [tp-sharded * 2 + frozen]: replicated across tensor-parallel ranks or
-    // sharded over them, trained or frozen.
-    FlatGroup kinds[4];
-    for (int k = 0; k < 4; ++k) {
-      kinds[k].tp_sharded = k >= 2;
-      kinds[k].frozen = k % 2 == 1;
-    }
-    for (const auto& p : unit_params[i].second) {
-      if (p.numel() < settings_.param_persistence_threshold) {
-        persistent_.push_back(p);
-        continue;
-      }
-      REMAT_CHECK(p.scalar_type() == at::kFloat, "ZeroModel: parameters must be float32 (",
-                  unit->name, " has ", c10::toString(p.scalar_type()), ")");
-      auto& g = kinds[(tp_sharded.count(p.unsafeGetTensorImpl()) ? 2 : 0) + (p.requires_grad() ? 0 : 1)];
-      g.params.push_back(p);
-      g.offsets.push_back(g.numel);
-      g.numel += p.numel();
-    }
-    for (auto& g : kinds) {
-      if (g.params.empty()) continue;
-      g.padded = (g.numel + n - 1) / n * n;
-      g.shard_numel = g.padded / n;
-      g.full = at::zeros({g.padded}, g.params[0].options().requires_grad(false));
-      for (size_t k = 0; k < g.params.size(); ++k) {
-        g.full.narrow(0, g.offsets[k], g.params[k].numel()).copy_(g.params[k].reshape({-1}));
-      }
-      g.shard = g.full.narrow(0, r * g.shard_numel, g.shard_numel).clone().requires_grad_(!g.frozen);
-      if (compute != at::kFloat) g.full = at::zeros({g.padded}, g.full.options().dtype(compute));
-      for (size_t k = 0; k < g.params.size(); ++k) {
-        auto& p = g.params[k];
-        p.set_data(g.full.narrow(0, g.offsets[k], p.numel()).view(p.sizes()));
-      }
-      release_storage(g.full);
-      unit->groups.push_back(std::move(g));
-    }
-    units_.push_back(std::move(unit));
+    units_.push_back(flatten_unit(unit_params[i], i, tp_sharded, compute));
   }
   for (auto& unit : units_) {
     if (unit->module != nullptr) {
@@ -322,8 +305,55 @@ Stage3::Stage3(torch::nn::Module& model,
   log_rank0().info("zero stage 3: {} units, {} of {} parameter elements sharded over {} "
                    "data-parallel ranks ({} kept whole: below stage3_param_persistence_threshold {}); "
                    "compute in {}, shards in float32",
-                   units_.size(), sharded, total, n, total - sharded,
-                   settings_.param_persistence_threshold, c10::toString(compute));
+                   units_.size(), sharded, total, dp_->size(), total - sharded,
+                   persistence_threshold_, c10::toString(compute));
+}
+
+std::unique_ptr<Unit> Stage3::flatten_unit(const UnitParameters& params, size_t index,
+                                           const std::unordered_set<const void*>& tp_sharded,
+                                           at::ScalarType compute) {
+  const int n = dp_->size(), r = dp_->rank();
+  auto unit = std::make_unique<Unit>();
+  unit->name = params.name;
+  unit->module = params.module;
+  unit->index = index;
+  // [tp-sharded * 2 + frozen]: replicated across tensor-parallel ranks or
+  // sharded over them, trained or frozen.
+  FlatGroup kinds[4];
+  for (int k = 0; k < 4; ++k) {
+    kinds[k].tp_sharded = k >= 2;
+    kinds[k].frozen = k % 2 == 1;
+  }
+  for (const auto& p : params.params) {
+    if (p.numel() < persistence_threshold_) {
+      persistent_.push_back(p);
+      continue;
+    }
+    REMAT_CHECK(p.scalar_type() == at::kFloat, "ZeroModel: parameters must be float32 (",
+                unit->name, " has ", c10::toString(p.scalar_type()), ")");
+    auto& g = kinds[(tp_sharded.count(p.unsafeGetTensorImpl()) ? 2 : 0) + (p.requires_grad() ? 0 : 1)];
+    g.params.push_back(p);
+    g.offsets.push_back(g.numel);
+    g.numel += p.numel();
+  }
+  for (auto& g : kinds) {
+    if (g.params.empty()) continue;
+    g.padded = (g.numel + n - 1) / n * n;
+    g.shard_numel = g.padded / n;
+    g.full = at::zeros({g.padded}, g.params[0].options().requires_grad(false));
+    for (size_t k = 0; k < g.params.size(); ++k) {
+      g.full.narrow(0, g.offsets[k], g.params[k].numel()).copy_(g.params[k].reshape({-1}));
+    }
+    g.shard = g.full.narrow(0, r * g.shard_numel, g.shard_numel).clone().requires_grad_(!g.frozen);
+    if (compute != at::kFloat) g.full = at::zeros({g.padded}, g.full.options().dtype(compute));
+    for (size_t k = 0; k < g.params.size(); ++k) {
+      auto& p = g.params[k];
+      p.set_data(g.full.narrow(0, g.offsets[k], p.numel()).view(p.sizes()));
+    }
+    release_storage(g.full);
+    unit->groups.push_back(std::move(g));
+  }
+  return unit;
 }
 
 Stage3::~Stage3() {
@@ -417,8 +447,8 @@ void Stage3::reduce(Unit& unit) {
       MemoryCategoryScope gradients(MemoryCategory::kGradients);
       shard_grad = at::empty({g.shard_numel}, flat.options());
     }
-    for (int64_t o = 0; o < g.shard_numel; o += settings_.reduce_bucket_size) {
-      const int64_t len = std::min(settings_.reduce_bucket_size, g.shard_numel - o);
+    for (int64_t o = 0; o < g.shard_numel; o += options_.reduce_bucket_size) {
+      const int64_t len = std::min(options_.reduce_bucket_size, g.shard_numel - o);
       at::Tensor input = by_rank.narrow(1, o, len).contiguous();
       at::Tensor out = at::empty({len}, flat.options());
       dp_->reduceScatter(out, input, {ReduceOp::kAvg})->wait();
@@ -448,7 +478,7 @@ Unit* Stage3::next_unit(const Unit& unit, int direction) {
   if (i == blocks && direction > 0) return units_.back().get();  // the head needs it next
   if (i < 0 || i >= blocks) return nullptr;
   Unit* next = units_[i].get();
-  if (next->padded_numel() > settings_.prefetch_bucket_size) return nullptr;
+  if (next->padded_numel() > options_.stage3_prefetch_bucket_size) return nullptr;
   return next;
 }
 
@@ -529,7 +559,7 @@ void Stage3::finish_backward(bool synchronize) {
       }
     }
   }
-  if (synchronize) all_reduce_gradients(persistent_, *all_dp_, settings_.reduce_bucket_size, allreduce_bytes_);
+  if (synchronize) all_reduce_gradients(persistent_, *all_dp_, options_.reduce_bucket_size, allreduce_bytes_);
   for (auto& u : units_) {
     if (u->ran && !u->reduced) {
       throw Error(str("zero stage 3: unit '", u->name, "' ran forward but its gradients were not "
@@ -660,9 +690,9 @@ std::map<std::string, int64_t> Stage3::unit_padded_numels() const {
 
 std::unique_ptr<ShardingStrategy> make_stage3(
     torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
-    const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp,
-    const Stage3Settings& settings) {
-  return std::make_unique<Stage3>(model, units, groups, sharded_tp, settings);
+    const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp, const ZeroOptions& options,
+    const Bf16Options& bf16) {
+  return std::make_unique<Stage3>(model, units, groups, sharded_tp, options, bf16);
 }
 
 }  // namespace remat::parallel

@@ -11,7 +11,7 @@
 #include "runtime/error.h"
 #include "tests/error_of.h"
 #include "runtime/layout.h"
-#include "runtime/nccl_communicator.h"
+#include "runtime/internal/nccl_communicator.h"
 #include "runtime/runtime.h"
 
 namespace remat {
@@ -229,10 +229,10 @@ TEST(Collectives, ArgumentErrorsAreClear) {
 }
 
 TEST(Collectives, NcclAbsenceIsExplained) {
-  if (nccl_available()) return;  // exercised by the GPU-tagged tests instead
-  auto mpi = std::dynamic_pointer_cast<MpiCommunicator>(world());
+  if (internal::nccl_available()) return;  // exercised by the GPU-tagged tests instead
+  auto mpi = std::dynamic_pointer_cast<internal::MpiCommunicator>(world());
   ASSERT_TRUE(mpi);
-  auto msg = error_of<CommError>([&] { make_nccl_communicator(mpi); });
+  auto msg = error_of<CommError>([&] { internal::make_nccl_communicator(mpi); });
   EXPECT_THAT(msg, HasSubstr("nccl backend"));
   EXPECT_THAT(msg, HasSubstr("use the mpi backend"));
   EXPECT_THAT(error_of<ConfigError>([] { parse_backend("gloo"); }),
@@ -297,7 +297,7 @@ TEST(DebugCollectivesAgreement, OnSomeRanksOnlyEveryRankRefusesIt) {
   const int n = comm->size(), r = comm->rank();
   if (n == 1) {  // one rank agrees with itself
     setenv("REMAT_DEBUG_COLLECTIVES", "1", 1);
-    EXPECT_TRUE(std::dynamic_pointer_cast<MpiCommunicator>(world())->debugCollectives());
+    EXPECT_TRUE(std::dynamic_pointer_cast<internal::MpiCommunicator>(world())->debugCollectives());
     unsetenv("REMAT_DEBUG_COLLECTIVES");
     return;
   }

@@ -1,6 +1,6 @@
 #include "runtime/error.h"
 
-namespace remat::detail {
+namespace remat::internal {
 
 void throw_check_failure(const char* file, int line,
                          const std::string& condition,
@@ -10,4 +10,4 @@ void throw_check_failure(const char* file, int line,
   throw Error(text);
 }
 
-}  // namespace remat::detail
+}  // namespace remat::internal

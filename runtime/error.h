@@ -6,7 +6,7 @@
 //   REMAT_CHECK(ptr != nullptr, "buffer for ", name, " was released");
 //   REMAT_CHECK_EQ(out.numel(), in.numel() * size, "allGather output");
 //     -> "allGather output: expected out.numel() == in.numel() * size (6 vs 8)
-//         at runtime/mpi_communicator.cc:120"
+//         at runtime/internal/mpi_communicator.cc:120"
 #pragma once
 
 #include <sstream>
@@ -39,7 +39,7 @@ class TimeoutError : public CommError {
   using CommError::CommError;
 };
 
-namespace detail {
+namespace internal {
 
 template <typename... Args>
 std::string str_cat(Args&&... args) {
@@ -52,12 +52,12 @@ std::string str_cat(Args&&... args) {
                                       const std::string& condition,
                                       const std::string& message);
 
-}  // namespace detail
+}  // namespace internal
 
 // Builds a message from any streamable pieces.
 template <typename... Args>
 std::string str(Args&&... args) {
-  return detail::str_cat(std::forward<Args>(args)...);
+  return internal::str_cat(std::forward<Args>(args)...);
 }
 
 }  // namespace remat
@@ -65,8 +65,8 @@ std::string str(Args&&... args) {
 #define REMAT_CHECK(cond, ...)                                              \
   do {                                                                      \
     if (!(cond)) {                                                          \
-      ::remat::detail::throw_check_failure(__FILE__, __LINE__, #cond,       \
-                                           ::remat::str("", ##__VA_ARGS__)); \
+      ::remat::internal::throw_check_failure(__FILE__, __LINE__, #cond,     \
+          ::remat::str("", ##__VA_ARGS__));                                 \
     }                                                                       \
   } while (0)
 
@@ -75,7 +75,7 @@ std::string str(Args&&... args) {
     const auto& remat_lhs_ = (a);                                             \
     const auto& remat_rhs_ = (b);                                             \
     if (!(remat_lhs_ op remat_rhs_)) {                                        \
-      ::remat::detail::throw_check_failure(                                   \
+      ::remat::internal::throw_check_failure(                                 \
           __FILE__, __LINE__,                                                 \
           ::remat::str(#a " " #op " " #b " (", remat_lhs_, " vs ", remat_rhs_, \
                        ")"),                                                  \

@@ -182,6 +182,33 @@ std::string unknown_key_message(const std::string& path, const std::string& name
   return line + (line.back() == '?' ? " " : ". ") + valid_keys(path, fields);
 }
 
+// Whether `value` has the JSON type `field` takes (a whole number for an
+// integer, one of the words for a number-or-word); ranges and choices are
+// checked after.
+bool has_kind(const Field& field, const json& value) {
+  switch (field.kind) {
+    case Kind::kBool: return value.is_boolean();
+    case Kind::kInt:
+      return value.is_number_integer() ||
+             (value.is_number_float() && std::trunc(value.get<double>()) == value.get<double>());
+    case Kind::kNumber: return value.is_number();
+    case Kind::kNumberOrWord:
+      return value.is_number() ||
+             (value.is_string() && std::find(field.choices.begin(), field.choices.end(),
+                                             value.get_ref<const std::string&>()) != field.choices.end());
+    case Kind::kString: return value.is_string();
+    case Kind::kStringList:
+      return value.is_array() &&
+             std::all_of(value.begin(), value.end(),
+                         [](const json& v) { return v.is_string(); });
+    case Kind::kNumberPair:
+      return value.is_array() && value.size() == 2 && value[0].is_number() &&
+             value[1].is_number();
+    case Kind::kObject: return value.is_object();
+  }
+  return false;
+}
+
 // `typed`: the text an override gave, quoted in messages instead of the
 // parsed value (99999999999999999999 rather than 1e+20).
 // What is wrong with `value` for `field` at `path`, or "" when nothing is.
@@ -195,32 +222,7 @@ std::string type_problem(const std::string& path, const Field& field, const json
       (value.is_array() && !std::all_of(value.begin(), value.end(), finite))) {
     return str("'", path, "' = ", shown(), " is not a finite number");
   }
-  bool ok = false;
-  switch (field.kind) {
-    case Kind::kBool: ok = value.is_boolean(); break;
-    case Kind::kInt:
-      ok = value.is_number_integer() ||
-           (value.is_number_float() && std::trunc(value.get<double>()) == value.get<double>());
-      break;
-    case Kind::kNumber: ok = value.is_number(); break;
-    case Kind::kNumberOrWord:
-      ok = value.is_number() ||
-           (value.is_string() && std::find(field.choices.begin(), field.choices.end(),
-                                           value.get_ref<const std::string&>()) != field.choices.end());
-      break;
-    case Kind::kString: ok = value.is_string(); break;
-    case Kind::kStringList:
-      ok = value.is_array() &&
-           std::all_of(value.begin(), value.end(),
-                       [](const json& v) { return v.is_string(); });
-      break;
-    case Kind::kNumberPair:
-      ok = value.is_array() && value.size() == 2 && value[0].is_number() &&
-           value[1].is_number();
-      break;
-    case Kind::kObject: ok = value.is_object(); break;
-  }
-  if (!ok) {
+  if (!has_kind(field, value)) {
     // Launchers that fill values in (Hugging Face's Trainer) write "auto".
     const bool auto_value = value.is_string() && value.get_ref<const std::string&>() == "auto";
     std::string words;  // kNumberOrWord: the strings it takes, and the closest to the one given

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "runtime/memory_reporter.h"
+#include "runtime/internal/memory_reporter.h"
 
 namespace remat {
 

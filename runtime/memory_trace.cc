@@ -14,7 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/error.h"
-#include "runtime/memory_reporter.h"
+#include "runtime/internal/memory_reporter.h"
 #include "runtime/output_file.h"
 
 namespace remat {

@@ -6,8 +6,8 @@
 #include <gtest/gtest.h>
 
 #include "runtime/error.h"
-#include "runtime/mpi_communicator.h"
-#include "runtime/nccl_communicator.h"
+#include "runtime/internal/mpi_communicator.h"
+#include "runtime/internal/nccl_communicator.h"
 #include "runtime/runtime.h"
 
 namespace remat {
@@ -15,10 +15,10 @@ namespace {
 
 std::shared_ptr<Communicator> nccl_world() {
   Runtime::init();
-  if (!nccl_available() || !at::hasCUDA()) {
+  if (!internal::nccl_available() || !at::hasCUDA()) {
     throw Error("no CUDA device (or a CPU-only LibTorch): run the gpu-tagged tests on a GPU");
   }
-  return make_nccl_communicator(MpiCommunicator::world());
+  return internal::make_nccl_communicator(internal::MpiCommunicator::world());
 }
 
 TEST(Nccl, CollectivesGiveClosedFormResults) {

@@ -3,15 +3,15 @@
 #include <gtest/gtest.h>
 
 #include "runtime/error.h"
-#include "runtime/mpi_communicator.h"
-#include "runtime/nccl_communicator.h"
+#include "runtime/internal/mpi_communicator.h"
+#include "runtime/internal/nccl_communicator.h"
 #include "runtime/runtime.h"
 
 TEST(Nccl, AbsentFromThisBuild) {
   remat::Runtime::init();
-  EXPECT_FALSE(remat::nccl_available());
+  EXPECT_FALSE(remat::internal::nccl_available());
   try {
-    remat::make_nccl_communicator(remat::MpiCommunicator::world());
+    remat::internal::make_nccl_communicator(remat::internal::MpiCommunicator::world());
     ADD_FAILURE() << "expected CommError";
   } catch (const remat::CommError& e) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("not in this build"));

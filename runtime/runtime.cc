@@ -11,12 +11,12 @@
 
 #include "runtime/error.h"
 #include "runtime/env_knobs.h"
-#include "runtime/local_communicator.h"
+#include "runtime/internal/local_communicator.h"
 #include "runtime/logging.h"
 
 #if defined(REMAT_WITH_MPI)
-#include "runtime/mpi_communicator.h"
-#include "runtime/nccl_communicator.h"
+#include "runtime/internal/mpi_communicator.h"
+#include "runtime/internal/nccl_communicator.h"
 #endif
 
 #if defined(REMAT_WITH_NCCL)
@@ -42,7 +42,7 @@ Runtime::Runtime() {
   set_log_rank(env_.rank, env_.world_size);  // the launcher's word, for errors while MPI starts
   int mpi_rank = 0, mpi_size = 1;
 #if defined(REMAT_WITH_MPI)
-  static MpiSession session;  // lives until exit; finalizes MPI then
+  static internal::MpiSession session;  // lives until exit; finalizes MPI then
   MPI_Comm_rank(MPI_COMM_WORLD, &mpi_rank);
   MPI_Comm_size(MPI_COMM_WORLD, &mpi_size);
 #else
@@ -106,15 +106,15 @@ void Runtime::bound_threads(int64_t asked, int cores) {
 
 std::shared_ptr<Communicator> Runtime::world(Backend backend) {
 #if defined(REMAT_WITH_MPI)
-  auto mpi = MpiCommunicator::world();
-  if (backend == Backend::kMpi || (backend == Backend::kAuto && !nccl_available())) return mpi;
-  return make_nccl_communicator(mpi);
+  auto mpi = internal::MpiCommunicator::world();
+  if (backend == Backend::kMpi || (backend == Backend::kAuto && !internal::nccl_available())) return mpi;
+  return internal::make_nccl_communicator(mpi);
 #else
   if (backend != Backend::kAuto) {
     throw ConfigError("this remat was built without MPI: only the local (one-process) "
                       "backend exists; pass --backend auto or rebuild with MPI");
   }
-  return std::make_shared<LocalCommunicator>();
+  return std::make_shared<internal::LocalCommunicator>();
 #endif
 }
 
@@ -131,8 +131,8 @@ int run_main(const std::function<int()>& body) {
     std::fflush(stderr);
 #if defined(REMAT_WITH_MPI)
     int size = 1;
-    if (MpiSession::initialized()) MPI_Comm_size(MPI_COMM_WORLD, &size);
-    if (size > 1) MpiSession::abort(1);
+    if (internal::MpiSession::initialized()) MPI_Comm_size(MPI_COMM_WORLD, &size);
+    if (size > 1) internal::MpiSession::abort(1);
 #endif
     return 1;
   }

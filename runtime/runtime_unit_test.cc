@@ -247,13 +247,13 @@ TEST(ParallelDimsTest, ErrorsListEveryFactorAndTheWorldSize) {
 
 #include <ATen/ATen.h>
 
-#include "runtime/local_communicator.h"
+#include "runtime/internal/local_communicator.h"
 
 namespace remat {
 namespace {
 
 TEST(LocalCommunicatorTest, OneRankCollectivesAreIdentities) {
-  LocalCommunicator comm;
+  internal::LocalCommunicator comm;
   EXPECT_EQ(comm.size(), 1);
   EXPECT_EQ(comm.backendName(), "local");
   at::Tensor t = at::arange(6, at::kFloat);
@@ -274,7 +274,7 @@ TEST(LocalCommunicatorTest, OneRankCollectivesAreIdentities) {
 }
 
 TEST(LocalCommunicatorTest, ErrorsMatchTheOtherBackends) {
-  LocalCommunicator comm;
+  internal::LocalCommunicator comm;
   at::Tensor ints = at::ones({2}, at::kInt), wrong = at::empty({3});
   EXPECT_THAT(error_of<CommError>([&] { comm.allReduce(ints, {ReduceOp::kAvg}); }),
               HasSubstr("ReduceOp avg needs a floating-point tensor, got Int"));

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The examples of examples/, built as projects outside remat against an
-# installed remat (find_package(remat)) and run at 2 ranks:
+# installed remat (find_package(remat)) and run at 2 ranks (first: the installed
+# headers include only installed ones, tools/check_installed_headers.sh):
 #   llama: runs with no arguments; ZeRO stage 3 with full checkpointing, and with
 #     variant auto, gives the losses of stage 0 without checkpointing bitwise
 #     (dropout on); a run saved at step 4 and resumed gives the uninterrupted
@@ -68,6 +69,14 @@ differs() {
 metric() {
   sed -nE "s/.*last step metrics: .*\"$2\":([^,}]*).*/\1/p" "$tmp/$1.out" | tail -1
 }
+
+# 0. The installed headers are the public ones: none includes a remat header
+#    that was not installed (an internal or test-only one).
+if out=$(tools/check_installed_headers.sh "$prefix" 2>&1); then
+  pass "$out"
+else
+  fail "the installed headers include only installed ones" "$out"
+fi
 
 # 1. Each example configures and builds against the installed package.
 for name in llama lora; do

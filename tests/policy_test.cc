@@ -7,7 +7,7 @@
 #include <torch/torch.h>
 
 #include "checkpointing/checkpoint.h"
-#include "checkpointing/internal/op_recorder.h"
+#include "checkpointing/op_recorder.h"
 #include "checkpointing/options.h"
 #include "checkpointing/policy.h"
 #include "checkpointing/selective_op.h"

@@ -258,7 +258,7 @@ else
 fi
 
 # 6. ZeRO stage 3: dp 2 x tp 2 on 4 ranks runs and matches stage 0 within
-#    float tolerance (parallel/zero_test.cc justifies 1e-5); a sharded save
+#    float tolerance (engine/zero_engine_test.cc justifies 1e-5); a sharded save
 #    resumes bitwise; a save killed with SIGKILL leaves the previous one loadable.
 m0="$tmp/zero_stage0.jsonl"
 m3="$tmp/zero_stage3.jsonl"

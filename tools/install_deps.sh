@@ -21,6 +21,7 @@ packages=(
   procps             # pgrep in the whole-job tests
   python3            # edits saved files in the whole-job tests
   python3-torch      # reads remat-train --export files with torch.load in the whole-job tests
+  universal-ctags    # function lengths in tools/check_sizes.sh
 )
 
 missing=()

@@ -66,7 +66,7 @@ if [[ $mode == full ]]; then
            nn/module_call_test engine/optim_test optim/host_adam_test; do
     run "$t under ASan + UBSan" "$bin/$t"
   done
-  for t in runtime/communicator_test_bin parallel/parallel_test_bin parallel/zero_test_bin \
+  for t in runtime/communicator_test_bin parallel/parallel_test_bin parallel/zero_test_bin engine/zero_engine_test_bin \
            tests/stored_inputs_test_bin engine/engine_test_bin; do
     for np in 2 4; do
       run "$t at $np ranks under ASan + UBSan" launch/remat-run.sh -np "$np" -- "$bin/$t"

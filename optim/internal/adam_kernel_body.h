@@ -20,7 +20,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "optim/adam_kernel.h"
+#include "optim/internal/adam_kernel.h"
 
 namespace remat::optim::internal {
 namespace {

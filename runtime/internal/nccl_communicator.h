@@ -12,9 +12,9 @@
 #include <string>
 
 #include "runtime/communicator.h"
-#include "runtime/mpi_communicator.h"
+#include "runtime/internal/mpi_communicator.h"
 
-namespace remat {
+namespace remat::internal {
 
 // True when this build has the NCCL backend and a CUDA device is visible.
 bool nccl_available();
@@ -24,4 +24,4 @@ bool nccl_available();
 std::shared_ptr<Communicator> make_nccl_communicator(
     std::shared_ptr<MpiCommunicator> bootstrap);
 
-}  // namespace remat
+}  // namespace remat::internal

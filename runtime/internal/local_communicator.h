@@ -7,7 +7,7 @@
 
 #include "runtime/communicator.h"
 
-namespace remat {
+namespace remat::internal {
 
 class LocalCommunicator final : public Communicator {
  public:
@@ -27,4 +27,4 @@ class LocalCommunicator final : public Communicator {
   std::shared_ptr<Communicator> split(int color, int key) override;
 };
 
-}  // namespace remat
+}  // namespace remat::internal

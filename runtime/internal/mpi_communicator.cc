@@ -1,4 +1,4 @@
-#include "runtime/mpi_communicator.h"
+#include "runtime/internal/mpi_communicator.h"
 
 #include <ATen/ATen.h>
 #include <pwd.h>
@@ -19,9 +19,9 @@
 #include "runtime/error.h"
 #include "runtime/logging.h"
 #include "runtime/memory_trace.h"
-#include "runtime/tensor_checks.h"
+#include "runtime/internal/tensor_checks.h"
 
-namespace remat {
+namespace remat::internal {
 namespace {
 
 // The choke point for MPI return codes.
@@ -635,4 +635,4 @@ std::shared_ptr<Communicator> MpiCommunicator::split(int color, int key) {
   return std::shared_ptr<MpiCommunicator>(new MpiCommunicator(sub, debug_));
 }
 
-}  // namespace remat
+}  // namespace remat::internal

@@ -1,9 +1,9 @@
 // The Adam loop compiled for AVX2 and FMA (this file only: optim/BUILD and
 // CMakeLists.txt add -mavx2 -mfma), called only where the CPU has both.
-#include "optim/adam_kernel_body.h"
+#include "optim/internal/adam_kernel_body.h"
 
 #if !defined(__AVX2__) || !defined(__FMA__)
-#error "optim/adam_kernel_avx2.cc must be compiled with -mavx2 -mfma"
+#error "optim/internal/adam_kernel_avx2.cc must be compiled with -mavx2 -mfma"
 #endif
 
 namespace remat::optim::internal {

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-namespace remat {
+namespace remat::internal {
 
 // Defined tensor on the backend's device kind.
 void check_tensor_device(const at::Tensor& t, bool want_cuda, const char* op,
@@ -43,4 +43,4 @@ enum class WaitedFor { kPointToPoint, kCollective, kDebugCheck };
 // check established is.
 std::string timeout_advice(WaitedFor waited, bool debug);
 
-}  // namespace remat
+}  // namespace remat::internal

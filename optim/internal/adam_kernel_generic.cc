@@ -1,6 +1,6 @@
 // The Adam loop for any x86-64 (or other) CPU: multiply and add rounded apart,
 // as ATen's generic kernels compute them.
-#include "optim/adam_kernel_body.h"
+#include "optim/internal/adam_kernel_body.h"
 
 namespace remat::optim::internal {
 

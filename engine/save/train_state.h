@@ -26,22 +26,26 @@
 // CRC-32 and its recorded rank, step and run id, so a damaged file, files
 // mixed from two steps or two runs, or a changed setting is an error naming
 // what differs.
+//
+// The parts, one file each in engine/save/: storage.h (atomic files, CRC-32,
+// step folder names), manifest.h (the manifest written, read and checked),
+// rank_file.h (a rank file written, read and checked), reslice.h (the pure
+// plan of which saved elements fill which of this rank's), dir_lock.h (the
+// save root's lock), types.h (what they share); engine/save_dir.h is the
+// public part (SaveDirOptions, latest_step, discard_saves_after).
+//
+// Internal to engine/: only the engine's sources and their tests include it.
 #pragma once
 
-#include <torch/optim/optimizer.h>
-
-#include <cstdint>
-#include <map>
-#include <memory>
 #include <string>
-#include <utility>
-#include <vector>
 
-#include "parallel/tensor_split.h"
-#include "parallel/zero.h"
+#include "engine/save/types.h"
 
 namespace torch::nn {
 class Module;
+}
+namespace torch::optim {
+class Optimizer;
 }
 
 namespace remat {
@@ -49,92 +53,13 @@ namespace remat {
 class Communicator;
 class ParallelLayout;
 
-// What one rank saves and resumes: the tensors its optimizer steps and which
-// model parameter elements each holds (ZeroModel::parameters() and layout()),
-// how each model parameter is split across the tensor-parallel group, and
-// where the rank sits.
-struct TrainShards {
-  std::vector<at::Tensor> tensors;
-  std::vector<parallel::ShardLayout> layout;
-  // Every model parameter by state-dict name, in the model's order, with its
-  // split (parallel::parameter_splits): a layout's offsets index this rank's
-  // share of the parameter, flattened.
-  std::vector<std::pair<std::string, parallel::TensorSplit>> splits;
-  int tp_rank = 0, tp_size = 1, dp_rank = 0, dp_size = 1;
-};
-
 // What this rank of `layout` holds of `zero`'s sharding of `model`.
 TrainShards train_shards(const parallel::ZeroModel& zero, const ParallelLayout& layout,
                          const torch::nn::Module& model);
 
-struct TrainPosition {
-  int64_t step = 0;  // completed optimizer steps
-  // The caller's own data (data position, epoch, ...) as JSON text: rank 0's
-  // is saved, every rank gets it back.
-  std::string client_state = "{}";
-};
-
-// What a save must agree with to be resumed.
-struct SaveIdentity {
-  std::string model_signature;
-  // Each setting that shapes the saved state, by config key
-  // ({"zero_optimization.stage", "3"}, {"optimizer.type", "AdamW"}, ...).
-  std::map<std::string, std::string> settings;
-  std::string run_id;  // this run's (new_run_id)
-  // The model's parameters by state-dict name and shape: a save of another
-  // model is refused naming the first that differs (empty: not compared).
-  std::vector<std::pair<std::string, std::vector<int64_t>>> parameters;
-  // train.seed: a resume at another tensor-parallel size seeds the
-  // model-parallel RNG stream afresh from it (model_parallel_manual_seed's
-  // rule, at this rank's tensor-parallel rank).
-  uint64_t seed = 0;
-};
-
 // A new id for this run, the same on every rank: rank 0's host, pid and start
 // time (collective over `world`).
 std::string new_run_id(Communicator& world);
-
-struct SaveDirOptions {
-  // The run resumes (it loaded a save from this folder; remat-train's
-  // --resume): saves already in the folder may be continued.
-  bool resuming = false;
-  // A new run may take a folder holding another run's saves
-  // (discard_saves_after removes them once its first save is complete;
-  // remat-train's --overwrite-saves).
-  bool overwrite = false;
-};
-
-// The save root of one run, held for the run's lifetime: created, checked
-// writable by every rank (a probe file), and locked by rank 0 so that a second
-// job given the same directory stops at its start naming the first one's pid
-// and host (collective over `world`). A `latest` that is not a regular file,
-// or (neither resuming nor overwriting) saves of another run there, are a
-// ConfigError before anything is trained, the same on every rank whichever
-// rank found it (runtime/outcome.h). Released when destroyed or the process
-// ends.
-class SaveDirLock {
- public:
-  SaveDirLock(const std::string& dir, const std::string& run_id, Communicator& world,
-              SaveDirOptions options = {});
-  ~SaveDirLock();
-  SaveDirLock(const SaveDirLock&) = delete;
-  SaveDirLock& operator=(const SaveDirLock&) = delete;
-
- private:
-  int fd_ = -1;
-};
-
-// Removes the saves in `dir` later than `step` (every one for step 0), but
-// the one of step `except`, and points `latest` at the newest complete save
-// left, or removes it: what --overwrite-saves does once a run's first save
-// (`except`) is complete, so that a run which fails before it leaves the old
-// saves as they were. Rank 0 removes; collective over `world`. Returns the
-// number of step folders removed.
-int discard_saves_after(const std::string& dir, int64_t step, Communicator& world, int64_t except = -1);
-
-// The step `latest` in `dir` names, or -1 when there is none (or it names no
-// step folder).
-int64_t latest_step(const std::string& dir);
 
 // Writes this rank's state for `position.step` (collective over `world`; a
 // rank that cannot write its file stops every rank with the same error).

@@ -1,12 +1,12 @@
-#include "runtime/local_communicator.h"
+#include "runtime/internal/local_communicator.h"
 
 #include <ATen/ATen.h>
 
 #include "runtime/error.h"
 #include "runtime/memory_trace.h"
-#include "runtime/tensor_checks.h"
+#include "runtime/internal/tensor_checks.h"
 
-namespace remat {
+namespace remat::internal {
 namespace {
 
 // On a memory trace: the collective's span (done at once) and its buffers.
@@ -71,4 +71,4 @@ std::shared_ptr<Communicator> LocalCommunicator::split(int color, int) {
   return std::make_shared<LocalCommunicator>();
 }
 
-}  // namespace remat
+}  // namespace remat::internal

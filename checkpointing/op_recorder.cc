@@ -1,4 +1,4 @@
-#include "checkpointing/internal/op_recorder.h"
+#include "checkpointing/op_recorder.h"
 
 #include <ATen/record_function.h>
 

@@ -1,8 +1,8 @@
 // The NCCL entry points in a build without CUDA.
 #include "runtime/error.h"
-#include "runtime/nccl_communicator.h"
+#include "runtime/internal/nccl_communicator.h"
 
-namespace remat {
+namespace remat::internal {
 
 bool nccl_available() { return false; }
 
@@ -12,4 +12,4 @@ std::shared_ptr<Communicator> make_nccl_communicator(std::shared_ptr<MpiCommunic
       "configured (set CUDA_HOME or put nvcc on PATH and rebuild), use the mpi backend");
 }
 
-}  // namespace remat
+}  // namespace remat::internal

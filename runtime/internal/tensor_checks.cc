@@ -1,8 +1,8 @@
-#include "runtime/tensor_checks.h"
+#include "runtime/internal/tensor_checks.h"
 
 #include "runtime/error.h"
 
-namespace remat {
+namespace remat::internal {
 
 void check_tensor_device(const at::Tensor& t, bool want_cuda, const char* op,
                          const char* backend) {
@@ -104,4 +104,4 @@ std::string timeout_advice(WaitedFor waited, bool debug) {
   return slow;
 }
 
-}  // namespace remat
+}  // namespace remat::internal

@@ -1,4 +1,4 @@
-#include "runtime/nccl_communicator.h"
+#include "runtime/internal/nccl_communicator.h"
 
 #include <ATen/ATen.h>
 #include <cuda_runtime_api.h>
@@ -11,13 +11,13 @@
 #include "runtime/compat.h"
 #include "runtime/error.h"
 #include "runtime/memory_trace.h"
-#include "runtime/tensor_checks.h"
+#include "runtime/internal/tensor_checks.h"
 
 #if defined(REMAT_WITH_C10_CUDA)
 #include <c10/cuda/CUDAStream.h>
 #endif
 
-namespace remat {
+namespace remat::internal {
 namespace {
 
 // The choke points for CUDA and NCCL return codes.
@@ -343,4 +343,4 @@ std::shared_ptr<Communicator> make_nccl_communicator(std::shared_ptr<MpiCommunic
   return std::make_shared<NcclCommunicator>(std::move(bootstrap));
 }
 
-}  // namespace remat
+}  // namespace remat::internal

@@ -12,7 +12,7 @@
 
 #include "runtime/communicator.h"
 
-namespace remat {
+namespace remat::internal {
 
 // Initialises MPI for the process's lifetime (MPI_Init_thread on construction,
 // MPI_Finalize on destruction) unless something else already did.
@@ -83,4 +83,4 @@ class MpiCommunicator final : public Communicator {
   bool debug_ = false;
 };
 
-}  // namespace remat
+}  // namespace remat::internal

@@ -1,0 +1,95 @@
+#include "engine/save/storage.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "runtime/env_knobs.h"
+#include "runtime/error.h"
+
+namespace remat::save {
+namespace fs = std::filesystem;
+
+namespace {
+
+void fsync_path(const std::string& path, bool directory) {
+  int fd = ::open(path.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
+}
+
+}  // namespace
+
+void write_atomically(const std::string& path, const std::string& bytes) {
+  std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) throw Error(str("save: cannot write '", tmp, "': check that the save directory is writable"));
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    out.flush();
+    if (!out) throw Error(str("save: writing '", tmp, "' failed (disk full?)"));
+  }
+  fsync_path(tmp, false);
+  if (auto pause = knobs::fault_save_pause()) std::this_thread::sleep_for(*pause);
+  fs::rename(tmp, path);
+  fsync_path(fs::path(path).parent_path().string(), true);
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ConfigError(str("resume: cannot read '", path, "' (", std::strerror(errno), ")"));
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+int64_t crc32_of(const std::string& bytes) {
+  return static_cast<int64_t>(
+      ::crc32_z(0L, reinterpret_cast<const Bytef*>(bytes.data()), bytes.size()));
+}
+
+std::string host_name() {
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  return host;
+}
+
+std::string step_folder(int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "step_%08lld", static_cast<long long>(step));
+  return name;
+}
+
+int64_t step_of(const std::string& name) {
+  if (name.size() <= 5 || name.rfind("step_", 0) != 0) return -1;
+  if (name.find_first_not_of("0123456789", 5) != std::string::npos || name.size() > 5 + 18) return -1;
+  return std::stoll(name.substr(5));
+}
+
+std::vector<std::pair<int64_t, fs::path>> step_folders(const std::string& root) {
+  std::vector<std::pair<int64_t, fs::path>> folders;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(root, ec)) {
+    const int64_t step = step_of(entry.path().filename().string());
+    if (step >= 0 && entry.is_directory(ec)) folders.emplace_back(step, entry.path());
+  }
+  std::sort(folders.begin(), folders.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  return folders;
+}
+
+std::string root_of(const std::string& folder) {
+  fs::path p(folder);
+  if (p.filename().empty()) p = p.parent_path();  // "root/step_00000004/"
+  return p.parent_path().string();
+}
+
+}  // namespace remat::save

@@ -1,0 +1,59 @@
+#include "engine/save_dir.h"
+
+#include <ATen/ATen.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "engine/save/storage.h"
+#include "runtime/communicator.h"
+#include "runtime/logging.h"
+
+namespace remat {
+namespace fs = std::filesystem;
+
+int64_t latest_step(const std::string& dir) {
+  const fs::path path = fs::path(dir) / "latest";
+  std::error_code ec;
+  if (!fs::is_regular_file(fs::symlink_status(path, ec))) return -1;
+  std::ifstream in(path);
+  std::string name;
+  in >> name;
+  const int64_t step = save::step_of(name);
+  return step >= 0 && fs::is_directory(fs::path(dir) / name, ec) ? step : -1;
+}
+
+int discard_saves_after(const std::string& dir, int64_t step, Communicator& world, int64_t except) {
+  int64_t removed = 0;
+  if (world.rank() == 0) {
+    std::string keep;  // the newest complete save kept
+    for (const auto& [s, folder] : save::step_folders(dir)) {
+      if (s > step && s != except) {
+        fs::remove_all(folder);
+        ++removed;
+      } else if (keep.empty() && fs::exists(folder / "manifest.json")) {
+        keep = folder.filename().string();
+      }
+    }
+    const fs::path latest = fs::path(dir) / "latest";
+    std::error_code ec;
+    const int64_t named = latest_step(dir);
+    if (named < 0 || (named > step && named != except)) {
+      if (keep.empty()) {
+        fs::remove(latest, ec);
+      } else {
+        save::write_atomically(latest.string(), keep + "\n");
+      }
+    }
+    if (removed > 0) {
+      log().warn("--overwrite-saves: removed {} save(s) after step {} from '{}'; 'latest' {}", removed, step, dir,
+                 keep.empty() ? std::string("removed") : "names " + keep);
+    }
+  }
+  at::Tensor count = at::full({1}, removed, at::kLong);
+  if (world.size() > 1) world.broadcast(count, {0})->wait();
+  world.barrier()->wait();
+  return static_cast<int>(count.item<int64_t>());
+}
+
+}  // namespace remat

@@ -1,0 +1,100 @@
+#include "parallel/zero_memory.h"
+
+#include <algorithm>
+#include <iterator>
+#include <map>
+
+#include "parallel/sharding_strategy.h"
+
+namespace remat::parallel {
+
+// Every rank stores every parameter and steps every trainable one.
+StateElements data_parallel_state(const std::vector<ParameterCount>& params) {
+  StateElements s;
+  for (const ParameterCount& p : params) {
+    s.stored += p.numel;
+    if (p.trainable) s.trainable += p.numel;
+  }
+  s.local_trainable = s.trainable;
+  s.gradients = data_parallel_gradients(s.trainable, s.local_trainable);
+  return s;
+}
+
+// Every gradient, whole, from the backward to the step.
+GradientHold data_parallel_gradients(int64_t trainable, int64_t /*local_trainable: the same*/) {
+  return {trainable, trainable};
+}
+
+// Every rank stores every parameter whole; its optimizer steps 1/N of the
+// trainable ones.
+StateElements stage12_state(const ZeroOptions& options, int shard_group, const std::vector<ParameterCount>& params) {
+  StateElements s;
+  for (const ParameterCount& p : params) {
+    s.stored += p.numel;
+    if (p.trainable) s.trainable += p.numel;
+  }
+  s.local_trainable = (s.trainable + shard_group - 1) / shard_group;
+  s.gradients = stage12_gradients(options, s.trainable, s.local_trainable);
+  s.bucket = std::min<int64_t>(s.trainable, options.reduce_bucket_size);
+  return s;
+}
+
+// Each gradient is moved into its bucket's flat buffer; the rank keeps its
+// shard's. Between micro-batches stage 1 holds every gradient, stage 2 its
+// shard's.
+GradientHold stage12_gradients(const ZeroOptions& options, int64_t trainable, int64_t local_trainable) {
+  return {trainable + local_trainable, options.stage == 1 ? trainable : local_trainable};
+}
+
+// Each parameter below the persistence threshold whole (none with bf16),
+// every other one in 1/N; at most two units' sharded parameters gathered at
+// once: the unit computing and the one prefetched beside it (the next in
+// forward, the previous in backward), when it is within the prefetch size.
+StateElements stage3_state(const ZeroOptions& options, const Bf16Options& bf16, int shard_group,
+                           const std::vector<ParameterCount>& params) {
+  const int64_t persistence = bf16.enabled ? 0 : options.stage3_param_persistence_threshold;
+  StateElements s;
+  std::map<int, int64_t> unit_sharded;  // block -> its sharded elements
+  for (const ParameterCount& p : params) {
+    if (p.trainable) s.trainable += p.numel;
+    const bool persistent = p.numel < persistence;
+    const int64_t local = persistent ? p.numel : (p.numel + shard_group - 1) / shard_group;
+    s.stored += local;
+    if (p.trainable) s.local_trainable += local;
+    if (!persistent && p.unit >= 0) unit_sharded[p.unit] += p.numel;
+  }
+  s.gradients = stage3_gradients(s.trainable, s.local_trainable);
+  for (auto it = unit_sharded.begin(); it != unit_sharded.end(); ++it) {
+    auto next = std::next(it);
+    const bool adjacent = next != unit_sharded.end() && next->first == it->first + 1;
+    const bool prefetched = adjacent && next->second <= options.stage3_prefetch_bucket_size;
+    s.gathered = std::max(s.gathered, it->second + (prefetched ? next->second : 0));
+  }
+  return s;
+}
+
+// The shards' gradients alone, from the reduce-scatter to the step.
+GradientHold stage3_gradients(int64_t /*trainable*/, int64_t local_trainable) {
+  return {local_trainable, local_trainable};
+}
+
+StateElements state_elements(const ZeroOptions& options, const Bf16Options& bf16, int shard_group,
+                             const std::vector<ParameterCount>& params) {
+  switch (options.stage) {
+    case 0: return data_parallel_state(params);
+    case 1:
+    case 2: return stage12_state(options, shard_group, params);
+    default: return stage3_state(options, bf16, shard_group, params);
+  }
+}
+
+GradientHold gradient_hold(const ZeroOptions& options, int64_t trainable, int64_t local_trainable) {
+  switch (options.stage) {
+    case 0: return data_parallel_gradients(trainable, local_trainable);
+    case 1:
+    case 2: return stage12_gradients(options, trainable, local_trainable);
+    default: return stage3_gradients(trainable, local_trainable);
+  }
+}
+
+}  // namespace remat::parallel

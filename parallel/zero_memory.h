@@ -1,0 +1,52 @@
+// What one data-parallel rank keeps of the model state under each ZeRO
+// stage: the one memory rule per stage (zero_memory.cc, one function each,
+// which each strategy answers gradient_hold() by),
+// which remat::Engine applies to the tensors it holds (through
+// ZeroModel::gradient_hold) and remat::estimate_memory to parameter sizes.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "parallel/zero_options.h"
+
+namespace remat::parallel {
+
+// One parameter as the memory rules see it.
+struct ParameterCount {
+  int64_t numel = 0;
+  bool trainable = true;
+  int unit = -1;  // stage 3's unit: its block's index; -1 outside the blocks (the root unit)
+};
+
+// The gradients one rank holds, from the model's trainable amount and this
+// rank's part of it (what its optimizer steps), both in elements or both in
+// bytes: the rules are sums of the two.
+struct GradientHold {
+  // At the step's most: stages 1 and 2 hold every gradient until its bucket
+  // is reduced, and the shard's beside it.
+  int64_t peak = 0;
+  // Between the micro-batches of an accumulation window: stages 0 and 1
+  // every gradient, 2 and 3 their shards'.
+  int64_t between_micro_batches = 0;
+};
+
+// The elements one rank keeps under a stage.
+struct StateElements {
+  int64_t stored = 0;           // parameters: whole ones, its shards, persistent ones
+  int64_t trainable = 0;        // the model's trainable elements, whole
+  int64_t local_trainable = 0;  // what its optimizer steps (its state is sized by these)
+  GradientHold gradients;
+  int64_t bucket = 0;    // stages 1 and 2: the gradient bucket being reduced (inside gradients.peak)
+  int64_t gathered = 0;  // stage 3: a unit and the one prefetched beside it, at most
+};
+
+// options.stage's rule over `params` sharded within groups of `shard_group`
+// ranks (stage 3's bf16 shards every parameter: none persistent).
+StateElements state_elements(const ZeroOptions& options, const Bf16Options& bf16, int shard_group,
+                             const std::vector<ParameterCount>& params);
+
+// options.stage's gradients, from the model's trainable amount and this rank's part of it.
+GradientHold gradient_hold(const ZeroOptions& options, int64_t trainable, int64_t local_trainable);
+
+}  // namespace remat::parallel
