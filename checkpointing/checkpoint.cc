@@ -14,8 +14,8 @@
 #include <mutex>
 #include <optional>
 
-#include "checkpointing/region.h"
-#include "checkpointing/state.h"
+#include "checkpointing/internal/region.h"
+#include "checkpointing/internal/state.h"
 #include "nn/autograd_state.h"
 #include "rng/rng_tracker.h"
 #include "runtime/error.h"
@@ -177,88 +177,18 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     // nested in fn, its RNG tracker, its counters), on whatever thread this is.
     ContextScope scope(region->context);
     const std::string& name = region->options.name;
-    if (!torch::autograd::Engine::get_default_engine().is_checkpoint_valid()) {
-      throw Error(str(name, ": torch::autograd::grad (or backward with `inputs`) cannot run "
-                      "through a checkpointed region of the reentrant mode, whose recompute "
-                      "accumulates into .grad(); call backward() on the loss and read the "
-                      "gradients from .grad(), or use a non-reentrant region "
-                      "(CheckpointOptions::reentrant = false, activation_checkpointing.reentrant: "
-                      "false), which supports it"));
-    }
-    variable_list saved;
-    try {
-      saved = ctx->get_saved_variables();
-    } catch (const c10::Error& e) {
-      const std::string detail = e.what_without_backtrace();
-      if (detail.find("a second time") != std::string::npos) {
-        throw Error(str(name, ": backward ran through this region a second time, but its saved "
-                        "inputs were released by the first backward; pass retain_graph=true to "
-                        "the first backward() to backpropagate twice (detail: ", detail, ")"));
-      }
-      check_input_versions(*region);  // the clearer message when an input changed in place
-      throw Error(str(name, ": the region's saved tensors cannot be read: ", detail));
-    }
-    // Inputs stored outside autograd have no check of their own.
-    check_input_versions(*region);
+    variable_list saved = saved_inputs(ctx, *region);
     synchronize_if(region->options.synchronize);
-    // On a memory trace: the span of the restore and the recompute, and what
-    // the recompute allocates counts as saved activations.
-    std::optional<TraceSpan> span(std::in_place, "recompute", name);
-    std::optional<MemoryCategoryScope> activations(std::in_place, MemoryCategory::kSavedActivations);
-
-    // The kept op outputs follow the inputs in the saved list.
-    put_cached_tensors(region->selective,
-                       variable_list(saved.begin() + region->n_tensors, saved.end()));
-    saved.resize(region->n_tensors);
-    if (region->stored) {
-      auto restored = region->stored->restore();
-      for (size_t i = 0; i < saved.size(); ++i) {
-        if (restored[i].defined()) saved[i] = restored[i];
-      }
-    }
     variable_list detached;
-    for (size_t i = 0; i < saved.size(); ++i) {
-      at::Tensor d = saved[i].detach();
-      d.requires_grad_(region->input_requires_grad[i]);
-      detached.push_back(d);
-    }
-    c10::IValue output;
     std::vector<std::string> recompute_ops;
-    {
-      RngReplay replay(*region);
-      at::AutoGradMode grad(true);
-      output = run_fn(*region, detached, SelectiveOpScope::Mode::kReplay, recompute_ops);
-    }
-    activations.reset();
-    span.reset();
-    take_cached_tensors(region->selective);  // autograd owns them again
-    if (region->selective.next != region->selective.entries.size()) {
-      throw Error(str(name, ": the recompute used ", region->selective.next, " of the ",
-                      region->selective.entries.size(),
-                      " op outputs the forward saved; the region must run the same ops both "
-                      "times"));
-    }
+    const c10::IValue output = recompute(*region, std::move(saved), detached, recompute_ops);
     region->state->recomputes++;
     double recompute_ms = ms_since(start);
     log_op_sequences(*region, recompute_ops);
     std::vector<at::Tensor> outs;
     collect_tensors(output, outs, name + " output");
     if (region->options.determinism_check) check_outputs(*region, outs);
-
-    variable_list roots, grads;
-    for (size_t i = 0; i < outs.size() && i < grad_outputs.size(); ++i) {
-      if (outs[i].requires_grad() && grad_outputs[i].defined()) {
-        if (region->node != nullptr && outs[i].grad_fn().get() == region->node) {
-          throw Error(str(name, ": the recompute returned (as output ", i, ") a tensor that this "
-                          "region itself produced in its forward; backward through it would "
-                          "enter the region again. fn must compute its outputs from its "
-                          "arguments, not return results of an earlier call"));
-        }
-        roots.push_back(outs[i]);
-        grads.push_back(grad_outputs[i]);
-      }
-    }
-    if (!roots.empty()) torch::autograd::backward(roots, grads);
+    backward_from_outputs(*region, outs, grad_outputs);
     // After a backward that does not retain the graph autograd has freed what
     // it kept (inputs, selective-op outputs); stored inputs go the same way.
     if (!torch::autograd::get_current_graph_task_keep_graph()) {
@@ -278,6 +208,98 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       add_profile(*region, delta);
     }
     return result;
+  }
+
+  // What the forward saved (the inputs, then the kept op outputs), checked:
+  // a backward that may run through this region, a first one (or one after
+  // retain_graph), inputs not changed in place since.
+  static variable_list saved_inputs(AutogradContext* ctx, Region& region) {
+    const std::string& name = region.options.name;
+    if (!torch::autograd::Engine::get_default_engine().is_checkpoint_valid()) {
+      throw Error(str(name, ": torch::autograd::grad (or backward with `inputs`) cannot run "
+                      "through a checkpointed region of the reentrant mode, whose recompute "
+                      "accumulates into .grad(); call backward() on the loss and read the "
+                      "gradients from .grad(), or use a non-reentrant region "
+                      "(CheckpointOptions::reentrant = false, activation_checkpointing.reentrant: "
+                      "false), which supports it"));
+    }
+    variable_list saved;
+    try {
+      saved = ctx->get_saved_variables();
+    } catch (const c10::Error& e) {
+      const std::string detail = e.what_without_backtrace();
+      if (detail.find("a second time") != std::string::npos) {
+        throw Error(str(name, ": backward ran through this region a second time, but its saved "
+                        "inputs were released by the first backward; pass retain_graph=true to "
+                        "the first backward() to backpropagate twice (detail: ", detail, ")"));
+      }
+      check_input_versions(region);  // the clearer message when an input changed in place
+      throw Error(str(name, ": the region's saved tensors cannot be read: ", detail));
+    }
+    // Inputs stored outside autograd have no check of their own.
+    check_input_versions(region);
+    return saved;
+  }
+
+  // Restores the inputs (`saved`, as saved_inputs returns them) into
+  // `detached`, leaves that take the gradients, and runs fn again on them with
+  // grad and the forward's RNG, replaying the kept op outputs.
+  static c10::IValue recompute(Region& region, variable_list saved, variable_list& detached,
+                               std::vector<std::string>& recompute_ops) {
+    // On a memory trace: the span of the restore and the recompute, and what
+    // the recompute allocates counts as saved activations.
+    std::optional<TraceSpan> span(std::in_place, "recompute", region.options.name);
+    std::optional<MemoryCategoryScope> activations(std::in_place, MemoryCategory::kSavedActivations);
+
+    // The kept op outputs follow the inputs in the saved list.
+    put_cached_tensors(region.selective, variable_list(saved.begin() + region.n_tensors, saved.end()));
+    saved.resize(region.n_tensors);
+    if (region.stored) {
+      auto restored = region.stored->restore();
+      for (size_t i = 0; i < saved.size(); ++i) {
+        if (restored[i].defined()) saved[i] = restored[i];
+      }
+    }
+    for (size_t i = 0; i < saved.size(); ++i) {
+      at::Tensor d = saved[i].detach();
+      d.requires_grad_(region.input_requires_grad[i]);
+      detached.push_back(d);
+    }
+    c10::IValue output;
+    {
+      RngReplay replay(region);
+      at::AutoGradMode grad(true);
+      output = run_fn(region, detached, SelectiveOpScope::Mode::kReplay, recompute_ops);
+    }
+    activations.reset();
+    span.reset();
+    take_cached_tensors(region.selective);  // autograd owns them again
+    if (region.selective.next != region.selective.entries.size()) {
+      throw Error(str(region.options.name, ": the recompute used ", region.selective.next, " of the ",
+                      region.selective.entries.size(),
+                      " op outputs the forward saved; the region must run the same ops both "
+                      "times"));
+    }
+    return output;
+  }
+
+  // Backward from the recomputed outputs that require grad and got one.
+  static void backward_from_outputs(const Region& region, const std::vector<at::Tensor>& outs,
+                                    const variable_list& grad_outputs) {
+    variable_list roots, grads;
+    for (size_t i = 0; i < outs.size() && i < grad_outputs.size(); ++i) {
+      if (outs[i].requires_grad() && grad_outputs[i].defined()) {
+        if (region.node != nullptr && outs[i].grad_fn().get() == region.node) {
+          throw Error(str(region.options.name, ": the recompute returned (as output ", i, ") a tensor that this "
+                          "region itself produced in its forward; backward through it would "
+                          "enter the region again. fn must compute its outputs from its "
+                          "arguments, not return results of an earlier call"));
+        }
+        roots.push_back(outs[i]);
+        grads.push_back(grad_outputs[i]);
+      }
+    }
+    if (!roots.empty()) torch::autograd::backward(roots, grads);
   }
 
   static void check_outputs(const Region& region, const std::vector<at::Tensor>& outs) {

@@ -14,11 +14,11 @@
 #include <thread>
 
 #include "checkpointing/checkpoint.h"
-#include "checkpointing/checkpoint_modes.h"
+#include "checkpointing/options.h"
 #include "checkpointing/stored_inputs.h"
 #include "rng/rng_tracker.h"
-#include "engine/config.h"
 #include "runtime/error.h"
+#include "tests/checkpoint_modes.h"
 #include "tests/error_of.h"
 
 namespace remat {
@@ -481,11 +481,12 @@ TEST_P(CheckpointContract, OffloadingAViewMovesNoMoreThanTheStorageItCovers) {
 TEST_P(CheckpointContract, CpuCheckpointingOffloadsDeepSpeedSizedInputsByDefault) {
   // DeepSpeed's own checkpointing tests use inputs of a few KiB; turning
   // cpu_checkpointing on must move them to the host.
-  Config config = parse_config(R"({"activation_checkpointing": {"cpu_checkpointing": true}})",
-                               "<test>");
-  EXPECT_EQ(config.activation_checkpointing.offload_min_bytes, 0);
+  // The section as {"cpu_checkpointing": true} sets it (engine/checkpointing_config_test.cc).
+  ActivationCheckpointingOptions section;
+  section.cpu_checkpointing = true;
+  EXPECT_EQ(section.offload_min_bytes, 0);
   CheckpointOptions saved = default_checkpoint_options();
-  configure_checkpointing(config.activation_checkpointing);
+  configure_checkpointing(section);
   CheckpointOptions options = default_checkpoint_options();
   default_checkpoint_options() = saved;
   options.storage.offload_keep_last = false;

@@ -5,12 +5,12 @@
 #include <torch/torch.h>
 
 #include "checkpointing/checkpoint.h"
-#include "checkpointing/checkpoint_modes.h"
 #include "checkpointing/op_recorder.h"
 #include "checkpointing/sequential.h"
 #include "rng/rng_tracker.h"
 #include "runtime/context.h"
 #include "runtime/error.h"
+#include "tests/checkpoint_modes.h"
 #include "tests/error_of.h"
 
 namespace remat {

@@ -3,7 +3,7 @@
 // predicted extra time) points, and its knee, the plan that
 // memory_budget_fraction "knee" chooses.
 //
-//   remat::BlockCosts costs = remat::profile_activation_choices(*model, step, options);
+//   remat::BlockCosts costs = ...;   // profile_activation_choices (planner.h), or given
 //   std::vector<remat::FrontierPoint> frontier = remat::activation_frontier(costs);
 //   const remat::ActivationPlan& knee = frontier[remat::frontier_knee(frontier)].plan;
 //   remat::write_frontier_csv("report/frontier.csv", costs, frontier, knee);
@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "checkpointing/planner.h"
+#include "checkpointing/plan.h"
 
 namespace remat {
 

@@ -23,8 +23,8 @@
 #include <thread>
 #include <typeinfo>
 
-#include "checkpointing/region.h"
-#include "checkpointing/state.h"
+#include "checkpointing/internal/region.h"
+#include "checkpointing/internal/state.h"
 #include "nn/saved_tensors_hooks.h"
 #include "runtime/error.h"
 #include "runtime/memory_trace.h"
@@ -134,6 +134,17 @@ struct Frame {
 
   at::Tensor unpack(Slot& slot);
   void recompute(size_t upto);
+  // Which of the first `limit` slots a recompute fills: every one after the
+  // forward; during it, those whose tensors are gone.
+  std::vector<bool> slots_to_fill(bool in_forward, size_t limit);
+  // Runs fn on `values` with grad and the forward's RNG, each tensor it saves
+  // filling the next slot (counted in `next`) until `limit`: whether it got
+  // there (and stopped fn).
+  bool run_filling_slots(const std::vector<at::Tensor>& values, bool in_forward, size_t limit,
+                         const std::vector<bool>& fill, size_t& next);
+  // The recompute's pack of saved tensor #`index`: checked against the
+  // forward's, into its slot when `fill` says so.
+  at::Tensor fill_slot(const at::Tensor& t, size_t index, const std::vector<bool>& fill);
   std::vector<at::Tensor> recompute_inputs();
   std::vector<at::Tensor> forward_values();
   void drop_recomputed();
@@ -260,19 +271,12 @@ void Frame::recompute(size_t upto) {
   // The recompute runs in the forward's context (its defaults for regions
   // nested in fn, its RNG tracker, its counters), on whatever thread this is.
   ContextScope scope(r.context);
-  const std::string& name = r.options.name;
   const bool in_forward = forward_running;
   const size_t limit = in_forward ? upto + 1 : slots.size();
-  std::vector<bool> fill(limit, true);
-  if (in_forward) {
-    for (size_t i = 0; i < limit; ++i) {
-      auto slot = slots[i].lock();
-      fill[i] = slot && !slot->recomputed.defined() && !held[i].alive(metas[i]);
-    }
-  }
+  const std::vector<bool> fill = slots_to_fill(in_forward, limit);
   synchronize_if(r.options.synchronize);
   // On a memory trace: the recompute's span; what it allocates counts as saved activations.
-  TraceSpan span("recompute", name);
+  TraceSpan span("recompute", r.options.name);
   MemoryCategoryScope activations(MemoryCategory::kSavedActivations);
   recomputing = true;
   struct Reset {
@@ -281,57 +285,8 @@ void Frame::recompute(size_t upto) {
   } reset{recomputing};
   std::vector<at::Tensor> values = in_forward ? forward_values() : recompute_inputs();
   size_t next = 0;
-  bool stopped = false;
-  std::vector<std::string> ops;
-  {
-    // Also puts the RNG back afterwards: the forward goes on as it would have.
-    std::optional<RngReplay> replay;
-    try {
-      replay.emplace(r);
-    } catch (const Error& e) {
-      if (!in_forward) throw;
-      throw Error(str(name, ": a backward inside fn needs saved tensors that fn freed, and "
-                      "recomputing them needs the RNG state fn started with, which cannot be "
-                      "put back here (", e.what(), "); run that backward outside the fork"));
-    }
-    at::AutoGradMode grad(true);
-    saved_tensors_hooks scope(
-        [&](const at::Tensor& t) -> std::any {
-          if (next >= slots.size()) {
-            throw Error(str(name, ": the recompute saved more tensors for backward than the "
-                            "forward (", slots.size(), "); fn must compute the same thing both "
-                            "times (data-dependent control flow or state changed between "
-                            "forward and backward?)"));
-          }
-          if (r.options.determinism_check) {
-            const TensorMeta now = TensorMeta::of(t);
-            if (now != metas[next]) {
-              throw Error(str(name, ": saved tensor #", next, " of the recompute is ", now.str(),
-                              " but the forward saved ", metas[next].str(), "; fn must compute "
-                              "the same thing both times (turn the check off with "
-                              "CheckpointOptions::determinism_check = false only if you know "
-                              "why)"));
-            }
-          }
-          at::Tensor kept = t.detach();
-          if (fill[next]) {
-            if (auto slot = slots[next].lock()) slot->recomputed = kept;
-          }
-          if (++next == limit) throw StopRecompute{};
-          // A backward inside fn (torch::autograd::grad) runs on the
-          // recompute's own graph and reads it back.
-          return kept;
-        },
-        [](const std::any& packed) { return std::any_cast<const at::Tensor&>(packed); });
-    try {
-      InsideRegion inside;
-      run_fn(r, values, SelectiveOpScope::Mode::kReplay, ops);
-    } catch (const StopRecompute&) {
-      stopped = true;
-    }
-  }
-  if (!stopped) {
-    throw Error(str(name, ": the recompute saved ", next, " tensors for backward but the forward "
+  if (!run_filling_slots(values, in_forward, limit, fill, next)) {
+    throw Error(str(r.options.name, ": the recompute saved ", next, " tensors for backward but the forward "
                     "saved ", in_forward ? "at least " : "", limit, "; fn must compute the same "
                     "thing both times (data-dependent control flow or state changed between "
                     "forward and backward?)"));
@@ -346,6 +301,75 @@ void Frame::recompute(size_t upto) {
     if (!in_forward) delta.backward_ms = delta.recompute_ms;
     add_profile(r, delta);
   }
+}
+
+std::vector<bool> Frame::slots_to_fill(bool in_forward, size_t limit) {
+  std::vector<bool> fill(limit, true);
+  if (in_forward) {
+    for (size_t i = 0; i < limit; ++i) {
+      auto slot = slots[i].lock();
+      fill[i] = slot && !slot->recomputed.defined() && !held[i].alive(metas[i]);
+    }
+  }
+  return fill;
+}
+
+bool Frame::run_filling_slots(const std::vector<at::Tensor>& values, bool in_forward, size_t limit,
+                              const std::vector<bool>& fill, size_t& next) {
+  Region& r = *region;
+  // Also puts the RNG back afterwards: the forward goes on as it would have.
+  std::optional<RngReplay> replay;
+  try {
+    replay.emplace(r);
+  } catch (const Error& e) {
+    if (!in_forward) throw;
+    throw Error(str(r.options.name, ": a backward inside fn needs saved tensors that fn freed, and "
+                    "recomputing them needs the RNG state fn started with, which cannot be "
+                    "put back here (", e.what(), "); run that backward outside the fork"));
+  }
+  at::AutoGradMode grad(true);
+  saved_tensors_hooks scope(
+      [&](const at::Tensor& t) -> std::any {
+        at::Tensor kept = fill_slot(t, next, fill);
+        if (++next == limit) throw StopRecompute{};
+        // A backward inside fn (torch::autograd::grad) runs on the
+        // recompute's own graph and reads it back.
+        return kept;
+      },
+      [](const std::any& packed) { return std::any_cast<const at::Tensor&>(packed); });
+  std::vector<std::string> ops;
+  try {
+    InsideRegion inside;
+    run_fn(r, values, SelectiveOpScope::Mode::kReplay, ops);
+  } catch (const StopRecompute&) {
+    return true;
+  }
+  return false;
+}
+
+at::Tensor Frame::fill_slot(const at::Tensor& t, size_t index, const std::vector<bool>& fill) {
+  const std::string& name = region->options.name;
+  if (index >= slots.size()) {
+    throw Error(str(name, ": the recompute saved more tensors for backward than the "
+                    "forward (", slots.size(), "); fn must compute the same thing both "
+                    "times (data-dependent control flow or state changed between "
+                    "forward and backward?)"));
+  }
+  if (region->options.determinism_check) {
+    const TensorMeta now = TensorMeta::of(t);
+    if (now != metas[index]) {
+      throw Error(str(name, ": saved tensor #", index, " of the recompute is ", now.str(),
+                      " but the forward saved ", metas[index].str(), "; fn must compute "
+                      "the same thing both times (turn the check off with "
+                      "CheckpointOptions::determinism_check = false only if you know "
+                      "why)"));
+    }
+  }
+  at::Tensor kept = t.detach();
+  if (fill[index]) {
+    if (auto slot = slots[index].lock()) slot->recomputed = kept;
+  }
+  return kept;
 }
 
 // Marks the region's forward as running while fn runs, with the arguments a

@@ -14,12 +14,12 @@
 #include <functional>
 
 #include "checkpointing/checkpoint.h"
-#include "checkpointing/checkpoint_modes.h"
 #include "checkpointing/op_recorder.h"
 #include "checkpointing/stored_inputs.h"
 #include "rng/rng_tracker.h"
 #include "runtime/error.h"
 #include "runtime/memory.h"
+#include "tests/checkpoint_modes.h"
 #include "tests/error_of.h"
 
 namespace remat {

@@ -13,7 +13,7 @@
 #include <unordered_set>
 #include <vector>
 
-#include "checkpointing/host_transfer.h"
+#include "checkpointing/internal/host_transfer.h"
 #include "nn/module_call.h"
 #include "nn/saved_tensors_hooks.h"
 #include "runtime/context.h"

@@ -12,7 +12,6 @@
 #include "checkpointing/offload_activations.h"
 #include "nn/module_call.h"
 #include "rng/rng_tracker.h"
-#include "engine/config.h"
 #include "runtime/context.h"
 #include "runtime/error.h"
 #include "runtime/memory.h"
@@ -338,22 +337,7 @@ TEST(OffloadActivations, OptionsAndConfigErrorsSayWhatToChange) {
   bad.max_fwd_stash_size = 0;
   EXPECT_THAT(error_of<ConfigError>([&] { OffloadActivations scope(bad); }),
               HasSubstr("'activation_offloading.max_fwd_stash_size' = 0 must be at least 1"));
-  Config c = parse_config(R"({"activation_offloading": {"enabled": true, "min_offload_size": 0,
-                              "max_fwd_stash_size": 2, "use_streams": false, "head": "head"}})",
-                          "test");
-  EXPECT_TRUE(c.activation_offloading.enabled);
-  EXPECT_EQ(c.activation_offloading.min_offload_size, 0);
-  EXPECT_EQ(c.activation_offloading.max_fwd_stash_size, 2);
-  EXPECT_FALSE(c.activation_offloading.use_streams);
-  EXPECT_TRUE(c.activation_offloading.use_pin_memory);
-  EXPECT_THAT(error_of<ConfigError>([] {
-                parse_config(R"({"activation_offloading": {"min_offload_bytes": 5}})", "test");
-              }),
-              HasSubstr("min_offload_bytes"));
-  EXPECT_THAT(error_of<ConfigError>([] {
-                parse_config(R"({"activation_offloading": {"min_offload_size": -1}})", "test");
-              }),
-              HasSubstr("'activation_offloading.min_offload_size' = -1 must be >= 0"));
+  // The JSON section's keys and errors: engine/checkpointing_config_test.cc.
   torch::manual_seed(0);
   Net net;
   OffloadActivationsOptions named;

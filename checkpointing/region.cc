@@ -1,4 +1,4 @@
-#include "checkpointing/region.h"
+#include "checkpointing/internal/region.h"
 
 #include <ATen/ATen.h>
 #include <torch/cuda.h>
@@ -6,8 +6,8 @@
 #include <algorithm>
 #include <mutex>
 
+#include "checkpointing/internal/state.h"
 #include "checkpointing/op_recorder.h"
-#include "checkpointing/state.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
 #include "runtime/memory_trace.h"

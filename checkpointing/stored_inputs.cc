@@ -7,8 +7,8 @@
 #include <deque>
 #include <mutex>
 
-#include "checkpointing/host_transfer.h"
-#include "checkpointing/state.h"
+#include "checkpointing/internal/host_transfer.h"
+#include "checkpointing/internal/state.h"
 #include "runtime/communicator.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"

@@ -23,7 +23,6 @@
 #endif
 
 #include "checkpointing/checkpoint.h"
-#include "checkpointing/checkpoint_modes.h"
 #include "checkpointing/offload_activations.h"
 #include "checkpointing/policy.h"
 #include "engine/config.h"
@@ -33,6 +32,7 @@
 #include "rng/rng_tracker.h"
 #include "runtime/error.h"
 #include "runtime/memory.h"
+#include "tests/checkpoint_modes.h"
 
 namespace remat {
 namespace {

@@ -62,12 +62,12 @@ bin=$(bazel_s info "${flags[@]}" bazel-bin 2>/dev/null)
 run "config_test (fuzz included) under ASan + UBSan" "$bin/engine/config_test"
 if [[ $mode == full ]]; then
   for t in runtime/runtime_unit_test runtime/memory_test rng/rng_tracker_test \
-           checkpointing/checkpoint_test checkpointing/policy_test checkpointing/checkpoint_contract_test \
+           checkpointing/checkpoint_test tests/policy_test checkpointing/checkpoint_contract_test \
            nn/module_call_test engine/optim_test optim/host_adam_test; do
     run "$t under ASan + UBSan" "$bin/$t"
   done
   for t in runtime/communicator_test_bin parallel/parallel_test_bin parallel/zero_test_bin engine/zero_engine_test_bin \
-           checkpointing/stored_inputs_test_bin engine/engine_test_bin; do
+           tests/stored_inputs_test_bin engine/engine_test_bin; do
     for np in 2 4; do
       run "$t at $np ranks under ASan + UBSan" launch/remat-run.sh -np "$np" -- "$bin/$t"
     done

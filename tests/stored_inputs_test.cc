@@ -9,16 +9,16 @@
 #include <map>
 
 #include "checkpointing/checkpoint.h"
-#include "checkpointing/checkpoint_modes.h"
+#include "checkpointing/options.h"
 #include "checkpointing/policy.h"
 #include "checkpointing/stored_inputs.h"
 #include "models/gpt.h"
 #include "parallel/layers.h"
 #include "rng/rng_tracker.h"
-#include "engine/config.h"
 #include "runtime/error.h"
 #include "runtime/layout.h"
 #include "runtime/runtime.h"
+#include "tests/checkpoint_modes.h"
 #include "tests/error_of.h"
 #include "tests/parallel_setup.h"
 
@@ -36,8 +36,8 @@ std::vector<int> tp_sizes() { return remat::testing::tp_sizes(4); }
 class StoredInputs : public CheckpointModes {};
 INSTANTIATE_CHECKPOINT_MODES(StoredInputs);
 
-ActivationCheckpointingConfig ac(const std::string& variant) {
-  ActivationCheckpointingConfig c;
+ActivationCheckpointingOptions ac(const std::string& variant) {
+  ActivationCheckpointingOptions c;
   c.variant = checkpoint_variant_from_name(variant);
   c.reentrant = default_checkpoint_options().reentrant;  // the mode the case runs in
   return c;
@@ -64,7 +64,7 @@ models::GptOptions gpt_options(int tp, double dropout) {
 // `steps` SGD steps of a GPT at tensor-parallel size tp, checkpointed as
 // `config` says (variant none: no regions). Dropout acts inside
 // tensor-parallel regions (attention probabilities) and outside (residuals).
-Trace train(int tp, const ActivationCheckpointingConfig& config, int steps = 3,
+Trace train(int tp, const ActivationCheckpointingOptions& config, int steps = 3,
             double dropout = 0.1) {
   DefaultOptionsGuard guard;
   configure_checkpointing(config, &layout(tp));
@@ -358,23 +358,10 @@ TEST_P(StoredInputs, ContiguousBuffersHoldEverySlotAndRefuseOneRegionTooMany) {
 
 TEST_P(StoredInputs, ConfigurationErrorsNameTheKeyToChange) {
   DefaultOptionsGuard guard;
-  auto message = error_of<ConfigError>([] {
-    parse_config(R"({"activation_checkpointing": {"partition_activations": true,
-                      "contiguous_memory_optimization": true}})", "<test>");
-  });
-  EXPECT_THAT(message, HasSubstr("'activation_checkpointing.number_checkpoints' is not set"));
-  message = error_of<ConfigError>([] {
-    parse_config(R"({"activation_checkpointing": {"contiguous_memory_optimization": true,
-                      "number_checkpoints": 4}})", "<test>");
-  });
-  EXPECT_THAT(message, HasSubstr("set 'partition_activations' or 'cpu_checkpointing' to true"));
-  message = error_of<ConfigError>([] {
-    parse_config(R"({"activation_checkpointing": {"offload_max_in_flight": 0}})", "<test>");
-  });
-  EXPECT_THAT(message, HasSubstr("'activation_checkpointing.offload_max_in_flight' = 0 must be at least 1"));
+  // What the JSON section refuses: engine/checkpointing_config_test.cc.
   auto partition = ac("full");
   partition.partition_activations = true;
-  message = error_of<ConfigError>([&] { configure_checkpointing(partition); });
+  auto message = error_of<ConfigError>([&] { configure_checkpointing(partition); });
   EXPECT_THAT(message, HasSubstr("pass the parallel layout to remat::configure_checkpointing"));
   message = error_of<ConfigError>([] {
     models::GptOptions o = gpt_options(1, 0.0);

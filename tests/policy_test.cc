@@ -7,15 +7,15 @@
 #include <torch/torch.h>
 
 #include "checkpointing/checkpoint.h"
-#include "checkpointing/checkpoint_modes.h"
 #include "checkpointing/op_recorder.h"
+#include "checkpointing/options.h"
 #include "checkpointing/policy.h"
 #include "checkpointing/selective_op.h"
 #include "models/stack.h"
 #include "rng/rng_tracker.h"
-#include "engine/config.h"
 #include "runtime/error.h"
 #include "runtime/memory.h"
+#include "tests/checkpoint_modes.h"
 #include "tests/error_of.h"
 
 namespace remat {
@@ -111,14 +111,13 @@ TEST_P(Policies, EveryKFromTheFirstOrTheLastBlock) {
     auto ckpt = step(model, x);
     for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(torch::equal(plain[i], ckpt[i])) << from << " " << i;
   }
-  // every_k_from is an enum: a name that is not one is refused where JSON is read.
-  EXPECT_THAT(error_of<Error>([] {
-                parse_config(R"({"activation_checkpointing": {"every_k_from": "middle"}})", "test");
-              }),
-              HasSubstr("'activation_checkpointing.every_k_from' = \"middle\" is not one of first, last"));
-  Config cfg = parse_config(
-      R"({"activation_checkpointing": {"variant": "selective_layer", "every_k": 4, "every_k_from": "last"}})", "test");
-  EXPECT_EQ(apply_activation_checkpointing(*model, cfg.activation_checkpointing), 2);
+  // every_k_from is an enum: a name that is not one is refused where JSON is
+  // read (engine/checkpointing_config_test.cc, which also reads this section).
+  ActivationCheckpointingOptions section;
+  section.variant = CheckpointVariant::kSelectiveLayer;
+  section.every_k = 4;
+  section.every_k_from = EveryKFrom::kLast;
+  EXPECT_EQ(apply_activation_checkpointing(*model, section), 2);
 }
 
 TEST_P(Policies, RecomputeCounts) {
@@ -265,20 +264,20 @@ TEST_P(Policies, ErrorsNameWhatToChange) {
               HasSubstr("did you mean 'aten::mm'?"));
 }
 
+// The section as the JSON {"variant": "selective_layer", "every_k": 4} sets it
+// (engine/checkpointing_config_test.cc reads that JSON into these fields).
 TEST_P(Policies, FromConfig) {
-  Config cfg = parse_config(R"({"activation_checkpointing": {"variant": "selective_layer", "every_k": 4}})",
-                            "test");
-  EXPECT_EQ(apply_activation_checkpointing(*model, PolicyOptions(cfg.activation_checkpointing)), 2);
+  ActivationCheckpointingOptions section;
+  section.variant = CheckpointVariant::kSelectiveLayer;
+  section.every_k = 4;
+  EXPECT_EQ(apply_activation_checkpointing(*model, PolicyOptions(section)), 2);
 }
 
 // The policy's settings are the section's (one declaration, one default): a
-// PolicyOptions built by hand starts where an empty JSON section does.
+// PolicyOptions built by hand starts where an empty JSON section does
+// (engine/checkpointing_config_test.cc compares the two).
 TEST_P(Policies, OptionsStartFromTheSectionsDefaults) {
   const PolicyOptions by_hand;
-  const PolicyOptions from_json(parse_config("{}", "test").activation_checkpointing);
-  EXPECT_EQ(by_hand.variant, from_json.variant);
-  EXPECT_EQ(by_hand.every_k, from_json.every_k);
-  EXPECT_EQ(by_hand.save_ops, from_json.save_ops);
   EXPECT_EQ(apply_activation_checkpointing(*model, by_hand), 0) << "variant none marks nothing";
 
   // An explicit empty save_ops list keeps no op output (every op recomputed);
@@ -308,7 +307,7 @@ TEST_P(Policies, ConfigureAfterThePolicyTakesEffectAndFixedOptionsWin) {
   const CheckpointOptions saved = default_checkpoint_options();
   auto plain = step(model, x);
   apply_activation_checkpointing(*model, variant("full"));
-  ActivationCheckpointingConfig offload;
+  ActivationCheckpointingOptions offload;
   offload.cpu_checkpointing = true;
   offload.offload_keep_last = false;
   configure_checkpointing(offload);

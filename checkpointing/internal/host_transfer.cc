@@ -1,4 +1,4 @@
-#include "checkpointing/host_transfer.h"
+#include "checkpointing/internal/host_transfer.h"
 
 #include <ATen/ATen.h>
 

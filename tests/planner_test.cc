@@ -11,7 +11,6 @@
 #include <random>
 
 #include "checkpointing/checkpoint.h"
-#include "checkpointing/checkpoint_modes.h"
 #include "checkpointing/frontier.h"
 #include "checkpointing/offload_activations.h"
 #include "checkpointing/planner.h"
@@ -21,6 +20,7 @@
 #include "rng/rng_tracker.h"
 #include "runtime/error.h"
 #include "runtime/memory.h"
+#include "tests/checkpoint_modes.h"
 #include "tests/error_of.h"
 
 namespace remat {
