@@ -58,8 +58,8 @@ std::vector<std::string> split(const std::string& s) {
 
 // The activation_checkpointing section of a variant; a "_reentrant" suffix
 // (full_reentrant, every_k2_reentrant, ...) selects reentrant regions.
-ActivationCheckpointingConfig config_of(const std::string& name) {
-  ActivationCheckpointingConfig c;
+ActivationCheckpointingOptions config_of(const std::string& name) {
+  ActivationCheckpointingOptions c;
   const std::string suffix = "_reentrant";
   std::string variant = name;
   if (variant.size() > suffix.size() &&
@@ -160,7 +160,7 @@ int bench(int argc, char** argv) {
     at::Tensor targets = idx.roll(-1, 1);
     // Each step configures its own variant: the region defaults (storage,
     // reentrant) are process-wide.
-    std::map<std::string, ActivationCheckpointingConfig> configs;
+    std::map<std::string, ActivationCheckpointingOptions> configs;
     for (const auto& v : split(variants)) configs[v] = config_of(v);
     struct Result {
       double fwd_ms, step_ms, step_cpu_ms, loss;

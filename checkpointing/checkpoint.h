@@ -141,11 +141,11 @@ int64_t checkpoint_recompute_count();
 // The typed front: fn is called with the same argument types it was given.
 template <typename F, typename... Args>
 auto checkpoint_with(const CheckpointOptions& options, F&& fn, Args&&... args) {
-  using Result = detail::Plain<std::invoke_result_t<F&, detail::Plain<Args>...>>;
-  std::vector<c10::IValue> packed{detail::IValueCodec<detail::Plain<Args>>::encode(args)...};
+  using Result = Plain<std::invoke_result_t<F&, Plain<Args>...>>;
+  std::vector<c10::IValue> packed{IValueCodec<Plain<Args>>::encode(args)...};
   // The body outlives this call (backward recomputes with it): it keeps a copy of fn.
   CheckpointFn body = erase_types<Args...>(std::forward<F>(fn));
-  return detail::IValueCodec<Result>::decode(checkpoint_ivalues(body, std::move(packed), options));
+  return IValueCodec<Result>::decode(checkpoint_ivalues(body, std::move(packed), options));
 }
 
 template <typename F, typename... Args>

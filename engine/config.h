@@ -46,17 +46,6 @@ struct SchedulerConfig {
   int64_t total_num_steps = 0;      // WarmupDecayLR only; required there
 };
 
-// The sections that configure a library are that library's own option
-// structs, declared (with each field's documentation and default) and
-// validated there; config.cc binds their JSON keys onto the structs' fields.
-// bf16 and zero_optimization: parallel::ZeroModel (parallel/zero_options.h).
-using Bf16Config = parallel::Bf16Options;
-using ZeroConfig = parallel::ZeroOptions;
-// activation_checkpointing: the region defaults and the whole-model policy;
-// activation_offloading: the offloading scope (checkpointing/options.h).
-using ActivationCheckpointingConfig = ActivationCheckpointingOptions;
-using ActivationOffloadingConfig = OffloadActivationsOptions;
-
 // tensor_parallel: ranks per tensor-parallel group (runtime/layout.h), and
 // sequence parallelism over that group (models/stack.h: StackOptions).
 struct TensorParallelConfig {
@@ -70,9 +59,6 @@ struct TensorParallelConfig {
   // Sequence parallelism in effect: asked for, over more than one rank.
   bool sequence_parallel_active() const { return sequence_parallel && size > 1; }
 };
-
-// model: the GPT's and the test stack's shape (models/shape.h).
-using ModelConfig = models::ModelShape;
 
 // data: the corpus remat-train reads (data/dataset.h).
 struct DataConfig {
@@ -112,12 +98,16 @@ struct Config {
   bool wall_clock_breakdown = false;
   OptimizerConfig optimizer;
   SchedulerConfig scheduler;
-  Bf16Config bf16;
-  ZeroConfig zero_optimization;
-  ActivationCheckpointingConfig activation_checkpointing;
-  ActivationOffloadingConfig activation_offloading;
+  // The sections that configure a library have that library's own options
+  // struct as their type, declared (with each field's documentation and
+  // default) and validated there; config.cc binds their JSON keys onto the
+  // structs' fields.
+  parallel::Bf16Options bf16;                               // parallel/zero_options.h
+  parallel::ZeroOptions zero_optimization;                  // parallel/zero_options.h
+  ActivationCheckpointingOptions activation_checkpointing;  // checkpointing/options.h
+  OffloadActivationsOptions activation_offloading;          // checkpointing/options.h
   TensorParallelConfig tensor_parallel;
-  ModelConfig model;
+  models::ModelShape model;  // models/shape.h
   DataConfig data;
   TrainConfig train;
 

@@ -787,7 +787,7 @@ TEST(ConfigMessages, ASectionGivenWholeIsMergedIntoTheFilesSection) {
   EXPECT_EQ(c.optimizer.weight_decay, 0.1);
   EXPECT_EQ(c.optimizer.momentum, 0.9);
   // A section the file leaves out starts from the defaults, as before.
-  EXPECT_EQ(parse("{}", {R"(model={"n_layer": 3})"}).model.d_model, ModelConfig{}.d_model);
+  EXPECT_EQ(parse("{}", {R"(model={"n_layer": 3})"}).model.d_model, models::ModelShape{}.d_model);
   // Its keys are checked as before.
   EXPECT_THAT(config_error([] { parse(R"({"model": {"d_model": 64}})", {R"(model={"n_layr": 2})"}); }),
               HasSubstr("unknown key 'model.n_layr'"));

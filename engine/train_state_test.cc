@@ -302,9 +302,9 @@ TEST(Export, TensorParallelShardsAreGatheredWhole) {
   models::Gpt plain(remat::testing::small_gpt(31, 2, 0.0, 1));
   std::vector<std::shared_ptr<torch::nn::Module>> units;
   for (const auto& b : *model->blocks) units.push_back(b);
-  ZeroConfig zc;
+  parallel::ZeroOptions zc;
   zc.stage = 2;
-  parallel::ZeroModel zero(*model, units, l.dp_group(), zc, Bf16Config{}, parallel::sharded_parameters(*model));
+  parallel::ZeroModel zero(*model, units, l.dp_group(), zc, parallel::Bf16Options{}, parallel::sharded_parameters(*model));
   const auto params = consolidated_parameters(zero, *model);
   ASSERT_EQ(params.size(), plain->named_parameters().size());
   // The size estimate counts shards at their whole size.

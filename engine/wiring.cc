@@ -221,7 +221,7 @@ void Engine::Impl::wire_layout(const Config& config) {
 void Engine::Impl::wire_checkpointing(torch::nn::Module& model, const Config& config, const std::string& blocks,
                                       int64_t n_blocks) {
   install_saved_tensors_hooks_engine();
-  ActivationCheckpointingConfig checkpointing = config.activation_checkpointing;
+  ActivationCheckpointingOptions checkpointing = config.activation_checkpointing;
   checkpointing.profile = true;
   if (config.tensor_parallel.sequence_parallel_active() && checkpointing.partition_activations) {
     // A region's input is this rank's own chunk of the sequence, different on

@@ -111,13 +111,6 @@ std::tuple<Ts...> decode_args(const std::vector<c10::IValue>& in, std::index_seq
 
 }  // namespace internal
 
-// The names checkpointing/checkpoint.h still gives the codec; when it names
-// them unqualified, this goes (docs/architecture.md, "Namespaces").
-namespace detail {
-using ::remat::IValueCodec;
-using ::remat::Plain;
-}  // namespace detail
-
 // fn (taking Args...) as an IValueFn; fn is copied into it.
 template <typename... Args, typename F>
 IValueFn erase_types(F&& fn) {
