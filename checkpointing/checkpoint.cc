@@ -25,6 +25,28 @@
 
 namespace remat {
 
+// checkpointing/internal/: the region and the state.
+using internal::TensorMeta;
+using internal::Region;
+using internal::Clock;
+using internal::ms_since;
+using internal::add_profile;
+using internal::synchronize_if;
+using internal::collect_tensors;
+using internal::with_tensors;
+using internal::placeholders;
+using internal::make_region;
+using internal::store_inputs;
+using internal::record_input_versions;
+using internal::check_input_versions;
+using internal::RngReplay;
+using internal::restore_rng_after_throw;
+using internal::run_fn;
+using internal::log_op_sequences;
+using internal::checkpoint_non_reentrant;
+using internal::CheckpointingState;
+
+
 CheckpointOptions& default_checkpoint_options() { return CheckpointingState::current().defaults; }
 
 void configure_checkpointing(const RegionSettings& config, const ParallelLayout* mpu) {

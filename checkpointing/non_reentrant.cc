@@ -30,6 +30,22 @@
 #include "runtime/memory_trace.h"
 
 namespace remat {
+
+// checkpointing/internal/: the region and the state.
+using internal::TensorMeta;
+using internal::Region;
+using internal::Clock;
+using internal::ms_since;
+using internal::add_profile;
+using internal::synchronize_if;
+using internal::make_region;
+using internal::store_inputs;
+using internal::record_input_versions;
+using internal::check_input_versions;
+using internal::RngReplay;
+using internal::restore_rng_after_throw;
+using internal::run_fn;
+
 namespace {
 
 struct Frame;
@@ -404,8 +420,8 @@ class ForwardRunning {
 
 }  // namespace
 
-c10::IValue checkpoint_non_reentrant(const CheckpointFn& fn, std::vector<c10::IValue> args,
-                                     const CheckpointOptions& options) {
+c10::IValue internal::checkpoint_non_reentrant(const CheckpointFn& fn, std::vector<c10::IValue> args,
+                                               const CheckpointOptions& options) {
   auto start = Clock::now();
   std::vector<at::Tensor> inputs;
   auto frame = std::make_shared<Frame>();

@@ -12,7 +12,7 @@
 #include "runtime/logging.h"
 #include "runtime/memory_trace.h"
 
-namespace remat {
+namespace remat::internal {
 
 std::string TensorMeta::str() const {
   return remat::str(c10::toString(dtype), " ", c10::IntArrayRef(sizes), " on ", device.str());
@@ -242,4 +242,4 @@ void log_op_sequences(const Region& region, const std::vector<std::string>& reco
   }
 }
 
-}  // namespace remat
+}  // namespace remat::internal

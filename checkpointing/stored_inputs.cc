@@ -15,6 +15,12 @@
 #include "runtime/memory_trace.h"
 
 namespace remat {
+
+// checkpointing/internal/: the region and the state.
+using internal::StoredInputChain;
+using internal::StoredInputCounters;
+using internal::CheckpointingState;
+
 namespace {
 
 

@@ -45,7 +45,9 @@ namespace remat {
 class Communicator;
 class Context;
 class ContiguousBuffers;
-struct CheckpointingState;
+namespace internal {
+struct CheckpointingState;  // checkpointing/internal/state.h
+}
 
 // offload_min_bytes, offload_max_in_flight and offload_keep_last come from
 // OffloadSettings (checkpointing/options.h), where they are documented.
@@ -158,7 +160,7 @@ class StoredInputs {
   void prefetch();
 
   std::shared_ptr<Context> context_;
-  CheckpointingState* state_;
+  internal::CheckpointingState* state_;
   InputStorageOptions options_;
   std::string region_;
   std::vector<std::unique_ptr<Entry>> entries_;  // one per input; null when not stored

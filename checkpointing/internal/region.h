@@ -26,7 +26,7 @@ struct Node;
 }
 }  // namespace torch
 
-namespace remat {
+namespace remat::internal {
 
 struct CheckpointingState;
 
@@ -142,4 +142,4 @@ void log_op_sequences(const Region& region, const std::vector<std::string>& reco
 c10::IValue checkpoint_non_reentrant(const CheckpointFn& fn, std::vector<c10::IValue> args,
                                      const CheckpointOptions& options);
 
-}  // namespace remat
+}  // namespace remat::internal

@@ -21,11 +21,14 @@
 
 namespace remat {
 
-struct Region;  // one live checkpoint region (region.h)
 class StoredInputs;
 namespace host_transfer {
 class PendingCopy;
 }
+
+namespace internal {
+
+struct Region;  // one live checkpoint region (region.h)
 
 // The regions with stored inputs in forward order (a region's backward
 // prefetches the one before it), the region whose offload waits until the
@@ -65,4 +68,5 @@ struct CheckpointingState {
   static CheckpointingState& current() { return Context::current().get<CheckpointingState>(); }
 };
 
+}  // namespace internal
 }  // namespace remat
