@@ -197,7 +197,7 @@ TrainRun train(const TrainSetup& s) {
 }
 
 TEST(ZeroEngine, Stage3MatchesStage0WithinFloatTolerance) {
-  RUN_AT_WORLD_SIZES(2, 3, 4);
+  RUN_AT_WORLD_SIZES(1, 2, 3, 4);
   for (int tp : tp_sizes()) {
     TrainSetup s;
     s.tp = tp;
@@ -243,7 +243,7 @@ TEST(ZeroEngine, CheckpointingOnAndOffIsBitwiseAtStage3) {
 }
 
 TEST(ZeroEngine, ModelStateBytesAreSixteenPsiOverN) {
-  RUN_AT_WORLD_SIZES(2, 3);
+  RUN_AT_WORLD_SIZES(1, 2, 3);
   TrainSetup s;
   s.steps = 1;
   const TrainRun r = train(s);
@@ -366,7 +366,7 @@ void expect_close_losses(const TrainRun& a, const TrainRun& b, const std::string
 // piece, in pieces, or by broadcasts) trains as stage 0 does, within float
 // tolerance (the same bound and reasoning as stage 3's).
 TEST(ZeroEngine, Stages1And2MatchStage0WithinFloatTolerance) {
-  RUN_AT_WORLD_SIZES(2, 3);
+  RUN_AT_WORLD_SIZES(1, 2, 3);
   for (int tp : tp_sizes()) {
     TrainSetup s;
     s.tp = tp;
@@ -417,7 +417,7 @@ TEST(ZeroEngine, Stages1And2WithCheckpointingAndAccumulationMatchStage0) {
 // bucket) and the gradient buckets being reduced (each at most
 // reduce_bucket_size elements).
 TEST(ZeroEngine, Stages1And2ModelStateBytesFollowThePaper) {
-  RUN_AT_WORLD_SIZES(2, 3);
+  RUN_AT_WORLD_SIZES(1, 2, 3);
   const int n = layout(1).dp_group()->size();
   for (int stage : {0, 1, 2, 3}) {
     TrainSetup s;
