@@ -214,7 +214,8 @@ class Engine {
   friend std::unique_ptr<Engine> initialize(std::shared_ptr<torch::nn::Module>, Config, EngineOptions);
   friend class GatheredParameters;
   Engine(std::shared_ptr<torch::nn::Module> model, Config config, EngineOptions options);
-  // The engine's state (engine.cc): for its own calls, GatheredParameters and EvaluationScope.
+  // The engine's state between calls (engine/internal/engine_impl.h): for its own
+  // calls, GatheredParameters and EvaluationScope.
   struct Impl;
   Impl& impl() const { return *impl_; }
 
