@@ -88,13 +88,4 @@ StateElements state_elements(const ZeroOptions& options, const Bf16Options& bf16
   }
 }
 
-GradientHold gradient_hold(const ZeroOptions& options, int64_t trainable, int64_t local_trainable) {
-  switch (options.stage) {
-    case 0: return data_parallel_gradients(trainable, local_trainable);
-    case 1:
-    case 2: return stage12_gradients(options, trainable, local_trainable);
-    default: return stage3_gradients(trainable, local_trainable);
-  }
-}
-
 }  // namespace remat::parallel

@@ -46,7 +46,4 @@ struct StateElements {
 StateElements state_elements(const ZeroOptions& options, const Bf16Options& bf16, int shard_group,
                              const std::vector<ParameterCount>& params);
 
-// options.stage's gradients, from the model's trainable amount and this rank's part of it.
-GradientHold gradient_hold(const ZeroOptions& options, int64_t trainable, int64_t local_trainable);
-
 }  // namespace remat::parallel
