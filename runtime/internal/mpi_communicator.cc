@@ -469,15 +469,17 @@ std::shared_ptr<Work> MpiCommunicator::launch(Launch&& l) {
   const uint64_t span = begin_trace_span("collective", l.op, what);
   try {
     MemoryCategoryScope buffers(MemoryCategory::kCommunication);
-    auto staging = std::make_shared<HostStaging>(plan);
-    std::vector<at::Tensor> args = staging->stage(l.tensors, l.roles);
-    if (plan.stage) {
-      work->keep_alive.insert(work->keep_alive.end(), args.begin(), args.end());
+    if (!plan.stage) {
+      l.start(*work, l.tensors);
+    } else {
+      auto staging = std::make_shared<HostStaging>(plan);
+      std::vector<at::Tensor> host = staging->stage(l.tensors, l.roles);
+      work->keep_alive.insert(work->keep_alive.end(), host.begin(), host.end());
       note_staged(staging->bytes(), plan.pinned, what);
+      l.start(*work, host);
+      // After the op's own finishing steps, which write the stand-ins.
+      work->finish.push_back([staging] { staging->finish(); });
     }
-    l.start(*work, args);
-    // After the op's own finishing steps, which write the stand-ins.
-    if (plan.stage) work->finish.push_back([staging] { staging->finish(); });
   } catch (...) {
     end_trace_span(span);
     throw;
