@@ -97,14 +97,14 @@ def targets_of(shape, remat, torch_side, lim):
     for v in ("full", "full_reentrant"):
         if remat.has(v):
             r = remat.ms(v) / (t_none + t_fwd)
-            out.append((f"{LABEL[v]} ≤ {FULL_SLACK} × (T_none + T_fwd)",
+            out.append((f"{LABEL[v]} ≤ {FULL_SLACK:.2f} × (T_none + T_fwd)",
                         f"{remat.ms(v):.2f} ms / {t_none + t_fwd:.2f} ms = {r:.3f}", verdict(r <= FULL_SLACK)))
     if remat.has("act_offload"):
         if bound is None:
             out.append(("activation offloading ≤ 1.10 × its bound", "no copy bandwidth measured", "n/a"))
         else:
             r = remat.ms("act_offload") / bound
-            out.append((f"activation offloading ≤ {OFFLOAD_SLACK} × its bound",
+            out.append((f"activation offloading ≤ {OFFLOAD_SLACK:.2f} × its bound",
                         f"{remat.ms('act_offload'):.2f} ms / {bound:.2f} ms = {r:.3f}", verdict(r <= OFFLOAD_SLACK)))
     if shape["role"] == "compute-bound" and remat.has("selective_op"):
         if not torch_side.has("selective_ac"):
