@@ -8,7 +8,12 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/serialize.h>
+#include <unistd.h>
 
+#include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <string>
 
@@ -182,6 +187,68 @@ TEST(EngineDevice, CudaIsRefusedWhereNoneIsVisibleAndTheNextInitializeGoesAhead)
               HasSubstr("'EngineOptions::device' = \"gpu\" is not a device"));
   Trained t("cpu");  // after a refusal the next initialize goes ahead
   EXPECT_EQ(t.engine->device(), at::Device(at::kCPU));
+}
+
+// What a GPU user does (skipped without CUDA; ctest's device_test_np1 on a
+// GPU machine): a model built on the CPU is placed on the local rank's device
+// and trains on batches moved by to_device; its save, host tensors, loads
+// into a CPU engine with the same values, and the CPU engine's save loads
+// back onto the GPU, where the optimizer steps with the loaded state; the
+// export holds host tensors.
+std::map<std::string, at::Tensor> host_values(const torch::nn::Module& model) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : model.named_parameters()) out[item.key()] = item.value().detach().cpu().clone();
+  return out;
+}
+
+void train_steps(Trained& t, int steps) {
+  for (int i = 0; i < steps; ++i) {
+    at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(40 + t.engine->global_steps()));
+    at::Tensor x = t.engine->to_device(at::randint(kVocab, {2, 12}, gen, at::kLong));
+    at::Tensor y = t.engine->to_device(at::randint(kVocab, {2, 12}, gen, at::kLong));
+    EXPECT_EQ(x.device(), t.engine->device());
+    t.engine->backward(t.engine->forward([&] { return t.model->loss(x, y); }));
+    t.engine->step();
+  }
+}
+
+TEST(EngineDeviceGpu, PlacesTrainsAndSavesToTheCpuAndBack) {
+  if (!cuda_here()) GTEST_SKIP() << "no CUDA device is visible: this case runs on a GPU machine";
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / str("remat_device_test_", ::getppid());
+  fs::remove_all(dir);
+  Trained gpu;  // auto: the local rank's CUDA device
+  ASSERT_TRUE(gpu.engine->device().is_cuda());
+  for (const auto& p : gpu.model->parameters()) EXPECT_EQ(p.device(), gpu.engine->device());
+  train_steps(gpu, 2);
+  gpu.engine->save_checkpoint((dir / "from_gpu").string());
+  const auto trained_on_gpu = host_values(*gpu.model);
+
+  Trained cpu("cpu");
+  cpu.engine->load_checkpoint((dir / "from_gpu").string());
+  for (const auto& [name, value] : host_values(*cpu.model)) {
+    EXPECT_TRUE(at::equal(value, trained_on_gpu.at(name))) << name << " differs after the GPU save's load on the CPU";
+  }
+  train_steps(cpu, 1);  // the loaded optimizer state steps on the CPU
+  cpu.engine->save_checkpoint((dir / "from_cpu").string());
+  const auto trained_on_cpu = host_values(*cpu.model);
+
+  gpu.engine->load_checkpoint((dir / "from_cpu").string());
+  for (const auto& item : gpu.model->named_parameters()) {
+    EXPECT_TRUE(item.value().is_cuda()) << item.key();
+    EXPECT_TRUE(at::equal(item.value().detach().cpu(), trained_on_cpu.at(item.key()))) << item.key();
+  }
+  train_steps(gpu, 1);  // the loaded optimizer state is on the parameters' device
+  EXPECT_TRUE(std::isfinite(gpu.engine->last_metrics().loss));
+
+  const std::string exported = (dir / "model.pt").string();
+  gpu.engine->export_model(exported);
+  std::ifstream in(exported, std::ios::binary);
+  const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  for (const auto& item : torch::pickle_load(bytes).toGenericDict()) {
+    EXPECT_TRUE(item.value().toTensor().is_cpu()) << item.key().toStringRef() << " exported off the host";
+  }
+  fs::remove_all(dir);
 }
 
 }  // namespace

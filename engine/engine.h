@@ -4,8 +4,9 @@
 // offloading, sharding (ZeRO stages 0-3, hybrid), the optimizer and learning
 // rate schedule, and the step counters; the training loop stays the user's.
 //
-//   auto engine = remat::initialize(model, "ds_config.json");
+//   auto engine = remat::initialize(model, "ds_config.json");  // places the model (train.device)
 //   for (...) {
+//     at::Tensor x = engine->to_device(batch_x), y = engine->to_device(batch_y);
 //     at::Tensor loss = engine->forward([&] { return model->loss(x, y); });
 //     engine->backward(loss);
 //     engine->step();                      // acts at the accumulation boundary

@@ -276,6 +276,7 @@ void Engine::Impl::wire_device(torch::nn::Module& model, const Config& config) {
   agree_on_outcome(*world, "placing the model on its device", [&] {
     placed = internal::resolve_device(spec, Runtime::init().env().local_rank, internal::visible_cuda_devices(),
                                       given ? "EngineOptions::device" : "train.device");
+    internal::make_current(placed);
     internal::place_model(model, placed);
   });
   device = placed.type();

@@ -1,5 +1,6 @@
 #include "engine/internal/device.h"
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/cuda.h>
 #include <torch/nn/module.h>
 
@@ -39,6 +40,14 @@ at::Device resolve_device(const std::string& spec, int local_rank, const CudaDev
                           "(the local rank's device, local rank % devices)"));
   }
   return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
+}
+
+void make_current(at::Device device) {
+  if (!device.is_cuda()) return;
+  const c10::impl::DeviceGuardImplInterface* cuda = c10::impl::getDeviceGuardImpl(device.type());
+  if (cuda->getDevice() == device) return;
+  log().info("making {} the current CUDA device (it was {})", device.str(), cuda->getDevice().str());
+  cuda->setDevice(device);
 }
 
 int64_t place_model(torch::nn::Module& model, at::Device device) {

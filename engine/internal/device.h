@@ -29,6 +29,13 @@ CudaDevices visible_cuda_devices();
 at::Device resolve_device(const std::string& spec, int local_rank, const CudaDevices& cuda,
                           const std::string& key);
 
+// Makes a CUDA `device` the process's current CUDA device (as
+// torch.cuda.set_device does), so that what works on the current device
+// (the tracked RNG's CUDA generator, new streams) works on the model's.
+// Nothing for the CPU, or when it is current already (Runtime::init made the
+// local rank's device current in a build with NCCL).
+void make_current(at::Device device);
+
 // Moves the model's parameters and buffers to `device` (Module::to, which
 // keeps each parameter the same tensor with new data), logging from where.
 // A model all on `device` is left alone: nothing is copied. Parameters or
