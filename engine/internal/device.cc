@@ -27,8 +27,8 @@ at::Device resolve_device(const std::string& spec, int local_rank, const CudaDev
   if (!have_cuda) {
     throw ConfigError(str("'", key, "' = \"", spec, "\" asks for a CUDA device, but no CUDA device is visible to "
                           "this process (torch::cuda::is_available() is false: no GPU, no driver, a LibTorch "
-                          "built without CUDA, or CUDA_VISIBLE_DEVICES empty): set ", key,
-                          " to auto or cpu to train on the CPU (remat-train: --device), or run where a GPU is visible"));
+                          "built without CUDA, or CUDA_VISIBLE_DEVICES empty): set ", key, " to auto or cpu to "
+                          "train on the CPU (remat-train: --device), or run where a GPU is visible"));
   }
   if (spec == "auto" || spec == "cuda") {
     return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(local_rank % cuda.count));
