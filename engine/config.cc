@@ -155,7 +155,8 @@ const std::vector<Field>& schema() {
               leaf("eval_batches", &TrainConfig::eval_batches),
               leaf("save_interval", &TrainConfig::save_interval),
               leaf("sample_chars", &TrainConfig::sample_chars),
-              leaf("on_nonfinite", &TrainConfig::on_nonfinite, {"stop", "skip"})}),
+              leaf("on_nonfinite", &TrainConfig::on_nonfinite, {"stop", "skip"}),
+              leaf("device", &TrainConfig::device)}),
   }, deepspeed_only_top_level());
   return fields;
 }
@@ -334,6 +335,7 @@ void check_train_and_data(const Config& c, Problems& problems) {
                          {"train.sample_chars", t.sample_chars}}) {
     if (v < 0) problems.add({path}, str("'", path, "' = ", v, " must be >= 0"));
   }
+  if (const std::string why = device_spec_problem(t.device); !why.empty()) problems.add({"train.device"}, why);
   if (c.data.train_fraction <= 0 || c.data.train_fraction >= 1) {
     problems.add({"data.train_fraction"},
                  str("'data.train_fraction' = ", c.data.train_fraction, " must be in (0, 1)"));
@@ -351,6 +353,19 @@ void check_values(const Config& c, const Origin& at) {
 }
 
 }  // namespace
+
+// Whether the machine has that device is the engine's to check: a config may
+// be read where it does not run.
+std::string device_spec_problem(const std::string& spec, const std::string& key) {
+  if (spec == "auto" || spec == "cpu" || spec == "cuda") return {};
+  const std::string index = spec.rfind("cuda:", 0) == 0 ? spec.substr(5) : std::string();
+  if (!index.empty() && index.size() <= 4 &&
+      std::all_of(index.begin(), index.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
+    return {};
+  }
+  return str("'", key, "' = \"", spec, "\" is not a device: give auto (the local rank's CUDA device where CUDA is "
+             "available, else the CPU), cpu, cuda (the local rank's CUDA device) or cuda:N (CUDA device N)");
+}
 
 BatchSizes Config::resolve_batch(int dp) const {
   REMAT_CHECK_GE(dp, 1, "data-parallel size");

@@ -78,6 +78,10 @@ struct TrainConfig {
   // run with an error naming the step (nothing non-finite is saved); "skip"
   // drops that step's update and goes on.
   std::string on_nonfinite = "stop";
+  // Where this rank trains: "auto" (the local rank's CUDA device where CUDA
+  // is available, else the CPU), "cpu", "cuda" (the local rank's CUDA device)
+  // or "cuda:N". The engine places the model there at initialize.
+  std::string device = "auto";
 };
 
 // Resolved batch sizes: train = micro × accumulation × data-parallel size.
@@ -131,6 +135,10 @@ Config parse_config(const std::string& text, const std::string& source,
 // sequence_parallel_dropout with sequence parallelism off), one sentence
 // each saying what to change; the engine logs them as warnings.
 std::vector<std::string> ineffective_settings(const Config& config);
+
+// The device syntax of train.device (and EngineOptions::device): empty when
+// `spec` is auto, cpu, cuda or cuda:N, else the problem, naming `key`.
+std::string device_spec_problem(const std::string& spec, const std::string& key = "train.device");
 
 // Reads and parses a file; an unreadable file is a ConfigError.
 Config load_config(const std::string& path,

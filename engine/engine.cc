@@ -59,6 +59,19 @@ const ParallelLayout& Engine::layout() const { return *impl_->layout; }
 torch::optim::Optimizer& Engine::optimizer() const { return *impl_->optimizer; }
 parallel::ZeroModel& Engine::sharding() const { return *impl_->zero; }
 const std::shared_ptr<Context>& Engine::context() const { return impl_->context; }
+at::Device Engine::device() const { return impl_->placed; }
+
+at::Tensor Engine::to_device(const at::Tensor& t) const {
+  if (!t.defined() || t.device() == impl_->placed) return t;
+  return t.to(impl_->placed, /*non_blocking=*/t.is_pinned());
+}
+
+std::vector<at::Tensor> Engine::to_device(const std::vector<at::Tensor>& tensors) const {
+  std::vector<at::Tensor> out;
+  out.reserve(tensors.size());
+  for (const auto& t : tensors) out.push_back(to_device(t));
+  return out;
+}
 
 bool Engine::is_gradient_accumulation_boundary() const {
   return micro_steps_ + 1 >= impl_->batch.gradient_accumulation_steps;
@@ -265,7 +278,8 @@ bool Engine::step() {
 // reduction, which parameters got a gradient on any rank.
 Engine::Impl::Verdict Engine::Impl::check_gradients() {
   const at::Tensor arrivals = zero->take_gradient_arrivals();
-  at::Tensor checks = at::zeros({2 + arrivals.numel()}, at::kDouble);
+  // On the model's device, as the gradients it checks: the backend takes them.
+  at::Tensor checks = at::zeros({2 + arrivals.numel()}, at::TensorOptions().dtype(at::kDouble).device(placed));
   checks[0] = std::isfinite(loss_sum) ? 0.0 : 1.0;
   checks[1] = gradients_finite(zero->parameters()) ? 0.0 : 1.0;
   checks.narrow(0, 2, arrivals.numel()).copy_(arrivals);
@@ -303,7 +317,7 @@ double Engine::Impl::update(torch::nn::Module& model, const Config& config, cons
 
 // The step's loss: the mean over micro-steps (summed already) and data-parallel ranks.
 double Engine::Impl::mean_loss() {
-  at::Tensor loss_t = at::full({1}, loss_sum, at::kDouble);
+  at::Tensor loss_t = at::full({1}, loss_sum, at::TensorOptions().dtype(at::kDouble).device(placed));
   const auto& dp_group = layout->dp_group();
   if (dp_group->size() > 1) {
     dp_group->allReduce(loss_t, {ReduceOp::kAvg})->wait();

@@ -4,8 +4,9 @@
 // offloading, sharding (ZeRO stages 0-3, hybrid), the optimizer and learning
 // rate schedule, and the step counters; the training loop stays the user's.
 //
-//   auto engine = remat::initialize(model, "ds_config.json");
+//   auto engine = remat::initialize(model, "ds_config.json");  // places the model (train.device)
 //   for (...) {
+//     at::Tensor x = engine->to_device(batch_x), y = engine->to_device(batch_y);
 //     at::Tensor loss = engine->forward([&] { return model->loss(x, y); });
 //     engine->backward(loss);
 //     engine->step();                      // acts at the accumulation boundary
@@ -70,6 +71,10 @@ struct EngineOptions {
   // every process of the job, through `backend`.
   std::shared_ptr<ParallelLayout> layout;
   std::string backend = "auto";  // auto | mpi | nccl
+  // Where this rank trains, in train.device's syntax (auto | cpu | cuda |
+  // cuda:N); empty: the config's train.device. initialize() moves the model
+  // there (docs/engine.md, "The device").
+  std::string device;
   // The dotted path of the model's block list; empty: the one ModuleList the
   // model holds (find_block_list).
   std::string blocks;
@@ -183,6 +188,15 @@ class Engine {
   // The model's parameter `name` (state-dict name), whole: at ZeRO stage 3
   // only inside a GatheredParameters scope (else an Error saying so).
   at::Tensor parameter(const std::string& name) const;
+
+  // The device this rank trains on (train.device or EngineOptions::device,
+  // resolved at initialize): the model's parameters and buffers live there.
+  at::Device device() const;
+  // `t` on device(): the same tensor when it is there already (no copy),
+  // else a copy (non-blocking from pinned host memory). The training loop
+  // moves each batch with it: the engine cannot see what `fn` captures.
+  at::Tensor to_device(const at::Tensor& t) const;
+  std::vector<at::Tensor> to_device(const std::vector<at::Tensor>& tensors) const;
 
   const Config& config() const { return config_; }
   const ParallelLayout& layout() const;

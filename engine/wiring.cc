@@ -18,6 +18,7 @@
 #include "checkpointing/planner.h"
 #include "checkpointing/policy.h"
 #include "engine/engine.h"
+#include "engine/internal/device.h"
 #include "engine/internal/engine_impl.h"
 #include "engine/optim.h"
 #include "nn/saved_tensors_hooks.h"
@@ -32,6 +33,7 @@
 #include "runtime/layout.h"
 #include "runtime/logging.h"
 #include "runtime/memory.h"
+#include "runtime/outcome.h"
 #include "runtime/runtime.h"
 
 namespace remat {
@@ -53,8 +55,11 @@ void warn_ineffective(const Config& c) {
 
 // Every rank runs what the others run: ranks configured differently would
 // hang in a collective only some of them make, or train diverging replicas.
-void require_same_config(Communicator& world, const Config& config) {
+void require_same_config(Communicator& world, const Config& config, at::Device device) {
   std::map<std::string, std::string> settings;
+  // train.device auto resolves on each rank: a job whose ranks train on
+  // different kinds of device could not reduce their gradients together.
+  settings["the device type this rank trains on (train.device resolved)"] = c10::DeviceTypeName(device.type(), true);
   const nlohmann::json flat = nlohmann::json::parse(config.to_json()).flatten();
   for (const auto& item : flat.items()) {
     std::string key = item.key().substr(1);
@@ -171,15 +176,12 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineO
   REMAT_CHECK(model_ != nullptr, "remat::initialize: the model is null");
   s.wire_memory();
   s.wire_layout(config_);
-  require_same_config(*s.world, config_);
+  s.wire_device(*model_, config_);
+  require_same_config(*s.world, config_, s.placed);
   warn_ineffective(config_);
   s.batch = config_.resolve_batch(s.layout->dims().dp);
   torch::nn::Module& model = *model_;
   model_parallel_manual_seed(static_cast<uint64_t>(config_.train.seed), *s.layout);
-  for (const auto& p : model.parameters()) {
-    s.device = p.device().type();
-    break;
-  }
   const auto sharded = parallel::sharded_parameters(model);
   const std::string blocks = block_path(model, s.options.blocks);
   auto block_list = find_block_list(model, blocks);
@@ -262,6 +264,22 @@ void Engine::Impl::wire_checkpointing(torch::nn::Module& model, const Config& co
                           " but the policy marks ", regions, " regions per forward: set it to ", regions,
                           " (or leave it out)"));
   }
+}
+
+// The device of this rank (train.device, or EngineOptions::device), the
+// model placed there before anything records its parameters: the
+// sharding's flat buffers, the optimizer's state and the meter all follow
+// the parameters' device. Every rank learns of one rank's failure.
+void Engine::Impl::wire_device(torch::nn::Module& model, const Config& config) {
+  const bool given = !options.device.empty();
+  const std::string spec = given ? options.device : config.train.device;
+  agree_on_outcome(*world, "placing the model on its device", [&] {
+    placed = internal::resolve_device(spec, Runtime::init().env().local_rank, internal::visible_cuda_devices(),
+                                      given ? "EngineOptions::device" : "train.device");
+    internal::make_current(placed);
+    internal::place_model(model, placed);
+  });
+  device = placed.type();
 }
 
 // Sharding over the data-parallel group; the optimizer steps what the

@@ -59,6 +59,7 @@ struct Engine::Impl {
   std::unique_ptr<MemoryTracker> own_memory;
   MemoryTracker* memory = nullptr;
   c10::DeviceType device = c10::DeviceType::CPU;  // where the model's memory is counted
+  at::Device placed{at::kCPU};                    // where the model was placed (Engine::device())
   PolicyOptions policy;
   bool auto_plan = false;
   int regions = 0;
@@ -82,6 +83,7 @@ struct Engine::Impl {
   // The constructor's wiring, in its order.
   void wire_memory();
   void wire_layout(const Config& config);
+  void wire_device(torch::nn::Module& model, const Config& config);
   void wire_checkpointing(torch::nn::Module& model, const Config& config, const std::string& blocks,
                           int64_t n_blocks);
   void wire_sharding(torch::nn::Module& model, const Config& config, const torch::nn::ModuleListImpl& blocks,
