@@ -1,6 +1,7 @@
 #include "runtime/runtime.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -174,9 +175,34 @@ std::shared_ptr<Communicator> Runtime::world(Backend backend) {
 #endif
 }
 
+namespace {
+
+// After this rank's error: the peers of a multi-rank job end too (MPI_Abort),
+// so none waits in a collective this rank will never make.
+void end_peers() {
+#if defined(REMAT_WITH_MPI)
+  int size = 1;
+  if (internal::MpiSession::initialized()) MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (size > 1) internal::MpiSession::abort(1);
+#endif
+}
+
+}  // namespace
+
 int run_main(const std::function<int()>& body) {
   try {
     return body();
+  } catch (const c10::OutOfMemoryError& e) {
+    // LibTorch's allocators (CUDA's caching allocator, the CPU's) ran out: what
+    // lowers the peak is the run's to change, so say where to look.
+    std::fprintf(stderr,
+                 "%s remat out of memory: %s\n  the step needs more memory than the device has free: "
+                 "remat-estimate shows each variant's peak for a config, and docs/memory.md what lowers "
+                 "it (a smaller micro-batch, activation checkpointing or offloading, a higher ZeRO stage)\n",
+                 log_prefix().c_str(), e.what_without_backtrace());
+    std::fflush(stderr);
+    end_peers();
+    return 1;
   } catch (const std::exception& e) {
     const char* kind = dynamic_cast<const TimeoutError*>(&e)  ? "timeout"
                        : dynamic_cast<const CommError*>(&e)   ? "communication error"
@@ -185,11 +211,7 @@ int run_main(const std::function<int()>& body) {
                                                               : "unexpected error";
     std::fprintf(stderr, "%s remat %s: %s\n", log_prefix().c_str(), kind, e.what());
     std::fflush(stderr);
-#if defined(REMAT_WITH_MPI)
-    int size = 1;
-    if (internal::MpiSession::initialized()) MPI_Comm_size(MPI_COMM_WORLD, &size);
-    if (size > 1) internal::MpiSession::abort(1);
-#endif
+    end_peers();
     return 1;
   }
 }

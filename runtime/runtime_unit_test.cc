@@ -2,6 +2,7 @@
 // and the host staging's plan (no MPI needed).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <c10/util/Exception.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -15,6 +16,7 @@
 #include "runtime/layout.h"
 #include "runtime/logging.h"
 #include "runtime/process_env.h"
+#include "runtime/runtime.h"
 #include "runtime/internal/backend_choice.h"
 #include "runtime/internal/host_staging.h"
 
@@ -51,6 +53,23 @@ ProcessEnv detect(const Vars& vars) {
     if (it == vars.end()) return std::nullopt;
     return it->second;
   });
+}
+
+// A step that runs out of memory ends the process with exit code 1 and a
+// message naming it and where to look, not LibTorch's backtrace as an
+// "unexpected error".
+TEST(Errors, OutOfMemoryEndsTheProcessSayingWhatToChange) {
+  ::testing::internal::CaptureStderr();
+  const int rc = run_main([]() -> int {
+    throw c10::OutOfMemoryError(c10::SourceLocation{__func__, __FILE__, __LINE__},
+                                "CUDA out of memory. Tried to allocate 2.00 GiB");
+  });
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(rc, 1);
+  EXPECT_THAT(err, ::testing::HasSubstr("remat out of memory: CUDA out of memory. Tried to allocate 2.00 GiB"));
+  EXPECT_THAT(err, ::testing::HasSubstr("remat-estimate"));
+  EXPECT_THAT(err, ::testing::Not(::testing::HasSubstr("unexpected error")));
+  EXPECT_THAT(err, ::testing::Not(::testing::HasSubstr("Exception raised from")));
 }
 
 TEST(ProcessEnvTest, SingleProcessByDefault) {

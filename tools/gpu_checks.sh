@@ -182,6 +182,22 @@ example() {
   echo "example: $name np$np $* -> $(wc -l <"$log.losses") steps, first $(head -1 "$log.losses"), last $(tail -1 "$log.losses")"
 }
 
+# A run that cannot fit the device: it must end with a clear message and a
+# nonzero exit on every rank, not a hang or a backtrace.
+oom() {
+  local device=$1
+  step "a run too large for the $device"
+  local log=$out/oom.log
+  if timeout 300 "$bin/remat-run" -np 1 -- "$bin/remat-train" --device "$device" --steps 2 \
+      --set train_micro_batch_size_per_gpu=8192 --set model.seq_len=1024 --set model.d_model=1024 \
+      --set model.d_ff=4096 --set model.n_head=16 >"$log" 2>&1; then
+    fail "a run too large for the $device trained"
+  elif grep -q "unexpected error\|Segmentation\|Exception raised from" "$log"; then
+    fail "a run too large for the $device ended unclearly"
+  fi
+  echo "oom: $(grep -m1 -E 'remat (out of memory|configuration error|error)' "$log" | cut -c1-300)"
+}
+
 run() {
   out=${1:-${OUT:-build/gpu-logs}}
   mkdir -p "$out"
@@ -202,6 +218,7 @@ run() {
     echo "== nccl_test not built: no MPI on this machine (the NCCL backend is bootstrapped over MPI)"
   fi
   trains 30 cuda nccl
+  oom cuda
   example llama 1
   example llama 2 --set zero_optimization.stage=3 --set activation_checkpointing.variant=full
   example lora 2 --set zero_optimization.stage=3
