@@ -414,8 +414,10 @@ TEST(BackendChoiceTest, ExplicitNcclShortOfGpusIsAConfigError) {
       [] { internal::check_nccl_fits({on("a", 1, "d0"), on("a", 1, "d0"), on("a", 1, "d0")}); });
   EXPECT_THAT(msg, HasSubstr("the nccl backend needs one GPU per rank, but 3 ranks share 1 GPU on node a "
                              "(ranks 0, 1, 2 on device d0): use the mpi backend"));
-  EXPECT_THAT(error_of<ConfigError>([] { internal::check_nccl_fits({on("a", 0, "")}); }),
-              HasSubstr("rank 0 on node a sees no GPU"));
+  EXPECT_THAT(msg, HasSubstr("or start at most as many ranks on each node as it has GPUs"));
+  EXPECT_THAT(error_of<ConfigError>([] { internal::check_nccl_fits({on("a", 1, "d0"), on("b", 0, "")}); }),
+              HasSubstr("the nccl backend needs one GPU per rank, but rank 1 on node b sees no GPU: use the mpi "
+                        "backend"));
 }
 
 TEST(BackendChoiceTest, ReportsTravelAsText) {

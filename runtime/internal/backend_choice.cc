@@ -30,12 +30,17 @@ std::string rank_list(const std::vector<int>& ranks) {
   return out;
 }
 
+struct Shortfall {
+  std::string why;
+  bool shared;  // ranks share a GPU (else one has none)
+};
+
 // Why nccl cannot carry this job, or nothing when every rank has a GPU of
 // its own: the first rank without a GPU, else the first device shared.
-std::optional<std::string> shortfall(const std::vector<RankDevices>& ranks) {
+std::optional<Shortfall> shortfall(const std::vector<RankDevices>& ranks) {
   for (size_t r = 0; r < ranks.size(); ++r) {
     if (ranks[r].gpus <= 0 || ranks[r].device.empty()) {
-      return str("rank ", r, " on node ", ranks[r].node, " sees no GPU");
+      return Shortfall{str("rank ", r, " on node ", ranks[r].node, " sees no GPU"), false};
     }
   }
   std::map<std::pair<std::string, std::string>, std::vector<int>> users;  // (node, device) -> ranks
@@ -44,8 +49,9 @@ std::optional<std::string> shortfall(const std::vector<RankDevices>& ranks) {
     if (on.size() < 2) continue;
     int node_ranks = 0;
     for (const auto& rank : ranks) node_ranks += rank.node == where.first;
-    return str(node_ranks, " ranks share ", ranks[on[0]].gpus, " GPU", ranks[on[0]].gpus == 1 ? "" : "s",
-               " on node ", where.first, " (ranks ", rank_list(on), " on device ", where.second, ")");
+    return Shortfall{str(node_ranks, " ranks share ", ranks[on[0]].gpus, " GPU", ranks[on[0]].gpus == 1 ? "" : "s",
+                         " on node ", where.first, " (ranks ", rank_list(on), " on device ", where.second, ")"),
+                     true};
   }
   return std::nullopt;
 }
@@ -57,18 +63,22 @@ BackendChoice choose_auto_backend(bool nccl_built, const std::vector<RankDevices
   bool any_gpu = false;
   for (const auto& r : ranks) any_gpu = any_gpu || r.gpus > 0;
   if (!any_gpu) return {false, "no rank sees a GPU"};
-  if (auto why = shortfall(ranks)) return {false, str(*why, "; nccl needs one GPU per rank")};
+  if (auto s = shortfall(ranks)) return {false, str(s->why, "; nccl needs one GPU per rank")};
   return {true, str(ranks.size() == 1 ? "the rank has" : str("each of the ", ranks.size(), " ranks has"),
                     " a GPU of its own")};
 }
 
 void check_nccl_fits(const std::vector<RankDevices>& ranks) {
-  if (auto why = shortfall(ranks)) {
-    throw ConfigError(str("the nccl backend needs one GPU per rank, but ", *why,
-                          ": use the mpi backend (--backend mpi or auto), which carries CUDA tensors through "
-                          "host memory so ranks can share a GPU, or start at most as many ranks on each node "
-                          "as it has GPUs"));
+  auto s = shortfall(ranks);
+  if (!s) return;
+  if (!s->shared) {
+    throw ConfigError(str("the nccl backend needs one GPU per rank, but ", s->why,
+                          ": use the mpi backend (--backend mpi or auto)"));
   }
+  throw ConfigError(str("the nccl backend needs one GPU per rank, but ", s->why,
+                        ": use the mpi backend (--backend mpi or auto), which carries CUDA tensors through host "
+                        "memory so ranks can share a GPU, or start at most as many ranks on each node as it has "
+                        "GPUs"));
 }
 
 }  // namespace remat::internal
