@@ -94,7 +94,7 @@ build_gpu() {
     return 1
   fi
   grep -E '^-- remat:' "$out/configure.log"
-  targets=(gpu_test device_test remat-train remat-estimate remat-smoke gpt_bench)
+  targets=(gpu_test device_test mpi_staging_test remat-train remat-estimate remat-smoke gpt_bench)
   grep -q "NCCL ON" "$out/configure.log" && targets+=(nccl_test)
   step "build ${targets[*]}"
   if ! cmake --build build/gpu -j"$(nproc)" --target "${targets[@]}" >"$out/build.log" 2>&1 ||
@@ -210,6 +210,13 @@ run() {
   step "device_test, 1 rank (the engine places, trains, saves to the CPU and back)"
   build/gpu/remat-run -np 1 -- build/gpu/device_test --gtest_color=no >"$out/device_test.log" 2>&1 || fail device_test
   grep -E '^\[  FAILED|^\[  PASSED|^\[  SKIPPED|Failure|error' "$out/device_test.log" | head -20
+  step "mpi_staging_test, 2 ranks sharing the GPU (the mpi backend's CUDA staging)"
+  build/gpu/remat-run -np 2 -- build/gpu/mpi_staging_test --gtest_color=no >"$out/mpi_staging_test.log" 2>&1 ||
+    fail mpi_staging_test
+  grep -E '^\[  FAILED|^\[  PASSED|^\[  SKIPPED|Failure|error' "$out/mpi_staging_test.log" | head -20
+  step "remat-smoke: 1 rank (auto: nccl), 2 ranks sharing the GPU (auto: mpi)"
+  build/gpu/remat-run -np 1 -- build/gpu/remat-smoke 2>&1 | tail -2 || fail "remat-smoke at 1 rank"
+  build/gpu/remat-run -np 2 -- build/gpu/remat-smoke 2>&1 | tail -3 || fail "remat-smoke at 2 ranks"
   if [[ " ${targets[*]} " == *" nccl_test "* ]]; then
     step "nccl_test, 1 rank"
     build/gpu/remat-run -np 1 -- build/gpu/nccl_test --gtest_color=no >"$out/nccl_test.log" 2>&1 || fail nccl_test
