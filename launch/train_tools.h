@@ -8,6 +8,7 @@
 
 #include "engine/config.h"
 #include "engine/memory_estimate.h"
+#include "engine/step_metrics.h"
 
 namespace remat {
 
@@ -47,10 +48,15 @@ class Progress {
  public:
   Progress(int64_t first, int64_t total, int64_t every, bool enabled);
   void step(int64_t step, double loss, double tokens_per_s, int64_t peak);
+  // The step's loss and peak from its metrics: on the CPU the peak above the
+  // step's start, as above; on a CUDA device also the caching allocator's
+  // peaks, allocated / reserved ("peak 1.2 GiB  cuda 3.4 / 4 GiB").
+  void step(int64_t step, double tokens_per_s, const StepMetrics& m);
   void line(const std::string& text);
 
  private:
   static bool use_bar();
+  void show(int64_t step, double loss, double tokens_per_s, const std::string& peak);
   int64_t first_, total_, every_;
   bool enabled_, terminal_;
   std::chrono::steady_clock::time_point start_;

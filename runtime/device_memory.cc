@@ -7,6 +7,7 @@
 
 #include "runtime/error.h"
 #include "runtime/memory.h"
+#include "runtime/process_env.h"
 
 #if defined(REMAT_WITH_NCCL)
 #include <cuda_runtime_api.h>
@@ -137,6 +138,16 @@ DeviceBudget auto_device_budget(int64_t capacity, int ranks_sharing, const std::
                           ": give the budget in bytes, or run fewer ranks per device"));
   }
   return b;
+}
+
+DeviceBudget auto_device_budget(c10::Device device, const std::string& key) {
+  const int local = detect_process_env().local_world_size;
+  int sharing = local;
+  if (device.is_cuda()) {
+    const int devices = cuda_device_count();
+    sharing = devices > 0 ? (local + devices - 1) / devices : 1;
+  }
+  return auto_device_budget(device_memory(device).capacity, sharing, key);
 }
 
 }  // namespace remat

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -61,6 +62,9 @@ struct Engine::Impl {
   c10::DeviceType device = c10::DeviceType::CPU;  // where the model's memory is counted
   PolicyOptions policy;
   bool auto_plan = false;
+  // activation_checkpointing.device_memory_budget_bytes as the planner takes
+  // it ("auto" resolved against the model's device); unset without one.
+  std::optional<int64_t> device_budget_bytes;
   int regions = 0;
   std::unique_ptr<ActivationPlanner> planner;
   std::unique_ptr<parallel::ZeroModel> zero;
