@@ -2,6 +2,8 @@
 // file kept consistent on resume, and the GPT's fit-before-run check.
 #pragma once
 
+#include <c10/core/Device.h>
+
 #include <chrono>
 #include <cstdint>
 #include <string>
@@ -21,9 +23,12 @@ double available_bytes_per_rank();
 
 // The cold estimate of the GPT of `c` at `world_size` ranks
 // (engine/memory_estimate.h), its line logged; a ConfigError naming the
-// cheapest change that fits when its peak exceeds the host memory available
-// to each rank.
-MemoryEstimate check_memory_estimate(const Config& c, const BatchSizes& batch, int64_t vocab, int world_size);
+// cheapest change that fits when its peak exceeds the memory available to
+// each rank: the host's on the CPU; on a CUDA `device`, the device's
+// capacity over the ranks sharing it (REMAT_MEMORY_PER_RANK_BYTES either way
+// when set), with offloaded bytes in host memory apart.
+MemoryEstimate check_memory_estimate(const Config& c, const BatchSizes& batch, int64_t vocab, int world_size,
+                                     c10::Device device = c10::Device(c10::DeviceType::CPU));
 
 // A resumed run's --metrics file keeps only the lines of the steps up to the
 // one it resumed at (rewritten beside it, then renamed over it; a device or

@@ -140,14 +140,15 @@ DeviceBudget auto_device_budget(int64_t capacity, int ranks_sharing, const std::
   return b;
 }
 
-DeviceBudget auto_device_budget(c10::Device device, const std::string& key) {
+int ranks_sharing(c10::Device device) {
   const int local = detect_process_env().local_world_size;
-  int sharing = local;
-  if (device.is_cuda()) {
-    const int devices = cuda_device_count();
-    sharing = devices > 0 ? (local + devices - 1) / devices : 1;
-  }
-  return auto_device_budget(device_memory(device).capacity, sharing, key);
+  if (!device.is_cuda()) return local;
+  const int devices = cuda_device_count();
+  return devices > 0 ? (local + devices - 1) / devices : 1;
+}
+
+DeviceBudget auto_device_budget(c10::Device device, const std::string& key) {
+  return auto_device_budget(device_memory(device).capacity, ranks_sharing(device), key);
 }
 
 }  // namespace remat

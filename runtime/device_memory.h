@@ -63,10 +63,12 @@ constexpr int64_t kMinDeviceReserveBytes = int64_t{1} << 30;
 // A ConfigError naming `key` when the capacity is unknown (0) or the share
 // leaves nothing above the reserve.
 DeviceBudget auto_device_budget(int64_t capacity, int ranks_sharing, const std::string& key);
-// The same for a rank of this process computing on `device`: its capacity,
-// shared by the ranks on this host that compute on it (the CPU: every local
-// rank; CUDA: the local ranks over the devices, as Runtime gives local rank
-// r device r % devices, rounded up).
+// The ranks on this host that compute on `device`, this one among them: the
+// CPU: every local rank; CUDA: the local ranks over the devices (Runtime gives
+// local rank r device r % devices), rounded up.
+int ranks_sharing(c10::Device device);
+// The same for a rank of this process computing on `device`: its capacity
+// shared by ranks_sharing(device).
 DeviceBudget auto_device_budget(c10::Device device, const std::string& key);
 
 }  // namespace remat
