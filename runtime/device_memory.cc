@@ -9,7 +9,7 @@
 #include "runtime/memory.h"
 #include "runtime/process_env.h"
 
-#if defined(REMAT_WITH_NCCL)
+#if defined(REMAT_WITH_NCCL) || defined(REMAT_WITH_C10_CUDA)
 #include <cuda_runtime_api.h>
 #endif
 #if defined(REMAT_WITH_C10_CUDA)
@@ -46,7 +46,7 @@ int64_t cuda_capacity(int index) {
 void read_allocator(int index, DeviceMemory& m) {
 #if defined(REMAT_WITH_C10_CUDA)
   try {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
     m.allocated = stats.allocated_bytes[0].current;
     m.peak_allocated = stats.allocated_bytes[0].peak;
     m.reserved = stats.reserved_bytes[0].current;
@@ -105,7 +105,7 @@ void reset_device_memory_peaks(c10::Device device) {
   int index = device.has_index() ? device.index() : 0;
   if (!device.has_index() && cudaGetDevice(&index) != cudaSuccess) index = 0;
   try {
-    c10::cuda::CUDACachingAllocator::resetPeakStats(index);
+    c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(index));
   } catch (const c10::Error&) {
     // Not set up yet: nothing to reset.
   }

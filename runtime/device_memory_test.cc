@@ -55,6 +55,34 @@ TEST(DeviceMemory, CudaWithoutADeviceHasNoCapacity) {
   EXPECT_FALSE(m.allocator_stats);
 }
 
+// On a GPU (tools/gpu_checks.sh): the capacity is the card's, and a CUDA
+// LibTorch's caching allocator counts a tensor's bytes, holds at least them,
+// and keeps the peak until it is reset.
+TEST(DeviceMemory, CudaAllocatorCountsTensors) {
+  if (cuda_device_count() == 0 || !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const c10::Device gpu(c10::DeviceType::CUDA, 0);
+  EXPECT_GT(device_memory(gpu).capacity, kGiB / 2);
+  at::Tensor warm = torch::empty({16}, torch::TensorOptions().device(gpu));  // the allocator set up
+  const DeviceMemory before = device_memory(gpu);
+  if (!before.allocator_stats) GTEST_SKIP() << "runtime built without REMAT_WITH_C10_CUDA: no allocator stats";
+  constexpr int64_t kBytes = 64 << 20;
+  {
+    at::Tensor big = torch::empty({kBytes / 4}, torch::TensorOptions().device(gpu));
+    const DeviceMemory held = device_memory(gpu);
+    EXPECT_EQ(held.allocated - before.allocated, kBytes);
+    EXPECT_GE(held.reserved, held.allocated);
+    EXPECT_GE(held.peak_allocated, held.allocated);
+    EXPECT_GE(held.peak_reserved, held.reserved);
+  }
+  const DeviceMemory after = device_memory(gpu);
+  EXPECT_EQ(after.allocated, before.allocated);
+  EXPECT_GE(after.peak_allocated, before.allocated + kBytes);
+  EXPECT_GE(after.reserved, kBytes);  // cached for reuse, not given back
+  reset_device_memory_peaks(gpu);
+  EXPECT_EQ(device_memory(gpu).peak_allocated, after.allocated);
+  EXPECT_EQ(device_memory(gpu).peak_reserved, after.reserved);
+}
+
 TEST(DeviceMemory, AutoBudgetIsTheShareLessATenthOrOneGiB) {
   // 80 GB card, one rank: a tenth is reserved.
   const int64_t h100 = 85'032'714'240;  // 79.2 GiB
