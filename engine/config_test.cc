@@ -197,6 +197,57 @@ TEST(Config, AutoTakesExactlyOneBudget) {
   EXPECT_THAT(msg, HasSubstr("memory_budget_fraction"));
 }
 
+// device_memory_budget_bytes: a whole number of bytes, or "auto" (the device's
+// capacity less a reserve, resolved by the engine) in place of one.
+TEST(Config, DeviceMemoryBudgetTakesAuto) {
+  const std::string ac = "activation_checkpointing.";
+  Config c = parse(R"({"activation_checkpointing": {"variant": "auto", "device_memory_budget_bytes": "auto"}})");
+  EXPECT_TRUE(c.activation_checkpointing.device_memory_budget_auto);
+  EXPECT_FALSE(c.activation_checkpointing.device_memory_budget_bytes.has_value());
+  EXPECT_THAT(c.to_json(), HasSubstr("\"device_memory_budget_bytes\": \"auto\""));
+  const Config again = parse_config(c.to_json(), "<dump>");
+  EXPECT_TRUE(again.activation_checkpointing.device_memory_budget_auto);
+  EXPECT_EQ(again.to_json(), c.to_json());
+  // From --set, bare or quoted; a later number or null replaces it.
+  for (const std::string word : {"auto", "\"auto\""}) {
+    c = parse("{}", {ac + "variant=auto", ac + "device_memory_budget_bytes=" + word});
+    EXPECT_TRUE(c.activation_checkpointing.device_memory_budget_auto) << word;
+  }
+  c = parse("{}", {ac + "variant=auto", ac + "device_memory_budget_bytes=auto",
+                   ac + "device_memory_budget_bytes=5000000000"});
+  EXPECT_FALSE(c.activation_checkpointing.device_memory_budget_auto);
+  EXPECT_EQ(c.activation_checkpointing.device_memory_budget_bytes, 5000000000);
+  EXPECT_THAT(c.to_json(), HasSubstr("\"device_memory_budget_bytes\": 5000000000"));
+  // Bytes stay whole numbers; another word, zero, a negative budget, or "auto"
+  // beside another budget or without variant auto are refused naming the key.
+  auto msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "auto", "device_memory_budget_bytes": 1.5}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("'activation_checkpointing.device_memory_budget_bytes' must be integer or \"auto\""));
+  msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "auto", "device_memory_budget_bytes": "all"}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("'activation_checkpointing.device_memory_budget_bytes' must be integer or \"auto\""));
+  msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "auto", "device_memory_budget_bytes": "Auto"}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("did you mean \"auto\"?"));
+  msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "auto", "device_memory_budget_bytes": -5}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("'activation_checkpointing.device_memory_budget_bytes' = -5 must be positive"));
+  msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "auto", "device_memory_budget_bytes": "auto",
+                                           "memory_budget_bytes": 4}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("sets 'memory_budget_bytes' and 'device_memory_budget_bytes': the budget is given once"));
+  msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "full", "device_memory_budget_bytes": "auto"}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("'activation_checkpointing.device_memory_budget_bytes' is set but 'variant' is "
+                             "\"full\""));
+}
+
 // memory_budget_fraction: a number, or "knee" (the plan at the knee of the
 // planner's frontier) in place of one.
 TEST(Config, MemoryBudgetFractionTakesTheKnee) {

@@ -135,7 +135,7 @@ void Engine::Impl::plan_blocks(torch::nn::Module& model, const Config& config, c
     zero->finish_backward(/*synchronize=*/true);
   };
   meter.begin_planning();
-  if (config.activation_checkpointing.device_memory_budget_bytes) {
+  if (device_budget_bytes) {
     auto [state, what] = internal::resident_state(model, *zero, *optimizer, batch.gradient_accumulation_steps,
                                         memory->current(device));
     planner->set_state_bytes(state, std::move(what));

@@ -65,6 +65,17 @@ const std::vector<MetricRow>& metric_rows() {
   return rows;
 }
 
+// The caching allocator's metrics, written on a CUDA device only.
+const internal::FieldTable<StepMetrics>& cuda_rows() {
+  static const internal::FieldTable<StepMetrics> rows = {
+      {"cuda_allocated_bytes", &StepMetrics::cuda_allocated_bytes},
+      {"cuda_peak_allocated_bytes", &StepMetrics::cuda_peak_allocated_bytes},
+      {"cuda_reserved_bytes", &StepMetrics::cuda_reserved_bytes},
+      {"cuda_peak_reserved_bytes", &StepMetrics::cuda_peak_reserved_bytes},
+  };
+  return rows;
+}
+
 }  // namespace
 
 StepMetrics StepMetrics::from_counters(const Counters& step) {
@@ -78,6 +89,7 @@ StepMetrics StepMetrics::from_counters(const Counters& step) {
 nlohmann::json StepMetrics::to_json() const {
   nlohmann::json m = nlohmann::json::object();
   for (const auto& row : metric_rows()) row.field.write(*this, m);
+  if (cuda_allocator) internal::write_fields(cuda_rows(), *this, m);
   if (grad_norm >= 0) m["grad_norm"] = grad_norm;
   if (skipped) m["skipped"] = true;
   for (const auto& [key, value] : plan.items()) m[key] = value;

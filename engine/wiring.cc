@@ -28,6 +28,7 @@
 #include "runtime/agreement.h"
 #include "runtime/communicator.h"
 #include "runtime/context.h"
+#include "runtime/device_memory.h"
 #include "runtime/env_knobs.h"
 #include "runtime/error.h"
 #include "runtime/layout.h"
@@ -215,6 +216,24 @@ void Engine::Impl::wire_layout(const Config& config) {
   }
 }
 
+namespace {
+
+// device_memory_budget_bytes "auto": the budget of the device the model's
+// parameters are on (the CPU without any), logged on rank 0.
+void resolve_device_budget(torch::nn::Module& model, MemoryBudget& budget) {
+  c10::Device device(c10::DeviceType::CPU);
+  for (const auto& p : model.parameters()) {
+    device = p.device();
+    break;
+  }
+  const DeviceBudget b = auto_device_budget(device, "activation_checkpointing.device_memory_budget_bytes");
+  log_rank0().info("device_memory_budget_bytes auto ({}): {}", device.str(), b.text());
+  budget.device_memory_budget_bytes = b.budget;
+  budget.device_memory_budget_auto = false;
+}
+
+}  // namespace
+
 // The config's activation_checkpointing section becomes the defaults every
 // region starts from. Regions are timed whatever its profile key says: the
 // recompute time goes into the metrics. Non-reentrant regions and
@@ -244,6 +263,8 @@ void Engine::Impl::wire_checkpointing(torch::nn::Module& model, const Config& co
   PlannerOptions planner_options;
   planner_options.blocks = blocks;
   static_cast<MemoryBudget&>(planner_options) = config.activation_checkpointing;
+  if (auto_plan && planner_options.device_memory_budget_auto) resolve_device_budget(model, planner_options);
+  device_budget_bytes = planner_options.device_memory_budget_bytes;
   planner_options.offload = config.activation_offloading;
   planner_options.report_dir = options.plan_report_dir;
   // A budget the model cannot be planned for (the knee of one block) stops the run here.
@@ -294,7 +315,7 @@ void Engine::Impl::wire_sharding(torch::nn::Module& model, const Config& config,
                                 : make_optimizer(config.optimizer, zero->parameters());
   REMAT_CHECK(optimizer != nullptr, "remat::initialize: EngineOptions::optimizer returned no optimizer");
   // A whole-device budget the model state alone fills is refused before any step.
-  if (const auto& device = config.activation_checkpointing.device_memory_budget_bytes; device && auto_plan) {
+  if (const auto& device = device_budget_bytes; device && auto_plan) {
     const auto [state, what] = internal::resident_state(model, *zero, *optimizer, batch.gradient_accumulation_steps);
     if (*device <= state) {
       throw ConfigError(str("activation_checkpointing.device_memory_budget_bytes = ", *device,

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -62,6 +63,9 @@ struct Engine::Impl {
   at::Device placed{at::kCPU};                    // where the model was placed (Engine::device())
   PolicyOptions policy;
   bool auto_plan = false;
+  // activation_checkpointing.device_memory_budget_bytes as the planner takes
+  // it ("auto" resolved against the model's device); unset without one.
+  std::optional<int64_t> device_budget_bytes;
   int regions = 0;
   std::unique_ptr<ActivationPlanner> planner;
   std::unique_ptr<parallel::ZeroModel> zero;
