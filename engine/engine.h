@@ -240,6 +240,12 @@ class Engine {
   StepMetrics last_metrics_;
 };
 
+// The device an engine for `config` would train on in this process:
+// train.device, or `spec` in its syntax when not empty (as
+// EngineOptions::device). For what is sized before initialize(), such as
+// remat-train's memory check. A ConfigError as initialize() gives one.
+at::Device training_device(const Config& config, const std::string& spec = "");
+
 // The engine for `model` from a parsed config (EngineOptions::overrides are
 // applied on top). Collective. Initializing a model that another live engine
 // trains is an Error.

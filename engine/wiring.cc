@@ -287,16 +287,19 @@ void Engine::Impl::wire_checkpointing(torch::nn::Module& model, const Config& co
   }
 }
 
+at::Device training_device(const Config& config, const std::string& spec) {
+  const bool given = !spec.empty();
+  return internal::resolve_device(given ? spec : config.train.device, Runtime::init().env().local_rank,
+                                  internal::visible_cuda_devices(), given ? "EngineOptions::device" : "train.device");
+}
+
 // The device of this rank (train.device, or EngineOptions::device), the
 // model placed there before anything records its parameters: the
 // sharding's flat buffers, the optimizer's state and the meter all follow
 // the parameters' device. Every rank learns of one rank's failure.
 void Engine::Impl::wire_device(torch::nn::Module& model, const Config& config) {
-  const bool given = !options.device.empty();
-  const std::string spec = given ? options.device : config.train.device;
   agree_on_outcome(*world, "placing the model on its device", [&] {
-    placed = internal::resolve_device(spec, Runtime::init().env().local_rank, internal::visible_cuda_devices(),
-                                      given ? "EngineOptions::device" : "train.device");
+    placed = training_device(config, options.device);
     internal::make_current(placed);
     internal::place_model(model, placed);
   });

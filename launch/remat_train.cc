@@ -226,7 +226,7 @@ int train(int argc, char** argv) {
   if (rank0) check_outputs(metrics_path, memory_trace, export_path, plan_report);
   const BatchSizes batch = config.resolve_batch(layout->dims().dp);
   data::Dataset data = data::Dataset::load(config.data.path, config.data.train_fraction, config.model.seq_len);
-  check_memory_estimate(config, batch, data.vocab_size(), world.size());
+  check_memory_estimate(config, batch, data.vocab_size(), world.size(), training_device(config));
 
   models::GptOptions model_options;
   model_options.shape = config.model;

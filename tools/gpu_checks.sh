@@ -131,8 +131,9 @@ ok = len(rows) > 1 and all(math.isfinite(x) for x in losses) and losses[-1] < lo
 ms = statistics.median(r["step_ms"] for r in rows[1:]) if len(rows) > 1 else float("nan")
 mib = lambda k: max((r.get(k, 0) for r in rows), default=0) / 2**20
 extra = ""
-if any("mem_device_reserved_peak_bytes" in r for r in rows):
-    extra = f", device allocated peak {mib('mem_device_allocated_peak_bytes'):.1f} MiB, reserved peak {mib('mem_device_reserved_peak_bytes'):.1f} MiB"
+if any("cuda_peak_reserved_bytes" in r for r in rows):
+    extra = (f", CUDA allocator: allocated peak {mib('cuda_peak_allocated_bytes'):.1f} MiB, "
+             f"reserved peak {mib('cuda_peak_reserved_bytes'):.1f} MiB")
 print(f"train: {label:28s} {len(rows)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, median step {ms:.1f} ms, "
       f"peak {mib('mem_peak_bytes'):.1f} MiB{extra}")
 sys.exit(0 if ok else 1)
@@ -188,7 +189,11 @@ oom() {
   local device=$1
   step "a run too large for the $device"
   local log=$out/oom.log
-  if timeout 300 "$bin/remat-run" -np 1 -- "$bin/remat-train" --device "$device" --steps 2 \
+  # The memory check before training would refuse it (a configuration error
+  # naming the cheapest change): told the device is huge, the run reaches the
+  # allocator's own out-of-memory error.
+  if REMAT_MEMORY_PER_RANK_BYTES=$((1 << 50)) timeout 300 "$bin/remat-run" -np 1 -- "$bin/remat-train" \
+      --device "$device" --steps 2 \
       --set train_micro_batch_size_per_gpu=8192 --set model.seq_len=1024 --set model.d_model=1024 \
       --set model.d_ff=4096 --set model.n_head=16 >"$log" 2>&1; then
     fail "a run too large for the $device trained"
