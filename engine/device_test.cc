@@ -177,6 +177,33 @@ TEST(EngineDevice, CpuAskedForEitherWayTrainsLikeAuto) {
   EXPECT_EQ(losses[2], losses[0]);  // EngineOptions::device overrides the config's
 }
 
+// A batch on another device than the model's (on a GPU: one left on the
+// host) fails in LibTorch's first kernel that sees both; the engine's error
+// says where the model is and how a batch gets there, and the next forward
+// goes ahead. Here the other device is the meta device.
+TEST(EngineDevice, AForwardThatMixesDevicesSaysWhereTheModelIsAndHowABatchGetsThere) {
+  Trained t("cpu");
+  at::Tensor x = at::randint(kVocab, {2, 12}, at::kLong), y = at::randint(kVocab, {2, 12}, at::kLong);
+  const at::Tensor elsewhere = at::ones({2, 12}, at::TensorOptions().device(at::kMeta));
+  const std::string error = error_of<Error>([&] {
+    t.engine->forward([&] {
+      at::Tensor shifted = x.to(at::kFloat) + elsewhere;  // a kernel that sees both devices
+      return t.model->loss(x, y) + shifted.sum();
+    });
+  });
+  EXPECT_THAT(error, HasSubstr("remat::Engine::forward: the forward mixed devices ("));
+  EXPECT_THAT(error, HasSubstr("the model is on cpu: move each batch"));
+  EXPECT_THAT(error, HasSubstr("engine->to_device(t)"));
+  t.engine->backward(t.engine->forward([&] { return t.model->loss(x, y); }));
+  EXPECT_TRUE(t.engine->step());
+  // Other errors of the forward pass through as they are.
+  EXPECT_THAT(error_of<std::exception>([&] {
+                t.engine->forward([&] { return t.model->loss(x, y) + at::ones({3}).view({2}).sum(); });
+              }),
+              ::testing::AllOf(HasSubstr("is invalid for input of size 3"),
+                               ::testing::Not(HasSubstr("mixed devices"))));
+}
+
 TEST(EngineDevice, CudaIsRefusedWhereNoneIsVisibleAndTheNextInitializeGoesAhead) {
   if (cuda_here()) GTEST_SKIP() << "CUDA is visible";
   EXPECT_THAT(error_of<ConfigError>([] { Trained t("cuda"); }),

@@ -151,6 +151,26 @@ void Engine::Impl::plan_blocks(torch::nn::Module& model, const Config& config, c
 }
 
 // The model's forward under the sharding and activation offloading.
+// The user's forward. A forward that mixes devices (a batch left on the CPU
+// with the model on a GPU) fails in LibTorch's first kernel that sees both:
+// that error is the user's to fix in the loop, so it says where the model is
+// and how a batch gets there.
+at::Tensor Engine::Impl::call_forward(const std::function<at::Tensor()>& fn) const {
+  try {
+    return fn();
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    if (what.find("Expected all tensors to be on the same device") == std::string::npos &&
+        what.find("is not on the expected device") == std::string::npos) {
+      throw;
+    }
+    throw Error(str("remat::Engine::forward: the forward mixed devices (", what.substr(0, what.find('\n')),
+                    "); the model is on ", placed.str(),
+                    ": move each batch, and every tensor the forward takes from outside, with "
+                    "engine->to_device(t) (docs/engine.md, \"The device\")"));
+  }
+}
+
 at::Tensor Engine::Impl::run_forward(torch::nn::Module& model, const Config& config,
                                      const std::function<at::Tensor()>& fn) {
   // On a memory trace: what the forward allocates (and no scope below
@@ -163,7 +183,7 @@ at::Tensor Engine::Impl::run_forward(torch::nn::Module& model, const Config& con
     if (config.activation_offloading.enabled) {
       offload = std::make_unique<OffloadActivations>(config.activation_offloading, &model);
     }
-    at::Tensor loss = fn();
+    at::Tensor loss = call_forward(fn);
     if (!loss.defined() || loss.numel() != 1 || !loss.requires_grad()) {
       throw Error(str("remat::Engine::forward: the function must return the loss, a one-element tensor that "
                       "requires grad (got ",

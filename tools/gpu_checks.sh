@@ -166,7 +166,7 @@ trains() {
   rm -rf "$saves"
   train "save-on-$dev" 1 auto "$dev" --steps 4 --save-dir "$saves"
   train "resume-on-cpu" 1 mpi cpu --steps 6 --resume "$saves" --save-dir "$saves"
-  train "resume-on-$dev" 1 auto "$dev" --steps 8 --resume "$saves" --save-dir "$saves"
+  train "resume-back-on-$dev" 1 auto "$dev" --steps 8 --resume "$saves" --save-dir "$saves"
 }
 
 # example NAME NP ARGS...: an example's run and its last loss.

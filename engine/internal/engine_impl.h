@@ -99,6 +99,7 @@ struct Engine::Impl {
   void check_forward_order() const;
   void plan_blocks(torch::nn::Module& model, const Config& config, const std::function<at::Tensor()>& fn,
                    const std::vector<int64_t>& plan_key);
+  at::Tensor call_forward(const std::function<at::Tensor()>& fn) const;
   at::Tensor run_forward(torch::nn::Module& model, const Config& config, const std::function<at::Tensor()>& fn);
 
   // step()'s parts.
