@@ -327,7 +327,7 @@ int train(int argc, char** argv) {
         metrics.close();
       }
     }
-    progress.step(step, m.loss, tokens_per_s, m.mem_peak_bytes - m.mem_base_bytes);
+    progress.step(step, m.loss, tokens_per_s, m.mem_peak_bytes - m.mem_base_bytes, m.loss_scale);
     if (tc.eval_interval > 0 && (step % tc.eval_interval == 0 || step == tc.steps)) {
       double val = 0;
       for (int64_t i = 0; i < tc.eval_batches; ++i) {

@@ -46,7 +46,8 @@ std::string plot_memory_trace(const std::string& trace, const std::string& png);
 class Progress {
  public:
   Progress(int64_t first, int64_t total, int64_t every, bool enabled);
-  void step(int64_t step, double loss, double tokens_per_s, int64_t peak);
+  // `loss_scale`: fp16's (StepMetrics::loss_scale), shown when > 0.
+  void step(int64_t step, double loss, double tokens_per_s, int64_t peak, double loss_scale = 0);
   void line(const std::string& text);
 
  private:
