@@ -86,6 +86,16 @@ const std::vector<Field>& schema() {
              {leaf("enabled", &parallel::Bf16Options::enabled),
               deepspeed_only("immediate_grad_update",
                              "remat's bf16 updates the fp32 master shards once per optimizer step")}),
+      object("fp16", &Config::fp16,
+             {leaf("enabled", &Fp16Config::enabled),
+              leaf("auto_cast", &Fp16Config::auto_cast),
+              leaf<Fp16Config, double>("loss_scale", &Fp16Config::loss_scale),
+              leaf<Fp16Config, int>("initial_scale_power", &Fp16Config::initial_scale_power),
+              leaf<Fp16Config, int64_t>("loss_scale_window", &Fp16Config::loss_scale_window),
+              leaf<Fp16Config, int>("hysteresis", &Fp16Config::hysteresis),
+              leaf<Fp16Config, bool>("consecutive_hysteresis", &Fp16Config::consecutive_hysteresis),
+              leaf<Fp16Config, double>("min_loss_scale", &Fp16Config::min_loss_scale),
+              leaf("fp16_master_weights_and_grads", &Fp16Config::fp16_master_weights_and_grads)}),
       object("zero_optimization", &Config::zero_optimization,
              with({leaf("stage", &parallel::ZeroOptions::stage),
               leaf("reduce_bucket_size", &parallel::ZeroOptions::reduce_bucket_size),
@@ -304,11 +314,27 @@ void check_scheduler(const SchedulerConfig& sc, Problems& problems) {
   }
 }
 
+// fp16: the loss scaler's rules (optim/loss_scaler.h), and what remat does not do.
+void check_fp16(const Config& c, Problems& problems) {
+  problems.add({"fp16"}, optim::check_loss_scaler_options(c.fp16));
+  if (c.fp16.fp16_master_weights_and_grads) {
+    problems.add({"fp16.fp16_master_weights_and_grads"},
+                 "'fp16.fp16_master_weights_and_grads' is true, which keeps master weights and gradients in fp16 "
+                 "(DeepSpeed allows it with its CPU Adam under ZeRO-Offload only), and remat keeps float32 master "
+                 "weights and gradients: set it to false or remove it");
+  }
+  if (c.fp16.enabled && c.bf16.enabled) {
+    problems.add({"fp16.enabled", "bf16.enabled"},
+                 "'fp16.enabled' and 'bf16.enabled' are both true: choose one compute dtype (as DeepSpeed does)");
+  }
+}
+
 // The libraries' sections (each rule is the library's, written once there)
 // and the tensor-parallel layout over the model.
 void check_sections(const Config& c, Problems& problems) {
   problems.add({"zero_optimization"}, parallel::check_zero_options(c.zero_optimization));
   problems.add({"bf16.enabled", "zero_optimization.stage"}, parallel::check_bf16_options(c.bf16, c.zero_optimization));
+  check_fp16(c, problems);
   problems.add({"activation_checkpointing"}, check_activation_checkpointing(c.activation_checkpointing));
   problems.add({"activation_offloading"}, check_offload_activations(c.activation_offloading));
   if (c.tensor_parallel.size < 1) {

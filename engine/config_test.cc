@@ -427,8 +427,7 @@ TEST(Config, ARealDeepSpeedConfigListsEveryProblemInOneError) {
   const std::string msg = config_error([&] { parse(ds); });
   EXPECT_THAT(msg, HasSubstr("config error in test.json: 9 problems (nothing was applied):"));
   for (const std::string& want : {
-           std::string("recognised DeepSpeed key, not supported by remat: 'fp16', because remat has no fp16 "
-                       "training with loss scaling; remove it (or set bf16.enabled"),
+           std::string("'fp16.enabled' must be boolean, got string \"auto\""),
            std::string("recognised DeepSpeed key, not supported by remat: 'optimizer.params.adam_w_mode', because"),
            std::string("recognised DeepSpeed key, not supported by remat: 'zero_optimization.offload_optimizer', "
                        "because remat keeps optimizer state on the device"),
@@ -476,7 +475,7 @@ TEST(Config, ASuggestionIsMadeOnlyWhenReallyClose) {
 }
 
 TEST(Config, DeepSpeedKeysAreRecognisedInEverySectionAndThroughSet) {
-  for (const char* key : {"fp16", "amp", "zero_allow_untested_optimizer", "flops_profiler", "tensorboard", "wandb",
+  for (const char* key : {"amp", "torch_autocast", "zero_allow_untested_optimizer", "flops_profiler", "tensorboard", "wandb",
                           "csv_monitor", "comms_logger", "autotuning", "elasticity", "data_efficiency",
                           "compression_training", "aio", "sparse_attention", "curriculum_learning", "pipeline",
                           "communication_data_type", "prescale_gradients", "gradient_predivide_factor",
@@ -496,14 +495,14 @@ TEST(Config, DeepSpeedKeysAreRecognisedInEverySectionAndThroughSet) {
         << key;
     EXPECT_THAT(msg, HasSubstr("; remove it")) << key;
   }
-  EXPECT_THAT(config_error([] { parse("{}", {"fp16.enabled=true"}); }),
-              HasSubstr("config error in --set fp16.enabled=true: recognised DeepSpeed key, not supported by "
-                        "remat: 'fp16', because"));
+  EXPECT_THAT(config_error([] { parse("{}", {"amp.enabled=true"}); }),
+              HasSubstr("config error in --set amp.enabled=true: recognised DeepSpeed key, not supported by "
+                        "remat: 'amp', because"));
   EXPECT_THAT(config_error([] { parse("{}", {"zero_optimization.offload_param={\"device\": \"cpu\"}"}); }),
               HasSubstr("'zero_optimization.offload_param', because remat keeps parameters on the device; remove "
                         "it (or set zero_optimization.stage to 3"));
   // The dump holds remat's keys only.
-  EXPECT_EQ(parse("{}").to_json().find("fp16"), std::string::npos);
+  EXPECT_EQ(parse("{}").to_json().find("\"amp\""), std::string::npos);
 }
 
 TEST(Config, WallClockBreakdownIsAccepted) {
@@ -728,7 +727,7 @@ TEST(ConfigFuzz, EveryMutationEndsInAConfigOrAConfigError) {
 // switched on, or left to a launcher ("auto"), they are refused.
 TEST(Config, DeepSpeedSectionsSwitchedOffAreAccepted) {
   const Config c = parse(R"({
-    "fp16": {"enabled": false, "loss_scale": 0},
+    "amp": {"enabled": false, "opt_level": "O1"},
     "wandb": {"enabled": false, "project": "x"},
     "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "none"},
                           "offload_param": {"device": "none", "pin_memory": true}},
@@ -736,9 +735,9 @@ TEST(Config, DeepSpeedSectionsSwitchedOffAreAccepted) {
   })");
   EXPECT_EQ(c.zero_optimization.stage, 1);
   EXPECT_EQ(*c.train_micro_batch_size_per_gpu, 4);
-  EXPECT_EQ(c.to_json().find("fp16"), std::string::npos) << "ignored, not dumped";
-  for (const char* on : {R"({"fp16": {"enabled": true}})", R"({"fp16": {"enabled": "auto"}})",
-                                R"({"fp16": {"loss_scale": 0}})",
+  EXPECT_EQ(c.to_json().find("\"amp\""), std::string::npos) << "ignored, not dumped";
+  for (const char* on : {R"({"amp": {"enabled": true}})", R"({"amp": {"enabled": "auto"}})",
+                                R"({"amp": {"opt_level": "O1"}})",
                                 R"({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})"}) {
     EXPECT_THAT(config_error([&] { parse(on); }), HasSubstr("recognised DeepSpeed key, not supported by remat"))
         << on;

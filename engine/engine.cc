@@ -223,7 +223,7 @@ void Engine::backward(const at::Tensor& loss) {
   try {
     TraceSpan span("phase", "backward");
     s.zero->begin_backward(/*synchronize=*/boundary);
-    scaled.backward();
+    (s.loss_scaling ? s.loss_scaling->scale_loss(scaled) : scaled).backward();
     s.zero->finish_backward(/*synchronize=*/boundary);
     s.meter.end_backward();
   } catch (...) {
@@ -252,23 +252,8 @@ bool Engine::step() {
   std::optional<TraceSpan> span(std::in_place, "phase", "optimizer step");
   double grad_norm = -1;
   const Impl::Verdict verdict = s.check_gradients();
-  const bool skipped = verdict.bad_loss || verdict.bad_grads;
-  if (skipped) {
-    const bool bad_loss = verdict.bad_loss, bad_grads = verdict.bad_grads;
-    const std::string what = str(bad_loss ? "the loss" : "", bad_loss && bad_grads ? " and " : "",
-                                 bad_grads ? "the gradients" : "");
-    if (config_.train.on_nonfinite == "stop") {
-      throw Error(str("step ", step, ": ", what, " went non-finite (nan or inf; local loss ", s.loss_sum,
-                      "). Stopped before updating or saving anything of this step. "
-                      "Lower optimizer.params.lr, set gradient_clipping, or set "
-                      "train.on_nonfinite=skip to drop such steps"));
-    }
-    log_rank0().warn("step {}: {} went non-finite: this step's update is skipped "
-                     "(train.on_nonfinite=skip)", step, what);
-    s.optimizer->zero_grad();
-  } else {
-    grad_norm = s.update(*model_, config_, verdict.arrived);
-  }
+  const bool skipped = s.skip_step(step, verdict, config_);
+  if (!skipped) grad_norm = s.update(*model_, config_, verdict.arrived);
   const double loss = s.mean_loss();
   const Counters& counters = s.meter.read_counters();
   if (global_steps_ == 0 && s.regions > 0 && counters.recomputes == 0) {
@@ -278,6 +263,10 @@ bool Engine::step() {
   }
   const auto& plan = s.planner->plan();
   last_metrics_ = s.meter.finish_step({step, loss, s.lr, grad_norm, skipped}, plan ? &*plan : nullptr);
+  if (s.loss_scaling) {
+    last_metrics_.loss_scale = s.loss_scaling->last().used_scale;
+    last_metrics_.overflows = s.loss_scaling->overflows();
+  }
   const StepMetrics& m = last_metrics_;
   if (config_.wall_clock_breakdown && (step % config_.steps_per_print == 0 || step == 1)) {
     log_rank0().info("step {} wall clock: forward {:.1f} ms, backward {:.1f} ms (recompute {:.1f}), "
@@ -313,6 +302,33 @@ Engine::Impl::Verdict Engine::Impl::check_gradients() {
   verdict.bad_loss = nonfinite[0].item<double>() > 0;
   verdict.bad_grads = nonfinite[1].item<double>() > 0;
   return verdict;
+}
+
+bool Engine::Impl::skip_step(int64_t step, const Verdict& verdict, const Config& config) {
+  const bool bad_loss = verdict.bad_loss, bad_grads = verdict.bad_grads;
+  if (loss_scaling) {
+    // fp16: a non-finite step is an overflow of the scale (train.on_nonfinite does not apply).
+    const auto update = loss_scaling->record(step, bad_loss || bad_grads);
+    if (update.skip) {
+      optimizer->zero_grad();
+    } else {
+      internal::LossScaling::unscale(zero->parameters(), update.used_scale);
+    }
+    return update.skip;
+  }
+  if (!bad_loss && !bad_grads) return false;
+  const std::string what = str(bad_loss ? "the loss" : "", bad_loss && bad_grads ? " and " : "",
+                               bad_grads ? "the gradients" : "");
+  if (config.train.on_nonfinite == "stop") {
+    throw Error(str("step ", step, ": ", what, " went non-finite (nan or inf; local loss ", loss_sum,
+                    "). Stopped before updating or saving anything of this step. "
+                    "Lower optimizer.params.lr, set gradient_clipping, or set "
+                    "train.on_nonfinite=skip to drop such steps"));
+  }
+  log_rank0().warn("step {}: {} went non-finite: this step's update is skipped "
+                   "(train.on_nonfinite=skip)", step, what);
+  optimizer->zero_grad();
+  return true;
 }
 
 // The optimizer step over the parameters some rank gave a gradient; returns
@@ -405,6 +421,7 @@ std::string Engine::save_checkpoint(const std::string& dir, const nlohmann::json
   TrainPosition position;
   position.step = global_steps_;
   position.client_state = client_state.dump();
+  if (s.loss_scaling) position.loss_scaler = s.loss_scaling->save();
   save_train_state(dir, position, s.shards(*model_), *s.optimizer, s.identity, *s.world);
   char folder[32];
   std::snprintf(folder, sizeof folder, "step_%08lld", static_cast<long long>(global_steps_));
@@ -431,6 +448,12 @@ nlohmann::json Engine::load_checkpoint(const std::string& dir) {
   const TrainPosition position = load_train_state(dir, s.shards(*model_), *s.optimizer, s.identity, *s.world);
   global_steps_ = position.step;
   s.zero->after_load();  // the model's parameters from the loaded shards
+  if (s.loss_scaling && !position.loss_scaler.empty()) {
+    s.loss_scaling->load(position.loss_scaler);
+  } else if (s.loss_scaling) {
+    log_rank0().info("the save in '{}' holds no fp16 loss scaler state: the scale starts at {}", dir,
+                     s.loss_scaling->scale());
+  }
   s.loaded_dir = dir;
   s.lr = learning_rate(config_.optimizer, config_.scheduler, global_steps_ + 1);
   return nlohmann::json::parse(position.client_state);

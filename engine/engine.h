@@ -92,6 +92,11 @@ struct EngineOptions {
   // variant auto: each plan also writes the planner's frontier to
   // <plan_report_dir>/frontier.csv (rank 0; PlannerOptions::report_dir).
   std::string plan_report_dir;
+  // Test seam (fault injection, docs/engine.md): with fp16.enabled, run its
+  // loss scaler over float32 compute instead of refusing where fp16 compute
+  // is missing, so the scaling, the unscaling, the overflow skip, the
+  // metrics and the saves are tested on any device. Not for training.
+  bool fp16_scaler_at_float32 = false;
 };
 
 // Builds the parallel layout a run trains across (data × tensor parallel, from
@@ -120,7 +125,7 @@ class Engine {
   // accumulation steps, then reduces gradients as the sharding needs.
   void backward(const at::Tensor& loss);
   // After every backward. At the accumulation boundary: the non-finite check
-  // (train.on_nonfinite), clipping (gradient_clipping), the optimizer step
+  // (train.on_nonfinite; with fp16, the loss scaler's overflow), clipping (gradient_clipping), the optimizer step
   // and the gradients cleared; returns whether it stepped (false inside an
   // accumulation window, or when a non-finite step was skipped). A parameter
   // that got no gradient on any rank in the window (no forward used it) is

@@ -76,6 +76,13 @@ const internal::FieldTable<StepMetrics>& cuda_rows() {
   return rows;
 }
 
+// With loss scaling only (fp16), so that a float32 run's keys stay as they are.
+const internal::FieldTable<StepMetrics>& loss_scaling_fields() {
+  static const internal::FieldTable<StepMetrics> fields = {{"loss_scale", &StepMetrics::loss_scale},
+                                                           {"overflows", &StepMetrics::overflows}};
+  return fields;
+}
+
 }  // namespace
 
 StepMetrics StepMetrics::from_counters(const Counters& step) {
@@ -91,7 +98,8 @@ nlohmann::json StepMetrics::to_json() const {
   for (const auto& row : metric_rows()) row.field.write(*this, m);
   if (cuda_allocator) internal::write_fields(cuda_rows(), *this, m);
   if (grad_norm >= 0) m["grad_norm"] = grad_norm;
-  if (skipped) m["skipped"] = true;
+  if (skipped || loss_scale > 0) m["skipped"] = skipped;
+  if (loss_scale > 0) internal::write_fields(loss_scaling_fields(), *this, m);
   for (const auto& [key, value] : plan.items()) m[key] = value;
   return m;
 }

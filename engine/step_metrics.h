@@ -16,7 +16,11 @@ struct StepMetrics {
   double loss = 0;  // mean over micro-steps and data-parallel ranks
   double lr = 0;
   double grad_norm = -1;  // before clipping; -1: clipping is off
-  bool skipped = false;   // non-finite, dropped (train.on_nonfinite skip)
+  bool skipped = false;   // non-finite, dropped (train.on_nonfinite skip, or fp16's overflow)
+  // fp16: the loss scale this step's gradients carried (0: no loss scaling),
+  // and the steps skipped for overflow since training began (saves keep it).
+  double loss_scale = 0;
+  int64_t overflows = 0;
   double step_ms = 0, fwd_ms = 0, bwd_ms = 0, opt_ms = 0, recompute_ms = 0;
   int64_t mem_base_bytes = 0, mem_peak_bytes = 0, mem_act_peak_bytes = 0, mem_fwd_held_bytes = 0;
   int64_t ckpt_saved_bytes = 0, ckpt_offloaded_bytes = 0, ckpt_gathered_bytes = 0;
@@ -48,7 +52,8 @@ struct StepMetrics {
   // comm_bytes counts the counters' collectives only. The others are zero.
   static StepMetrics from_counters(const Counters& step);
   // One object: every field by its name (the cuda_ ones on a CUDA device),
-  // grad_norm when clipping is on, skipped when true, and the plan's keys.
+  // grad_norm when clipping is on, skipped when true, and the plan's keys;
+  // with loss scaling (fp16), its fields and skipped always.
   nlohmann::json to_json() const;
 };
 

@@ -122,6 +122,20 @@ TEST(StepMetrics, JsonHasEveryFieldInItsOwnType) {
   EXPECT_EQ(j["skipped"], true);
   EXPECT_EQ(j["act_plan"], "full,keep");
   EXPECT_EQ(j["act_planned"], true);
+
+  // With loss scaling (fp16): its fields, and skipped whether true or not.
+  StepMetrics scaled;
+  scaled.loss_scale = 32768;
+  scaled.overflows = 3;
+  j = scaled.to_json();
+  EXPECT_EQ(j.size(), doubles.size() + ints.size() + 3);
+  EXPECT_TRUE(j["loss_scale"].is_number_float());
+  EXPECT_EQ(j["loss_scale"], 32768.0);
+  EXPECT_TRUE(j["overflows"].is_number_integer());
+  EXPECT_EQ(j["overflows"], 3);
+  EXPECT_EQ(j["skipped"], false);
+  scaled.skipped = true;
+  EXPECT_EQ(scaled.to_json()["skipped"], true);
 }
 
 // The caching allocator's keys are written on a CUDA device only: a CPU run's

@@ -183,6 +183,10 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineO
   s.batch = config_.resolve_batch(s.layout->dims().dp);
   torch::nn::Module& model = *model_;
   model_parallel_manual_seed(static_cast<uint64_t>(config_.train.seed), *s.layout);
+  // fp16: refused here where the device cannot compute it, before anything is wired.
+  if (config_.fp16.enabled) {
+    s.loss_scaling = internal::wire_loss_scaling(config_.fp16, s.placed, s.options.fp16_scaler_at_float32);
+  }
   const auto sharded = parallel::sharded_parameters(model);
   const std::string blocks = block_path(model, s.options.blocks);
   auto block_list = find_block_list(model, blocks);

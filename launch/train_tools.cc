@@ -202,24 +202,26 @@ void Progress::step(int64_t step, double tokens_per_s, const StepMetrics& m) {
     peak += str("  cuda ", human_bytes(static_cast<double>(m.cuda_peak_allocated_bytes)), " / ",
                 human_bytes(static_cast<double>(m.cuda_peak_reserved_bytes)));
   }
-  show(step, m.loss, tokens_per_s, peak);
+  show(step, m.loss, tokens_per_s, peak, m.loss_scale);
 }
 
-void Progress::show(int64_t step, double loss, double tokens_per_s, const std::string& peak) {
+void Progress::show(int64_t step, double loss, double tokens_per_s, const std::string& peak,
+                    double loss_scale) {
   if (!enabled_) return;
   double elapsed = ms_between(start_, Clock::now()) / 1000;
   double eta = (step > first_) ? elapsed / (step - first_) * (total_ - step) : 0;
+  const std::string scale = loss_scale > 0 ? str("  scale ", loss_scale) : std::string();
   if (terminal_) {
     int width = 30, filled = static_cast<int>(width * step / std::max<int64_t>(total_, 1));
-    std::printf("\r[%s%s] %lld/%lld loss %.4f  %.0f tok/s  peak %s  ETA %02d:%02d ",
+    std::printf("\r[%s%s] %lld/%lld loss %.4f%s  %.0f tok/s  peak %s  ETA %02d:%02d ",
                 std::string(filled, '=').c_str(), std::string(width - filled, ' ').c_str(),
-                static_cast<long long>(step), static_cast<long long>(total_), loss, tokens_per_s, peak.c_str(),
-                static_cast<int>(eta) / 60,
-                static_cast<int>(eta) % 60);
+                static_cast<long long>(step), static_cast<long long>(total_), loss, scale.c_str(), tokens_per_s,
+                peak.c_str(), static_cast<int>(eta) / 60, static_cast<int>(eta) % 60);
     if (step == total_) std::printf("\n");
   } else if (step % every_ == 0 || step == first_ + 1 || step == total_) {
-    std::printf("step %lld/%lld  loss %.4f  %.0f tok/s  peak %s  eta %.0fs\n",
-                static_cast<long long>(step), static_cast<long long>(total_), loss, tokens_per_s, peak.c_str(), eta);
+    std::printf("step %lld/%lld  loss %.4f%s  %.0f tok/s  peak %s  eta %.0fs\n",
+                static_cast<long long>(step), static_cast<long long>(total_), loss, scale.c_str(), tokens_per_s,
+                peak.c_str(), eta);
   }
   std::fflush(stdout);
 }

@@ -55,13 +55,14 @@ class Progress {
   void step(int64_t step, double loss, double tokens_per_s, int64_t peak);
   // The step's loss and peak from its metrics: on the CPU the peak above the
   // step's start, as above; on a CUDA device also the caching allocator's
-  // peaks, allocated / reserved ("peak 1.2 GiB  cuda 3.4 / 4 GiB").
+  // peaks, allocated / reserved ("peak 1.2 GiB  cuda 3.4 / 4 GiB"); with
+  // fp16, the loss scale.
   void step(int64_t step, double tokens_per_s, const StepMetrics& m);
   void line(const std::string& text);
 
  private:
   static bool use_bar();
-  void show(int64_t step, double loss, double tokens_per_s, const std::string& peak);
+  void show(int64_t step, double loss, double tokens_per_s, const std::string& peak, double loss_scale = 0);
   int64_t first_, total_, every_;
   bool enabled_, terminal_;
   std::chrono::steady_clock::time_point start_;

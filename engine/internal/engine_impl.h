@@ -17,6 +17,7 @@
 #include "checkpointing/policy.h"
 #include "engine/config.h"
 #include "engine/engine.h"
+#include "engine/internal/loss_scaling.h"
 #include "engine/internal/step_meter.h"
 #include "engine/save/dir_lock.h"
 #include "engine/save/train_state.h"
@@ -76,6 +77,8 @@ struct Engine::Impl {
   int gathered_scopes = 0;
   // The step's measurement: peaks, timers, counters, the memory timeline.
   internal::StepMeter meter;
+  // fp16's loss scaling (null: fp16 off).
+  std::unique_ptr<internal::LossScaling> loss_scaling;
 
   // The step in progress.
   internal::Phase phase = internal::Phase::kIdle;
@@ -108,6 +111,9 @@ struct Engine::Impl {
     at::Tensor arrived;  // per parameter: whether any rank gave it a gradient
   };
   Verdict check_gradients();
+  // Whether the step is skipped: fp16's overflow (the scale updated, the
+  // gradients unscaled when it is not), else train.on_nonfinite.
+  bool skip_step(int64_t step, const Verdict& verdict, const Config& config);
   double update(torch::nn::Module& model, const Config& config, const at::Tensor& arrived);
   double mean_loss();
 };
