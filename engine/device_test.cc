@@ -110,7 +110,9 @@ TEST(DevicePlacement, AModelOnTheDeviceIsLeftAloneAndAMetaOneRefused) {
   EXPECT_THAT(e, HasSubstr("parameter 'blocks.1.lazy' is on the meta device"));
   EXPECT_THAT(e, HasSubstr("materialise the model first"));
   for (const auto& item : model.named_parameters()) {
-    if (item.key() != "blocks.1.lazy") EXPECT_EQ(item.value().data_ptr(), before[item.key()]);
+    if (item.key() != "blocks.1.lazy") {
+      EXPECT_EQ(item.value().data_ptr(), before[item.key()]);
+    }
   }
 }
 

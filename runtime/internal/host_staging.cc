@@ -1,6 +1,7 @@
 #include "runtime/internal/host_staging.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include "runtime/error.h"
 
