@@ -96,6 +96,7 @@ class Module;
 
 namespace remat {
 class Communicator;
+class ModuleHook;
 }  // namespace remat
 
 namespace remat::parallel {
@@ -250,11 +251,15 @@ class ZeroModel {
 
  private:
   int stage_;
+  bool bf16_ = false;
   torch::nn::Module& model_;
   std::shared_ptr<Communicator> dp_group_, shard_group_, replicate_group_;
   std::vector<at::Tensor> sharded_tp_;
   std::unique_ptr<ShardingStrategy> strategy_;
   struct Arrivals;  // take_gradient_arrivals()'s hooks and flags
+  // bf16: the modules whose inputs remat::forward casts, and the hook.
+  std::vector<std::weak_ptr<torch::nn::Module>> cast_hooked_;
+  std::shared_ptr<ModuleHook> cast_hook_;
   std::unique_ptr<Arrivals> arrivals_;
 };
 
