@@ -94,6 +94,10 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
       cast_hooked_.push_back(m);
     }
     cast_hook_ = hook;
+    log_rank0().info("bf16: float32 masters, the model computes with bf16 copies{}; gradients accumulated in "
+                     "float32, reduced in {}; floating-point inputs of {} modules' remat::forward calls cast to bf16",
+                     config.stage == 3 ? " gathered per unit" : " made once per step",
+                     bf16.reduces_in_bf16() ? "bf16" : "float32", cast_hooked_.size());
   }
 }
 

@@ -54,6 +54,11 @@
 // soon as the backward accumulated its last gradient (begin_backward(true)
 // announces the last micro-step).
 //
+// bf16 (every stage): float32 masters are what the optimizer steps and saves
+// hold; the model computes with bf16 copies (stages 0-2: made once per step
+// and installed in the model; stage 3: the gathered units); gradients are
+// accumulated in float32 and reduced in Bf16Options::reduce_dtype.
+//
 // Every stage: the model's parameters and buffers start as data-parallel
 // rank 0's (broadcast at construction, whatever each rank initialised).
 // Frozen parameters (requires_grad false when ZeroModel is built, e.g. the
@@ -140,8 +145,10 @@ struct ShardLayout {
 class ZeroModel {
  public:
   // `units` are submodules of `model` (each transformer block); `config` is
-  // the zero_optimization section, `bf16` the bf16 section (stage 3 only;
-  // both in parallel/zero_options.h); `sharded_tp` lists parameters that
+  // the zero_optimization section, `bf16` the bf16 section (any stage; both
+  // in parallel/zero_options.h: with bf16 the model computes with bf16
+  // copies, parameters() are float32 masters, and the floating-point inputs
+  // of the model's modules called through remat::forward are cast to bf16); `sharded_tp` lists parameters that
   // differ across tensor-parallel ranks (for the gradient norm;
   // sharded_parameters()).
   // Invalid options (check_zero_options), or a stage or combination that is
