@@ -43,6 +43,8 @@ struct Bf16Setup {
   double dropout = 0.1;
   double clip = 1.0;
   int hybrid = 0;
+  bool freeze = false;
+  bool contiguous_gradients = true;  // the first block and the token embedding (a fine-tune's base weights)
   parallel::ReduceDtype reduce = parallel::ReduceDtype::kDefault;
 };
 
@@ -60,12 +62,14 @@ Config config_of(const Bf16Setup& s) {
   c.zero_optimization.stage = s.stage;
   c.zero_optimization.reduce_bucket_size = 1000;  // several buckets
   c.zero_optimization.hybrid_shard_size = s.hybrid;
+  c.zero_optimization.contiguous_gradients = s.contiguous_gradients;
   return c;
 }
 
 struct Bf16Run {
   std::vector<double> losses;
   std::map<std::string, at::Tensor> final_params;  // whole, float32
+  std::map<std::string, at::Tensor> frozen;        // the frozen parameters' initial values
   parallel::ZeroStats stats;
 };
 
@@ -76,12 +80,20 @@ Bf16Run train(const Bf16Setup& s, const std::string& from = "", const std::strin
   models::GptOptions o = remat::testing::small_gpt(29, 3, s.dropout);
   at::manual_seed(21);
   models::Gpt model(o);
+  Bf16Run run;
+  if (s.freeze) {
+    for (const auto& item : model->named_parameters()) {
+      if (item.key().rfind("blocks.0.", 0) == 0 || item.key().find("tok_emb") != std::string::npos) {
+        item.value().requires_grad_(false);
+        run.frozen[item.key()] = item.value().detach().clone();
+      }
+    }
+  }
   EngineOptions options;
   options.layout = remat::testing::layout_ptr(1);
   auto engine = initialize(model, config_of(s), options);
   if (!from.empty()) engine->load_checkpoint(from);
   for (const auto& p : engine->sharding().parameters()) EXPECT_EQ(p.scalar_type(), at::kFloat) << "fp32 masters";
-  Bf16Run run;
   for (int step = 0; step < s.steps; ++step) {
     const int64_t global = engine->global_steps();
     for (int m = 0; m < s.micro_steps; ++m) {
@@ -141,6 +153,15 @@ TEST(Bf16, EveryStageAndHybridShardingMatchStage0) {
         if (world()->rank() == 0) std::printf("bf16 %s\n", what.c_str());
       }
     }
+    // Gradients kept on the parameters (no contiguous buffer) accumulate in
+    // float32 there: stage 1 still sums the window as stage 0 does.
+    Bf16Setup kept = base;
+    kept.stage = 1;
+    kept.contiguous_gradients = false;
+    const Bf16Run k = train(kept);
+    for (size_t i = 0; i < k.losses.size(); ++i) {
+      EXPECT_EQ(zero0.losses[i], k.losses[i]) << "stage 1 without contiguous_gradients, micro-steps " << micro;
+    }
   }
   if (n == 1) return;  // nothing is reduced
   Bf16Setup fp32_reduce, bf16_reduce_setup;
@@ -185,6 +206,25 @@ TEST(Bf16, TracksFloat32Over50Steps) {
     // The model holds bf16 copies beside the float32 masters: 6 bytes an
     // element where float32 holds 4.
     EXPECT_EQ(b.stats.param_bytes * 2, a.stats.param_bytes * 3) << "stage " << stage;
+  }
+}
+
+// Frozen parameters (a fine-tune's base weights) get bf16 copies too, keep
+// their float32 values bitwise, and every stage trains the rest as stage 0.
+TEST(Bf16, FrozenParametersAtEveryStage) {
+  Bf16Setup base;
+  base.freeze = true;
+  base.clip = 0;
+  const Bf16Run zero0 = train(base);
+  for (int stage : {0, 1, 2, 3}) {
+    Bf16Setup s = base;
+    s.stage = stage;
+    const Bf16Run r = stage == 0 ? zero0 : train(s);
+    ASSERT_FALSE(r.frozen.empty());
+    for (const auto& [name, value] : r.frozen) {
+      EXPECT_TRUE(at::equal(value, r.final_params.at(name))) << "stage " << stage << ": " << name << " moved";
+    }
+    for (size_t i = 0; i < r.losses.size(); ++i) EXPECT_EQ(zero0.losses[i], r.losses[i]) << "stage " << stage;
   }
 }
 

@@ -94,6 +94,7 @@ class Stage12 final : public ShardingStrategy {
   std::vector<at::Tensor> frozen_;
   // bf16: the model's frozen parameters, bf16 copies of frozen_ (their float32 masters).
   std::vector<at::Tensor> frozen_compute_;
+  std::vector<int64_t> frozen_versions_;  // bf16: frozen_'s versions when the copies were made
   // The shards received gradients (a step may follow) since the buckets were
   // last made whole. An optimizer may update a shard without bumping its
   // version counter (LibTorch 1.13's SGD writes through .data()), so the
@@ -167,6 +168,7 @@ Stage12::Stage12(torch::nn::Module& model, const DpGroups& groups,
       names_.emplace(m.unsafeGetTensorImpl(), names_.at(p.unsafeGetTensorImpl()));
       p.set_data(p.detach().to(at::kBFloat16));
       frozen_compute_.push_back(p);
+      frozen_versions_.push_back(m._version());
       p = m;
     }
   }
@@ -223,6 +225,10 @@ bool Stage12::stale() const {
   for (const auto& b : buckets_) {
     if (b.shard._version() != b.shard_version) return true;
   }
+  // bf16: a load or a write into a frozen parameter's master.
+  for (size_t i = 0; i < frozen_versions_.size(); ++i) {
+    if (frozen_[i]._version() != frozen_versions_[i]) return true;
+  }
   return false;
 }
 
@@ -270,7 +276,10 @@ void Stage12::sync_parameters() {
       if (f.target.defined()) f.target.copy_(f.output.view(f.target.sizes()));
     }
   }
-  for (size_t i = 0; i < frozen_compute_.size(); ++i) frozen_compute_[i].detach().copy_(frozen_[i]);
+  for (size_t i = 0; i < frozen_compute_.size(); ++i) {
+    frozen_compute_[i].detach().copy_(frozen_[i]);
+    frozen_versions_[i] = frozen_[i]._version();
+  }
   for (auto& b : buckets_) {
     if (bf16_) b.compute.copy_(b.flat);  // the compute copy, once per step
     b.shard_version = b.shard._version();
