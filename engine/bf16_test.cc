@@ -309,6 +309,38 @@ TEST(Bf16, SavesHoldFloat32MastersAndResumeBitwise) {
   }
 }
 
+// GatheredParameters(modify) at stages 0-2 edits the bf16 copies: what the
+// scope leaves alone keeps its float32 master bitwise (not rounded to bf16),
+// an edit reaches the master and, at the next forward, the copy.
+TEST(Bf16, AModifyingScopeWritesBackOnlyWhatChanged) {
+  for (int stage : {0, 2}) {
+    at::manual_seed(21);
+    models::Gpt model(remat::testing::small_gpt(29, 2, 0.0));
+    Bf16Setup s;
+    s.stage = stage;
+    EngineOptions options;
+    options.layout = remat::testing::layout_ptr(1);
+    auto engine = initialize(model, config_of(s), options);
+    const auto before = engine->sharding().full_parameters();
+    {
+      GatheredParameters scope(*engine, /*modify=*/true);
+      at::NoGradGuard no_grad;
+      model->named_parameters()["pos_emb.weight"].fill_(0.5);
+    }
+    int finer = 0;
+    for (const auto& [name, value] : engine->sharding().full_parameters()) {
+      const at::Tensor& was = std::find_if(before.begin(), before.end(), [&](const auto& p) { return p.first == name; })->second;
+      if (name == "pos_emb.weight") {
+        EXPECT_TRUE(at::equal(value, at::full_like(value, 0.5))) << "stage " << stage;
+        continue;
+      }
+      EXPECT_TRUE(at::equal(value, was)) << "stage " << stage << ": " << name << " rewritten";
+      if (!at::equal(was, was.to(at::kBFloat16).to(at::kFloat))) ++finer;
+    }
+    EXPECT_GT(finer, 0);
+  }
+}
+
 // A vision model as users write one: a Conv2d patch embedding on the float32
 // image, outside the blocks (in the root), then linear blocks. Under bf16 its
 // parameters are bf16 and the image is not: remat::forward casts the

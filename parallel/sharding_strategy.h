@@ -55,6 +55,10 @@ class ShardingStrategy {
   // shards; stage 0 steps the parameters themselves and stage 3 gathers
   // them at each use: nothing to do).
   virtual void sync_parameters() {}
+  // After each rank wrote its pieces of parameters() (ZeroModel's
+  // write_back_parameters; collective): the model's parameters brought up to
+  // date on every rank alike, whichever ranks' pieces changed.
+  virtual void after_write() { sync_parameters(); }
   // Whether the model's parameters are views of the units gathered around
   // each use, empty between uses (stage 3): reading them between steps needs
   // their whole values put in (ZeroModel::install_whole_parameters). The

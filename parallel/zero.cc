@@ -201,6 +201,7 @@ void ZeroModel::write_back_parameters(std::map<std::string, at::Tensor> edited,
           .copy_(it->second.reshape({-1}).narrow(0, seg.param_offset, seg.length));
     }
   }
+  strategy_->after_write();
 }
 
 void ZeroModel::leave_whole() {

@@ -204,7 +204,7 @@ class ZeroModel {
   // Writes `edited` (whole values by name) into parameters(): rank 0's value
   // for every data-parallel rank (collective), each rank its pieces;
   // `began_with` (WholeParameters::values): what is unchanged from it is
-  // left as it is.
+  // left as it is. The model's parameters are then current on every rank.
   void write_back_parameters(std::map<std::string, at::Tensor> edited,
                              const std::map<std::string, at::Tensor>& began_with);
   // The model left whole and current for use without ZeroModel

@@ -55,6 +55,11 @@ class Stage12 final : public ShardingStrategy {
     return stage12_gradients(options_, trainable, local_trainable);
   }
   void begin_forward() override { sync_parameters(); }
+  // An edit may lie in one rank's shard alone: every rank gathers.
+  void after_write() override {
+    stepped_ = true;
+    sync_parameters();
+  }
   void leave_whole() override;
   void begin_backward(bool synchronize) override;
   void abandon_backward() override;
