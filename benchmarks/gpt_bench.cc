@@ -4,14 +4,19 @@
 // dropped; each step's wall and thread CPU time). One JSON object per line,
 // the same fields as benchmarks/torch_gpt.py writes for PyTorch. bench.sh
 // runs both. autoNN variants plan with the memory planner (its measured
-// costs and each plan's table go to stderr).
+// costs and each plan's table go to stderr). --device cuda runs the same on
+// the first GPU (benchmarks/gpu_bench.sh): the device is synchronised before
+// each clock read, memory is the device's (c10's CUDA caching allocator
+// reports through MemoryTracker), and act_offload copies to pinned host
+// memory on side streams (OffloadActivationsOptions' defaults).
 //
 //   bazel-bin/benchmarks/gpt_bench --layers 2,4,8 --variants none,full,every_k2,selective_op,offload
-//       [--steps 20] [--warmup 3] [--memory-only] [--plan-rounds 2] [--out FILE]   (one command line)
+//       [--steps 20] [--warmup 3] [--memory-only] [--plan-rounds 2] [--device cpu|cuda] [--out FILE]
 //   remat-run -np 2 -- bazel-bin/benchmarks/gpt_bench --tp 2 --variants full,partitioned ...
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
+#include <torch/cuda.h>
 
 #include <chrono>
 #include <ctime>
@@ -104,6 +109,7 @@ ActivationCheckpointingOptions config_of(const std::string& name) {
 int bench(int argc, char** argv) {
   CLI::App app{"gpt_bench: the GPT under each checkpointing variant"};
   std::string layers = "4", variants = "none,full,every_k2,selective_op,offload", out_path = "-";
+  std::string device_name = "cpu";
   int steps = 20, warmup = 3, tp = 1, plan_rounds = 2;
   bool memory_only = false;
   models::GptOptions o;
@@ -132,12 +138,22 @@ int bench(int argc, char** argv) {
   app.add_option("--seed", seed);
   app.add_option("--plan-rounds", plan_rounds, "autoNN: the planner's profiling rounds per choice")
       ->check(CLI::PositiveNumber);
+  app.add_option("--device", device_name, "cpu, or cuda: the first GPU")->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--out", out_path, "JSON lines (appended); - for stdout");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  const at::Device device = device_name == "cuda" ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+  if (device.is_cuda() && !torch::cuda::is_available()) {
+    throw ConfigError("gpt_bench --device cuda: no CUDA device visible to this LibTorch (a CPU-only build, or "
+                      "no GPU); run with --device cpu");
+  }
+  // Kernels run asynchronously on a GPU: every clock read waits for them.
+  auto sync = [&] {
+    if (device.is_cuda()) torch::cuda::synchronize();
+  };
   MemoryTracker memory;
   auto& runtime = Runtime::init();
   at::set_num_threads(1);
@@ -153,18 +169,20 @@ int bench(int argc, char** argv) {
     if (tp > 1) o.tensor_parallel = layout.tp_group();
     at::manual_seed(seed);
     models::Gpt model(o);
+    model->to(device);
     model->train();
     model_parallel_manual_seed(static_cast<uint64_t>(seed), layout);
     at::Generator data = at::detail::createCPUGenerator(static_cast<uint64_t>(seed + 1));
     at::Tensor idx = at::randint(o.vocab_size, {batch, o.shape.seq_len}, data, at::kLong);
-    at::Tensor targets = idx.roll(-1, 1);
+    at::Tensor targets = idx.roll(-1, 1).to(device);
+    idx = idx.to(device);
     // Each step configures its own variant: the region defaults (storage,
     // reentrant) are process-wide.
     std::map<std::string, ActivationCheckpointingOptions> configs;
     for (const auto& v : split(variants)) configs[v] = config_of(v);
     struct Result {
       double fwd_ms, step_ms, step_cpu_ms, loss;
-      int64_t peak, saved;
+      int64_t peak, saved, held, offloaded;
     };
     // variant auto: one profile per depth, one plan per budget.
     std::map<std::string, ActivationPlan> plans;
@@ -184,20 +202,26 @@ int bench(int argc, char** argv) {
       for (auto& p : model->parameters()) {
         if (p.grad().defined()) p.mutable_grad().zero_();
       }
-      const int64_t base = memory.current();
+      sync();
+      const int64_t base = memory.current(device.type());
+      const int64_t offloaded0 = activation_offload_stats().offloaded_bytes;
       memory.reset_peak();
       const double cpu0 = thread_cpu_ms();
       auto t0 = Clock::now();
       if (v == "act_offload") offload = std::make_unique<OffloadActivations>(OffloadActivationsOptions{}, model.get());
       at::Tensor loss = model->loss(idx, targets);
       offload.reset();
+      sync();
       auto t1 = Clock::now();
+      const int64_t held = memory.current(device.type()) - base;
       const int64_t saved = Counters::read().checkpoint_saved_bytes;
       loss.backward();
+      sync();
       auto t2 = Clock::now();
       using ms = std::chrono::duration<double, std::milli>;
       return Result{ms(t1 - t0).count(), ms(t2 - t0).count(), thread_cpu_ms() - cpu0, loss.item<double>(),
-                    memory.peak() - base, saved};
+                    memory.peak(device.type()) - base, saved, held,
+                    activation_offload_stats().offloaded_bytes - offloaded0};
     };
     exclude_output_head(*model, OffloadActivationsOptions{});  // used by act_offload only
     step("none");  // allocates the parameter gradients
@@ -230,8 +254,11 @@ int bench(int argc, char** argv) {
       nlohmann::json j = {{"framework", "remat"}, {"variant", v},     {"layers", o.shape.n_layer},
                           {"kind", kind},         {"loss", r.loss},   {"tp", tp},
                           {"sequence_parallel", o.sequence_parallel_active()}};
+      if (device.is_cuda()) j["device"] = "cuda";
       if (std::string(kind) == "memory") {
         j["peak_bytes"] = r.peak;
+        j["held_bytes"] = r.held;
+        j["offloaded_bytes"] = r.offloaded;
         j["ckpt_saved_bytes"] = r.saved;
         if (plans.count(v)) {
           const ActivationPlan& plan = plans.at(v);

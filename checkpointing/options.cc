@@ -41,7 +41,7 @@ std::string check_memory_budget(const MemoryBudget& b) {
   if (b.memory_budget_fraction) set.push_back("'memory_budget_fraction'");
   // (A fraction and the knee together come from C++ only: the JSON key holds one.)
   if (b.memory_budget_knee) set.push_back("'memory_budget_fraction' \"knee\" (MemoryBudget::memory_budget_knee)");
-  if (b.device_memory_budget_bytes) set.push_back("'device_memory_budget_bytes'");
+  if (b.device_memory_budget_bytes || b.device_memory_budget_auto) set.push_back("'device_memory_budget_bytes'");
   if (set.empty()) {
     return "'activation_checkpointing.variant' is \"auto\" but no budget is set: set one of "
            "'memory_budget_bytes' (activations, per rank), 'memory_budget_fraction' (of the activation peak with "
@@ -85,10 +85,12 @@ std::string check_policy_settings(const PolicySettings& p) {
   if (p.variant == CheckpointVariant::kAuto) {
     add_problem(problems, check_memory_budget(p));
   } else if (p.memory_budget_bytes || p.memory_budget_fraction || p.memory_budget_knee ||
-             p.device_memory_budget_bytes) {
+             p.device_memory_budget_bytes || p.device_memory_budget_auto) {
+    const bool device = p.device_memory_budget_bytes || p.device_memory_budget_auto;
     add_problem(problems, str("'activation_checkpointing.",
                               p.memory_budget_bytes ? "memory_budget_bytes"
-                              : p.device_memory_budget_bytes ? "device_memory_budget_bytes" : "memory_budget_fraction",
+                              : device              ? "device_memory_budget_bytes"
+                                                    : "memory_budget_fraction",
                               "' is set but 'variant' is \"", checkpoint_variant_name(p.variant),
                               "\": a budget is planned by variant \"auto\" (set it), or remove the budget"));
   }

@@ -49,6 +49,10 @@ struct MemoryBudget {
   // extra time (checkpointing/frontier.h), whatever its peak.
   bool memory_budget_knee = false;
   std::optional<int64_t> device_memory_budget_bytes;
+  // device_memory_budget_bytes "auto": the engine resolves it, before the
+  // planner sees it, to the rank's share of its device's capacity less a
+  // reserve (runtime/device_memory.h, auto_device_budget).
+  bool device_memory_budget_auto = false;
 };
 
 // Which blocks a whole-model policy checkpoints (checkpointing/policy.h).

@@ -203,6 +203,11 @@ void check_planner_options(torch::nn::Module& model, const PlannerOptions& optio
   const std::string invalid = check_memory_budget(options);
   if (!invalid.empty()) throw ConfigError("activation checkpointing planner: " + invalid);
   if (options.rounds < 1) throw ConfigError(str("activation planner: rounds = ", options.rounds, " must be at least 1"));
+  if (options.device_memory_budget_auto) {
+    throw ConfigError("activation checkpointing planner: device_memory_budget_bytes is \"auto\", which the engine "
+                      "resolves against the device: a direct caller sets the bytes (runtime/device_memory.h, "
+                      "auto_device_budget)");
+  }
   const size_t n = block_modules(model, options.blocks).size();
   if (options.memory_budget_knee && n < 2) {
     throw ConfigError(str(

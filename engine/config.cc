@@ -107,6 +107,16 @@ const std::vector<Field>& schema() {
              {leaf("enabled", &parallel::Bf16Options::enabled),
               deepspeed_only("immediate_grad_update",
                              "remat's bf16 updates the fp32 master shards once per optimizer step")}),
+      object("fp16", &Config::fp16,
+             {leaf("enabled", &Fp16Config::enabled),
+              leaf("auto_cast", &Fp16Config::auto_cast),
+              leaf<Fp16Config, double>("loss_scale", &Fp16Config::loss_scale),
+              leaf<Fp16Config, int>("initial_scale_power", &Fp16Config::initial_scale_power),
+              leaf<Fp16Config, int64_t>("loss_scale_window", &Fp16Config::loss_scale_window),
+              leaf<Fp16Config, int>("hysteresis", &Fp16Config::hysteresis),
+              leaf<Fp16Config, bool>("consecutive_hysteresis", &Fp16Config::consecutive_hysteresis),
+              leaf<Fp16Config, double>("min_loss_scale", &Fp16Config::min_loss_scale),
+              leaf("fp16_master_weights_and_grads", &Fp16Config::fp16_master_weights_and_grads)}),
       object("zero_optimization", &Config::zero_optimization,
              with({leaf("stage", &parallel::ZeroOptions::stage),
               leaf("reduce_bucket_size", &parallel::ZeroOptions::reduce_bucket_size),
@@ -140,7 +150,8 @@ const std::vector<Field>& schema() {
               optional_leaf<AC, int64_t>("memory_budget_bytes", &AC::memory_budget_bytes),
               json_schema::number_or_word<AC>("memory_budget_fraction", &AC::memory_budget_fraction,
                                               &AC::memory_budget_knee, "knee"),
-              optional_leaf<AC, int64_t>("device_memory_budget_bytes", &AC::device_memory_budget_bytes)}),
+              json_schema::number_or_word<AC, int64_t>("device_memory_budget_bytes", &AC::device_memory_budget_bytes,
+                                                       &AC::device_memory_budget_auto, "auto")}),
       object("activation_offloading", &Config::activation_offloading,
              {leaf("enabled", &OffloadActivationsOptions::enabled),
               leaf("use_pin_memory", &OffloadActivationsOptions::use_pin_memory),
@@ -176,7 +187,8 @@ const std::vector<Field>& schema() {
               leaf("eval_batches", &TrainConfig::eval_batches),
               leaf("save_interval", &TrainConfig::save_interval),
               leaf("sample_chars", &TrainConfig::sample_chars),
-              leaf("on_nonfinite", &TrainConfig::on_nonfinite, {"stop", "skip"})}),
+              leaf("on_nonfinite", &TrainConfig::on_nonfinite, {"stop", "skip"}),
+              leaf("device", &TrainConfig::device)}),
   }, deepspeed_only_top_level());
   return fields;
 }
@@ -323,11 +335,27 @@ void check_scheduler(const SchedulerConfig& sc, Problems& problems) {
   }
 }
 
+// fp16: the loss scaler's rules (optim/loss_scaler.h), and what remat does not do.
+void check_fp16(const Config& c, Problems& problems) {
+  problems.add({"fp16"}, optim::check_loss_scaler_options(c.fp16));
+  if (c.fp16.fp16_master_weights_and_grads) {
+    problems.add({"fp16.fp16_master_weights_and_grads"},
+                 "'fp16.fp16_master_weights_and_grads' is true, which keeps master weights and gradients in fp16 "
+                 "(DeepSpeed allows it with its CPU Adam under ZeRO-Offload only), and remat keeps float32 master "
+                 "weights and gradients: set it to false or remove it");
+  }
+  if (c.fp16.enabled && c.bf16.enabled) {
+    problems.add({"fp16.enabled", "bf16.enabled"},
+                 "'fp16.enabled' and 'bf16.enabled' are both true: choose one compute dtype (as DeepSpeed does)");
+  }
+}
+
 // The libraries' sections (each rule is the library's, written once there)
 // and the tensor-parallel layout over the model.
 void check_sections(const Config& c, Problems& problems) {
   problems.add({"zero_optimization"}, parallel::check_zero_options(c.zero_optimization));
   problems.add({"bf16.enabled", "communication_data_type"}, parallel::check_bf16_options(c.bf16, c.zero_optimization));
+  check_fp16(c, problems);
   problems.add({"activation_checkpointing"}, check_activation_checkpointing(c.activation_checkpointing));
   problems.add({"activation_offloading"}, check_offload_activations(c.activation_offloading));
   if (c.tensor_parallel.size < 1) {
@@ -355,6 +383,7 @@ void check_train_and_data(const Config& c, Problems& problems) {
                          {"train.sample_chars", t.sample_chars}}) {
     if (v < 0) problems.add({path}, str("'", path, "' = ", v, " must be >= 0"));
   }
+  if (const std::string why = device_spec_problem(t.device); !why.empty()) problems.add({"train.device"}, why);
   if (c.data.train_fraction <= 0 || c.data.train_fraction >= 1) {
     problems.add({"data.train_fraction"},
                  str("'data.train_fraction' = ", c.data.train_fraction, " must be in (0, 1)"));
@@ -372,6 +401,19 @@ void check_values(const Config& c, const Origin& at) {
 }
 
 }  // namespace
+
+// Whether the machine has that device is the engine's to check: a config may
+// be read where it does not run.
+std::string device_spec_problem(const std::string& spec, const std::string& key) {
+  if (spec == "auto" || spec == "cpu" || spec == "cuda") return {};
+  const std::string index = spec.rfind("cuda:", 0) == 0 ? spec.substr(5) : std::string();
+  if (!index.empty() && index.size() <= 4 &&
+      std::all_of(index.begin(), index.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
+    return {};
+  }
+  return str("'", key, "' = \"", spec, "\" is not a device: give auto (the local rank's CUDA device where CUDA is "
+             "available, else the CPU), cpu, cuda (the local rank's CUDA device) or cuda:N (CUDA device N)");
+}
 
 BatchSizes Config::resolve_batch(int dp) const {
   REMAT_CHECK_GE(dp, 1, "data-parallel size");

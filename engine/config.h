@@ -21,6 +21,7 @@
 
 #include "checkpointing/options.h"
 #include "models/shape.h"
+#include "optim/loss_scaler.h"
 #include "parallel/zero_options.h"
 
 namespace remat {
@@ -78,6 +79,24 @@ struct TrainConfig {
   // run with an error naming the step (nothing non-finite is saved); "skip"
   // drops that step's update and goes on.
   std::string on_nonfinite = "stop";
+  // Where this rank trains: "auto" (the local rank's CUDA device where CUDA
+  // is available, else the CPU), "cpu", "cuda" (the local rank's CUDA device)
+  // or "cuda:N". The engine places the model there at initialize.
+  std::string device = "auto";
+};
+
+// fp16: DeepSpeed's section. The loss scaler's keys are its options
+// (optim/loss_scaler.h, declared and validated there); these are the engine's.
+struct Fp16Config : optim::LossScalerOptions {
+  // Compute in fp16 from float32 masters, with the loss scaler. Refused where
+  // the device cannot compute in fp16 (docs/config.md).
+  bool enabled = false;
+  // DeepSpeed's cast of the floating-point inputs to fp16: accepted, with no
+  // effect of its own in remat.
+  bool auto_cast = false;
+  // DeepSpeed's fp16 master weights and gradients (its CPU Adam only):
+  // refused when true, since remat's masters are float32.
+  bool fp16_master_weights_and_grads = false;
 };
 
 // Resolved batch sizes: train = micro × accumulation × data-parallel size.
@@ -103,6 +122,7 @@ struct Config {
   // default) and validated there; config.cc binds their JSON keys onto the
   // structs' fields.
   parallel::Bf16Options bf16;                               // parallel/zero_options.h
+  Fp16Config fp16;  // its loss scaler's keys: optim/loss_scaler.h
   parallel::ZeroOptions zero_optimization;                  // parallel/zero_options.h
   ActivationCheckpointingOptions activation_checkpointing;  // checkpointing/options.h
   OffloadActivationsOptions activation_offloading;          // checkpointing/options.h
@@ -131,6 +151,10 @@ Config parse_config(const std::string& text, const std::string& source,
 // sequence_parallel_dropout with sequence parallelism off), one sentence
 // each saying what to change; the engine logs them as warnings.
 std::vector<std::string> ineffective_settings(const Config& config);
+
+// The device syntax of train.device (and EngineOptions::device): empty when
+// `spec` is auto, cpu, cuda or cuda:N, else the problem, naming `key`.
+std::string device_spec_problem(const std::string& spec, const std::string& key = "train.device");
 
 // Reads and parses a file; an unreadable file is a ConfigError.
 Config load_config(const std::string& path,

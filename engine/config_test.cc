@@ -197,6 +197,57 @@ TEST(Config, AutoTakesExactlyOneBudget) {
   EXPECT_THAT(msg, HasSubstr("memory_budget_fraction"));
 }
 
+// device_memory_budget_bytes: a whole number of bytes, or "auto" (the device's
+// capacity less a reserve, resolved by the engine) in place of one.
+TEST(Config, DeviceMemoryBudgetTakesAuto) {
+  const std::string ac = "activation_checkpointing.";
+  Config c = parse(R"({"activation_checkpointing": {"variant": "auto", "device_memory_budget_bytes": "auto"}})");
+  EXPECT_TRUE(c.activation_checkpointing.device_memory_budget_auto);
+  EXPECT_FALSE(c.activation_checkpointing.device_memory_budget_bytes.has_value());
+  EXPECT_THAT(c.to_json(), HasSubstr("\"device_memory_budget_bytes\": \"auto\""));
+  const Config again = parse_config(c.to_json(), "<dump>");
+  EXPECT_TRUE(again.activation_checkpointing.device_memory_budget_auto);
+  EXPECT_EQ(again.to_json(), c.to_json());
+  // From --set, bare or quoted; a later number or null replaces it.
+  for (const std::string word : {"auto", "\"auto\""}) {
+    c = parse("{}", {ac + "variant=auto", ac + "device_memory_budget_bytes=" + word});
+    EXPECT_TRUE(c.activation_checkpointing.device_memory_budget_auto) << word;
+  }
+  c = parse("{}", {ac + "variant=auto", ac + "device_memory_budget_bytes=auto",
+                   ac + "device_memory_budget_bytes=5000000000"});
+  EXPECT_FALSE(c.activation_checkpointing.device_memory_budget_auto);
+  EXPECT_EQ(c.activation_checkpointing.device_memory_budget_bytes, 5000000000);
+  EXPECT_THAT(c.to_json(), HasSubstr("\"device_memory_budget_bytes\": 5000000000"));
+  // Bytes stay whole numbers; another word, zero, a negative budget, or "auto"
+  // beside another budget or without variant auto are refused naming the key.
+  auto msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "auto", "device_memory_budget_bytes": 1.5}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("'activation_checkpointing.device_memory_budget_bytes' must be integer or \"auto\""));
+  msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "auto", "device_memory_budget_bytes": "all"}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("'activation_checkpointing.device_memory_budget_bytes' must be integer or \"auto\""));
+  msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "auto", "device_memory_budget_bytes": "Auto"}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("did you mean \"auto\"?"));
+  msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "auto", "device_memory_budget_bytes": -5}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("'activation_checkpointing.device_memory_budget_bytes' = -5 must be positive"));
+  msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "auto", "device_memory_budget_bytes": "auto",
+                                           "memory_budget_bytes": 4}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("sets 'memory_budget_bytes' and 'device_memory_budget_bytes': the budget is given once"));
+  msg = config_error([] {
+    parse(R"({"activation_checkpointing": {"variant": "full", "device_memory_budget_bytes": "auto"}})");
+  });
+  EXPECT_THAT(msg, HasSubstr("'activation_checkpointing.device_memory_budget_bytes' is set but 'variant' is "
+                             "\"full\""));
+}
+
 // memory_budget_fraction: a number, or "knee" (the plan at the knee of the
 // planner's frontier) in place of one.
 TEST(Config, MemoryBudgetFractionTakesTheKnee) {
@@ -376,8 +427,7 @@ TEST(Config, ARealDeepSpeedConfigListsEveryProblemInOneError) {
   const std::string msg = config_error([&] { parse(ds); });
   EXPECT_THAT(msg, HasSubstr("config error in test.json: 9 problems (nothing was applied):"));
   for (const std::string& want : {
-           std::string("recognised DeepSpeed key, not supported by remat: 'fp16', because remat has no fp16 "
-                       "training with loss scaling; remove it (or set bf16.enabled"),
+           std::string("'fp16.enabled' must be boolean, got string \"auto\""),
            std::string("recognised DeepSpeed key, not supported by remat: 'optimizer.params.adam_w_mode', because"),
            std::string("recognised DeepSpeed key, not supported by remat: 'zero_optimization.offload_optimizer', "
                        "because remat keeps optimizer state on the device"),
@@ -425,7 +475,7 @@ TEST(Config, ASuggestionIsMadeOnlyWhenReallyClose) {
 }
 
 TEST(Config, DeepSpeedKeysAreRecognisedInEverySectionAndThroughSet) {
-  for (const char* key : {"fp16", "amp", "zero_allow_untested_optimizer", "flops_profiler", "tensorboard", "wandb",
+  for (const char* key : {"amp", "torch_autocast", "zero_allow_untested_optimizer", "flops_profiler", "tensorboard", "wandb",
                           "csv_monitor", "comms_logger", "autotuning", "elasticity", "data_efficiency",
                           "compression_training", "aio", "sparse_attention", "curriculum_learning", "pipeline",
                           "prescale_gradients", "gradient_predivide_factor",
@@ -445,14 +495,14 @@ TEST(Config, DeepSpeedKeysAreRecognisedInEverySectionAndThroughSet) {
         << key;
     EXPECT_THAT(msg, HasSubstr("; remove it")) << key;
   }
-  EXPECT_THAT(config_error([] { parse("{}", {"fp16.enabled=true"}); }),
-              HasSubstr("config error in --set fp16.enabled=true: recognised DeepSpeed key, not supported by "
-                        "remat: 'fp16', because"));
+  EXPECT_THAT(config_error([] { parse("{}", {"amp.enabled=true"}); }),
+              HasSubstr("config error in --set amp.enabled=true: recognised DeepSpeed key, not supported by "
+                        "remat: 'amp', because"));
   EXPECT_THAT(config_error([] { parse("{}", {"zero_optimization.offload_param={\"device\": \"cpu\"}"}); }),
               HasSubstr("'zero_optimization.offload_param', because remat keeps parameters on the device; remove "
                         "it (or set zero_optimization.stage to 3"));
   // The dump holds remat's keys only.
-  EXPECT_EQ(parse("{}").to_json().find("fp16"), std::string::npos);
+  EXPECT_EQ(parse("{}").to_json().find("\"amp\""), std::string::npos);
 }
 
 TEST(Config, WallClockBreakdownIsAccepted) {
@@ -701,7 +751,7 @@ TEST(ConfigFuzz, EveryMutationEndsInAConfigOrAConfigError) {
 // switched on, or left to a launcher ("auto"), they are refused.
 TEST(Config, DeepSpeedSectionsSwitchedOffAreAccepted) {
   const Config c = parse(R"({
-    "fp16": {"enabled": false, "loss_scale": 0},
+    "amp": {"enabled": false, "opt_level": "O1"},
     "wandb": {"enabled": false, "project": "x"},
     "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "none"},
                           "offload_param": {"device": "none", "pin_memory": true}},
@@ -709,9 +759,9 @@ TEST(Config, DeepSpeedSectionsSwitchedOffAreAccepted) {
   })");
   EXPECT_EQ(c.zero_optimization.stage, 1);
   EXPECT_EQ(*c.train_micro_batch_size_per_gpu, 4);
-  EXPECT_EQ(c.to_json().find("fp16"), std::string::npos) << "ignored, not dumped";
-  for (const char* on : {R"({"fp16": {"enabled": true}})", R"({"fp16": {"enabled": "auto"}})",
-                                R"({"fp16": {"loss_scale": 0}})",
+  EXPECT_EQ(c.to_json().find("\"amp\""), std::string::npos) << "ignored, not dumped";
+  for (const char* on : {R"({"amp": {"enabled": true}})", R"({"amp": {"enabled": "auto"}})",
+                                R"({"amp": {"opt_level": "O1"}})",
                                 R"({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})"}) {
     EXPECT_THAT(config_error([&] { parse(on); }), HasSubstr("recognised DeepSpeed key, not supported by remat"))
         << on;

@@ -32,8 +32,6 @@ std::vector<Field> deepspeed_only_top_level() {
   const char* megatron_sp = "set tensor_parallel.size to the ranks that split a sequence and "
                             "tensor_parallel.sequence_parallel to true";
   return {
-      deepspeed_only("fp16", "remat has no fp16 training with loss scaling",
-                     "set bf16.enabled with zero_optimization.stage 3: bf16 compute from fp32 master shards"),
       deepspeed_only("bfloat16", "it is DeepSpeed's old name of the bf16 section", "write bf16"),
       deepspeed_only("amp", "remat does not use NVIDIA Apex", "set bf16.enabled for mixed precision"),
       deepspeed_only("torch_autocast", "remat has no autocast", "set bf16.enabled for mixed precision"),

@@ -59,6 +59,19 @@ const ParallelLayout& Engine::layout() const { return *impl_->layout; }
 torch::optim::Optimizer& Engine::optimizer() const { return *impl_->optimizer; }
 parallel::ZeroModel& Engine::sharding() const { return *impl_->zero; }
 const std::shared_ptr<Context>& Engine::context() const { return impl_->context; }
+at::Device Engine::device() const { return impl_->placed; }
+
+at::Tensor Engine::to_device(const at::Tensor& t) const {
+  if (!t.defined() || t.device() == impl_->placed) return t;
+  return t.to(impl_->placed, /*non_blocking=*/t.is_pinned());
+}
+
+std::vector<at::Tensor> Engine::to_device(const std::vector<at::Tensor>& tensors) const {
+  std::vector<at::Tensor> out;
+  out.reserve(tensors.size());
+  for (const auto& t : tensors) out.push_back(to_device(t));
+  return out;
+}
 
 bool Engine::is_gradient_accumulation_boundary() const {
   return micro_steps_ + 1 >= impl_->batch.gradient_accumulation_steps;
@@ -122,7 +135,7 @@ void Engine::Impl::plan_blocks(torch::nn::Module& model, const Config& config, c
     zero->finish_backward(/*synchronize=*/true);
   };
   meter.begin_planning();
-  if (config.activation_checkpointing.device_memory_budget_bytes) {
+  if (device_budget_bytes) {
     auto [state, what] = internal::resident_state(model, *zero, *optimizer, batch.gradient_accumulation_steps,
                                         memory->current(device));
     planner->set_state_bytes(state, std::move(what));
@@ -138,6 +151,26 @@ void Engine::Impl::plan_blocks(torch::nn::Module& model, const Config& config, c
 }
 
 // The model's forward under the sharding and activation offloading.
+// The user's forward. A forward that mixes devices (a batch left on the CPU
+// with the model on a GPU) fails in LibTorch's first kernel that sees both:
+// that error is the user's to fix in the loop, so it says where the model is
+// and how a batch gets there.
+at::Tensor Engine::Impl::call_forward(const std::function<at::Tensor()>& fn) const {
+  try {
+    return fn();
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    if (what.find("Expected all tensors to be on the same device") == std::string::npos &&
+        what.find("is not on the expected device") == std::string::npos) {
+      throw;
+    }
+    throw Error(str("remat::Engine::forward: the forward mixed devices (", what.substr(0, what.find('\n')),
+                    "); the model is on ", placed.str(),
+                    ": move each batch, and every tensor the forward takes from outside, with "
+                    "engine->to_device(t) (docs/engine.md, \"The device\")"));
+  }
+}
+
 at::Tensor Engine::Impl::run_forward(torch::nn::Module& model, const Config& config,
                                      const std::function<at::Tensor()>& fn) {
   // On a memory trace: what the forward allocates (and no scope below
@@ -150,7 +183,7 @@ at::Tensor Engine::Impl::run_forward(torch::nn::Module& model, const Config& con
     if (config.activation_offloading.enabled) {
       offload = std::make_unique<OffloadActivations>(config.activation_offloading, &model);
     }
-    at::Tensor loss = fn();
+    at::Tensor loss = call_forward(fn);
     if (!loss.defined() || loss.numel() != 1 || !loss.requires_grad()) {
       throw Error(str("remat::Engine::forward: the function must return the loss, a one-element tensor that "
                       "requires grad (got ",
@@ -190,7 +223,7 @@ void Engine::backward(const at::Tensor& loss) {
   try {
     TraceSpan span("phase", "backward");
     s.zero->begin_backward(/*synchronize=*/boundary);
-    scaled.backward();
+    (s.loss_scaling ? s.loss_scaling->scale_loss(scaled) : scaled).backward();
     s.zero->finish_backward(/*synchronize=*/boundary);
     s.meter.end_backward();
   } catch (...) {
@@ -219,23 +252,8 @@ bool Engine::step() {
   std::optional<TraceSpan> span(std::in_place, "phase", "optimizer step");
   double grad_norm = -1;
   const Impl::Verdict verdict = s.check_gradients();
-  const bool skipped = verdict.bad_loss || verdict.bad_grads;
-  if (skipped) {
-    const bool bad_loss = verdict.bad_loss, bad_grads = verdict.bad_grads;
-    const std::string what = str(bad_loss ? "the loss" : "", bad_loss && bad_grads ? " and " : "",
-                                 bad_grads ? "the gradients" : "");
-    if (config_.train.on_nonfinite == "stop") {
-      throw Error(str("step ", step, ": ", what, " went non-finite (nan or inf; local loss ", s.loss_sum,
-                      "). Stopped before updating or saving anything of this step. "
-                      "Lower optimizer.params.lr, set gradient_clipping, or set "
-                      "train.on_nonfinite=skip to drop such steps"));
-    }
-    log_rank0().warn("step {}: {} went non-finite: this step's update is skipped "
-                     "(train.on_nonfinite=skip)", step, what);
-    s.optimizer->zero_grad();
-  } else {
-    grad_norm = s.update(*model_, config_, verdict.arrived);
-  }
+  const bool skipped = s.skip_step(step, verdict, config_);
+  if (!skipped) grad_norm = s.update(*model_, config_, verdict.arrived);
   const double loss = s.mean_loss();
   const Counters& counters = s.meter.read_counters();
   if (global_steps_ == 0 && s.regions > 0 && counters.recomputes == 0) {
@@ -245,6 +263,10 @@ bool Engine::step() {
   }
   const auto& plan = s.planner->plan();
   last_metrics_ = s.meter.finish_step({step, loss, s.lr, grad_norm, skipped}, plan ? &*plan : nullptr);
+  if (s.loss_scaling) {
+    last_metrics_.loss_scale = s.loss_scaling->last().used_scale;
+    last_metrics_.overflows = s.loss_scaling->overflows();
+  }
   const StepMetrics& m = last_metrics_;
   if (config_.wall_clock_breakdown && (step % config_.steps_per_print == 0 || step == 1)) {
     log_rank0().info("step {} wall clock: forward {:.1f} ms, backward {:.1f} ms (recompute {:.1f}), "
@@ -265,7 +287,8 @@ bool Engine::step() {
 // reduction, which parameters got a gradient on any rank.
 Engine::Impl::Verdict Engine::Impl::check_gradients() {
   const at::Tensor arrivals = zero->take_gradient_arrivals();
-  at::Tensor checks = at::zeros({2 + arrivals.numel()}, at::kDouble);
+  // On the model's device, as the gradients it checks: the backend takes them.
+  at::Tensor checks = at::zeros({2 + arrivals.numel()}, at::TensorOptions().dtype(at::kDouble).device(placed));
   checks[0] = std::isfinite(loss_sum) ? 0.0 : 1.0;
   checks[1] = gradients_finite(zero->parameters()) ? 0.0 : 1.0;
   checks.narrow(0, 2, arrivals.numel()).copy_(arrivals);
@@ -279,6 +302,33 @@ Engine::Impl::Verdict Engine::Impl::check_gradients() {
   verdict.bad_loss = nonfinite[0].item<double>() > 0;
   verdict.bad_grads = nonfinite[1].item<double>() > 0;
   return verdict;
+}
+
+bool Engine::Impl::skip_step(int64_t step, const Verdict& verdict, const Config& config) {
+  const bool bad_loss = verdict.bad_loss, bad_grads = verdict.bad_grads;
+  if (loss_scaling) {
+    // fp16: a non-finite step is an overflow of the scale (train.on_nonfinite does not apply).
+    const auto update = loss_scaling->record(step, bad_loss || bad_grads);
+    if (update.skip) {
+      optimizer->zero_grad();
+    } else {
+      internal::LossScaling::unscale(zero->parameters(), update.used_scale);
+    }
+    return update.skip;
+  }
+  if (!bad_loss && !bad_grads) return false;
+  const std::string what = str(bad_loss ? "the loss" : "", bad_loss && bad_grads ? " and " : "",
+                               bad_grads ? "the gradients" : "");
+  if (config.train.on_nonfinite == "stop") {
+    throw Error(str("step ", step, ": ", what, " went non-finite (nan or inf; local loss ", loss_sum,
+                    "). Stopped before updating or saving anything of this step. "
+                    "Lower optimizer.params.lr, set gradient_clipping, or set "
+                    "train.on_nonfinite=skip to drop such steps"));
+  }
+  log_rank0().warn("step {}: {} went non-finite: this step's update is skipped "
+                   "(train.on_nonfinite=skip)", step, what);
+  optimizer->zero_grad();
+  return true;
 }
 
 // The optimizer step over the parameters some rank gave a gradient; returns
@@ -303,7 +353,7 @@ double Engine::Impl::update(torch::nn::Module& model, const Config& config, cons
 
 // The step's loss: the mean over micro-steps (summed already) and data-parallel ranks.
 double Engine::Impl::mean_loss() {
-  at::Tensor loss_t = at::full({1}, loss_sum, at::kDouble);
+  at::Tensor loss_t = at::full({1}, loss_sum, at::TensorOptions().dtype(at::kDouble).device(placed));
   const auto& dp_group = layout->dp_group();
   if (dp_group->size() > 1) {
     dp_group->allReduce(loss_t, {ReduceOp::kAvg})->wait();
@@ -371,6 +421,7 @@ std::string Engine::save_checkpoint(const std::string& dir, const nlohmann::json
   TrainPosition position;
   position.step = global_steps_;
   position.client_state = client_state.dump();
+  if (s.loss_scaling) position.loss_scaler = s.loss_scaling->save();
   save_train_state(dir, position, s.shards(*model_), *s.optimizer, s.identity, *s.world);
   char folder[32];
   std::snprintf(folder, sizeof folder, "step_%08lld", static_cast<long long>(global_steps_));
@@ -397,6 +448,12 @@ nlohmann::json Engine::load_checkpoint(const std::string& dir) {
   const TrainPosition position = load_train_state(dir, s.shards(*model_), *s.optimizer, s.identity, *s.world);
   global_steps_ = position.step;
   s.zero->after_load();  // the model's parameters from the loaded shards
+  if (s.loss_scaling && !position.loss_scaler.empty()) {
+    s.loss_scaling->load(position.loss_scaler);
+  } else if (s.loss_scaling) {
+    log_rank0().info("the save in '{}' holds no fp16 loss scaler state: the scale starts at {}", dir,
+                     s.loss_scaling->scale());
+  }
   s.loaded_dir = dir;
   s.lr = learning_rate(config_.optimizer, config_.scheduler, global_steps_ + 1);
   return nlohmann::json::parse(position.client_state);

@@ -4,8 +4,9 @@
 // offloading, sharding (ZeRO stages 0-3, hybrid), the optimizer and learning
 // rate schedule, and the step counters; the training loop stays the user's.
 //
-//   auto engine = remat::initialize(model, "ds_config.json");
+//   auto engine = remat::initialize(model, "ds_config.json");  // places the model (train.device)
 //   for (...) {
+//     at::Tensor x = engine->to_device(batch_x), y = engine->to_device(batch_y);
 //     at::Tensor loss = engine->forward([&] { return model->loss(x, y); });
 //     engine->backward(loss);
 //     engine->step();                      // acts at the accumulation boundary
@@ -70,6 +71,10 @@ struct EngineOptions {
   // every process of the job, through `backend`.
   std::shared_ptr<ParallelLayout> layout;
   std::string backend = "auto";  // auto | mpi | nccl
+  // Where this rank trains, in train.device's syntax (auto | cpu | cuda |
+  // cuda:N); empty: the config's train.device. initialize() moves the model
+  // there (docs/engine.md, "The device").
+  std::string device;
   // The dotted path of the model's block list; empty: the one ModuleList the
   // model holds (find_block_list).
   std::string blocks;
@@ -87,6 +92,11 @@ struct EngineOptions {
   // variant auto: each plan also writes the planner's frontier to
   // <plan_report_dir>/frontier.csv (rank 0; PlannerOptions::report_dir).
   std::string plan_report_dir;
+  // Test seam (fault injection, docs/engine.md): with fp16.enabled, run its
+  // loss scaler over float32 compute instead of refusing where fp16 compute
+  // is missing, so the scaling, the unscaling, the overflow skip, the
+  // metrics and the saves are tested on any device. Not for training.
+  bool fp16_scaler_at_float32 = false;
 };
 
 // Builds the parallel layout a run trains across (data × tensor parallel, from
@@ -115,7 +125,7 @@ class Engine {
   // accumulation steps, then reduces gradients as the sharding needs.
   void backward(const at::Tensor& loss);
   // After every backward. At the accumulation boundary: the non-finite check
-  // (train.on_nonfinite), clipping (gradient_clipping), the optimizer step
+  // (train.on_nonfinite; with fp16, the loss scaler's overflow), clipping (gradient_clipping), the optimizer step
   // and the gradients cleared; returns whether it stepped (false inside an
   // accumulation window, or when a non-finite step was skipped). A parameter
   // that got no gradient on any rank in the window (no forward used it) is
@@ -184,6 +194,15 @@ class Engine {
   // only inside a GatheredParameters scope (else an Error saying so).
   at::Tensor parameter(const std::string& name) const;
 
+  // The device this rank trains on (train.device or EngineOptions::device,
+  // resolved at initialize): the model's parameters and buffers live there.
+  at::Device device() const;
+  // `t` on device(): the same tensor when it is there already (no copy),
+  // else a copy (non-blocking from pinned host memory). The training loop
+  // moves each batch with it: the engine cannot see what `fn` captures.
+  at::Tensor to_device(const at::Tensor& t) const;
+  std::vector<at::Tensor> to_device(const std::vector<at::Tensor>& tensors) const;
+
   const Config& config() const { return config_; }
   const ParallelLayout& layout() const;
   torch::nn::Module& module() const { return *model_; }
@@ -225,6 +244,12 @@ class Engine {
   int64_t global_steps_ = 0, micro_steps_ = 0;
   StepMetrics last_metrics_;
 };
+
+// The device an engine for `config` would train on in this process:
+// train.device, or `spec` in its syntax when not empty (as
+// EngineOptions::device). For what is sized before initialize(), such as
+// remat-train's memory check. A ConfigError as initialize() gives one.
+at::Device training_device(const Config& config, const std::string& spec = "");
 
 // The engine for `model` from a parsed config (EngineOptions::overrides are
 // applied on top). Collective. Initializing a model that another live engine

@@ -58,7 +58,8 @@ std::vector<std::pair<std::string, at::Tensor>> consolidated_parameters(parallel
 int64_t write_model_file(const std::string& path,
                          const std::vector<std::pair<std::string, at::Tensor>>& parameters) {
   c10::Dict<std::string, at::Tensor> dict;
-  for (const auto& [name, value] : parameters) dict.insert(name, value.detach().contiguous());
+  // Host tensors: the file loads anywhere, not only where a GPU is.
+  for (const auto& [name, value] : parameters) dict.insert(name, value.detach().cpu().contiguous());
   // torch::pickle_save's format, without the type tag it adds to a typed
   // dictionary (torch.jit._pickle.restore_type_tag): Python's torch.load with
   // weights_only (the default from PyTorch 2.6 on) refuses that global, and a

@@ -4,17 +4,27 @@
 // region kinds, every policy), stored inputs offloaded to pinned host memory,
 // activation offloading with pinned copies on side streams, the device memory
 // each variant holds, and the engine training a model on the device.
+// The bitwise cases run on deterministic kernels (KernelDeterminism, set for
+// the whole binary); GpuParity holds the variants to the plain step's own
+// run-to-run difference where the fused kernels run (docs/checkpointing.md,
+// "Bitwise parity on a GPU").
 // Figures go to stdout as lines starting "gpu:" (docs/benchmarks.md quotes them).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 #include <torch/nn/module.h>
 
+#include <ATen/Context.h>
+
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <optional>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #if defined(REMAT_WITH_C10_CUDA)  // CMake's gpu_test target, with a CUDA LibTorch
@@ -30,6 +40,7 @@
 #include "models/gpt.h"
 #include "models/stack.h"
 #include "rng/rng_tracker.h"
+#include "runtime/compat.h"
 #include "runtime/error.h"
 #include "runtime/memory.h"
 #include "tests/checkpoint_modes.h"
@@ -42,6 +53,75 @@ const at::Device kGpu(at::kCUDA, 0);
 bool have_gpu() { return torch::cuda::is_available() && torch::cuda::device_count() > 0; }
 
 #define REQUIRE_GPU() ASSERT_TRUE(have_gpu()) << "no CUDA device: the gpu-labelled tests run on a GPU machine"
+
+// ---------------------------------------------------------------------------
+// Kernel determinism. On: deterministic algorithms (warn only: an op without a
+// deterministic CUDA kernel warns instead of throwing) and attention through
+// SDPA's math backend, whose backward is plain kernels; the fused backends'
+// backward accumulates in an order that varies from run to run, and under
+// warn-only deterministic algorithms they just warn. Off: as a user's run
+// has it. The guard restores what it found.
+class KernelDeterminism {
+ public:
+  explicit KernelDeterminism(bool on)
+      : algorithms_(ctx().deterministicAlgorithms()), warn_only_(ctx().deterministicAlgorithmsWarnOnly()),
+        fused_(fused_attention()) {
+    ctx().setDeterministicAlgorithms(on, /*warn_only=*/true);
+    set_fused_attention(on ? Fused{false, false, false} : Fused{});
+  }
+  ~KernelDeterminism() {
+    ctx().setDeterministicAlgorithms(algorithms_, warn_only_);
+    set_fused_attention(fused_);
+  }
+  KernelDeterminism(const KernelDeterminism&) = delete;
+  KernelDeterminism& operator=(const KernelDeterminism&) = delete;
+
+ private:
+  struct Fused {
+    bool flash = true, mem_efficient = true, cudnn = true;
+  };
+  static at::Context& ctx() { return at::globalContext(); }
+  static Fused fused_attention() {
+    Fused f;
+    f.flash = ctx().userEnabledFlashSDP();
+#if REMAT_TORCH_AT_LEAST(2, 0)
+    f.mem_efficient = ctx().userEnabledMemEfficientSDP();
+#endif
+#if REMAT_TORCH_AT_LEAST(2, 5)
+    f.cudnn = ctx().userEnabledCuDNNSDP();
+#endif
+    return f;
+  }
+  static void set_fused_attention(const Fused& f) {
+    ctx().setSDPUseFlash(f.flash);
+#if REMAT_TORCH_AT_LEAST(2, 0)
+    ctx().setSDPUseMemEfficient(f.mem_efficient);
+#endif
+#if REMAT_TORCH_AT_LEAST(2, 5)  // cuDNN attention (float16 and bfloat16 only: these float32 cases never take it)
+    ctx().setSDPUseCuDNN(f.cudnn);
+#endif
+  }
+  bool algorithms_, warn_only_;
+  Fused fused_;
+};
+
+// cuBLAS reads its workspace configuration when its first handle is created:
+// this one (PyTorch's documented choice) makes its reductions repeatable, and
+// deterministic algorithms warn without it. Set before main, unless already set.
+[[maybe_unused]] const bool kCublasWorkspaceConfigured =
+    setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0) == 0;
+
+// Every case runs on deterministic kernels unless it says otherwise.
+class DeterministicKernels : public ::testing::Environment {
+ public:
+  void SetUp() override { on_.emplace(true); }
+  void TearDown() override { on_.reset(); }
+
+ private:
+  std::optional<KernelDeterminism> on_;
+};
+[[maybe_unused]] ::testing::Environment* const kDeterministicKernels =
+    ::testing::AddGlobalTestEnvironment(new DeterministicKernels);  // gtest owns it
 
 // ---------------------------------------------------------------------------
 // The tracked RNG on CUDA generators.
@@ -276,8 +356,9 @@ struct Measured {
   at::Tensor loss;
 };
 
-Measured gpt_step(models::Gpt& model, const GpuBatch& b, const OffloadActivationsOptions* offload = nullptr) {
-  model_parallel_manual_seed(5, 0);
+Measured gpt_step(models::Gpt& model, const GpuBatch& b, const OffloadActivationsOptions* offload = nullptr,
+                  uint64_t seed = 5) {
+  model_parallel_manual_seed(seed, 0);
   model->zero_grad(true);
   torch::cuda::synchronize();
 #ifdef REMAT_GPU_TEST_ALLOCATOR_STATS
@@ -404,6 +485,149 @@ TEST(GpuMemory, ActivationOffloadingWithPinnedCopiesOnSideStreamsKeepsTheGradien
                 streams ? "streams" : "no streams", mib(m.held), mib(m.peak), mib(m.alloc_peak), timed.ms, plain.ms,
                 mib(after.offloaded_bytes - before.offloaded_bytes));
   }
+}
+
+// ---------------------------------------------------------------------------
+// Parity with a control. At a shape where the fused kernels run as in a
+// user's run (deterministic algorithms off, attention through SDPA's fused
+// backends), the plain step itself is not bitwise repeatable: their backward
+// accumulates in a varying order. The plain step twice gives each gradient's
+// run-to-run difference; every variant (the same forward kernels on the same
+// RNG draws, recomputed or brought back) must then give the plain loss bitwise
+// and each gradient within kControlFactor x that difference of the plain one.
+
+models::GptOptions control_options() {
+  models::GptOptions o;
+  o.vocab_size = 512;
+  o.shape.n_layer = 4;
+  o.shape.d_model = 1024;
+  o.shape.n_head = 16;
+  o.shape.d_ff = 4096;
+  o.shape.seq_len = 1024;
+  o.shape.dropout = 0.1;
+  return o;
+}
+
+// A variant's difference to the plain step is a second draw of the same
+// kind as the plain-vs-plain difference; the largest element of a tensor's
+// difference varies from draw to draw, 4x leaves room for that and stays
+// orders of magnitude under a real fault (another dropout mask, a stale
+// recompute: differences of the gradients' own size).
+constexpr double kControlFactor = 4.0;
+
+// Each gradient's largest absolute difference between two steps.
+std::vector<double> max_abs_diffs(const Measured& a, const Measured& b) {
+  std::vector<double> out;
+  for (size_t i = 0; i < a.grads.size(); ++i) out.push_back((a.grads[i] - b.grads[i]).abs().max().item<double>());
+  return out;
+}
+
+// Each gradient's allowed difference: kControlFactor x the control's, where the
+// control showed none, x the largest control difference relative to its
+// gradient's size, scaled to this gradient's size. Whether a reordered sum
+// happens to give the same bits in one pair of runs is chance; the size of a
+// reordering's difference relative to the values summed is the kernels'.
+std::vector<double> tolerances(const Measured& plain, const std::vector<double>& control) {
+  std::vector<double> scale;
+  double relative = 0;
+  for (size_t i = 0; i < plain.grads.size(); ++i) {
+    scale.push_back(plain.grads[i].abs().max().item<double>());
+    if (scale[i] > 0) relative = std::max(relative, control[i] / scale[i]);
+  }
+  std::vector<double> out;
+  for (size_t i = 0; i < control.size(); ++i) out.push_back(kControlFactor * std::max(control[i], relative * scale[i]));
+  return out;
+}
+
+TEST(GpuParity, WithFusedKernelsEveryVariantStaysWithinThePlainStepsRunToRunDifference) {
+  REQUIRE_GPU();
+  KernelDeterminism fused(false);
+  const auto o = control_options();
+  torch::manual_seed(0);
+  models::Gpt model(o);
+  model->to(kGpu);
+  const auto names = model->named_parameters().keys();
+  const GpuBatch b = gpu_batch(4, o.shape.seq_len, o.vocab_size);
+  gpt_step(model, b);  // warm-up
+  const Measured plain = gpt_step(model, b);
+  const Measured again = gpt_step(model, b);
+  ASSERT_TRUE(at::equal(plain.loss, again.loss)) << "the plain step's loss differs run to run: the forward's "
+                                                    "kernels are expected to be repeatable";
+  const std::vector<double> control = max_abs_diffs(plain, again);
+  const std::vector<double> tol = tolerances(plain, control);
+  const auto n = static_cast<int>(control.size());
+  const auto control_differ = std::count_if(control.begin(), control.end(), [](double d) { return d > 0; });
+  std::printf("gpu: parity GPT L=%d d=%d seq=%d batch=4, fused attention, deterministic algorithms off\n",
+              o.shape.n_layer, o.shape.d_model, o.shape.seq_len);
+  std::printf("gpu: parity control (plain vs plain)  loss bitwise, %d of %d gradients differ, largest max|d| %.3g\n",
+              static_cast<int>(control_differ), n, *std::max_element(control.begin(), control.end()));
+
+  auto check = [&](const std::string& name, const Measured& m) {
+    EXPECT_TRUE(at::equal(plain.loss, m.loss)) << name << ": loss differs from the plain step's";
+    const std::vector<double> d = max_abs_diffs(plain, m);
+    int differ = 0, over = 0;
+    double worst = 0;  // the largest difference over its tolerance
+    for (int i = 0; i < n; ++i) {
+      differ += d[i] > 0;
+      if (d[i] > tol[i]) {
+        ++over;
+        ADD_FAILURE() << name << ": gradient " << names[i] << " max|d| " << d[i] << " over " << tol[i]
+                      << " (control " << control[i] << ")";
+      }
+      if (tol[i] > 0) worst = std::max(worst, d[i] / tol[i]);
+    }
+    std::printf("gpu: parity %-24s loss bitwise %s, %d of %d gradients differ, largest max|d| %.3g, "
+                "worst / tolerance %.2f, %d over\n",
+                name.c_str(), at::equal(plain.loss, m.loss) ? "yes" : "NO", differ, n,
+                *std::max_element(d.begin(), d.end()), worst, over);
+  };
+  const bool reentrant = default_checkpoint_options().reentrant;
+  for (auto [name, k, region_reentrant] :
+       {std::tuple{"full", 1, false}, {"full", 1, true}, {"selective_layer", 2, false}, {"selective_op", 1, false}}) {
+    default_checkpoint_options().reentrant = region_reentrant;
+    PolicyOptions p;
+    p.variant = checkpoint_variant_from_name(name);
+    p.every_k = k;
+    ASSERT_GT(apply_activation_checkpointing(*model, p), 0) << name;
+    check(str(name, k > 1 ? " k=2" : "", region_reentrant ? ", reentrant" : ""), gpt_step(model, b));
+    remove_activation_checkpointing(*model);
+  }
+  default_checkpoint_options().reentrant = reentrant;
+  OffloadActivationsOptions off;
+  off.enabled = true;
+  exclude_output_head(*model, off);
+  check("offload, streams", gpt_step(model, b, &off));
+
+  // The check can fail: other dropout masks move the loss and most gradients
+  // far outside their tolerance.
+  const Measured other = gpt_step(model, b, nullptr, /*seed=*/6);
+  EXPECT_FALSE(at::equal(plain.loss, other.loss));
+  const std::vector<double> d = max_abs_diffs(plain, other);
+  int over = 0;
+  for (int i = 0; i < n; ++i) over += d[i] > tol[i];
+  EXPECT_GT(over * 2, n) << "a step with other dropout masks stays within the tolerances: they prove nothing";
+  std::printf("gpu: parity other dropout masks        %d of %d gradients over their tolerance (expected: most)\n",
+              over, n);
+}
+
+TEST(GpuParity, DeterministicKernelsMakeThePlainStepAndFullCheckpointingBitwiseAtTheLargerShape) {
+  REQUIRE_GPU();  // deterministic algorithms and math attention: the environment's
+  const auto o = control_options();
+  torch::manual_seed(0);
+  models::Gpt model(o);
+  model->to(kGpu);
+  const GpuBatch b = gpu_batch(4, o.shape.seq_len, o.vocab_size);
+  gpt_step(model, b);  // warm-up
+  const Measured plain = gpt_step(model, b);
+  expect_same_grads(plain, gpt_step(model, b), "plain again");
+  PolicyOptions p;
+  p.variant = CheckpointVariant::kFull;
+  apply_activation_checkpointing(*model, p);
+  const Measured full = measured_steps(model, b, nullptr, 1);
+  expect_same_grads(plain, full, "full");
+  remove_activation_checkpointing(*model);
+  std::printf("gpu: parity deterministic kernels, math attention: plain vs plain and full bitwise, step %.1f ms "
+              "(full)\n", full.ms);
 }
 
 // ---------------------------------------------------------------------------

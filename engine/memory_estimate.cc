@@ -14,6 +14,7 @@
 #include "parallel/zero_memory.h"
 #include "parallel/zero_options.h"
 #include "runtime/compat.h"
+#include "runtime/device_memory.h"
 #include "runtime/error.h"
 
 namespace remat {
@@ -153,13 +154,17 @@ struct StageTerms {
 // budget leaves what the state and gradients take. A budget no plan fits:
 // infeasible, at full checkpointing's columns.
 std::vector<size_t> auto_columns(const BlockCosts& costs, const Config& config, bool offload, int64_t keep_peak,
-                                 const StageTerms& t, bool& feasible) {
+                                 const StageTerms& t, int64_t device_capacity, bool& feasible) {
   const auto& ac = config.activation_checkpointing;
   int64_t budget = keep_peak / 2;
   if (ac.variant == CheckpointVariant::kAuto) {
     if (ac.memory_budget_bytes) budget = *ac.memory_budget_bytes;
     if (ac.memory_budget_fraction) budget = static_cast<int64_t>(*ac.memory_budget_fraction * keep_peak);
     if (ac.device_memory_budget_bytes) budget = *ac.device_memory_budget_bytes - t.fixed - t.grads_term;
+    if (ac.device_memory_budget_auto && device_capacity > 0) {
+      budget = auto_device_budget(device_capacity, 1, "activation_checkpointing.device_memory_budget_bytes").budget -
+               t.fixed - t.grads_term;
+    }
   }
   const size_t n = costs.blocks.size();
   std::vector<size_t> cols(n);
@@ -178,7 +183,7 @@ std::vector<size_t> auto_columns(const BlockCosts& costs, const Config& config, 
 // kMaxPlannedBlocks, at full checkpointing's peak).
 std::vector<size_t> policy_columns(const BlockCosts& costs, const Config& config, const std::string& policy,
                                    bool offload, bool unsolved, int64_t keep_peak, const StageTerms& t,
-                                   bool& feasible) {
+                                   int64_t device_capacity, bool& feasible) {
   const size_t n = costs.blocks.size();
   const BlockChoice keep = offload ? BlockChoice::kOffloadActivations : BlockChoice::kKeep;
   const BlockChoice full = offload ? BlockChoice::kFullOffload : BlockChoice::kFull;
@@ -186,7 +191,7 @@ std::vector<size_t> policy_columns(const BlockCosts& costs, const Config& config
   if (policy == "full" || (policy == "auto" && unsolved)) return std::vector<size_t>(n, column_of(costs, full));
   if (policy == "selective_op") return std::vector<size_t>(n, column_of(costs, BlockChoice::kSelectiveOp));
   if (policy == "every_k") return every_k_columns(costs, config, offload);
-  return auto_columns(costs, config, offload, keep_peak, t, feasible);
+  return auto_columns(costs, config, offload, keep_peak, t, device_capacity, feasible);
 }
 
 // A row's bytes from its stage's terms and its blocks' columns.
@@ -245,7 +250,7 @@ void add_stage_rows(MemoryEstimate& e, const Config& config, const MemoryEstimat
       const bool unsolved = policy == "auto" && n > kMaxPlannedBlocks;
       if (unsolved && !r.configured) continue;
       const std::vector<size_t> cols =
-          policy_columns(costs, config, policy, offload, unsolved, keep_peak, t, r.feasible);
+          policy_columns(costs, config, policy, offload, unsolved, keep_peak, t, in.device_capacity_bytes, r.feasible);
       if (policy == "every_k" || policy == "auto") r.plan = plan_text(costs, cols);
       if (unsolved) r.plan = str("not solved (more than ", kMaxPlannedBlocks, " blocks): at least this peak");
       fill_row(r, t, in, cols);
@@ -265,6 +270,8 @@ MemoryEstimate estimate_memory(const Config& config, int world_size, const Memor
   REMAT_CHECK(!in.activations.blocks.empty(), "memory estimate: the model has no blocks");
   MemoryEstimate e;
   e.mode = in.mode;
+  e.host_is_device = in.host_is_device;
+  e.device_capacity_bytes = in.device_capacity_bytes;
   e.world_size = world_size;
   e.tp = tp;
   e.dp = world_size / tp;
@@ -289,6 +296,20 @@ MemoryEstimate estimate_memory(const Config& config, int world_size, const Memor
   return e;
 }
 
+namespace {
+
+// "device capacity 81092 MiB per rank: the configured peak fits" (the device or host apart).
+std::string capacity_text(const MemoryEstimate& e) {
+  bool fits = false;
+  for (const auto& r : e.rows) {
+    if (r.configured) fits = r.feasible && r.peak_bytes <= e.device_capacity_bytes;
+  }
+  return str(e.host_is_device ? "memory" : "device capacity", " ", mib(e.device_capacity_bytes),
+             " MiB per rank: the configured peak ", fits ? "fits" : "does not fit");
+}
+
+}  // namespace
+
 const MemoryEstimateRow& MemoryEstimate::configured() const {
   for (const auto& r : rows) {
     if (r.configured) return r;
@@ -306,7 +327,7 @@ const MemoryEstimateRow& MemoryEstimate::row(int stage, const std::string& polic
 
 std::string MemoryEstimate::table() const {
   std::ostringstream o;
-  o << "Estimated memory per rank (" << mode << "), " << world_size << " ranks = dp " << dp << " x tp " << tp
+  o << "Estimated memory per rank (" << mode << (host_is_device ? "" : ", the model on a GPU") << "), " << world_size << " ranks = dp " << dp << " x tp " << tp
     << (shard_group < dp ? str(", hybrid shards of ", shard_group) : std::string()) << ", MiB; * the configuration\n";
   char line[512];
   std::snprintf(line, sizeof line, "  %-5s %-13s %-7s %10s %10s %10s %10s %10s %10s %10s %10s  %s\n", "stage",
@@ -330,7 +351,9 @@ std::string MemoryEstimate::table() const {
   o << "  activation: the step's activation peak above the state (" << (mode == "live" ? "a whole-model backward's "
        "gradients included; grads: the stage's peak" : "gradients apart")
     << "); host: what offloading moves to the host and holds there at the peak (apart from the peak); comm: buffers "
-       "inside grads (stages 1-2 bucket) and gathered (stage 3); peak: what one rank holds at once\n";
+       "inside grads (stages 1-2 bucket) and gathered (stage 3); peak: what one rank holds at once"
+    << (host_is_device ? "" : " on its device (host apart: in host memory)") << "\n";
+  if (device_capacity_bytes > 0 && !rows.empty()) o << "  " << capacity_text(*this) << "\n";
   return o.str();
 }
 
@@ -341,7 +364,7 @@ std::string MemoryEstimate::line() const {
              mib(r.optimizer_bytes), " + gathered units ", mib(r.gathered_bytes), " + activations ",
              mib(r.activation_bytes), r.host_bytes > 0 ? str(" (host ", mib(r.host_bytes), ")") : std::string(),
              " (ZeRO stage ", r.stage, r.hybrid ? " hybrid" : "", ", ", r.policy, r.plan.empty() ? "" : " ", r.plan,
-             ")");
+             ")", device_capacity_bytes > 0 ? "; " + capacity_text(*this) : std::string());
 }
 
 nlohmann::json MemoryEstimate::to_json() const {
@@ -355,8 +378,11 @@ nlohmann::json MemoryEstimate::to_json() const {
                          {"comm_bytes", r.comm_bytes}, {"other_bytes", r.other_bytes},
                          {"peak_bytes", r.peak_bytes}});
   }
-  return {{"mode", mode}, {"world_size", world_size}, {"dp", dp}, {"tp", tp}, {"shard_group", shard_group},
-          {"rows", rows_json}};
+  nlohmann::json out = {{"mode", mode}, {"world_size", world_size}, {"dp", dp}, {"tp", tp},
+                        {"shard_group", shard_group}, {"rows", rows_json}};
+  if (!host_is_device) out["host_is_device"] = false;
+  if (device_capacity_bytes > 0) out["device_capacity_bytes"] = device_capacity_bytes;
+  return out;
 }
 
 std::string cheapest_fitting_change(const MemoryEstimate& e, int64_t have) {
@@ -408,7 +434,8 @@ std::string cheapest_fitting_change(const MemoryEstimate& e, int64_t have) {
   return out;
 }
 
-MemoryEstimateInputs cold_gpt_inputs(const Config& config, int64_t vocab_size, int64_t micro_batch) {
+MemoryEstimateInputs cold_gpt_inputs(const Config& config, int64_t vocab_size, int64_t micro_batch,
+                                     c10::DeviceType device) {
   const auto& m = config.model;
   const int64_t tp = config.tensor_parallel.size;
   const int64_t B = micro_batch, T = m.seq_len, C = m.d_model, H = m.n_head / tp, F = m.d_ff / tp, V = vocab_size,
@@ -468,17 +495,17 @@ MemoryEstimateInputs cold_gpt_inputs(const Config& config, int64_t vocab_size, i
     bytes.checkpoint_kept = bytes_of(a * (2 * btc + (sp > 1 ? 2 * btc / sp : 0)));
   }
   bytes.ends = ends;
-  return cold_inputs(std::move(in.parameters), static_cast<int>(L), bytes);
+  return cold_inputs(std::move(in.parameters), static_cast<int>(L), bytes, device);
 }
 
 MemoryEstimateInputs cold_inputs(std::vector<ParameterSize> parameters, int n_blocks,
-                                 const BlockActivationBytes& bytes) {
+                                 const BlockActivationBytes& bytes, c10::DeviceType device) {
   REMAT_CHECK(n_blocks > 0, "memory estimate: the model has no blocks");
   MemoryEstimateInputs in;
   in.mode = "cold";
   in.parameters = std::move(parameters);
   in.gradients_in_activations = false;
-  in.host_is_device = true;  // the CPU build; a GPU run's host copies are apart
+  in.host_is_device = device == c10::DeviceType::CPU;  // on a GPU the host copies are apart
   const int64_t boundary = bytes.boundary, block = bytes.saved, kept = bytes.selective_op;
   BlockCosts& c = in.activations;
   c.choices = {BlockChoice::kKeep, BlockChoice::kSelectiveOp, BlockChoice::kFull, BlockChoice::kFullOffload,

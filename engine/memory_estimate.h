@@ -21,6 +21,8 @@
 // sharding rules over the parameters' sizes.
 #pragma once
 
+#include <c10/core/DeviceType.h>
+
 #include <cstdint>
 #include <functional>
 #include <nlohmann/json.hpp>
@@ -61,8 +63,14 @@ struct MemoryEstimateInputs {
   std::vector<std::vector<int64_t>> host_bytes;  // [block][column]
   // The model lives on the CPU: cpu_checkpointing's host copies, made through
   // c10's allocator, count in the same memory (in the blocks' held bytes);
-  // activation offloading's host arena does not.
+  // activation offloading's host arena does not. On a GPU (false) every host
+  // copy is in the host column, apart from the device's peak.
   bool host_is_device = true;
+  // The device's bytes one rank has, when known (0: unknown): the estimate
+  // says whether the configured peak fits, and device_memory_budget_bytes
+  // "auto" plans against it less the reserve (runtime/device_memory.h);
+  // unknown, "auto" plans as a config without a budget (half the peak).
+  int64_t device_capacity_bytes = 0;
   // Live: bytes the step's start held beyond the parameters and optimizer
   // state (buffers, data); cold: 0.
   int64_t other_bytes = 0;
@@ -84,6 +92,8 @@ struct MemoryEstimateRow {
 
 struct MemoryEstimate {
   std::string mode;
+  bool host_is_device = true;         // the inputs': false on a GPU
+  int64_t device_capacity_bytes = 0;  // the inputs' (0: unknown)
   int world_size = 1, dp = 1, tp = 1, shard_group = 1;
   std::vector<MemoryEstimateRow> rows;
 
@@ -94,7 +104,8 @@ struct MemoryEstimate {
   const MemoryEstimateRow& row(int stage, const std::string& policy, bool offload = false) const;
   // A table like DeepSpeed's estimators print, the configured row marked '*'.
   std::string table() const;
-  // One line for the configured row (remat-train prints it at start).
+  // One line for the configured row (remat-train prints it at start), with
+  // the device's capacity and whether the peak fits it when known.
   std::string line() const;
   nlohmann::json to_json() const;
 };
@@ -120,12 +131,14 @@ struct BlockActivationBytes {
   // activation_checkpointing.save_collectives.
   int64_t checkpoint_kept = 0;
 };
+// `device`: where the model computes (host_is_device: the CPU).
 MemoryEstimateInputs cold_inputs(std::vector<ParameterSize> parameters, int n_blocks,
-                                 const BlockActivationBytes& bytes);
+                                 const BlockActivationBytes& bytes, c10::DeviceType device = c10::DeviceType::CPU);
 
 // The GPT of models/gpt.h from the config's sizes (model section, vocabulary
 // and micro-batch), at its tensor-parallel size: nothing is built.
-MemoryEstimateInputs cold_gpt_inputs(const Config& config, int64_t vocab_size, int64_t micro_batch);
+MemoryEstimateInputs cold_gpt_inputs(const Config& config, int64_t vocab_size, int64_t micro_batch,
+                                     c10::DeviceType device = c10::DeviceType::CPU);
 
 // Any model: its parameters as they are, its activations profiled by running
 // `step` (one forward and backward on the real micro-batch, on one rank,

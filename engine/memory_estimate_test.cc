@@ -307,6 +307,73 @@ TEST(MemoryEstimate, HostBytesAreOneThingColdAndLive) {
   EXPECT_EQ(cold.row(0, "auto", true).plan, live.row(0, "auto", true).plan);
 }
 
+// On a GPU every host copy is host memory: cpu_checkpointing's inputs leave
+// the device's peak and count in the host column alone; without offloading
+// the rows are the CPU's.
+TEST(MemoryEstimate, OnAGpuOffloadedBytesAreHostRowsApartFromTheDevicePeak) {
+  const Config c = config_of({"zero_optimization.stage=0", "activation_checkpointing.variant=\"full\"",
+                              "activation_checkpointing.cpu_checkpointing=true"});
+  std::vector<ParameterSize> params = {{1000, true, -1}, {2000, true, 0}, {2000, true, 1}, {2000, true, 2}};
+  BlockActivationBytes bytes;
+  bytes.boundary = 4096, bytes.saved = 40960, bytes.selective_op = 8192, bytes.embedding = 1024, bytes.ends = 2048;
+  const MemoryEstimateInputs cpu_in = cold_inputs(params, 3, bytes);
+  MemoryEstimateInputs gpu_in = cold_inputs(params, 3, bytes, c10::DeviceType::CUDA);
+  EXPECT_TRUE(cpu_in.host_is_device);
+  EXPECT_FALSE(gpu_in.host_is_device);
+  EXPECT_EQ(cpu_in.activations.blocks[0][3].held_bytes, 4096);  // the host copy, counted where it was
+  EXPECT_EQ(gpu_in.activations.blocks[0][3].held_bytes, 0);     // on the host, not the device
+  const MemoryEstimate cpu = estimate_memory(c, 1, cpu_in), gpu = estimate_memory(c, 1, gpu_in);
+  const MemoryEstimateRow &cr = cpu.row(0, "full", true), &gr = gpu.row(0, "full", true);
+  EXPECT_TRUE(gr.configured);
+  EXPECT_EQ(cr.host_bytes, 3 * 4096);
+  EXPECT_EQ(gr.host_bytes, 3 * 4096);
+  // At the peak (the head's backward) every block's input is held: the CPU's
+  // three host copies count there, the GPU holds none of them.
+  EXPECT_EQ(cr.activation_bytes - gr.activation_bytes, 3 * 4096);
+  EXPECT_EQ(cr.peak_bytes - gr.peak_bytes, 3 * 4096);
+  for (const auto& r : cpu.rows) {
+    if (!r.offload) {
+      EXPECT_EQ(gpu.row(r.stage, r.policy, false).peak_bytes, r.peak_bytes) << r.policy;
+    }
+  }
+  EXPECT_THAT(gpu.table(), HasSubstr("the model on a GPU"));
+  EXPECT_THAT(gpu.table(), HasSubstr("on its device (host apart: in host memory)"));
+  EXPECT_EQ(cpu.table().find("GPU"), std::string::npos);
+  // The capacity beside the peak, when known.
+  EXPECT_EQ(gpu.line().find("capacity"), std::string::npos);
+  gpu_in.device_capacity_bytes = gr.peak_bytes;
+  EXPECT_THAT(estimate_memory(c, 1, gpu_in).line(), HasSubstr("MiB per rank: the configured peak fits"));
+  EXPECT_EQ(estimate_memory(c, 1, gpu_in).to_json()["device_capacity_bytes"], gr.peak_bytes);
+  EXPECT_EQ(estimate_memory(c, 1, gpu_in).to_json()["host_is_device"], false);
+  EXPECT_EQ(cpu.to_json().count("host_is_device"), 0u);
+  gpu_in.device_capacity_bytes = gr.peak_bytes - 1;
+  EXPECT_THAT(estimate_memory(c, 1, gpu_in).table(), HasSubstr("device capacity"));
+  EXPECT_THAT(estimate_memory(c, 1, gpu_in).table(), HasSubstr("the configured peak does not fit"));
+}
+
+// device_memory_budget_bytes "auto" plans against the capacity less the
+// reserve (1 GiB below 10 GiB); with the capacity unknown, as half the peak.
+TEST(MemoryEstimate, AutoDeviceBudgetPlansAgainstTheCapacity) {
+  const Config none = config_of({"activation_checkpointing.variant=\"none\""});
+  MemoryEstimateInputs in = cold_gpt_inputs(none, kVocab, 8, c10::DeviceType::CUDA);
+  const MemoryEstimate base = estimate_memory(none, 2, in);
+  const int64_t keep = base.row(3, "none").peak_bytes, full = base.row(3, "full").peak_bytes;
+  const int64_t budget = (keep + full) / 2;
+  const Config c = config_of({"zero_optimization.stage=3", "activation_checkpointing.variant=\"auto\"",
+                              "activation_checkpointing.device_memory_budget_bytes=\"auto\""});
+  in.device_capacity_bytes = (int64_t{1} << 30) + budget;
+  const MemoryEstimateRow row = estimate_memory(c, 2, in).configured();
+  EXPECT_TRUE(row.feasible);
+  EXPECT_LE(row.peak_bytes, budget);
+  EXPECT_GT(row.peak_bytes, full);
+  // The same as the budget given in bytes.
+  const Config bytes = config_of({"zero_optimization.stage=3", "activation_checkpointing.variant=\"auto\"",
+                                  str("activation_checkpointing.device_memory_budget_bytes=", budget)});
+  EXPECT_EQ(estimate_memory(bytes, 2, in).configured().plan, row.plan);
+  in.device_capacity_bytes = (int64_t{1} << 30) + full / 2;
+  EXPECT_FALSE(estimate_memory(c, 2, in).configured().feasible);
+}
+
 TEST(MemoryEstimate, Misuse) {
   const Config tp = config_of({"tensor_parallel.size=2"});
   EXPECT_THAT(error_of<ConfigError>([&] { estimate_memory(tp, 3, cold_gpt_inputs(tp, kVocab, 2)); }),

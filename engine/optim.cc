@@ -138,7 +138,9 @@ void set_optimizer_state(torch::optim::Optimizer& optimizer, const at::Tensor& p
   auto take = [&](const char* name) {
     auto it = left.find(name);
     if (it == left.end()) return at::Tensor();
-    at::Tensor t = it->second.detach().clone();
+    // Onto the parameter's device (a save's state is read onto the host).
+    const at::Tensor& saved = it->second;
+    at::Tensor t = saved.device() == param.device() ? saved.detach().clone() : saved.detach().to(param.device());
     left.erase(it);
     return t;
   };

@@ -65,6 +65,24 @@ const std::vector<MetricRow>& metric_rows() {
   return rows;
 }
 
+// The caching allocator's metrics, written on a CUDA device only.
+const internal::FieldTable<StepMetrics>& cuda_rows() {
+  static const internal::FieldTable<StepMetrics> rows = {
+      {"cuda_allocated_bytes", &StepMetrics::cuda_allocated_bytes},
+      {"cuda_peak_allocated_bytes", &StepMetrics::cuda_peak_allocated_bytes},
+      {"cuda_reserved_bytes", &StepMetrics::cuda_reserved_bytes},
+      {"cuda_peak_reserved_bytes", &StepMetrics::cuda_peak_reserved_bytes},
+  };
+  return rows;
+}
+
+// With loss scaling only (fp16), so that a float32 run's keys stay as they are.
+const internal::FieldTable<StepMetrics>& loss_scaling_fields() {
+  static const internal::FieldTable<StepMetrics> fields = {{"loss_scale", &StepMetrics::loss_scale},
+                                                           {"overflows", &StepMetrics::overflows}};
+  return fields;
+}
+
 }  // namespace
 
 StepMetrics StepMetrics::from_counters(const Counters& step) {
@@ -78,8 +96,10 @@ StepMetrics StepMetrics::from_counters(const Counters& step) {
 nlohmann::json StepMetrics::to_json() const {
   nlohmann::json m = nlohmann::json::object();
   for (const auto& row : metric_rows()) row.field.write(*this, m);
+  if (cuda_allocator) internal::write_fields(cuda_rows(), *this, m);
   if (grad_norm >= 0) m["grad_norm"] = grad_norm;
-  if (skipped) m["skipped"] = true;
+  if (skipped || loss_scale > 0) m["skipped"] = skipped;
+  if (loss_scale > 0) internal::write_fields(loss_scaling_fields(), *this, m);
   for (const auto& [key, value] : plan.items()) m[key] = value;
   return m;
 }

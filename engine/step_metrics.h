@@ -16,7 +16,11 @@ struct StepMetrics {
   double loss = 0;  // mean over micro-steps and data-parallel ranks
   double lr = 0;
   double grad_norm = -1;  // before clipping; -1: clipping is off
-  bool skipped = false;   // non-finite, dropped (train.on_nonfinite skip)
+  bool skipped = false;   // non-finite, dropped (train.on_nonfinite skip, or fp16's overflow)
+  // fp16: the loss scale this step's gradients carried (0: no loss scaling),
+  // and the steps skipped for overflow since training began (saves keep it).
+  double loss_scale = 0;
+  int64_t overflows = 0;
   double step_ms = 0, fwd_ms = 0, bwd_ms = 0, opt_ms = 0, recompute_ms = 0;
   int64_t mem_base_bytes = 0, mem_peak_bytes = 0, mem_act_peak_bytes = 0, mem_fwd_held_bytes = 0;
   int64_t ckpt_saved_bytes = 0, ckpt_offloaded_bytes = 0, ckpt_gathered_bytes = 0;
@@ -33,14 +37,23 @@ struct StepMetrics {
   // and how many of them were seen complete before the backward ended.
   double reduce_wait_ms = 0;
   int64_t buckets_reduced = 0, buckets_done_in_backward = 0;
+  // On a CUDA device, LibTorch's caching allocator (runtime/device_memory.h):
+  // the bytes in tensors and those it holds from the driver (reserved, the
+  // cached blocks included), at the step's end and their peaks over the
+  // step. Written only when `cuda_allocator` (the model on a CUDA device of a
+  // CUDA LibTorch): a CPU run's metrics have none of these keys.
+  bool cuda_allocator = false;
+  int64_t cuda_allocated_bytes = 0, cuda_peak_allocated_bytes = 0;
+  int64_t cuda_reserved_bytes = 0, cuda_peak_reserved_bytes = 0;
   // variant auto: the plan in force (empty otherwise).
   nlohmann::json plan = nlohmann::json::object();
 
   // The metrics a step's share of the counters (Counters::since) gives;
   // comm_bytes counts the counters' collectives only. The others are zero.
   static StepMetrics from_counters(const Counters& step);
-  // One object: every field by its name, grad_norm when clipping is on,
-  // skipped when true, and the plan's keys.
+  // One object: every field by its name (the cuda_ ones on a CUDA device),
+  // grad_norm when clipping is on, skipped when true, and the plan's keys;
+  // with loss scaling (fp16), its fields and skipped always.
   nlohmann::json to_json() const;
 };
 

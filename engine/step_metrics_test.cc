@@ -122,6 +122,41 @@ TEST(StepMetrics, JsonHasEveryFieldInItsOwnType) {
   EXPECT_EQ(j["skipped"], true);
   EXPECT_EQ(j["act_plan"], "full,keep");
   EXPECT_EQ(j["act_planned"], true);
+
+  // With loss scaling (fp16): its fields, and skipped whether true or not.
+  StepMetrics scaled;
+  scaled.loss_scale = 32768;
+  scaled.overflows = 3;
+  j = scaled.to_json();
+  EXPECT_EQ(j.size(), doubles.size() + ints.size() + 3);
+  EXPECT_TRUE(j["loss_scale"].is_number_float());
+  EXPECT_EQ(j["loss_scale"], 32768.0);
+  EXPECT_TRUE(j["overflows"].is_number_integer());
+  EXPECT_EQ(j["overflows"], 3);
+  EXPECT_EQ(j["skipped"], false);
+  scaled.skipped = true;
+  EXPECT_EQ(scaled.to_json()["skipped"], true);
+}
+
+// The caching allocator's keys are written on a CUDA device only: a CPU run's
+// metrics keep exactly the keys above.
+TEST(StepMetrics, CudaAllocatorKeysOnlyOnACudaDevice) {
+  StepMetrics m;
+  m.cuda_allocated_bytes = 1, m.cuda_peak_allocated_bytes = 2;
+  m.cuda_reserved_bytes = 3, m.cuda_peak_reserved_bytes = 4;
+  const size_t cpu_keys = m.to_json().size();
+  EXPECT_EQ(m.to_json().count("cuda_allocated_bytes"), 0u);
+  m.cuda_allocator = true;
+  const nlohmann::json j = m.to_json();
+  EXPECT_EQ(j.size(), cpu_keys + 4);
+  EXPECT_EQ(j["cuda_allocated_bytes"], 1);
+  EXPECT_EQ(j["cuda_peak_allocated_bytes"], 2);
+  EXPECT_EQ(j["cuda_reserved_bytes"], 3);
+  EXPECT_EQ(j["cuda_peak_reserved_bytes"], 4);
+  for (const char* key : {"cuda_allocated_bytes", "cuda_peak_allocated_bytes", "cuda_reserved_bytes",
+                          "cuda_peak_reserved_bytes"}) {
+    EXPECT_TRUE(j[key].is_number_integer()) << key;
+  }
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include "checkpointing/planner.h"
 #include "checkpointing/policy.h"
 #include "engine/engine.h"
+#include "engine/internal/device.h"
 #include "engine/internal/engine_impl.h"
 #include "engine/optim.h"
 #include "nn/saved_tensors_hooks.h"
@@ -27,11 +28,13 @@
 #include "runtime/agreement.h"
 #include "runtime/communicator.h"
 #include "runtime/context.h"
+#include "runtime/device_memory.h"
 #include "runtime/env_knobs.h"
 #include "runtime/error.h"
 #include "runtime/layout.h"
 #include "runtime/logging.h"
 #include "runtime/memory.h"
+#include "runtime/outcome.h"
 #include "runtime/runtime.h"
 
 namespace remat {
@@ -53,8 +56,11 @@ void warn_ineffective(const Config& c) {
 
 // Every rank runs what the others run: ranks configured differently would
 // hang in a collective only some of them make, or train diverging replicas.
-void require_same_config(Communicator& world, const Config& config) {
+void require_same_config(Communicator& world, const Config& config, at::Device device) {
   std::map<std::string, std::string> settings;
+  // train.device auto resolves on each rank: a job whose ranks train on
+  // different kinds of device could not reduce their gradients together.
+  settings["the device type this rank trains on (train.device resolved)"] = c10::DeviceTypeName(device.type(), true);
   const nlohmann::json flat = nlohmann::json::parse(config.to_json()).flatten();
   for (const auto& item : flat.items()) {
     std::string key = item.key().substr(1);
@@ -174,14 +180,15 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineO
   REMAT_CHECK(model_ != nullptr, "remat::initialize: the model is null");
   s.wire_memory();
   s.wire_layout(config_);
-  require_same_config(*s.world, config_);
+  s.wire_device(*model_, config_);
+  require_same_config(*s.world, config_, s.placed);
   warn_ineffective(config_);
   s.batch = config_.resolve_batch(s.layout->dims().dp);
   torch::nn::Module& model = *model_;
   model_parallel_manual_seed(static_cast<uint64_t>(config_.train.seed), *s.layout);
-  for (const auto& p : model.parameters()) {
-    s.device = p.device().type();
-    break;
+  // fp16: refused here where the device cannot compute it, before anything is wired.
+  if (config_.fp16.enabled) {
+    s.loss_scaling = internal::wire_loss_scaling(config_.fp16, s.placed, s.options.fp16_scaler_at_float32);
   }
   const auto sharded = parallel::sharded_parameters(model);
   const std::string blocks = block_path(model, s.options.blocks);
@@ -216,6 +223,24 @@ void Engine::Impl::wire_layout(const Config& config) {
   }
 }
 
+namespace {
+
+// device_memory_budget_bytes "auto": the budget of the device the model's
+// parameters are on (the CPU without any), logged on rank 0.
+void resolve_device_budget(torch::nn::Module& model, MemoryBudget& budget) {
+  c10::Device device(c10::DeviceType::CPU);
+  for (const auto& p : model.parameters()) {
+    device = p.device();
+    break;
+  }
+  const DeviceBudget b = auto_device_budget(device, "activation_checkpointing.device_memory_budget_bytes");
+  log_rank0().info("device_memory_budget_bytes auto ({}): {}", device.str(), b.text());
+  budget.device_memory_budget_bytes = b.budget;
+  budget.device_memory_budget_auto = false;
+}
+
+}  // namespace
+
 // The config's activation_checkpointing section becomes the defaults every
 // region starts from. Regions are timed whatever its profile key says: the
 // recompute time goes into the metrics. Non-reentrant regions and
@@ -245,6 +270,8 @@ void Engine::Impl::wire_checkpointing(torch::nn::Module& model, const Config& co
   PlannerOptions planner_options;
   planner_options.blocks = blocks;
   static_cast<MemoryBudget&>(planner_options) = config.activation_checkpointing;
+  if (auto_plan && planner_options.device_memory_budget_auto) resolve_device_budget(model, planner_options);
+  device_budget_bytes = planner_options.device_memory_budget_bytes;
   planner_options.offload = config.activation_offloading;
   planner_options.report_dir = options.plan_report_dir;
   // A budget the model cannot be planned for (the knee of one block) stops the run here.
@@ -267,6 +294,25 @@ void Engine::Impl::wire_checkpointing(torch::nn::Module& model, const Config& co
   }
 }
 
+at::Device training_device(const Config& config, const std::string& spec) {
+  const bool given = !spec.empty();
+  return internal::resolve_device(given ? spec : config.train.device, Runtime::init().env().local_rank,
+                                  internal::visible_cuda_devices(), given ? "EngineOptions::device" : "train.device");
+}
+
+// The device of this rank (train.device, or EngineOptions::device), the
+// model placed there before anything records its parameters: the
+// sharding's flat buffers, the optimizer's state and the meter all follow
+// the parameters' device. Every rank learns of one rank's failure.
+void Engine::Impl::wire_device(torch::nn::Module& model, const Config& config) {
+  agree_on_outcome(*world, "placing the model on its device", [&] {
+    placed = training_device(config, options.device);
+    internal::make_current(placed);
+    internal::place_model(model, placed);
+  });
+  device = placed.type();
+}
+
 // Sharding over the data-parallel group; the optimizer steps what the
 // sharding hands it.
 void Engine::Impl::wire_sharding(torch::nn::Module& model, const Config& config,
@@ -279,7 +325,7 @@ void Engine::Impl::wire_sharding(torch::nn::Module& model, const Config& config,
                                 : make_optimizer(config.optimizer, zero->parameters());
   REMAT_CHECK(optimizer != nullptr, "remat::initialize: EngineOptions::optimizer returned no optimizer");
   // A whole-device budget the model state alone fills is refused before any step.
-  if (const auto& device = config.activation_checkpointing.device_memory_budget_bytes; device && auto_plan) {
+  if (const auto& device = device_budget_bytes; device && auto_plan) {
     const auto [state, what] = internal::resident_state(model, *zero, *optimizer, batch.gradient_accumulation_steps);
     if (*device <= state) {
       throw ConfigError(str("activation_checkpointing.device_memory_budget_bytes = ", *device,

@@ -3,12 +3,16 @@
 // parameters, gradients, optimizer state, gathered units, activations, host
 // bytes and the peak (engine/memory_estimate.h), the configured row marked.
 //
-//   remat-estimate [--config ds_config.json] [--set key=value ...] [-np N] [--live] [--json FILE]
+//   remat-estimate [--config ds_config.json] [--set key=value ...] [-np N] [--live] [--device cpu|cuda]
+//                  [--json FILE]
 //
 // cold (the default): from the config's sizes, nothing built; --live builds
 // the GPT on this process and profiles one step under every block choice.
+// --device cuda: the model on a GPU, one per rank: offloaded bytes are host
+// rows apart from the device's peak, and the capacity is the GPU's.
 // Exits 2 when the configuration does not fit the memory a rank has here
-// (REMAT_MEMORY_PER_RANK_BYTES, else the host's over its ranks).
+// (REMAT_MEMORY_PER_RANK_BYTES, else on the CPU the host's over its ranks,
+// on a GPU the first GPU's capacity).
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 
@@ -23,6 +27,7 @@
 #include "engine/memory_estimate.h"
 #include "launch/train_tools.h"
 #include "models/gpt.h"
+#include "runtime/device_memory.h"
 #include "runtime/env_knobs.h"
 #include "runtime/error.h"
 #include "runtime/output_file.h"
@@ -43,6 +48,9 @@ int estimate(int argc, char** argv) {
       ->check(CLI::Range(1, 1 << 24));
   app.add_flag("--live", live, "build the model on this process and profile one step (else: from the sizes alone)");
   app.add_option("--json", json_path, "also write the rows as JSON to this file");
+  std::string device_name = "cpu";
+  app.add_option("--device", device_name, "where the model computes: cpu (the default), or cuda (a GPU per rank)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   // -np N, as mpirun spells it.
   std::vector<std::string> args;
   for (int i = argc - 1; i > 0; --i) args.push_back(std::string(argv[i]) == "-np" ? "--np" : argv[i]);
@@ -62,12 +70,18 @@ int estimate(int argc, char** argv) {
   const int dp = ranks / config.tensor_parallel.size;
   const BatchSizes batch = config.resolve_batch(dp);
   data::Dataset data = data::Dataset::load(config.data.path, config.data.train_fraction, config.model.seq_len);
+  const bool cuda = device_name == "cuda";
+  const c10::DeviceType device = cuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
   MemoryEstimateInputs inputs;
   if (live) {
     if (config.tensor_parallel.size != 1) {
       throw ConfigError(str("--live builds the model on this one process, without tensor parallelism, but "
                             "tensor_parallel.size is ", config.tensor_parallel.size,
                             ": estimate it cold (without --live), or with --set tensor_parallel.size=1"));
+    }
+    if (cuda && !at::hasCUDA()) {
+      throw ConfigError("--live --device cuda profiles the model on a GPU, but this process has none (or LibTorch "
+                        "is built without CUDA): estimate it cold (without --live)");
     }
     at::manual_seed(static_cast<uint64_t>(config.train.seed));
     models::GptOptions options;
@@ -76,22 +90,34 @@ int estimate(int argc, char** argv) {
     models::Gpt model(options);
     // bf16 computes in bf16 (ZeRO stage 3's gathered units): profiled so.
     if (config.bf16.enabled) model->to(at::kBFloat16);
+    if (cuda) model->to(at::Device(device));
     model->train();
     auto [x, y] = data.train_batch(static_cast<uint64_t>(config.train.seed), 0, 0, batch.micro_batch_per_gpu);
+    x = x.to(at::Device(device)), y = y.to(at::Device(device));
     inputs = live_inputs(*model, "blocks", [&, x = x, y = y] { model->loss(x, y).backward(); });
   } else {
-    inputs = cold_gpt_inputs(config, data.vocab_size(), batch.micro_batch_per_gpu);
+    inputs = cold_gpt_inputs(config, data.vocab_size(), batch.micro_batch_per_gpu, device);
+  }
+  // What each rank has: given, else its GPU, else its share of this host.
+  const bool given = knobs::get(knobs::kMemoryPerRankBytes).has_value();
+  const double have = given ? available_bytes_per_rank()
+                      : cuda ? static_cast<double>(device_memory(c10::Device(device, 0)).capacity)
+                             : available_bytes_per_rank() / ranks;
+  // The capacity beside the peak on a GPU; on the CPU only for "auto" (its
+  // figures otherwise as they were).
+  if (cuda) inputs.device_capacity_bytes = static_cast<int64_t>(have);
+  if (!cuda && config.activation_checkpointing.device_memory_budget_auto) {
+    inputs.device_capacity_bytes = device_memory(c10::Device(device)).capacity / ranks;
   }
   const MemoryEstimate e = estimate_memory(config, ranks, inputs);
   std::cout << e.table() << e.line() << "\n";
-  // What each rank would have with all of them on this host (unless given).
-  const bool given = knobs::get(knobs::kMemoryPerRankBytes).has_value();
-  const double have = available_bytes_per_rank() / (given ? 1 : ranks);
   bool fits = true;
   if (have > 0) {
     const int64_t peak = e.configured().peak_bytes;
     fits = peak <= have;
-    std::cout << (given ? "each rank has " : str("with ", ranks, " ranks on this host, each has about "))
+    std::cout << (given  ? "each rank has "
+                  : cuda ? "each rank's GPU has "
+                         : str("with ", ranks, " ranks on this host, each has about "))
               << human_bytes(have) << ": the "
               << "configuration " << (peak <= have ? "fits" : "does not fit");
     if (peak > have) {
@@ -100,6 +126,9 @@ int estimate(int argc, char** argv) {
                                    : "; the cheapest change that fits: " + change);
     }
     std::cout << "\n";
+  } else if (cuda) {
+    std::cout << "no GPU here to read its capacity: set REMAT_MEMORY_PER_RANK_BYTES to the bytes of a rank's GPU "
+                 "to check the fit\n";
   }
   if (!json_path.empty()) {
     std::ofstream out(json_path);

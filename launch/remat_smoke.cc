@@ -4,6 +4,7 @@
 //
 //   remat-run -np 2 -- remat-smoke [--config FILE] [--set key=value ...] [--backend auto|mpi|nccl]
 #include <ATen/ATen.h>
+#include <torch/cuda.h>
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
@@ -51,7 +52,9 @@ int smoke(int argc, char** argv) {
       batch.gradient_accumulation_steps, layout.dims().dp);
 
   const int n = world->size(), r = world->rank();
-  auto device = world->backendName() == "nccl" ? at::kCUDA : at::kCPU;
+  // Both backends carry CUDA tensors (mpi through pinned host copies): the
+  // check runs where training would, on the GPU where there is one.
+  auto device = torch::cuda::is_available() ? at::kCUDA : at::kCPU;
   auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
 
   at::Tensor sum = at::full({4}, r + 1, opts);

@@ -146,13 +146,15 @@ int train(int argc, char** argv) {
   CLI::App app{"remat-train: train a GPT with remat's activation checkpointing"};
   std::string config_path, metrics_path, save_dir, resume_dir, export_path, memory_trace, backend = "auto";
   std::vector<std::string> overrides;
-  std::optional<std::string> steps_flag, seed_flag;
+  std::optional<std::string> steps_flag, seed_flag, device_flag;
   bool overwrite_saves = false;
   int trace_samples = 4000;
   app.add_option("--config", config_path, "JSON configuration (default: the embedded one)");
   app.add_option("--set", overrides, "override a key: --set model.n_layer=8 (repeatable)");
   app.add_option("--steps", steps_flag, "optimizer steps (train.steps)");
   app.add_option("--seed", seed_flag, "seed (train.seed)");
+  app.add_option("--device", device_flag, "where each rank trains: auto (its local rank's CUDA device where CUDA "
+                 "is available, else the CPU), cpu, cuda or cuda:N (train.device)");
   app.add_option("--metrics", metrics_path, "write one JSON object per step (rank 0)");
   app.add_option("--save-dir", save_dir, "save the training state here (a folder holding another run's "
                  "saves is refused unless --resume continues them or --overwrite-saves is given)");
@@ -190,6 +192,7 @@ int train(int argc, char** argv) {
   // The flags are overrides like any other: validated the same way.
   if (steps_flag) overrides.push_back("train.steps=" + *steps_flag);
   if (seed_flag) overrides.push_back("train.seed=" + *seed_flag);
+  if (device_flag) overrides.push_back("train.device=" + *device_flag);
   const Config config = config_path.empty()
                             ? parse_config(default_config_text(), "<embedded default>", overrides)
                             : load_config(config_path, overrides);
@@ -223,7 +226,7 @@ int train(int argc, char** argv) {
   if (rank0) check_outputs(metrics_path, memory_trace, export_path, plan_report);
   const BatchSizes batch = config.resolve_batch(layout->dims().dp);
   data::Dataset data = data::Dataset::load(config.data.path, config.data.train_fraction, config.model.seq_len);
-  check_memory_estimate(config, batch, data.vocab_size(), world.size());
+  check_memory_estimate(config, batch, data.vocab_size(), world.size(), training_device(config));
 
   models::GptOptions model_options;
   model_options.shape = config.model;
@@ -301,9 +304,11 @@ int train(int argc, char** argv) {
       engine->trace_memory(memory_trace, trace_samples);
     }
     for (int64_t micro = 0; micro < batch.gradient_accumulation_steps; ++micro) {
-      auto [x, y] = data.train_batch(static_cast<uint64_t>(tc.seed), layout->dp_rank(), window,
-                                     batch.micro_batch_per_gpu);
+      auto [host_x, host_y] = data.train_batch(static_cast<uint64_t>(tc.seed), layout->dp_rank(), window,
+                                               batch.micro_batch_per_gpu);
       window += batch.micro_batch_per_gpu;
+      // The batch goes where the model is (the engine placed it: train.device).
+      const at::Tensor x = engine->to_device(host_x), y = engine->to_device(host_y);
       at::Tensor loss = engine->forward([&, x = x, y = y] { return model->loss(x, y); }, x.sizes().vec());
       engine->backward(loss);
       engine->step();
@@ -327,11 +332,12 @@ int train(int argc, char** argv) {
         metrics.close();
       }
     }
-    progress.step(step, m.loss, tokens_per_s, m.mem_peak_bytes - m.mem_base_bytes);
+    progress.step(step, tokens_per_s, m);
     if (tc.eval_interval > 0 && (step % tc.eval_interval == 0 || step == tc.steps)) {
       double val = 0;
       for (int64_t i = 0; i < tc.eval_batches; ++i) {
-        auto [x, y] = data.val_batch(i, batch.micro_batch_per_gpu);
+        auto [host_x, host_y] = data.val_batch(i, batch.micro_batch_per_gpu);
+        const at::Tensor x = engine->to_device(host_x), y = engine->to_device(host_y);
         val += engine->evaluate([&, x = x, y = y] { return model->loss(x, y).item<double>(); });
       }
       progress.line(str("step ", step, ": held-out loss ", val / std::max<int64_t>(tc.eval_batches, 1)));
@@ -383,9 +389,9 @@ int train(int argc, char** argv) {
   // sharded ones gather parameters together); rank 0 prints.
   if (tc.sample_chars > 0) {
     at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(tc.seed));
-    at::Tensor prompt = data.encode("The ").unsqueeze(0);
+    at::Tensor prompt = engine->to_device(data.encode("The ").unsqueeze(0));
     at::Tensor text = engine->evaluate([&] { return model->generate(prompt, tc.sample_chars, 0.8, gen); });
-    if (rank0) std::printf("--- sample ---\n%s\n--------------\n", data.decode(text).c_str());
+    if (rank0) std::printf("--- sample ---\n%s\n--------------\n", data.decode(text.cpu()).c_str());
   }
   std::fflush(stdout);
   world.barrier()->wait();

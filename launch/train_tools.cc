@@ -14,6 +14,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "runtime/device_memory.h"
 #include "runtime/env_knobs.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
@@ -147,16 +148,25 @@ std::string human_bytes(double b) {
   return str(std::round(b * 10) / 10, " ", units[u]);
 }
 
-MemoryEstimate check_memory_estimate(const Config& c, const BatchSizes& batch, int64_t vocab, int world_size) {
-  const MemoryEstimate e = estimate_memory(c, world_size, cold_gpt_inputs(c, vocab, batch.micro_batch_per_gpu));
+MemoryEstimate check_memory_estimate(const Config& c, const BatchSizes& batch, int64_t vocab, int world_size,
+                                     c10::Device device) {
+  MemoryEstimateInputs inputs = cold_gpt_inputs(c, vocab, batch.micro_batch_per_gpu, device.type());
+  // The capacity beside the peak on a GPU; on the CPU only for "auto".
+  if (device.is_cuda() || c.activation_checkpointing.device_memory_budget_auto) {
+    const auto given = knobs::memory_per_rank_bytes();
+    inputs.device_capacity_bytes = device.is_cuda() && given
+                                       ? *given
+                                       : device_memory(device).capacity / ranks_sharing(device);
+  }
+  const MemoryEstimate e = estimate_memory(c, world_size, inputs);
   log_rank0().info("{}", e.line());
-  const double have = available_bytes_per_rank();
+  const double have = device.is_cuda() ? static_cast<double>(inputs.device_capacity_bytes) : available_bytes_per_rank();
   const MemoryEstimateRow& row = e.configured();
   if (have > 0 && static_cast<double>(row.peak_bytes) > have) {
     const std::string change = cheapest_fitting_change(e, static_cast<int64_t>(have));
     throw ConfigError(str("this config needs about ", human_bytes(static_cast<double>(row.peak_bytes)),
                           " per rank (", e.line(), ") but about ", human_bytes(have),
-                          " is available to each rank on this host: ",
+                          " is available to each rank", device.is_cuda() ? "'s GPU" : " on this host", ": ",
                           change.empty() ? "no ZeRO stage or checkpointing policy fits; lower "
                                            "train_micro_batch_size_per_gpu, model.seq_len or the model's size "
                                            "(model.n_layer, model.d_model, model.d_ff)"
@@ -183,21 +193,35 @@ bool Progress::use_bar() {
 }
 
 void Progress::step(int64_t step, double loss, double tokens_per_s, int64_t peak) {
+  show(step, loss, tokens_per_s, human_bytes(static_cast<double>(peak)));
+}
+
+void Progress::step(int64_t step, double tokens_per_s, const StepMetrics& m) {
+  std::string peak = human_bytes(static_cast<double>(m.mem_peak_bytes - m.mem_base_bytes));
+  if (m.cuda_allocator) {
+    peak += str("  cuda ", human_bytes(static_cast<double>(m.cuda_peak_allocated_bytes)), " / ",
+                human_bytes(static_cast<double>(m.cuda_peak_reserved_bytes)));
+  }
+  show(step, m.loss, tokens_per_s, peak, m.loss_scale);
+}
+
+void Progress::show(int64_t step, double loss, double tokens_per_s, const std::string& peak,
+                    double loss_scale) {
   if (!enabled_) return;
   double elapsed = ms_between(start_, Clock::now()) / 1000;
   double eta = (step > first_) ? elapsed / (step - first_) * (total_ - step) : 0;
+  const std::string scale = loss_scale > 0 ? str("  scale ", loss_scale) : std::string();
   if (terminal_) {
     int width = 30, filled = static_cast<int>(width * step / std::max<int64_t>(total_, 1));
-    std::printf("\r[%s%s] %lld/%lld loss %.4f  %.0f tok/s  peak %s  ETA %02d:%02d ",
+    std::printf("\r[%s%s] %lld/%lld loss %.4f%s  %.0f tok/s  peak %s  ETA %02d:%02d ",
                 std::string(filled, '=').c_str(), std::string(width - filled, ' ').c_str(),
-                static_cast<long long>(step), static_cast<long long>(total_), loss, tokens_per_s,
-                human_bytes(static_cast<double>(peak)).c_str(), static_cast<int>(eta) / 60,
-                static_cast<int>(eta) % 60);
+                static_cast<long long>(step), static_cast<long long>(total_), loss, scale.c_str(), tokens_per_s,
+                peak.c_str(), static_cast<int>(eta) / 60, static_cast<int>(eta) % 60);
     if (step == total_) std::printf("\n");
   } else if (step % every_ == 0 || step == first_ + 1 || step == total_) {
-    std::printf("step %lld/%lld  loss %.4f  %.0f tok/s  peak %s  eta %.0fs\n",
-                static_cast<long long>(step), static_cast<long long>(total_), loss, tokens_per_s,
-                human_bytes(static_cast<double>(peak)).c_str(), eta);
+    std::printf("step %lld/%lld  loss %.4f%s  %.0f tok/s  peak %s  eta %.0fs\n",
+                static_cast<long long>(step), static_cast<long long>(total_), loss, scale.c_str(), tokens_per_s,
+                peak.c_str(), eta);
   }
   std::fflush(stdout);
 }

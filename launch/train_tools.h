@@ -2,12 +2,15 @@
 // file kept consistent on resume, and the GPT's fit-before-run check.
 #pragma once
 
+#include <c10/core/Device.h>
+
 #include <chrono>
 #include <cstdint>
 #include <string>
 
 #include "engine/config.h"
 #include "engine/memory_estimate.h"
+#include "engine/step_metrics.h"
 
 namespace remat {
 
@@ -20,9 +23,12 @@ double available_bytes_per_rank();
 
 // The cold estimate of the GPT of `c` at `world_size` ranks
 // (engine/memory_estimate.h), its line logged; a ConfigError naming the
-// cheapest change that fits when its peak exceeds the host memory available
-// to each rank.
-MemoryEstimate check_memory_estimate(const Config& c, const BatchSizes& batch, int64_t vocab, int world_size);
+// cheapest change that fits when its peak exceeds the memory available to
+// each rank: the host's on the CPU; on a CUDA `device`, the device's
+// capacity over the ranks sharing it (REMAT_MEMORY_PER_RANK_BYTES either way
+// when set), with offloaded bytes in host memory apart.
+MemoryEstimate check_memory_estimate(const Config& c, const BatchSizes& batch, int64_t vocab, int world_size,
+                                     c10::Device device = c10::Device(c10::DeviceType::CPU));
 
 // A resumed run's --metrics file keeps only the lines of the steps up to the
 // one it resumed at (rewritten beside it, then renamed over it; a device or
@@ -47,10 +53,16 @@ class Progress {
  public:
   Progress(int64_t first, int64_t total, int64_t every, bool enabled);
   void step(int64_t step, double loss, double tokens_per_s, int64_t peak);
+  // The step's loss and peak from its metrics: on the CPU the peak above the
+  // step's start, as above; on a CUDA device also the caching allocator's
+  // peaks, allocated / reserved ("peak 1.2 GiB  cuda 3.4 / 4 GiB"); with
+  // fp16, the loss scale.
+  void step(int64_t step, double tokens_per_s, const StepMetrics& m);
   void line(const std::string& text);
 
  private:
   static bool use_bar();
+  void show(int64_t step, double loss, double tokens_per_s, const std::string& peak, double loss_scale = 0);
   int64_t first_, total_, every_;
   bool enabled_, terminal_;
   std::chrono::steady_clock::time_point start_;

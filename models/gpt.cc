@@ -102,7 +102,8 @@ at::Tensor GptImpl::generate(at::Tensor idx, int64_t n, double temperature, at::
       context = at::cat({context, at::zeros({context.size(0), padded - context.size(1)}, context.options())}, 1);
     }
     at::Tensor logits = forward(context).select(1, last).to(at::kFloat) / std::max(temperature, 1e-6);
-    at::Tensor next = at::multinomial(at::softmax(logits, -1), 1, false, gen);
+    // Drawn where the generator is (a CPU generator for a model on a GPU).
+    at::Tensor next = at::multinomial(at::softmax(logits, -1).to(gen.device()), 1, false, gen).to(idx.device());
     idx = at::cat({idx, next}, 1);
   }
   train(was_training);

@@ -40,7 +40,10 @@ double clip_grad_norm(const std::vector<GradGroup>& groups, double max_norm) {
         const auto& over = groups[i].summed_over;
         if (std::find(over.begin(), over.end(), c) != over.end()) members.push_back(i);
       }
-      at::Tensor values = at::empty({static_cast<int64_t>(members.size())}, at::kDouble);
+      // On the tensors' device: the communicator's backend takes them (nccl: CUDA only).
+      const at::Device device = all.empty() ? at::Device(at::kCPU) : all.front().device();
+      at::Tensor values =
+          at::empty({static_cast<int64_t>(members.size())}, at::TensorOptions().dtype(at::kDouble).device(device));
       for (size_t k = 0; k < members.size(); ++k) values[k] = sq[members[k]];
       c->allReduce(values)->wait();
       for (size_t k = 0; k < members.size(); ++k) sq[members[k]] = values[k].item<double>();

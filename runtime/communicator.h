@@ -1,5 +1,5 @@
-// The process-group layer: an abstract Communicator with MPI (CPU tensors) and
-// NCCL (CUDA tensors) backends.
+// The process-group layer: an abstract Communicator with MPI (CPU tensors, and
+// CUDA tensors through host memory) and NCCL (CUDA tensors) backends.
 //
 // Contract:
 // - Every rank of a communicator calls the same collectives in the same order

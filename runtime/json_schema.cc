@@ -185,15 +185,21 @@ std::string unknown_key_message(const std::string& path, const std::string& name
 // Whether `value` has the JSON type `field` takes (a whole number for an
 // integer, one of the words for a number-or-word); ranges and choices are
 // checked after.
+// A number-or-word bound to an integer (its range set) takes whole numbers.
+bool integral(const Field& field) { return field.kind == Kind::kInt || field.max_value > field.min_value; }
+
+bool whole_number(const json& value) {
+  return value.is_number_integer() ||
+         (value.is_number_float() && std::trunc(value.get<double>()) == value.get<double>());
+}
+
 bool has_kind(const Field& field, const json& value) {
   switch (field.kind) {
     case Kind::kBool: return value.is_boolean();
-    case Kind::kInt:
-      return value.is_number_integer() ||
-             (value.is_number_float() && std::trunc(value.get<double>()) == value.get<double>());
+    case Kind::kInt: return whole_number(value);
     case Kind::kNumber: return value.is_number();
     case Kind::kNumberOrWord:
-      return value.is_number() ||
+      return (value.is_number() && (!integral(field) || whole_number(value))) ||
              (value.is_string() && std::find(field.choices.begin(), field.choices.end(),
                                              value.get_ref<const std::string&>()) != field.choices.end());
     case Kind::kString: return value.is_string();
@@ -235,13 +241,13 @@ std::string type_problem(const std::string& path, const Field& field, const json
     // null: the type says it all ("got null null" says it twice); it does not mean "the default".
     const std::string got = value.is_null() ? std::string("null (leave the key out to keep its default)")
                                             : json_type_name(value) + " " + shown();
-    return str("'", path, "' must be ", kind_name(field.kind), words, field.nullable ? " or null" : "", ", got ",
+    return str("'", path, "' must be ", integral(field) ? "integer" : kind_name(field.kind), words, field.nullable ? " or null" : "", ", got ",
                got,
                auto_value ? std::string(" (\"auto\" is filled in by a launcher such as Hugging Face's "
                                         "Trainer; remat fills nothing in: give a value or leave the key out)")
                           : std::string());
   }
-  if (field.kind == Kind::kInt) {
+  if (integral(field) && value.is_number()) {
     // Compared as they were parsed (no conversion that could overflow first).
     bool in_range;
     if (value.is_number_unsigned()) {

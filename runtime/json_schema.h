@@ -38,8 +38,8 @@ struct Field {
   std::string name;
   Kind kind;
   bool nullable = false;
-  // kInt: the range of the member's type (values outside it are refused
-  // before any conversion).
+  // kInt, and kNumberOrWord bound to an integer: the range of the member's
+  // type (values outside it are refused before any conversion); both 0 otherwise.
   double min_value = 0, max_value = 0;
   std::vector<std::string> choices;  // allowed strings, when not empty
   std::vector<Field> children;       // kObject
@@ -156,18 +156,23 @@ Field optional_leaf(const char* name, std::optional<T> S::*member) {
 }
 
 // A number key that also takes the string `word` in place of a number (as
-// "knee" for a fraction): bound to an optional number and a flag, at most one
-// of them set; null clears both. Any other string is refused, naming `word`.
-template <typename S>
-Field number_or_word(const char* name, std::optional<double> S::*number, bool S::*flag, const char* word) {
+// "knee" for a fraction, "auto" for a budget): bound to an optional number
+// (double, or an integer type: then only whole numbers in its range) and a
+// flag, at most one of them set; null clears both. Any other string is
+// refused, naming `word`.
+// (N is named, not deduced: the members may be a base class's of S.)
+template <typename S, typename N = double>
+Field number_or_word(const char* name, std::optional<std::common_type_t<N>> S::*number, bool S::*flag,
+                     const char* word) {
   Field field;
   field.name = name;
   field.kind = Kind::kNumberOrWord;
   field.nullable = true;
   field.choices = {word};
+  set_range<N>(field);
   field.assign = [number, flag](const json& value, void* target) {
     auto& s = *static_cast<S*>(target);
-    s.*number = value.is_number() ? std::optional<double>(value.get<double>()) : std::nullopt;
+    s.*number = value.is_number() ? std::optional<N>(convert<N>(value)) : std::nullopt;
     s.*flag = value.is_string();  // validated: the word
   };
   field.dump = [number, flag, w = std::string(word)](const void* target) {

@@ -55,10 +55,27 @@ TEST(Nccl, CollectivesGiveClosedFormResults) {
   comm->barrier()->wait();
 }
 
-TEST(Nccl, RejectsCpuAndNonContiguousTensors) {
+// Host tensors (the engine's agreements, save metadata, CPU scalars) go over
+// the MPI communicator NCCL was bootstrapped from; a call mixing host and
+// device tensors, and a strided device tensor, are refused.
+TEST(Nccl, CarriesHostTensorsOverMpiAndRejectsMixedAndNonContiguousTensors) {
   auto comm = nccl_world();
-  at::Tensor cpu = at::ones({4});
-  EXPECT_THROW(comm->allReduce(cpu), CommError);
+  const int n = comm->size(), r = comm->rank();
+  at::Tensor cpu = at::full({4}, r + 1, at::kLong);
+  comm->allReduce(cpu)->wait();
+  EXPECT_TRUE(cpu.device().is_cpu());
+  EXPECT_TRUE(at::equal(cpu, at::full({4}, n * (n + 1) / 2, at::kLong)));
+  at::Tensor host_in = at::full({2}, r, at::kFloat), host_out = at::empty({2 * n}, at::kFloat);
+  comm->allGather(host_out, host_in)->wait();
+  EXPECT_TRUE(at::equal(host_out, at::arange(n, at::kFloat).repeat_interleave(2)));
+
+  at::Tensor device_out = at::empty({2 * n}, at::TensorOptions().device(at::kCUDA));
+  try {
+    comm->allGather(device_out, host_in);
+    ADD_FAILURE() << "expected CommError";
+  } catch (const CommError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("takes CUDA tensors"));
+  }
   at::Tensor strided = at::ones({4, 4}, at::TensorOptions().device(at::kCUDA)).t();
   try {
     comm->allReduce(strided);

@@ -1,6 +1,7 @@
 #include "runtime/runtime.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -11,6 +12,7 @@
 
 #include "runtime/error.h"
 #include "runtime/env_knobs.h"
+#include "runtime/internal/backend_choice.h"
 #include "runtime/internal/local_communicator.h"
 #include "runtime/logging.h"
 
@@ -21,6 +23,7 @@
 
 #if defined(REMAT_WITH_NCCL)
 #include <cuda_runtime_api.h>
+#include <unistd.h>
 #endif
 
 namespace remat {
@@ -59,13 +62,26 @@ Runtime::Runtime() {
   }
   set_log_rank(env_.rank, env_.world_size);
   share_cores();
+  pick_cuda_device();
+}
+
+// Local rank i uses device i % devices. With more ranks on the node than
+// GPUs, several share one (device 0 holds local ranks 0 and 2 of 4 on 2
+// GPUs): the mpi backend carries their tensors; nccl refuses (world()).
+void Runtime::pick_cuda_device() {
 #if defined(REMAT_WITH_NCCL)
   int devices = 0;
-  if (cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0) {
-    cudaSetDevice(env_.local_rank % devices);
-    log().debug("using CUDA device {} of {}", env_.local_rank % devices, devices);
-  } else {
-    cudaGetLastError();
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices <= 0) {
+    cudaGetLastError();  // clear the sticky "no driver" error
+    return;
+  }
+  cuda_devices_ = devices;
+  cuda_device_ = env_.local_rank % devices;
+  cudaSetDevice(cuda_device_);
+  log().debug("using CUDA device {} of {}", cuda_device_, devices);
+  if (env_.local_world_size > devices) {
+    log_rank0().info("{} ranks on this node share its {} GPU(s): local rank i uses device i % {}",
+                     env_.local_world_size, devices, devices);
   }
 #endif
 }
@@ -104,11 +120,52 @@ void Runtime::bound_threads(int64_t asked, int cores) {
   ::setenv(knobs::kOmpNumThreads, std::to_string(cores).c_str(), 1);
 }
 
+#if defined(REMAT_WITH_MPI) && defined(REMAT_WITH_NCCL)
+namespace {
+
+// What this rank reports for choosing the backend: its node, how many GPUs
+// it sees, which one it uses.
+internal::RankDevices local_devices(int devices, int device) {
+  internal::RankDevices mine;
+  mine.gpus = devices;
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  mine.node = host;
+  char bus[64] = {};
+  if (device >= 0 && cudaDeviceGetPCIBusId(bus, sizeof(bus), device) == cudaSuccess) {
+    mine.device = bus;
+  } else if (device >= 0) {
+    cudaGetLastError();
+    mine.device = str("device ", device);
+  }
+  return mine;
+}
+
+}  // namespace
+#endif
+
 std::shared_ptr<Communicator> Runtime::world(Backend backend) {
 #if defined(REMAT_WITH_MPI)
   auto mpi = internal::MpiCommunicator::world();
-  if (backend == Backend::kMpi || (backend == Backend::kAuto && !internal::nccl_available())) return mpi;
-  return internal::make_nccl_communicator(mpi);
+  if (backend == Backend::kMpi) return mpi;
+#if defined(REMAT_WITH_NCCL)
+  // Every rank's report, so that every rank decides the same.
+  std::vector<internal::RankDevices> ranks;
+  for (const auto& report : mpi->gatherStrings(internal::encode(local_devices(cuda_devices_, cuda_device_)),
+                                               "reporting each rank's GPUs to choose the backend")) {
+    ranks.push_back(internal::decode_rank_devices(report));
+  }
+  if (backend == Backend::kNccl) internal::check_nccl_fits(ranks);
+  const internal::BackendChoice choice = internal::choose_auto_backend(/*nccl_built=*/true, ranks);
+#else
+  const internal::BackendChoice choice = internal::choose_auto_backend(/*nccl_built=*/false, {});
+#endif
+  if (backend == Backend::kNccl) return internal::make_nccl_communicator(mpi);
+  // Said where a GPU is involved; a CPU job's log stays as it was.
+  auto& log0 = log_rank0();
+  log0.log(choice.nccl || cuda_devices_ > 0 ? spdlog::level::info : spdlog::level::debug,
+           "backend auto: {} ({})", choice.nccl ? "nccl" : "mpi", choice.reason);
+  return choice.nccl ? internal::make_nccl_communicator(mpi) : mpi;
 #else
   if (backend != Backend::kAuto) {
     throw ConfigError("this remat was built without MPI: only the local (one-process) "
@@ -118,9 +175,34 @@ std::shared_ptr<Communicator> Runtime::world(Backend backend) {
 #endif
 }
 
+namespace {
+
+// After this rank's error: the peers of a multi-rank job end too (MPI_Abort),
+// so none waits in a collective this rank will never make.
+void end_peers() {
+#if defined(REMAT_WITH_MPI)
+  int size = 1;
+  if (internal::MpiSession::initialized()) MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (size > 1) internal::MpiSession::abort(1);
+#endif
+}
+
+}  // namespace
+
 int run_main(const std::function<int()>& body) {
   try {
     return body();
+  } catch (const c10::OutOfMemoryError& e) {
+    // LibTorch's allocators (CUDA's caching allocator, the CPU's) ran out: what
+    // lowers the peak is the run's to change, so say where to look.
+    std::fprintf(stderr,
+                 "%s remat out of memory: %s\n  the step needs more memory than the device has free: "
+                 "remat-estimate shows each variant's peak for a config, and docs/memory.md what lowers "
+                 "it (a smaller micro-batch, activation checkpointing or offloading, a higher ZeRO stage)\n",
+                 log_prefix().c_str(), e.what_without_backtrace());
+    std::fflush(stderr);
+    end_peers();
+    return 1;
   } catch (const std::exception& e) {
     const char* kind = dynamic_cast<const TimeoutError*>(&e)  ? "timeout"
                        : dynamic_cast<const CommError*>(&e)   ? "communication error"
@@ -129,11 +211,7 @@ int run_main(const std::function<int()>& body) {
                                                               : "unexpected error";
     std::fprintf(stderr, "%s remat %s: %s\n", log_prefix().c_str(), kind, e.what());
     std::fflush(stderr);
-#if defined(REMAT_WITH_MPI)
-    int size = 1;
-    if (internal::MpiSession::initialized()) MPI_Comm_size(MPI_COMM_WORLD, &size);
-    if (size > 1) internal::MpiSession::abort(1);
-#endif
+    end_peers();
     return 1;
   }
 }

@@ -1,6 +1,8 @@
-// Errors, environment, knobs, logging and layout arithmetic (no MPI needed).
+// Errors, environment, knobs, logging, layout arithmetic, the backend choice
+// and the host staging's plan (no MPI needed).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <c10/util/Exception.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -14,6 +16,9 @@
 #include "runtime/layout.h"
 #include "runtime/logging.h"
 #include "runtime/process_env.h"
+#include "runtime/runtime.h"
+#include "runtime/internal/backend_choice.h"
+#include "runtime/internal/host_staging.h"
 
 namespace remat {
 namespace {
@@ -48,6 +53,23 @@ ProcessEnv detect(const Vars& vars) {
     if (it == vars.end()) return std::nullopt;
     return it->second;
   });
+}
+
+// A step that runs out of memory ends the process with exit code 1 and a
+// message naming it and where to look, not LibTorch's backtrace as an
+// "unexpected error".
+TEST(Errors, OutOfMemoryEndsTheProcessSayingWhatToChange) {
+  ::testing::internal::CaptureStderr();
+  const int rc = run_main([]() -> int {
+    throw c10::OutOfMemoryError(c10::SourceLocation{__func__, __FILE__, __LINE__},
+                                "CUDA out of memory. Tried to allocate 2.00 GiB");
+  });
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(rc, 1);
+  EXPECT_THAT(err, ::testing::HasSubstr("remat out of memory: CUDA out of memory. Tried to allocate 2.00 GiB"));
+  EXPECT_THAT(err, ::testing::HasSubstr("remat-estimate"));
+  EXPECT_THAT(err, ::testing::Not(::testing::HasSubstr("unexpected error")));
+  EXPECT_THAT(err, ::testing::Not(::testing::HasSubstr("Exception raised from")));
 }
 
 TEST(ProcessEnvTest, SingleProcessByDefault) {
@@ -284,6 +306,129 @@ TEST(LocalCommunicatorTest, ErrorsMatchTheOtherBackends) {
               HasSubstr("broadcast: root 1 is not a rank of this communicator (0..0)"));
   EXPECT_THAT(error_of<CommError>([&] { comm.send(wrong, 0); }),
               HasSubstr("communication backend 'local' does not implement send"));
+}
+
+// The devices of one call decide its staging; no CUDA tensor is needed to
+// state them, only devices.
+TEST(HostStagingTest, PlanFollowsTheDevice) {
+  using internal::plan_staging;
+  const c10::Device cpu("cpu"), cuda1("cuda:1");
+  auto plan = plan_staging({cpu, cpu}, false, "allGather", "mpi");
+  EXPECT_FALSE(plan.stage);
+  plan = plan_staging({cpu, cpu}, /*force_cpu=*/true, "allGather", "mpi");
+  EXPECT_TRUE(plan.stage);
+  EXPECT_FALSE(plan.pinned);  // a CPU-only LibTorch cannot pin
+  plan = plan_staging({cuda1, cuda1}, false, "allGather", "mpi");
+  EXPECT_TRUE(plan.stage);
+  EXPECT_TRUE(plan.pinned);
+  EXPECT_FALSE(plan_staging({}, true, "barrier", "mpi").stage);  // nothing to stage
+}
+
+TEST(HostStagingTest, MixedDevicesAreRefusedNamingBoth) {
+  using internal::plan_staging;
+  const c10::Device cpu("cpu"), cuda0("cuda:0"), cuda1("cuda:1");
+  auto msg = error_of<CommError>([&] { plan_staging({cuda0, cpu}, false, "allGather", "mpi"); });
+  EXPECT_THAT(msg, HasSubstr("allGather: the tensors of one call must be on one device, got cuda:0 (tensor 0) "
+                             "and cpu (tensor 1); move them to one device"));
+  msg = error_of<CommError>([&] { plan_staging({cpu, cpu, cuda1}, true, "reduceScatter", "mpi"); });
+  EXPECT_THAT(msg, HasSubstr("got cpu (tensor 0) and cuda:1 (tensor 2)"));
+  msg = error_of<CommError>([&] { plan_staging({cuda0, cuda1}, false, "allReduce", "mpi"); });
+  EXPECT_THAT(msg, HasSubstr("got cuda:0 (tensor 0) and cuda:1 (tensor 1)"));
+  msg = error_of<CommError>([&] { plan_staging({c10::Device("meta")}, false, "send", "mpi"); });
+  EXPECT_THAT(msg, HasSubstr("send: the mpi backend takes CPU or CUDA tensors, got one on meta"));
+}
+
+// Forced on CPU tensors: stand-ins are contiguous copies, and finish() writes
+// back exactly the outputs, into the caller's views, and nothing else.
+TEST(HostStagingTest, StandInsCopyInAndBackThroughViews) {
+  internal::HostStaging staging({/*stage=*/true, /*pinned=*/false});
+  at::Tensor base = at::arange(24, at::kLong).view({4, 6});
+  at::Tensor strided = base.slice(1, 0, 6, 2);  // 4 x 3, every second column
+  at::Tensor offset = at::arange(10, at::kFloat).narrow(0, 3, 5);
+  at::Tensor read = at::full({2}, 7, at::kInt);
+  auto host = staging.stage({strided, offset, read},
+                            {internal::StagedRole::kInOut, internal::StagedRole::kOut, internal::StagedRole::kIn});
+  ASSERT_EQ(host.size(), 3u);
+  EXPECT_TRUE(host[0].is_contiguous());
+  EXPECT_NE(host[0].data_ptr(), strided.data_ptr());
+  EXPECT_TRUE(at::equal(host[0], strided));  // in-place: the values went in
+  EXPECT_TRUE(at::equal(host[2], read));
+  EXPECT_EQ(staging.bytes(), 2 * 12 * 8 + 5 * 4 + 2 * 4);  // in and out, out, in
+  host[0].neg_();
+  host[1].fill_(-1);
+  at::Tensor expected = base.clone();
+  expected.slice(1, 0, 6, 2).neg_();
+  staging.finish();
+  EXPECT_TRUE(at::equal(base, expected));  // the other columns untouched
+  EXPECT_TRUE(at::equal(offset, at::full({5}, -1.0f)));
+  EXPECT_TRUE(at::equal(read, at::full({2}, 7, at::kInt)));
+  at::Tensor empty = at::empty({0, 3});
+  internal::HostStaging none({/*stage=*/false, false});
+  auto same = none.stage({empty}, {internal::StagedRole::kInOut});
+  EXPECT_TRUE(same[0].is_same(empty));  // not staged: the tensor itself
+  EXPECT_EQ(none.bytes(), 0);
+}
+
+// Per rank: node, GPUs seen, device used.
+internal::RankDevices on(const std::string& node, int gpus, const std::string& device) {
+  return {node, gpus, device};
+}
+
+TEST(BackendChoiceTest, NcclOnlyWhereEveryRankHasAGpuOfItsOwn) {
+  using internal::choose_auto_backend;
+  // One node, two GPUs, one rank each.
+  auto c = choose_auto_backend(true, {on("a", 2, "0000:01:00.0"), on("a", 2, "0000:02:00.0")});
+  EXPECT_TRUE(c.nccl) << c.reason;
+  EXPECT_EQ(c.reason, "each of the 2 ranks has a GPU of its own");
+  // Two nodes whose GPUs have the same bus id: still one each.
+  c = choose_auto_backend(true, {on("a", 1, "0000:01:00.0"), on("b", 1, "0000:01:00.0")});
+  EXPECT_TRUE(c.nccl) << c.reason;
+  // Each rank sees one GPU through its own CUDA_VISIBLE_DEVICES: distinct devices.
+  c = choose_auto_backend(true, {on("a", 1, "0000:01:00.0"), on("a", 1, "0000:41:00.0")});
+  EXPECT_TRUE(c.nccl) << c.reason;
+  EXPECT_TRUE(choose_auto_backend(true, {on("a", 1, "0000:01:00.0")}).nccl);
+}
+
+TEST(BackendChoiceTest, MpiWhereRanksShareAGpuOrLackOne) {
+  using internal::choose_auto_backend;
+  auto c = choose_auto_backend(true, {on("a", 1, "0000:01:00.0"), on("a", 1, "0000:01:00.0")});
+  EXPECT_FALSE(c.nccl);
+  EXPECT_EQ(c.reason, "2 ranks share 1 GPU on node a (ranks 0, 1 on device 0000:01:00.0); nccl needs one GPU per rank");
+  // 4 ranks on 2 GPUs of node b, 1 rank alone on node a.
+  c = choose_auto_backend(true, {on("a", 1, "x0"), on("b", 2, "y0"), on("b", 2, "y1"), on("b", 2, "y0"),
+                                 on("b", 2, "y1")});
+  EXPECT_FALSE(c.nccl);
+  EXPECT_THAT(c.reason, HasSubstr("4 ranks share 2 GPUs on node b (ranks 1, 3 on device y0)"));
+  c = choose_auto_backend(true, {on("a", 1, "x0"), on("b", 0, "")});
+  EXPECT_FALSE(c.nccl);
+  EXPECT_THAT(c.reason, HasSubstr("rank 1 on node b sees no GPU"));
+  EXPECT_EQ(choose_auto_backend(true, {on("a", 0, ""), on("a", 0, "")}).reason, "no rank sees a GPU");
+  c = choose_auto_backend(false, {on("a", 1, "x0")});
+  EXPECT_FALSE(c.nccl);
+  EXPECT_EQ(c.reason, "this remat was built without NCCL");
+}
+
+TEST(BackendChoiceTest, ExplicitNcclShortOfGpusIsAConfigError) {
+  internal::check_nccl_fits({on("a", 2, "d0"), on("a", 2, "d1")});  // fits: no error
+  auto msg = error_of<ConfigError>(
+      [] { internal::check_nccl_fits({on("a", 1, "d0"), on("a", 1, "d0"), on("a", 1, "d0")}); });
+  EXPECT_THAT(msg, HasSubstr("the nccl backend needs one GPU per rank, but 3 ranks share 1 GPU on node a "
+                             "(ranks 0, 1, 2 on device d0): use the mpi backend"));
+  EXPECT_THAT(msg, HasSubstr("or start at most as many ranks on each node as it has GPUs"));
+  EXPECT_THAT(error_of<ConfigError>([] { internal::check_nccl_fits({on("a", 1, "d0"), on("b", 0, "")}); }),
+              HasSubstr("the nccl backend needs one GPU per rank, but rank 1 on node b sees no GPU: use the mpi "
+                        "backend"));
+}
+
+TEST(BackendChoiceTest, ReportsTravelAsText) {
+  auto r = internal::decode_rank_devices(internal::encode(on("node-7.example", 4, "0000:3b:00.0")));
+  EXPECT_EQ(r.node, "node-7.example");
+  EXPECT_EQ(r.gpus, 4);
+  EXPECT_EQ(r.device, "0000:3b:00.0");
+  r = internal::decode_rank_devices(internal::encode(on("cpu-box", 0, "")));
+  EXPECT_EQ(r.gpus, 0);
+  EXPECT_TRUE(r.device.empty());
+  EXPECT_THAT(error_of<Error>([] { internal::decode_rank_devices("garbage"); }), HasSubstr("GPUS|DEVICE|NODE"));
 }
 
 }  // namespace

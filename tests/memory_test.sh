@@ -8,6 +8,7 @@
 #   - activation_checkpointing.device_memory_budget_bytes at ZeRO-3 with 8
 #     blocks: the measured peak at most 1.05 x the budget, the plan's predicted
 #     total within 10 % of it, the losses bitwise those of no checkpointing;
+#   - device_memory_budget_bytes "auto": the host's share less the reserve;
 #   - bad input: a budget below the model state alone, two budget keys, --live
 #     with tensor parallelism, ranks that tensor parallelism does not divide.
 #
@@ -284,6 +285,25 @@ else
   fail "a budget of exactly a plan's predicted total is met (measured peak <= budget)" \
     "${verdict:-$(cat "$tmp/mid.out" "$tmp/at.out" 2>/dev/null)}"
 fi
+# device_memory_budget_bytes "auto" on the CPU: the host's physical memory
+# over its 2 ranks, less a tenth of that (at least 1 GiB), is the plan's budget.
+share=$(( $(getconf _PHYS_PAGES) * $(getconf PAGE_SIZE) / 2 ))
+reserve=$(( share / 10 > 1073741824 ? share / 10 : 1073741824 ))
+"$run" -np 2 -- "$train" --steps 1 "${quiet[@]}" --set activation_checkpointing.variant=auto \
+  --set activation_checkpointing.device_memory_budget_bytes=auto --metrics "$tmp/device_auto.jsonl" \
+  >"$tmp/device_auto.out" 2>&1
+resolved=$(python3 -c "import json, sys; print(json.loads(open(sys.argv[1]).readline())['act_plan_device_budget_bytes'])" \
+  "$tmp/device_auto.jsonl" 2>/dev/null)
+if [[ $resolved == $(( share - reserve )) ]]; then
+  pass "device_memory_budget_bytes \"auto\" is the host's share less the reserve: $resolved bytes"
+else
+  fail "device_memory_budget_bytes \"auto\" is the host's share less the reserve ($(( share - reserve )) bytes)" \
+    "${resolved:-$(cat "$tmp/device_auto.out")}"
+fi
+expect "device_memory_budget_bytes \"auto\" beside another budget" \
+  "sets 'memory_budget_bytes' and 'device_memory_budget_bytes': the budget is given once" \
+  "$train" --steps 1 --set activation_checkpointing.variant=auto \
+  --set activation_checkpointing.device_memory_budget_bytes=auto --set activation_checkpointing.memory_budget_bytes=5
 expect "two budget keys" "the budget is given once, keep exactly one of them" \
   "$train" --steps 1 --set activation_checkpointing.variant=auto \
   --set activation_checkpointing.device_memory_budget_bytes=100000000 --set activation_checkpointing.memory_budget_fraction=0.5

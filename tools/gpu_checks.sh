@@ -1,20 +1,37 @@
 #!/usr/bin/env bash
-# GPU checks: remat built with CMake against the PyTorch of a GPU machine, and
-# the gpu-labelled tests run there (engine/gpu_test.cc always; runtime/nccl_test.cc
-# when the machine has MPI). The machine needs a compiler, CMake, ninja, nvcc and
-# a CUDA PyTorch; the build dependencies it may lack (spdlog, fmt, nlohmann-json,
-# CLI11, GoogleTest, zlib) travel from this Debian machine:
+# GPU checks: remat built with CMake against the PyTorch of a GPU machine, then
+# everything a GPU user runs, in one prepared command (about 8 minutes of device
+# time on an H100, the build included):
+#   1. gpu_test (engine/gpu_test.cc: the tracked RNG on CUDA generators, recompute
+#      bitwise at the small shape, parity with a control at a larger one, memory,
+#      offloading) and nccl_test at one rank (when the machine has MPI);
+#   2. remat-train on the GPU at 1 rank (NCCL) and at 2 ranks sharing the GPU
+#      (MPI, staging through pinned host buffers), at ZeRO stages 0 and 3 with
+#      full checkpointing and activation offloading; a save made on the GPU
+#      resumed on the CPU and back;
+#   3. the llama and lora examples, built against the installed remat;
+#   4. benchmarks/gpu_bench.sh: remat beside PyTorch on the same kernels
+#      (docs/benchmarks-gpu.md).
+# The machine needs a compiler, CMake, ninja, nvcc and a CUDA PyTorch; the build
+# dependencies it may lack (spdlog, fmt, nlohmann-json, CLI11, GoogleTest, zlib)
+# travel from this Debian machine:
 #
 #   tools/gpu_checks.sh pack          # here: those dependencies -> .gpu-deps/ (ignored by git)
 #   tools/gpu_checks.sh run [DIR]     # on the GPU machine: configure, build, run; logs under DIR
+#   tools/gpu_checks.sh dry-run [DIR] # here: steps 2-4 on the CPU (--device cpu, tiny shapes)
+#                                     # from ./test.sh's CMake build (build/cmake, build/install);
+#                                     # gpu_test is compiled there, not run
 #
-# The run prints the machine, the versions, each step's time and the tests'
-# summary; the gpu_test lines starting "gpu:" are the measured figures.
+# Each step prints its time and a summary line; the lines starting "gpu:",
+# "train:", "example:" and "bench:" are the figures. The exit status is 0 when
+# every step passed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 
 deps=$PWD/.gpu-deps/usr
 arch=x86_64-linux-gnu
+rc=0
+t0=$SECONDS
 
 pack() {
   rm -rf .gpu-deps
@@ -30,11 +47,11 @@ pack() {
   du -sh .gpu-deps
 }
 
-run() {
-  local out=${1:-${OUT:-build/gpu-logs}}
-  mkdir -p "$out"
-  local t0=$SECONDS
-  echo "== machine"
+step() { echo "== $* ($((SECONDS - t0)) s)"; }
+fail() { echo "FAILED: $*"; rc=1; }
+
+machine() {
+  step "machine"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 - <<'EOF'
 import torch
@@ -44,8 +61,12 @@ EOF
   cmake --version | head -1
   echo "ninja $(ninja --version)"
   echo "mpi: $(command -v mpirun || echo none) $(command -v mpicc || true)"
+}
 
-  local torch_prefix nccl_dir std=17
+# Configures and builds build/gpu against the machine's PyTorch; installs to
+# build/gpu-install; builds the examples against that. Sets torch_prefix, first.
+build_gpu() {
+  local out=$1 nccl_dir std=17
   torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
   # PyTorch from 2.12 on needs C++20 to include ATen.
   if python3 -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(v < (2, 12))'; then
@@ -59,48 +80,202 @@ EOF
   # The carried spdlog and fmt come before PyTorch's include folder, which holds
   # a newer fmt than that spdlog was built with: -I is searched before -isystem,
   # from a folder of its own (GCC drops an -I folder that is also -isystem).
-  local first=$PWD/.gpu-deps/first
+  first=$PWD/.gpu-deps/first
   rm -rf "$first" && mkdir -p "$first" && cp -r "$deps/include/spdlog" "$deps/include/fmt" "$first/"
   export LD_LIBRARY_PATH=$deps/lib/$arch${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  cmake_common=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_STANDARD="$std" -DCMAKE_CXX_FLAGS="-I$first")
 
-  echo "== configure (C++$std)"
-  if ! cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_STANDARD=$std \
-      -DCMAKE_PREFIX_PATH="$torch_prefix;$deps" -DZLIB_ROOT="$deps" -DREMAT_BUILD_BENCHMARKS=OFF \
-      -DCMAKE_CXX_FLAGS="-I$first" \
+  step "configure (C++$std)"
+  if ! cmake -S . -B build/gpu "${cmake_common[@]}" -DCMAKE_PREFIX_PATH="$torch_prefix;$deps" -DZLIB_ROOT="$deps" \
+      -DREMAT_BUILD_BENCHMARKS=ON -DCMAKE_INSTALL_PREFIX="$PWD/build/gpu-install" \
       -DCMAKE_CUDA_ARCHITECTURES=90 "${nccl_args[@]}" >"$out/configure.log" 2>&1; then
     tail -40 "$out/configure.log"
     echo "configure failed"
     return 1
   fi
   grep -E '^-- remat:' "$out/configure.log"
-  local targets=(gpu_test)
+  targets=(gpu_test device_test mpi_staging_test remat-train remat-estimate remat-smoke gpt_bench)
   grep -q "NCCL ON" "$out/configure.log" && targets+=(nccl_test)
-  echo "== build ${targets[*]} ($((SECONDS - t0)) s)"
-  if ! cmake --build build/gpu -j"$(nproc)" --target "${targets[@]}" >"$out/build.log" 2>&1; then
+  step "build ${targets[*]}"
+  if ! cmake --build build/gpu -j"$(nproc)" --target "${targets[@]}" >"$out/build.log" 2>&1 ||
+     ! cmake --install build/gpu >>"$out/build.log" 2>&1; then
     grep -E 'error|Error' "$out/build.log" | head -40
     echo "build failed"
     return 1
   fi
-  echo "== gpu_test ($((SECONDS - t0)) s)"
-  local rc=0
-  build/gpu/gpu_test --gtest_color=no >"$out/gpu_test.log" 2>&1 || rc=1
+  build_examples "$out" build/gpu-install build/gpu-examples "$torch_prefix;$deps" "${cmake_common[@]}"
+}
+
+# build_examples OUT PREFIX ROOT PREFIX_PATH [CMAKE ARGS...]
+build_examples() {
+  local out=$1 prefix=$2 root=$3 path=$4 name
+  shift 4
+  step "build the examples against $prefix"
+  for name in llama lora; do
+    if ! { cmake -S examples/$name -B "$root/$name" "$@" -DCMAKE_PREFIX_PATH="$PWD/$prefix;$path" &&
+           cmake --build "$root/$name" -j"$(nproc)"; } >>"$out/examples-build.log" 2>&1; then
+      grep -E 'error|Error' "$out/examples-build.log" | head -20
+      fail "building examples/$name"
+    fi
+  done
+}
+
+# The metrics of a remat-train run in one line: device, losses, step time, memory.
+summary() {
+  python3 - "$@" <<'EOF'
+import json, math, statistics, sys
+label, path = sys.argv[1], sys.argv[2]
+rows = [json.loads(l) for l in open(path) if l.strip()]
+losses = [r["loss"] for r in rows]
+ok = len(rows) > 1 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+ms = statistics.median(r["step_ms"] for r in rows[1:]) if len(rows) > 1 else float("nan")
+mib = lambda k: max((r.get(k, 0) for r in rows), default=0) / 2**20
+extra = ""
+if any("cuda_peak_reserved_bytes" in r for r in rows):
+    extra = (f", CUDA allocator: allocated peak {mib('cuda_peak_allocated_bytes'):.1f} MiB, "
+             f"reserved peak {mib('cuda_peak_reserved_bytes'):.1f} MiB")
+print(f"train: {label:28s} {len(rows)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, median step {ms:.1f} ms, "
+      f"peak {mib('mem_peak_bytes'):.1f} MiB{extra}")
+sys.exit(0 if ok else 1)
+EOF
+}
+
+# train LABEL NP BACKEND DEVICE ARGS...: remat-train; its metrics summarised.
+train() {
+  local label=$1 np=$2 backend=$3 device=$4
+  shift 4
+  step "remat-train $label"
+  if ! timeout 300 "$bin/remat-run" -np "$np" -- "$bin/remat-train" --backend "$backend" --device "$device" \
+      --metrics "$out/$label.jsonl" "$@" >"$out/$label.log" 2>&1; then
+    tail -15 "$out/$label.log"
+    fail "remat-train $label"
+    return
+  fi
+  summary "$label" "$out/$label.jsonl" || fail "remat-train $label: losses not finite or not falling"
+}
+
+trains() {
+  local steps=$1 dev=$2 one=$3 stage
+  local ckpt=(--set activation_checkpointing.variant=full --set activation_offloading.enabled=true)
+  for stage in 0 3; do
+    train "np1-$one-zero$stage" 1 "$one" "$dev" --steps "$steps" --set zero_optimization.stage=$stage "${ckpt[@]}"
+    train "np2-mpi-zero$stage" 2 mpi "$dev" --steps "$steps" --set zero_optimization.stage=$stage "${ckpt[@]}"
+  done
+  # A save made on the device, resumed on the CPU, and that one resumed on the device.
+  local saves=$out/saves
+  rm -rf "$saves"
+  train "save-on-$dev" 1 auto "$dev" --steps 4 --save-dir "$saves"
+  train "resume-on-cpu" 1 mpi cpu --steps 6 --resume "$saves" --save-dir "$saves"
+  train "resume-back-on-$dev" 1 auto "$dev" --steps 8 --resume "$saves" --save-dir "$saves"
+}
+
+# example NAME NP ARGS...: an example's run and its last loss.
+example() {
+  local name=$1 np=$2
+  shift 2
+  step "example $name at $np ranks $*"
+  local log=$out/example-$name-np$np.log
+  if ! timeout 300 "$bin/remat-run" -np "$np" -- "$examples/$name/$name" --losses "$log.losses" "$@" >"$log" 2>&1; then
+    tail -15 "$log"
+    fail "example $name at $np ranks"
+    return
+  fi
+  echo "example: $name np$np $* -> $(wc -l <"$log.losses") steps, first $(head -1 "$log.losses"), last $(tail -1 "$log.losses")"
+}
+
+# A run that cannot fit the device: it must end with a clear message and a
+# nonzero exit on every rank, not a hang or a backtrace.
+oom() {
+  local device=$1
+  step "a run too large for the $device"
+  local log=$out/oom.log
+  # The memory check before training would refuse it (a configuration error
+  # naming the cheapest change): told the device is huge, the run reaches the
+  # allocator's own out-of-memory error.
+  if REMAT_MEMORY_PER_RANK_BYTES=$((1 << 50)) timeout 300 "$bin/remat-run" -np 1 -- "$bin/remat-train" \
+      --device "$device" --steps 2 \
+      --set train_micro_batch_size_per_gpu=8192 --set model.seq_len=1024 --set model.d_model=1024 \
+      --set model.d_ff=4096 --set model.n_head=16 >"$log" 2>&1; then
+    fail "a run too large for the $device trained"
+  elif grep -q "unexpected error\|Segmentation\|Exception raised from" "$log"; then
+    fail "a run too large for the $device ended unclearly"
+  fi
+  echo "oom: $(grep -m1 -E 'remat (out of memory|configuration error|error)' "$log" | cut -c1-300)"
+}
+
+run() {
+  out=${1:-${OUT:-build/gpu-logs}}
+  mkdir -p "$out"
+  machine
+  build_gpu "$out" || { echo "== done in $((SECONDS - t0)) s, rc 1"; return 1; }
+  bin=build/gpu examples=build/gpu-examples
+  step "gpu_test"
+  build/gpu/gpu_test --gtest_color=no >"$out/gpu_test.log" 2>&1 || fail gpu_test
   grep -E '^gpu:|^\[  FAILED|^\[  PASSED|Failure|Expected|Which is|actual|error' "$out/gpu_test.log" | head -80
-  echo "== PyTorch's GPT on the device ($((SECONDS - t0)) s)"
-  python3 benchmarks/torch_gpt_gpu.py >"$out/torch_gpt_gpu.log" 2>&1 || rc=1
-  grep -E '^torch-gpu:|Error' "$out/torch_gpt_gpu.log"
+  step "device_test, 1 rank (the engine places, trains, saves to the CPU and back)"
+  build/gpu/remat-run -np 1 -- build/gpu/device_test --gtest_color=no >"$out/device_test.log" 2>&1 || fail device_test
+  grep -E '^\[  FAILED|^\[  PASSED|^\[  SKIPPED|Failure|error' "$out/device_test.log" | head -20
+  step "mpi_staging_test, 2 ranks sharing the GPU (the mpi backend's CUDA staging)"
+  build/gpu/remat-run -np 2 -- build/gpu/mpi_staging_test --gtest_color=no >"$out/mpi_staging_test.log" 2>&1 ||
+    fail mpi_staging_test
+  grep -E '^\[  FAILED|^\[  PASSED|^\[  SKIPPED|Failure|error' "$out/mpi_staging_test.log" | head -20
+  step "remat-smoke: 1 rank (auto: nccl), 2 ranks sharing the GPU (auto: mpi)"
+  build/gpu/remat-run -np 1 -- build/gpu/remat-smoke 2>&1 | tail -2 || fail "remat-smoke at 1 rank"
+  build/gpu/remat-run -np 2 -- build/gpu/remat-smoke 2>&1 | tail -3 || fail "remat-smoke at 2 ranks"
   if [[ " ${targets[*]} " == *" nccl_test "* ]]; then
-    echo "== nccl_test, 1 rank ($((SECONDS - t0)) s)"
-    build/gpu/remat-run -np 1 -- build/gpu/nccl_test --gtest_color=no >"$out/nccl_test.log" 2>&1 || rc=1
+    step "nccl_test, 1 rank"
+    build/gpu/remat-run -np 1 -- build/gpu/nccl_test --gtest_color=no >"$out/nccl_test.log" 2>&1 || fail nccl_test
     grep -E '^\[  FAILED|^\[  PASSED|Failure|error' "$out/nccl_test.log" | head -40
   else
     echo "== nccl_test not built: no MPI on this machine (the NCCL backend is bootstrapped over MPI)"
   fi
+  trains 30 cuda nccl
+  oom cuda
+  example llama 1
+  example llama 2 --set zero_optimization.stage=3 --set activation_checkpointing.variant=full
+  example lora 2 --set zero_optimization.stage=3
+  bench "$out" || fail "benchmarks/gpu_bench.sh"
   echo "== done in $((SECONDS - t0)) s, rc $rc"
   return $rc
+}
+
+dry_run() {
+  out=${1:-build/gpu-dry}
+  mkdir -p "$out"
+  bin=build/cmake examples=build/gpu-dry-examples
+  step "build (CMake, this machine's LibTorch): gpu_test compiled, remat-train, gpt_bench"
+  if ! { cmake --build build/cmake -j"$(nproc)" --target gpu_test device_test remat-train remat-estimate remat-smoke gpt_bench &&
+         cmake --install build/cmake --prefix build/install; } >"$out/build.log" 2>&1; then
+    grep -E 'error|Error' "$out/build.log" | head -40
+    echo "build failed (run ./test.sh first: it configures build/cmake)"
+    return 1
+  fi
+  build_examples "$out" build/install "$examples" "" -G Ninja
+  trains 3 cpu mpi
+  example llama 1 --steps 2
+  example lora 2 --steps 2 --set zero_optimization.stage=3
+  bench "$out" --dry-run || fail "benchmarks/gpu_bench.sh --dry-run"
+  echo "== done in $((SECONDS - t0)) s, rc $rc"
+  return $rc
+}
+
+# bench DIR [--dry-run]: benchmarks/gpu_bench.sh with this build's gpt_bench;
+# on the GPU its page is DIR/benchmarks-gpu.md (copied over docs/benchmarks-gpu.md here).
+bench() {
+  local dir=$1
+  shift
+  step "benchmarks/gpu_bench.sh $*"
+  GPT_BENCH=$bin/gpt_bench GPU_BENCH_DIR="$dir/gpu-bench" GPU_BENCH_MD="$dir/benchmarks-gpu.md" \
+    benchmarks/gpu_bench.sh "$@" >"$dir/gpu_bench.log" 2>&1
+  local status=$?
+  grep -E '^gpu_bench:|Error|error' "$dir/gpu_bench.log" | head -40
+  [[ -f $dir/benchmarks-gpu.md ]] && grep -E '^\| |^- ' "$dir/benchmarks-gpu.md" | head -60
+  return $status
 }
 
 case "${1:-}" in
   pack) pack ;;
   run) shift; run "$@" ;;
-  *) echo "usage: tools/gpu_checks.sh pack | run [DIR]" >&2; exit 2 ;;
+  dry-run) shift; dry_run "$@" ;;
+  *) echo "usage: tools/gpu_checks.sh pack | run [DIR] | dry-run [DIR]" >&2; exit 2 ;;
 esac

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -16,6 +17,7 @@
 #include "checkpointing/policy.h"
 #include "engine/config.h"
 #include "engine/engine.h"
+#include "engine/internal/loss_scaling.h"
 #include "engine/internal/step_meter.h"
 #include "engine/save/dir_lock.h"
 #include "engine/save/train_state.h"
@@ -59,8 +61,12 @@ struct Engine::Impl {
   std::unique_ptr<MemoryTracker> own_memory;
   MemoryTracker* memory = nullptr;
   c10::DeviceType device = c10::DeviceType::CPU;  // where the model's memory is counted
+  at::Device placed{at::kCPU};                    // where the model was placed (Engine::device())
   PolicyOptions policy;
   bool auto_plan = false;
+  // activation_checkpointing.device_memory_budget_bytes as the planner takes
+  // it ("auto" resolved against the model's device); unset without one.
+  std::optional<int64_t> device_budget_bytes;
   int regions = 0;
   std::unique_ptr<ActivationPlanner> planner;
   std::unique_ptr<parallel::ZeroModel> zero;
@@ -71,6 +77,8 @@ struct Engine::Impl {
   int gathered_scopes = 0;
   // The step's measurement: peaks, timers, counters, the memory timeline.
   internal::StepMeter meter;
+  // fp16's loss scaling (null: fp16 off).
+  std::unique_ptr<internal::LossScaling> loss_scaling;
 
   // The step in progress.
   internal::Phase phase = internal::Phase::kIdle;
@@ -82,6 +90,7 @@ struct Engine::Impl {
   // The constructor's wiring, in its order.
   void wire_memory();
   void wire_layout(const Config& config);
+  void wire_device(torch::nn::Module& model, const Config& config);
   void wire_checkpointing(torch::nn::Module& model, const Config& config, const std::string& blocks,
                           int64_t n_blocks);
   void wire_sharding(torch::nn::Module& model, const Config& config, const torch::nn::ModuleListImpl& blocks,
@@ -93,6 +102,7 @@ struct Engine::Impl {
   void check_forward_order() const;
   void plan_blocks(torch::nn::Module& model, const Config& config, const std::function<at::Tensor()>& fn,
                    const std::vector<int64_t>& plan_key);
+  at::Tensor call_forward(const std::function<at::Tensor()>& fn) const;
   at::Tensor run_forward(torch::nn::Module& model, const Config& config, const std::function<at::Tensor()>& fn);
 
   // step()'s parts.
@@ -101,6 +111,9 @@ struct Engine::Impl {
     at::Tensor arrived;  // per parameter: whether any rank gave it a gradient
   };
   Verdict check_gradients();
+  // Whether the step is skipped: fp16's overflow (the scale updated, the
+  // gradients unscaled when it is not), else train.on_nonfinite.
+  bool skip_step(int64_t step, const Verdict& verdict, const Config& config);
   double update(torch::nn::Module& model, const Config& config, const at::Tensor& arrived);
   double mean_loss();
 };

@@ -9,6 +9,7 @@
 #include "checkpointing/planner.h"
 #include "engine/optim.h"
 #include "parallel/zero.h"
+#include "runtime/device_memory.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
 #include "runtime/memory.h"
@@ -26,7 +27,18 @@ double ms_between(std::chrono::steady_clock::time_point a, std::chrono::steady_c
 StepMeter::StepMeter() = default;
 StepMeter::~StepMeter() = default;
 
-void StepMeter::attach(StepMeterTargets targets) { t_ = std::move(targets); }
+void StepMeter::attach(StepMeterTargets targets) {
+  t_ = std::move(targets);
+  device_ = c10::Device(t_.device);
+  if (t_.device != c10::DeviceType::CPU && t_.model != nullptr) {
+    for (const auto& p : t_.model->parameters()) {
+      if (p.device().type() == t_.device) {
+        device_ = p.device();
+        break;
+      }
+    }
+  }
+}
 
 void StepMeter::begin_planning() {
   planned_ = false;
@@ -42,6 +54,7 @@ void StepMeter::begin_step() {
   if (!trace_path_.empty() && !trace_) start_trace();
   base_ = t_.memory->current(t_.device);
   t_.memory->reset_peak();
+  if (device_.is_cuda()) reset_device_memory_peaks(device_);
   t_.zero->reset_peak();
   before_ = Counters::read(t_.zero);
   start_ = Clock::now();
@@ -104,8 +117,20 @@ StepMetrics StepMeter::finish_step(const StepOutcome& outcome, const ActivationP
   m.act_kept_bytes = act_kept_;
   m.comm_bytes += engine_comm_bytes_;
   m.optimizer_state_bytes = optimizer_state_bytes(*t_.optimizer);
+  if (device_.is_cuda()) read_cuda_allocator(m);
   if (plan != nullptr) m.plan = plan_metrics(*plan);
   return m;
+}
+
+// The caching allocator's bytes, where a CUDA LibTorch reports them.
+void StepMeter::read_cuda_allocator(StepMetrics& m) const {
+  const DeviceMemory d = device_memory(device_);
+  if (!d.allocator_stats) return;
+  m.cuda_allocator = true;
+  m.cuda_allocated_bytes = d.allocated;
+  m.cuda_peak_allocated_bytes = d.peak_allocated;
+  m.cuda_reserved_bytes = d.reserved;
+  m.cuda_peak_reserved_bytes = d.peak_reserved;
 }
 
 nlohmann::json StepMeter::plan_metrics(const ActivationPlan& plan) const {

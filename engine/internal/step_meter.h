@@ -17,6 +17,7 @@
 // This rank's alone: nothing here communicates.
 #pragma once
 
+#include <c10/core/Device.h>
 #include <c10/core/DeviceType.h>
 
 #include <chrono>
@@ -106,8 +107,10 @@ class StepMeter {
   void start_trace();
   void classify_gradients() const;
   nlohmann::json plan_metrics(const ActivationPlan& plan) const;
+  void read_cuda_allocator(StepMetrics& m) const;
 
   StepMeterTargets t_;
+  c10::Device device_{c10::DeviceType::CPU};  // t_.device with its index (the model's)
   // The step in progress.
   bool planned_ = false;
   double plan_ms_ = 0;

@@ -53,6 +53,8 @@ nlohmann::json manifest_json(const TrainPosition& position, const TrainShards& s
                              {"splits", splits_json(shards.splits)},
                              {"client_state", nlohmann::json::parse(position.client_state)},
                              {"files", nlohmann::json::array()}};
+  // Only when there is one: a save without fp16 is as before.
+  if (!position.loss_scaler.empty()) manifest["loss_scaler"] = nlohmann::json::parse(position.loss_scaler);
   for (size_t r = 0; r < files.size(); ++r) {
     manifest["files"].push_back({{"name", str("rank_", r, ".pt")},
                                  {"bytes", files[r].bytes},
@@ -188,6 +190,10 @@ void read_run_fields(const nlohmann::json& j, const Fields& fields, Manifest& m)
     m.parameters = j["parameters"];
   }
   if (j.contains("client_state")) m.client_state = j["client_state"].dump();
+  if (j.contains("loss_scaler")) {
+    if (!j["loss_scaler"].is_object()) throw fields.bad("loss_scaler", "an object (fp16's loss scaler state)");
+    m.loss_scaler = j["loss_scaler"].dump();
+  }
   if (m.format >= 5) {
     const auto splits = j.contains("splits") ? parse_splits(j["splits"]) : std::nullopt;
     if (!splits) {

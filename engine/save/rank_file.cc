@@ -25,10 +25,12 @@ std::string rank_file_bytes(const TrainPosition& position, const TrainShards& sh
                             torch::optim::Optimizer& optimizer, const SaveIdentity& identity, int rank,
                             int world_size, std::string& layout) {
   torch::serialize::OutputArchive archive, tensors, rng_archive;
+  // Host tensors only: a save from a CUDA run loads on a machine without one
+  // (and .cpu() of a host tensor is that tensor, not a copy).
   for (size_t i = 0; i < shards.tensors.size(); ++i) {
-    tensors.write(tensor_key(i), shards.tensors[i].detach());
+    tensors.write(tensor_key(i), shards.tensors[i].detach().cpu());
     for (const auto& [field, value] : optimizer_state_of(optimizer, shards.tensors[i])) {
-      tensors.write(state_key(i, field), value.detach());
+      tensors.write(state_key(i, field), value.detach().cpu());
     }
   }
   write_rng_snapshot(rng_archive, capture_rng());
@@ -183,7 +185,7 @@ std::unique_ptr<RankFile> open_rank_file(const std::string& folder, const Manife
   const std::string bytes = checked_bytes(folder, file->path, manifest, index);
   try {
     std::istringstream in(bytes);
-    file->archive.load_from(in);
+    file->archive.load_from(in, at::Device(at::kCPU));  // staged on the host; the load copies to the device
     const OwnRecord record = read_own_record(file->archive);
     check_own_layout(folder, file->path, record, manifest.files[index]);
     check_own_splits(folder, *file, manifest);

@@ -44,6 +44,9 @@ struct TrainPosition {
   // The caller's own data (data position, epoch, ...) as JSON text: rank 0's
   // is saved, every rank gets it back.
   std::string client_state = "{}";
+  // fp16's loss scaler state as JSON text (engine/internal/loss_scaling.h);
+  // empty: none (fp16 off, or a save made before it was kept).
+  std::string loss_scaler;
 };
 
 // What a save must agree with to be resumed.
@@ -87,6 +90,7 @@ struct Manifest {
   // Each parameter's tensor-parallel split (format 5; empty before).
   Splits splits;
   std::string client_state = "{}";  // JSON text (format 4)
+  std::string loss_scaler;          // JSON text; empty: none saved
   struct File {
     std::string name;
     int64_t bytes = -1, crc32 = -1;  // -1: not recorded (an older save)

@@ -242,6 +242,9 @@ int train(const ExampleArgs& args, const std::function<void(LlamaImpl&)>& prepar
       at::Tensor x, y;
       std::tie(x, y) = corpus.batch(config.train.seed, step, micro, layout->dp_rank(), batch.micro_batch_per_gpu,
                                     options.seq_len);
+      // Onto the device the engine placed the model on (train.device); the same tensors on the CPU.
+      x = engine->to_device(x);
+      y = engine->to_device(y);
       at::Tensor loss = engine->forward([&] { return model->loss(x, y); });
       engine->backward(loss);
       engine->step();

@@ -19,6 +19,7 @@
 #include "runtime/error.h"
 #include "runtime/logging.h"
 #include "runtime/memory_trace.h"
+#include "runtime/internal/host_staging.h"
 #include "runtime/internal/tensor_checks.h"
 
 namespace remat::internal {
@@ -277,6 +278,30 @@ std::string values_by_rank(const std::vector<std::string>& values) {
   return out;
 }
 
+// Every rank's `mine`, cut to kSlot - 1 bytes ("..." marks a cut), in rank
+// order: an all-gather of fixed slots that waits with the collective timeout.
+std::vector<std::string> gather_strings(MPI_Comm comm, int rank, int size, const std::string& mine,
+                                        const std::string& what) {
+  constexpr int kSlot = 256;
+  at::Tensor slot = at::zeros({kSlot}, at::kChar);
+  std::memcpy(slot.data_ptr(), mine.data(), std::min<size_t>(mine.size(), kSlot - 1));
+  at::Tensor all = at::zeros({static_cast<int64_t>(kSlot) * size}, at::kChar);
+  MpiWork work(what, rank, size, knobs::comm_timeout(), /*cancellable=*/false, WaitedFor::kCollective,
+               /*debug=*/false);
+  work.keep_alive = {slot, all};
+  work.requests.resize(1);
+  mpi_check(MPI_Iallgather(slot.data_ptr(), kSlot, MPI_CHAR, all.data_ptr(), kSlot, MPI_CHAR, comm,
+                           &work.requests[0]),
+            what);
+  work.wait();
+  std::vector<std::string> values;
+  for (int r = 0; r < size; ++r) {
+    values.emplace_back(static_cast<const char*>(all.data_ptr()) + static_cast<size_t>(r) * kSlot);
+    if (values[r].size() == static_cast<size_t>(kSlot - 1)) values[r] += "...";
+  }
+  return values;
+}
+
 // REMAT_DEBUG_COLLECTIVES changes what every collective exchanges (a
 // description goes first, on a communicator of its own): a rank that read it
 // differently waits for a call the others never make, and did so for good at
@@ -284,26 +309,13 @@ std::string values_by_rank(const std::vector<std::string>& values) {
 // whose shape no setting changes: every rank parses every rank's value with
 // the same rule and raises the same error where one is bad or they differ.
 bool agreed_debug_collectives(MPI_Comm comm, int rank, int size) {
-  constexpr int kSlot = 64;  // longer values are no boolean either: shown cut
   const char* name = knobs::kDebugCollectives;
-  const std::string mine = knobs::get(name).value_or("");
-  at::Tensor slot = at::zeros({kSlot}, at::kChar);
-  std::memcpy(slot.data_ptr(), mine.data(), std::min<size_t>(mine.size(), kSlot - 1));
-  at::Tensor all = at::zeros({static_cast<int64_t>(kSlot) * size}, at::kChar);
-  MpiWork work(str("agreeing on ", name, " at start-up"), rank, size, knobs::comm_timeout(),
-               /*cancellable=*/false, WaitedFor::kCollective, /*debug=*/false);
-  work.keep_alive = {slot, all};
-  work.requests.resize(1);
-  mpi_check(MPI_Iallgather(slot.data_ptr(), kSlot, MPI_CHAR, all.data_ptr(), kSlot, MPI_CHAR, comm,
-                           &work.requests[0]),
-            str("agreeing on ", name));
-  work.wait();
-  std::vector<std::string> values;
+  // Longer values are no boolean either: shown cut, as 63 bytes and "...".
+  std::string mine = knobs::get(name).value_or("");
+  if (mine.size() >= 63) mine = mine.substr(0, 63) + "...";
+  std::vector<std::string> values =
+      gather_strings(comm, rank, size, mine, str("agreeing on ", name, " at start-up"));
   std::vector<bool> on;
-  for (int r = 0; r < size; ++r) {
-    values.emplace_back(static_cast<const char*>(all.data_ptr()) + static_cast<size_t>(r) * kSlot);
-    if (values[r].size() == static_cast<size_t>(kSlot - 1)) values[r] += "...";
-  }
   for (int r = 0; r < size; ++r) {
     try {
       on.push_back(!values[r].empty() && knobs::parse_bool(name, values[r]));
@@ -365,8 +377,10 @@ struct MpiCommunicator::Launch {
   std::string signature;  // compared across ranks in debug mode
   bool collective = true;
   Timeout timeout{0};
-  std::vector<at::Tensor> tensors;  // checked for device, kept alive
-  std::function<void(MpiWork&)> start;
+  std::vector<at::Tensor> tensors;  // the caller's: checked for device, kept alive
+  std::vector<StagedRole> roles;    // one per tensor: what the call does with it
+  // Starts the transfer on `args`: `tensors`, or their host stand-ins.
+  std::function<void(MpiWork&, std::vector<at::Tensor>& args)> start;
 };
 
 std::shared_ptr<MpiCommunicator> MpiCommunicator::world() {
@@ -439,9 +453,12 @@ void MpiCommunicator::verifyCollective(const std::string& description, Timeout t
 }
 
 std::shared_ptr<Work> MpiCommunicator::launch(Launch&& l) {
+  std::vector<c10::Device> devices;
   for (const auto& t : l.tensors) {
-    check_tensor_device(t, /*want_cuda=*/false, l.op, "mpi");
+    if (!t.defined()) throw CommError(str(l.op, ": got an undefined tensor"));
+    devices.push_back(t.device());
   }
+  const StagingPlan plan = plan_staging(devices, stage_cpu_, l.op, "mpi");
   auto [what, timeout] = begin_call(l.op, l.signature, l.timeout, l.collective);
   if (debug_ && l.collective) verifyCollective(what, timeout);
   auto work = std::make_shared<MpiWork>(
@@ -452,7 +469,17 @@ std::shared_ptr<Work> MpiCommunicator::launch(Launch&& l) {
   const uint64_t span = begin_trace_span("collective", l.op, what);
   try {
     MemoryCategoryScope buffers(MemoryCategory::kCommunication);
-    l.start(*work);
+    if (!plan.stage) {
+      l.start(*work, l.tensors);
+    } else {
+      auto staging = std::make_shared<HostStaging>(plan);
+      std::vector<at::Tensor> host = staging->stage(l.tensors, l.roles);
+      work->keep_alive.insert(work->keep_alive.end(), host.begin(), host.end());
+      note_staged(staging->bytes(), plan.pinned, what);
+      l.start(*work, host);
+      // After the op's own finishing steps, which write the stand-ins.
+      work->finish.push_back([staging] { staging->finish(); });
+    }
   } catch (...) {
     end_trace_span(span);
     throw;
@@ -461,14 +488,27 @@ std::shared_ptr<Work> MpiCommunicator::launch(Launch&& l) {
   return work;
 }
 
+void MpiCommunicator::note_staged(int64_t bytes, bool pinned, const std::string& what) {
+  if (staged_bytes_ == 0) {
+    log().debug("mpi backend: {} tensors go through {} host buffers ({} bytes copied for {}, the first)",
+                pinned ? "CUDA" : "CPU (forced by a test)", pinned ? "pinned" : "ordinary", bytes, what);
+  }
+  staged_bytes_ += bytes;
+}
+
+std::vector<std::string> MpiCommunicator::gatherStrings(const std::string& mine, const std::string& what) {
+  return gather_strings(comm_, rank_, size_, mine, what);
+}
+
 std::shared_ptr<Work> MpiCommunicator::allReduce(at::Tensor& tensor, const AllReduceOptions& opts) {
   check_reduce_op(opts.op, tensor.scalar_type(), "allReduce");
   Launch l{"allReduce", str(describe(tensor), ", op=", to_string(opts.op))};
   l.timeout = opts.timeout;
   l.tensors = {tensor};
-  l.start = [&, opts](MpiWork& work) {
-    Reduction red = reduction_for(tensor.scalar_type(), opts.op, "allReduce");
-    at::Tensor buffer = writable(tensor, work.finish);
+  l.roles = {StagedRole::kInOut};
+  l.start = [this, opts](MpiWork& work, std::vector<at::Tensor>& args) {
+    Reduction red = reduction_for(args[0].scalar_type(), opts.op, "allReduce");
+    at::Tensor buffer = writable(args[0], work.finish);
     work.keep_alive.push_back(buffer);
     if (red.divide_after) {
       int n = size_;
@@ -488,9 +528,10 @@ std::shared_ptr<Work> MpiCommunicator::allGather(at::Tensor& output, const at::T
   Launch l{"allGather", describe(input)};
   l.timeout = opts.timeout;
   l.tensors = {output, input};
-  l.start = [&](MpiWork& work) {
-    at::Tensor in = input.contiguous();
-    at::Tensor out = writable(output, work.finish);
+  l.roles = {StagedRole::kOut, StagedRole::kIn};
+  l.start = [this](MpiWork& work, std::vector<at::Tensor>& args) {
+    at::Tensor in = args[1].contiguous();
+    at::Tensor out = writable(args[0], work.finish);
     work.keep_alive.push_back(in);
     work.keep_alive.push_back(out);
     int bytes = to_count(in.numel() * in.element_size(), "allGather");
@@ -509,20 +550,23 @@ std::shared_ptr<Work> MpiCommunicator::allGather(std::vector<at::Tensor>& output
   l.timeout = opts.timeout;
   l.tensors = outputs;
   l.tensors.push_back(input);
-  l.start = [&](MpiWork& work) {
+  l.roles.assign(outputs.size(), StagedRole::kOut);
+  l.roles.push_back(StagedRole::kIn);
+  l.start = [this](MpiWork& work, std::vector<at::Tensor>& args) {
+    std::vector<at::Tensor> outs(args.begin(), args.begin() + size_);
+    const at::Tensor& input = args[size_];
     int64_t element = input.element_size();
     std::vector<int> counts(size_), displs(size_);
     int64_t total = 0;
     for (int r = 0; r < size_; ++r) {
-      counts[r] = to_count(outputs[r].numel() * element, "allGather");
+      counts[r] = to_count(outs[r].numel() * element, "allGather");
       displs[r] = to_count(total, "allGather");
-      total += outputs[r].numel() * element;
+      total += outs[r].numel() * element;
     }
     at::Tensor in = input.contiguous();
     at::Tensor flat = at::empty({total / std::max<int64_t>(element, 1)}, input.options());
     work.keep_alive.push_back(in);
     work.keep_alive.push_back(flat);
-    std::vector<at::Tensor> outs = outputs;
     work.finish.push_back([outs, flat]() mutable {
       int64_t offset = 0;
       for (auto& o : outs) {
@@ -545,10 +589,11 @@ std::shared_ptr<Work> MpiCommunicator::reduceScatter(at::Tensor& output, const a
   Launch l{"reduceScatter", str(describe(input), ", op=", to_string(opts.op))};
   l.timeout = opts.timeout;
   l.tensors = {output, input};
-  l.start = [&, opts](MpiWork& work) {
-    Reduction red = reduction_for(input.scalar_type(), opts.op, "reduceScatter");
-    at::Tensor in = input.contiguous();
-    at::Tensor out = writable(output, work.finish);
+  l.roles = {StagedRole::kOut, StagedRole::kIn};
+  l.start = [this, opts](MpiWork& work, std::vector<at::Tensor>& args) {
+    Reduction red = reduction_for(args[1].scalar_type(), opts.op, "reduceScatter");
+    at::Tensor in = args[1].contiguous();
+    at::Tensor out = writable(args[0], work.finish);
     work.keep_alive.push_back(in);
     work.keep_alive.push_back(out);
     if (red.divide_after) {
@@ -569,8 +614,10 @@ std::shared_ptr<Work> MpiCommunicator::broadcast(at::Tensor& tensor, const Broad
   Launch l{"broadcast", str(describe(tensor), ", root=", opts.root)};
   l.timeout = opts.timeout;
   l.tensors = {tensor};
-  l.start = [&, opts](MpiWork& work) {
-    at::Tensor buffer = writable(tensor, work.finish);
+  // The root's tensor is only read; the others' only written.
+  l.roles = {rank_ == opts.root ? StagedRole::kIn : StagedRole::kOut};
+  l.start = [this, opts](MpiWork& work, std::vector<at::Tensor>& args) {
+    at::Tensor buffer = writable(args[0], work.finish);
     work.keep_alive.push_back(buffer);
     work.requests.resize(1);
     mpi_check(MPI_Ibcast(buffer.data_ptr(), to_count(buffer.nbytes(), "broadcast"), MPI_BYTE,
@@ -583,7 +630,7 @@ std::shared_ptr<Work> MpiCommunicator::broadcast(at::Tensor& tensor, const Broad
 std::shared_ptr<Work> MpiCommunicator::barrier(const BarrierOptions& opts) {
   Launch l{"barrier", ""};
   l.timeout = opts.timeout;
-  l.start = [&](MpiWork& work) {
+  l.start = [this](MpiWork& work, std::vector<at::Tensor>&) {
     work.requests.resize(1);
     mpi_check(MPI_Ibarrier(comm_, &work.requests[0]), "barrier");
   };
@@ -596,8 +643,9 @@ std::shared_ptr<Work> MpiCommunicator::send(const at::Tensor& tensor, int dst,
   Launch l{"send", str(describe(tensor), ", dst=", dst, ", tag=", opts.tag), false};
   l.timeout = opts.timeout;
   l.tensors = {tensor};
-  l.start = [&, dst, opts](MpiWork& work) {
-    at::Tensor buffer = tensor.contiguous();
+  l.roles = {StagedRole::kIn};
+  l.start = [this, dst, opts](MpiWork& work, std::vector<at::Tensor>& args) {
+    at::Tensor buffer = args[0].contiguous();
     work.keep_alive.push_back(buffer);
     work.requests.resize(1);
     mpi_check(MPI_Isend(buffer.data_ptr(), to_count(buffer.nbytes(), "send"), MPI_BYTE, dst,
@@ -612,8 +660,9 @@ std::shared_ptr<Work> MpiCommunicator::recv(at::Tensor& tensor, int src, const S
   Launch l{"recv", str(describe(tensor), ", src=", src, ", tag=", opts.tag), false};
   l.timeout = opts.timeout;
   l.tensors = {tensor};
-  l.start = [&, src, opts](MpiWork& work) {
-    at::Tensor buffer = writable(tensor, work.finish);
+  l.roles = {StagedRole::kOut};
+  l.start = [this, src, opts](MpiWork& work, std::vector<at::Tensor>& args) {
+    at::Tensor buffer = writable(args[0], work.finish);
     work.keep_alive.push_back(buffer);
     work.requests.resize(1);
     mpi_check(MPI_Irecv(buffer.data_ptr(), to_count(buffer.nbytes(), "recv"), MPI_BYTE, src,

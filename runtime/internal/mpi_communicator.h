@@ -1,14 +1,21 @@
-// Communicator over MPI for CPU tensors.
+// Communicator over MPI for CPU and CUDA tensors.
 //
 // Collectives use MPI's nonblocking calls (MPI_Iallreduce, ...); Open MPI
 // progresses them inside MPI calls, which Work::isCompleted() and wait() make.
 // All calls on one communicator must come from one thread at a time.
+//
+// CUDA tensors travel through pinned host buffers (host_staging.h): copied
+// to the host on the tensor's current stream before the call starts, copied
+// back when its Work completes (wait() or isCompleted() returning true), so
+// several ranks can share one GPU. All tensors of one call are on one device.
 #pragma once
 
 #include <mpi.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "runtime/communicator.h"
 
@@ -68,6 +75,16 @@ class MpiCommunicator final : public Communicator {
   Timeout defaultTimeout() const { return default_timeout_; }
   MPI_Comm mpiComm() const { return comm_; }
 
+  // Every rank's `mine` (at most 255 bytes each; longer is cut), in rank
+  // order. Collective, but outside the numbered collectives (no sequence
+  // number, no debug check): for agreements when a communicator is set up.
+  std::vector<std::string> gatherStrings(const std::string& mine, const std::string& what);
+
+  // Bytes copied between tensors and host stand-ins so far, both ways.
+  int64_t stagedBytes() const { return staged_bytes_; }
+  // Tests' switch: CPU tensors go through host stand-ins too, as CUDA ones do.
+  void stageCpuTensorsForTesting(bool on) { stage_cpu_ = on; }
+
  private:
   // `debug`: REMAT_DEBUG_COLLECTIVES as the ranks agreed on it (world()), or
   // the parent's (split()).
@@ -75,12 +92,17 @@ class MpiCommunicator final : public Communicator {
 
   struct Launch;
   // The one place every MPI collective goes through: checks arguments' device,
-  // numbers the call, runs the debug check, starts it, wraps errors.
+  // numbers the call, runs the debug check, stages CUDA tensors through host
+  // buffers, starts it, wraps errors.
   std::shared_ptr<Work> launch(Launch&& launch);
+  // Counts a staged call's bytes; the first is logged (debug level).
+  void note_staged(int64_t bytes, bool pinned, const std::string& what);
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   MPI_Comm check_comm_ = MPI_COMM_NULL;  // debug-mode traffic, apart from data
   bool debug_ = false;
+  bool stage_cpu_ = false;
+  int64_t staged_bytes_ = 0;
 };
 
 }  // namespace remat::internal

@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <thread>
@@ -189,6 +190,7 @@ class NcclCommunicator final : public Communicator {
   std::string backendName() const override { return "nccl"; }
 
   std::shared_ptr<Work> allReduce(at::Tensor& t, const AllReduceOptions& opts) override {
+    if (on_host({t})) return bootstrap_->allReduce(t, opts);
     check_reduce_op(opts.op, t.scalar_type(), "allReduce");
     return launch("allReduce", str(describe(t), ", op=", to_string(opts.op)), opts.timeout, {t},
                   [&](cudaStream_t s) {
@@ -201,6 +203,7 @@ class NcclCommunicator final : public Communicator {
 
   std::shared_ptr<Work> allGather(at::Tensor& out, const at::Tensor& in,
                                   const AllGatherOptions& opts) override {
+    if (on_host({out, in})) return bootstrap_->allGather(out, in, opts);
     check_gather_flat(out, in, size_);
     return launch("allGather", describe(in), opts.timeout, {out, in}, [&](cudaStream_t s) {
       return ncclAllGather(in.data_ptr(), out.data_ptr(), in.numel(),
@@ -210,6 +213,9 @@ class NcclCommunicator final : public Communicator {
 
   std::shared_ptr<Work> allGather(std::vector<at::Tensor>& outs, const at::Tensor& in,
                                   const AllGatherOptions& opts) override {
+    std::vector<at::Tensor> all = outs;
+    all.push_back(in);
+    if (on_host(all)) return bootstrap_->allGather(outs, in, opts);
     std::string signature = check_gather_list(outs, in, rank_, size_);
     std::vector<at::Tensor> keep = outs;
     keep.push_back(in);
@@ -229,6 +235,7 @@ class NcclCommunicator final : public Communicator {
 
   std::shared_ptr<Work> reduceScatter(at::Tensor& out, const at::Tensor& in,
                                       const ReduceScatterOptions& opts) override {
+    if (on_host({out, in})) return bootstrap_->reduceScatter(out, in, opts);
     check_reduce_op(opts.op, in.scalar_type(), "reduceScatter");
     check_scatter(out, in, size_);
     return launch("reduceScatter", str(describe(in), ", op=", to_string(opts.op)), opts.timeout,
@@ -241,6 +248,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   std::shared_ptr<Work> broadcast(at::Tensor& t, const BroadcastOptions& opts) override {
+    if (on_host({t})) return bootstrap_->broadcast(t, opts);
     check_root(opts.root, size_, "broadcast");
     return launch("broadcast", str(describe(t), ", root=", opts.root), opts.timeout, {t},
                   [&](cudaStream_t s) {
@@ -260,6 +268,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   std::shared_ptr<Work> send(const at::Tensor& t, int dst, const SendRecvOptions& opts) override {
+    if (on_host({t})) return bootstrap_->send(t, dst, opts);
     check_peer(dst, rank_, size_, "send");
     return launch("send", str(describe(t), ", dst=", dst), opts.timeout, {t},
                   [&](cudaStream_t s) {
@@ -270,6 +279,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   std::shared_ptr<Work> recv(at::Tensor& t, int src, const SendRecvOptions& opts) override {
+    if (on_host({t})) return bootstrap_->recv(t, src, opts);
     check_peer(src, rank_, size_, "recv");
     return launch("recv", str(describe(t), ", src=", src), opts.timeout, {t},
                   [&](cudaStream_t s) {
@@ -286,6 +296,14 @@ class NcclCommunicator final : public Communicator {
   }
 
  private:
+  // A call whose tensors are all in host memory (the engine's agreements,
+  // save metadata, a CPU scalar's all-reduce) goes over the MPI communicator
+  // NCCL was bootstrapped from: NCCL reads device memory only. A call that
+  // mixes host and device tensors is refused by launch(), naming the host one.
+  static bool on_host(const std::vector<at::Tensor>& tensors) {
+    return std::all_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return t.device().is_cpu(); });
+  }
+
   // The one place every NCCL call goes through: argument checks, sequence
   // numbers, the debug check, stream ordering, return codes, the Work.
   std::shared_ptr<Work> launch(const char* op, const std::string& signature, Timeout timeout,

@@ -5,7 +5,8 @@
 // the caller's current compute stream, then runs on its own stream. wait()
 // blocks the host until the collective finished or the timeout passed: past
 // the timeout the NCCL communicator is aborted and TimeoutError is thrown, so
-// a dead peer never hangs the job. Tensors must be contiguous.
+// a dead peer never hangs the job. Tensors must be contiguous. A call whose
+// tensors are all on the CPU goes over the bootstrap MPI communicator.
 #pragma once
 
 #include <memory>

@@ -1,0 +1,74 @@
+// The memory of the device a rank computes on: how much it has, and on a CUDA
+// device what LibTorch's caching allocator holds. What the metrics, the
+// memory estimate and `device_memory_budget_bytes: "auto"` read.
+//
+//   remat::DeviceMemory m = remat::device_memory(param.device(), &tracker);
+//   m.capacity;   // bytes the device has
+//   m.allocated;  // bytes in live tensors now (m.peak_allocated: the most since the reset)
+//
+// CUDA: `capacity` is cudaMemGetInfo's total (0 in a build without the CUDA
+// runtime, or where the device cannot be asked). `allocated` is the bytes in
+// live tensors and `reserved` what the caching allocator holds from the
+// driver (allocated included, and the cached blocks it keeps for reuse);
+// their peaks run from reset_device_memory_peaks(). These four come from the
+// caching allocator of a CUDA LibTorch only (`allocator_stats` true); ask
+// after the device's first tensor (before it the allocator may not be set up,
+// and the stats read as absent).
+// CPU: `capacity` is the physical memory (sysconf: pages x page size; a
+// container's memory limit is not applied). `allocated` and its peak are
+// what `tracker` counts on the CPU (0 without one). There is no reserved
+// memory: LibTorch's CPU allocator holds nothing beyond the live tensors, so
+// `reserved` and `peak_reserved` are -1 and `allocator_stats` is false.
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <string>
+
+namespace remat {
+
+class MemoryTracker;
+
+struct DeviceMemory {
+  int64_t capacity = 0;  // 0: unknown
+  bool allocator_stats = false;
+  int64_t allocated = 0, peak_allocated = 0;
+  int64_t reserved = -1, peak_reserved = -1;
+};
+
+DeviceMemory device_memory(c10::Device device, const MemoryTracker* tracker = nullptr);
+
+// CUDA (a CUDA LibTorch): the caching allocator's peaks start again from its
+// current values. Nothing on the CPU (a MemoryTracker resets its own).
+void reset_device_memory_peaks(c10::Device device);
+
+// The CUDA devices this process sees (0 in a build without the CUDA runtime).
+int cuda_device_count();
+
+// `device_memory_budget_bytes: "auto"`: a rank's share of its device less a
+// reserve for what no tensor holds (on a GPU: the CUDA context, the caching
+// allocator's fragmentation, NCCL's buffers; on the CPU: the process's own
+// heap and the rest of the host), a tenth of the share and at least 1 GiB.
+struct DeviceBudget {
+  int64_t capacity = 0;   // the device's bytes
+  int ranks_sharing = 1;  // ranks on this host computing on the same device
+  int64_t share = 0;      // capacity / ranks_sharing
+  int64_t reserve = 0;
+  int64_t budget = 0;  // share - reserve
+  // "71.3 GiB = 79.2 GiB capacity - 7.9 GiB reserve" (with " / 2 ranks" after the capacity when shared).
+  std::string text() const;
+};
+constexpr int64_t kMinDeviceReserveBytes = int64_t{1} << 30;
+// A ConfigError naming `key` when the capacity is unknown (0) or the share
+// leaves nothing above the reserve.
+DeviceBudget auto_device_budget(int64_t capacity, int ranks_sharing, const std::string& key);
+// The ranks on this host that compute on `device`, this one among them: the
+// CPU: every local rank; CUDA: the local ranks over the devices (Runtime gives
+// local rank r device r % devices), rounded up.
+int ranks_sharing(c10::Device device);
+// The same for a rank of this process computing on `device`: its capacity
+// shared by ranks_sharing(device).
+DeviceBudget auto_device_budget(c10::Device device, const std::string& key);
+
+}  // namespace remat
