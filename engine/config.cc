@@ -38,6 +38,19 @@ std::vector<Field> with(std::vector<Field> fields, std::vector<Field> more) {
   return fields;
 }
 
+// `field` of the section `section` (a library's options), written elsewhere
+// in the JSON: DeepSpeed's top-level keys that configure bf16.
+template <typename S>
+Field stored_in(Field field, S Config::*section) {
+  auto assign = std::move(field.assign);
+  auto dump = std::move(field.dump);
+  field.assign = [assign, section](const json& value, void* target) {
+    assign(value, &(static_cast<Config*>(target)->*section));
+  };
+  field.dump = [dump, section](const void* target) { return dump(&(static_cast<const Config*>(target)->*section)); };
+  return field;
+}
+
 // remat's schema: one table of fields per section, each bound to a struct
 // member (the sections and their defaults are declared in config.h and, for a
 // library's options, in that library), and the DeepSpeed keys remat
@@ -82,6 +95,14 @@ const std::vector<Field>& schema() {
                    leaf("total_num_steps", &SchedulerConfig::total_num_steps),
                    deepspeed_only("last_batch_iteration",
                                   "remat's schedule starts from the step a run resumes at")})}),
+      // Stored with the bf16 options (parallel/zero_options.h).
+      stored_in(enum_leaf("communication_data_type", &parallel::Bf16Options::reduce_dtype,
+                          parallel::reduce_dtype_names()),
+                &Config::bf16),
+      inline_section("data_types",
+                     {stored_in(enum_leaf("grad_accum_dtype", &parallel::Bf16Options::grad_accum_dtype,
+                                          parallel::grad_accum_dtype_names()),
+                                &Config::bf16)}),
       object("bf16", &Config::bf16,
              {leaf("enabled", &parallel::Bf16Options::enabled),
               deepspeed_only("immediate_grad_update",
@@ -333,7 +354,7 @@ void check_fp16(const Config& c, Problems& problems) {
 // and the tensor-parallel layout over the model.
 void check_sections(const Config& c, Problems& problems) {
   problems.add({"zero_optimization"}, parallel::check_zero_options(c.zero_optimization));
-  problems.add({"bf16.enabled", "zero_optimization.stage"}, parallel::check_bf16_options(c.bf16, c.zero_optimization));
+  problems.add({"bf16.enabled", "communication_data_type"}, parallel::check_bf16_options(c.bf16, c.zero_optimization));
   check_fp16(c, problems);
   problems.add({"activation_checkpointing"}, check_activation_checkpointing(c.activation_checkpointing));
   problems.add({"activation_offloading"}, check_offload_activations(c.activation_offloading));

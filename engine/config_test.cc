@@ -478,8 +478,8 @@ TEST(Config, DeepSpeedKeysAreRecognisedInEverySectionAndThroughSet) {
   for (const char* key : {"amp", "torch_autocast", "zero_allow_untested_optimizer", "flops_profiler", "tensorboard", "wandb",
                           "csv_monitor", "comms_logger", "autotuning", "elasticity", "data_efficiency",
                           "compression_training", "aio", "sparse_attention", "curriculum_learning", "pipeline",
-                          "communication_data_type", "prescale_gradients", "gradient_predivide_factor",
-                          "sparse_gradients", "dump_state", "memory_breakdown", "checkpoint", "data_types"}) {
+                          "prescale_gradients", "gradient_predivide_factor",
+                          "sparse_gradients", "dump_state", "memory_breakdown", "checkpoint"}) {
     EXPECT_THAT(config_error([&] { parse(str("{\"", key, "\": {}}")); }),
                 HasSubstr(str("recognised DeepSpeed key, not supported by remat: '", key, "', because ")))
         << key;
@@ -622,6 +622,30 @@ TEST(Config, ReadsZeroStage12AndHybridKeys) {
   EXPECT_TRUE(d.zero_optimization.reduce_scatter);
   EXPECT_TRUE(d.zero_optimization.allgather_partitions);
   EXPECT_EQ(d.zero_optimization.hybrid_shard_size, 0);
+}
+
+// bf16 at every stage (issue 41): DeepSpeed's communication_data_type and
+// data_types.grad_accum_dtype go with the bf16 options; bf16 reduces in bf16
+// by default, as DeepSpeed; gradients accumulate in fp32 only.
+TEST(Config, ReadsBf16AtEveryStageWithItsGradientDtypes) {
+  for (int stage : {0, 1, 2, 3}) {
+    const Config c = parse(str(R"({"bf16": {"enabled": true}, "zero_optimization": {"stage": )", stage, "}}"));
+    EXPECT_TRUE(c.bf16.enabled);
+    EXPECT_TRUE(c.bf16.reduces_in_bf16()) << "DeepSpeed's default under bf16";
+  }
+  const Config fp32_reduce = parse(R"({"bf16": {"enabled": true}, "communication_data_type": "fp32",
+    "data_types": {"grad_accum_dtype": "fp32"}})");
+  EXPECT_EQ(fp32_reduce.bf16.reduce_dtype, parallel::ReduceDtype::kFp32);
+  EXPECT_FALSE(fp32_reduce.bf16.reduces_in_bf16());
+  EXPECT_FALSE(parse("{}").bf16.reduces_in_bf16());
+  EXPECT_THAT(config_error([] { parse(R"({"communication_data_type": "bf16"})"); }),
+              HasSubstr("communication_data_type \"bf16\" reduces gradients in bf16, but bf16.enabled is false"));
+  EXPECT_THAT(config_error([] { parse(R"({"communication_data_type": "fp16"})"); }),
+              HasSubstr("communication_data_type"));
+  EXPECT_THAT(config_error([] { parse(R"({"bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "bf16"}})"); }),
+              HasSubstr("data_types.grad_accum_dtype"));
+  // The effective configuration shows them.
+  EXPECT_THAT(fp32_reduce.to_json(), HasSubstr("\"communication_data_type\": \"fp32\""));
 }
 
 TEST(ConfigHardening, RangesOfOptimizerSchedulerAndZeroKeys) {

@@ -63,8 +63,6 @@ std::vector<Field> deepspeed_only_top_level() {
       deepspeed_only("sparse_attention", "remat's attention is dense"),
       deepspeed_only("pipeline", "remat has no pipeline parallelism",
                      "split the model with tensor_parallel.size and zero_optimization.stage"),
-      deepspeed_only("communication_data_type",
-                     "remat's collectives run in the dtype of what they carry (gradients in fp32)"),
       // DeepSpeed-Ulysses' long-sequence keys, in the spellings of its versions
       // (seq_parallel_comm_data_type until the key took its documented name).
       deepspeed_only("seq_parallel_comm_data_type", ulysses_dtype, megatron_sp),
@@ -89,7 +87,6 @@ std::vector<Field> deepspeed_only_top_level() {
       deepspeed_only("timers", "remat has no timer settings", "set wall_clock_breakdown to true"),
       deepspeed_only("checkpoint", "remat-train saves and resumes its own format",
                      "give remat-train --save-dir and --resume, and set train.save_interval"),
-      deepspeed_only("data_types", "remat accumulates gradients in fp32 whatever the compute dtype"),
       deepspeed_only("dataloader_drop_last", "remat-train draws full batches only"),
       deepspeed_only("vocabulary_size", "the model's vocabulary is what its data holds"),
       deepspeed_only("eigenvalue", "remat does not estimate Hessian eigenvalues"),

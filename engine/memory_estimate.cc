@@ -56,9 +56,10 @@ struct StateBytes {
 StateBytes state_bytes(const MemoryEstimateInputs& in, const Config& config, int stage, int n) {
   parallel::ZeroOptions z = config.zero_optimization;
   z.stage = stage;
-  // bf16 (stage 3): float32 master shards, every parameter sharded, units
-  // gathered in bf16. in.element_bytes is the profiled model's (bf16 in a
-  // live bf16 profile, whose backward allocated bf16 gradients).
+  // bf16: float32 masters (stage 3: shards, every parameter sharded, units
+  // gathered in bf16; stages 0-2: whole, each with a bf16 copy the model
+  // computes with). in.element_bytes is the profiled model's (bf16 in a live
+  // bf16 profile, whose backward allocated bf16 gradients).
   const bool bf16 = config.bf16.enabled;
   const int64_t eb = bf16 ? 4 : in.element_bytes;
   const int64_t gathered_eb = bf16 ? 2 : in.element_bytes;
@@ -68,7 +69,7 @@ StateBytes state_bytes(const MemoryEstimateInputs& in, const Config& config, int
   for (const ParameterSize& p : in.parameters) params.push_back({p.numel, p.trainable, p.unit});
   const parallel::StateElements e = parallel::state_elements(z, config.bf16, n, params);
   StateBytes s;
-  s.params = e.stored * eb;
+  s.params = e.stored * eb + e.compute_copies * 2;
   s.grads = e.gradients.peak * eb;
   s.optimizer = e.local_trainable * per_opt;
   s.gathered = e.gathered * gathered_eb;

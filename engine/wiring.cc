@@ -123,7 +123,10 @@ std::pair<int64_t, std::string> resident_state(torch::nn::Module& model, paralle
   };
   for (const auto& p : model.parameters()) {
     count(p);
-    if (p.requires_grad()) model_trainable += static_cast<int64_t>(p.numel() * p.element_size());
+    // Gradients accumulate in float32 whatever the compute dtype (a bf16
+    // copy's go into its float32 master's).
+    const int64_t grad_element = std::max<int64_t>(static_cast<int64_t>(p.element_size()), 4);
+    if (p.requires_grad()) model_trainable += static_cast<int64_t>(p.numel()) * grad_element;
   }
   for (const auto& b : model.buffers()) count(b);
   for (const auto& p : zero.parameters()) {

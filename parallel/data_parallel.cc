@@ -133,7 +133,8 @@ namespace {
 
 // Parameters whose gradients are averaged by one all-reduce.
 struct DpBucket {
-  std::vector<at::Tensor> params;
+  std::vector<at::Tensor> params;   // the model's (bf16: its compute copies)
+  std::vector<at::Tensor> masters;  // what the optimizer steps (float32: params themselves)
   std::vector<char> arrived;  // gradient of params[k] accumulated in this backward
   size_t arrivals = 0;
   int64_t numel = 0;
@@ -145,23 +146,25 @@ struct DpBucket {
 
 class DataParallel final : public ShardingStrategy {
  public:
-  DataParallel(torch::nn::Module& model, std::shared_ptr<Communicator> dp, const ZeroOptions& options)
+  DataParallel(torch::nn::Module& model, std::shared_ptr<Communicator> dp, const ZeroOptions& options,
+               const Bf16Options& bf16)
       : model_(model), dp_(std::move(dp)), params_(model.parameters()), options_(options),
-        names_(parameter_names(model)), hooks_([this](size_t b, size_t k) { on_gradient(b, k); }) {
+        bf16_(bf16.enabled), reduce_bf16_(bf16.reduces_in_bf16()), names_(parameter_names(model)),
+        hooks_([this](size_t b, size_t k) { on_gradient(b, k); }) {
+    install_compute_copies();
     // Buckets in reverse registration order, the order a backward produces
     // gradients in (the head first, the embeddings last). A frozen parameter
     // (requires_grad false) is in none: it never gets a gradient, since one of
     // zeros would let weight decay or momentum move it.
-    std::vector<at::Tensor> trainable;
-    for (auto it = params_.rbegin(); it != params_.rend(); ++it) {
-      if (it->requires_grad()) trainable.push_back(*it);
-    }
-    for (const auto& p : trainable) {
+    for (size_t i = params_.size(); i-- > 0;) {
+      const at::Tensor& p = params_[i];
+      if (!p.requires_grad()) continue;
       if (buckets_.empty() || buckets_.back().numel + p.numel() > options_.reduce_bucket_size) {
         buckets_.emplace_back();
       }
       DpBucket& b = buckets_.back();
       b.params.push_back(p);
+      b.masters.push_back(masters_[i]);
       b.numel += p.numel();
     }
     for (size_t i = 0; i < buckets_.size(); ++i) {
@@ -187,7 +190,7 @@ class DataParallel final : public ShardingStrategy {
     }
   }
 
-  std::vector<at::Tensor> parameters() const override { return params_; }
+  std::vector<at::Tensor> parameters() const override { return masters_; }
 
   GradientHold gradient_hold(int64_t trainable, int64_t local_trainable) const override {
     return data_parallel_gradients(trainable, local_trainable);
@@ -195,14 +198,33 @@ class DataParallel final : public ShardingStrategy {
 
   std::map<std::string, at::Tensor> full_parameters() override {
     std::map<std::string, at::Tensor> out;
-    for (const auto& item : model_.named_parameters()) out[item.key()] = item.value().detach().to(at::kFloat).clone();
+    for (const auto& m : masters_) out[names_.at(m.unsafeGetTensorImpl())] = m.detach().to(at::kFloat).clone();
     return out;
   }
 
   std::vector<ShardLayout> layout() const override {
     std::vector<ShardLayout> out;
-    for (const auto& p : params_) out.push_back(flat_layout({p}, {0}, names_, 0, p.numel()));
+    for (const auto& m : masters_) out.push_back(flat_layout({m}, {0}, names_, 0, m.numel()));
     return out;
+  }
+
+  // bf16: the compute copies made again from the masters when these changed
+  // (an optimizer step, a load, a write): once per step.
+  void sync_parameters() override {
+    if (!bf16_ || !stale()) return;
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      params_[i].detach().copy_(masters_[i].detach());
+      master_versions_[i] = masters_[i]._version();
+    }
+    stepped_ = false;
+  }
+  void begin_forward() override { sync_parameters(); }
+  void leave_whole() override {
+    sync_parameters();
+    if (!bf16_) return;
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(masters_[i].detach());
   }
 
   void begin_backward(bool synchronize) override {
@@ -216,9 +238,13 @@ class DataParallel final : public ShardingStrategy {
                     "and started reducing gradients, but finish_backward(false) says it is not: pass the same "
                     "synchronize flag to both");
       }
+      for (auto& b : buckets_) {
+        for (size_t k = 0; k < b.params.size(); ++k) fold(b.params[k], b.masters[k]);
+      }
       reset();
       return;
     }
+    stepped_ = true;
     // Buckets the backward left (all, without overlap): a parameter that got
     // no gradient on this rank takes part with zeros, so every rank reduces
     // the same buffers in the same order.
@@ -247,9 +273,9 @@ class DataParallel final : public ShardingStrategy {
         b.pending = nullptr;
       }
       int64_t offset = 0;
-      for (auto& p : b.params) {
-        p.mutable_grad().copy_(b.flat.narrow(0, offset, p.numel()).view_as(p));
-        offset += p.numel();
+      for (auto& m : b.masters) {
+        m.mutable_grad().copy_(b.flat.narrow(0, offset, m.numel()).view_as(m));
+        offset += m.numel();
       }
       ++buckets_reduced_;
       if (b.done_in_backward) ++buckets_done_in_backward_;
@@ -272,15 +298,25 @@ class DataParallel final : public ShardingStrategy {
 
   std::vector<GradGroup> grad_groups(const std::vector<at::Tensor>& sharded_tp,
                                      const std::shared_ptr<Communicator>& tp) const override {
-    auto [sharded, replicated] = split_by(params_, sharded_tp);
+    // The masters of the tensor-parallel sharded parameters.
+    std::unordered_set<const void*> in;
+    for (const auto& p : sharded_tp) in.insert(p.unsafeGetTensorImpl());
+    std::vector<at::Tensor> sharded, replicated;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      (in.count(params_[i].unsafeGetTensorImpl()) ? sharded : replicated).push_back(masters_[i]);
+    }
     return {{sharded, {tp}}, {replicated, {}}};
   }
 
   ZeroStats stats() const override {
     ZeroStats s;
-    for (const auto& p : params_) {
-      s.param_bytes += static_cast<int64_t>(p.nbytes());
-      if (p.grad().defined()) s.grad_bytes += static_cast<int64_t>(p.grad().nbytes());
+    auto add = [&s](const at::Tensor& t) {
+      s.param_bytes += static_cast<int64_t>(t.nbytes());
+      if (t.grad().defined()) s.grad_bytes += static_cast<int64_t>(t.grad().nbytes());
+    };
+    for (const auto& p : params_) add(p);
+    if (bf16_) {
+      for (const auto& m : masters_) add(m);
     }
     s.allreduce_bytes = allreduce_bytes_;
     s.peak_grad_bytes = s.grad_bytes;
@@ -330,21 +366,67 @@ class DataParallel final : public ShardingStrategy {
   void launch(size_t bi) {
     DpBucket& b = buckets_[bi];
     torch::NoGradGuard no_grad;
-    for (auto& p : b.params) {
-      if (!p.grad().defined()) {
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      fold(b.params[k], b.masters[k]);
+      at::Tensor& m = b.masters[k];
+      if (!m.grad().defined()) {
         MemoryCategoryScope gradients(MemoryCategory::kGradients);
-        p.mutable_grad() = at::zeros_like(p);
+        m.mutable_grad() = at::zeros_like(m);
       }
     }
     MemoryCategoryScope buffers(MemoryCategory::kCommunication);
     std::vector<at::Tensor> pieces;
-    for (auto& p : b.params) pieces.push_back(p.grad().reshape({-1}));
+    for (auto& m : b.masters) pieces.push_back(m.grad().reshape({-1}));
     b.flat = at::cat(pieces);
+    // Reduced in bf16 (communication_data_type): the float32 sum of the
+    // window's micro-steps rounded once.
+    if (reduce_bf16_ && dp_->size() > 1) b.flat = b.flat.to(at::kBFloat16);
     b.launched = true;
     if (dp_->size() > 1) {
       b.pending = dp_->allReduce(b.flat, {ReduceOp::kAvg});
       allreduce_bytes_ += 2 * static_cast<int64_t>(b.flat.nbytes());
     }
+  }
+
+  // bf16: a compute copy's gradient (bf16) added into its master's, in
+  // float32 (a no-op when the parameter is its own master).
+  void fold(at::Tensor& p, at::Tensor& m) {
+    if (!bf16_ || !p.grad().defined()) return;
+    torch::NoGradGuard no_grad;
+    MemoryCategoryScope gradients(MemoryCategory::kGradients);
+    if (m.grad().defined()) {
+      m.mutable_grad().add_(p.grad());
+    } else {
+      m.mutable_grad() = p.grad().to(at::kFloat);
+    }
+    p.mutable_grad() = at::Tensor();
+  }
+
+  // Float32 masters beside bf16 copies installed in the model, before any
+  // hook is added (a parameter's dtype is fixed from here on).
+  void install_compute_copies() {
+    if (!bf16_) {
+      masters_ = params_;
+      return;
+    }
+    torch::NoGradGuard no_grad;
+    for (auto& p : params_) {
+      REMAT_CHECK(p.scalar_type() == at::kFloat, "ZeroModel with bf16: parameters must be float32 (",
+                  names_.at(p.unsafeGetTensorImpl()), " is ", c10::toString(p.scalar_type()), ")");
+      at::Tensor m = p.detach().clone().requires_grad_(p.requires_grad());
+      names_.emplace(m.unsafeGetTensorImpl(), names_.at(p.unsafeGetTensorImpl()));
+      p.set_data(p.detach().to(at::kBFloat16));
+      masters_.push_back(m);
+      master_versions_.push_back(m._version());
+    }
+  }
+
+  bool stale() const {
+    if (stepped_) return true;
+    for (size_t i = 0; i < masters_.size(); ++i) {
+      if (masters_[i]._version() != master_versions_[i]) return true;
+    }
+    return false;
   }
 
   void reset() {
@@ -360,8 +442,12 @@ class DataParallel final : public ShardingStrategy {
 
   torch::nn::Module& model_;
   std::shared_ptr<Communicator> dp_;
-  std::vector<at::Tensor> params_;
+  std::vector<at::Tensor> params_;   // the model's
+  std::vector<at::Tensor> masters_;  // what the optimizer steps: params_, or their float32 masters (bf16)
+  std::vector<int64_t> master_versions_;  // bf16: the masters' versions when the copies were made
+  bool stepped_ = false;             // bf16: a step may have changed the masters since
   ZeroOptions options_;
+  bool bf16_ = false, reduce_bf16_ = false;
   std::map<const void*, std::string> names_;
   std::vector<DpBucket> buckets_;  // in the order their gradients are expected
   GradientHooks hooks_;
@@ -377,8 +463,8 @@ class DataParallel final : public ShardingStrategy {
 
 std::unique_ptr<ShardingStrategy> make_data_parallel(torch::nn::Module& model,
                                                      std::shared_ptr<Communicator> dp,
-                                                     const ZeroOptions& options) {
-  return std::make_unique<DataParallel>(model, std::move(dp), options);
+                                                     const ZeroOptions& options, const Bf16Options& bf16) {
+  return std::make_unique<DataParallel>(model, std::move(dp), options, bf16);
 }
 
 }  // namespace remat::parallel

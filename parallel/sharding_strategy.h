@@ -55,11 +55,19 @@ class ShardingStrategy {
   // shards; stage 0 steps the parameters themselves and stage 3 gathers
   // them at each use: nothing to do).
   virtual void sync_parameters() {}
+  // After each rank wrote its pieces of parameters() (ZeroModel's
+  // write_back_parameters; collective): the model's parameters brought up to
+  // date on every rank alike, whichever ranks' pieces changed.
+  virtual void after_write() { sync_parameters(); }
   // Whether the model's parameters are views of the units gathered around
   // each use, empty between uses (stage 3): reading them between steps needs
   // their whole values put in (ZeroModel::install_whole_parameters). The
   // other stages keep them whole.
   virtual bool parameters_gathered_on_use() const { return false; }
+  // The model's parameters left whole, current and float32 for use without
+  // the strategy (where bf16 compute copies were installed, the masters go
+  // back in). Stage 3 is left whole by ZeroModel.
+  virtual void leave_whole() { sync_parameters(); }
   // The gradients this rank holds (the stage's rule, zero_memory.h).
   virtual GradientHold gradient_hold(int64_t trainable, int64_t local_trainable) const = 0;
 
@@ -114,14 +122,17 @@ class GradientHooks {
 // Stage 0: gradients all-reduced (averaged) in buckets of reduce_bucket_size
 // elements at the last micro-step; with overlap_comm each bucket starts as
 // soon as its gradients are accumulated, during that micro-step's backward.
+// With bf16 (stages 0-2): the model holds bf16 copies of float32 masters
+// (what parameters() returns), made again once per step; each micro-step's
+// bf16 gradients are added into float32 ones.
 std::unique_ptr<ShardingStrategy> make_data_parallel(torch::nn::Module& model,
                                                      std::shared_ptr<Communicator> dp,
-                                                     const ZeroOptions& options);
+                                                     const ZeroOptions& options, const Bf16Options& bf16);
 
 // Stages 1 and 2: see zero.h.
 std::unique_ptr<ShardingStrategy> make_stage12(torch::nn::Module& model, const DpGroups& groups,
                                                const std::vector<at::Tensor>& sharded_tp,
-                                               const ZeroOptions& options);
+                                               const ZeroOptions& options, const Bf16Options& bf16);
 
 // Stage 3: see zero.h. With bf16 the units are gathered in bf16 from float32
 // shards, and every parameter is sharded (none persistent).

@@ -54,6 +54,11 @@
 // soon as the backward accumulated its last gradient (begin_backward(true)
 // announces the last micro-step).
 //
+// bf16 (every stage): float32 masters are what the optimizer steps and saves
+// hold; the model computes with bf16 copies (stages 0-2: made once per step
+// and installed in the model; stage 3: the gathered units); gradients are
+// accumulated in float32 and reduced in Bf16Options::reduce_dtype.
+//
 // Every stage: the model's parameters and buffers start as data-parallel
 // rank 0's (broadcast at construction, whatever each rank initialised).
 // Frozen parameters (requires_grad false when ZeroModel is built, e.g. the
@@ -96,6 +101,7 @@ class Module;
 
 namespace remat {
 class Communicator;
+class ModuleHook;
 }  // namespace remat
 
 namespace remat::parallel {
@@ -139,8 +145,10 @@ struct ShardLayout {
 class ZeroModel {
  public:
   // `units` are submodules of `model` (each transformer block); `config` is
-  // the zero_optimization section, `bf16` the bf16 section (stage 3 only;
-  // both in parallel/zero_options.h); `sharded_tp` lists parameters that
+  // the zero_optimization section, `bf16` the bf16 section (any stage; both
+  // in parallel/zero_options.h: with bf16 the model computes with bf16
+  // copies, parameters() are float32 masters, and the floating-point inputs
+  // of the model's modules called through remat::forward are cast to bf16); `sharded_tp` lists parameters that
   // differ across tensor-parallel ranks (for the gradient norm;
   // sharded_parameters()).
   // Invalid options (check_zero_options), or a stage or combination that is
@@ -196,7 +204,7 @@ class ZeroModel {
   // Writes `edited` (whole values by name) into parameters(): rank 0's value
   // for every data-parallel rank (collective), each rank its pieces;
   // `began_with` (WholeParameters::values): what is unchanged from it is
-  // left as it is.
+  // left as it is. The model's parameters are then current on every rank.
   void write_back_parameters(std::map<std::string, at::Tensor> edited,
                              const std::map<std::string, at::Tensor>& began_with);
   // The model left whole and current for use without ZeroModel
@@ -250,11 +258,15 @@ class ZeroModel {
 
  private:
   int stage_;
+  bool bf16_ = false;
   torch::nn::Module& model_;
   std::shared_ptr<Communicator> dp_group_, shard_group_, replicate_group_;
   std::vector<at::Tensor> sharded_tp_;
   std::unique_ptr<ShardingStrategy> strategy_;
   struct Arrivals;  // take_gradient_arrivals()'s hooks and flags
+  // bf16: the modules whose inputs remat::forward casts, and the hook.
+  std::vector<std::weak_ptr<torch::nn::Module>> cast_hooked_;
+  std::shared_ptr<ModuleHook> cast_hook_;
   std::unique_ptr<Arrivals> arrivals_;
 };
 

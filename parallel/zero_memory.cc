@@ -80,12 +80,16 @@ GradientHold stage3_gradients(int64_t /*trainable*/, int64_t local_trainable) {
 
 StateElements state_elements(const ZeroOptions& options, const Bf16Options& bf16, int shard_group,
                              const std::vector<ParameterCount>& params) {
+  StateElements s;
   switch (options.stage) {
-    case 0: return data_parallel_state(params);
+    case 0: s = data_parallel_state(params); break;
     case 1:
-    case 2: return stage12_state(options, shard_group, params);
+    case 2: s = stage12_state(options, shard_group, params); break;
     default: return stage3_state(options, bf16, shard_group, params);
   }
+  // Every parameter is whole on every rank: its bf16 copy too.
+  if (bf16.enabled) s.compute_copies = s.stored;
+  return s;
 }
 
 }  // namespace remat::parallel

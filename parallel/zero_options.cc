@@ -38,10 +38,20 @@ std::string check_zero_options(const ZeroOptions& z) {
   return problems;
 }
 
-std::string check_bf16_options(const Bf16Options& bf16, const ZeroOptions& zero) {
-  if (bf16.enabled && zero.stage != 3) {
-    return str("bf16.enabled computes in bf16 from fp32 master shards: it needs zero_optimization.stage 3 (it is ",
-               zero.stage, "; set it to 3, or turn bf16 off)");
+const std::vector<std::string>& reduce_dtype_names() {
+  static const std::vector<std::string> names = {"default", "fp32", "bf16"};
+  return names;
+}
+
+const std::vector<std::string>& grad_accum_dtype_names() {
+  static const std::vector<std::string> names = {"fp32"};
+  return names;
+}
+
+std::string check_bf16_options(const Bf16Options& bf16, const ZeroOptions& /*zero*/) {
+  if (!bf16.enabled && bf16.reduce_dtype == ReduceDtype::kBf16) {
+    return "communication_data_type \"bf16\" reduces gradients in bf16, but bf16.enabled is false (the "
+           "gradients are float32): set bf16.enabled true, or communication_data_type \"fp32\"";
   }
   return "";
 }

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace remat::parallel {
 
@@ -50,9 +51,35 @@ struct ZeroOptions {
   int hybrid_shard_size = 0;
 };
 
-// Compute in bf16 from fp32 master shards (ZeRO stage 3 only).
+// The dtype gradients are reduced in across data-parallel ranks (DeepSpeed's
+// communication_data_type). kDefault: bf16 under bf16, float32 otherwise, as
+// DeepSpeed chooses for bf16 (its PR #3370).
+enum class ReduceDtype { kDefault, kFp32, kBf16 };
+// The JSON names of ReduceDtype, by value ("default" is never written: it is
+// the key left out).
+const std::vector<std::string>& reduce_dtype_names();
+
+// Compute in bf16 at every stage: float32 master weights (stage 0: the
+// parameters the optimizer steps; 1 and 2: the flat buffers whose shards it
+// steps; 3: the shards) and optimizer state, bf16 copies of the parameters
+// installed in the model for forward and backward (stages 0-2: made once per
+// optimizer step; stage 3: gathered in bf16 from the shards), gradients
+// accumulated in float32 across micro-steps and reduced in `reduce_dtype`.
+// Floating-point tensors passed to a module through remat::forward are cast
+// to bf16 (what FSDP2 calls cast_forward_inputs).
+// The dtype gradients accumulate in across micro-steps (DeepSpeed's
+// data_types.grad_accum_dtype): float32, DeepSpeed's default, the only one.
+enum class GradAccumDtype { kFp32 };
+const std::vector<std::string>& grad_accum_dtype_names();
+
 struct Bf16Options {
   bool enabled = false;
+  ReduceDtype reduce_dtype = ReduceDtype::kDefault;
+  GradAccumDtype grad_accum_dtype = GradAccumDtype::kFp32;
+  // bf16 when enabled and reduce_dtype is kDefault.
+  bool reduces_in_bf16() const {
+    return reduce_dtype == ReduceDtype::kBf16 || (enabled && reduce_dtype == ReduceDtype::kDefault);
+  }
 };
 
 // The rules of ZeroOptions alone, written once: an empty string when valid,
@@ -61,8 +88,8 @@ struct Bf16Options {
 // what needs the data-parallel size or the bf16 options, itself.
 std::string check_zero_options(const ZeroOptions& options);
 
-// bf16 with the ZeRO stage it needs: stage 3 keeps the fp32 master shards
-// bf16 computes from. Empty when valid.
+// bf16's rules: gradients reduced in bf16 need bf16 compute (a float32 run
+// keeps float32 gradients). Empty when valid.
 std::string check_bf16_options(const Bf16Options& bf16, const ZeroOptions& zero);
 
 // zero_optimization.hybrid_shard_size against the data-parallel size `dp`

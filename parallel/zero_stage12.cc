@@ -27,7 +27,8 @@ struct Bucket {
   std::vector<char> arrived;  // gradient of params[k] arrived in this backward
   size_t arrivals = 0;
   int64_t numel = 0, padded = 0, chunk = 0;
-  at::Tensor flat;   // [padded]: the parameters are views of it
+  at::Tensor flat;   // [padded] float32: the parameters are views of it (bf16: of `compute`)
+  at::Tensor compute;  // bf16: [padded] copy of flat, made when flat changed
   at::Tensor shard;  // a leaf sharing flat's [r * chunk, +chunk): the optimizer's parameter
   int64_t shard_version = 0;  // shard._version() when flat was last made whole
   at::Tensor grad;   // [padded] gradients collected for the reduce (contiguous_gradients)
@@ -42,7 +43,7 @@ class Stage12 final : public ShardingStrategy {
   static constexpr size_t kMaxInFlight = 2;
 
   Stage12(torch::nn::Module& model, const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp,
-          const ZeroOptions& options);
+          const ZeroOptions& options, const Bf16Options& bf16);
   ~Stage12() override;
 
   std::vector<at::Tensor> parameters() const override;
@@ -54,6 +55,12 @@ class Stage12 final : public ShardingStrategy {
     return stage12_gradients(options_, trainable, local_trainable);
   }
   void begin_forward() override { sync_parameters(); }
+  // An edit may lie in one rank's shard alone: every rank gathers.
+  void after_write() override {
+    stepped_ = true;
+    sync_parameters();
+  }
+  void leave_whole() override;
   void begin_backward(bool synchronize) override;
   void abandon_backward() override;
   at::Tensor finish_forward(const at::Tensor& loss) override;
@@ -76,6 +83,7 @@ class Stage12 final : public ShardingStrategy {
   torch::nn::Module& model_;
   DpGroups groups_;
   ZeroOptions options_;
+  bool bf16_ = false, reduce_bf16_ = false;
   std::map<const void*, std::string> names_;
   std::vector<Bucket> buckets_;  // in the order their gradients are expected
   size_t next_launch_ = 0;       // buckets reduce in order, the same on every rank
@@ -89,6 +97,9 @@ class Stage12 final : public ShardingStrategy {
   // Frozen parameters (requires_grad false): whole on every rank, in no
   // bucket, never given a gradient (what the optimizer skips).
   std::vector<at::Tensor> frozen_;
+  // bf16: the model's frozen parameters, bf16 copies of frozen_ (their float32 masters).
+  std::vector<at::Tensor> frozen_compute_;
+  std::vector<int64_t> frozen_versions_;  // bf16: frozen_'s versions when the copies were made
   // The shards received gradients (a step may follow) since the buckets were
   // last made whole. An optimizer may update a shard without bumping its
   // version counter (LibTorch 1.13's SGD writes through .data()), so the
@@ -100,8 +111,9 @@ class Stage12 final : public ShardingStrategy {
 };
 
 Stage12::Stage12(torch::nn::Module& model, const DpGroups& groups,
-                 const std::vector<at::Tensor>& sharded_tp, const ZeroOptions& options)
-    : model_(model), groups_(groups), options_(options), names_(parameter_names(model)),
+                 const std::vector<at::Tensor>& sharded_tp, const ZeroOptions& options, const Bf16Options& bf16)
+    : model_(model), groups_(groups), options_(options), bf16_(bf16.enabled), reduce_bf16_(bf16.reduces_in_bf16()),
+      names_(parameter_names(model)),
       hooks_([this](size_t b, size_t k) { on_gradient(b, k); }) {
   const int n = groups_.shard->size(), r = groups_.shard->rank();
   std::unordered_set<const void*> tp_sharded;
@@ -140,14 +152,30 @@ Stage12::Stage12(torch::nn::Module& model, const DpGroups& groups,
     b.arrived.assign(b.params.size(), 0);
     b.flat = at::zeros({b.padded}, b.params[0].options().requires_grad(false));
     for (size_t k = 0; k < b.params.size(); ++k) {
+      b.flat.narrow(0, b.offsets[k], b.params[k].numel()).copy_(b.params[k].detach().reshape({-1}));
+    }
+    // bf16: the model computes from a bf16 copy of the bucket (installed
+    // before the hooks: a parameter's dtype is fixed from here on).
+    if (bf16_) b.compute = b.flat.to(at::kBFloat16);
+    const at::Tensor& installed = bf16_ ? b.compute : b.flat;
+    for (size_t k = 0; k < b.params.size(); ++k) {
       auto& p = b.params[k];
-      b.flat.narrow(0, b.offsets[k], p.numel()).copy_(p.detach().reshape({-1}));
-      p.set_data(b.flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes()));
+      p.set_data(installed.narrow(0, b.offsets[k], p.numel()).view(p.sizes()));
     }
     b.shard = b.flat.narrow(0, r * b.chunk, b.chunk).detach().requires_grad_(true);
     b.shard_version = b.shard._version();
     total += b.numel;
     for (size_t k = 0; k < b.params.size(); ++k) hooks_.add(b.params[k], i, k);
+  }
+  if (bf16_) {
+    for (auto& p : frozen_) {
+      at::Tensor m = p.detach().clone();
+      names_.emplace(m.unsafeGetTensorImpl(), names_.at(p.unsafeGetTensorImpl()));
+      p.set_data(p.detach().to(at::kBFloat16));
+      frozen_compute_.push_back(p);
+      frozen_versions_.push_back(m._version());
+      p = m;
+    }
   }
   overlapping_ = overlap_by_default();
   int64_t frozen = 0;
@@ -188,7 +216,10 @@ std::map<std::string, at::Tensor> Stage12::full_parameters() {
   sync_parameters();
   std::map<std::string, at::Tensor> out;
   for (const auto& b : buckets_) {
-    for (const auto& p : b.params) out[names_.at(p.unsafeGetTensorImpl())] = p.detach().clone();
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      const at::Tensor& p = b.params[k];
+      out[names_.at(p.unsafeGetTensorImpl())] = b.flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes()).clone();
+    }
   }
   for (const auto& p : frozen_) out[names_.at(p.unsafeGetTensorImpl())] = p.detach().clone();
   return out;
@@ -198,6 +229,10 @@ bool Stage12::stale() const {
   if (stepped_) return true;
   for (const auto& b : buckets_) {
     if (b.shard._version() != b.shard_version) return true;
+  }
+  // bf16: a load or a write into a frozen parameter's master.
+  for (size_t i = 0; i < frozen_versions_.size(); ++i) {
+    if (frozen_[i]._version() != frozen_versions_[i]) return true;
   }
   return false;
 }
@@ -246,8 +281,29 @@ void Stage12::sync_parameters() {
       if (f.target.defined()) f.target.copy_(f.output.view(f.target.sizes()));
     }
   }
-  for (auto& b : buckets_) b.shard_version = b.shard._version();
+  for (size_t i = 0; i < frozen_compute_.size(); ++i) {
+    frozen_compute_[i].detach().copy_(frozen_[i]);
+    frozen_versions_[i] = frozen_[i]._version();
+  }
+  for (auto& b : buckets_) {
+    if (bf16_) b.compute.copy_(b.flat);  // the compute copy, once per step
+    b.shard_version = b.shard._version();
+  }
   stepped_ = false;
+}
+
+void Stage12::leave_whole() {
+  sync_parameters();
+  if (!bf16_) return;
+  torch::NoGradGuard no_grad;
+  for (auto& b : buckets_) {
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      auto& p = b.params[k];
+      p.set_data(b.flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes()));
+    }
+    b.compute = at::Tensor();
+  }
+  for (size_t i = 0; i < frozen_compute_.size(); ++i) frozen_compute_[i].set_data(frozen_[i]);
 }
 
 at::Tensor Stage12::finish_forward(const at::Tensor& loss) {
@@ -266,6 +322,13 @@ void Stage12::on_gradient(size_t bi, size_t k) {
     throw Error(str("zero stage ", options_.stage, ": a gradient of '", names_.at(p.unsafeGetTensorImpl()),
                     "' arrived after its bucket was reduced in this backward (a parameter used by two "
                     "separate backward passes of one micro-step); call finish_backward() between them"));
+  }
+  if (bf16_ && !options_.contiguous_gradients && p.grad().defined() && p.grad().scalar_type() != at::kFloat) {
+    // Kept on the parameter across micro-steps: in float32, so that autograd
+    // adds the next ones' bf16 gradients into float32.
+    torch::NoGradGuard no_grad;
+    MemoryCategoryScope gradients(MemoryCategory::kGradients);
+    p.mutable_grad() = p.grad().to(at::kFloat);
   }
   if (options_.contiguous_gradients && p.grad().defined()) {
     torch::NoGradGuard no_grad;
@@ -323,6 +386,9 @@ void Stage12::launch(size_t bi) {
     }
   }
   b.launched = true;
+  // Reduced in bf16 (communication_data_type): the float32 sum rounded once.
+  const bool replicated = groups_.replicate && groups_.replicate->size() > 1;
+  if (reduce_bf16_ && (group.size() > 1 || replicated)) flat = flat.to(at::kBFloat16);
   b.input = flat;
   if (group.size() == 1) {
     b.output = flat;
@@ -372,6 +438,8 @@ void Stage12::complete(size_t bi) {
   }
   if (b.shard.grad().defined()) {
     b.shard.mutable_grad().add_(g);
+  } else if (g.scalar_type() != at::kFloat) {
+    b.shard.mutable_grad() = g.to(at::kFloat);
   } else {
     b.shard.mutable_grad() = g.is_alias_of(b.input) ? g.clone() : g;
   }
@@ -447,8 +515,12 @@ int64_t Stage12::grad_bytes_now() const {
 
 ZeroStats Stage12::stats() const {
   ZeroStats s;
-  for (const auto& b : buckets_) s.param_bytes += static_cast<int64_t>(b.flat.nbytes());
+  for (const auto& b : buckets_) {
+    s.param_bytes += static_cast<int64_t>(b.flat.nbytes());
+    if (b.compute.defined()) s.param_bytes += static_cast<int64_t>(b.compute.nbytes());
+  }
   for (const auto& p : frozen_) s.param_bytes += static_cast<int64_t>(p.nbytes());
+  for (const auto& p : frozen_compute_) s.param_bytes += static_cast<int64_t>(p.nbytes());
   s.grad_bytes = grad_bytes_now();
   s.peak_grad_bytes = std::max(peak_grad_bytes_, s.grad_bytes);
   s.allgather_bytes = allgather_bytes_;
@@ -464,8 +536,8 @@ ZeroStats Stage12::stats() const {
 
 std::unique_ptr<ShardingStrategy> make_stage12(torch::nn::Module& model, const DpGroups& groups,
                                                const std::vector<at::Tensor>& sharded_tp,
-                                               const ZeroOptions& options) {
-  return std::make_unique<Stage12>(model, groups, sharded_tp, options);
+                                               const ZeroOptions& options, const Bf16Options& bf16) {
+  return std::make_unique<Stage12>(model, groups, sharded_tp, options, bf16);
 }
 
 }  // namespace remat::parallel

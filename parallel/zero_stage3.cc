@@ -146,6 +146,7 @@ class Stage3 final : public ShardingStrategy {
   std::map<const void*, std::string> names_;
   ZeroOptions options_;
   bool bf16_ = false;                        // gathered parameters in bf16, shards in fp32
+  bool reduce_bf16_ = false;                 // gradients reduced in bf16 (communication_data_type)
   int64_t persistence_threshold_ = 0;        // elements; 0 with bf16 (every parameter an fp32 master)
   std::vector<std::unique_ptr<Unit>> units_;  // blocks in order, then the root
   std::vector<at::Tensor> persistent_;
@@ -237,7 +238,12 @@ c10::IValue ZeroUnitHook::run(const std::vector<c10::IValue>& args, const IValue
                      "the module"));
   };
   if (args.size() != 1 || !args[0].isTensor()) throw signature_error();
-  return run(args[0].toTensor(), [&](const at::Tensor& x) {
+  at::Tensor input = args[0].toTensor();
+  // bf16: a floating-point input computes in bf16 (as ZeroModel's cast hook).
+  if (zero_->bf16_ && input.is_floating_point() && input.scalar_type() != at::kBFloat16) {
+    input = input.to(at::kBFloat16);
+  }
+  return run(input, [&](const at::Tensor& x) {
     c10::IValue y = next({c10::IValue(x)});
     if (!y.isTensor()) throw signature_error();
     return y.toTensor();
@@ -282,7 +288,7 @@ Stage3::Stage3(torch::nn::Module& model,
                const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp,
                const ZeroOptions& options, const Bf16Options& bf16)
     : dp_(groups.shard), replicate_(groups.replicate), all_dp_(groups.dp),
-      names_(parameter_names(model)), options_(options), bf16_(bf16.enabled),
+      names_(parameter_names(model)), options_(options), bf16_(bf16.enabled), reduce_bf16_(bf16.reduces_in_bf16()),
       persistence_threshold_(bf16.enabled ? 0 : options.stage3_param_persistence_threshold) {
   std::unordered_set<const void*> tp_sharded;
   for (const auto& p : sharded_tp) tp_sharded.insert(p.unsafeGetTensorImpl());
@@ -450,7 +456,9 @@ void Stage3::reduce(Unit& unit) {
     for (int64_t o = 0; o < g.shard_numel; o += options_.reduce_bucket_size) {
       const int64_t len = std::min(options_.reduce_bucket_size, g.shard_numel - o);
       at::Tensor input = by_rank.narrow(1, o, len).contiguous();
-      at::Tensor out = at::empty({len}, flat.options());
+      // communication_data_type: bf16 by default under bf16.
+      if (reduce_bf16_ && (n > 1 || (replicate_ && replicate_->size() > 1))) input = input.to(at::kBFloat16);
+      at::Tensor out = at::empty({len}, input.options());
       dp_->reduceScatter(out, input, {ReduceOp::kAvg})->wait();
       reducescatter_bytes_ += static_cast<int64_t>(input.nbytes());
       if (replicate_ && replicate_->size() > 1) {

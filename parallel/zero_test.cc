@@ -54,10 +54,10 @@ TEST(Zero, MisuseIsAClearError) {
   EXPECT_THAT(error_of<ConfigError>([&] { ZeroModel(*model, units, l.dp_group(), stage5, Bf16Options{}); }),
               HasSubstr("'zero_optimization.stage' = 5 must be 0, 1, 2 or 3"));
   ZeroOptions stage0;
-  Bf16Options bf16;
-  bf16.enabled = true;
-  EXPECT_THAT(error_of<ConfigError>([&] { ZeroModel(*model, units, l.dp_group(), stage0, bf16); }),
-              HasSubstr("it needs zero_optimization.stage 3"));
+  Bf16Options bf16_reduce;
+  bf16_reduce.reduce_dtype = ReduceDtype::kBf16;
+  EXPECT_THAT(error_of<ConfigError>([&] { ZeroModel(*model, units, l.dp_group(), stage0, bf16_reduce); }),
+              HasSubstr("communication_data_type \"bf16\" reduces gradients in bf16, but bf16.enabled is false"));
 }
 
 

@@ -228,7 +228,7 @@ expect "remat-estimate says the same" "the configuration does not fit; the cheap
 # remat-estimate runs remat-train's configuration rules: a configuration the
 # trainer refuses is refused in the same words, with the same exit status
 # (it said "fits" and exited 0).
-refused=(--set bf16.enabled=true --set zero_optimization.stage=2)
+refused=(--set communication_data_type=bf16)
 "$estimate" -np 2 "${refused[@]}" >"$tmp/refused_estimate.out" 2>&1
 estimate_rc=$?
 # One rank: two ranks' identical errors can interleave on one line (Open MPI 5).
@@ -237,10 +237,10 @@ train_rc=$?
 estimate_says=$(grep -o "configuration error: .*" "$tmp/refused_estimate.out" | head -1)
 train_says=$(grep -o "configuration error: .*" "$tmp/refused_train.out" | head -1)
 if [[ $estimate_rc -ne 0 && $estimate_rc -eq $train_rc && $estimate_says == "$train_says" &&
-      $estimate_says == *"it needs zero_optimization.stage 3 (it is 2"* ]]; then
-  pass "remat-estimate refuses bf16 at stage 2 as remat-train does (exit $estimate_rc): $estimate_says"
+      $estimate_says == *"reduces gradients in bf16, but bf16.enabled is false"* ]]; then
+  pass "remat-estimate refuses bf16 reductions without bf16 as remat-train does (exit $estimate_rc): $estimate_says"
 else
-  fail "remat-estimate refuses bf16 at stage 2 as remat-train does (exits $estimate_rc and $train_rc)" \
+  fail "remat-estimate refuses bf16 reductions without bf16 as remat-train does (exits $estimate_rc and $train_rc)" \
     "$(cat "$tmp/refused_estimate.out")" "$(cat "$tmp/refused_train.out")"
 fi
 expect "remat-estimate refuses hybrid shards that do not divide its ranks" \

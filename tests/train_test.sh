@@ -415,8 +415,8 @@ expect "heads not divisible across tensor-parallel ranks" \
 expect "sequence parallelism with a seq_len the group does not divide" \
   "model.seq_len=33 is not a multiple of 2: set model.seq_len to 32 or 34" \
   "$run" -np 2 -- "$train" --config "$configs_dir/tp2_sequence_parallel.json" "${small[@]}" --set model.seq_len=33
-expect "bf16 without stage 3" "it needs zero_optimization.stage 3" \
-  "$train" --config "$configs_dir/default.json" --set zero_optimization.stage=0 --set bf16.enabled=true
+expect "bf16 reductions without bf16" "communication_data_type \"bf16\" reduces gradients in bf16, but bf16.enabled is false" \
+  "$train" --config "$configs_dir/default.json" --set communication_data_type=bf16
 expect "a zero stage that does not exist" "'zero_optimization.stage' = 4 must be 0, 1, 2 or 3" \
   "$train" --config "$configs_dir/zero3.json" --set zero_optimization.stage=4
 expect "contiguous buffers without number_checkpoints" \
