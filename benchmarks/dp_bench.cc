@@ -18,9 +18,20 @@
 // Rank 0 writes one JSON line per measured step of phase 1; local_step_ms is
 // the same-numbered step of phase 2, reduce_ms the median over phase 3's
 // repetitions.
+//
+// --engine-only runs phase 1 alone, for the engine's own configurations
+// (benchmarks/bf16_bench.sh on the CPU, benchmarks/gpu_bench.sh's MFU rows on
+// a GPU): --bf16 (bf16.enabled: float32 masters, bf16 compute copies),
+// --checkpointing (activation_checkpointing.variant), --device cuda (the
+// engine places the model on the first GPU; the device synchronised before
+// each clock read). fwd_bwd_ms is the forward and backward, step_ms adds the
+// optimizer step; mem_peak_bytes counts every byte allocated since before the
+// model was built (parameters, masters and bf16 copies, gradients, optimizer
+// state, activations), the step's peak.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
+#include <torch/cuda.h>
 #include <torch/optim/adamw.h>
 
 #include <algorithm>
@@ -28,6 +39,7 @@
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,6 +48,7 @@
 #include "runtime/communicator.h"
 #include "runtime/error.h"
 #include "runtime/layout.h"
+#include "runtime/memory.h"
 #include "runtime/runtime.h"
 
 namespace remat {
@@ -79,8 +92,8 @@ int bench(int argc, char** argv) {
   o.shape.dropout = 0.1;
   int64_t batch = 4, seed = 1234, bucket = 250000;
   int stage = 0, steps = 5, warmup = 2, reduce_reps = 5;
-  bool overlap = false;
-  std::string out_path = "-";
+  bool overlap = false, bf16 = false, engine_only = false;
+  std::string out_path = "-", checkpointing = "none", device_name = "cpu";
   app.add_option("--layers", o.shape.n_layer)->check(CLI::PositiveNumber);
   app.add_option("--batch", batch, "sequences per rank")->check(CLI::PositiveNumber);
   app.add_option("--seq", o.shape.seq_len)->check(CLI::PositiveNumber);
@@ -97,13 +110,36 @@ int bench(int argc, char** argv) {
   app.add_option("--warmup", warmup)->check(CLI::NonNegativeNumber);
   app.add_option("--reduce-reps", reduce_reps, "repetitions of the blocking all-reduce")->check(CLI::PositiveNumber);
   app.add_option("--out", out_path, "JSON lines (appended); - for stdout");
+  app.add_flag("--bf16", bf16, "bf16.enabled: float32 masters, bf16 compute");
+  app.add_option("--checkpointing", checkpointing, "activation_checkpointing.variant (none, full, ...)");
+  app.add_option("--device", device_name, "cpu, or cuda: the first GPU (with --engine-only)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_flag("--engine-only", engine_only,
+               "the engine's steps alone (no local step, no blocking all-reduce); memory counted from the model's "
+               "construction on");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  if (device_name == "cuda" && !engine_only) {
+    throw ConfigError(
+        "dp_bench --device cuda: the local step and the all-reduce phases run on the CPU; add --engine-only");
+  }
+  if (device_name == "cuda" && !torch::cuda::is_available()) {
+    throw ConfigError("dp_bench --device cuda: no CUDA device visible to this LibTorch (a CPU-only build, or no GPU); "
+                      "run with --device cpu");
+  }
+  // Kernels run asynchronously on a GPU: every clock read waits for them.
+  auto sync = [&] {
+    if (device_name == "cuda") torch::cuda::synchronize();
+  };
+  // --engine-only: every byte from the model's construction on.
+  std::optional<MemoryTracker> memory;
+  if (engine_only) memory.emplace();
   auto& runtime = Runtime::init();
-  at::set_num_threads(1);
+  // One intra-op thread per CPU rank; on a GPU the host's threads initialise the model.
+  if (device_name == "cpu") at::set_num_threads(1);
   auto world = runtime.world();
   auto layout = std::make_shared<ParallelLayout>(world, ParallelDims::from_world(world->size(), 1));
   const auto& dp = layout->dp_group();
@@ -111,20 +147,21 @@ int bench(int argc, char** argv) {
   auto barrier = [&] { dp->barrier()->wait(); };
 
   // Two models with the same weights (torch_gpt.py's Gpt after
-  // torch.manual_seed(seed) too): the engine's, and a plain copy for phase 2.
+  // torch.manual_seed(seed) too): the engine's, and a plain copy for phase 2
+  // (none with --engine-only).
   at::manual_seed(static_cast<uint64_t>(seed));
   models::Gpt model(o);
   at::manual_seed(static_cast<uint64_t>(seed));
-  models::Gpt local(o);
+  models::Gpt local = engine_only ? models::Gpt(nullptr) : models::Gpt(o);
   model->train();
-  local->train();
+  if (!engine_only) local->train();
   int64_t numel = 0;
   for (const auto& p : model->parameters()) numel += p.numel();
   at::Generator data = at::detail::createCPUGenerator(static_cast<uint64_t>(seed + 1 + layout->dp_rank()));
   at::Tensor idx = at::randint(o.vocab_size, {batch, o.shape.seq_len}, data, at::kLong);
   at::Tensor targets = idx.roll(-1, 1);
 
-  const nlohmann::json config = {
+  nlohmann::json config = {
       {"train_micro_batch_size_per_gpu", batch},
       {"gradient_accumulation_steps", 1},
       {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}, {"weight_decay", 0.01}}}}},
@@ -136,15 +173,20 @@ int bench(int argc, char** argv) {
         // Stage 3 shards every parameter: at the default threshold (1e5
         // elements) this model's would all stay whole and be all-reduced.
         {"stage3_param_persistence_threshold", 0}}},
-      {"activation_checkpointing", {{"variant", "none"}}},
+      {"activation_checkpointing", {{"variant", checkpointing}}},
       {"train", {{"seed", seed}}}};
+  if (bf16) config["bf16"] = {{"enabled", true}};
   EngineOptions options;
   options.layout = layout;
+  options.device = device_name;
+  if (memory) options.memory = &*memory;
   auto engine = initialize(model, config, options);
+  idx = engine->to_device(idx);
+  targets = engine->to_device(targets);
 
   // Phase 1: the engine's steps.
   struct Step {
-    double ms, loss;
+    double ms, fwd_bwd_ms, loss;
     StepMetrics metrics;
   };
   std::vector<Step> measured;
@@ -153,18 +195,22 @@ int bench(int argc, char** argv) {
   const int64_t rss_before = proc_status_bytes("VmRSS");
   for (int s = 0; s < warmup + steps; ++s) {
     barrier();
+    sync();
     const auto t0 = Clock::now();
     at::Tensor loss = engine->forward([&] { return model->loss(idx, targets); });
     engine->backward(loss);
+    sync();
+    const double fwd_bwd_ms = ms_since(t0);
     engine->step();
+    sync();
     const double ms = ms_since(t0);
-    if (s >= warmup) measured.push_back({ms, loss.item<double>(), engine->last_metrics()});
+    if (s >= warmup) measured.push_back({ms, fwd_bwd_ms, loss.item<double>(), engine->last_metrics()});
   }
   const int64_t rss_peak = proc_status_bytes("VmHWM");
 
   // Phase 2: the same step with no data-parallel communication.
   std::vector<double> local_ms;
-  {
+  if (!engine_only) {
     torch::optim::AdamW adamw(local->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
     for (int s = 0; s < warmup + steps; ++s) {
       barrier();
@@ -181,7 +227,7 @@ int bench(int argc, char** argv) {
 
   // Phase 3: every gradient all-reduced once, bucket after bucket, blocking.
   std::vector<double> reduce_ms;
-  {
+  if (!engine_only) {
     at::Tensor flat = at::ones({numel}, at::kFloat);
     for (int r = 0; r < 1 + reduce_reps; ++r) {
       barrier();
@@ -222,11 +268,25 @@ int bench(int argc, char** argv) {
                         {"peak_rss_growth_bytes", rss_peak - rss_before},
                         {"peak_rss_bytes", rss_peak},
                         {"mem_peak_bytes", m.mem_peak_bytes},
-                        {"local_step_ms", local_ms[s]},
-                        {"reduce_ms", median(reduce_ms)},
                         {"fwd_ms", m.fwd_ms},
                         {"bwd_ms", m.bwd_ms},
                         {"opt_ms", m.opt_ms}};
+    if (!engine_only) {
+      j["local_step_ms"] = local_ms[s];
+      j["reduce_ms"] = median(reduce_ms);
+    } else {
+      // The engine's configuration and the shape (MFU needs it), the forward
+      // and backward alone, and the activations' peak above the forward's start.
+      j["engine_only"] = true;
+      j["precision"] = bf16 ? "bf16" : "float32";
+      j["checkpointing"] = checkpointing;
+      j["device"] = device_name;
+      j["fwd_bwd_ms"] = measured[s].fwd_bwd_ms;
+      j["mem_act_peak_bytes"] = m.mem_act_peak_bytes;
+      j["shape"] = {{"batch", batch},          {"seq", o.shape.seq_len}, {"d_model", o.shape.d_model},
+                    {"heads", o.shape.n_head}, {"d_ff", o.shape.d_ff},   {"vocab", o.vocab_size}};
+      if (m.cuda_allocator) j["cuda_peak_allocated_bytes"] = m.cuda_peak_allocated_bytes;
+    }
     // Emitted when the engine reports it (the time the backward's end waited
     // on reductions in flight).
     const nlohmann::json mj = m.to_json();

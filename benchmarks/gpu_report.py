@@ -1,6 +1,8 @@
 """docs/benchmarks-gpu.md from the rows benchmarks/gpu_bench.sh writes: per shape
 DIR/NAME.jsonl (gpt_bench --device cuda and benchmarks/torch_gpt_gpu_bench.py, both
-appended) and DIR/shapes.json (each shape's name, label and role):
+appended) and DIR/shapes.json (each shape's name, label and role); for the bf16
+section (benchmarks/mfu_report.py) DIR/mfu_shapes.json and its shapes' rows
+(dp_bench --engine-only and torch_gpt_gpu_bench.py --train-step):
 
     python3 benchmarks/gpu_report.py DIR > docs/benchmarks-gpu.md
 """
@@ -9,6 +11,9 @@ import os
 import statistics
 import sys
 from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mfu_report  # noqa: E402
 
 MiB = 1 << 20
 # (remat variant, PyTorch variant): the rows of the table, in order.
@@ -203,6 +208,7 @@ def main():
     for s, remat, torch_side in shapes:
         for name, figures, v in targets_of(s, remat, torch_side, lims[s["name"]]):
             w(f"| {s['label']} ({s['role']}) | {name} | {figures} | {v} |")
+    mfu_report.section(sys.argv[1], plat, w)
     w("\n## How to run\n")
     w("On a GPU machine, inside `tools/gpu_checks.sh run` or alone after a CMake build of `gpt_bench` "
       "against the CUDA PyTorch (`-DREMAT_BUILD_BENCHMARKS=ON`):\n")

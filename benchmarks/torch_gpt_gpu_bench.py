@@ -22,6 +22,16 @@ rows (variants interleaved step by step, warm-up dropped; the device
 synchronised before each clock read: fwd_ms is the forward alone); one "copy"
 row (pinned host <-> device copy bandwidth, GB/s, median of 5 copies of 256 MiB
 timed by CUDA events; on the CPU a host-to-host copy, for the dry run only).
+
+--train-step: the training step (forward, backward, AdamW's step) in float32 and
+under torch.autocast(bfloat16), without and with full checkpointing, beside
+remat's bf16.enabled (benchmarks/dp_bench.cc --engine-only --bf16) for the MFU
+table of benchmarks/gpu_report.py. --train-variants picks them (float32_none,
+bf16_none, bf16_full); they run interleaved step by step, warm-up dropped.
+Rows "train": fwd_bwd_ms (forward and backward), step_ms (AdamW's step and
+zero_grad included), peak_bytes (torch.cuda.max_memory_allocated over the step,
+everything live counted: parameters, gradients, AdamW state, activations; the
+fields of remat's cuda_peak_allocated_bytes; none on the CPU).
 """
 import argparse
 import datetime
@@ -164,6 +174,48 @@ class Device:
         return out
 
 
+def train_step_bench(a, dev, model, idx, targets, write):
+    """The --train-step rows: float32 and autocast(bfloat16) training steps."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    params = sum(p.numel() for p in model.parameters())
+    shape = {"batch": a.batch, "seq": a.seq, "d_model": a.d_model, "heads": a.heads, "d_ff": a.d_ff,
+             "vocab": a.vocab}
+    variants = a.train_variants.split(",")
+    for v in variants:
+        if v not in ("float32_none", "bf16_none", "bf16_full"):
+            sys.exit(f"torch_gpt_gpu_bench.py: unknown train variant '{v}' (float32_none, bf16_none, bf16_full)")
+
+    def autocast(v):
+        if v.startswith("bf16"):
+            return torch.autocast(device_type=dev.device.type, dtype=torch.bfloat16)
+        return _null()
+
+    for s in range(a.warmup + a.steps):
+        for v in variants:
+            precision, ckpt = v.split("_")
+            run = block_runner("full_nonreentrant" if ckpt == "full" else "none", a.layers)
+            opt.zero_grad(set_to_none=False)
+            dev.sync()
+            if dev.cuda:
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            with autocast(v):
+                loss = model_loss(model, idx, targets, run)
+            loss.backward()
+            dev.sync()
+            t1 = time.perf_counter()
+            opt.step()
+            dev.sync()
+            t2 = time.perf_counter()
+            if s >= a.warmup:
+                row = {"kind": "train", "precision": precision, "checkpointing": ckpt, "step": s - a.warmup,
+                       "fwd_bwd_ms": (t1 - t0) * 1e3, "step_ms": (t2 - t0) * 1e3, "loss": loss.item(),
+                       "params": params, "shape": shape}
+                if dev.cuda:
+                    row["peak_bytes"] = torch.cuda.max_memory_allocated()
+                write(row)
+
+
 class _null:
     def __enter__(self):
         return self
@@ -196,6 +248,9 @@ def main():
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--copy-mib", type=int, default=256, help="size of the timed pinned copies; 0: none")
     ap.add_argument("--out", default="-")
+    ap.add_argument("--train-step", action="store_true",
+                    help="training steps with AdamW, float32 and autocast(bfloat16) (--train-variants)")
+    ap.add_argument("--train-variants", default="float32_none,bf16_none,bf16_full")
     a = ap.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("torch_gpt_gpu_bench.py --device cuda: this PyTorch sees no CUDA device; use --device cpu")
@@ -217,6 +272,9 @@ def main():
     targets = idx.roll(-1, 1).to(dev.device)
     idx = idx.to(dev.device)
 
+    if a.train_step:
+        train_step_bench(a, dev, model, idx, targets, write)
+        return
     variants = []
     for v in a.variants.split(","):
         why = unavailable(v)

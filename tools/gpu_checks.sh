@@ -10,8 +10,8 @@
 #      full checkpointing and activation offloading; a save made on the GPU
 #      resumed on the CPU and back;
 #   3. the llama and lora examples, built against the installed remat;
-#   4. benchmarks/gpu_bench.sh: remat beside PyTorch on the same kernels
-#      (docs/benchmarks-gpu.md).
+#   4. benchmarks/gpu_bench.sh: remat beside PyTorch on the same kernels, and
+#      remat's bf16 beside torch.autocast with MFU (docs/benchmarks-gpu.md).
 # The machine needs a compiler, CMake, ninja, nvcc and a CUDA PyTorch; the build
 # dependencies it may lack (spdlog, fmt, nlohmann-json, CLI11, GoogleTest, zlib)
 # travel from this Debian machine:
@@ -94,7 +94,7 @@ build_gpu() {
     return 1
   fi
   grep -E '^-- remat:' "$out/configure.log"
-  targets=(gpu_test device_test mpi_staging_test remat-train remat-estimate remat-smoke gpt_bench)
+  targets=(gpu_test device_test mpi_staging_test remat-train remat-estimate remat-smoke gpt_bench dp_bench)
   grep -q "NCCL ON" "$out/configure.log" && targets+=(nccl_test)
   step "build ${targets[*]}"
   if ! cmake --build build/gpu -j"$(nproc)" --target "${targets[@]}" >"$out/build.log" 2>&1 ||
@@ -244,7 +244,7 @@ dry_run() {
   mkdir -p "$out"
   bin=build/cmake examples=build/gpu-dry-examples
   step "build (CMake, this machine's LibTorch): gpu_test compiled, remat-train, gpt_bench"
-  if ! { cmake --build build/cmake -j"$(nproc)" --target gpu_test device_test remat-train remat-estimate remat-smoke gpt_bench &&
+  if ! { cmake --build build/cmake -j"$(nproc)" --target gpu_test device_test remat-train remat-estimate remat-smoke gpt_bench dp_bench &&
          cmake --install build/cmake --prefix build/install; } >"$out/build.log" 2>&1; then
     grep -E 'error|Error' "$out/build.log" | head -40
     echo "build failed (run ./test.sh first: it configures build/cmake)"
@@ -265,11 +265,11 @@ bench() {
   local dir=$1
   shift
   step "benchmarks/gpu_bench.sh $*"
-  GPT_BENCH=$bin/gpt_bench GPU_BENCH_DIR="$dir/gpu-bench" GPU_BENCH_MD="$dir/benchmarks-gpu.md" \
+  GPT_BENCH=$bin/gpt_bench DP_BENCH=$bin/dp_bench GPU_BENCH_DIR="$dir/gpu-bench" GPU_BENCH_MD="$dir/benchmarks-gpu.md" \
     benchmarks/gpu_bench.sh "$@" >"$dir/gpu_bench.log" 2>&1
   local status=$?
   grep -E '^gpu_bench:|Error|error' "$dir/gpu_bench.log" | head -40
-  [[ -f $dir/benchmarks-gpu.md ]] && grep -E '^\| |^- ' "$dir/benchmarks-gpu.md" | head -60
+  [[ -f $dir/benchmarks-gpu.md ]] && grep -E '^\| |^- ' "$dir/benchmarks-gpu.md" | head -100
   return $status
 }
 
