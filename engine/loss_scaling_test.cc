@@ -1,7 +1,7 @@
 // fp16's loss scaling through the engine, under mpirun at 1 and 2 ranks.
 // The loss scaler runs over float32 compute through the test seam
-// (EngineOptions::fp16_scaler_at_float32), since this CPU cannot compute in
-// fp16: the loss is scaled (the gradients carry the scale, bitwise), the
+// (EngineOptions::fp16_scaler_at_float32), on any CPU (LibTorch 1.13's cannot
+// compute in fp16; fp16 compute itself is engine/fp16_test.cc): the loss is scaled (the gradients carry the scale, bitwise), the
 // gradients unscaled (a power-of-two scale gives float32's training bit for
 // bit), an overflow injected into one rank's shard of the gradients skips
 // the step on every rank and updates the scale, the metrics carry the scale,
