@@ -320,7 +320,11 @@ void Engine::Impl::wire_sharding(torch::nn::Module& model, const Config& config,
   std::vector<std::shared_ptr<torch::nn::Module>> units(blocks.begin(), blocks.end());
   parallel::ZeroOptions zero_options = config.zero_optimization;
   zero_options.progress_in_hooks = knobs::reduce_progress_in_hooks();
-  zero = std::make_unique<parallel::ZeroModel>(model, units, layout->dp_group(), zero_options, config.bf16, sharded);
+  // bf16 or fp16 compute copies (fp16's loss scaler is wired before, in
+  // wire_loss_scaling; its test seam keeps float32 compute).
+  const bool fp16 = config.fp16.enabled && !options.fp16_scaler_at_float32;
+  const parallel::MixedPrecision mixed = parallel::mixed_precision(config.bf16, fp16);
+  zero = std::make_unique<parallel::ZeroModel>(model, units, layout->dp_group(), zero_options, mixed, sharded);
   optimizer = options.optimizer ? options.optimizer(zero->parameters())
                                 : make_optimizer(config.optimizer, zero->parameters());
   REMAT_CHECK(optimizer != nullptr, "remat::initialize: EngineOptions::optimizer returned no optimizer");

@@ -133,7 +133,7 @@ namespace {
 
 // Parameters whose gradients are averaged by one all-reduce.
 struct DpBucket {
-  std::vector<at::Tensor> params;   // the model's (bf16: its compute copies)
+  std::vector<at::Tensor> params;   // the model's (mixed precision: its compute copies)
   std::vector<at::Tensor> masters;  // what the optimizer steps (float32: params themselves)
   std::vector<char> arrived;  // gradient of params[k] accumulated in this backward
   size_t arrivals = 0;
@@ -147,9 +147,10 @@ struct DpBucket {
 class DataParallel final : public ShardingStrategy {
  public:
   DataParallel(torch::nn::Module& model, std::shared_ptr<Communicator> dp, const ZeroOptions& options,
-               const Bf16Options& bf16)
+               const MixedPrecision& mixed)
       : model_(model), dp_(std::move(dp)), params_(model.parameters()), options_(options),
-        bf16_(bf16.enabled), reduce_bf16_(bf16.reduces_in_bf16()), names_(parameter_names(model)),
+        mixed_(mixed.enabled()), compute_dtype_(mixed.compute_dtype), reduce_dtype_(mixed.reduce_dtype),
+        names_(parameter_names(model)),
         hooks_([this](size_t b, size_t k) { on_gradient(b, k); }) {
     install_compute_copies();
     // Buckets in reverse registration order, the order a backward produces
@@ -208,10 +209,10 @@ class DataParallel final : public ShardingStrategy {
     return out;
   }
 
-  // bf16: the compute copies made again from the masters when these changed
-  // (an optimizer step, a load, a write): once per step.
+  // Mixed precision: the compute copies made again from the masters when
+  // these changed (an optimizer step, a load, a write): once per step.
   void sync_parameters() override {
-    if (!bf16_ || !stale()) return;
+    if (!mixed_ || !stale()) return;
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params_.size(); ++i) {
       params_[i].detach().copy_(masters_[i].detach());
@@ -222,7 +223,7 @@ class DataParallel final : public ShardingStrategy {
   void begin_forward() override { sync_parameters(); }
   void leave_whole() override {
     sync_parameters();
-    if (!bf16_) return;
+    if (!mixed_) return;
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(masters_[i].detach());
   }
@@ -315,7 +316,7 @@ class DataParallel final : public ShardingStrategy {
       if (t.grad().defined()) s.grad_bytes += static_cast<int64_t>(t.grad().nbytes());
     };
     for (const auto& p : params_) add(p);
-    if (bf16_) {
+    if (mixed_) {
       for (const auto& m : masters_) add(m);
     }
     s.allreduce_bytes = allreduce_bytes_;
@@ -378,9 +379,9 @@ class DataParallel final : public ShardingStrategy {
     std::vector<at::Tensor> pieces;
     for (auto& m : b.masters) pieces.push_back(m.grad().reshape({-1}));
     b.flat = at::cat(pieces);
-    // Reduced in bf16 (communication_data_type): the float32 sum of the
-    // window's micro-steps rounded once.
-    if (reduce_bf16_ && dp_->size() > 1) b.flat = b.flat.to(at::kBFloat16);
+    // Reduced in bf16 or fp16 (communication_data_type): the float32 sum of
+    // the window's micro-steps rounded once.
+    if (reduce_dtype_ != at::kFloat && dp_->size() > 1) b.flat = b.flat.to(reduce_dtype_);
     b.launched = true;
     if (dp_->size() > 1) {
       b.pending = dp_->allReduce(b.flat, {ReduceOp::kAvg});
@@ -388,10 +389,10 @@ class DataParallel final : public ShardingStrategy {
     }
   }
 
-  // bf16: a compute copy's gradient (bf16) added into its master's, in
-  // float32 (a no-op when the parameter is its own master).
+  // Mixed precision: a compute copy's gradient (16-bit) added into its
+  // master's, in float32 (a no-op when the parameter is its own master).
   void fold(at::Tensor& p, at::Tensor& m) {
-    if (!bf16_ || !p.grad().defined()) return;
+    if (!mixed_ || !p.grad().defined()) return;
     torch::NoGradGuard no_grad;
     MemoryCategoryScope gradients(MemoryCategory::kGradients);
     if (m.grad().defined()) {
@@ -402,20 +403,21 @@ class DataParallel final : public ShardingStrategy {
     p.mutable_grad() = at::Tensor();
   }
 
-  // Float32 masters beside bf16 copies installed in the model, before any
+  // Float32 masters beside 16-bit copies installed in the model, before any
   // hook is added (a parameter's dtype is fixed from here on).
   void install_compute_copies() {
-    if (!bf16_) {
+    if (!mixed_) {
       masters_ = params_;
       return;
     }
     torch::NoGradGuard no_grad;
     for (auto& p : params_) {
-      REMAT_CHECK(p.scalar_type() == at::kFloat, "ZeroModel with bf16: parameters must be float32 (",
+      REMAT_CHECK(p.scalar_type() == at::kFloat, "ZeroModel with ", dtype_name(compute_dtype_),
+                  ": parameters must be float32 (",
                   names_.at(p.unsafeGetTensorImpl()), " is ", c10::toString(p.scalar_type()), ")");
       at::Tensor m = p.detach().clone().requires_grad_(p.requires_grad());
       names_.emplace(m.unsafeGetTensorImpl(), names_.at(p.unsafeGetTensorImpl()));
-      p.set_data(p.detach().to(at::kBFloat16));
+      p.set_data(p.detach().to(compute_dtype_));
       masters_.push_back(m);
       master_versions_.push_back(m._version());
     }
@@ -443,11 +445,12 @@ class DataParallel final : public ShardingStrategy {
   torch::nn::Module& model_;
   std::shared_ptr<Communicator> dp_;
   std::vector<at::Tensor> params_;   // the model's
-  std::vector<at::Tensor> masters_;  // what the optimizer steps: params_, or their float32 masters (bf16)
-  std::vector<int64_t> master_versions_;  // bf16: the masters' versions when the copies were made
-  bool stepped_ = false;             // bf16: a step may have changed the masters since
+  std::vector<at::Tensor> masters_;  // what the optimizer steps: params_, or their float32 masters
+  std::vector<int64_t> master_versions_;  // mixed: the masters' versions when the copies were made
+  bool stepped_ = false;             // mixed: a step may have changed the masters since
   ZeroOptions options_;
-  bool bf16_ = false, reduce_bf16_ = false;
+  bool mixed_ = false;               // 16-bit compute copies of float32 masters
+  at::ScalarType compute_dtype_ = at::kFloat, reduce_dtype_ = at::kFloat;
   std::map<const void*, std::string> names_;
   std::vector<DpBucket> buckets_;  // in the order their gradients are expected
   GradientHooks hooks_;
@@ -463,8 +466,8 @@ class DataParallel final : public ShardingStrategy {
 
 std::unique_ptr<ShardingStrategy> make_data_parallel(torch::nn::Module& model,
                                                      std::shared_ptr<Communicator> dp,
-                                                     const ZeroOptions& options, const Bf16Options& bf16) {
-  return std::make_unique<DataParallel>(model, std::move(dp), options, bf16);
+                                                     const ZeroOptions& options, const MixedPrecision& mixed) {
+  return std::make_unique<DataParallel>(model, std::move(dp), options, mixed);
 }
 
 }  // namespace remat::parallel

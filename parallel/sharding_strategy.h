@@ -122,24 +122,24 @@ class GradientHooks {
 // Stage 0: gradients all-reduced (averaged) in buckets of reduce_bucket_size
 // elements at the last micro-step; with overlap_comm each bucket starts as
 // soon as its gradients are accumulated, during that micro-step's backward.
-// With bf16 (stages 0-2): the model holds bf16 copies of float32 masters
-// (what parameters() returns), made again once per step; each micro-step's
-// bf16 gradients are added into float32 ones.
+// With mixed precision (stages 0-2): the model holds bf16 or fp16 copies of
+// float32 masters (what parameters() returns), made again once per step;
+// each micro-step's 16-bit gradients are added into float32 ones.
 std::unique_ptr<ShardingStrategy> make_data_parallel(torch::nn::Module& model,
                                                      std::shared_ptr<Communicator> dp,
-                                                     const ZeroOptions& options, const Bf16Options& bf16);
+                                                     const ZeroOptions& options, const MixedPrecision& mixed);
 
 // Stages 1 and 2: see zero.h.
 std::unique_ptr<ShardingStrategy> make_stage12(torch::nn::Module& model, const DpGroups& groups,
                                                const std::vector<at::Tensor>& sharded_tp,
-                                               const ZeroOptions& options, const Bf16Options& bf16);
+                                               const ZeroOptions& options, const MixedPrecision& mixed);
 
-// Stage 3: see zero.h. With bf16 the units are gathered in bf16 from float32
+// Stage 3: see zero.h. With mixed precision the units are gathered in the compute dtype from float32
 // shards, and every parameter is sharded (none persistent).
 std::unique_ptr<ShardingStrategy> make_stage3(
     torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
     const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp, const ZeroOptions& options,
-    const Bf16Options& bf16);
+    const MixedPrecision& mixed);
 
 // Each stage's memory rule (zero_memory.h; written once, in zero_memory.cc):
 // what a rank stores from the parameters' sizes, and the gradients it holds
@@ -149,7 +149,7 @@ StateElements data_parallel_state(const std::vector<ParameterCount>& params);
 GradientHold data_parallel_gradients(int64_t trainable, int64_t local_trainable);
 StateElements stage12_state(const ZeroOptions& options, int shard_group, const std::vector<ParameterCount>& params);
 GradientHold stage12_gradients(const ZeroOptions& options, int64_t trainable, int64_t local_trainable);
-StateElements stage3_state(const ZeroOptions& options, const Bf16Options& bf16, int shard_group,
+StateElements stage3_state(const ZeroOptions& options, const MixedPrecision& mixed, int shard_group,
                            const std::vector<ParameterCount>& params);
 GradientHold stage3_gradients(int64_t trainable, int64_t local_trainable);
 

@@ -18,24 +18,28 @@ namespace remat::parallel {
 
 namespace {
 
-// bf16: the floating-point tensors a module is called with through
-// remat::forward, cast to bf16 (the model cannot know the compute dtype: an
-// image reaching a patch embedding's Conv2d is float32). Sits in the
+// Mixed precision: the floating-point tensors a module is called with
+// through remat::forward, cast to the compute dtype (the model cannot know
+// it: an image reaching a patch embedding's Conv2d is float32). Sits in the
 // sharding slot of every module that has no sharding hook of its own.
 class CastInputsHook final : public ModuleHook {
  public:
+  explicit CastInputsHook(at::ScalarType dtype) : dtype_(dtype) {}
   c10::IValue run(const std::vector<c10::IValue>& args, const IValueFn& next) override {
     std::vector<c10::IValue> cast;
     cast.reserve(args.size());
     for (const auto& a : args) {
-      if (a.isTensor() && a.toTensor().is_floating_point() && a.toTensor().scalar_type() != at::kBFloat16) {
-        cast.emplace_back(a.toTensor().to(at::kBFloat16));
+      if (a.isTensor() && a.toTensor().is_floating_point() && a.toTensor().scalar_type() != dtype_) {
+        cast.emplace_back(a.toTensor().to(dtype_));
       } else {
         cast.push_back(a);
       }
     }
     return next(cast);
   }
+
+ private:
+  at::ScalarType dtype_;
 };
 
 }  // namespace
@@ -43,10 +47,10 @@ class CastInputsHook final : public ModuleHook {
 ZeroModel::ZeroModel(torch::nn::Module& model,
                      const std::vector<std::shared_ptr<torch::nn::Module>>& units,
                      std::shared_ptr<Communicator> dp_group, const ZeroOptions& config,
-                     const Bf16Options& bf16, std::vector<at::Tensor> sharded_tp)
-    : stage_(config.stage), bf16_(bf16.enabled), model_(model), dp_group_(dp_group),
+                     const MixedPrecision& mixed, std::vector<at::Tensor> sharded_tp)
+    : stage_(config.stage), mixed_(mixed.enabled()), model_(model), dp_group_(dp_group),
       sharded_tp_(std::move(sharded_tp)) {
-  if (std::string bad = check_bf16_options(bf16, config); !bad.empty()) throw ConfigError(bad);
+  if (std::string bad = check_mixed_precision(mixed); !bad.empty()) throw ConfigError(bad);
   const std::string invalid = check_zero_options(config);
   if (!invalid.empty()) throw ConfigError("config error: " + invalid);
   const int dp = dp_group->size(), rank = dp_group->rank();
@@ -80,24 +84,25 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
   shard_group_ = groups.shard;
   replicate_group_ = groups.replicate;
   switch (config.stage) {
-    case 0: strategy_ = make_data_parallel(model, dp_group, config, bf16); break;
+    case 0: strategy_ = make_data_parallel(model, dp_group, config, mixed); break;
     case 1:
-    case 2: strategy_ = make_stage12(model, groups, sharded_tp_, config, bf16); break;
-    default: strategy_ = make_stage3(model, units, groups, sharded_tp_, config, bf16); break;
+    case 2: strategy_ = make_stage12(model, groups, sharded_tp_, config, mixed); break;
+    default: strategy_ = make_stage3(model, units, groups, sharded_tp_, config, mixed); break;
   }
   arrivals_ = std::make_unique<Arrivals>(model);
-  if (bf16.enabled) {
-    auto hook = std::make_shared<CastInputsHook>();
+  if (mixed.enabled()) {
+    auto hook = std::make_shared<CastInputsHook>(mixed.compute_dtype);
     for (const auto& m : model.modules(/*include_self=*/false)) {
       if (module_hook(*m, HookSlot::kSharding) != nullptr) continue;  // stage 3's units cast in their own
       set_module_hook(*m, HookSlot::kSharding, hook);
       cast_hooked_.push_back(m);
     }
     cast_hook_ = hook;
-    log_rank0().info("bf16: float32 masters, the model computes with bf16 copies{}; gradients accumulated in "
-                     "float32, reduced in {}; floating-point inputs of {} modules' remat::forward calls cast to bf16",
-                     config.stage == 3 ? " gathered per unit" : " made once per step",
-                     bf16.reduces_in_bf16() ? "bf16" : "float32", cast_hooked_.size());
+    const char* dtype = dtype_name(mixed.compute_dtype);
+    log_rank0().info("{}: float32 masters, the model computes with {} copies{}; gradients accumulated in "
+                     "float32, reduced in {}; floating-point inputs of {} modules' remat::forward calls cast to {}",
+                     dtype, dtype, config.stage == 3 ? " gathered per unit" : " made once per step",
+                     dtype_name(mixed.reduce_dtype), cast_hooked_.size(), dtype);
   }
 }
 
@@ -151,9 +156,9 @@ GradientHold ZeroModel::gradient_hold(int64_t trainable, int64_t local_trainable
 ZeroModel::WholeParameters ZeroModel::install_whole_parameters(bool as_computed, bool keep_values) {
   WholeParameters out;
   if (!strategy_->parameters_gathered_on_use()) {
-    // Whole already. Where they are bf16 copies of float32 masters, what the
-    // scope leaves unchanged must not be written back rounded to bf16.
-    if (keep_values && bf16_) {
+    // Whole already. Where they are 16-bit copies of float32 masters, what
+    // the scope leaves unchanged must not be written back rounded.
+    if (keep_values && mixed_) {
       for (const auto& item : model_.named_parameters()) out.values[item.key()] = item.value().detach().clone();
     }
     return out;

@@ -54,10 +54,11 @@
 // soon as the backward accumulated its last gradient (begin_backward(true)
 // announces the last micro-step).
 //
-// bf16 (every stage): float32 masters are what the optimizer steps and saves
-// hold; the model computes with bf16 copies (stages 0-2: made once per step
-// and installed in the model; stage 3: the gathered units); gradients are
-// accumulated in float32 and reduced in Bf16Options::reduce_dtype.
+// Mixed precision, bf16 or fp16 (every stage): float32 masters are what the
+// optimizer steps and saves hold; the model computes with 16-bit copies
+// (stages 0-2: made once per step and installed in the model; stage 3: the
+// gathered units); gradients are accumulated in float32 and reduced in
+// MixedPrecision::reduce_dtype.
 //
 // Every stage: the model's parameters and buffers start as data-parallel
 // rank 0's (broadcast at construction, whatever each rank initialised).
@@ -145,17 +146,19 @@ struct ShardLayout {
 class ZeroModel {
  public:
   // `units` are submodules of `model` (each transformer block); `config` is
-  // the zero_optimization section, `bf16` the bf16 section (any stage; both
-  // in parallel/zero_options.h: with bf16 the model computes with bf16
+  // the zero_optimization section, `mixed` the compute and reduce dtypes
+  // (any stage; both in parallel/zero_options.h, where a Bf16Options, the bf16
+  // section, converts to one: with bf16 or fp16 the model computes with 16-bit
   // copies, parameters() are float32 masters, and the floating-point inputs
-  // of the model's modules called through remat::forward are cast to bf16); `sharded_tp` lists parameters that
+  // of the model's modules called through remat::forward are cast to the
+  // compute dtype); `sharded_tp` lists parameters that
   // differ across tensor-parallel ranks (for the gradient norm;
   // sharded_parameters()).
   // Invalid options (check_zero_options), or a stage or combination that is
   // not implemented, are a ConfigError.
   ZeroModel(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
             std::shared_ptr<Communicator> dp_group, const ZeroOptions& config,
-            const Bf16Options& bf16, std::vector<at::Tensor> sharded_tp = {});
+            const MixedPrecision& mixed, std::vector<at::Tensor> sharded_tp = {});
   ~ZeroModel();
   ZeroModel(const ZeroModel&) = delete;
   ZeroModel& operator=(const ZeroModel&) = delete;
@@ -258,13 +261,13 @@ class ZeroModel {
 
  private:
   int stage_;
-  bool bf16_ = false;
+  bool mixed_ = false;  // 16-bit compute copies of float32 masters
   torch::nn::Module& model_;
   std::shared_ptr<Communicator> dp_group_, shard_group_, replicate_group_;
   std::vector<at::Tensor> sharded_tp_;
   std::unique_ptr<ShardingStrategy> strategy_;
   struct Arrivals;  // take_gradient_arrivals()'s hooks and flags
-  // bf16: the modules whose inputs remat::forward casts, and the hook.
+  // Mixed precision: the modules whose inputs remat::forward casts, and the hook.
   std::vector<std::weak_ptr<torch::nn::Module>> cast_hooked_;
   std::shared_ptr<ModuleHook> cast_hook_;
   std::unique_ptr<Arrivals> arrivals_;

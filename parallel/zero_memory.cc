@@ -46,13 +46,13 @@ GradientHold stage12_gradients(const ZeroOptions& options, int64_t trainable, in
   return {trainable + local_trainable, options.stage == 1 ? trainable : local_trainable};
 }
 
-// Each parameter below the persistence threshold whole (none with bf16),
+// Each parameter below the persistence threshold whole (none with mixed precision),
 // every other one in 1/N; at most two units' sharded parameters gathered at
 // once: the unit computing and the one prefetched beside it (the next in
 // forward, the previous in backward), when it is within the prefetch size.
-StateElements stage3_state(const ZeroOptions& options, const Bf16Options& bf16, int shard_group,
+StateElements stage3_state(const ZeroOptions& options, const MixedPrecision& mixed, int shard_group,
                            const std::vector<ParameterCount>& params) {
-  const int64_t persistence = bf16.enabled ? 0 : options.stage3_param_persistence_threshold;
+  const int64_t persistence = mixed.enabled() ? 0 : options.stage3_param_persistence_threshold;
   StateElements s;
   std::map<int, int64_t> unit_sharded;  // block -> its sharded elements
   for (const ParameterCount& p : params) {
@@ -78,17 +78,17 @@ GradientHold stage3_gradients(int64_t /*trainable*/, int64_t local_trainable) {
   return {local_trainable, local_trainable};
 }
 
-StateElements state_elements(const ZeroOptions& options, const Bf16Options& bf16, int shard_group,
+StateElements state_elements(const ZeroOptions& options, const MixedPrecision& mixed, int shard_group,
                              const std::vector<ParameterCount>& params) {
   StateElements s;
   switch (options.stage) {
     case 0: s = data_parallel_state(params); break;
     case 1:
     case 2: s = stage12_state(options, shard_group, params); break;
-    default: return stage3_state(options, bf16, shard_group, params);
+    default: return stage3_state(options, mixed, shard_group, params);
   }
-  // Every parameter is whole on every rank: its bf16 copy too.
-  if (bf16.enabled) s.compute_copies = s.stored;
+  // Every parameter is whole on every rank: its 16-bit copy too.
+  if (mixed.enabled()) s.compute_copies = s.stored;
   return s;
 }
 

@@ -39,15 +39,15 @@ struct StateElements {
   GradientHold gradients;
   int64_t bucket = 0;    // stages 1 and 2: the gradient bucket being reduced (inside gradients.peak)
   int64_t gathered = 0;  // stage 3: a unit and the one prefetched beside it, at most
-  // bf16 at stages 0-2: the model's bf16 copies of the whole parameters,
+  // bf16 or fp16 at stages 0-2: the model's 16-bit copies of the whole parameters,
   // beside `stored` float32 masters (stage 3's are `gathered`).
   int64_t compute_copies = 0;
 };
 
 // options.stage's rule over `params` sharded within groups of `shard_group`
-// ranks (stage 3's bf16 shards every parameter: none persistent; stages 0-2's
-// bf16 keeps a bf16 copy of every parameter).
-StateElements state_elements(const ZeroOptions& options, const Bf16Options& bf16, int shard_group,
+// ranks (stage 3's mixed precision shards every parameter: none persistent;
+// stages 0-2's keeps a 16-bit copy of every parameter).
+StateElements state_elements(const ZeroOptions& options, const MixedPrecision& mixed, int shard_group,
                              const std::vector<ParameterCount>& params);
 
 }  // namespace remat::parallel

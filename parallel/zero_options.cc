@@ -39,7 +39,7 @@ std::string check_zero_options(const ZeroOptions& z) {
 }
 
 const std::vector<std::string>& reduce_dtype_names() {
-  static const std::vector<std::string> names = {"default", "fp32", "bf16"};
+  static const std::vector<std::string> names = {"default", "fp32", "bf16", "fp16"};
   return names;
 }
 
@@ -48,12 +48,57 @@ const std::vector<std::string>& grad_accum_dtype_names() {
   return names;
 }
 
-std::string check_bf16_options(const Bf16Options& bf16, const ZeroOptions& /*zero*/) {
-  if (!bf16.enabled && bf16.reduce_dtype == ReduceDtype::kBf16) {
-    return "communication_data_type \"bf16\" reduces gradients in bf16, but bf16.enabled is false (the "
-           "gradients are float32): set bf16.enabled true, or communication_data_type \"fp32\"";
+namespace {
+
+at::ScalarType reduce_dtype_of(ReduceDtype reduce, at::ScalarType compute) {
+  switch (reduce) {
+    case ReduceDtype::kFp32: return at::kFloat;
+    case ReduceDtype::kBf16: return at::kBFloat16;
+    case ReduceDtype::kFp16: return at::kHalf;
+    default: return compute;
   }
-  return "";
+}
+
+}  // namespace
+
+MixedPrecision::MixedPrecision(const Bf16Options& bf16)
+    : compute_dtype(bf16.enabled ? at::kBFloat16 : at::kFloat),
+      reduce_dtype(reduce_dtype_of(bf16.reduce_dtype, compute_dtype)) {}
+
+MixedPrecision mixed_precision(const Bf16Options& bf16, bool fp16) {
+  MixedPrecision m(bf16);
+  if (fp16 && !bf16.enabled) {
+    m.compute_dtype = at::kHalf;
+    m.reduce_dtype = reduce_dtype_of(bf16.reduce_dtype, at::kHalf);
+  }
+  return m;
+}
+
+const char* dtype_name(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return "float32";
+    case at::kBFloat16: return "bf16";
+    case at::kHalf: return "fp16";
+    default: return c10::toString(dtype);
+  }
+}
+
+std::string check_mixed_precision(const MixedPrecision& m) {
+  const at::ScalarType compute = m.compute_dtype, reduce = m.reduce_dtype;
+  if (compute != at::kFloat && compute != at::kBFloat16 && compute != at::kHalf) {
+    return str("the compute dtype is ", dtype_name(compute), ": remat computes in float32, bf16 (bf16.enabled) "
+               "or fp16 (fp16.enabled)");
+  }
+  if (reduce == at::kFloat || reduce == compute) return "";
+  const std::string r = dtype_name(reduce);
+  if (reduce != at::kBFloat16 && reduce != at::kHalf) {
+    return str("gradients cannot be reduced in ", r, ": set communication_data_type \"fp32\", \"bf16\" or \"fp16\"");
+  }
+  return str("communication_data_type \"", r, "\" reduces gradients in ", r, ", but ", r, ".enabled is false (",
+             compute == at::kFloat ? std::string("the gradients are float32")
+                                   : str("the model computes in ", dtype_name(compute)),
+             reduce == at::kHalf ? "; an fp16 sum needs fp16's loss scaler to catch its overflows" : "",
+             "): set ", r, ".enabled true, or communication_data_type \"fp32\"");
 }
 
 std::string check_hybrid_shard_size(const ZeroOptions& zero, int dp) {

@@ -1,8 +1,11 @@
 // ZeRO's options (parallel::ZeroModel, parallel/zero.h), each declared once
 // with its default and validated here. engine/config.cc binds the JSON
-// sections zero_optimization and bf16 onto these structs; messages name the
-// JSON keys, since that is where users set them.
+// sections zero_optimization and bf16 onto these structs (and fp16.enabled
+// into MixedPrecision); messages name the JSON keys, since that is where
+// users set them.
 #pragma once
+
+#include <c10/core/ScalarType.h>
 
 #include <cstdint>
 #include <string>
@@ -52,26 +55,20 @@ struct ZeroOptions {
 };
 
 // The dtype gradients are reduced in across data-parallel ranks (DeepSpeed's
-// communication_data_type). kDefault: bf16 under bf16, float32 otherwise, as
-// DeepSpeed chooses for bf16 (its PR #3370).
-enum class ReduceDtype { kDefault, kFp32, kBf16 };
+// communication_data_type). kDefault: the compute dtype (bf16 under bf16,
+// fp16 under fp16, float32 otherwise), as DeepSpeed chooses (for bf16 its PR
+// #3370).
+enum class ReduceDtype { kDefault, kFp32, kBf16, kFp16 };
 // The JSON names of ReduceDtype, by value ("default" is never written: it is
 // the key left out).
 const std::vector<std::string>& reduce_dtype_names();
 
-// Compute in bf16 at every stage: float32 master weights (stage 0: the
-// parameters the optimizer steps; 1 and 2: the flat buffers whose shards it
-// steps; 3: the shards) and optimizer state, bf16 copies of the parameters
-// installed in the model for forward and backward (stages 0-2: made once per
-// optimizer step; stage 3: gathered in bf16 from the shards), gradients
-// accumulated in float32 across micro-steps and reduced in `reduce_dtype`.
-// Floating-point tensors passed to a module through remat::forward are cast
-// to bf16 (what FSDP2 calls cast_forward_inputs).
 // The dtype gradients accumulate in across micro-steps (DeepSpeed's
 // data_types.grad_accum_dtype): float32, DeepSpeed's default, the only one.
 enum class GradAccumDtype { kFp32 };
 const std::vector<std::string>& grad_accum_dtype_names();
 
+// The JSON's bf16 section (with communication_data_type and data_types).
 struct Bf16Options {
   bool enabled = false;
   ReduceDtype reduce_dtype = ReduceDtype::kDefault;
@@ -82,15 +79,49 @@ struct Bf16Options {
   }
 };
 
+// Mixed precision at every stage (FSDP2's MixedPrecisionPolicy: param_dtype,
+// reduce_dtype): float32 master weights (stage 0: the parameters the
+// optimizer steps; 1 and 2: the flat buffers whose shards it steps; 3: the
+// shards) and optimizer state, copies of the parameters in `compute_dtype`
+// installed in the model for forward and backward (stages 0-2: made once per
+// optimizer step; stage 3: gathered in that dtype from the shards),
+// gradients accumulated in float32 across micro-steps and reduced in
+// `reduce_dtype`. Floating-point tensors passed to a module through
+// remat::forward are cast to the compute dtype (what FSDP2 calls
+// cast_forward_inputs). fp16's loss scaling is the caller's (the engine's):
+// the library computes what the scaled loss gives.
+struct MixedPrecision {
+  // at::kFloat: off (the model computes with the masters themselves);
+  // at::kBFloat16 (bf16.enabled) or at::kHalf (fp16.enabled).
+  at::ScalarType compute_dtype = at::kFloat;
+  // at::kFloat, or a 16-bit dtype equal to compute_dtype (check_mixed_precision).
+  at::ScalarType reduce_dtype = at::kFloat;
+
+  MixedPrecision() = default;
+  // The bf16 section alone (fp16 off). Implicit: a Bf16Options passed where
+  // a MixedPrecision is taken means what it always meant.
+  MixedPrecision(const Bf16Options& bf16);  // NOLINT(google-explicit-constructor)
+  bool enabled() const { return compute_dtype != at::kFloat; }
+};
+
+// The config's bf16 section and fp16.enabled (not both: engine/config.cc
+// refuses that) as a MixedPrecision: communication_data_type's default is the
+// compute dtype.
+MixedPrecision mixed_precision(const Bf16Options& bf16, bool fp16);
+// "float32", "bf16" or "fp16": the names the config and the logs use.
+const char* dtype_name(at::ScalarType dtype);
+
 // The rules of ZeroOptions alone, written once: an empty string when valid,
 // else every rule broken, one per line, each saying what is wrong and which
 // key to change. ZeroModel checks these, and
-// what needs the data-parallel size or the bf16 options, itself.
+// what needs the data-parallel size or the mixed precision, itself.
 std::string check_zero_options(const ZeroOptions& options);
 
-// bf16's rules: gradients reduced in bf16 need bf16 compute (a float32 run
-// keeps float32 gradients). Empty when valid.
-std::string check_bf16_options(const Bf16Options& bf16, const ZeroOptions& zero);
+// Mixed precision's rules: a compute dtype of float32, bf16 or fp16, and
+// gradients reduced in float32 or in the compute dtype (a float32 run keeps
+// float32 gradients; an fp16 sum needs fp16's loss scaler to catch its
+// overflows). Empty when valid.
+std::string check_mixed_precision(const MixedPrecision& mixed);
 
 // zero_optimization.hybrid_shard_size against the data-parallel size `dp`
 // (world size / tensor_parallel.size): the groups must be equal. Empty when

@@ -43,7 +43,7 @@ class Stage12 final : public ShardingStrategy {
   static constexpr size_t kMaxInFlight = 2;
 
   Stage12(torch::nn::Module& model, const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp,
-          const ZeroOptions& options, const Bf16Options& bf16);
+          const ZeroOptions& options, const MixedPrecision& mixed);
   ~Stage12() override;
 
   std::vector<at::Tensor> parameters() const override;
@@ -83,7 +83,9 @@ class Stage12 final : public ShardingStrategy {
   torch::nn::Module& model_;
   DpGroups groups_;
   ZeroOptions options_;
-  bool bf16_ = false, reduce_bf16_ = false;
+  // 16-bit compute copies (bf16 or fp16: compute_dtype_) of float32 masters.
+  bool bf16_ = false;
+  at::ScalarType compute_dtype_ = at::kFloat, reduce_dtype_ = at::kFloat;
   std::map<const void*, std::string> names_;
   std::vector<Bucket> buckets_;  // in the order their gradients are expected
   size_t next_launch_ = 0;       // buckets reduce in order, the same on every rank
@@ -111,8 +113,9 @@ class Stage12 final : public ShardingStrategy {
 };
 
 Stage12::Stage12(torch::nn::Module& model, const DpGroups& groups,
-                 const std::vector<at::Tensor>& sharded_tp, const ZeroOptions& options, const Bf16Options& bf16)
-    : model_(model), groups_(groups), options_(options), bf16_(bf16.enabled), reduce_bf16_(bf16.reduces_in_bf16()),
+                 const std::vector<at::Tensor>& sharded_tp, const ZeroOptions& options, const MixedPrecision& mixed)
+    : model_(model), groups_(groups), options_(options), bf16_(mixed.enabled()), compute_dtype_(mixed.compute_dtype),
+      reduce_dtype_(mixed.reduce_dtype),
       names_(parameter_names(model)),
       hooks_([this](size_t b, size_t k) { on_gradient(b, k); }) {
   const int n = groups_.shard->size(), r = groups_.shard->rank();
@@ -156,7 +159,7 @@ Stage12::Stage12(torch::nn::Module& model, const DpGroups& groups,
     }
     // bf16: the model computes from a bf16 copy of the bucket (installed
     // before the hooks: a parameter's dtype is fixed from here on).
-    if (bf16_) b.compute = b.flat.to(at::kBFloat16);
+    if (bf16_) b.compute = b.flat.to(compute_dtype_);
     const at::Tensor& installed = bf16_ ? b.compute : b.flat;
     for (size_t k = 0; k < b.params.size(); ++k) {
       auto& p = b.params[k];
@@ -171,7 +174,7 @@ Stage12::Stage12(torch::nn::Module& model, const DpGroups& groups,
     for (auto& p : frozen_) {
       at::Tensor m = p.detach().clone();
       names_.emplace(m.unsafeGetTensorImpl(), names_.at(p.unsafeGetTensorImpl()));
-      p.set_data(p.detach().to(at::kBFloat16));
+      p.set_data(p.detach().to(compute_dtype_));
       frozen_compute_.push_back(p);
       frozen_versions_.push_back(m._version());
       p = m;
@@ -388,7 +391,7 @@ void Stage12::launch(size_t bi) {
   b.launched = true;
   // Reduced in bf16 (communication_data_type): the float32 sum rounded once.
   const bool replicated = groups_.replicate && groups_.replicate->size() > 1;
-  if (reduce_bf16_ && (group.size() > 1 || replicated)) flat = flat.to(at::kBFloat16);
+  if (reduce_dtype_ != at::kFloat && (group.size() > 1 || replicated)) flat = flat.to(reduce_dtype_);
   b.input = flat;
   if (group.size() == 1) {
     b.output = flat;
@@ -536,8 +539,8 @@ ZeroStats Stage12::stats() const {
 
 std::unique_ptr<ShardingStrategy> make_stage12(torch::nn::Module& model, const DpGroups& groups,
                                                const std::vector<at::Tensor>& sharded_tp,
-                                               const ZeroOptions& options, const Bf16Options& bf16) {
-  return std::make_unique<Stage12>(model, groups, sharded_tp, options, bf16);
+                                               const ZeroOptions& options, const MixedPrecision& mixed) {
+  return std::make_unique<Stage12>(model, groups, sharded_tp, options, mixed);
 }
 
 }  // namespace remat::parallel

@@ -99,7 +99,7 @@ class Stage3 final : public ShardingStrategy {
  public:
   Stage3(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
          const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp, const ZeroOptions& options,
-         const Bf16Options& bf16);
+         const MixedPrecision& mixed);
   ~Stage3() override;
 
   // The model's parameters are views of their units' flat buffers.
@@ -145,9 +145,9 @@ class Stage3 final : public ShardingStrategy {
   std::shared_ptr<Communicator> all_dp_;     // every data-parallel rank
   std::map<const void*, std::string> names_;
   ZeroOptions options_;
-  bool bf16_ = false;                        // gathered parameters in bf16, shards in fp32
-  bool reduce_bf16_ = false;                 // gradients reduced in bf16 (communication_data_type)
-  int64_t persistence_threshold_ = 0;        // elements; 0 with bf16 (every parameter an fp32 master)
+  bool bf16_ = false;                        // gathered parameters in bf16 or fp16, shards in fp32
+  at::ScalarType compute_dtype_, reduce_dtype_;  // gathered in; gradients reduced in (communication_data_type)
+  int64_t persistence_threshold_ = 0;        // elements; 0 with bf16/fp16 (every parameter an fp32 master)
   std::vector<std::unique_ptr<Unit>> units_;  // blocks in order, then the root
   std::vector<at::Tensor> persistent_;
   // A root parameter's backward needs its data after the first unit's
@@ -239,9 +239,9 @@ c10::IValue ZeroUnitHook::run(const std::vector<c10::IValue>& args, const IValue
   };
   if (args.size() != 1 || !args[0].isTensor()) throw signature_error();
   at::Tensor input = args[0].toTensor();
-  // bf16: a floating-point input computes in bf16 (as ZeroModel's cast hook).
-  if (zero_->bf16_ && input.is_floating_point() && input.scalar_type() != at::kBFloat16) {
-    input = input.to(at::kBFloat16);
+  // bf16/fp16: a floating-point input computes in that dtype (as ZeroModel's cast hook).
+  if (zero_->bf16_ && input.is_floating_point() && input.scalar_type() != zero_->compute_dtype_) {
+    input = input.to(zero_->compute_dtype_);
   }
   return run(input, [&](const at::Tensor& x) {
     c10::IValue y = next({c10::IValue(x)});
@@ -286,13 +286,14 @@ at::Tensor ZeroUnitHook::run(const at::Tensor& x,
 Stage3::Stage3(torch::nn::Module& model,
                const std::vector<std::shared_ptr<torch::nn::Module>>& units,
                const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp,
-               const ZeroOptions& options, const Bf16Options& bf16)
+               const ZeroOptions& options, const MixedPrecision& mixed)
     : dp_(groups.shard), replicate_(groups.replicate), all_dp_(groups.dp),
-      names_(parameter_names(model)), options_(options), bf16_(bf16.enabled), reduce_bf16_(bf16.reduces_in_bf16()),
-      persistence_threshold_(bf16.enabled ? 0 : options.stage3_param_persistence_threshold) {
+      names_(parameter_names(model)), options_(options), bf16_(mixed.enabled()),
+      compute_dtype_(mixed.compute_dtype), reduce_dtype_(mixed.reduce_dtype),
+      persistence_threshold_(bf16_ ? 0 : options.stage3_param_persistence_threshold) {
   std::unordered_set<const void*> tp_sharded;
   for (const auto& p : sharded_tp) tp_sharded.insert(p.unsafeGetTensorImpl());
-  const at::ScalarType compute = bf16_ ? at::kBFloat16 : at::kFloat;
+  const at::ScalarType compute = compute_dtype_;
   torch::NoGradGuard no_grad;
   const std::vector<UnitParameters> unit_params = unit_parameters(model, units);
   for (size_t i = 0; i < unit_params.size(); ++i) {
@@ -456,8 +457,9 @@ void Stage3::reduce(Unit& unit) {
     for (int64_t o = 0; o < g.shard_numel; o += options_.reduce_bucket_size) {
       const int64_t len = std::min(options_.reduce_bucket_size, g.shard_numel - o);
       at::Tensor input = by_rank.narrow(1, o, len).contiguous();
-      // communication_data_type: bf16 by default under bf16.
-      if (reduce_bf16_ && (n > 1 || (replicate_ && replicate_->size() > 1))) input = input.to(at::kBFloat16);
+      // communication_data_type: the compute dtype by default.
+      const bool reduced = n > 1 || (replicate_ && replicate_->size() > 1);
+      if (reduce_dtype_ != at::kFloat && reduced) input = input.to(reduce_dtype_);
       at::Tensor out = at::empty({len}, input.options());
       dp_->reduceScatter(out, input, {ReduceOp::kAvg})->wait();
       reducescatter_bytes_ += static_cast<int64_t>(input.nbytes());
@@ -699,8 +701,8 @@ std::map<std::string, int64_t> Stage3::unit_padded_numels() const {
 std::unique_ptr<ShardingStrategy> make_stage3(
     torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
     const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp, const ZeroOptions& options,
-    const Bf16Options& bf16) {
-  return std::make_unique<Stage3>(model, units, groups, sharded_tp, options, bf16);
+    const MixedPrecision& mixed) {
+  return std::make_unique<Stage3>(model, units, groups, sharded_tp, options, mixed);
 }
 
 }  // namespace remat::parallel

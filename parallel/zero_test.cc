@@ -60,6 +60,36 @@ TEST(Zero, MisuseIsAClearError) {
               HasSubstr("communication_data_type \"bf16\" reduces gradients in bf16, but bf16.enabled is false"));
 }
 
+// The compute dtype is an option (MixedPrecision): with fp16 the model holds
+// fp16 copies at stages 0-2 (stage 3 gathers them on use) and parameters(),
+// what the optimizer steps, are float32 masters at every stage. Gradients are
+// reduced in float32 or in the compute dtype, nothing else.
+TEST(Zero, TheComputeDtypeIsAnOption) {
+  const auto& l = layout();
+  MixedPrecision fp16;
+  fp16.compute_dtype = fp16.reduce_dtype = at::kHalf;
+  for (int stage : {0, 1, 2, 3}) {
+    RootNormNet model;
+    std::vector<std::shared_ptr<torch::nn::Module>> units;
+    for (const auto& b : *model->blocks) units.push_back(b);
+    ZeroOptions zc;
+    zc.stage = stage;
+    ZeroModel zero(*model, units, l.dp_group(), zc, fp16);
+    for (const auto& p : zero.parameters()) EXPECT_EQ(p.scalar_type(), at::kFloat) << "stage " << stage;
+    if (stage == 3) continue;
+    for (const auto& p : model->parameters()) EXPECT_EQ(p.scalar_type(), at::kHalf) << "stage " << stage;
+  }
+  RootNormNet model;
+  MixedPrecision mixed;
+  mixed.compute_dtype = at::kBFloat16;
+  mixed.reduce_dtype = at::kHalf;
+  EXPECT_THAT(error_of<ConfigError>([&] { ZeroModel(*model, {}, l.dp_group(), ZeroOptions{}, mixed); }),
+              HasSubstr("communication_data_type \"fp16\" reduces gradients in fp16, but fp16.enabled is false (the "
+                        "model computes in bf16"));
+  mixed.compute_dtype = at::kDouble;
+  EXPECT_THAT(error_of<ConfigError>([&] { ZeroModel(*model, {}, l.dp_group(), ZeroOptions{}, mixed); }),
+              HasSubstr("the compute dtype is Double: remat computes in float32, bf16"));
+}
 
 TEST(Zero, HybridAndStage12MisuseIsAClearError) {
   const auto& l = layout();

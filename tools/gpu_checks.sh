@@ -8,7 +8,7 @@
 #   2. remat-train on the GPU at 1 rank (NCCL) and at 2 ranks sharing the GPU
 #      (MPI, staging through pinned host buffers), at ZeRO stages 0 and 3 with
 #      full checkpointing and activation offloading; a save made on the GPU
-#      resumed on the CPU and back;
+#      resumed on the CPU and back; fp16 (fp16.enabled, the loss scaler) at 1 rank;
 #   3. the llama and lora examples, built against the installed remat;
 #   4. benchmarks/gpu_bench.sh: remat beside PyTorch on the same kernels, and
 #      remat's bf16 beside torch.autocast with MFU (docs/benchmarks-gpu.md).
@@ -169,6 +169,25 @@ trains() {
   train "resume-back-on-$dev" 1 auto "$dev" --steps 8 --resume "$saves" --save-dir "$saves"
 }
 
+# fp16_run STEPS DEVICE BACKEND: remat-train with fp16.enabled at 1 rank (fp16
+# compute copies of float32 masters, DeepSpeed's dynamic loss scaling from
+# 2^16, whose first steps may overflow and be skipped): losses finite and
+# falling, the scale in every metrics line.
+fp16_run() {
+  local steps=$1 dev=$2 backend=$3 label=np1-$3-fp16
+  train "$label" 1 "$backend" "$dev" --steps "$steps" --set fp16.enabled=true
+  [[ -s $out/$label.jsonl ]] || return
+  python3 - "$out/$label.jsonl" <<'EOF' || fail "remat-train $label: no loss_scale in its metrics"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+if not rows or not all("loss_scale" in r for r in rows):
+    sys.exit("loss_scale missing from the metrics")
+skipped = sum(1 for r in rows if r.get("skipped"))
+print(f"train: fp16 loss scale {rows[0]['loss_scale']:g} -> {rows[-1]['loss_scale']:g}, "
+      f"{skipped} of {len(rows)} steps skipped for overflow")
+EOF
+}
+
 # example NAME NP ARGS...: an example's run and its last loss.
 example() {
   local name=$1 np=$2
@@ -230,6 +249,7 @@ run() {
     echo "== nccl_test not built: no MPI on this machine (the NCCL backend is bootstrapped over MPI)"
   fi
   trains 30 cuda nccl
+  fp16_run 20 cuda nccl
   oom cuda
   example llama 1
   example llama 2 --set zero_optimization.stage=3 --set activation_checkpointing.variant=full

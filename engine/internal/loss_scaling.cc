@@ -1,6 +1,7 @@
 #include "engine/internal/loss_scaling.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <nlohmann/json.hpp>
 
@@ -10,7 +11,12 @@
 
 namespace remat::internal {
 
-at::Tensor LossScaling::scale_loss(const at::Tensor& loss) const { return loss * scaler_.scale(); }
+at::Tensor LossScaling::scale_loss(const at::Tensor& loss) const {
+  // A 16-bit loss is scaled in float32 (the scale alone may exceed fp16's
+  // 65504); the backward casts the gradient back where the model went 16-bit.
+  const bool half = loss.scalar_type() == at::kHalf || loss.scalar_type() == at::kBFloat16;
+  return (half ? loss.to(at::kFloat) : loss) * scaler_.scale();
+}
 
 optim::LossScaler::Update LossScaling::record(int64_t step, bool overflow) {
   try {
@@ -61,35 +67,36 @@ void LossScaling::load(const std::string& text) {
   scaler_.load_state(s);
 }
 
+std::string fp16_compute_failure(c10::Device device) {
+  try {
+    at::AutoGradMode grad(true);
+    const auto opts = at::TensorOptions().dtype(at::kHalf).device(device);
+    at::Tensor a = at::ones({2, 2}, opts).requires_grad_(true);
+    at::mm(a, at::ones({2, 2}, opts)).sum().backward();
+    if (!a.grad().defined()) return "the backward gave no gradient";
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    return what.substr(0, what.find('\n'));
+  }
+  return "";
+}
+
 std::unique_ptr<LossScaling> wire_loss_scaling(const optim::LossScalerOptions& options, c10::Device device,
                                                bool at_float32) {
   const std::string where = c10::DeviceTypeName(device.type(), /*lower_case=*/true);
   if (at_float32) {
     log_rank0().warn("fp16.enabled with EngineOptions::fp16_scaler_at_float32 (a test seam): the loss scaler runs "
                      "over float32 compute on the {} device", where);
-  } else {
-    // A half-precision matmul on the model's device: where it fails, so would the model.
-    std::string missing;
-    try {
-      const auto opts = at::TensorOptions().dtype(at::kHalf).device(device);
-      (void)at::mm(at::ones({2, 2}, opts), at::ones({2, 2}, opts));
-    } catch (const std::exception& e) {
-      const std::string what = e.what();
-      missing = what.substr(0, what.find('\n'));
-    }
-    if (!missing.empty()) {
-      throw ConfigError(str("config error: fp16.enabled is true, but the ", where, " device cannot compute in fp16 "
-                            "with this LibTorch (", compat::torch_version(), "): a half-precision matmul fails (",
-                            missing, "). Set bf16.enabled instead (bf16 needs no loss scaling), or train on a GPU"));
-    }
-    throw ConfigError(str("config error: fp16.enabled is true, and the ", where, " device computes in fp16, but "
-                          "remat does not make fp16 compute copies of the parameters yet (the loss scaler is "
-                          "ready; the compute copies come with the mixed-precision work of issue 41). Set "
-                          "bf16.enabled instead (bf16 needs no loss scaling), or leave fp16 off"));
+  } else if (const std::string missing = fp16_compute_failure(device); !missing.empty()) {
+    // Where a half-precision matmul fails, so would the model.
+    throw ConfigError(str("config error: fp16.enabled is true, but the ", where, " device cannot compute in fp16 "
+                          "with this LibTorch (", compat::torch_version(), "): a half-precision matmul and its "
+                          "backward fail (", missing, "). Set bf16.enabled instead (bf16 needs no loss scaling), "
+                          "or train on a GPU"));
   }
   auto scaling = std::make_unique<LossScaling>(options);
-  log_rank0().info("fp16 loss scaling: {} scale {}", options.dynamic() ? "dynamic, first" : "static",
-                   scaling->scale());
+  log_rank0().info("fp16 loss scaling: {} scale {}{}", options.dynamic() ? "dynamic, first" : "static",
+                   scaling->scale(), at_float32 ? "" : str("; the model computes in fp16 on the ", where, " device"));
   return scaling;
 }
 

@@ -46,11 +46,16 @@ class LossScaling {
   optim::LossScaler::Update last_;
 };
 
+// Whether `device` computes in fp16 with this LibTorch: empty where a
+// half-precision matmul and its backward run there, else the first line of
+// the error they raise (LibTorch 1.13's CPU kernels have no half matmul;
+// 2.6's do).
+std::string fp16_compute_failure(c10::Device device);
+
 // The loss scaling of fp16.enabled on `device`: a ConfigError naming fp16 and
-// the device where it cannot compute in fp16 (LibTorch 1.13's CPU kernels
-// have no half-precision matmul) and, until the fp16 compute copies of the
-// parameters exist, everywhere else too. `at_float32` is the test seam
-// (EngineOptions::fp16_scaler_at_float32): the scaler over float32 compute.
+// the device where it cannot compute in fp16 (fp16_compute_failure).
+// `at_float32` is the test seam (EngineOptions::fp16_scaler_at_float32): the
+// scaler over float32 compute, on any device.
 std::unique_ptr<LossScaling> wire_loss_scaling(const optim::LossScalerOptions& options, c10::Device device,
                                                bool at_float32);
 
