@@ -4,6 +4,7 @@
 """
 import json
 import math
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -191,6 +192,26 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
+def sections(text):
+    """The '## ' sections of a markdown text, as (heading, text) in order."""
+    parts = re.split(r"(?m)^(?=## )", text)
+    return [(part.splitlines()[0], part.rstrip("\n")) for part in parts if part.startswith("## ")]
+
+
+# Sections of docs/benchmarks.md that other scripts write (host_adam_bench,
+# benchmarks/bf16_bench.sh) or that hold a GPU run's figures: carried over from
+# the existing file as they are, instead of being dropped by this rewrite.
+KEPT = ("## Fused host AdamW", "## bf16 beside float32", "## On a GPU")
+
+
+def kept_sections(md_path):
+    try:
+        old = open(md_path).read()
+    except FileNotFoundError:
+        return []
+    return [text for heading, text in sections(old) if heading.startswith(KEPT)]
+
+
 def main():
     results_path, cfg_path, md_path, img_dir = sys.argv[1:5]
     budget_path = sys.argv[5] if len(sys.argv) > 5 else None
@@ -362,6 +383,8 @@ def main():
         w(open(dp_md).read())
     if budget_path:
         targets += budget_section([json.loads(l) for l in open(budget_path) if l.strip()], w, img_dir)
+    for text in kept_sections(md_path):
+        w(text + "\n")
     w("## Targets\n")
     w("| target | met | measured |")
     w("|---|---|---|")
