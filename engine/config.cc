@@ -10,6 +10,7 @@
 #include <sstream>
 #include <type_traits>
 
+#include "engine/auto_values.h"
 #include "engine/deepspeed_keys.h"
 #include "runtime/error.h"
 #include "runtime/json_schema.h"
@@ -57,7 +58,7 @@ Field stored_in(Field field, S Config::*section) {
 // recognises but refuses.
 using AC = ActivationCheckpointingOptions;
 
-const std::vector<Field>& schema() {
+const std::vector<Field>& base_schema() {
   static const std::vector<Field> fields = with({
       optional_leaf("train_batch_size", &Config::train_batch_size),
       optional_leaf("train_micro_batch_size_per_gpu",
@@ -190,6 +191,16 @@ const std::vector<Field>& schema() {
               leaf("on_nonfinite", &TrainConfig::on_nonfinite, {"stop", "skip"}),
               leaf("device", &TrainConfig::device)}),
   }, deepspeed_only_top_level());
+  return fields;
+}
+
+// The schema, the keys of engine/auto_values.h taking "auto".
+const std::vector<Field>& schema() {
+  static const std::vector<Field> fields = [] {
+    std::vector<Field> all = base_schema();
+    for (const auto& key : auto_keys()) json_schema::allow_auto(all, key);
+    return all;
+  }();
   return fields;
 }
 
@@ -519,7 +530,8 @@ Config parse_config(const std::string& text, const std::string& source,
                     const std::vector<std::string>& overrides) {
   json root = json_schema::parse_strict(text, source);
   Config config;
-  json_schema::apply(source, "", schema(), root, &config);  // The file alone, errors name it.
+  std::vector<std::string> autos;  // the keys given "auto"
+  json_schema::apply(source, "", schema(), root, &config, &autos);  // The file alone, errors name it.
   if (!overrides.empty()) {
     // Each override is checked on its own; every one that fails is listed.
     std::vector<std::string> failed;
@@ -538,8 +550,11 @@ Config parse_config(const std::string& text, const std::string& source,
       throw ConfigError(message);
     }
     config = Config{};
-    json_schema::apply(source + " with --set overrides", "", schema(), root, &config);
+    autos.clear();
+    json_schema::apply(source + " with --set overrides", "", schema(), root, &config, &autos);
   }
+  for (auto& key : autos) config.auto_values.push_back({std::move(key), "", ""});
+  decide_config_autos(config);  // before the rules: they see the decided values
   check_values(config, Origin(source, overrides));
   return config;
 }
