@@ -151,6 +151,10 @@ void choose_micro_batch(Config& c, int dp, const MicroBatchChooser& choose) {
 
 void decide_batch_autos(Config& c, int dp, const MicroBatchChooser& choose) {
   REMAT_CHECK_GE(dp, 1, "data-parallel size");
+  if (!c.is_undecided_auto("train_micro_batch_size_per_gpu") && !c.is_undecided_auto("gradient_accumulation_steps") &&
+      !c.is_undecided_auto("train_batch_size")) {
+    return;  // nothing to decide: resolve_batch's errors stay where its callers ask
+  }
   // Both others numbers: resolve_batch derives it.
   const bool derived = c.is_undecided_auto("train_micro_batch_size_per_gpu") && c.train_batch_size &&
                        c.gradient_accumulation_steps;

@@ -64,7 +64,8 @@ constexpr int64_t kMaxAutoMicroBatch = int64_t{1} << 16;
 // - gradient_accumulation_steps: train_batch_size / (micro x dp) when
 //   train_batch_size is a number, else 1;
 // - train_batch_size: micro x accumulation x dp.
-// The decided values are stored in the config; resolve_batch(dp) then gives them.
+// The decided values are stored in the config; resolve_batch(dp) then gives
+// them. Nothing happens when none of the three is an undecided "auto".
 void decide_batch_autos(Config& config, int dp, const MicroBatchChooser& choose = {});
 
 // The keys still undecided (empty once every "auto" is decided).

@@ -232,8 +232,9 @@ int train(int argc, char** argv) {
     decide_gpt_autos(config, {layout->dims().dp, world.size(), data.vocab_size(), data.train_size(), device,
                               cuda && cuda_computes_bf16(device.has_index() ? device.index() : 0),
                               memory_per_rank(device),
-                              cuda ? "its GPU's capacity over the ranks sharing it"
-                                   : "this host's available memory over its ranks"});
+                              knobs::memory_per_rank_bytes() ? "REMAT_MEMORY_PER_RANK_BYTES"
+                              : cuda ? "its GPU's capacity over the ranks sharing it"
+                                     : "this host's available memory over its ranks"});
   }
   const BatchSizes batch = config.resolve_batch(layout->dims().dp);
   check_memory_estimate(config, batch, data.vocab_size(), world.size(), device);
