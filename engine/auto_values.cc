@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
+#include "parallel/zero_options.h"
 #include "runtime/error.h"
 
 namespace remat {
@@ -112,6 +113,10 @@ void decide_precision_autos(Config& c, const std::string& device, bool cuda, boo
                                    "8.0): fp16 with the dynamic loss scaler")
                              : str("the training device, ", device, ", computes bf16, which needs no loss "
                                    "scaling: set bf16.enabled for it"));
+  }
+  // The rule parse_config left for bf16.enabled "auto".
+  if (const std::string problem = parallel::check_bf16_options(c.bf16, c.zero_optimization); !problem.empty()) {
+    throw ConfigError(str("config error: ", problem, " (bf16.enabled \"auto\" -> false on ", device, ")"));
   }
 }
 

@@ -156,6 +156,13 @@ TEST(AutoValues, PrecisionIsTheFastestTheDeviceComputesWell) {
   decide_precision_autos(c, "cuda:0", true, false);
   EXPECT_TRUE(c.bf16.enabled);
   EXPECT_FALSE(c.fp16.enabled);
+  // communication_data_type "bf16" waits for bf16's decision: refused where it is false.
+  c = parse(R"({"bf16": {"enabled": "auto"}, "communication_data_type": "bf16"})");
+  EXPECT_THAT(config_error([&] { decide_precision_autos(c, "cpu", false, false); }),
+              HasSubstr("communication_data_type \"bf16\" reduces gradients in bf16, but bf16.enabled is false"));
+  c = parse(R"({"bf16": {"enabled": "auto"}, "communication_data_type": "bf16"})");
+  decide_precision_autos(c, "cuda:0", true, true);
+  EXPECT_TRUE(c.bf16.enabled);
   // Both given true is still refused.
   EXPECT_THAT(config_error([] { parse(R"({"bf16": {"enabled": true}, "fp16": {"enabled": true}})"); }),
               HasSubstr("'fp16.enabled' and 'bf16.enabled' are both true"));
