@@ -78,7 +78,8 @@ TEST(AutoValues, TheConfigsOwnKeysBecomeRematsDefaults) {
   EXPECT_EQ(c.optimizer.eps, d.optimizer.eps);
   EXPECT_EQ(c.optimizer.weight_decay, d.optimizer.weight_decay);
   EXPECT_EQ(auto_of(c, "optimizer.params.betas").value, "[0.9,0.999]");
-  EXPECT_EQ(auto_of(c, "optimizer.params.lr").why, "remat's default for optimizer.type AdamW, as when the key is left out");
+  EXPECT_EQ(auto_of(c, "optimizer.params.lr").why,
+            "remat's default for optimizer.type AdamW, as when the key is left out");
   EXPECT_EQ(c.scheduler.warmup_min_lr, 0.0);
   EXPECT_EQ(c.scheduler.warmup_max_lr, c.optimizer.lr);
   EXPECT_EQ(c.scheduler.total_num_steps, 50);
@@ -210,7 +211,8 @@ TEST(AutoValues, AnAutoMicroBatchIsTheChoosersWithinTheBatch) {
   EXPECT_EQ(c.train_batch_size, 12);
   EXPECT_EQ(auto_of(c, "train_micro_batch_size_per_gpu").why, "six fit");
   // train_batch_size given: at most train_batch_size / dp, a divisor of it.
-  c = parse(R"({"train_batch_size": 32, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"})");
+  c = parse(R"({"train_batch_size": 32, "train_micro_batch_size_per_gpu": "auto",
+               "gradient_accumulation_steps": "auto"})");
   decide_batch_autos(c, 2, [&](int64_t limit) {
     asked = limit;
     return MicroBatchChoice{6, "six fit"};

@@ -367,7 +367,8 @@ void check_sections(const Config& c, Problems& problems) {
   problems.add({"zero_optimization"}, parallel::check_zero_options(c.zero_optimization));
   // bf16.enabled "auto" is checked once decided (decide_precision_autos).
   if (!c.is_undecided_auto("bf16.enabled")) {
-    problems.add({"bf16.enabled", "communication_data_type"}, parallel::check_bf16_options(c.bf16, c.zero_optimization));
+    problems.add({"bf16.enabled", "communication_data_type"},
+                 parallel::check_bf16_options(c.bf16, c.zero_optimization));
   }
   check_fp16(c, problems);
   problems.add({"activation_checkpointing"}, check_activation_checkpointing(c.activation_checkpointing));

@@ -317,7 +317,8 @@ TEST(EngineDevice, AutoValuesAreDecidedFromThePlacedDevice) {
   EXPECT_TRUE(engine->step());
 
   models::Gpt other(testing::small_gpt(kVocab, kLayers, 0.0));
-  EXPECT_THAT(error_of<ConfigError>([&] { initialize(other, R"({"train_micro_batch_size_per_gpu": "auto"})", options); }),
+  const std::string auto_micro = R"({"train_micro_batch_size_per_gpu": "auto"})";
+  EXPECT_THAT(error_of<ConfigError>([&] { initialize(other, auto_micro, options); }),
               HasSubstr("a model given to remat::initialize cannot be estimated before it runs: give "
                         "train_micro_batch_size_per_gpu a number"));
   // Derived from the other two, it needs no estimate.

@@ -10,6 +10,9 @@
 // the GPT on this process and profiles one step under every block choice.
 // --device cuda: the model on a GPU, one per rank: offloaded bytes are host
 // rows apart from the device's peak, and the capacity is the GPU's.
+// Keys the config gives "auto" are decided first as remat-train would decide
+// them here (engine/auto_values.h), and printed above the table with why
+// (--json: its "auto" object).
 // Exits 2 when the configuration does not fit the memory a rank has here
 // (REMAT_MEMORY_PER_RANK_BYTES, else on the CPU the host's over its ranks,
 // on a GPU the first GPU's capacity).
@@ -155,7 +158,9 @@ int estimate(int argc, char** argv) {
   if (!json_path.empty()) {
     nlohmann::json rows = e.to_json();
     rows["auto"] = nlohmann::json::object();  // the keys given "auto": what each became, and why
-    for (const auto& a : config.auto_values) rows["auto"][a.key] = {{"value", nlohmann::json::parse(a.value)}, {"why", a.why}};
+    for (const auto& a : config.auto_values) {
+      rows["auto"][a.key] = {{"value", nlohmann::json::parse(a.value)}, {"why", a.why}};
+    }
     std::ofstream out(json_path);
     out << rows.dump(1) << "\n";
     if (!out) {

@@ -70,7 +70,8 @@ else
 fi
 
 # 3. remat-train decides the same at 2 ranks, logs each key on rank 0 and trains.
-out=$(REMAT_MEMORY_PER_RANK_BYTES=40000000 timeout 300 "$run" -np 2 -- "$train" --config "$tmp/trainer.json" --steps 3 2>&1)
+out=$(REMAT_MEMORY_PER_RANK_BYTES=40000000 timeout 300 "$run" -np 2 -- "$train" --config "$tmp/trainer.json" \
+      --steps 3 2>&1)
 rc=$?
 if [[ $rc -eq 0 ]] && grep -qF "train_micro_batch_size_per_gpu \"auto\" -> $m40: " <<<"$out" &&
    grep -qF "batch $((m40 * 2)) = micro $m40 x accumulation 1 x dp 2" <<<"$out" &&
