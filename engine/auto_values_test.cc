@@ -226,6 +226,10 @@ TEST(AutoValues, AnAutoMicroBatchIsTheChoosersWithinTheBatch) {
   c = parse(kTrainerConfig);
   EXPECT_THAT(config_error([&] { decide_batch_autos(c, 1, [](int64_t) { return MicroBatchChoice{0, "too big"}; }); }),
               HasSubstr("not even a micro-batch of 1 fits: too big"));
+  // resolve_batch before the decision says what is missing.
+  c = parse(kTrainerConfig);
+  EXPECT_THAT(config_error([&] { c.resolve_batch(1); }),
+              HasSubstr("train_micro_batch_size_per_gpu is \"auto\" and not decided yet"));
   // No chooser (a model remat cannot estimate): a number is asked for.
   c = parse(kTrainerConfig);
   EXPECT_THAT(config_error([&] { decide_batch_autos(c, 1); }),

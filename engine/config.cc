@@ -474,6 +474,9 @@ BatchSizes Config::resolve_batch(int dp) const {
     out = {*tbs, *tbs / dp, 1};
   } else if (micro) {
     out = {*micro * dp, *micro, 1};
+  } else if (is_undecided_auto("train_micro_batch_size_per_gpu")) {
+    fail_batch("train_micro_batch_size_per_gpu is \"auto\" and not decided yet: remat-train and remat-estimate "
+               "decide it from their model's memory estimate (engine/auto_values.h); elsewhere give it a number");
   } else {
     fail_batch("set train_batch_size or train_micro_batch_size_per_gpu (or both)");
   }
