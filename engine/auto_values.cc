@@ -97,8 +97,8 @@ void decide_precision_autos(Config& c, const std::string& device, bool cuda, boo
     c.bf16.enabled = !fp16_given && cuda && computes_bf16;
     decided(c, "bf16.enabled", c.bf16.enabled,
             fp16_given    ? std::string("fp16.enabled is true: one compute dtype")
-            : !cuda       ? str("the training device, ", device, ", computes float32 best (its bf16 kernels "
-                                "round without being faster)")
+            : !cuda       ? str("the training device, ", device, ", is a CPU: float32 (CPUs without AMX or "
+                                "AVX512-BF16 compute bf16 no faster, and it rounds; set bf16.enabled true for it)")
             : c.bf16.enabled ? str("the training device, ", device, ", computes bf16 (compute capability 8.0 or "
                                    "higher): bf16 compute from float32 masters, no loss scaling needed")
                              : str("the training device, ", device, ", has no bf16 (compute capability below 8.0)"));
@@ -107,15 +107,17 @@ void decide_precision_autos(Config& c, const std::string& device, bool cuda, boo
     c.fp16.enabled = !c.bf16.enabled && cuda && !computes_bf16;
     decided(c, "fp16.enabled", c.fp16.enabled,
             c.bf16.enabled ? std::string("bf16.enabled is true: one compute dtype")
-            : !cuda        ? str("the training device, ", device, ", computes float32 best (LibTorch's CPU "
-                                 "kernels have no fast fp16)")
+            : !cuda        ? str("the training device, ", device, ", is a CPU: float32 (CPU kernels compute "
+                                 "fp16 no faster, and it needs loss scaling)")
             : c.fp16.enabled ? str("the training device, ", device, ", has no bf16 (compute capability below "
                                    "8.0): fp16 with the dynamic loss scaler")
                              : str("the training device, ", device, ", computes bf16, which needs no loss "
                                    "scaling: set bf16.enabled for it"));
   }
   // The rule parse_config left for bf16.enabled "auto".
-  if (const std::string problem = parallel::check_bf16_options(c.bf16, c.zero_optimization); !problem.empty()) {
+  if (const std::string problem =
+          c.is_auto("bf16.enabled") ? parallel::check_bf16_options(c.bf16, c.zero_optimization) : std::string();
+      !problem.empty()) {
     throw ConfigError(str("config error: ", problem, " (bf16.enabled \"auto\" -> false on ", device, ")"));
   }
 }

@@ -136,7 +136,7 @@ TEST(AutoValues, PrecisionIsTheFastestTheDeviceComputesWell) {
   decide_precision_autos(c, "cpu", false, false);
   EXPECT_FALSE(c.bf16.enabled);
   EXPECT_FALSE(c.fp16.enabled);
-  EXPECT_THAT(auto_of(c, "bf16.enabled").why, HasSubstr("the training device, cpu, computes float32 best"));
+  EXPECT_THAT(auto_of(c, "bf16.enabled").why, HasSubstr("the training device, cpu, is a CPU: float32"));
   c = parse(both);
   decide_precision_autos(c, "cuda:0", true, true);
   EXPECT_TRUE(c.bf16.enabled);
