@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
-#include "parallel/zero_options.h"
 #include "runtime/error.h"
 
 namespace remat {
@@ -92,6 +91,7 @@ void decide_config_autos(Config& config) {
 }
 
 void decide_precision_autos(Config& c, const std::string& device, bool cuda, bool computes_bf16) {
+  const bool precision_auto = c.is_undecided_auto("bf16.enabled") || c.is_undecided_auto("fp16.enabled");
   if (c.is_undecided_auto("bf16.enabled")) {
     const bool fp16_given = c.fp16.enabled && !c.is_auto("fp16.enabled");
     c.bf16.enabled = !fp16_given && cuda && computes_bf16;
@@ -114,12 +114,8 @@ void decide_precision_autos(Config& c, const std::string& device, bool cuda, boo
                              : str("the training device, ", device, ", computes bf16, which needs no loss "
                                    "scaling: set bf16.enabled for it"));
   }
-  // The rule parse_config left for bf16.enabled "auto".
-  if (const std::string problem =
-          c.is_auto("bf16.enabled") ? parallel::check_bf16_options(c.bf16, c.zero_optimization) : std::string();
-      !problem.empty()) {
-    throw ConfigError(str("config error: ", problem, " (bf16.enabled \"auto\" -> false on ", device, ")"));
-  }
+  // The precision's rules, which parse_config left for these decisions.
+  if (precision_auto) check_config_rules(c, str("the config with bf16/fp16 \"auto\" decided for ", device));
 }
 
 namespace {

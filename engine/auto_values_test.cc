@@ -160,7 +160,8 @@ TEST(AutoValues, PrecisionIsTheFastestTheDeviceComputesWell) {
   // communication_data_type "bf16" waits for bf16's decision: refused where it is false.
   c = parse(R"({"bf16": {"enabled": "auto"}, "communication_data_type": "bf16"})");
   EXPECT_THAT(config_error([&] { decide_precision_autos(c, "cpu", false, false); }),
-              HasSubstr("communication_data_type \"bf16\" reduces gradients in bf16, but bf16.enabled is false"));
+              HasSubstr("config error in the config with bf16/fp16 \"auto\" decided for cpu: communication_data_type "
+                        "\"bf16\" reduces gradients in bf16, but bf16.enabled is false"));
   c = parse(R"({"bf16": {"enabled": "auto"}, "communication_data_type": "bf16"})");
   decide_precision_autos(c, "cuda:0", true, true);
   EXPECT_TRUE(c.bf16.enabled);

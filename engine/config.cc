@@ -365,8 +365,8 @@ void check_fp16(const Config& c, Problems& problems) {
 // and the tensor-parallel layout over the model.
 void check_sections(const Config& c, Problems& problems) {
   problems.add({"zero_optimization"}, parallel::check_zero_options(c.zero_optimization));
-  // bf16.enabled "auto" is checked once decided (decide_precision_autos).
-  if (!c.is_undecided_auto("bf16.enabled")) {
+  // The precision's rules wait for bf16/fp16 "auto" to be decided (decide_precision_autos checks again).
+  if (!c.is_undecided_auto("bf16.enabled") && !c.is_undecided_auto("fp16.enabled")) {
     problems.add({"bf16.enabled", "communication_data_type"},
                  parallel::check_bf16_options(c.bf16, c.zero_optimization));
   }
@@ -416,6 +416,8 @@ void check_values(const Config& c, const Origin& at) {
 }
 
 }  // namespace
+
+void check_config_rules(const Config& config, const std::string& source) { check_values(config, Origin(source, {})); }
 
 // Whether the machine has that device is the engine's to check: a config may
 // be read where it does not run.

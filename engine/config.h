@@ -165,6 +165,11 @@ struct Config {
 Config parse_config(const std::string& text, const std::string& source,
                     const std::vector<std::string>& overrides = {});
 
+// The rules parse_config checks, again, over a config changed since (its
+// "auto" values decided: engine/auto_values.h); every broken one in one
+// ConfigError naming `source`.
+void check_config_rules(const Config& config, const std::string& source);
+
 // Settings that are valid but would have no effect in `config` (e.g.
 // sequence_parallel_dropout with sequence parallelism off), one sentence
 // each saying what to change; the engine logs them as warnings.
