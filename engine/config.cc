@@ -10,6 +10,7 @@
 #include <sstream>
 #include <type_traits>
 
+#include "engine/auto_values.h"
 #include "engine/deepspeed_keys.h"
 #include "runtime/error.h"
 #include "runtime/json_schema.h"
@@ -57,7 +58,7 @@ Field stored_in(Field field, S Config::*section) {
 // recognises but refuses.
 using AC = ActivationCheckpointingOptions;
 
-const std::vector<Field>& schema() {
+const std::vector<Field>& base_schema() {
   static const std::vector<Field> fields = with({
       optional_leaf("train_batch_size", &Config::train_batch_size),
       optional_leaf("train_micro_batch_size_per_gpu",
@@ -190,6 +191,16 @@ const std::vector<Field>& schema() {
               leaf("on_nonfinite", &TrainConfig::on_nonfinite, {"stop", "skip"}),
               leaf("device", &TrainConfig::device)}),
   }, deepspeed_only_top_level());
+  return fields;
+}
+
+// The schema, the keys of engine/auto_values.h taking "auto".
+const std::vector<Field>& schema() {
+  static const std::vector<Field> fields = [] {
+    std::vector<Field> all = base_schema();
+    for (const auto& key : auto_keys()) json_schema::allow_auto(all, key);
+    return all;
+  }();
   return fields;
 }
 
@@ -354,8 +365,11 @@ void check_fp16(const Config& c, Problems& problems) {
 // and the tensor-parallel layout over the model.
 void check_sections(const Config& c, Problems& problems) {
   problems.add({"zero_optimization"}, parallel::check_zero_options(c.zero_optimization));
-  problems.add({"bf16.enabled", "fp16.enabled", "communication_data_type"},
-               parallel::check_mixed_precision(parallel::mixed_precision(c.bf16, c.fp16.enabled)));
+  // The precision's rules wait for bf16/fp16 "auto" to be decided (decide_precision_autos checks again).
+  if (!c.is_undecided_auto("bf16.enabled") && !c.is_undecided_auto("fp16.enabled")) {
+    problems.add({"bf16.enabled", "fp16.enabled", "communication_data_type"},
+                 parallel::check_mixed_precision(parallel::mixed_precision(c.bf16, c.fp16.enabled)));
+  }
   check_fp16(c, problems);
   problems.add({"activation_checkpointing"}, check_activation_checkpointing(c.activation_checkpointing));
   problems.add({"activation_offloading"}, check_offload_activations(c.activation_offloading));
@@ -402,6 +416,8 @@ void check_values(const Config& c, const Origin& at) {
 }
 
 }  // namespace
+
+void check_config_rules(const Config& config, const std::string& source) { check_values(config, Origin(source, {})); }
 
 // Whether the machine has that device is the engine's to check: a config may
 // be read where it does not run.
@@ -460,6 +476,9 @@ BatchSizes Config::resolve_batch(int dp) const {
     out = {*tbs, *tbs / dp, 1};
   } else if (micro) {
     out = {*micro * dp, *micro, 1};
+  } else if (is_undecided_auto("train_micro_batch_size_per_gpu")) {
+    fail_batch("train_micro_batch_size_per_gpu is \"auto\" and not decided yet: remat-train and remat-estimate "
+               "decide it from their model's memory estimate (engine/auto_values.h); elsewhere give it a number");
   } else {
     fail_batch("set train_batch_size or train_micro_batch_size_per_gpu (or both)");
   }
@@ -520,7 +539,8 @@ Config parse_config(const std::string& text, const std::string& source,
                     const std::vector<std::string>& overrides) {
   json root = json_schema::parse_strict(text, source);
   Config config;
-  json_schema::apply(source, "", schema(), root, &config);  // The file alone, errors name it.
+  std::vector<std::string> autos;  // the keys given "auto"
+  json_schema::apply(source, "", schema(), root, &config, &autos);  // The file alone, errors name it.
   if (!overrides.empty()) {
     // Each override is checked on its own; every one that fails is listed.
     std::vector<std::string> failed;
@@ -539,8 +559,11 @@ Config parse_config(const std::string& text, const std::string& source,
       throw ConfigError(message);
     }
     config = Config{};
-    json_schema::apply(source + " with --set overrides", "", schema(), root, &config);
+    autos.clear();
+    json_schema::apply(source + " with --set overrides", "", schema(), root, &config, &autos);
   }
+  for (auto& key : autos) config.auto_values.push_back({std::move(key), "", ""});
+  decide_config_autos(config);  // before the rules: they see the decided values
   check_values(config, Origin(source, overrides));
   return config;
 }

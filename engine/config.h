@@ -106,6 +106,14 @@ struct BatchSizes {
   int64_t gradient_accumulation_steps = 0;
 };
 
+// A key the config gave as "auto" (remat decides: engine/auto_values.h,
+// docs/config.md) and what it became.
+struct AutoValue {
+  std::string key;    // dotted, as in the JSON: "optimizer.params.lr"
+  std::string value;  // the value chosen, as JSON text; empty: not decided yet
+  std::string why;    // the reason, one sentence
+};
+
 struct Config {
   std::optional<int64_t> train_batch_size;
   std::optional<int64_t> train_micro_batch_size_per_gpu;
@@ -131,6 +139,16 @@ struct Config {
   DataConfig data;
   TrainConfig train;
 
+  // The keys given "auto", in key order (section by section): those whose value
+  // the config alone decides are decided by parse_config; the batch sizes and
+  // bf16/fp16 need the device and the model (decide_precision_autos,
+  // decide_batch_autos in engine/auto_values.h). The structs' members hold
+  // the decided values (until then, their defaults).
+  std::vector<AutoValue> auto_values;
+  // Whether `key` (dotted) was given "auto" / was given "auto" and is not decided yet.
+  bool is_auto(const std::string& key) const;
+  bool is_undecided_auto(const std::string& key) const;
+
   // Fills in the batch sizes that were left out, given the data-parallel size.
   // Inconsistent values are a ConfigError that shows the arithmetic.
   BatchSizes resolve_batch(int data_parallel_size) const;
@@ -146,6 +164,11 @@ struct Config {
 // as the source, not `source`.
 Config parse_config(const std::string& text, const std::string& source,
                     const std::vector<std::string>& overrides = {});
+
+// The rules parse_config checks, again, over a config changed since (its
+// "auto" values decided: engine/auto_values.h); every broken one in one
+// ConfigError naming `source`.
+void check_config_rules(const Config& config, const std::string& source);
 
 // Settings that are valid but would have no effect in `config` (e.g.
 // sequence_parallel_dropout with sequence parallelism off), one sentence

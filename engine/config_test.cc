@@ -410,7 +410,7 @@ TEST(Config, LoadsAFileAndNamesItInErrors) {
 // far-fetched suggestion (fp16 is not offered bf16).
 TEST(Config, ARealDeepSpeedConfigListsEveryProblemInOneError) {
   const std::string ds = R"({
-    "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16},
+    "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16, "min_loss_scale": "auto"},
     "bf16": {"enabled": false},
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "adam_w_mode": true}},
     "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": true},
@@ -419,6 +419,7 @@ TEST(Config, ARealDeepSpeedConfigListsEveryProblemInOneError) {
     "gradient_clipping": 1.0,
     "train_batch_size": "auto",
     "train_micro_batch_size_per_gpu": 4,
+    "steps_per_print": "auto",
     "wall_clock_breakdown": false,
     "flops_profiler": {"enabled": false, "profile_step": 1},
     "tensorboard": {"enabled": true},
@@ -427,14 +428,15 @@ TEST(Config, ARealDeepSpeedConfigListsEveryProblemInOneError) {
   const std::string msg = config_error([&] { parse(ds); });
   EXPECT_THAT(msg, HasSubstr("config error in test.json: 9 problems (nothing was applied):"));
   for (const std::string& want : {
-           std::string("'fp16.enabled' must be boolean, got string \"auto\""),
+           // "auto" where remat cannot decide (it decides fp16.enabled and train_batch_size).
+           std::string("'fp16.min_loss_scale' must be number, got string \"auto\""),
            std::string("recognised DeepSpeed key, not supported by remat: 'optimizer.params.adam_w_mode', because"),
            std::string("recognised DeepSpeed key, not supported by remat: 'zero_optimization.offload_optimizer', "
                        "because remat keeps optimizer state on the device"),
            std::string("'zero_optimization.round_robin_gradients'"),
            std::string("'zero_optimization.stage3_max_live_parameters'"),
            std::string("recognised DeepSpeed key, not supported by remat: 'zero_allow_untested_optimizer'"),
-           std::string("'train_batch_size' must be integer or null, got string \"auto\" (\"auto\" is filled in by "
+           std::string("'steps_per_print' must be integer, got string \"auto\" (\"auto\" is filled in by "
                        "a launcher"),
            std::string("recognised DeepSpeed key, not supported by remat: 'tensorboard'"),
            std::string("unknown key 'my_own_key'\n"),
@@ -444,6 +446,8 @@ TEST(Config, ARealDeepSpeedConfigListsEveryProblemInOneError) {
   }
   // wall_clock_breakdown is accepted, and so is a section switched off: not among the problems.
   EXPECT_EQ(msg.find("'wall_clock_breakdown'"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("'train_batch_size'"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("'fp16.enabled'"), std::string::npos) << msg;
   EXPECT_EQ(msg.find("'flops_profiler'"), std::string::npos) << msg;
   EXPECT_EQ(msg.find("did you mean"), std::string::npos) << msg;
   EXPECT_EQ(msg.find("overlap_comm'?"), std::string::npos) << msg;

@@ -17,10 +17,12 @@
 #include <map>
 #include <string>
 
+#include "engine/auto_values.h"
 #include "engine/config.h"
 #include "engine/engine.h"
 #include "engine/internal/device.h"
 #include "models/gpt.h"
+#include "runtime/device_memory.h"
 #include "runtime/error.h"
 #include "tests/error_of.h"
 #include "tests/parallel_setup.h"
@@ -278,6 +280,51 @@ TEST(EngineDeviceGpu, PlacesTrainsAndSavesToTheCpuAndBack) {
     EXPECT_TRUE(item.value().toTensor().is_cpu()) << item.key().toStringRef() << " exported off the host";
   }
   fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace remat
+
+namespace remat {
+namespace {
+
+// "auto" for a model remat cannot estimate (engine/auto_values.h): bf16 and
+// fp16 from the device the engine placed the model on, the batch by
+// DeepSpeed's rule, and an "auto" micro-batch that nothing derives refused,
+// asking for a number.
+TEST(EngineDevice, AutoValuesAreDecidedFromThePlacedDevice) {
+  EngineOptions options;
+  options.layout = testing::layout_ptr(1);
+  options.blocks = "blocks";
+  at::manual_seed(5);
+  models::Gpt model(testing::small_gpt(kVocab, kLayers, 0.0));
+  auto engine = initialize(model, R"({"train_micro_batch_size_per_gpu": 2, "train_batch_size": "auto",
+      "gradient_accumulation_steps": "auto", "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}})", options);
+  const Config& c = engine->config();
+  EXPECT_TRUE(undecided_autos(c).empty());
+  EXPECT_EQ(c.train_batch_size, 2);
+  EXPECT_EQ(c.gradient_accumulation_steps, 1);
+  const at::Device device = engine->device();
+  if (device.is_cuda()) {
+    EXPECT_EQ(c.bf16.enabled, cuda_computes_bf16(device.has_index() ? device.index() : 0));
+    EXPECT_NE(c.bf16.enabled, c.fp16.enabled);  // one of them on a GPU
+  } else {
+    EXPECT_FALSE(c.bf16.enabled);
+    EXPECT_FALSE(c.fp16.enabled);
+  }
+  at::Tensor x = at::randint(kVocab, {2, 12}, at::kLong);
+  engine->backward(engine->forward([&] { return model->loss(engine->to_device(x), engine->to_device(x)); }));
+  EXPECT_TRUE(engine->step());
+
+  models::Gpt other(testing::small_gpt(kVocab, kLayers, 0.0));
+  const std::string auto_micro = R"({"train_micro_batch_size_per_gpu": "auto"})";
+  EXPECT_THAT(error_of<ConfigError>([&] { initialize(other, auto_micro, options); }),
+              HasSubstr("a model given to remat::initialize cannot be estimated before it runs: give "
+                        "train_micro_batch_size_per_gpu a number"));
+  // Derived from the other two, it needs no estimate.
+  auto derived = initialize(other, R"({"train_micro_batch_size_per_gpu": "auto", "train_batch_size": 8,
+      "gradient_accumulation_steps": 2})", options);
+  EXPECT_EQ(derived->config().train_micro_batch_size_per_gpu, 4);
 }
 
 }  // namespace

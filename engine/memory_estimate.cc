@@ -588,4 +588,22 @@ MemoryEstimateInputs live_inputs(torch::nn::Module& model, const std::string& bl
   return in;
 }
 
+int64_t largest_fitting_micro_batch(const Config& config, int world_size, int64_t have, int64_t limit,
+                                    const std::function<MemoryEstimateInputs(int64_t micro)>& inputs) {
+  auto fits = [&](int64_t micro) {
+    const MemoryEstimateRow& row = estimate_memory(config, world_size, inputs(micro)).configured();
+    return row.feasible && row.peak_bytes <= have;
+  };
+  int64_t lo = 0, hi = limit;  // lo fits (0: trivially), hi + 1 does not (or is past the limit)
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (fits(mid)) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
 }  // namespace remat

@@ -146,6 +146,15 @@ MemoryEstimateInputs cold_gpt_inputs(const Config& config, int64_t vocab_size, i
 MemoryEstimateInputs live_inputs(torch::nn::Module& model, const std::string& blocks,
                                  const std::function<void()>& step);
 
+// train_micro_batch_size_per_gpu "auto" (engine/auto_values.h): the largest
+// micro-batch from 1 to `limit` whose configured row fits `have` bytes per
+// rank (its peak at most `have`; under variant auto, a plan within its
+// budget), with `inputs(micro)` the estimate's inputs at that micro-batch; 0
+// when not even 1 fits. The peak grows with the micro-batch, so the answer is
+// found by bisection (about log2(limit) estimates).
+int64_t largest_fitting_micro_batch(const Config& config, int world_size, int64_t have, int64_t limit,
+                                    const std::function<MemoryEstimateInputs(int64_t micro)>& inputs);
+
 // The cheapest change to `config` whose row fits `have` bytes per rank (the
 // configured stage under another policy, then another stage, then a memory
 // budget), as the keys to set; empty when none fits.

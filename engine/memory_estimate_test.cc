@@ -386,3 +386,36 @@ TEST(MemoryEstimate, Misuse) {
 
 }  // namespace
 }  // namespace remat
+
+namespace remat {
+namespace {
+
+// train_micro_batch_size_per_gpu "auto": the largest micro-batch whose
+// configured row fits, one more does not, and more memory never picks less.
+TEST(MemoryEstimate, TheLargestFittingMicroBatchFitsAndOneMoreDoesNot) {
+  for (const char* variant : {"none", "full"}) {
+    const Config c = config_of({std::string("activation_checkpointing.variant=") + variant});
+    auto inputs = [&](int64_t micro) { return cold_gpt_inputs(c, kVocab, micro); };
+    auto peak = [&](int64_t micro) { return estimate_memory(c, 2, inputs(micro)).configured().peak_bytes; };
+    const int64_t at5 = peak(5);
+    EXPECT_EQ(largest_fitting_micro_batch(c, 2, at5, 64, inputs), 5) << variant;
+    EXPECT_EQ(largest_fitting_micro_batch(c, 2, at5 - 1, 64, inputs), 4) << variant;
+    EXPECT_EQ(largest_fitting_micro_batch(c, 2, peak(1) - 1, 64, inputs), 0) << variant;  // not even 1
+    EXPECT_EQ(largest_fitting_micro_batch(c, 2, peak(100), 64, inputs), 64) << variant;    // the limit
+    int64_t last = 0;
+    for (int64_t have = peak(1) / 2; have <= peak(40); have += (peak(40) - peak(1)) / 37) {
+      const int64_t micro = largest_fitting_micro_batch(c, 2, have, 64, inputs);
+      EXPECT_GE(micro, last) << variant << " at " << have << " bytes";
+      if (micro > 0) {
+        EXPECT_LE(peak(micro), have) << variant;
+      }
+      EXPECT_GT(peak(micro + 1), have) << variant;
+      last = micro;
+    }
+    EXPECT_GE(last, 30) << variant;  // the sweep went up the sizes
+    EXPECT_EQ(largest_fitting_micro_batch(c, 2, peak(40), 64, inputs), 40) << variant;
+  }
+}
+
+}  // namespace
+}  // namespace remat

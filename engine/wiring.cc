@@ -17,6 +17,7 @@
 #include "checkpointing/offload_activations.h"
 #include "checkpointing/planner.h"
 #include "checkpointing/policy.h"
+#include "engine/auto_values.h"
 #include "engine/engine.h"
 #include "engine/internal/device.h"
 #include "engine/internal/engine_impl.h"
@@ -52,6 +53,16 @@ std::set<const torch::nn::Module*>& live_models() {
 // Settings that would have no effect are pointed out (config.h: ineffective_settings).
 void warn_ineffective(const Config& c) {
   for (const auto& warning : ineffective_settings(c)) log_rank0().warn("{}", warning);
+}
+
+// The config's "auto" values still open (a caller such as remat-train may
+// have decided them), from the device this rank trains on; one line per
+// decided key on rank 0.
+void decide_autos(Config& c, at::Device device, int dp) {
+  const bool cuda = device.is_cuda();
+  decide_precision_autos(c, device.str(), cuda, cuda && cuda_computes_bf16(device.has_index() ? device.index() : 0));
+  decide_batch_autos(c, dp);
+  for (const auto& line : auto_lines(c)) log_rank0().info("{}", line);
 }
 
 // Every rank runs what the others run: ranks configured differently would
@@ -181,6 +192,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineO
   s.wire_memory();
   s.wire_layout(config_);
   s.wire_device(*model_, config_);
+  decide_autos(config_, s.placed, s.layout->dims().dp);
   require_same_config(*s.world, config_, s.placed);
   warn_ineffective(config_);
   s.batch = config_.resolve_batch(s.layout->dims().dp);

@@ -10,6 +10,9 @@
 // the GPT on this process and profiles one step under every block choice.
 // --device cuda: the model on a GPU, one per rank: offloaded bytes are host
 // rows apart from the device's peak, and the capacity is the GPU's.
+// Keys the config gives "auto" are decided first as remat-train would decide
+// them here (engine/auto_values.h), and printed above the table with why
+// (--json: its "auto" object).
 // Exits 2 when the configuration does not fit the memory a rank has here
 // (REMAT_MEMORY_PER_RANK_BYTES, else on the CPU the host's over its ranks,
 // on a GPU the first GPU's capacity).
@@ -23,6 +26,7 @@
 #include <iostream>
 
 #include "data/dataset.h"
+#include "engine/auto_values.h"
 #include "engine/config.h"
 #include "engine/memory_estimate.h"
 #include "launch/train_tools.h"
@@ -35,6 +39,21 @@
 
 namespace remat {
 namespace {
+
+// The config's "auto" values decided for the run `facts` describe (a CUDA
+// device here tells whether it has bf16; with none here, one that has it is
+// assumed), as the lines printed above the table.
+std::string decide_autos(Config& config, GptAutoFacts facts) {
+  if (config.auto_values.empty()) return "";
+  if (facts.device.is_cuda()) facts.computes_bf16 = cuda_device_count() == 0 || cuda_computes_bf16(0);
+  decide_gpt_autos(config, facts);
+  std::string out = "\"auto\" values, as remat-train would decide them here:\n";
+  for (const auto& line : auto_lines(config)) out += "  " + line + "\n";
+  if (facts.device.is_cuda() && cuda_device_count() == 0) {
+    out += "  (no GPU here: bf16/fp16 \"auto\" were decided for a GPU with bf16, compute capability 8.0 or higher)\n";
+  }
+  return out + "\n";
+}
 
 int estimate(int argc, char** argv) {
   CLI::App app{"remat-estimate: the memory remat-train's configuration needs per rank, before running it"};
@@ -61,17 +80,28 @@ int estimate(int argc, char** argv) {
   }
   // Checked before the estimate, by the rule of remat-train's outputs.
   if (app.count("--json") > 0) check_output_file({"--json", json_path, "estimate.json"});
-  const Config config = config_path.empty() ? parse_config(default_config_text(), "<embedded default>", overrides)
+  Config config = config_path.empty() ? parse_config(default_config_text(), "<embedded default>", overrides)
                                             : load_config(config_path, overrides);
   if (ranks % config.tensor_parallel.size != 0) {
     throw ConfigError(str("-np ", ranks, " is not a multiple of tensor_parallel.size ", config.tensor_parallel.size,
                           ": give a number of ranks that is"));
   }
   const int dp = ranks / config.tensor_parallel.size;
-  const BatchSizes batch = config.resolve_batch(dp);
   data::Dataset data = data::Dataset::load(config.data.path, config.data.train_fraction, config.model.seq_len);
   const bool cuda = device_name == "cuda";
   const c10::DeviceType device = cuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
+  // What each rank has: given, else its GPU, else its share of this host.
+  const bool given = knobs::get(knobs::kMemoryPerRankBytes).has_value();
+  const double have = given ? available_bytes_per_rank()
+                      : cuda ? static_cast<double>(device_memory(c10::Device(device, 0)).capacity)
+                             : available_bytes_per_rank() / ranks;
+  const std::string auto_table = decide_autos(config, {dp, ranks, data.vocab_size(), data.train_size(),
+                                                       c10::Device(device), false, have,
+                                                       given ? "REMAT_MEMORY_PER_RANK_BYTES"
+                                                       : cuda ? "the first GPU's capacity"
+                                                              : str("this host's available memory over ", ranks,
+                                                                    " ranks")});
+  const BatchSizes batch = config.resolve_batch(dp);
   MemoryEstimateInputs inputs;
   if (live) {
     if (config.tensor_parallel.size != 1) {
@@ -98,11 +128,6 @@ int estimate(int argc, char** argv) {
   } else {
     inputs = cold_gpt_inputs(config, data.vocab_size(), batch.micro_batch_per_gpu, device);
   }
-  // What each rank has: given, else its GPU, else its share of this host.
-  const bool given = knobs::get(knobs::kMemoryPerRankBytes).has_value();
-  const double have = given ? available_bytes_per_rank()
-                      : cuda ? static_cast<double>(device_memory(c10::Device(device, 0)).capacity)
-                             : available_bytes_per_rank() / ranks;
   // The capacity beside the peak on a GPU; on the CPU only for "auto" (its
   // figures otherwise as they were).
   if (cuda) inputs.device_capacity_bytes = static_cast<int64_t>(have);
@@ -110,7 +135,7 @@ int estimate(int argc, char** argv) {
     inputs.device_capacity_bytes = device_memory(c10::Device(device)).capacity / ranks;
   }
   const MemoryEstimate e = estimate_memory(config, ranks, inputs);
-  std::cout << e.table() << e.line() << "\n";
+  std::cout << auto_table << e.table() << e.line() << "\n";
   bool fits = true;
   if (have > 0) {
     const int64_t peak = e.configured().peak_bytes;
@@ -131,8 +156,13 @@ int estimate(int argc, char** argv) {
                  "to check the fit\n";
   }
   if (!json_path.empty()) {
+    nlohmann::json rows = e.to_json();
+    rows["auto"] = nlohmann::json::object();  // the keys given "auto": what each became, and why
+    for (const auto& a : config.auto_values) {
+      rows["auto"][a.key] = {{"value", nlohmann::json::parse(a.value)}, {"why", a.why}};
+    }
     std::ofstream out(json_path);
-    out << e.to_json().dump(1) << "\n";
+    out << rows.dump(1) << "\n";
     if (!out) {
       throw ConfigError(str("cannot write --json file '", json_path, "' (", std::strerror(errno),
                             "): give a writable path"));

@@ -27,6 +27,7 @@
 #include "models/gpt.h"
 #include "runtime/agreement.h"
 #include "runtime/communicator.h"
+#include "runtime/device_memory.h"
 #include "runtime/env_knobs.h"
 #include "runtime/error.h"
 #include "runtime/layout.h"
@@ -193,9 +194,9 @@ int train(int argc, char** argv) {
   if (steps_flag) overrides.push_back("train.steps=" + *steps_flag);
   if (seed_flag) overrides.push_back("train.seed=" + *seed_flag);
   if (device_flag) overrides.push_back("train.device=" + *device_flag);
-  const Config config = config_path.empty()
-                            ? parse_config(default_config_text(), "<embedded default>", overrides)
-                            : load_config(config_path, overrides);
+  // Not const: its "auto" values are decided once the layout, data and device are known.
+  Config config = config_path.empty() ? parse_config(default_config_text(), "<embedded default>", overrides)
+                                      : load_config(config_path, overrides);
   knobs::fault_save_pause();  // a bad value stops the run now, not at its first save
   if (overwrite_saves && save_dir.empty()) {
     throw ConfigError("--overwrite-saves without --save-dir: give the --save-dir whose saves this run may replace");
@@ -224,9 +225,19 @@ int train(int argc, char** argv) {
   }
   // Written after training or beside it: a path one cannot be written to stops the run now.
   if (rank0) check_outputs(metrics_path, memory_trace, export_path, plan_report);
-  const BatchSizes batch = config.resolve_batch(layout->dims().dp);
   data::Dataset data = data::Dataset::load(config.data.path, config.data.train_fraction, config.model.seq_len);
-  check_memory_estimate(config, batch, data.vocab_size(), world.size(), training_device(config));
+  const at::Device device = training_device(config);
+  if (!config.auto_values.empty()) {
+    const bool cuda = device.is_cuda();
+    decide_gpt_autos(config, {layout->dims().dp, world.size(), data.vocab_size(), data.train_size(), device,
+                              cuda && cuda_computes_bf16(device.has_index() ? device.index() : 0),
+                              memory_per_rank(device),
+                              knobs::memory_per_rank_bytes() ? "REMAT_MEMORY_PER_RANK_BYTES"
+                              : cuda ? "its GPU's capacity over the ranks sharing it"
+                                     : "this host's available memory over its ranks"});
+  }
+  const BatchSizes batch = config.resolve_batch(layout->dims().dp);
+  check_memory_estimate(config, batch, data.vocab_size(), world.size(), device);
 
   models::GptOptions model_options;
   model_options.shape = config.model;

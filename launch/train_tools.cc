@@ -14,6 +14,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "engine/auto_values.h"
 #include "runtime/device_memory.h"
 #include "runtime/env_knobs.h"
 #include "runtime/error.h"
@@ -146,6 +147,55 @@ std::string human_bytes(double b) {
     ++u;
   }
   return str(std::round(b * 10) / 10, " ", units[u]);
+}
+
+double memory_per_rank(c10::Device device) {
+  if (!device.is_cuda()) return available_bytes_per_rank();
+  if (const auto given = knobs::memory_per_rank_bytes()) return static_cast<double>(*given);
+  return static_cast<double>(device_memory(device).capacity / ranks_sharing(device));
+}
+
+namespace {
+
+// The GPT's cold estimate inputs at `micro`, the capacity set as check_memory_estimate sets it.
+MemoryEstimateInputs gpt_inputs(const Config& c, int64_t vocab, int64_t micro, c10::Device device) {
+  MemoryEstimateInputs inputs = cold_gpt_inputs(c, vocab, micro, device.type());
+  if (device.is_cuda() || c.activation_checkpointing.device_memory_budget_auto) {
+    const auto given = knobs::memory_per_rank_bytes();
+    inputs.device_capacity_bytes = device.is_cuda() && given
+                                       ? *given
+                                       : device_memory(device).capacity / ranks_sharing(device);
+  }
+  return inputs;
+}
+
+}  // namespace
+
+void decide_gpt_autos(Config& c, const GptAutoFacts& f) {
+  decide_precision_autos(c, f.device.str(), f.device.is_cuda(), f.computes_bf16);
+  decide_batch_autos(c, f.dp, [&](int64_t limit) -> MicroBatchChoice {
+    if (f.have <= 0) {
+      return {0, str("the memory each rank has is unknown here (", f.have_what,
+                     "): set REMAT_MEMORY_PER_RANK_BYTES, or give train_micro_batch_size_per_gpu a number")};
+    }
+    const int64_t sequences = std::max<int64_t>(1, f.train_tokens / std::max(1, c.model.seq_len));
+    const int64_t cap = std::min(limit, sequences);
+    const auto budget = static_cast<int64_t>(f.have * 0.9);
+    const int64_t micro = largest_fitting_micro_batch(
+        c, f.world_size, budget, cap, [&](int64_t m) { return gpt_inputs(c, f.vocab, m, f.device); });
+    const std::string of = str(human_bytes(static_cast<double>(budget)), ", nine tenths of the ",
+                               human_bytes(f.have), " each rank has (", f.have_what, ")");
+    if (micro < 1) return {0, str("the estimated peak of one sequence per rank exceeds ", of)};
+    const int64_t peak =
+        estimate_memory(c, f.world_size, gpt_inputs(c, f.vocab, micro, f.device)).configured().peak_bytes;
+    // Where the bound, not the memory, stopped it.
+    const std::string bound = micro < cap           ? std::string()
+                              : cap == sequences    ? " (the training split's sequences of model.seq_len)"
+                              : cap == limit && limit < kMaxAutoMicroBatch ? " (train_batch_size / data-parallel size)"
+                                                                           : " (remat's bound)";
+    return {micro, str("the largest micro-batch", bound.empty() ? "" : str(" up to ", cap, bound),
+                       " whose estimated peak per rank (", human_bytes(static_cast<double>(peak)), ") fits ", of)};
+  });
 }
 
 MemoryEstimate check_memory_estimate(const Config& c, const BatchSizes& batch, int64_t vocab, int world_size,

@@ -21,6 +21,30 @@ std::string human_bytes(double bytes);
 // (Open MPI's local size); 0 when unknown.
 double available_bytes_per_rank();
 
+// What each rank has to train in: REMAT_MEMORY_PER_RANK_BYTES when set;
+// else on a CUDA `device` its capacity over the ranks sharing it, on the CPU
+// available_bytes_per_rank(). 0 when unknown.
+double memory_per_rank(c10::Device device);
+
+// What remat-train's and remat-estimate's "auto" (engine/auto_values.h) are
+// decided from: the run's layout, the GPT's data and the device.
+struct GptAutoFacts {
+  int dp = 1, world_size = 1;
+  int64_t vocab = 0;
+  int64_t train_tokens = 0;  // the training split's tokens: at most train_tokens / seq_len sequences per micro-batch
+  c10::Device device = c10::Device(c10::DeviceType::CPU);
+  bool computes_bf16 = false;  // the CUDA device has bf16 (cuda_computes_bf16)
+  double have = 0;             // bytes per rank (memory_per_rank); 0: unknown
+  std::string have_what;       // where `have` comes from, for the reason
+};
+// Decides every "auto" the config leaves open: bf16/fp16 from the device,
+// train_micro_batch_size_per_gpu the largest micro-batch whose cold estimate
+// of the GPT (its configured row) fits nine tenths of `have` (a tenth kept
+// for what no estimate counts: the allocator's fragmentation, the CUDA
+// context, the process's own heap), at most the training split's sequences
+// and kMaxAutoMicroBatch; then the accumulation and train_batch_size.
+void decide_gpt_autos(Config& c, const GptAutoFacts& facts);
+
 // The cold estimate of the GPT of `c` at `world_size` ranks
 // (engine/memory_estimate.h), its line logged; a ConfigError naming the
 // cheapest change that fits when its peak exceeds the memory available to

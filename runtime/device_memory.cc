@@ -80,6 +80,20 @@ int cuda_device_count() {
 #endif
 }
 
+bool cuda_computes_bf16(int index) {
+#if defined(REMAT_WITH_NCCL)
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return major >= 8;
+#else
+  (void)index;
+  return false;
+#endif
+}
+
 DeviceMemory device_memory(c10::Device device, const MemoryTracker* tracker) {
   DeviceMemory m;
   if (device.is_cuda()) {

@@ -46,6 +46,11 @@ void reset_device_memory_peaks(c10::Device device);
 // The CUDA devices this process sees (0 in a build without the CUDA runtime).
 int cuda_device_count();
 
+// Whether CUDA device `index` computes bf16 well: compute capability 8.0 or
+// higher (bf16 tensor cores, Ampere on). false in a build without the CUDA
+// runtime, or where the device cannot be asked.
+bool cuda_computes_bf16(int index);
+
 // `device_memory_budget_bytes: "auto"`: a rank's share of its device less a
 // reserve for what no tensor holds (on a GPU: the CUDA context, the caching
 // allocator's fragmentation, NCCL's buffers; on the CPU: the process's own

@@ -193,6 +193,8 @@ bool whole_number(const json& value) {
          (value.is_number_float() && std::trunc(value.get<double>()) == value.get<double>());
 }
 
+bool is_auto(const json& value) { return value.is_string() && value.get_ref<const std::string&>() == "auto"; }
+
 bool has_kind(const Field& field, const json& value) {
   switch (field.kind) {
     case Kind::kBool: return value.is_boolean();
@@ -222,6 +224,7 @@ std::string type_problem(const std::string& path, const Field& field, const json
                          const std::string* typed = nullptr) {
   auto shown = [&] { return typed != nullptr && !value.is_string() ? preview(*typed) : preview(value); };
   if (value.is_null() && field.nullable) return "";
+  if (field.auto_ok && is_auto(value)) return "";
   // 1e999 parses as infinity: refused by name before any range or conversion.
   auto finite = [](const json& v) { return !v.is_number_float() || std::isfinite(v.get<double>()); };
   if (!finite(value) ||
@@ -230,7 +233,7 @@ std::string type_problem(const std::string& path, const Field& field, const json
   }
   if (!has_kind(field, value)) {
     // Launchers that fill values in (Hugging Face's Trainer) write "auto".
-    const bool auto_value = value.is_string() && value.get_ref<const std::string&>() == "auto";
+    const bool auto_value = is_auto(value);
     std::string words;  // kNumberOrWord: the strings it takes, and the closest to the one given
     if (field.kind == Kind::kNumberOrWord) {
       for (const auto& w : field.choices) words += " or \"" + w + "\"";
@@ -244,7 +247,9 @@ std::string type_problem(const std::string& path, const Field& field, const json
     return str("'", path, "' must be ", integral(field) ? "integer" : kind_name(field.kind), words, field.nullable ? " or null" : "", ", got ",
                got,
                auto_value ? std::string(" (\"auto\" is filled in by a launcher such as Hugging Face's "
-                                        "Trainer; remat fills nothing in: give a value or leave the key out)")
+                                        "Trainer; remat decides \"auto\" only for the keys docs/config.md lists "
+                                        "under \"auto\", and this is not one of them: give a value or leave the "
+                                        "key out)")
                           : std::string());
   }
   if (integral(field) && value.is_number()) {
@@ -353,13 +358,17 @@ void check_object(const std::string& source, const std::string& path, const std:
   fail(source, message);
 }
 
-// Stores every value of `object` (validated by check_object) into `target`.
-void assign(const std::vector<Field>& fields, const json& object, void* target) {
+// Stores every value of `object` (validated by check_object) into `target`;
+// "auto" where it is taken is reported in `auto_keys` instead.
+void assign(const std::string& path, const std::vector<Field>& fields, const json& object, void* target,
+            std::vector<std::string>* auto_keys) {
   for (const auto& [name, value] : object.items()) {
     auto it = std::find_if(fields.begin(), fields.end(), [&](const Field& f) { return f.name == name; });
     if (it == fields.end() || it->refusal) continue;
     if (it->kind == Kind::kObject) {
-      assign(it->children, value, it->member(target));
+      assign(join_path(path, name), it->children, value, it->member(target), auto_keys);
+    } else if (it->auto_ok && is_auto(value)) {
+      if (auto_keys != nullptr) auto_keys->push_back(join_path(path, name));
     } else {
       it->assign(value, target);
     }
@@ -371,9 +380,23 @@ void assign(const std::vector<Field>& fields, const json& object, void* target) 
 
 // Validates all of `object` against `fields`, then stores every present value.
 void apply(const std::string& source, const std::string& path,
-           const std::vector<Field>& fields, const json& object, void* target) {
+           const std::vector<Field>& fields, const json& object, void* target, std::vector<std::string>* auto_keys) {
   check_object(source, path, fields, object);
-  assign(fields, object, target);
+  assign(path, fields, object, target, auto_keys);
+}
+
+void allow_auto(std::vector<Field>& fields, const std::string& path) {
+  const auto dot = path.find('.');
+  const std::string head = path.substr(0, dot);
+  auto it = std::find_if(fields.begin(), fields.end(), [&](const Field& f) { return f.name == head; });
+  REMAT_CHECK(it != fields.end() && !it->refusal, "allow_auto: the schema has no key '", head, "' (in '", path, "')");
+  if (dot == std::string::npos) {
+    REMAT_CHECK(it->kind != Kind::kObject, "allow_auto: '", path, "' is a section, not a key");
+    it->auto_ok = true;
+  } else {
+    REMAT_CHECK(it->kind == Kind::kObject, "allow_auto: '", head, "' is not a section (in '", path, "')");
+    allow_auto(it->children, path.substr(dot + 1));
+  }
 }
 
 json dump(const std::string& path, const std::vector<Field>& fields, const void* target) {

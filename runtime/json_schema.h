@@ -52,6 +52,9 @@ struct Field {
   // Set for a key the schema recognises but does not accept (refused()): the
   // message for the key at `path`, saying why and what to do instead.
   std::function<std::string(const std::string& path)> refusal;
+  // Takes the string "auto" in place of a value (allow_auto()): the member
+  // keeps what it holds and apply() reports the key, for its caller to decide.
+  bool auto_ok = false;
 };
 
 template <typename T>
@@ -207,6 +210,11 @@ Field inline_section(const char* name, std::vector<Field> children);
 // value is refused. It is neither dumped nor offered as a valid key.
 Field refused(const char* name, std::function<std::string(const std::string& path)> message);
 
+// Lets the leaf at dotted `path` in `fields` (inline sections count as a
+// part) take "auto" (Field::auto_ok). A path naming no leaf is an Error: the
+// schema's own fault.
+void allow_auto(std::vector<Field>& fields, const std::string& path);
+
 // Throws ConfigError "config error in <source>: <message>".
 [[noreturn]] void fail(const std::string& source, const std::string& message);
 
@@ -217,9 +225,11 @@ json parse_strict(const std::string& text, const std::string& source);
 // Validates `object` against `fields` (at dotted `path`) and stores every
 // present value into `target`, the struct the fields are bound to. Every
 // unknown key, refused key and wrong type in `object` is listed in one
-// ConfigError, and then nothing is stored.
+// ConfigError, and then nothing is stored. A key given "auto" where its field
+// takes it (allow_auto) stores nothing: its dotted path is appended to
+// `auto_keys` (when not null), in key order.
 void apply(const std::string& source, const std::string& path, const std::vector<Field>& fields,
-           const json& object, void* target);
+           const json& object, void* target, std::vector<std::string>* auto_keys = nullptr);
 
 // The struct as JSON, every field present.
 json dump(const std::string& path, const std::vector<Field>& fields, const void* target);

@@ -1,0 +1,254 @@
+// "auto" in a config: which keys take it, what each becomes and why
+// (engine/auto_values.h), and that every other key still refuses it.
+#include "engine/auto_values.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "engine/config.h"
+#include "runtime/error.h"
+#include "tests/error_of.h"
+
+namespace remat {
+namespace {
+
+using ::testing::HasSubstr;
+
+template <typename F>
+std::string config_error(F fn) {
+  return remat::testing::error_of<ConfigError>(fn);
+}
+
+Config parse(const std::string& text, std::vector<std::string> overrides = {}) {
+  return parse_config(text, "test.json", overrides);
+}
+
+const AutoValue& auto_of(const Config& c, const std::string& key) {
+  for (const auto& a : c.auto_values) {
+    if (a.key == key) return a;
+  }
+  throw Error("no auto value " + key);
+}
+
+// The keys Hugging Face's Trainer fills (its ds_config templates for ZeRO 2 and 3).
+const char* const kTrainerConfig = R"({
+  "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16},
+  "bf16": {"enabled": "auto"},
+  "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+  "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+  "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "allgather_bucket_size": "auto",
+                        "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"},
+  "gradient_accumulation_steps": "auto",
+  "gradient_clipping": "auto",
+  "train_batch_size": "auto",
+  "train_micro_batch_size_per_gpu": "auto"
+})";
+
+TEST(AutoValues, EveryKeyTheTrainerFillsIsTakenInTheOrderGiven) {
+  const Config c = parse(kTrainerConfig);
+  std::vector<std::string> keys;
+  for (const auto& a : c.auto_values) keys.push_back(a.key);
+  EXPECT_EQ(keys, (std::vector<std::string>{
+                      "bf16.enabled", "fp16.enabled", "gradient_accumulation_steps", "gradient_clipping",
+                      "optimizer.params.betas", "optimizer.params.eps", "optimizer.params.lr",
+                      "optimizer.params.weight_decay", "scheduler.params.total_num_steps",
+                      "scheduler.params.warmup_max_lr", "scheduler.params.warmup_min_lr",
+                      "scheduler.params.warmup_num_steps", "train_batch_size", "train_micro_batch_size_per_gpu",
+                      "zero_optimization.allgather_bucket_size", "zero_optimization.reduce_bucket_size",
+                      "zero_optimization.stage3_param_persistence_threshold",
+                      "zero_optimization.stage3_prefetch_bucket_size"}));
+  // The device and the memory decide these later; the config alone the rest.
+  EXPECT_EQ(undecided_autos(c), (std::vector<std::string>{"bf16.enabled", "fp16.enabled",
+                                                          "gradient_accumulation_steps", "train_batch_size",
+                                                          "train_micro_batch_size_per_gpu"}));
+  EXPECT_TRUE(c.is_auto("bf16.enabled"));
+  EXPECT_TRUE(c.is_undecided_auto("bf16.enabled"));
+  EXPECT_FALSE(c.is_auto("zero_optimization.stage"));
+  EXPECT_EQ(auto_keys().size(), 18u);
+}
+
+TEST(AutoValues, TheConfigsOwnKeysBecomeRematsDefaults) {
+  const Config c = parse(kTrainerConfig, {"train.steps=50"});
+  const Config d;
+  EXPECT_EQ(c.gradient_clipping, 0.0);
+  EXPECT_THAT(auto_of(c, "gradient_clipping").why, HasSubstr("no clipping"));
+  EXPECT_EQ(c.optimizer.lr, d.optimizer.lr);
+  EXPECT_EQ(c.optimizer.betas, d.optimizer.betas);
+  EXPECT_EQ(c.optimizer.eps, d.optimizer.eps);
+  EXPECT_EQ(c.optimizer.weight_decay, d.optimizer.weight_decay);
+  EXPECT_EQ(auto_of(c, "optimizer.params.betas").value, "[0.9,0.999]");
+  EXPECT_EQ(auto_of(c, "optimizer.params.lr").why,
+            "remat's default for optimizer.type AdamW, as when the key is left out");
+  EXPECT_EQ(c.scheduler.warmup_min_lr, 0.0);
+  EXPECT_EQ(c.scheduler.warmup_max_lr, c.optimizer.lr);
+  EXPECT_EQ(c.scheduler.total_num_steps, 50);
+  EXPECT_THAT(auto_of(c, "scheduler.params.total_num_steps").why, HasSubstr("train.steps"));
+  // WarmupDecayLR: remat's default warm-up (1000) would outlast 50 steps.
+  EXPECT_EQ(c.scheduler.warmup_num_steps, 5);
+  EXPECT_THAT(auto_of(c, "scheduler.params.warmup_num_steps").why, HasSubstr("a tenth of total_num_steps (50)"));
+  const auto& z = c.zero_optimization;
+  EXPECT_EQ(z.reduce_bucket_size, d.zero_optimization.reduce_bucket_size);
+  EXPECT_EQ(z.allgather_bucket_size, d.zero_optimization.allgather_bucket_size);
+  EXPECT_EQ(z.stage3_prefetch_bucket_size, d.zero_optimization.stage3_prefetch_bucket_size);
+  EXPECT_EQ(z.stage3_param_persistence_threshold, d.zero_optimization.stage3_param_persistence_threshold);
+  EXPECT_EQ(auto_of(c, "zero_optimization.reduce_bucket_size").value, "500000000");
+}
+
+TEST(AutoValues, TheSchedulerFollowsTheOptimizerAndTheRun) {
+  Config c = parse(R"({"optimizer": {"params": {"lr": 3e-4}},
+      "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": "auto", "warmup_num_steps": "auto",
+                                                        "total_num_steps": "auto"}}})",
+                   {"train.steps=5000"});
+  EXPECT_EQ(c.scheduler.warmup_max_lr, 3e-4);
+  EXPECT_THAT(auto_of(c, "scheduler.params.warmup_max_lr").why, HasSubstr("optimizer.params.lr"));
+  EXPECT_EQ(c.scheduler.total_num_steps, 5000);
+  EXPECT_EQ(c.scheduler.warmup_num_steps, 1000);  // remat's default, below the run's steps
+  EXPECT_EQ(auto_of(c, "scheduler.params.warmup_num_steps").why, "remat's default, as when the key is left out");
+  // An override may say "auto" too.
+  c = parse("{}", {"gradient_clipping=auto", "train_micro_batch_size_per_gpu=\"auto\""});
+  EXPECT_TRUE(c.is_auto("gradient_clipping"));
+  EXPECT_TRUE(c.is_undecided_auto("train_micro_batch_size_per_gpu"));
+}
+
+TEST(AutoValues, EveryOtherKeyStillRefusesAuto) {
+  for (const auto& [text, key] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"train": {"steps": "auto"}})", "train.steps"},
+           {R"({"steps_per_print": "auto"})", "steps_per_print"},
+           {R"({"zero_optimization": {"stage": "auto"}})", "zero_optimization.stage"},
+           {R"({"fp16": {"loss_scale": "auto"}})", "fp16.loss_scale"},
+           {R"({"optimizer": {"params": {"momentum": "auto"}}})", "optimizer.params.momentum"},
+           {R"({"model": {"n_layer": "auto"}})", "model.n_layer"}}) {
+    const std::string msg = config_error([&] { parse(text); });
+    EXPECT_THAT(msg, HasSubstr("'" + key + "' must be ")) << msg;
+    EXPECT_THAT(msg, HasSubstr("remat decides \"auto\" only for the keys docs/config.md lists")) << msg;
+  }
+  EXPECT_THAT(config_error([] { parse("{}", {"train.steps=auto"}); }),
+              HasSubstr("config error in --set train.steps=auto: 'train.steps' must be integer, got string \"auto\""));
+  // "Auto" is not "auto".
+  EXPECT_THAT(config_error([] { parse(R"({"gradient_clipping": "Auto"})"); }),
+              HasSubstr("'gradient_clipping' must be number, got string \"Auto\""));
+}
+
+TEST(AutoValues, PrecisionIsTheFastestTheDeviceComputesWell) {
+  const std::string both = R"({"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}})";
+  Config c = parse(both);
+  decide_precision_autos(c, "cpu", false, false);
+  EXPECT_FALSE(c.bf16.enabled);
+  EXPECT_FALSE(c.fp16.enabled);
+  EXPECT_THAT(auto_of(c, "bf16.enabled").why, HasSubstr("the training device, cpu, is a CPU: float32"));
+  c = parse(both);
+  decide_precision_autos(c, "cuda:0", true, true);
+  EXPECT_TRUE(c.bf16.enabled);
+  EXPECT_FALSE(c.fp16.enabled);
+  EXPECT_EQ(auto_of(c, "bf16.enabled").value, "true");
+  EXPECT_EQ(auto_of(c, "fp16.enabled").why, "bf16.enabled is true: one compute dtype");
+  c = parse(both);
+  decide_precision_autos(c, "cuda:1", true, false);  // a GPU without bf16 (compute capability 7.x)
+  EXPECT_FALSE(c.bf16.enabled);
+  EXPECT_TRUE(c.fp16.enabled);
+  EXPECT_THAT(auto_of(c, "fp16.enabled").why, HasSubstr("fp16 with the dynamic loss scaler"));
+  // One given true: the other "auto" is false.
+  c = parse(R"({"bf16": {"enabled": "auto"}, "fp16": {"enabled": true}})");
+  decide_precision_autos(c, "cuda:0", true, true);
+  EXPECT_FALSE(c.bf16.enabled);
+  EXPECT_TRUE(c.fp16.enabled);
+  c = parse(R"({"bf16": {"enabled": true}, "fp16": {"enabled": "auto"}})");
+  decide_precision_autos(c, "cuda:0", true, false);
+  EXPECT_TRUE(c.bf16.enabled);
+  EXPECT_FALSE(c.fp16.enabled);
+  // communication_data_type "bf16" waits for bf16's decision: refused where it is false.
+  c = parse(R"({"bf16": {"enabled": "auto"}, "communication_data_type": "bf16"})");
+  EXPECT_THAT(config_error([&] { decide_precision_autos(c, "cpu", false, false); }),
+              HasSubstr("config error in the config with bf16/fp16 \"auto\" decided for cpu: communication_data_type "
+                        "\"bf16\" reduces gradients in bf16, but bf16.enabled is false"));
+  c = parse(R"({"bf16": {"enabled": "auto"}, "communication_data_type": "bf16"})");
+  decide_precision_autos(c, "cuda:0", true, true);
+  EXPECT_TRUE(c.bf16.enabled);
+  // Both given true is still refused.
+  EXPECT_THAT(config_error([] { parse(R"({"bf16": {"enabled": true}, "fp16": {"enabled": true}})"); }),
+              HasSubstr("'fp16.enabled' and 'bf16.enabled' are both true"));
+}
+
+TEST(AutoValues, BatchSizesFollowDeepSpeedsRule) {
+  // micro given: accumulation 1, train_batch_size micro x 1 x dp.
+  Config c = parse(R"({"train_micro_batch_size_per_gpu": 4, "train_batch_size": "auto",
+                       "gradient_accumulation_steps": "auto"})");
+  decide_batch_autos(c, 2);
+  EXPECT_EQ(c.train_batch_size, 8);
+  EXPECT_EQ(c.gradient_accumulation_steps, 1);
+  EXPECT_EQ(auto_of(c, "train_batch_size").why,
+            "train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size = 4 x 1 x 2");
+  EXPECT_EQ(c.resolve_batch(2).train_batch_size, 8);
+  // train_batch_size given: accumulation derived.
+  c = parse(R"({"train_micro_batch_size_per_gpu": 4, "train_batch_size": 32, "gradient_accumulation_steps": "auto"})");
+  decide_batch_autos(c, 2);
+  EXPECT_EQ(c.gradient_accumulation_steps, 4);
+  EXPECT_EQ(auto_of(c, "gradient_accumulation_steps").why,
+            "train_batch_size / (train_micro_batch_size_per_gpu x data-parallel size) = 32 / (4 x 2)");
+  // micro "auto" with both others given: derived, no memory asked.
+  c = parse(R"({"train_micro_batch_size_per_gpu": "auto", "train_batch_size": 32, "gradient_accumulation_steps": 2})");
+  decide_batch_autos(c, 2);
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 8);
+  EXPECT_EQ(auto_of(c, "train_micro_batch_size_per_gpu").value, "8");
+  EXPECT_TRUE(undecided_autos(c).empty());
+  // The arithmetic's errors stay resolve_batch's.
+  c = parse(R"({"train_micro_batch_size_per_gpu": 3, "train_batch_size": 32, "gradient_accumulation_steps": "auto"})");
+  EXPECT_THAT(config_error([&] { decide_batch_autos(c, 2); }),
+              HasSubstr("train_batch_size (32) is not divisible by train_micro_batch_size_per_gpu (3)"));
+}
+
+TEST(AutoValues, AnAutoMicroBatchIsTheChoosersWithinTheBatch) {
+  // Both others auto: the chooser's micro-batch, accumulation 1.
+  Config c = parse(kTrainerConfig);
+  int64_t asked = -1;
+  decide_batch_autos(c, 2, [&](int64_t limit) {
+    asked = limit;
+    return MicroBatchChoice{6, "six fit"};
+  });
+  EXPECT_EQ(asked, kMaxAutoMicroBatch);
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 6);
+  EXPECT_EQ(c.gradient_accumulation_steps, 1);
+  EXPECT_EQ(c.train_batch_size, 12);
+  EXPECT_EQ(auto_of(c, "train_micro_batch_size_per_gpu").why, "six fit");
+  // train_batch_size given: at most train_batch_size / dp, a divisor of it.
+  c = parse(R"({"train_batch_size": 32, "train_micro_batch_size_per_gpu": "auto",
+               "gradient_accumulation_steps": "auto"})");
+  decide_batch_autos(c, 2, [&](int64_t limit) {
+    asked = limit;
+    return MicroBatchChoice{6, "six fit"};
+  });
+  EXPECT_EQ(asked, 16);
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 4);
+  EXPECT_EQ(c.gradient_accumulation_steps, 4);
+  EXPECT_THAT(auto_of(c, "train_micro_batch_size_per_gpu").why,
+              HasSubstr("4, the largest micro-batch up to 6 that divides train_batch_size / data-parallel size = 16"));
+  // Nothing fits: the chooser's reason.
+  c = parse(kTrainerConfig);
+  EXPECT_THAT(config_error([&] { decide_batch_autos(c, 1, [](int64_t) { return MicroBatchChoice{0, "too big"}; }); }),
+              HasSubstr("not even a micro-batch of 1 fits: too big"));
+  // resolve_batch before the decision says what is missing.
+  c = parse(kTrainerConfig);
+  EXPECT_THAT(config_error([&] { c.resolve_batch(1); }),
+              HasSubstr("train_micro_batch_size_per_gpu is \"auto\" and not decided yet"));
+  // No chooser (a model remat cannot estimate): a number is asked for.
+  c = parse(kTrainerConfig);
+  EXPECT_THAT(config_error([&] { decide_batch_autos(c, 1); }),
+              HasSubstr("a model given to remat::initialize cannot be estimated before it runs: give "
+                        "train_micro_batch_size_per_gpu a number"));
+}
+
+TEST(AutoValues, EachDecisionIsOneLine) {
+  Config c = parse(R"({"train_micro_batch_size_per_gpu": 2, "train_batch_size": "auto", "gradient_clipping": "auto"})");
+  EXPECT_EQ(auto_lines(c), (std::vector<std::string>{"gradient_clipping \"auto\" -> 0.0: remat's default, no clipping "
+                                                     "(give a number, such as 1.0, to clip the gradients' norm)"}));
+  decide_batch_autos(c, 3);
+  ASSERT_EQ(auto_lines(c).size(), 2u);
+  EXPECT_EQ(auto_lines(c)[1], "train_batch_size \"auto\" -> 6: train_micro_batch_size_per_gpu x "
+                              "gradient_accumulation_steps x data-parallel size = 2 x 1 x 3");
+  // The dump shows what was decided.
+  EXPECT_THAT(c.to_json(), HasSubstr("\"train_batch_size\": 6"));
+}
+
+}  // namespace
+}  // namespace remat
