@@ -56,18 +56,19 @@ struct StateBytes {
 StateBytes state_bytes(const MemoryEstimateInputs& in, const Config& config, int stage, int n) {
   parallel::ZeroOptions z = config.zero_optimization;
   z.stage = stage;
-  // bf16: float32 masters (stage 3: shards, every parameter sharded, units
-  // gathered in bf16; stages 0-2: whole, each with a bf16 copy the model
-  // computes with). in.element_bytes is the profiled model's (bf16 in a live
-  // bf16 profile, whose backward allocated bf16 gradients).
-  const bool bf16 = config.bf16.enabled;
-  const int64_t eb = bf16 ? 4 : in.element_bytes;
-  const int64_t gathered_eb = bf16 ? 2 : in.element_bytes;
+  // bf16 or fp16: float32 masters (stage 3: shards, every parameter sharded,
+  // units gathered in 16 bits; stages 0-2: whole, each with a 16-bit copy the
+  // model computes with). in.element_bytes is the profiled model's (2 in a
+  // live 16-bit profile, whose backward allocated 16-bit gradients).
+  const parallel::MixedPrecision mixed = parallel::mixed_precision(config.bf16, config.fp16.enabled);
+  const bool half = mixed.compute_dtype != at::kFloat;
+  const int64_t eb = half ? 4 : in.element_bytes;
+  const int64_t gathered_eb = half ? 2 : in.element_bytes;
   const int64_t per_opt = optimizer_bytes_per_element(config.optimizer);
   std::vector<parallel::ParameterCount> params;
   params.reserve(in.parameters.size());
   for (const ParameterSize& p : in.parameters) params.push_back({p.numel, p.trainable, p.unit});
-  const parallel::StateElements e = parallel::state_elements(z, config.bf16, n, params);
+  const parallel::StateElements e = parallel::state_elements(z, mixed, n, params);
   StateBytes s;
   s.params = e.stored * eb + e.compute_copies * 2;
   s.grads = e.gradients.peak * eb;
@@ -470,12 +471,13 @@ MemoryEstimateInputs cold_gpt_inputs(const Config& config, int64_t vocab_size, i
                btf = b * t * F;
   const double sp = config.tensor_parallel.sequence_parallel_active() ? static_cast<double>(tp) : 1.0;
   auto bytes_of = [](double x) { return static_cast<int64_t>(std::min(x, 0x1p50)); };
-  // Bytes per activation element: bf16 (ZeRO stage 3) computes in bf16, its
+  // Bytes per activation element: bf16 or fp16 computes in 16 bits, its
   // saved tensors and dropout masks included; the loss is float32 either way.
-  const double a = config.bf16.enabled ? 2 : 4;
+  const bool half = config.bf16.enabled || config.fp16.enabled;
+  const double a = half ? 2 : 4;
   // The attention's scores, probabilities and mask, and its q, k, v: float32
   // where LibTorch's attention computes reduced precision in float32.
-  const double att = config.bf16.enabled && REMAT_SDPA_MATH_UPCASTS ? 4 : a;
+  const double att = half && REMAT_SDPA_MATH_UPCASTS ? 4 : a;
   const int64_t block = bytes_of(a * ((3 * btc + 4 * b * t) / sp + 4 * btc + 2 * btf) + att * 3 * bhtt +
                                  (att - a) * 3 * btc + a * 2 * btc / sp);
   const int64_t boundary = bytes_of(a * btc / sp);

@@ -261,6 +261,29 @@ TEST(MemoryEstimate, Bf16BelowStage3CountsTheComputeCopies) {
   }
 }
 
+// fp16 computes in 16 bits from float32 masters as bf16 does: every row of
+// its estimate equals bf16's at every stage, and differs from float32's.
+TEST(MemoryEstimate, Fp16IsEstimatedAsBf16) {
+  for (int stage : {0, 1, 2, 3}) {
+    const std::string z = str("zero_optimization.stage=", stage);
+    const Config fp32 = config_of({z}), bf16 = config_of({z, "bf16.enabled=true"}),
+                 fp16 = config_of({z, "fp16.enabled=true"});
+    const MemoryEstimate ea = estimate_memory(fp32, 2, cold_gpt_inputs(fp32, kVocab, 2));
+    const MemoryEstimate eb = estimate_memory(bf16, 2, cold_gpt_inputs(bf16, kVocab, 2));
+    const MemoryEstimate eh = estimate_memory(fp16, 2, cold_gpt_inputs(fp16, kVocab, 2));
+    for (const char* variant : {"none", "full"}) {
+      const auto &b = eb.row(stage, variant), &h = eh.row(stage, variant);
+      EXPECT_EQ(h.parameter_bytes, b.parameter_bytes) << stage << variant;
+      EXPECT_EQ(h.gradient_bytes, b.gradient_bytes) << stage << variant;
+      EXPECT_EQ(h.optimizer_bytes, b.optimizer_bytes) << stage << variant;
+      EXPECT_EQ(h.gathered_bytes, b.gathered_bytes) << stage << variant;
+      EXPECT_EQ(h.activation_bytes, b.activation_bytes) << stage << variant;
+      EXPECT_EQ(h.peak_bytes, b.peak_bytes) << stage << variant;
+    }
+    EXPECT_LT(eh.row(stage, "none").activation_bytes, ea.row(stage, "none").activation_bytes) << stage;
+  }
+}
+
 // remat-estimate refuses what remat-train refuses, in the same words (issue
 // 38, item 13): the configuration's rules (bf16 reductions without bf16) are
 // config rules both parse, and the rules that need the number of ranks are
