@@ -322,7 +322,7 @@ void Engine::Impl::wire_sharding(torch::nn::Module& model, const Config& config,
   zero_options.progress_in_hooks = knobs::reduce_progress_in_hooks();
   zero = std::make_unique<parallel::ZeroModel>(model, units, layout->dp_group(), zero_options, config.bf16, sharded);
   optimizer = options.optimizer ? options.optimizer(zero->parameters())
-                                : make_optimizer(config.optimizer, zero->parameters());
+                                : make_optimizer(config.optimizer, zero->parameters(), zero->offloads_optimizer());
   REMAT_CHECK(optimizer != nullptr, "remat::initialize: EngineOptions::optimizer returned no optimizer");
   // A whole-device budget the model state alone fills is refused before any step.
   if (const auto& device = device_budget_bytes; device && auto_plan) {
