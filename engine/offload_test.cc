@@ -316,6 +316,53 @@ TEST(OffloadOptimizer, SavesResumeAcrossOffloadAndDataParallelSize) {
   }
 }
 
+// In the window's last micro-step each gradient shard goes to the host as
+// its reduction ends, during the backward (stages 2 and 3 reduce there; stage
+// 3's root unit and persistent parameters after it): before finish_backward
+// host masters hold their gradients already. In an earlier micro-step
+// nothing moves.
+TEST(OffloadOptimizer, GradientShardsMoveAsTheirReductionEnds) {
+  for (int stage : {2, 3}) {
+    OffloadSetup s;
+    s.stage = stage;
+    s.offload = true;
+    at::manual_seed(9);
+    models::Gpt model(remat::testing::small_gpt(29, 3, 0.1));
+    EngineOptions options;
+    options.layout = remat::testing::layout_ptr(1);
+    auto engine = initialize(model, config_of(s), options);
+    parallel::ZeroModel& zero = engine->sharding();
+    at::Tensor idx = at::arange(24, at::kLong).view({2, 12}).remainder(29);
+    auto host_grads = [&] {
+      int n = 0;
+      for (const auto& p : zero.parameters()) n += p.grad().defined() ? 1 : 0;
+      return n;
+    };
+    for (bool last : {false, true}) {
+      zero.begin_forward();
+      at::Tensor loss = zero.finish_forward(model->loss(idx, idx.roll(-1, 1)));
+      zero.begin_backward(last);
+      loss.backward();
+      const int early = host_grads();
+      if (last) {
+        EXPECT_GT(early, 0) << "stage " << stage << ": no gradient reached the host during the backward";
+      } else {
+        EXPECT_EQ(early, 0) << "stage " << stage << ": a gradient moved before the window's last micro-step";
+      }
+      zero.finish_backward(last);
+      if (last) {
+        int trainable = 0;
+        for (const auto& p : zero.parameters()) trainable += p.requires_grad() ? 1 : 0;
+        EXPECT_EQ(host_grads(), trainable) << "stage " << stage;
+        // Stage 2 reduces every bucket in the backward, stage 3 the root unit after it.
+        if (stage == 3) {
+          EXPECT_LT(early, trainable) << "stage 3: the root unit's shards after the backward";
+        }
+      }
+    }
+  }
+}
+
 // The keys: device "cpu" from JSON with DeepSpeed's pipeline tuning accepted,
 // "nvme" and stage 0 refused saying what to change, NVMe's keys refused.
 TEST(OffloadOptimizer, ConfigKeys) {
@@ -325,6 +372,12 @@ TEST(OffloadOptimizer, ConfigKeys) {
   EXPECT_TRUE(c.zero_optimization.offload_optimizer.enabled());
   EXPECT_TRUE(c.zero_optimization.offload_optimizer.pin_memory);
   EXPECT_EQ(c.zero_optimization.offload_optimizer.buffer_count, 8);
+  // As remat-train's --set gives it.
+  const Config set = parse_config("{}", "<offload_test>",
+                                  {"zero_optimization.stage=3", "zero_optimization.offload_optimizer.device=cpu",
+                                   "zero_optimization.offload_optimizer.pin_memory=true"});
+  EXPECT_TRUE(set.zero_optimization.offload_optimizer.enabled());
+  EXPECT_TRUE(set.zero_optimization.offload_optimizer.pin_memory);
   const Config none = parse_config(R"({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "none"}}})",
                                    "<offload_test>");
   EXPECT_FALSE(none.zero_optimization.offload_optimizer.enabled());

@@ -89,6 +89,10 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
   }
   if (config.offload_optimizer.enabled()) {
     offload_ = std::make_unique<OptimizerOffload>(strategy_->parameters(), config.offload_optimizer);
+    // In the window's last micro-step, each gradient shard goes to the host as its reduction ends.
+    strategy_->set_gradient_reduced([this](const at::Tensor& shard) {
+      if (last_micro_step_) offload_->take_gradient(shard);
+    });
   }
   arrivals_ = std::make_unique<Arrivals>(model);
   if (bf16.enabled) {
@@ -238,17 +242,22 @@ void ZeroModel::begin_forward() {
   strategy_->begin_forward();
 }
 at::Tensor ZeroModel::finish_forward(const at::Tensor& loss) { return strategy_->finish_forward(loss); }
-void ZeroModel::begin_backward(bool synchronize) { strategy_->begin_backward(synchronize); }
+void ZeroModel::begin_backward(bool synchronize) {
+  last_micro_step_ = synchronize;
+  strategy_->begin_backward(synchronize);
+}
 
 void ZeroModel::finish_backward(bool synchronize) {
   strategy_->finish_backward(synchronize);
-  // The window's reduced gradient shards, complete: to the host, for the step.
+  last_micro_step_ = false;
+  // The window's reduced gradient shards, complete: the rest to the host, for the step.
   if (offload_ && synchronize) offload_->take_gradients();
 }
 void ZeroModel::end_evaluation() { strategy_->end_evaluation(); }
 
 void ZeroModel::abandon_backward() {
   strategy_->abandon_backward();
+  last_micro_step_ = false;
   for (auto& p : strategy_->parameters()) p.mutable_grad() = at::Tensor();
   if (offload_) offload_->drop_gradients();
   for (auto& p : model_.parameters()) p.mutable_grad() = at::Tensor();

@@ -61,9 +61,10 @@
 //
 // offload_optimizer (stages 1-3, zero_offload.h): parameters() are float32
 // host copies of the shards (and stage 3's persistent parameters), which the
-// optimizer steps in host memory, its state made beside them; the reduced
-// gradient shards are copied into their gradients at the last micro-step's
-// finish_backward, and the stepped values back into the device shards by
+// optimizer steps in host memory, its state made beside them; in the last
+// micro-step (begin_backward(true)) each reduced gradient shard is copied
+// into its master's gradient as its reduction ends (finish_backward: the
+// rest, and waits), and the stepped values go back into the device shards by
 // after_step (and by begin_forward, whatever stepped them). On a CPU the
 // losses are bitwise those without offload.
 //
@@ -282,6 +283,7 @@ class ZeroModel {
   // offload_optimizer: the host masters into the device shards (`force`:
   // whether or not they changed).
   void push_offloaded(bool force);
+  bool last_micro_step_ = false;  // begin_backward(true) announced it, until finish_backward
   struct Arrivals;  // take_gradient_arrivals()'s hooks and flags
   // bf16: the modules whose inputs remat::forward casts, and the hook.
   std::vector<std::weak_ptr<torch::nn::Module>> cast_hooked_;

@@ -2,7 +2,10 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <c10/core/Event.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "runtime/error.h"
 #include "runtime/logging.h"
@@ -65,19 +68,45 @@ at::Tensor OptimizerOffload::host_of(const at::Tensor& device) const {
   return it == index_.end() ? device : host_[it->second];
 }
 
-void OptimizerOffload::take_gradients() {
+void OptimizerOffload::take_gradient(const at::Tensor& device) {
+  auto it = index_.find(device.unsafeGetTensorImpl());
+  if (it != index_.end()) take(it->second);
+}
+
+void OptimizerOffload::take(size_t i) {
+  at::Tensor& d = device_[i];
+  if (!offloaded_[i] || !d.grad().defined()) return;
   c10::NoGradGuard no_grad;
-  for (size_t i = 0; i < device_.size(); ++i) {
-    if (!offloaded_[i]) continue;
-    at::Tensor& d = device_[i];
-    if (!d.grad().defined()) continue;
-    if (!grads_[i].defined()) {
-      grads_[i] = at::empty(d.sizes(), at::TensorOptions().dtype(at::kFloat).device(at::kCPU).pinned_memory(pinned_));
-    }
-    grads_[i].copy_(d.grad());
-    host_[i].mutable_grad() = grads_[i];
-    d.mutable_grad() = at::Tensor();
+  if (!grads_[i].defined()) {
+    grads_[i] = at::empty(d.sizes(), at::TensorOptions().dtype(at::kFloat).device(at::kCPU).pinned_memory(pinned_));
   }
+  copy_to_host(d.grad(), grads_[i]);
+  host_[i].mutable_grad() = grads_[i];
+  d.mutable_grad() = at::Tensor();
+}
+
+void OptimizerOffload::copy_to_host(const at::Tensor& src, at::Tensor& dst) {
+  if (src.device().is_cpu()) {
+    dst.copy_(src);
+    return;
+  }
+  const auto* impl = c10::impl::getDeviceGuardImpl(src.device().type());
+  if (!side_) side_ = impl->getStreamFromGlobalPool(src.device());
+  c10::Event computed(src.device().type());
+  computed.record(impl->getStream(src.device()));
+  computed.block(*side_);
+  {
+    c10::StreamGuard on_side(*side_);
+    dst.copy_(src, /*non_blocking=*/pinned_);
+  }
+  impl->recordDataPtrOnStream(src.storage().data_ptr(), *side_);
+  in_flight_ = true;
+}
+
+void OptimizerOffload::take_gradients() {
+  for (size_t i = 0; i < device_.size(); ++i) take(i);
+  if (in_flight_) side_->synchronize();
+  in_flight_ = false;
   taken_ = true;
 }
 
@@ -95,6 +124,8 @@ void OptimizerOffload::push(bool force) {
 }
 
 void OptimizerOffload::drop_gradients() {
+  if (in_flight_) side_->synchronize();
+  in_flight_ = false;
   for (size_t i = 0; i < device_.size(); ++i) {
     device_[i].mutable_grad() = at::Tensor();
     host_[i].mutable_grad() = at::Tensor();

@@ -5,25 +5,33 @@
 // parameters) live in host memory; the device keeps the tensors the stage
 // gathers from and reduces into.
 //
-//   backward   after the last micro-step's reductions, each reduced gradient
-//              shard is copied into its host master's gradient and dropped on
-//              the device (take_gradients);
+//   backward   in the last micro-step, each reduced gradient shard is copied
+//              into its host master's gradient as soon as its reduction ends
+//              (take_gradient) and dropped on the device; after the backward,
+//              whatever is left, and the copies are waited for (take_gradients);
 //   step       the optimizer steps the host masters (clipping, the
 //              non-finite check and the fp16 unscale read the host gradients);
 //   push       the updated masters are copied back into the device shards
 //              before anything reads them (after the step, a load or a write,
 //              and at the next forward), which the stage then gathers.
 //
-// Every copy is synchronous (a GPU's copies run on the current stream,
-// ordered before the collectives that read them). On a CPU the host and the
-// device are one memory: the host tensors are still separate tensors, and
-// the step computes the same bits as without offload.
+// On an accelerator the gradients' copies run on a side stream that first
+// waits for the compute stream (the reduced gradient as computed), their
+// device memory recorded on it (not reused before the copy ends), into
+// pinned buffers without blocking where pinned; take_gradients waits for
+// them. The copies back are synchronous, on the current stream, ordered
+// before the collectives that read the shards. On a CPU every copy is done at
+// once: the host and the device are one memory, the host tensors are still
+// separate tensors, and the step computes the same bits as without offload.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <c10/core/Stream.h>
+
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <vector>
 
 #include "parallel/zero_options.h"
@@ -43,10 +51,12 @@ class OptimizerOffload {
   // The host tensor that stands for `device` (itself when not offloaded).
   at::Tensor host_of(const at::Tensor& device) const;
 
-  // The reduced gradients moved to the host: each device tensor's gradient
-  // copied into its master's (a host buffer kept across steps) and dropped on
-  // the device. Call after the reductions of an accumulation window's last
-  // micro-step.
+  // `device`'s gradient, complete for the accumulation window, copied into
+  // its master's (a host buffer kept across steps) and dropped on the device;
+  // nothing where it has none or is not offloaded.
+  void take_gradient(const at::Tensor& device);
+  // After an accumulation window's last backward: every gradient not taken
+  // yet taken, and the copies waited for (the host gradients read right).
   void take_gradients();
   // The masters copied into the device tensors: always with `force`, else
   // only when gradients were taken (a step may have followed) or a master
@@ -60,7 +70,13 @@ class OptimizerOffload {
   bool pinned() const { return pinned_; }
 
  private:
+  void take(size_t i);
+  // dst (host) <- src: on an accelerator on side_, else at once.
+  void copy_to_host(const at::Tensor& src, at::Tensor& dst);
+
   std::vector<at::Tensor> device_, host_, grads_;  // grads_: the host gradient buffers
+  std::optional<c10::Stream> side_;  // an accelerator's copy stream, from its first copy
+  bool in_flight_ = false;           // copies on side_ not waited for
   std::vector<char> offloaded_;
   std::vector<int64_t> versions_;  // host_'s versions at the last push
   std::map<const void*, size_t> index_;  // device_ by TensorImpl
