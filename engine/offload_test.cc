@@ -158,7 +158,7 @@ TEST(OffloadOptimizer, EveryStageTrainsBitwiseAsWithout) {
     }
   }
   if (world()->size() > 1) {
-    for (int stage : {2, 3}) {
+    for (int stage : {1, 2, 3}) {
       OffloadSetup s;
       s.stage = stage;
       s.hybrid = 1;
