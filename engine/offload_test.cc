@@ -316,6 +316,47 @@ TEST(OffloadOptimizer, SavesResumeAcrossOffloadAndDataParallelSize) {
   }
 }
 
+// GatheredParameters(modify) writes an edit into the host masters (what the
+// optimizer steps and saves hold) and the model reads it; a run edited so
+// trains on bitwise as the same run without offload.
+TEST(OffloadOptimizer, AModifyingScopeReachesTheHostMasters) {
+  for (int stage : {1, 3}) {
+    std::vector<double> losses[2];
+    for (bool offload : {false, true}) {
+      at::manual_seed(9);
+      models::Gpt model(remat::testing::small_gpt(29, 2, 0.0));
+      OffloadSetup s;
+      s.stage = stage;
+      s.offload = offload;
+      EngineOptions options;
+      options.layout = remat::testing::layout_ptr(1);
+      auto engine = initialize(model, config_of(s), options);
+      {
+        GatheredParameters scope(*engine, /*modify=*/true);
+        at::NoGradGuard no_grad;
+        model->named_parameters()["pos_emb.weight"].fill_(0.5);
+      }
+      parallel::ZeroModel& zero = engine->sharding();
+      const auto params = zero.parameters();
+      const auto layout = zero.layout();
+      for (size_t i = 0; i < params.size(); ++i) {
+        for (const auto& seg : layout[i].segments) {
+          if (seg.name != "pos_emb.weight") continue;
+          at::Tensor mine = params[i].detach().reshape({-1}).narrow(0, seg.shard_offset, seg.length);
+          EXPECT_TRUE(at::equal(mine, at::full_like(mine, 0.5))) << "stage " << stage;
+        }
+      }
+      at::Tensor idx = at::arange(24, at::kLong).view({2, 12}).remainder(29);
+      for (int step = 0; step < 2; ++step) {
+        engine->backward(engine->forward([&] { return model->loss(idx, idx.roll(-1, 1)); }));
+        engine->step();
+        losses[offload].push_back(engine->last_metrics().loss);
+      }
+    }
+    EXPECT_EQ(losses[0], losses[1]) << "stage " << stage;
+  }
+}
+
 // In the window's last micro-step each gradient shard goes to the host as
 // its reduction ends, during the backward (stages 2 and 3 reduce there; stage
 // 3's root unit and persistent parameters after it): before finish_backward
