@@ -58,6 +58,22 @@ Field stored_in(Field field, S Config::*section) {
 // recognises but refuses.
 using AC = ActivationCheckpointingOptions;
 
+// zero_optimization.offload_optimizer: DeepSpeed's NVMe keys refused (the
+// device "nvme" itself by check_zero_options), its pipeline tuning accepted.
+std::vector<Field> offload_optimizer_fields() {
+  using O = parallel::OffloadOptimizerOptions;
+  const char* nvme = "it configures offload to NVMe, and remat offloads the optimizer to host memory only";
+  return {enum_leaf("device", &O::device, parallel::offload_device_names()),
+          leaf("pin_memory", &O::pin_memory),
+          leaf("buffer_count", &O::buffer_count),
+          leaf("fast_init", &O::fast_init),
+          leaf("ratio", &O::ratio),
+          deepspeed_only("nvme_path", nvme, "set device to \"cpu\""),
+          deepspeed_only("pipeline", nvme, "set device to \"cpu\""),
+          deepspeed_only("pipeline_read", nvme, "set device to \"cpu\""),
+          deepspeed_only("pipeline_write", nvme, "set device to \"cpu\"")};
+}
+
 const std::vector<Field>& base_schema() {
   static const std::vector<Field> fields = with({
       optional_leaf("train_batch_size", &Config::train_batch_size),
@@ -130,7 +146,8 @@ const std::vector<Field>& base_schema() {
               leaf("stage3_param_persistence_threshold",
                    &parallel::ZeroOptions::stage3_param_persistence_threshold),
               leaf("overlap_comm", &parallel::ZeroOptions::overlap_comm),
-              leaf("contiguous_gradients", &parallel::ZeroOptions::contiguous_gradients)},
+              leaf("contiguous_gradients", &parallel::ZeroOptions::contiguous_gradients),
+              object("offload_optimizer", &parallel::ZeroOptions::offload_optimizer, offload_optimizer_fields())},
                   deepspeed_only_zero())),
       object("activation_checkpointing", &Config::activation_checkpointing,
              {leaf("partition_activations", &AC::partition_activations),

@@ -111,7 +111,6 @@ std::vector<Field> deepspeed_only_zero() {
   const char* no_quantized = "remat's collectives carry unquantized values";
   const char* no_trace = "remat's stage 3 gathers each unit around its remat::forward call, with no trace";
   return {
-      deepspeed_only("offload_optimizer", no_offload_optimizer, more_shards),
       deepspeed_only("cpu_offload", no_offload_optimizer, more_shards),
       deepspeed_only("offload_param", no_offload_param, stage3_shards),
       deepspeed_only("cpu_offload_param", no_offload_param, stage3_shards),

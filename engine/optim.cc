@@ -11,25 +11,24 @@
 
 #include "runtime/compat.h"
 #include "engine/config.h"
+#include "optim/host_adam.h"
 #include "runtime/error.h"
 
 namespace remat {
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerConfig& c,
-                                                        std::vector<at::Tensor> params) {
+                                                        std::vector<at::Tensor> params, bool on_host) {
   if (c.type == "AdamW") {
-    return std::make_unique<torch::optim::AdamW>(
-        params, torch::optim::AdamWOptions(c.lr)
-                    .betas({c.betas[0], c.betas[1]})
-                    .eps(c.eps)
-                    .weight_decay(c.weight_decay));
+    auto options = torch::optim::AdamWOptions(c.lr).betas({c.betas[0], c.betas[1]}).eps(c.eps).weight_decay(
+        c.weight_decay);
+    if (on_host) return std::make_unique<optim::HostAdamW>(params, options);
+    return std::make_unique<torch::optim::AdamW>(params, options);
   }
   if (c.type == "Adam") {
-    return std::make_unique<torch::optim::Adam>(
-        params, torch::optim::AdamOptions(c.lr)
-                    .betas({c.betas[0], c.betas[1]})
-                    .eps(c.eps)
-                    .weight_decay(c.weight_decay));
+    auto options = torch::optim::AdamOptions(c.lr).betas({c.betas[0], c.betas[1]}).eps(c.eps).weight_decay(
+        c.weight_decay);
+    if (on_host) return std::make_unique<optim::HostAdam>(params, options);
+    return std::make_unique<torch::optim::Adam>(params, options);
   }
   if (c.type == "SGD") {
     return std::make_unique<torch::optim::SGD>(

@@ -13,9 +13,12 @@ namespace remat {
 struct OptimizerConfig;
 struct SchedulerConfig;
 
-// LibTorch's AdamW, Adam or SGD with the config's parameters.
+// LibTorch's AdamW, Adam or SGD with the config's parameters. `on_host`
+// (zero_optimization.offload_optimizer: the parameters are float32 host
+// tensors): AdamW and Adam are optim/host_adam.h's fused loops, LibTorch's
+// optimizers bit for bit with their state; SGD is LibTorch's.
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerConfig& config,
-                                                        std::vector<at::Tensor> params);
+                                                        std::vector<at::Tensor> params, bool on_host = false);
 
 // The learning rate of `step` (1-based): the optimizer's lr without a
 // scheduler; DeepSpeed's WarmupLR (warm up from warmup_min_lr to warmup_max_lr

@@ -44,6 +44,7 @@ const FieldTable<parallel::ZeroStats> kZeroFields = {
     {"param_bytes", kNow, &parallel::ZeroStats::param_bytes},
     {"grad_bytes", kNow, &parallel::ZeroStats::grad_bytes},
     {"gathered_bytes", kNow, &parallel::ZeroStats::gathered_bytes},
+    {"host_bytes", kNow, &parallel::ZeroStats::host_bytes},
     {"peak_gathered_bytes", kPeak, &parallel::ZeroStats::peak_gathered_bytes},
     {"peak_gathered_units", kPeak, &parallel::ZeroStats::peak_gathered_units},
     {"allgather_bytes", kTotal, &parallel::ZeroStats::allgather_bytes},

@@ -100,6 +100,7 @@ nlohmann::json StepMetrics::to_json() const {
   if (grad_norm >= 0) m["grad_norm"] = grad_norm;
   if (skipped || loss_scale > 0) m["skipped"] = skipped;
   if (loss_scale > 0) internal::write_fields(loss_scaling_fields(), *this, m);
+  if (offload_optimizer) m["host_optimizer_bytes"] = host_optimizer_bytes;
   for (const auto& [key, value] : plan.items()) m[key] = value;
   return m;
 }

@@ -31,6 +31,11 @@ struct StepMetrics {
   // their forward bytes; with activation_checkpointing.save_collectives it does not.
   int64_t tp_comm_bytes = 0;
   int64_t optimizer_state_bytes = 0, peak_gathered_param_bytes = 0;
+  // zero_optimization.offload_optimizer: the bytes held in host memory for
+  // the optimizer (float32 masters, their gradients and the optimizer state).
+  // Written only when `offload_optimizer`: the other runs' keys stay as they are.
+  bool offload_optimizer = false;
+  int64_t host_optimizer_bytes = 0;
   // Data-parallel gradient reduction (stages 0-2): the milliseconds spent
   // blocked on it, in the backward or after it (with overlap_comm, the
   // communication the backward did not hide), the gradient buckets reduced,

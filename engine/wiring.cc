@@ -338,7 +338,7 @@ void Engine::Impl::wire_sharding(torch::nn::Module& model, const Config& config,
   const parallel::MixedPrecision mixed = parallel::mixed_precision(config.bf16, fp16);
   zero = std::make_unique<parallel::ZeroModel>(model, units, layout->dp_group(), zero_options, mixed, sharded);
   optimizer = options.optimizer ? options.optimizer(zero->parameters())
-                                : make_optimizer(config.optimizer, zero->parameters());
+                                : make_optimizer(config.optimizer, zero->parameters(), zero->offloads_optimizer());
   REMAT_CHECK(optimizer != nullptr, "remat::initialize: EngineOptions::optimizer returned no optimizer");
   // A whole-device budget the model state alone fills is refused before any step.
   if (const auto& device = device_budget_bytes; device && auto_plan) {

@@ -15,7 +15,7 @@ bool spans_ranks(const std::shared_ptr<Communicator>& c) { return c && c->size()
 
 }  // namespace
 
-double clip_grad_norm(const std::vector<GradGroup>& groups, double max_norm) {
+double clip_grad_norm(const std::vector<GradGroup>& groups, double max_norm, std::optional<at::Device> reduce_on) {
   std::vector<at::Tensor> all;
   for (const auto& g : groups) all.insert(all.end(), g.tensors.begin(), g.tensors.end());
   // Squares summed in double, per group, in order: the same arithmetic at
@@ -41,7 +41,7 @@ double clip_grad_norm(const std::vector<GradGroup>& groups, double max_norm) {
         if (std::find(over.begin(), over.end(), c) != over.end()) members.push_back(i);
       }
       // On the tensors' device: the communicator's backend takes them (nccl: CUDA only).
-      const at::Device device = all.empty() ? at::Device(at::kCPU) : all.front().device();
+      const at::Device device = reduce_on ? *reduce_on : all.empty() ? at::Device(at::kCPU) : all.front().device();
       at::Tensor values =
           at::empty({static_cast<int64_t>(members.size())}, at::TensorOptions().dtype(at::kDouble).device(device));
       for (size_t k = 0; k < members.size(); ++k) values[k] = sq[members[k]];

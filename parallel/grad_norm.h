@@ -16,6 +16,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace remat {
@@ -30,7 +31,10 @@ struct GradGroup {
 };
 
 // Returns the global norm before clipping. Tensors without a gradient count
-// as zero. Every rank of each communicator must make the same call.
-double clip_grad_norm(const std::vector<GradGroup>& groups, double max_norm);
+// as zero. Every rank of each communicator must make the same call. The
+// squared norms are summed across ranks on `reduce_on` (default: the first
+// tensor's device), where host tensors' communicator wants another device.
+double clip_grad_norm(const std::vector<GradGroup>& groups, double max_norm,
+                      std::optional<at::Device> reduce_on = std::nullopt);
 
 }  // namespace remat::parallel

@@ -83,6 +83,11 @@ class ShardingStrategy {
   // drops every gradient and partial reduction, ready for a new forward.
   virtual void abandon_backward() {}
 
+  // Called with one of parameters() each time its reduced gradient was
+  // updated (stages 1-3: as each bucket's or unit's reduction ends), so that
+  // a gradient complete for the window can move on at once (offload_optimizer).
+  void set_gradient_reduced(std::function<void(const at::Tensor&)> hook) { gradient_reduced_ = std::move(hook); }
+
   // The gradients for the global norm, each group with the communicators its
   // squares are summed over (`sharded_tp`: which tensors differ across the
   // tensor-parallel group `tp`).
@@ -95,6 +100,14 @@ class ShardingStrategy {
   virtual std::map<std::string, int64_t> gather_counts() const { return {}; }
   virtual std::map<std::string, int64_t> unit_numels() const { return {}; }
   virtual std::map<std::string, int64_t> unit_padded_numels() const { return {}; }
+
+ protected:
+  void gradient_reduced(const at::Tensor& t) const {
+    if (gradient_reduced_) gradient_reduced_(t);
+  }
+
+ private:
+  std::function<void(const at::Tensor&)> gradient_reduced_;
 };
 
 // Calls `arrived(bucket, index)` each time a backward has accumulated the

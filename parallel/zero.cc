@@ -6,10 +6,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
 
 #include "nn/module_call.h"
 #include "parallel/grad_norm.h"
 #include "parallel/sharding_strategy.h"
+#include "parallel/zero_offload.h"
 #include "runtime/communicator.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
@@ -89,6 +91,13 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
     case 2: strategy_ = make_stage12(model, groups, sharded_tp_, config, mixed); break;
     default: strategy_ = make_stage3(model, units, groups, sharded_tp_, config, mixed); break;
   }
+  if (config.offload_optimizer.enabled()) {
+    offload_ = std::make_unique<OptimizerOffload>(strategy_->parameters(), config.offload_optimizer);
+    // In the window's last micro-step, each gradient shard goes to the host as its reduction ends.
+    strategy_->set_gradient_reduced([this](const at::Tensor& shard) {
+      if (last_micro_step_) offload_->take_gradient(shard);
+    });
+  }
   arrivals_ = std::make_unique<Arrivals>(model);
   if (mixed.enabled()) {
     auto hook = std::make_shared<CastInputsHook>(mixed.compute_dtype);
@@ -134,20 +143,33 @@ at::Tensor ZeroModel::take_gradient_arrivals() {
   return out;
 }
 
-std::vector<at::Tensor> ZeroModel::parameters() const { return strategy_->parameters(); }
+std::vector<at::Tensor> ZeroModel::parameters() const {
+  return offload_ ? offload_->parameters() : strategy_->parameters();
+}
 std::vector<ShardLayout> ZeroModel::layout() const { return strategy_->layout(); }
 int ZeroModel::shard_size() const { return shard_group_->size(); }
 int ZeroModel::replicate_size() const { return replicate_group_ ? replicate_group_->size() : 1; }
 
 std::vector<std::pair<std::string, at::Tensor>> ZeroModel::full_parameters() {
+  push_offloaded(false);
   std::map<std::string, at::Tensor> full = strategy_->full_parameters();
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& item : model_.named_parameters()) out.emplace_back(item.key(), full.at(item.key()));
   return out;
 }
 
-void ZeroModel::after_step() { strategy_->sync_parameters(); }
-void ZeroModel::after_load() { strategy_->sync_parameters(); }
+void ZeroModel::push_offloaded(bool force) {
+  if (offload_) offload_->push(force);
+}
+
+void ZeroModel::after_step() {
+  push_offloaded(true);
+  strategy_->sync_parameters();
+}
+void ZeroModel::after_load() {
+  push_offloaded(true);
+  strategy_->sync_parameters();
+}
 bool ZeroModel::parameters_gathered_on_use() const { return strategy_->parameters_gathered_on_use(); }
 GradientHold ZeroModel::gradient_hold(int64_t trainable, int64_t local_trainable) const {
   return strategy_->gradient_hold(trainable, local_trainable);
@@ -155,6 +177,7 @@ GradientHold ZeroModel::gradient_hold(int64_t trainable, int64_t local_trainable
 
 ZeroModel::WholeParameters ZeroModel::install_whole_parameters(bool as_computed, bool keep_values) {
   WholeParameters out;
+  push_offloaded(false);
   if (!strategy_->parameters_gathered_on_use()) {
     // Whole already. Where they are 16-bit copies of float32 masters, what
     // the scope leaves unchanged must not be written back rounded.
@@ -206,10 +229,12 @@ void ZeroModel::write_back_parameters(std::map<std::string, at::Tensor> edited,
           .copy_(it->second.reshape({-1}).narrow(0, seg.param_offset, seg.length));
     }
   }
+  push_offloaded(true);
   strategy_->after_write();
 }
 
 void ZeroModel::leave_whole() {
+  push_offloaded(false);
   if (strategy_->parameters_gathered_on_use()) {
     install_whole_parameters(/*as_computed=*/false, /*keep_values=*/false);
   } else {
@@ -217,25 +242,53 @@ void ZeroModel::leave_whole() {
   }
 }
 
-void ZeroModel::begin_forward() { strategy_->begin_forward(); }
+void ZeroModel::begin_forward() {
+  push_offloaded(false);
+  strategy_->begin_forward();
+}
 at::Tensor ZeroModel::finish_forward(const at::Tensor& loss) { return strategy_->finish_forward(loss); }
-void ZeroModel::begin_backward(bool synchronize) { strategy_->begin_backward(synchronize); }
+void ZeroModel::begin_backward(bool synchronize) {
+  last_micro_step_ = synchronize;
+  strategy_->begin_backward(synchronize);
+}
 
-void ZeroModel::finish_backward(bool synchronize) { strategy_->finish_backward(synchronize); }
+void ZeroModel::finish_backward(bool synchronize) {
+  strategy_->finish_backward(synchronize);
+  last_micro_step_ = false;
+  // The window's reduced gradient shards, complete: the rest to the host, for the step.
+  if (offload_ && synchronize) offload_->take_gradients();
+}
 void ZeroModel::end_evaluation() { strategy_->end_evaluation(); }
 
 void ZeroModel::abandon_backward() {
   strategy_->abandon_backward();
+  last_micro_step_ = false;
   for (auto& p : strategy_->parameters()) p.mutable_grad() = at::Tensor();
+  if (offload_) offload_->drop_gradients();
   for (auto& p : model_.parameters()) p.mutable_grad() = at::Tensor();
   take_gradient_arrivals();
 }
 
 double ZeroModel::clip_grad_norm(double max_norm, const std::shared_ptr<Communicator>& tp_group) {
-  return parallel::clip_grad_norm(strategy_->grad_groups(sharded_tp_, tp_group), max_norm);
+  auto groups = strategy_->grad_groups(sharded_tp_, tp_group);
+  if (!offload_) return parallel::clip_grad_norm(groups, max_norm);
+  // The gradients are the host masters'; the norms are summed on the device
+  // the shards live on (the communicator's backend takes its tensors).
+  std::optional<at::Device> reduce_on;
+  for (auto& g : groups) {
+    for (auto& t : g.tensors) {
+      if (!reduce_on) reduce_on = t.device();
+      t = offload_->host_of(t);
+    }
+  }
+  return parallel::clip_grad_norm(groups, max_norm, reduce_on);
 }
 
-ZeroStats ZeroModel::stats() const { return strategy_->stats(); }
+ZeroStats ZeroModel::stats() const {
+  ZeroStats s = strategy_->stats();
+  if (offload_) s.host_bytes = offload_->host_bytes();
+  return s;
+}
 void ZeroModel::reset_peak() { strategy_->reset_peak(); }
 std::map<std::string, int64_t> ZeroModel::gather_counts() const { return strategy_->gather_counts(); }
 std::map<std::string, int64_t> ZeroModel::unit_numels() const { return strategy_->unit_numels(); }

@@ -60,6 +60,15 @@
 // gathered units); gradients are accumulated in float32 and reduced in
 // MixedPrecision::reduce_dtype.
 //
+// offload_optimizer (stages 1-3, zero_offload.h): parameters() are float32
+// host copies of the shards (and stage 3's persistent parameters), which the
+// optimizer steps in host memory, its state made beside them; in the last
+// micro-step (begin_backward(true)) each reduced gradient shard is copied
+// into its master's gradient as its reduction ends (finish_backward: the
+// rest, and waits), and the stepped values go back into the device shards by
+// after_step (and by begin_forward, whatever stepped them). On a CPU the
+// losses are bitwise those without offload.
+//
 // Every stage: the model's parameters and buffers start as data-parallel
 // rank 0's (broadcast at construction, whatever each rank initialised).
 // Frozen parameters (requires_grad false when ZeroModel is built, e.g. the
@@ -108,6 +117,7 @@ class ModuleHook;
 namespace remat::parallel {
 
 class ShardingStrategy;
+class OptimizerOffload;
 
 // Per-rank bytes, now and over the collectives issued so far.
 struct ZeroStats {
@@ -119,6 +129,9 @@ struct ZeroStats {
   int64_t allgather_bytes = 0;      // total: output bytes of parameter all-gathers
   int64_t reducescatter_bytes = 0;  // total: input bytes of gradient reduce-scatters
   int64_t allreduce_bytes = 0;      // total: 2 x bytes all-reduced (reduce-scatter + all-gather)
+  // offload_optimizer: the float32 masters and their gradient buffers held
+  // in host memory (the optimizer's state is the optimizer's to count).
+  int64_t host_bytes = 0;
   // Stages 1 and 2: the most gradient bytes held at once (parameters' own,
   // bucket buffers, reductions in flight and the shards'), since reset_peak();
   // the other stages: grad_bytes.
@@ -164,6 +177,9 @@ class ZeroModel {
   ZeroModel& operator=(const ZeroModel&) = delete;
 
   int stage() const { return stage_; }
+  // Whether parameters() are host copies the optimizer steps in host memory
+  // (zero_optimization.offload_optimizer.device cpu).
+  bool offloads_optimizer() const { return offload_ != nullptr; }
   // What the optimizer steps: the shards and the persistent parameters
   // (stage 0: the model's parameters).
   std::vector<at::Tensor> parameters() const;
@@ -266,6 +282,11 @@ class ZeroModel {
   std::shared_ptr<Communicator> dp_group_, shard_group_, replicate_group_;
   std::vector<at::Tensor> sharded_tp_;
   std::unique_ptr<ShardingStrategy> strategy_;
+  std::unique_ptr<OptimizerOffload> offload_;  // offload_optimizer only
+  // offload_optimizer: the host masters into the device shards (`force`:
+  // whether or not they changed).
+  void push_offloaded(bool force);
+  bool last_micro_step_ = false;  // begin_backward(true) announced it, until finish_backward
   struct Arrivals;  // take_gradient_arrivals()'s hooks and flags
   // Mixed precision: the modules whose inputs remat::forward casts, and the hook.
   std::vector<std::weak_ptr<torch::nn::Module>> cast_hooked_;

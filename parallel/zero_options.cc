@@ -35,7 +35,27 @@ std::string check_zero_options(const ZeroOptions& z) {
     add(str("'zero_optimization.stage3_param_persistence_threshold' = ", z.stage3_param_persistence_threshold,
             " must be >= 0"));
   }
+  const OffloadOptimizerOptions& off = z.offload_optimizer;
+  if (off.device == OffloadDevice::kNvme) {
+    add("'zero_optimization.offload_optimizer.device' = \"nvme\": remat offloads the optimizer to host memory "
+        "only: set it to \"cpu\" (or \"none\")");
+  }
+  if (off.enabled() && z.stage == 0) {
+    add("'zero_optimization.offload_optimizer.device' = \"cpu\" needs a sharded optimizer: set "
+        "zero_optimization.stage to 1, 2 or 3, or offload_optimizer.device to \"none\"");
+  }
+  if (off.buffer_count < 1) {
+    add(str("'zero_optimization.offload_optimizer.buffer_count' = ", off.buffer_count, " must be at least 1"));
+  }
+  if (!(off.ratio > 0 && off.ratio <= 1)) {
+    add(str("'zero_optimization.offload_optimizer.ratio' = ", off.ratio, " must be in (0, 1]"));
+  }
   return problems;
+}
+
+const std::vector<std::string>& offload_device_names() {
+  static const std::vector<std::string> names = {"none", "cpu", "nvme"};
+  return names;
 }
 
 const std::vector<std::string>& reduce_dtype_names() {

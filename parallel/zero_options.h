@@ -13,6 +13,29 @@
 
 namespace remat::parallel {
 
+// Where the optimizer's float32 master shards, their gradients and the
+// optimizer state live (DeepSpeed's zero_optimization.offload_optimizer):
+// kNone on the model's device; kCpu in host memory, the optimizer stepping
+// there (ZeroModel, zero.h). kNvme is named only to be refused.
+enum class OffloadDevice { kNone, kCpu, kNvme };
+// The JSON names of OffloadDevice, by value.
+const std::vector<std::string>& offload_device_names();
+
+struct OffloadOptimizerOptions {
+  OffloadDevice device = OffloadDevice::kNone;
+  // The host tensors page-locked, where this LibTorch can pin (a CUDA build);
+  // elsewhere they are ordinary host memory and a log line says so.
+  bool pin_memory = false;
+  // DeepSpeed's tuning of its own offload pipeline, accepted so that a
+  // copied config loads: none of them changes what is computed here
+  // (ZeroModel logs the ones set). ratio: the share DeepSpeed offloads
+  // (remat offloads the whole optimizer state).
+  int buffer_count = 4;
+  bool fast_init = false;
+  double ratio = 1.0;
+  bool enabled() const { return device == OffloadDevice::kCpu; }
+};
+
 struct ZeroOptions {
   // 0: data parallel (gradients all-reduced); 1: optimizer state sharded;
   // 2: optimizer state and gradients sharded; 3: parameters too.
@@ -52,6 +75,8 @@ struct ZeroOptions {
   // Stages 1-3: shard within groups of this many data-parallel ranks and
   // replicate across the groups (FSDP's HYBRID_SHARD); 0: one group of all.
   int hybrid_shard_size = 0;
+  // Stages 1-3: the optimizer's masters, gradients and state on the host.
+  OffloadOptimizerOptions offload_optimizer;
 };
 
 // The dtype gradients are reduced in across data-parallel ranks (DeepSpeed's

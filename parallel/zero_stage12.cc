@@ -448,6 +448,7 @@ void Stage12::complete(size_t bi) {
   }
   b.input = b.output = at::Tensor();
   track_grad_bytes();
+  gradient_reduced(b.shard);
 }
 
 void Stage12::finish_backward(bool synchronize) {

@@ -474,6 +474,7 @@ void Stage3::reduce(Unit& unit) {
     } else {
       g.shard.mutable_grad() = shard_grad;
     }
+    gradient_reduced(g.shard);
   }
   free(unit);
   unit.reduced = true;

@@ -7,8 +7,10 @@
 #      offloading) and nccl_test at one rank (when the machine has MPI);
 #   2. remat-train on the GPU at 1 rank (NCCL) and at 2 ranks sharing the GPU
 #      (MPI, staging through pinned host buffers), at ZeRO stages 0 and 3 with
-#      full checkpointing and activation offloading; a save made on the GPU
-#      resumed on the CPU and back; fp16 (fp16.enabled, the loss scaler) at 1 rank;
+#      full checkpointing and activation offloading; at 1 rank stages 1 and 3
+#      with zero_optimization.offload_optimizer (pinned) beside the same runs
+#      without it; a save made on the GPU resumed on the CPU and back; fp16
+#      (fp16.enabled, the loss scaler) at 1 rank;
 #   3. the llama and lora examples, built against the installed remat;
 #   4. benchmarks/gpu_bench.sh: remat beside PyTorch on the same kernels, and
 #      remat's bf16 beside torch.autocast with MFU (docs/benchmarks-gpu.md).
@@ -134,6 +136,8 @@ extra = ""
 if any("cuda_peak_reserved_bytes" in r for r in rows):
     extra = (f", CUDA allocator: allocated peak {mib('cuda_peak_allocated_bytes'):.1f} MiB, "
              f"reserved peak {mib('cuda_peak_reserved_bytes'):.1f} MiB")
+if any("host_optimizer_bytes" in r for r in rows):
+    extra += f", optimizer on the host {mib('host_optimizer_bytes'):.1f} MiB"
 print(f"train: {label:28s} {len(rows)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, median step {ms:.1f} ms, "
       f"peak {mib('mem_peak_bytes'):.1f} MiB{extra}")
 sys.exit(0 if ok else 1)
@@ -160,6 +164,14 @@ trains() {
   for stage in 0 3; do
     train "np1-$one-zero$stage" 1 "$one" "$dev" --steps "$steps" --set zero_optimization.stage=$stage "${ckpt[@]}"
     train "np2-mpi-zero$stage" 2 mpi "$dev" --steps "$steps" --set zero_optimization.stage=$stage "${ckpt[@]}"
+  done
+  # zero_optimization.offload_optimizer (docs/memory.md): the optimizer's state and step on
+  # the host, beside the same runs without it (np1 zero3 above; zero1 here).
+  local offload=(--set zero_optimization.offload_optimizer.device=cpu --set zero_optimization.offload_optimizer.pin_memory=true)
+  train "np1-$one-zero1" 1 "$one" "$dev" --steps "$steps" --set zero_optimization.stage=1 "${ckpt[@]}"
+  for stage in 1 3; do
+    train "np1-$one-zero$stage-offload" 1 "$one" "$dev" --steps "$steps" --set zero_optimization.stage=$stage \
+      "${ckpt[@]}" "${offload[@]}"
   done
   # A save made on the device, resumed on the CPU, and that one resumed on the device.
   local saves=$out/saves

@@ -117,6 +117,11 @@ StepMetrics StepMeter::finish_step(const StepOutcome& outcome, const ActivationP
   m.act_kept_bytes = act_kept_;
   m.comm_bytes += engine_comm_bytes_;
   m.optimizer_state_bytes = optimizer_state_bytes(*t_.optimizer);
+  if (t_.zero->offloads_optimizer()) {
+    // The optimizer's state lives beside its host parameters.
+    m.offload_optimizer = true;
+    m.host_optimizer_bytes = share_.zero.host_bytes + m.optimizer_state_bytes;
+  }
   if (device_.is_cuda()) read_cuda_allocator(m);
   if (plan != nullptr) m.plan = plan_metrics(*plan);
   return m;

@@ -1,0 +1,442 @@
+// zero_optimization.offload_optimizer through the engine (issue 42, item 1),
+// under mpirun at 1 and 2 ranks. On this CPU the host and the device are one
+// memory, so an offloaded run computes the same bits as the run without it:
+// at stages 1, 2 and 3 and with hybrid sharding, in float32 and bf16, with
+// clipping, gradient accumulation, fp16's loss scaler (and an overflow), for
+// AdamW, Adam (the fused host loops, optim/host_adam.h) and SGD. The
+// optimizer's parameters and state are host tensors of their own (no alias
+// of the model's), the metrics count their bytes, and saves resume across
+// offload on and off, at another data-parallel size too.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/nn/module.h>
+#include <unistd.h>
+
+#include <filesystem>
+
+#include "engine/config.h"
+#include "engine/engine.h"
+#include "engine/optim.h"
+#include "models/gpt.h"
+#include "optim/host_adam.h"
+#include "parallel/zero.h"
+#include "runtime/communicator.h"
+#include "runtime/context.h"
+#include "runtime/error.h"
+#include "runtime/layout.h"
+#include "runtime/runtime.h"
+#include "tests/error_of.h"
+#include "tests/parallel_setup.h"
+
+namespace remat {
+namespace {
+
+namespace fs = std::filesystem;
+using remat::testing::world;
+
+struct OffloadSetup {
+  int stage = 1;
+  bool offload = false;
+  bool pin = false;
+  bool bf16 = false;
+  bool fp16 = false;  // the loss scaler over float32 compute
+  std::string optimizer = "AdamW";
+  int steps = 5;
+  int micro_steps = 1;
+  int hybrid = 0;
+  int ranks = 0;  // the first `ranks` ranks train (0: all)
+  std::set<int> inject;  // steps (1-based) whose first host gradient gets an inf, on rank 0
+};
+
+Config config_of(const OffloadSetup& s) {
+  Config c;
+  c.train_micro_batch_size_per_gpu = 2;
+  c.gradient_accumulation_steps = s.micro_steps;
+  c.gradient_clipping = 1.0;
+  c.train.seed = 9;
+  c.optimizer.type = s.optimizer;
+  c.optimizer.lr = 1e-2;
+  c.optimizer.weight_decay = 0.01;
+  c.optimizer.momentum = 0.9;  // SGD
+  c.bf16.enabled = s.bf16;
+  c.fp16.enabled = s.fp16;
+  c.zero_optimization.stage = s.stage;
+  c.zero_optimization.reduce_bucket_size = 900;  // several buckets
+  c.zero_optimization.stage3_param_persistence_threshold = 40;  // some whole parameters at stage 3
+  c.zero_optimization.hybrid_shard_size = s.hybrid;
+  c.zero_optimization.offload_optimizer.device = s.offload ? parallel::OffloadDevice::kCpu : parallel::OffloadDevice::kNone;
+  c.zero_optimization.offload_optimizer.pin_memory = s.pin;
+  return c;
+}
+
+struct OffloadRun {
+  std::vector<double> losses;
+  std::vector<nlohmann::json> metrics;
+  std::map<std::string, at::Tensor> final_params;
+  bool trained = false;  // this rank took part
+};
+
+// The GPT trained `s.steps` steps in all (a resume from `from` counts its
+// steps); saves into `save_to` after step `save_at`. Checks, every step, that
+// the optimizer's tensors share no memory with the model's.
+OffloadRun train(const OffloadSetup& s, const std::string& from = "", const std::string& save_to = "", int save_at = -1) {
+  OffloadRun run;
+  const int n = s.ranks > 0 ? s.ranks : world()->size();
+  auto group = world()->split(world()->rank() < n ? 0 : -1, world()->rank());
+  if (world()->rank() >= n) return run;
+  run.trained = true;
+  auto layout = std::make_shared<ParallelLayout>(group, ParallelDims::from_world(group->size(), 1));
+  models::GptOptions o = remat::testing::small_gpt(29, 3, /*dropout=*/0.1);
+  at::manual_seed(9);
+  models::Gpt model(o);
+  EngineOptions options;
+  options.layout = layout;
+  options.fp16_scaler_at_float32 = s.fp16;
+  auto engine = initialize(model, config_of(s), options);
+  if (!from.empty()) engine->load_checkpoint(from);
+  parallel::ZeroModel& zero = engine->sharding();
+  EXPECT_EQ(zero.offloads_optimizer(), s.offload);
+  for (int step = static_cast<int>(engine->global_steps()) + 1; step <= s.steps; ++step) {
+    for (int m = 0; m < s.micro_steps; ++m) {
+      at::Tensor idx = at::arange(2 * 12, at::kLong).view({2, 12})
+                           .mul(layout->dp_rank() + 1).add(step * 3 + m).remainder(o.vocab_size);
+      engine->backward(engine->forward([&] { return model->loss(idx, idx.roll(-1, 1)); }));
+      if (m + 1 == s.micro_steps && s.inject.count(step) && world()->rank() == 0) {
+        for (auto& p : zero.parameters()) {
+          if (p.grad().defined() && p.grad().numel() > 0) {
+            p.mutable_grad().view({-1})[0] = std::numeric_limits<float>::infinity();
+            break;
+          }
+        }
+      }
+      engine->step();
+    }
+    run.losses.push_back(engine->last_metrics().loss);
+    run.metrics.push_back(engine->last_metrics().to_json());
+    if (step == save_at) engine->save_checkpoint(save_to);
+  }
+  for (const auto& [name, value] : zero.full_parameters()) run.final_params[name] = value;
+  return run;
+}
+
+void expect_same(const OffloadRun& a, const OffloadRun& b, const std::string& what) {
+  ASSERT_EQ(a.losses.size(), b.losses.size()) << what;
+  for (size_t i = 0; i < a.losses.size(); ++i) EXPECT_EQ(a.losses[i], b.losses[i]) << what << ", step " << i + 1;
+  for (const auto& [name, value] : a.final_params) {
+    EXPECT_TRUE(at::equal(value, b.final_params.at(name))) << what << ": " << name;
+  }
+}
+
+std::string job_dir(const std::string& name) {
+  at::Tensor stamp = at::full({1}, static_cast<int64_t>(::getpid()), at::kLong);
+  world()->broadcast(stamp, {0})->wait();
+  const std::string dir = (fs::temp_directory_path() / str("remat_offload_", stamp.item<int64_t>(), "_", name)).string();
+  if (world()->rank() == 0) {
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+  }
+  world()->barrier()->wait();
+  return dir;
+}
+
+// The same losses and final weights, bit for bit, with the optimizer on the
+// host: every stage, float32 and bf16, accumulation, hybrid sharding.
+TEST(OffloadOptimizer, EveryStageTrainsBitwiseAsWithout) {
+  for (int stage : {1, 2, 3}) {
+    for (bool bf16 : {false, true}) {
+      for (int micro : {1, 2}) {
+        OffloadSetup s;
+        s.stage = stage;
+        s.bf16 = bf16;
+        s.micro_steps = micro;
+        const OffloadRun device = train(s);
+        s.offload = true;
+        const OffloadRun host = train(s);
+        expect_same(device, host, str("stage ", stage, bf16 ? " bf16" : " float32", ", micro-steps ", micro));
+        EXPECT_LT(host.losses.back(), host.losses.front()) << "trains";
+      }
+    }
+  }
+  if (world()->size() > 1) {
+    for (int stage : {1, 2, 3}) {
+      OffloadSetup s;
+      s.stage = stage;
+      s.hybrid = 1;
+      const OffloadRun device = train(s);
+      s.offload = true;
+      expect_same(device, train(s), str("stage ", stage, " hybrid"));
+    }
+  }
+}
+
+// Adam (the fused host loop) and SGD with momentum (LibTorch's) too; and the
+// optimizer an offloaded engine makes is the fused one.
+TEST(OffloadOptimizer, AdamAndSgdTrainBitwiseAsWithout) {
+  for (const std::string type : {"Adam", "SGD"}) {
+    for (int stage : {1, 3}) {
+      OffloadSetup s;
+      s.stage = stage;
+      s.optimizer = type;
+      const OffloadRun device = train(s);
+      s.offload = true;
+      expect_same(device, train(s), type + " at stage " + std::to_string(stage));
+    }
+  }
+  Config c = config_of(OffloadSetup{});
+  auto made = make_optimizer(c.optimizer, {at::zeros({3}).requires_grad_(true)}, /*on_host=*/true);
+  EXPECT_NE(dynamic_cast<optim::HostAdamW*>(made.get()), nullptr);
+}
+
+// fp16's loss scaler unscales, and skips on an overflow, the host gradients
+// as it would the device's: the same losses, scales and skipped steps.
+TEST(OffloadOptimizer, Fp16LossScalerAndOverflowAsWithout) {
+  for (int stage : {1, 2, 3}) {
+    OffloadSetup s;
+    s.stage = stage;
+    s.fp16 = true;
+    s.inject = {2};
+    const OffloadRun device = train(s);
+    s.offload = true;
+    const OffloadRun host = train(s);
+    expect_same(device, host, str("fp16 stage ", stage));
+    ASSERT_EQ(host.metrics.size(), 5u);
+    EXPECT_TRUE(host.metrics[1].at("skipped").get<bool>()) << "the inf skipped step 2";
+    for (size_t i = 0; i < host.metrics.size(); ++i) {
+      EXPECT_EQ(host.metrics[i].at("loss_scale"), device.metrics[i].at("loss_scale")) << "step " << i + 1;
+    }
+  }
+}
+
+// The host tensors are tensors of their own: none shares memory with a
+// model parameter, and the optimizer state lies on the host beside them. The
+// metrics count their bytes (a run without offload has no such key); pinning
+// is asked for and, on a LibTorch without CUDA, not possible (logged).
+TEST(OffloadOptimizer, StateLivesInSeparateHostTensorsAndIsCounted) {
+  for (int stage : {1, 2, 3}) {
+    OffloadSetup s;
+    s.stage = stage;
+    s.offload = true;
+    s.pin = true;
+    const auto layout = remat::testing::layout_ptr(1);
+    at::manual_seed(9);
+    models::Gpt model(remat::testing::small_gpt(29, 3, 0.1));
+    EngineOptions options;
+    options.layout = layout;
+    auto engine = initialize(model, config_of(s), options);
+    parallel::ZeroModel& zero = engine->sharding();
+    at::Tensor idx = at::arange(24, at::kLong).view({2, 12}).remainder(29);
+    engine->backward(engine->forward([&] { return model->loss(idx, idx.roll(-1, 1)); }));
+    int64_t master_bytes = 0, grad_bytes = 0;
+    for (const auto& p : zero.parameters()) {
+      if (!p.requires_grad()) continue;
+      EXPECT_TRUE(p.device().is_cpu());
+      EXPECT_EQ(p.scalar_type(), at::kFloat);
+      EXPECT_EQ(p.is_pinned(), at::globalContext().hasCUDA()) << "pinned where this LibTorch can pin";
+      for (const auto& q : model->parameters()) {
+        EXPECT_FALSE(p.is_alias_of(q)) << "stage " << stage << ": a host master shares a model parameter's memory";
+      }
+      master_bytes += static_cast<int64_t>(p.nbytes());
+      if (p.grad().defined()) {
+        grad_bytes += static_cast<int64_t>(p.grad().nbytes());
+        for (const auto& q : model->parameters()) EXPECT_FALSE(p.grad().is_alias_of(q));
+      }
+    }
+    EXPECT_GT(grad_bytes, 0) << "the reduced gradients reached the host";
+    engine->step();
+    const auto state = optimizer_state_tensors(engine->optimizer());
+    ASSERT_FALSE(state.empty());
+    for (const auto& t : state) {
+      EXPECT_TRUE(t.device().is_cpu());
+      for (const auto& q : model->parameters()) EXPECT_FALSE(t.is_alias_of(q));
+    }
+    const nlohmann::json m = engine->last_metrics().to_json();
+    EXPECT_EQ(zero.stats().host_bytes, master_bytes + grad_bytes) << "stage " << stage;
+    // Adam: two moments as large as the masters, and a step count each.
+    EXPECT_GE(m.at("optimizer_state_bytes").get<int64_t>(), 2 * master_bytes);
+    EXPECT_EQ(m.at("host_optimizer_bytes").get<int64_t>(),
+              master_bytes + grad_bytes + m.at("optimizer_state_bytes").get<int64_t>());
+    // A host master written between steps reaches the model at the next forward.
+    for (auto& p : zero.parameters()) {
+      if (p.requires_grad()) {
+        c10::NoGradGuard no_grad;
+        p.fill_(0.25);
+      }
+    }
+    zero.begin_forward();
+    auto whole = zero.install_whole_parameters(/*as_computed=*/false, /*keep_values=*/true);
+    for (const auto& [name, value] : whole.values) {
+      EXPECT_TRUE(at::equal(value, at::full_like(value, 0.25))) << "stage " << stage << ": " << name;
+    }
+    for (auto& [p, data] : whole.restore) p.set_data(data);
+    zero.end_evaluation();
+  }
+  OffloadSetup plain;
+  plain.steps = 1;
+  EXPECT_EQ(train(plain).metrics[0].count("host_optimizer_bytes"), 0u) << "a run without offload keeps its keys";
+}
+
+// A save from an offloaded run resumes without offload, and one without
+// offload resumes offloaded, bit for bit as the run that never stopped; at
+// another data-parallel size (1 rank of 2), either save resumes alike.
+TEST(OffloadOptimizer, SavesResumeAcrossOffloadAndDataParallelSize) {
+  for (int stage : {2, 3}) {
+    OffloadSetup s;
+    s.stage = stage;
+    s.steps = 6;
+    const OffloadRun straight = train(s);
+    const std::string on = job_dir(str("on", stage)), off = job_dir(str("off", stage));
+    OffloadSetup saving = s;
+    saving.steps = 3;
+    saving.offload = true;
+    train(saving, "", on, 3);
+    saving.offload = false;
+    train(saving, "", off, 3);
+    for (bool offload : {false, true}) {
+      OffloadSetup rest = s;
+      rest.offload = offload;
+      const OffloadRun tail = train(rest, offload ? off : on);
+      ASSERT_EQ(tail.losses.size(), 3u);
+      for (size_t i = 0; i < 3; ++i) {
+        EXPECT_EQ(tail.losses[i], straight.losses[3 + i])
+            << "stage " << stage << (offload ? ": offloaded from a device save" : ": from an offloaded save")
+            << ", step " << 4 + i;
+      }
+    }
+    if (world()->size() > 1) {
+      OffloadSetup one = s;
+      one.ranks = 1;
+      const OffloadRun from_off = train(one, off);
+      one.offload = true;
+      const OffloadRun from_on = train(one, on);
+      if (from_on.trained) {
+        expect_same(from_off, from_on, str("stage ", stage, " at 1 rank of ", world()->size()));
+        for (double l : from_on.losses) EXPECT_TRUE(std::isfinite(l));
+      }
+    }
+  }
+}
+
+// GatheredParameters(modify) writes an edit into the host masters (what the
+// optimizer steps and saves hold) and the model reads it; a run edited so
+// trains on bitwise as the same run without offload.
+TEST(OffloadOptimizer, AModifyingScopeReachesTheHostMasters) {
+  for (int stage : {1, 3}) {
+    std::vector<double> losses[2];
+    for (bool offload : {false, true}) {
+      at::manual_seed(9);
+      models::Gpt model(remat::testing::small_gpt(29, 2, 0.0));
+      OffloadSetup s;
+      s.stage = stage;
+      s.offload = offload;
+      EngineOptions options;
+      options.layout = remat::testing::layout_ptr(1);
+      auto engine = initialize(model, config_of(s), options);
+      {
+        GatheredParameters scope(*engine, /*modify=*/true);
+        at::NoGradGuard no_grad;
+        model->named_parameters()["pos_emb.weight"].fill_(0.5);
+      }
+      parallel::ZeroModel& zero = engine->sharding();
+      const auto params = zero.parameters();
+      const auto layout = zero.layout();
+      for (size_t i = 0; i < params.size(); ++i) {
+        for (const auto& seg : layout[i].segments) {
+          if (seg.name != "pos_emb.weight") continue;
+          at::Tensor mine = params[i].detach().reshape({-1}).narrow(0, seg.shard_offset, seg.length);
+          EXPECT_TRUE(at::equal(mine, at::full_like(mine, 0.5))) << "stage " << stage;
+        }
+      }
+      at::Tensor idx = at::arange(24, at::kLong).view({2, 12}).remainder(29);
+      for (int step = 0; step < 2; ++step) {
+        engine->backward(engine->forward([&] { return model->loss(idx, idx.roll(-1, 1)); }));
+        engine->step();
+        losses[offload].push_back(engine->last_metrics().loss);
+      }
+    }
+    EXPECT_EQ(losses[0], losses[1]) << "stage " << stage;
+  }
+}
+
+// In the window's last micro-step each gradient shard goes to the host as
+// its reduction ends, during the backward (stages 2 and 3 reduce there; stage
+// 3's root unit and persistent parameters after it): before finish_backward
+// host masters hold their gradients already. In an earlier micro-step
+// nothing moves.
+TEST(OffloadOptimizer, GradientShardsMoveAsTheirReductionEnds) {
+  for (int stage : {2, 3}) {
+    OffloadSetup s;
+    s.stage = stage;
+    s.offload = true;
+    at::manual_seed(9);
+    models::Gpt model(remat::testing::small_gpt(29, 3, 0.1));
+    EngineOptions options;
+    options.layout = remat::testing::layout_ptr(1);
+    auto engine = initialize(model, config_of(s), options);
+    parallel::ZeroModel& zero = engine->sharding();
+    at::Tensor idx = at::arange(24, at::kLong).view({2, 12}).remainder(29);
+    auto host_grads = [&] {
+      int n = 0;
+      for (const auto& p : zero.parameters()) n += p.grad().defined() ? 1 : 0;
+      return n;
+    };
+    for (bool last : {false, true}) {
+      zero.begin_forward();
+      at::Tensor loss = zero.finish_forward(model->loss(idx, idx.roll(-1, 1)));
+      zero.begin_backward(last);
+      loss.backward();
+      const int early = host_grads();
+      if (last) {
+        EXPECT_GT(early, 0) << "stage " << stage << ": no gradient reached the host during the backward";
+      } else {
+        EXPECT_EQ(early, 0) << "stage " << stage << ": a gradient moved before the window's last micro-step";
+      }
+      zero.finish_backward(last);
+      if (last) {
+        int trainable = 0;
+        for (const auto& p : zero.parameters()) trainable += p.requires_grad() ? 1 : 0;
+        EXPECT_EQ(host_grads(), trainable) << "stage " << stage;
+        // Stage 2 reduces every bucket in the backward, stage 3 the root unit after it.
+        if (stage == 3) {
+          EXPECT_LT(early, trainable) << "stage 3: the root unit's shards after the backward";
+        }
+      }
+    }
+  }
+}
+
+// The keys: device "cpu" from JSON with DeepSpeed's pipeline tuning accepted,
+// "nvme" and stage 0 refused saying what to change, NVMe's keys refused.
+TEST(OffloadOptimizer, ConfigKeys) {
+  const Config c = parse_config(
+      R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": true,
+          "buffer_count": 8, "fast_init": false, "ratio": 1.0}}})", "<offload_test>");
+  EXPECT_TRUE(c.zero_optimization.offload_optimizer.enabled());
+  EXPECT_TRUE(c.zero_optimization.offload_optimizer.pin_memory);
+  EXPECT_EQ(c.zero_optimization.offload_optimizer.buffer_count, 8);
+  // As remat-train's --set gives it.
+  const Config set = parse_config("{}", "<offload_test>",
+                                  {"zero_optimization.stage=3", "zero_optimization.offload_optimizer.device=cpu",
+                                   "zero_optimization.offload_optimizer.pin_memory=true"});
+  EXPECT_TRUE(set.zero_optimization.offload_optimizer.enabled());
+  EXPECT_TRUE(set.zero_optimization.offload_optimizer.pin_memory);
+  const Config none = parse_config(R"({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "none"}}})",
+                                   "<offload_test>");
+  EXPECT_FALSE(none.zero_optimization.offload_optimizer.enabled());
+  const std::string nvme = remat::testing::error_of<ConfigError>([] {
+    parse_config(R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}})", "<offload_test>");
+  });
+  EXPECT_NE(nvme.find("offload_optimizer.device' = \"nvme\""), std::string::npos) << nvme;
+  EXPECT_NE(nvme.find("set it to \"cpu\""), std::string::npos) << nvme;
+  const std::string stage0 = remat::testing::error_of<ConfigError>([] {
+    parse_config(R"({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}})", "<offload_test>");
+  });
+  EXPECT_NE(stage0.find("set zero_optimization.stage to 1, 2 or 3"), std::string::npos) << stage0;
+  const std::string path = remat::testing::error_of<ConfigError>([] {
+    parse_config(R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "nvme_path": "/x"}}})",
+                 "<offload_test>");
+  });
+  EXPECT_NE(path.find("offload_optimizer.nvme_path"), std::string::npos) << path;
+}
+
+}  // namespace
+}  // namespace remat

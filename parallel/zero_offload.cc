@@ -1,0 +1,145 @@
+#include "parallel/zero_offload.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <c10/core/Event.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include "runtime/error.h"
+#include "runtime/logging.h"
+
+namespace remat::parallel {
+
+namespace {
+
+// Pinning needs a CUDA build of LibTorch with a device present.
+bool can_pin() {
+  try {
+    return at::globalContext().hasCUDA();
+  } catch (...) {
+    return false;
+  }
+}
+
+}  // namespace
+
+OptimizerOffload::OptimizerOffload(std::vector<at::Tensor> device, const OffloadOptimizerOptions& options)
+    : device_(std::move(device)) {
+  pinned_ = options.pin_memory && can_pin();
+  c10::NoGradGuard no_grad;
+  int64_t elements = 0;
+  for (size_t i = 0; i < device_.size(); ++i) {
+    const at::Tensor& d = device_[i];
+    index_[d.unsafeGetTensorImpl()] = i;
+    offloaded_.push_back(d.requires_grad() ? 1 : 0);
+    if (!d.requires_grad()) {
+      host_.push_back(d);
+      grads_.emplace_back();
+      versions_.push_back(0);
+      continue;
+    }
+    REMAT_CHECK(d.scalar_type() == at::kFloat, "offload_optimizer: a master shard is not float32 (",
+                c10::toString(d.scalar_type()), ")");
+    at::Tensor h = at::empty(d.sizes(), at::TensorOptions().dtype(at::kFloat).device(at::kCPU).pinned_memory(pinned_));
+    h.copy_(d.detach());
+    h.requires_grad_(true);
+    host_.push_back(h);
+    grads_.emplace_back();
+    versions_.push_back(h._version());
+    elements += d.numel();
+  }
+  log_rank0().info("offload_optimizer: {} float32 master elements ({} bytes), their gradients and the optimizer "
+                   "state in host memory{}", elements, 4 * elements,
+                   pinned_ ? ", pinned"
+                   : options.pin_memory ? " (pin_memory asked, but this LibTorch cannot pin: no CUDA; ordinary host memory)"
+                                        : "");
+  if (options.buffer_count != OffloadOptimizerOptions{}.buffer_count || options.fast_init ||
+      options.ratio != OffloadOptimizerOptions{}.ratio) {
+    log_rank0().info("offload_optimizer: buffer_count {}, fast_init {}, ratio {} tune DeepSpeed's own offload "
+                     "pipeline and change nothing here (the whole optimizer state is offloaded)",
+                     options.buffer_count, options.fast_init, options.ratio);
+  }
+}
+
+at::Tensor OptimizerOffload::host_of(const at::Tensor& device) const {
+  auto it = index_.find(device.unsafeGetTensorImpl());
+  return it == index_.end() ? device : host_[it->second];
+}
+
+void OptimizerOffload::take_gradient(const at::Tensor& device) {
+  auto it = index_.find(device.unsafeGetTensorImpl());
+  if (it != index_.end()) take(it->second);
+}
+
+void OptimizerOffload::take(size_t i) {
+  at::Tensor& d = device_[i];
+  if (!offloaded_[i] || !d.grad().defined()) return;
+  c10::NoGradGuard no_grad;
+  if (!grads_[i].defined()) {
+    grads_[i] = at::empty(d.sizes(), at::TensorOptions().dtype(at::kFloat).device(at::kCPU).pinned_memory(pinned_));
+  }
+  copy_to_host(d.grad(), grads_[i]);
+  host_[i].mutable_grad() = grads_[i];
+  d.mutable_grad() = at::Tensor();
+}
+
+void OptimizerOffload::copy_to_host(const at::Tensor& src, at::Tensor& dst) {
+  if (src.device().is_cpu()) {
+    dst.copy_(src);
+    return;
+  }
+  const auto* impl = c10::impl::getDeviceGuardImpl(src.device().type());
+  if (!side_) side_ = impl->getStreamFromGlobalPool(src.device());
+  c10::Event computed(src.device().type());
+  computed.record(impl->getStream(src.device()));
+  computed.block(*side_);
+  {
+    c10::StreamGuard on_side(*side_);
+    dst.copy_(src, /*non_blocking=*/pinned_);
+  }
+  impl->recordDataPtrOnStream(src.storage().data_ptr(), *side_);
+  in_flight_ = true;
+}
+
+void OptimizerOffload::take_gradients() {
+  for (size_t i = 0; i < device_.size(); ++i) take(i);
+  if (in_flight_) side_->synchronize();
+  in_flight_ = false;
+  taken_ = true;
+}
+
+void OptimizerOffload::push(bool force) {
+  bool changed = force || taken_;
+  for (size_t i = 0; i < host_.size() && !changed; ++i) changed = offloaded_[i] && host_[i]._version() != versions_[i];
+  if (!changed) return;
+  c10::NoGradGuard no_grad;
+  for (size_t i = 0; i < device_.size(); ++i) {
+    if (!offloaded_[i]) continue;
+    device_[i].detach().copy_(host_[i].detach());
+    versions_[i] = host_[i]._version();
+  }
+  taken_ = false;
+}
+
+void OptimizerOffload::drop_gradients() {
+  if (in_flight_) side_->synchronize();
+  in_flight_ = false;
+  for (size_t i = 0; i < device_.size(); ++i) {
+    device_[i].mutable_grad() = at::Tensor();
+    host_[i].mutable_grad() = at::Tensor();
+  }
+}
+
+int64_t OptimizerOffload::host_bytes() const {
+  int64_t bytes = 0;
+  for (size_t i = 0; i < host_.size(); ++i) {
+    if (!offloaded_[i]) continue;
+    bytes += static_cast<int64_t>(host_[i].nbytes());
+    if (grads_[i].defined()) bytes += static_cast<int64_t>(grads_[i].nbytes());
+  }
+  return bytes;
+}
+
+}  // namespace remat::parallel

@@ -1,0 +1,87 @@
+// The optimizer half of ZeRO-Offload (zero_optimization.offload_optimizer,
+// internal to parallel/): ZeroModel hands the optimizer host copies of what
+// its stage would have it step, so that the float32 master shards, their
+// gradients and the optimizer state (made by the optimizer beside its
+// parameters) live in host memory; the device keeps the tensors the stage
+// gathers from and reduces into.
+//
+//   backward   in the last micro-step, each reduced gradient shard is copied
+//              into its host master's gradient as soon as its reduction ends
+//              (take_gradient) and dropped on the device; after the backward,
+//              whatever is left, and the copies are waited for (take_gradients);
+//   step       the optimizer steps the host masters (clipping, the
+//              non-finite check and the fp16 unscale read the host gradients);
+//   push       the updated masters are copied back into the device shards
+//              before anything reads them (after the step, a load or a write,
+//              and at the next forward), which the stage then gathers.
+//
+// On an accelerator the gradients' copies run on a side stream that first
+// waits for the compute stream (the reduced gradient as computed), their
+// device memory recorded on it (not reused before the copy ends), into
+// pinned buffers without blocking where pinned; take_gradients waits for
+// them. The copies back are synchronous, on the current stream, ordered
+// before the collectives that read the shards. On a CPU every copy is done at
+// once: the host and the device are one memory, the host tensors are still
+// separate tensors, and the step computes the same bits as without offload.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <c10/core/Stream.h>
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <vector>
+
+#include "parallel/zero_options.h"
+
+namespace remat::parallel {
+
+class OptimizerOffload {
+ public:
+  // `device`: what the stage's optimizer would step (its parameters()); each
+  // that requires a gradient gets a float32 host master, pinned when
+  // options.pin_memory and this LibTorch can pin; the others (frozen) are
+  // handed to the optimizer as they are.
+  OptimizerOffload(std::vector<at::Tensor> device, const OffloadOptimizerOptions& options);
+
+  // What the optimizer steps, in the order of `device`.
+  const std::vector<at::Tensor>& parameters() const { return host_; }
+  // The host tensor that stands for `device` (itself when not offloaded).
+  at::Tensor host_of(const at::Tensor& device) const;
+
+  // `device`'s gradient, complete for the accumulation window, copied into
+  // its master's (a host buffer kept across steps) and dropped on the device;
+  // nothing where it has none or is not offloaded.
+  void take_gradient(const at::Tensor& device);
+  // After an accumulation window's last backward: every gradient not taken
+  // yet taken, and the copies waited for (the host gradients read right).
+  void take_gradients();
+  // The masters copied into the device tensors: always with `force`, else
+  // only when gradients were taken (a step may have followed) or a master
+  // was written since the last push.
+  void push(bool force);
+  // Drops the gradients on both sides (an abandoned backward).
+  void drop_gradients();
+
+  // Host bytes: the masters and their gradient buffers.
+  int64_t host_bytes() const;
+  bool pinned() const { return pinned_; }
+
+ private:
+  void take(size_t i);
+  // dst (host) <- src: on an accelerator on side_, else at once.
+  void copy_to_host(const at::Tensor& src, at::Tensor& dst);
+
+  std::vector<at::Tensor> device_, host_, grads_;  // grads_: the host gradient buffers
+  std::optional<c10::Stream> side_;  // an accelerator's copy stream, from its first copy
+  bool in_flight_ = false;           // copies on side_ not waited for
+  std::vector<char> offloaded_;
+  std::vector<int64_t> versions_;  // host_'s versions at the last push
+  std::map<const void*, size_t> index_;  // device_ by TensorImpl
+  bool taken_ = false;
+  bool pinned_ = false;
+};
+
+}  // namespace remat::parallel
