@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# The ds_config files DeepSpeed users bring, given to remat-train as they are
+# (tests/ds_configs/: copies with the keys of Hugging Face Trainer's ZeRO 1-3
+# files, LLaVA's zero2, a bf16 ZeRO-3, a Whisper fine-tune, a p-tuning config
+# and a DeepSpeed training script's fp16 file; docs/config.md, "Bringing a
+# DeepSpeed config"), at 2 ranks: remat-estimate shows every "auto" decided;
+# each trains a few steps, logging each decision once; an "auto" run equals the
+# run given the decided values; offload_optimizer keeps its state on the host;
+# a 16-bit export is bf16; fp16 on a CPU whose LibTorch cannot compute half
+# precision is refused naming fp16, the device and the LibTorch, and trains
+# with the loss scaler where it can.
+# Prints "[remat-test] N passed, M failed".
+#   tests/ds_configs_test.sh REMAT_TRAIN REMAT_RUN REMAT_ESTIMATE A_CONFIG_IN_tests/ds_configs
+set -uo pipefail
+train="$1"
+run="$2"
+estimate="$3"
+ds_dir="$(dirname "$4")"
+tmp="${TEST_TMPDIR:-$(mktemp -d)}"
+# What each rank has, for train_micro_batch_size_per_gpu "auto": a small device,
+# so that the decided micro-batch stays a quick one on 2 cores.
+export REMAT_COMM_TIMEOUT_S=60 REMAT_MEMORY_PER_RANK_BYTES=$((16 << 20))
+source "$(dirname "$0")/testlib.sh"
+
+# remat's own sections only (the model, the loop): every DeepSpeed key is the file's.
+small=(--set model.n_layer=2 --set model.seq_len=32 --set model.d_model=32 --set model.d_ff=64
+       --set model.n_head=2 --set train.eval_interval=0 --set train.sample_chars=0)
+steps=3
+py=/usr/bin/python3  # Debian's, with python3-torch
+
+finite_losses() {
+  [[ -f "$1" && $(wc -l <"$1") -eq $steps ]] && awk '{ if ($1 != $1 + 0 || $1 > 10 || $1 <= 0) exit 1 }' <(losses "$1")
+}
+fp16_on() { $py -c 'import json, sys; print(json.load(open(sys.argv[1])).get("fp16", {}).get("enabled") is True)' "$1"; }
+
+for cfg in hf_zero1 hf_zero2 hf_zero3 llava_zero2 bf16_zero3 whisper_zero2 ptuning_zero2 ds_fp16_zero1; do
+  file="$ds_dir/$cfg.json"
+  autos=$(grep -c '"auto"' "$file")
+  # remat-estimate decides every "auto" as remat-train will, and shows each.
+  "$estimate" -np 2 --config "$file" "${small[@]}" --json "$tmp/$cfg.est.json" >"$tmp/$cfg.est" 2>&1
+  rc=$?
+  shown=$(grep -c '"auto" -> ' "$tmp/$cfg.est")
+  if [[ $rc -eq 0 && $shown -eq $autos ]]; then
+    pass "$cfg.json: remat-estimate shows its $autos \"auto\" values decided"
+  else
+    fail "$cfg.json: remat-estimate shows its $autos \"auto\" values decided ($shown shown, exit $rc)" \
+      "$(cat "$tmp/$cfg.est")"
+  fi
+
+  REMAT_LOG_LEVEL=info "$run" -np 2 -- "$train" --config "$file" --steps $steps "${small[@]}" \
+    --metrics "$tmp/$cfg.jsonl" --export "$tmp/$cfg.pt" >"$tmp/$cfg.out" 2>&1
+  rc=$?
+  if [[ $(fp16_on "$file") == True ]] && grep -q "fp16.enabled is true, but the cpu device cannot compute in fp16" \
+       "$tmp/$cfg.out"; then
+    # Refused only where this LibTorch lacks half precision on the CPU (1.13).
+    if [[ $rc -ne 0 ]] && grep -q "with this LibTorch (1\." "$tmp/$cfg.out"; then
+      pass "$cfg.json: fp16 on this CPU is refused naming fp16, the device and the LibTorch (exit $rc)"
+    else
+      fail "$cfg.json: fp16 is refused where LibTorch computes half precision (exit $rc)" "$(cat "$tmp/$cfg.out")"
+    fi
+    continue
+  fi
+  if [[ $rc -eq 0 ]] && finite_losses "$tmp/$cfg.jsonl"; then
+    pass "$cfg.json trains $steps steps at 2 ranks (losses $(losses "$tmp/$cfg.jsonl" | tr '\n' ' '))"
+  else
+    fail "$cfg.json trains $steps steps at 2 ranks (exit $rc)" "$(cat "$tmp/$cfg.out")"
+    continue
+  fi
+  logged=$(grep -c '"auto" -> ' "$tmp/$cfg.out")
+  if [[ $logged -eq $autos ]]; then
+    pass "$cfg.json: remat-train logs each of its $autos \"auto\" values once, with what it chose"
+  else
+    fail "$cfg.json: remat-train logs each of its $autos \"auto\" values once ($logged lines)" \
+      "$(grep -F '"auto"' "$tmp/$cfg.out")"
+  fi
+  # fp16 where this CPU computes it: the loss scaler's scale on every line.
+  if [[ $(fp16_on "$file") == True ]]; then
+    if [[ $(grep -c '"loss_scale":' "$tmp/$cfg.jsonl") -eq $steps ]]; then
+      pass "$cfg.json trains in fp16 with the loss scaler (loss_scale on every metrics line)"
+    else
+      fail "$cfg.json trains in fp16 with the loss scaler" "$(cat "$tmp/$cfg.jsonl")"
+    fi
+  fi
+  # offload_optimizer "cpu": the optimizer's state on the host, counted.
+  if grep -q '"offload_optimizer"' "$file"; then
+    bytes=$(sed -nE 's/.*"host_optimizer_bytes":([0-9]+).*/\1/p' "$tmp/$cfg.jsonl" | tail -1)
+    if [[ -n "$bytes" && "$bytes" -gt 0 ]]; then
+      pass "$cfg.json: offload_optimizer keeps the optimizer on the host ($bytes bytes)"
+    else
+      fail "$cfg.json: offload_optimizer keeps the optimizer on the host" "$(tail -1 "$tmp/$cfg.jsonl")"
+    fi
+  fi
+done
+
+# An "auto" run is the run given what remat decided: hf_zero1.json with each
+# decided value set by hand (from remat-estimate --json) trains the same bits.
+sets=()
+while IFS= read -r s; do sets+=(--set "$s"); done < <($py - "$tmp/hf_zero1.est.json" <<'PY'
+import json, sys
+for key, d in json.load(open(sys.argv[1]))["auto"].items():
+    print(f"{key}={json.dumps(d['value'])}")
+PY
+)
+"$run" -np 2 -- "$train" --config "$ds_dir/hf_zero1.json" --steps $steps "${small[@]}" "${sets[@]}" \
+  --metrics "$tmp/hf_zero1_given.jsonl" >"$tmp/hf_zero1_given.out" 2>&1
+if [[ ${#sets[@]} -gt 20 ]] && finite_losses "$tmp/hf_zero1_given.jsonl" &&
+   cmp -s <(losses "$tmp/hf_zero1.jsonl") <(losses "$tmp/hf_zero1_given.jsonl") &&
+   ! grep -q '"auto" -> ' "$tmp/hf_zero1_given.out"; then
+  pass "hf_zero1.json's \"auto\" run equals the run given the decided values, bit for bit ($((${#sets[@]} / 2)) keys)"
+else
+  fail "hf_zero1.json's \"auto\" run equals the run given the decided values" "${sets[*]}" \
+    "$(paste <(losses "$tmp/hf_zero1.jsonl") <(losses "$tmp/hf_zero1_given.jsonl"))" "$(cat "$tmp/hf_zero1_given.out")"
+fi
+
+# stage3_gather_16bit_weights_on_model_save with bf16: the export is bf16;
+# with float32 compute (hf_zero3.json's "auto" on a CPU) it stays float32.
+for case in "bf16_zero3 torch.bfloat16" "hf_zero3 torch.float32"; do
+  set -- $case
+  if out=$($py - "$tmp/$1.pt" "$2" 2>&1 <<'PY'
+import sys
+import torch
+exported = torch.load(sys.argv[1], weights_only=True)
+dtypes = {str(t.dtype) for t in exported.values()}
+assert dtypes == {sys.argv[2]}, dtypes
+print(f"{len(exported)} tensors, {sys.argv[2]}")
+PY
+); then
+    pass "$1.json: stage3_gather_16bit_weights_on_model_save exports $2 ($out)"
+  else
+    fail "$1.json: stage3_gather_16bit_weights_on_model_save exports $2" "$out"
+  fi
+done
+
+summary
