@@ -52,6 +52,51 @@ Field stored_in(Field field, S Config::*section) {
   return field;
 }
 
+// `fields`, bound to the section `section` of Config, bound to Config itself:
+// so that keys of the engine's own can sit beside them in the same JSON object.
+template <typename S>
+std::vector<Field> within(S Config::*section, std::vector<Field> fields) {
+  for (auto& f : fields) {
+    if (f.refusal) continue;
+    if (f.kind != json_schema::Kind::kObject) {
+      f = stored_in(std::move(f), section);
+      continue;
+    }
+    auto member = std::move(f.member);
+    auto member_const = std::move(f.member_const);
+    f.member = [member, section](void* t) { return member(&(static_cast<Config*>(t)->*section)); };
+    f.member_const = [member_const, section](const void* t) {
+      return member_const(&(static_cast<const Config*>(t)->*section));
+    };
+  }
+  return fields;
+}
+
+// DeepSpeed's tuning keys of zero_optimization that remat reads (the others
+// are in deepspeed_keys.cc): stage3_max_live_parameters is ZeRO's, the rest
+// the engine's (config.h: DeepSpeedTuningConfig), each in every spelling.
+std::vector<Field> zero_tuning_fields() {
+  using T = DeepSpeedTuningConfig;
+  auto tuning = [](Field f) { return stored_in(std::move(f), &Config::deepspeed_tuning); };
+  auto zero = [](Field f) { return stored_in(std::move(f), &Config::zero_optimization); };
+  std::vector<Field> out;
+  for (const char* name : {"stage3_max_live_parameters", "max_live_parameters"}) {
+    out.push_back(zero(leaf(name, &parallel::ZeroOptions::stage3_max_live_parameters)));
+  }
+  for (const char* name : {"stage3_max_reuse_distance", "max_reuse_distance"}) {
+    out.push_back(tuning(optional_leaf(name, &T::max_reuse_distance)));
+  }
+  for (const char* name : {"stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+                           "gather_16bit_weights_on_model_save"}) {
+    out.push_back(tuning(leaf(name, &T::gather_16bit_weights_on_model_save)));
+  }
+  out.push_back(tuning(optional_leaf("sub_group_size", &T::sub_group_size)));
+  out.push_back(tuning(optional_leaf("cpu_offload", &T::cpu_offload)));
+  out.push_back(tuning(optional_leaf("cpu_offload_param", &T::cpu_offload_param)));
+  out.push_back(tuning(optional_leaf("cpu_offload_use_pin_memory", &T::cpu_offload_use_pin_memory)));
+  return out;
+}
+
 // remat's schema: one table of fields per section, each bound to a struct
 // member (the sections and their defaults are declared in config.h and, for a
 // library's options, in that library), and the DeepSpeed keys remat
@@ -110,8 +155,7 @@ const std::vector<Field>& base_schema() {
                    leaf("warmup_type", &SchedulerConfig::warmup_type,
                         {"log", "linear"}),
                    leaf("total_num_steps", &SchedulerConfig::total_num_steps),
-                   deepspeed_only("last_batch_iteration",
-                                  "remat's schedule starts from the step a run resumes at")})}),
+                   leaf("last_batch_iteration", &SchedulerConfig::last_batch_iteration)})}),
       // Stored with the bf16 options (parallel/zero_options.h).
       stored_in(enum_leaf("communication_data_type", &parallel::Bf16Options::reduce_dtype,
                           parallel::reduce_dtype_names()),
@@ -134,7 +178,8 @@ const std::vector<Field>& base_schema() {
               leaf<Fp16Config, bool>("consecutive_hysteresis", &Fp16Config::consecutive_hysteresis),
               leaf<Fp16Config, double>("min_loss_scale", &Fp16Config::min_loss_scale),
               leaf("fp16_master_weights_and_grads", &Fp16Config::fp16_master_weights_and_grads)}),
-      object("zero_optimization", &Config::zero_optimization,
+      // ZeRO's keys (parallel/zero_options.h) beside the engine's own.
+      inline_section("zero_optimization", with(within(&Config::zero_optimization,
              with({leaf("stage", &parallel::ZeroOptions::stage),
               leaf("reduce_bucket_size", &parallel::ZeroOptions::reduce_bucket_size),
               leaf("reduce_scatter", &parallel::ZeroOptions::reduce_scatter),
@@ -148,7 +193,7 @@ const std::vector<Field>& base_schema() {
               leaf("overlap_comm", &parallel::ZeroOptions::overlap_comm),
               leaf("contiguous_gradients", &parallel::ZeroOptions::contiguous_gradients),
               object("offload_optimizer", &parallel::ZeroOptions::offload_optimizer, offload_optimizer_fields())},
-                  deepspeed_only_zero())),
+                  deepspeed_only_zero())), zero_tuning_fields())),
       object("activation_checkpointing", &Config::activation_checkpointing,
              {leaf("partition_activations", &AC::partition_activations),
               leaf("cpu_checkpointing", &AC::cpu_checkpointing),
@@ -207,7 +252,9 @@ const std::vector<Field>& base_schema() {
               leaf("sample_chars", &TrainConfig::sample_chars),
               leaf("on_nonfinite", &TrainConfig::on_nonfinite, {"stop", "skip"}),
               leaf("device", &TrainConfig::device)}),
-  }, deepspeed_only_top_level());
+  }, with(deepspeed_only_top_level(), {stored_in(optional_leaf("zero_allow_untested_optimizer",
+                                                                &DeepSpeedTuningConfig::allow_untested_optimizer),
+                                                  &Config::deepspeed_tuning)}));
   return fields;
 }
 
@@ -356,6 +403,11 @@ void check_scheduler(const SchedulerConfig& sc, Problems& problems) {
     problems.add({"scheduler.params.warmup_num_steps", "scheduler.type"},
                  str("'scheduler.params.warmup_num_steps' = ", sc.warmup_num_steps, " must be >= 0"));
   }
+  if (sc.last_batch_iteration < -1) {
+    problems.add({"scheduler.params.last_batch_iteration"},
+                 str("'scheduler.params.last_batch_iteration' = ", sc.last_batch_iteration,
+                     " must be -1 (a fresh run) or the index of the last batch trained on (>= 0)"));
+  }
   if (sc.type == "WarmupDecayLR" && sc.total_num_steps <= sc.warmup_num_steps) {
     problems.add({"scheduler.type", "scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps"},
                  str("scheduler WarmupDecayLR needs 'scheduler.params.total_num_steps' (", sc.total_num_steps,
@@ -427,6 +479,7 @@ void check_values(const Config& c, const Origin& at) {
   Problems problems(at);
   check_top_level_and_optimizer(c, problems);
   check_scheduler(c.scheduler, problems);
+  for (const auto& [key, problem] : deepspeed_keys::tuning_problems(c)) problems.add({key}, problem);
   check_sections(c, problems);
   check_train_and_data(c, problems);
   problems.throw_if_any();
@@ -547,6 +600,7 @@ std::vector<std::string> ineffective_settings(const Config& c) {
     out.push_back("activation_checkpointing.partition_activations with tensor_parallel.size 1 "
                   "keeps whole inputs (there is no group to split them across)");
   }
+  for (auto& line : deepspeed_keys::tuning_without_effect(c)) out.push_back(std::move(line));
   return out;
 }
 

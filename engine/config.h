@@ -45,6 +45,10 @@ struct SchedulerConfig {
   int64_t warmup_num_steps = 1000;
   std::string warmup_type = "log";  // log | linear
   int64_t total_num_steps = 0;      // WarmupDecayLR only; required there
+  // DeepSpeed's index of the last batch already trained on: -1 (a fresh run)
+  // or k >= 0, which continues the schedule after it (step s takes the rate
+  // of step s + k + 1).
+  int64_t last_batch_iteration = -1;
 };
 
 // tensor_parallel: ranks per tensor-parallel group (runtime/layout.h), and
@@ -99,6 +103,22 @@ struct Fp16Config : optim::LossScalerOptions {
   bool fp16_master_weights_and_grads = false;
 };
 
+// DeepSpeed's tuning keys of zero_optimization and the top level that remat
+// reads for the engine itself. Those without effect are kept only to say so
+// (ineffective_settings names each one given): unset when not in the config.
+struct DeepSpeedTuningConfig {
+  // stage3_gather_16bit_weights_on_model_save (or its other spellings): the
+  // export (Engine::export_model) writes the weights in the training dtype,
+  // bf16 or fp16, instead of float32.
+  bool gather_16bit_weights_on_model_save = false;
+  std::optional<int64_t> sub_group_size;           // no effect
+  std::optional<int64_t> max_reuse_distance;       // stage3_max_reuse_distance: no effect
+  std::optional<bool> allow_untested_optimizer;    // zero_allow_untested_optimizer: no effect
+  // DeepSpeed's old offload switches: false asks for nothing (true is refused,
+  // naming offload_optimizer or offload_param).
+  std::optional<bool> cpu_offload, cpu_offload_param, cpu_offload_use_pin_memory;
+};
+
 // Resolved batch sizes: train = micro × accumulation × data-parallel size.
 struct BatchSizes {
   int64_t train_batch_size = 0;
@@ -132,6 +152,7 @@ struct Config {
   parallel::Bf16Options bf16;                               // parallel/zero_options.h
   Fp16Config fp16;  // its loss scaler's keys: optim/loss_scaler.h
   parallel::ZeroOptions zero_optimization;                  // parallel/zero_options.h
+  DeepSpeedTuningConfig deepspeed_tuning;  // keys in zero_optimization and at the top level
   ActivationCheckpointingOptions activation_checkpointing;  // checkpointing/options.h
   OffloadActivationsOptions activation_offloading;          // checkpointing/options.h
   TensorParallelConfig tensor_parallel;
@@ -171,8 +192,9 @@ Config parse_config(const std::string& text, const std::string& source,
 void check_config_rules(const Config& config, const std::string& source);
 
 // Settings that are valid but would have no effect in `config` (e.g.
-// sequence_parallel_dropout with sequence parallelism off), one sentence
-// each saying what to change; the engine logs them as warnings.
+// sequence_parallel_dropout with sequence parallelism off, or a DeepSpeed
+// tuning key remat does not need), one sentence each saying what to change
+// or why it changes nothing; the engine logs them as warnings on rank 0.
 std::vector<std::string> ineffective_settings(const Config& config);
 
 // The device syntax of train.device (and EngineOptions::device): empty when

@@ -414,8 +414,10 @@ TEST(Config, ARealDeepSpeedConfigListsEveryProblemInOneError) {
     "bf16": {"enabled": false},
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "adam_w_mode": true}},
     "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": true},
-                          "overlap_comm": true, "round_robin_gradients": true, "stage3_max_live_parameters": 1e9},
+                          "overlap_comm": true, "round_robin_gradients": true, "stage3_max_live_parameters": 1e9,
+                          "zero_quantized_weights": true},
     "zero_allow_untested_optimizer": true,
+    "zero_force_ds_cpu_optimizer": true,
     "gradient_clipping": 1.0,
     "train_batch_size": "auto",
     "train_micro_batch_size_per_gpu": 4,
@@ -432,8 +434,8 @@ TEST(Config, ARealDeepSpeedConfigListsEveryProblemInOneError) {
            std::string("'fp16.min_loss_scale' must be number, got string \"auto\""),
            std::string("recognised DeepSpeed key, not supported by remat: 'optimizer.params.adam_w_mode', because"),
            std::string("'zero_optimization.round_robin_gradients'"),
-           std::string("'zero_optimization.stage3_max_live_parameters'"),
-           std::string("recognised DeepSpeed key, not supported by remat: 'zero_allow_untested_optimizer'"),
+           std::string("'zero_optimization.zero_quantized_weights'"),
+           std::string("recognised DeepSpeed key, not supported by remat: 'zero_force_ds_cpu_optimizer'"),
            std::string("'steps_per_print' must be integer, got string \"auto\" (\"auto\" is filled in by "
                        "a launcher"),
            std::string("recognised DeepSpeed key, not supported by remat: 'tensorboard'"),
@@ -448,6 +450,9 @@ TEST(Config, ARealDeepSpeedConfigListsEveryProblemInOneError) {
   EXPECT_EQ(msg.find("'fp16.enabled'"), std::string::npos) << msg;
   EXPECT_EQ(msg.find("'flops_profiler'"), std::string::npos) << msg;
   EXPECT_EQ(msg.find("offload_optimizer"), std::string::npos) << "implemented (offload_test): " << msg;
+  // Tuning keys remat honours or accepts (without effect) are not problems either.
+  EXPECT_EQ(msg.find("stage3_max_live_parameters'"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("'zero_allow_untested_optimizer'"), std::string::npos) << msg;
   EXPECT_EQ(msg.find("did you mean"), std::string::npos) << msg;
   EXPECT_EQ(msg.find("overlap_comm'?"), std::string::npos) << msg;
 }
@@ -479,7 +484,7 @@ TEST(Config, ASuggestionIsMadeOnlyWhenReallyClose) {
 }
 
 TEST(Config, DeepSpeedKeysAreRecognisedInEverySectionAndThroughSet) {
-  for (const char* key : {"amp", "torch_autocast", "zero_allow_untested_optimizer", "flops_profiler", "tensorboard", "wandb",
+  for (const char* key : {"amp", "torch_autocast", "zero_force_ds_cpu_optimizer", "flops_profiler", "tensorboard", "wandb",
                           "csv_monitor", "comms_logger", "autotuning", "elasticity", "data_efficiency",
                           "compression_training", "aio", "sparse_attention", "curriculum_learning", "pipeline",
                           "prescale_gradients", "gradient_predivide_factor",
@@ -488,9 +493,7 @@ TEST(Config, DeepSpeedKeysAreRecognisedInEverySectionAndThroughSet) {
                 HasSubstr(str("recognised DeepSpeed key, not supported by remat: '", key, "', because ")))
         << key;
   }
-  for (const char* key : {"offload_param", "stage3_max_live_parameters",
-                          "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save", "sub_group_size",
-                          "round_robin_gradients", "zero_hpz_partition_size", "zero_quantized_weights",
+  for (const char* key : {"offload_param", "round_robin_gradients", "zero_hpz_partition_size", "zero_quantized_weights",
                           "zero_quantized_gradients", "elastic_checkpoint", "ignore_unused_parameters",
                           "load_from_fp32_weights", "mics_shard_size"}) {
     const std::string msg = config_error([&] { parse(str(R"({"zero_optimization": {")", key, "\": 1}}")); });
@@ -890,4 +893,111 @@ TEST(ConfigMessages, SequenceParallelDropoutWithoutEffectIsWarned) {
   EXPECT_EQ(warnings({}), "");
 }
 
+}  // namespace remat
+
+namespace remat {
+namespace {
+
+std::string warnings_of(const std::string& text) {
+  std::string all;
+  for (const auto& w : ineffective_settings(parse(text))) all += w + "\n";
+  return all;
+}
+
+// Issue 41, item 4: DeepSpeed's tuning keys. Those that cannot change what
+// remat computes are accepted, each with one line saying why it has no effect.
+TEST(ConfigTuningKeys, KeysWithoutEffectAreAcceptedAndSaidToBe) {
+  EXPECT_EQ(warnings_of("{}"), "");
+  const Config c = parse(R"({"zero_optimization": {"stage": 3, "sub_group_size": 1e9,
+                                                   "stage3_max_reuse_distance": 1e9},
+                             "zero_allow_untested_optimizer": true})");
+  EXPECT_EQ(*c.deepspeed_tuning.sub_group_size, 1000000000);
+  EXPECT_EQ(*c.deepspeed_tuning.max_reuse_distance, 1000000000);
+  EXPECT_TRUE(*c.deepspeed_tuning.allow_untested_optimizer);
+  const std::vector<std::string> lines = ineffective_settings(c);
+  ASSERT_EQ(lines.size(), 3u);
+  EXPECT_THAT(lines[0], HasSubstr("zero_optimization.sub_group_size = 1000000000 has no effect in remat: remat "
+                                  "steps each optimizer shard in one piece"));
+  EXPECT_THAT(lines[1], HasSubstr("zero_optimization.stage3_max_reuse_distance = 1000000000 has no effect in "
+                                  "remat"));
+  EXPECT_THAT(lines[2], HasSubstr("zero_allow_untested_optimizer = true has no effect in remat: remat's ZeRO "
+                                  "runs remat's own optimizers"));
+  EXPECT_THAT(warnings_of(R"({"zero_allow_untested_optimizer": false})"),
+              HasSubstr("zero_allow_untested_optimizer = false has no effect"));
+  EXPECT_THAT(warnings_of(R"({"zero_optimization": {"max_reuse_distance": 7}})"),
+              HasSubstr("stage3_max_reuse_distance = 7 has no effect"));
+  // They survive the dump (the effective configuration) and --set.
+  const Config again = parse_config(c.to_json(), "<dump>");
+  EXPECT_EQ(*again.deepspeed_tuning.sub_group_size, 1000000000);
+  EXPECT_TRUE(*again.deepspeed_tuning.allow_untested_optimizer);
+  EXPECT_EQ(*parse("{}", {"zero_optimization.sub_group_size=5"}).deepspeed_tuning.sub_group_size, 5);
+  EXPECT_THAT(config_error([] { parse(R"({"zero_optimization": {"sub_group_size": "big"}})"); }),
+              HasSubstr("'zero_optimization.sub_group_size' must be integer or null, got string"));
+}
+
+// stage3_max_live_parameters (and max_live_parameters) is ZeRO's cap on what
+// a prefetch may gather (parallel/zero_options.h).
+TEST(ConfigTuningKeys, MaxLiveParametersReachesZerosOptions) {
+  EXPECT_EQ(parse("{}").zero_optimization.stage3_max_live_parameters, 1000000000);
+  EXPECT_EQ(parse(R"({"zero_optimization": {"stage3_max_live_parameters": 3e6}})")
+                .zero_optimization.stage3_max_live_parameters, 3000000);
+  EXPECT_EQ(parse(R"({"zero_optimization": {"max_live_parameters": 12}})").zero_optimization.stage3_max_live_parameters,
+            12);
+  EXPECT_EQ(parse("{}", {"zero_optimization.stage3_max_live_parameters=0"}).zero_optimization.stage3_max_live_parameters,
+            0);
+  EXPECT_EQ(warnings_of(R"({"zero_optimization": {"stage3_max_live_parameters": 5}})"), "");
+  EXPECT_THAT(config_error([] { parse(R"({"zero_optimization": {"stage3_max_live_parameters": -1}})"); }),
+              HasSubstr("'zero_optimization.stage3_max_live_parameters' = -1 must be >= 0"));
+}
+
+// The old offload switches: false asks for nothing; true names the current key.
+TEST(ConfigTuningKeys, OldOffloadSwitchesFalseAreAcceptedTrueRefused) {
+  const Config c = parse(R"({"zero_optimization": {"cpu_offload": false, "cpu_offload_param": false,
+                                                   "cpu_offload_use_pin_memory": false}})");
+  EXPECT_FALSE(*c.deepspeed_tuning.cpu_offload);
+  const std::string lines = warnings_of(R"({"zero_optimization": {"cpu_offload": false, "cpu_offload_param": false}})");
+  EXPECT_THAT(lines, HasSubstr("zero_optimization.cpu_offload = false has no effect: it is DeepSpeed's old spelling "
+                               "of zero_optimization.offload_optimizer and asks for no offload"));
+  EXPECT_THAT(lines, HasSubstr("zero_optimization.cpu_offload_param = false has no effect: it is DeepSpeed's old "
+                               "spelling of zero_optimization.offload_param"));
+  EXPECT_THAT(config_error([] { parse(R"({"zero_optimization": {"cpu_offload": true}})"); }),
+              HasSubstr("'zero_optimization.cpu_offload' is true: it is DeepSpeed's old spelling of "
+                        "zero_optimization.offload_optimizer, and remat reads only the current key: write "
+                        "zero_optimization.offload_optimizer instead"));
+  EXPECT_THAT(config_error([] { parse("{}", {"zero_optimization.cpu_offload_param=true"}); }),
+              HasSubstr("config error in --set zero_optimization.cpu_offload_param=true: "
+                        "'zero_optimization.cpu_offload_param' is true: it is DeepSpeed's old spelling of "
+                        "zero_optimization.offload_param"));
+}
+
+// stage3_gather_16bit_weights_on_model_save, in each spelling: the export in
+// the training dtype; at float32 it changes nothing, and says so.
+TEST(ConfigTuningKeys, Gather16BitWeightsOnSaveIsReadInEverySpelling) {
+  EXPECT_FALSE(parse("{}").deepspeed_tuning.gather_16bit_weights_on_model_save);
+  for (const char* key : {"stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+                          "gather_16bit_weights_on_model_save"}) {
+    const std::string text = str(R"({"zero_optimization": {")", key, R"(": true}})");
+    EXPECT_TRUE(parse(text).deepspeed_tuning.gather_16bit_weights_on_model_save) << key;
+    EXPECT_THAT(warnings_of(text), HasSubstr("but the training dtype is float32 (bf16 and fp16 are off), so the "
+                                             "export is float32 as without it"))
+        << key;
+  }
+  EXPECT_EQ(warnings_of(R"({"bf16": {"enabled": true},
+                            "zero_optimization": {"stage3_gather_16bit_weights_on_model_save": true}})"),
+            "");
+}
+
+// scheduler.params.last_batch_iteration reaches the scheduler (engine/optim.h shifts the schedule).
+TEST(ConfigTuningKeys, LastBatchIterationReachesTheScheduler) {
+  EXPECT_EQ(parse("{}").scheduler.last_batch_iteration, -1);
+  EXPECT_EQ(parse(R"({"scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": 99}}})")
+                .scheduler.last_batch_iteration, 99);
+  EXPECT_THAT(config_error([] {
+                parse(R"({"scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": -2}}})");
+              }),
+              HasSubstr("'scheduler.params.last_batch_iteration' = -2 must be -1 (a fresh run) or the index of the "
+                        "last batch trained on (>= 0)"));
+}
+
+}  // namespace
 }  // namespace remat

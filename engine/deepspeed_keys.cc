@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "engine/config.h"
 #include "runtime/error.h"
 
 namespace remat::deepspeed_keys {
@@ -35,9 +36,6 @@ std::vector<Field> deepspeed_only_top_level() {
       deepspeed_only("bfloat16", "it is DeepSpeed's old name of the bf16 section", "write bf16"),
       deepspeed_only("amp", "remat does not use NVIDIA Apex", "set bf16.enabled for mixed precision"),
       deepspeed_only("torch_autocast", "remat has no autocast", "set bf16.enabled for mixed precision"),
-      deepspeed_only("zero_allow_untested_optimizer",
-                     "remat's ZeRO runs only remat's optimizers (optimizer.type AdamW, Adam or SGD), each "
-                     "supported at every stage: there is nothing to allow"),
       deepspeed_only("zero_force_ds_cpu_optimizer", "remat has no CPU optimizer"),
       deepspeed_only("flops_profiler", "remat has no FLOPs profiler", metrics),
       deepspeed_only("tensorboard", no_monitor, metrics),
@@ -100,30 +98,12 @@ std::vector<Field> deepspeed_only_top_level() {
 
 // DeepSpeed's zero_optimization keys that remat does not implement.
 std::vector<Field> deepspeed_only_zero() {
-  const char* no_offload_optimizer = "remat keeps optimizer state on the device, sharded by ZeRO stages 1-3";
-  const char* more_shards = "raise zero_optimization.stage to shard more over the data-parallel ranks";
   const char* no_offload_param = "remat keeps parameters on the device";
   const char* stage3_shards = "set zero_optimization.stage to 3 to shard them over the data-parallel ranks";
-  const char* live = "remat's stage 3 frees a unit's parameters when its call returns and gathers ahead by "
-                     "stage3_prefetch_bucket_size";
-  const char* gather_on_save = "remat's saves hold fp32 shards, re-sliced when loaded";
-  const char* export_whole = "Engine::export_model (remat-train --export FILE) writes the whole model in one file";
   const char* no_quantized = "remat's collectives carry unquantized values";
   const char* no_trace = "remat's stage 3 gathers each unit around its remat::forward call, with no trace";
   return {
-      deepspeed_only("cpu_offload", no_offload_optimizer, more_shards),
       deepspeed_only("offload_param", no_offload_param, stage3_shards),
-      deepspeed_only("cpu_offload_param", no_offload_param, stage3_shards),
-      deepspeed_only("cpu_offload_use_pin_memory", "remat offloads neither parameters nor optimizer state"),
-      deepspeed_only("sub_group_size", "remat steps each shard in one piece (DeepSpeed tiles its offloaded "
-                                       "optimizer step with it)"),
-      deepspeed_only("stage3_max_live_parameters", live, "tune zero_optimization.stage3_prefetch_bucket_size"),
-      deepspeed_only("max_live_parameters", live, "tune zero_optimization.stage3_prefetch_bucket_size"),
-      deepspeed_only("stage3_max_reuse_distance", live, "tune zero_optimization.stage3_prefetch_bucket_size"),
-      deepspeed_only("max_reuse_distance", live, "tune zero_optimization.stage3_prefetch_bucket_size"),
-      deepspeed_only("stage3_gather_16bit_weights_on_model_save", gather_on_save, export_whole),
-      deepspeed_only("stage3_gather_fp16_weights_on_model_save", gather_on_save, export_whole),
-      deepspeed_only("gather_16bit_weights_on_model_save", gather_on_save, export_whole),
       deepspeed_only("prefetch_bucket_size", "it is DeepSpeed's other name of stage3_prefetch_bucket_size",
                      "write stage3_prefetch_bucket_size"),
       deepspeed_only("param_persistence_threshold",
@@ -158,6 +138,66 @@ std::vector<Field> deepspeed_only_zero() {
       deepspeed_only("pipeline_loading_checkpoint", "remat has no pipeline parallelism"),
       deepspeed_only("log_trace_cache_warnings", no_trace),
   };
+}
+
+// The old offload switches: false asks for nothing, true for an offload,
+// which only the current key can ask for.
+struct OldOffloadKey {
+  const char* name;
+  std::optional<bool> DeepSpeedTuningConfig::*value;
+  const char* current;
+};
+constexpr OldOffloadKey kOldOffloadKeys[] = {
+    {"cpu_offload", &DeepSpeedTuningConfig::cpu_offload, "zero_optimization.offload_optimizer"},
+    {"cpu_offload_param", &DeepSpeedTuningConfig::cpu_offload_param, "zero_optimization.offload_param"},
+    {"cpu_offload_use_pin_memory", &DeepSpeedTuningConfig::cpu_offload_use_pin_memory,
+     "pin_memory in zero_optimization.offload_optimizer or offload_param"},
+};
+
+std::vector<std::string> tuning_without_effect(const Config& c) {
+  const DeepSpeedTuningConfig& t = c.deepspeed_tuning;
+  std::vector<std::string> out;
+  if (t.sub_group_size) {
+    out.push_back(str("zero_optimization.sub_group_size = ", *t.sub_group_size, " has no effect in remat: remat "
+                      "steps each optimizer shard in one piece (DeepSpeed tiles its optimizer step into groups of "
+                      "that many elements); what is computed does not depend on it"));
+  }
+  if (t.max_reuse_distance) {
+    out.push_back(str("zero_optimization.stage3_max_reuse_distance = ", *t.max_reuse_distance, " has no effect "
+                      "in remat: remat's stage 3 frees a unit's parameters when its call returns and gathers them "
+                      "again for its backward, keeping none for reuse; zero_optimization.stage3_max_live_parameters "
+                      "bounds what is gathered at once"));
+  }
+  if (t.allow_untested_optimizer) {
+    out.push_back(str("zero_allow_untested_optimizer = ", *t.allow_untested_optimizer ? "true" : "false",
+                      " has no effect in remat: remat's ZeRO runs remat's own optimizers (optimizer.type AdamW, "
+                      "Adam or SGD), each supported at every stage, so there is nothing to allow"));
+  }
+  for (const auto& key : kOldOffloadKeys) {
+    if (t.*key.value) {
+      out.push_back(str("zero_optimization.", key.name, " = false has no effect: it is DeepSpeed's old spelling of ",
+                        key.current, " and asks for no offload; write ", key.current, " to ask for one"));
+    }
+  }
+  if (t.gather_16bit_weights_on_model_save && !c.bf16.enabled && !c.fp16.enabled) {
+    out.push_back("zero_optimization.stage3_gather_16bit_weights_on_model_save is true, but the training dtype is "
+                  "float32 (bf16 and fp16 are off), so the export is float32 as without it; it writes bf16 or fp16 "
+                  "with bf16.enabled or fp16.enabled");
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, std::string>> tuning_problems(const Config& c) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& key : kOldOffloadKeys) {
+    const auto& value = c.deepspeed_tuning.*key.value;
+    if (!value || !*value) continue;
+    const std::string path = str("zero_optimization.", key.name);
+    out.emplace_back(path, str("'", path, "' is true: it is DeepSpeed's old spelling of ", key.current,
+                               ", and remat reads only the current key: write ", key.current,
+                               " instead, or set '", path, "' to false"));
+  }
+  return out;
 }
 
 }  // namespace remat::deepspeed_keys

@@ -457,6 +457,11 @@ nlohmann::json Engine::load_checkpoint(const std::string& dir) {
   }
   s.loaded_dir = dir;
   s.lr = learning_rate(config_.optimizer, config_.scheduler, global_steps_ + 1);
+  if (const int64_t k = config_.scheduler.last_batch_iteration; k != -1 && config_.scheduler.type != "none") {
+    log_rank0().info("scheduler.params.last_batch_iteration = {}: the schedule goes on from the save's step {} "
+                     "shifted by {} steps (as in the run that saved it, if it had this value: saves do not "
+                     "record it)", k, global_steps_, k + 1);
+  }
   return nlohmann::json::parse(position.client_state);
 }
 

@@ -42,6 +42,7 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerConfig& c
 
 double learning_rate(const OptimizerConfig& optimizer, const SchedulerConfig& s, int64_t step) {
   if (s.type == "none") return optimizer.lr;
+  step += s.last_batch_iteration + 1;  // continues after DeepSpeed's last batch (-1: a fresh run)
   const double lo = s.warmup_min_lr, hi = s.warmup_max_lr;
   const auto warmup = std::max<int64_t>(s.warmup_num_steps, 1);
   if (step < warmup) {

@@ -23,7 +23,10 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerConfig& c
 // The learning rate of `step` (1-based): the optimizer's lr without a
 // scheduler; DeepSpeed's WarmupLR (warm up from warmup_min_lr to warmup_max_lr
 // over warmup_num_steps, log or linear, then constant) and WarmupDecayLR (the
-// same, then linear decay to warmup_min_lr at total_num_steps).
+// same, then linear decay to warmup_min_lr at total_num_steps). With
+// scheduler.last_batch_iteration k, step s takes the rate of step s + k + 1:
+// a resumed run (its step from the save) with the value it was started with
+// continues its schedule; saves do not record k.
 double learning_rate(const OptimizerConfig& optimizer, const SchedulerConfig& scheduler,
                      int64_t step);
 

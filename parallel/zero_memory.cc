@@ -49,7 +49,8 @@ GradientHold stage12_gradients(const ZeroOptions& options, int64_t trainable, in
 // Each parameter below the persistence threshold whole (none with mixed precision),
 // every other one in 1/N; at most two units' sharded parameters gathered at
 // once: the unit computing and the one prefetched beside it (the next in
-// forward, the previous in backward), when it is within the prefetch size.
+// forward, the previous in backward), when it is within the prefetch size
+// and the two within stage3_max_live_parameters.
 StateElements stage3_state(const ZeroOptions& options, const MixedPrecision& mixed, int shard_group,
                            const std::vector<ParameterCount>& params) {
   const int64_t persistence = mixed.enabled() ? 0 : options.stage3_param_persistence_threshold;
@@ -67,7 +68,8 @@ StateElements stage3_state(const ZeroOptions& options, const MixedPrecision& mix
   for (auto it = unit_sharded.begin(); it != unit_sharded.end(); ++it) {
     auto next = std::next(it);
     const bool adjacent = next != unit_sharded.end() && next->first == it->first + 1;
-    const bool prefetched = adjacent && next->second <= options.stage3_prefetch_bucket_size;
+    const bool prefetched = adjacent && next->second <= options.stage3_prefetch_bucket_size &&
+                            it->second + next->second <= options.stage3_max_live_parameters;
     s.gathered = std::max(s.gathered, it->second + (prefetched ? next->second : 0));
   }
   return s;

@@ -31,6 +31,10 @@ std::string check_zero_options(const ZeroOptions& z) {
     add(str("'zero_optimization.stage3_prefetch_bucket_size' = ", z.stage3_prefetch_bucket_size,
             " must be >= 0 (0 turns prefetching off)"));
   }
+  if (z.stage3_max_live_parameters < 0) {
+    add(str("'zero_optimization.stage3_max_live_parameters' = ", z.stage3_max_live_parameters,
+            " must be >= 0 (0 turns prefetching off)"));
+  }
   if (z.stage3_param_persistence_threshold < 0) {
     add(str("'zero_optimization.stage3_param_persistence_threshold' = ", z.stage3_param_persistence_threshold,
             " must be >= 0"));

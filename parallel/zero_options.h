@@ -53,6 +53,12 @@ struct ZeroOptions {
   bool allgather_partitions = true;
   // Stage 3: a unit is prefetched only when it has at most this many elements.
   int64_t stage3_prefetch_bucket_size = 50000000;
+  // Stage 3: the most elements of units gathered at once that a prefetch may
+  // bring about (DeepSpeed's stage3_max_live_parameters): a unit is fetched
+  // ahead only when it and the units still gathered fit. The unit a call needs
+  // is gathered whatever this says, and the head's root unit is always
+  // fetched during the last block.
+  int64_t stage3_max_live_parameters = 1000000000;
   // Stage 3: parameters with fewer elements stay whole on every rank.
   int64_t stage3_param_persistence_threshold = 100000;
   // Stages 0, 1 and 2: each gradient bucket's reduction (stage 0 an

@@ -490,6 +490,10 @@ Unit* Stage3::next_unit(const Unit& unit, int direction) {
   if (i < 0 || i >= blocks) return nullptr;
   Unit* next = units_[i].get();
   if (next->padded_numel() > options_.stage3_prefetch_bucket_size) return nullptr;
+  // stage3_max_live_parameters: the units gathered now and the one fetched ahead.
+  int64_t live = next->padded_numel();
+  for (const auto& u : units_) live += u->gathered && u.get() != next ? u->padded_numel() : 0;
+  if (live > options_.stage3_max_live_parameters) return nullptr;
   return next;
 }
 
