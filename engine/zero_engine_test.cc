@@ -76,6 +76,7 @@ struct TrainSetup {
   bool contiguous_gradients = true, overlap_comm = false, reduce_scatter = true, allgather_partitions = true;
   int64_t allgather_bucket_size = 500000000;
   int64_t reduce_bucket_size = 1000;
+  int64_t max_live = 1000000000;  // stage 3: stage3_max_live_parameters
   std::string optimizer = "AdamW";  // AdamW, Adam or SGD
   double lr = 1e-2;
   // Freeze (requires_grad false) the first block and the token embedding, as
@@ -117,6 +118,7 @@ Config config_of(const TrainSetup& s) {
   z.reduce_scatter = s.reduce_scatter;
   z.allgather_partitions = s.allgather_partitions;
   z.allgather_bucket_size = s.allgather_bucket_size;
+  z.stage3_max_live_parameters = s.max_live;
   return c;
 }
 
@@ -254,6 +256,34 @@ TEST(ZeroEngine, ModelStateBytesAreSixteenPsiOverN) {
   if (world()->rank() == 0) std::printf("world %d: params %lld, model state %.0f B (16 psi / N = %.0f), peak gathered %lld B\n",
               n, static_cast<long long>(r.params), measured, expected,
               static_cast<long long>(r.stats.peak_gathered_bytes));
+}
+
+// stage3_max_live_parameters caps what a prefetch may gather: below two
+// blocks no block is fetched ahead (only the head's root unit, during the last
+// block), so the peak is the last block with the root; the losses are the same
+// bits, since only when parameters arrive changes.
+TEST(ZeroEngine, MaxLiveParametersCapsThePrefetch) {
+  TrainSetup s;
+  s.steps = 3;
+  const TrainRun free_run = train(s);
+  int64_t block = 0;
+  for (const auto& [name, padded] : free_run.padded) {
+    if (name != "root") block = std::max(block, padded);
+  }
+  const int64_t root = free_run.padded.at("root");
+  ASSERT_GT(block, root) << "the test model's blocks must outweigh its root for the peaks to differ";
+  EXPECT_EQ(free_run.stats.peak_gathered_bytes, 2 * block * 4) << "two blocks: one running, one fetched ahead";
+  s.max_live = 2 * block;  // room for two blocks: as without a cap
+  EXPECT_EQ(train(s).stats.peak_gathered_bytes, 2 * block * 4);
+  s.max_live = 2 * block - 1;
+  const TrainRun capped = train(s);
+  EXPECT_EQ(capped.stats.peak_gathered_bytes, (block + root) * 4);
+  EXPECT_EQ(capped.stats.peak_gathered_units, 2);
+  ASSERT_EQ(capped.loss_tensors.size(), free_run.loss_tensors.size());
+  for (size_t i = 0; i < capped.loss_tensors.size(); ++i) {
+    EXPECT_TRUE(at::equal(capped.loss_tensors[i], free_run.loss_tensors[i])) << "step " << i;
+  }
+  EXPECT_EQ(capped.gathers_per_step, free_run.gathers_per_step) << "each unit gathered as often";
 }
 
 TEST(ZeroEngine, CollectiveBytesFollowFromUnitSizes) {
