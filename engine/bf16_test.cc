@@ -3,7 +3,8 @@
 // bf16 (DeepSpeed's default) or float32 and accumulated in float32. Stages
 // 1-3 and hybrid sharding against bf16 at stage 0, bf16 against float32 over
 // 50 steps, checkpointing bitwise inside bf16, saves of float32 masters, and
-// a model whose float32 input reaches a Conv2d (the inputs cast to bf16).
+// a model whose float32 input reaches a Conv2d (the inputs cast to bf16); the
+// export in bf16 (stage3_gather_16bit_weights_on_model_save).
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -11,14 +12,18 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/serialize.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <map>
 
 #include "engine/config.h"
 #include "engine/engine.h"
+#include "engine/export.h"
 #include "models/gpt.h"
 #include "nn/module_call.h"
 #include "parallel/zero.h"
@@ -401,6 +406,72 @@ TEST(Bf16, AConvPatchEmbeddingOnAFloat32ImageTrains) {
   auto engine = initialize(model, config_of(fp32), options);
   EXPECT_EQ(model->patch->weight.scalar_type(), at::kFloat);
   EXPECT_EQ(module_hook(*model->patch, HookSlot::kSharding), nullptr);
+}
+
+}  // namespace
+}  // namespace remat
+
+namespace remat {
+namespace {
+
+// The dictionary an export file holds.
+std::map<std::string, at::Tensor> read_export(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<char> data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : torch::pickle_load(data).toGenericDict()) out[item.key().toStringRef()] = item.value().toTensor();
+  return out;
+}
+
+// stage3_gather_16bit_weights_on_model_save (issue 41, item 4): under bf16 the
+// export holds every parameter whole in bf16, each the float32 export's value
+// rounded to bf16, at stage 0 and at stage 3 (gathered over the ranks); with
+// the key false it is float32 as before.
+TEST(Bf16, TheExportIsInTheTrainingDtypeWhenAskedFor) {
+  at::Tensor stamp = at::full({1}, static_cast<int64_t>(::getpid()), at::kLong);
+  world()->broadcast(stamp, {0})->wait();
+  const std::string dir = (fs::temp_directory_path() / str("remat_bf16_export_", stamp.item<int64_t>())).string();
+  if (world()->rank() == 0) fs::create_directories(dir);
+  world()->barrier()->wait();
+  for (int stage : {0, 3}) {
+    for (bool gather16 : {true, false}) {
+      Bf16Setup s;
+      s.stage = stage;
+      Config c = config_of(s);
+      c.deepspeed_tuning.gather_16bit_weights_on_model_save = gather16;
+      models::Gpt model(remat::testing::small_gpt(29, 3, 0.1));
+      EngineOptions options;
+      options.layout = remat::testing::layout_ptr(1);
+      auto engine = initialize(model, c, options);
+      for (int step = 0; step < 2; ++step) {
+        at::Tensor idx = at::arange(2 * 12, at::kLong).view({2, 12}).add(step + world()->rank()).remainder(29);
+        engine->backward(engine->forward([&] { return model->loss(idx, idx.roll(-1, 1)); }));
+        engine->step();
+      }
+      EXPECT_EQ(engine->export_dtype(), gather16 ? at::kBFloat16 : at::kFloat);
+      const std::string path16 = str(dir, "/model", stage, gather16, ".pt"), path32 = path16 + ".fp32";
+      EXPECT_EQ(engine->export_model(path16) > 0, world()->rank() == 0);
+      export_model(path32, engine->sharding(), *model, *world());  // float32, the same state
+      if (world()->rank() == 0) {
+        const auto exported = read_export(path16), float32 = read_export(path32);
+        ASSERT_EQ(exported.size(), float32.size());
+        ASSERT_EQ(exported.size(), model->named_parameters().size());
+        for (const auto& [name, value] : float32) {
+          ASSERT_TRUE(exported.count(name)) << name;
+          const at::Tensor& got = exported.at(name);
+          EXPECT_EQ(value.scalar_type(), at::kFloat) << name;
+          EXPECT_EQ(got.sizes(), model->named_parameters()[name].sizes()) << name;
+          EXPECT_TRUE(at::equal(got, gather16 ? value.to(at::kBFloat16) : value))
+              << "stage " << stage << (gather16 ? " bf16 " : " fp32 ") << name;
+        }
+        for (const auto& [name, value] : exported) {
+          EXPECT_EQ(value.scalar_type(), gather16 ? at::kBFloat16 : at::kFloat) << name;
+        }
+      }
+      world()->barrier()->wait();
+    }
+  }
+  if (world()->rank() == 0) fs::remove_all(dir);
 }
 
 }  // namespace

@@ -470,7 +470,12 @@ int64_t Engine::export_model(const std::string& path) {
     throw Error("remat::Engine::export_model: called between forward() and step(): export between steps");
   }
   ContextScope scope(impl_->context);
-  return remat::export_model(path, *impl_->zero, *model_, *impl_->world);
+  return remat::export_model(path, *impl_->zero, *model_, *impl_->world, export_dtype());
+}
+
+at::ScalarType Engine::export_dtype() const {
+  if (!config_.deepspeed_tuning.gather_16bit_weights_on_model_save) return at::kFloat;
+  return config_.bf16.enabled ? at::kBFloat16 : config_.fp16.enabled ? at::kHalf : at::kFloat;
 }
 
 at::Tensor Engine::parameter(const std::string& name) const {

@@ -189,6 +189,9 @@ class Engine {
   // torch.load and torch::pickle_load read (written by rank 0). Returns the
   // bytes written on rank 0.
   int64_t export_model(const std::string& path);
+  // The dtype export_model writes: the training dtype (bf16 or fp16) when
+  // zero_optimization.stage3_gather_16bit_weights_on_model_save is true, else float32.
+  at::ScalarType export_dtype() const;
 
   // The model's parameter `name` (state-dict name), whole: at ZeRO stage 3
   // only inside a GatheredParameters scope (else an Error saying so).

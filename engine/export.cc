@@ -117,12 +117,18 @@ int64_t write_model_file(const std::string& path,
 }
 
 int64_t export_model(const std::string& path, parallel::ZeroModel& zero, const torch::nn::Module& model,
-                     Communicator& world) {
+                     Communicator& world, at::ScalarType dtype) {
+  if (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) {
+    throw Error(str("remat::export_model: dtype ", c10::toString(dtype), " is not float32, bf16 or fp16"));
+  }
   // A path the file cannot go to is refused before anything is gathered, on every rank.
   agree_on_outcome(world, "the export's path check", [&] {
     if (world.rank() == 0) check_export_path(path, "remat::Engine::export_model");
   });
-  const auto params = consolidated_parameters(zero, model);
+  auto params = consolidated_parameters(zero, model);
+  if (world.rank() == 0 && dtype != at::kFloat) {
+    for (auto& entry : params) entry.second = entry.second.to(dtype);  // from the float32 masters, rounded once
+  }
   int64_t bytes = 0;
   // Every rank learns whether rank 0 wrote it, and why not.
   agree_on_outcome(world, "the export", [&] {
@@ -147,7 +153,7 @@ void check_export_space(const std::string& path, int64_t bytes) {
   }
 }
 
-int64_t estimated_export_bytes(const torch::nn::Module& model) {
+int64_t estimated_export_bytes(const torch::nn::Module& model, at::ScalarType dtype) {
   // Tensor-parallel layers: a sharded parameter is 1/k of its whole, k the
   // ratio of the full weight to this rank's.
   std::map<const void*, double> scale;
@@ -163,7 +169,8 @@ int64_t estimated_export_bytes(const torch::nn::Module& model) {
   double values = 0, records = 4096;  // the archive's fixed records (version, data.pkl, directory)
   for (const auto& item : model.named_parameters()) {
     auto k = scale.find(item.value().unsafeGetTensorImpl());
-    values += 4.0 * static_cast<double>(item.value().numel()) * (k == scale.end() ? 1.0 : k->second);
+    values += static_cast<double>(c10::elementSize(dtype)) * static_cast<double>(item.value().numel()) *
+              (k == scale.end() ? 1.0 : k->second);
     // Per tensor: a zip record aligned to 64 bytes, its directory entry and
     // its name and storage in the pickle.
     records += 512 + 2.0 * static_cast<double>(item.key().size());

@@ -38,12 +38,14 @@ std::vector<std::pair<std::string, at::Tensor>> consolidated_parameters(parallel
 int64_t write_model_file(const std::string& path,
                          const std::vector<std::pair<std::string, at::Tensor>>& parameters);
 
-// consolidated_parameters(), written by rank 0 of `world`. Returns the bytes
+// consolidated_parameters(), written by rank 0 of `world` in `dtype`: float32,
+// or bf16 or fp16 (each value the float32 one rounded to it: the export of
+// DeepSpeed's stage3_gather_16bit_weights_on_model_save). Returns the bytes
 // written on rank 0, 0 elsewhere. A path check_export_path refuses is a
 // ConfigError on every rank before anything is gathered; a failed write is an
 // Error on every rank.
 int64_t export_model(const std::string& path, parallel::ZeroModel& zero, const torch::nn::Module& model,
-                     Communicator& world);
+                     Communicator& world, at::ScalarType dtype = at::kFloat);
 
 // Start-up checks, so that an export which cannot be written stops a run
 // before it trains (call on the rank that writes). Each is a ConfigError
@@ -57,8 +59,8 @@ void check_export_path(const std::string& path, const std::string& flag = "--exp
 void check_export_space(const std::string& path, int64_t bytes);
 
 // What the export of `model` takes on disk, estimated from shapes alone with
-// a margin: every parameter whole in float32 (a tensor-parallel shard counted
+// a margin: every parameter whole in `dtype` (a tensor-parallel shard counted
 // at its full size) plus the archive's records and the pickled names.
-int64_t estimated_export_bytes(const torch::nn::Module& model);
+int64_t estimated_export_bytes(const torch::nn::Module& model, at::ScalarType dtype = at::kFloat);
 
 }  // namespace remat

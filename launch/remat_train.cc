@@ -258,7 +258,7 @@ int train(int argc, char** argv) {
   // Resuming lets a folder hold saves only when they are the ones resumed.
   const bool resumes_here = !resume_dir.empty() && !save_dir.empty() && resumes_from(resume_dir, save_dir);
   if (!save_dir.empty()) engine->use_save_dir(save_dir, {resumes_here, overwrite_saves});
-  if (!export_path.empty() && rank0) check_export_space(export_path, estimated_export_bytes(*model));
+  if (!export_path.empty() && rank0) check_export_space(export_path, estimated_export_bytes(*model, engine->export_dtype()));
 
   int64_t window = 0;  // the next training window of this rank's data stream
   if (!resume_dir.empty()) {
@@ -393,7 +393,9 @@ int train(int argc, char** argv) {
                                 "export can be written, run again with the same settings, --resume ", kept_in,
                                 " and --export (there is nothing left to train)")));
     }
+    const at::ScalarType dtype = engine->export_dtype();
     progress.line(str("exported the model at step ", engine->global_steps(), " to ", export_path, " (",
+                      dtype == at::kFloat ? std::string() : str(c10::toString(dtype), ", "),
                       human_bytes(static_cast<double>(bytes)), ")"));
   }
   // Every rank samples (tensor-parallel ranks compute the logits together,
