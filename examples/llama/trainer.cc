@@ -94,6 +94,8 @@ void write_parameter_list(const std::string& path, LlamaImpl& model) {
 // tensors) into the parameter of that name, this rank's share of it under
 // tensor parallelism. Parameters the file lacks keep their initial values
 // (LoRA's adapters); a tensor the model lacks, or of another shape, is an error.
+// A bf16 or fp16 export (stage3_gather_16bit_weights_on_model_save) is widened
+// to the parameters' float32 by the copy.
 void load_weights(const std::string& path, LlamaImpl& model, const remat::ParallelLayout& layout) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error("cannot read --base file '" + path + "'");
