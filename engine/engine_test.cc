@@ -561,6 +561,40 @@ TEST(Engine, GetLrFollowsWarmupDecayAcrossStepsAndAfterALoad) {
   EXPECT_DOUBLE_EQ(resumed.engine->get_lr(), expected(5));
 }
 
+// scheduler.params.last_batch_iteration k (issue 41, item 4): the schedule
+// shifted by k + 1 steps. A resume adds the same shift to the save's step, so
+// a run resumed with its own config continues its schedule; saves do not
+// record k, so a resume with k = -1 takes the save's step alone.
+TEST(Engine, LastBatchIterationShiftsTheScheduleAndAResumeKeepsTheShift) {
+  const std::string dir = scratch("shifted_schedule");
+  nlohmann::json config = nlohmann::json::parse(config_json(1, "none"));
+  config["scheduler"] = {{"type", "WarmupDecayLR"},
+                         {"params", {{"warmup_min_lr", 0.0}, {"warmup_max_lr", 0.01}, {"warmup_num_steps", 4},
+                                     {"warmup_type", "linear"}, {"total_num_steps", 8},
+                                     {"last_batch_iteration", 1}}}};
+  auto expected = [](int64_t step) {
+    return step < 4 ? 0.01 * step / 4 : 0.01 * std::clamp<double>(8.0 - step, 0, 4) / 4;
+  };
+  {
+    Trainer run(config.dump());
+    EXPECT_DOUBLE_EQ(run.engine->get_lr(), expected(3));
+    for (int64_t step = 1; step <= 3; ++step) {
+      run.train(1);
+      EXPECT_DOUBLE_EQ(run.engine->last_metrics().lr, expected(step + 2)) << "step " << step;
+      if (step == 2) run.engine->save_checkpoint(dir);
+    }
+  }
+  Trainer resumed(config.dump());
+  resumed.engine->load_checkpoint(dir + "/step_00000002");
+  EXPECT_DOUBLE_EQ(resumed.engine->get_lr(), expected(5));
+  resumed.train(1);
+  EXPECT_DOUBLE_EQ(resumed.engine->last_metrics().lr, expected(5));
+  config["scheduler"]["params"]["last_batch_iteration"] = -1;
+  Trainer unshifted(config.dump());
+  unshifted.engine->load_checkpoint(dir + "/step_00000002");
+  EXPECT_DOUBLE_EQ(unshifted.engine->get_lr(), expected(3));
+}
+
 TEST(Engine, ANonFiniteStepIsSkippedOrStoppedWithTheParametersUnchanged) {
   for (const char* mode : {"skip", "stop"}) {
     for (int stage : {0, 3}) {
