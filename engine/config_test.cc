@@ -474,8 +474,8 @@ TEST(Config, ASuggestionIsMadeOnlyWhenReallyClose) {
   // Recognised keys that remat refuses are neither suggested nor listed as valid.
   const std::string msg = config_error([] { parse(R"({"zero_optimization": {"offload": 1}})"); });
   EXPECT_THAT(msg, HasSubstr("Valid keys in 'zero_optimization': stage, "));
-  EXPECT_THAT(msg, HasSubstr("did you mean 'zero_optimization.offload_optimizer'?"));
-  EXPECT_EQ(msg.find("offload_param"), std::string::npos) << msg;
+  EXPECT_THAT(msg, HasSubstr("did you mean 'zero_optimization.offload_param'?"));
+  EXPECT_EQ(msg.find("cpu_offload"), std::string::npos) << msg;
 }
 
 TEST(Config, DeepSpeedKeysAreRecognisedInEverySectionAndThroughSet) {
@@ -488,7 +488,7 @@ TEST(Config, DeepSpeedKeysAreRecognisedInEverySectionAndThroughSet) {
                 HasSubstr(str("recognised DeepSpeed key, not supported by remat: '", key, "', because ")))
         << key;
   }
-  for (const char* key : {"offload_param", "stage3_max_live_parameters",
+  for (const char* key : {"stage3_max_live_parameters",
                           "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save", "sub_group_size",
                           "round_robin_gradients", "zero_hpz_partition_size", "zero_quantized_weights",
                           "zero_quantized_gradients", "elastic_checkpoint", "ignore_unused_parameters",
@@ -502,9 +502,8 @@ TEST(Config, DeepSpeedKeysAreRecognisedInEverySectionAndThroughSet) {
   EXPECT_THAT(config_error([] { parse("{}", {"amp.enabled=true"}); }),
               HasSubstr("config error in --set amp.enabled=true: recognised DeepSpeed key, not supported by "
                         "remat: 'amp', because"));
-  EXPECT_THAT(config_error([] { parse("{}", {"zero_optimization.offload_param={\"device\": \"cpu\"}"}); }),
-              HasSubstr("'zero_optimization.offload_param', because remat keeps parameters on the device; remove "
-                        "it (or set zero_optimization.stage to 3"));
+  EXPECT_THAT(config_error([] { parse("{}", {"zero_optimization.zero_quantized_weights={\"x\": 1}"}); }),
+              HasSubstr("'zero_optimization.zero_quantized_weights', because remat's collectives carry unquantized"));
   // The dump holds remat's keys only.
   EXPECT_EQ(parse("{}").to_json().find("\"amp\""), std::string::npos);
 }
@@ -765,8 +764,7 @@ TEST(Config, DeepSpeedSectionsSwitchedOffAreAccepted) {
   EXPECT_EQ(*c.train_micro_batch_size_per_gpu, 4);
   EXPECT_EQ(c.to_json().find("\"amp\""), std::string::npos) << "ignored, not dumped";
   for (const char* on : {R"({"amp": {"enabled": true}})", R"({"amp": {"enabled": "auto"}})",
-                                R"({"amp": {"opt_level": "O1"}})",
-                                R"({"zero_optimization": {"offload_param": {"device": "cpu"}}})"}) {
+                                R"({"amp": {"opt_level": "O1"}})"}) {
     EXPECT_THAT(config_error([&] { parse(on); }), HasSubstr("recognised DeepSpeed key, not supported by remat"))
         << on;
   }

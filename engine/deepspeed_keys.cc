@@ -112,7 +112,6 @@ std::vector<Field> deepspeed_only_zero() {
   const char* no_trace = "remat's stage 3 gathers each unit around its remat::forward call, with no trace";
   return {
       deepspeed_only("cpu_offload", no_offload_optimizer, more_shards),
-      deepspeed_only("offload_param", no_offload_param, stage3_shards),
       deepspeed_only("cpu_offload_param", no_offload_param, stage3_shards),
       deepspeed_only("cpu_offload_use_pin_memory", "remat offloads neither parameters nor optimizer state"),
       deepspeed_only("sub_group_size", "remat steps each shard in one piece (DeepSpeed tiles its offloaded "
