@@ -37,6 +37,8 @@ struct ParamSetup {
   bool offload_param = false;
   bool offload_optimizer = false;
   bool bf16 = false;
+  bool fp16 = false;  // the loss scaler over float32 compute
+  int hybrid = 0;
   int steps = 5;
   int micro_steps = 1;
 };
@@ -50,6 +52,8 @@ Config config_of(const ParamSetup& s) {
   c.optimizer.lr = 1e-2;
   c.optimizer.weight_decay = 0.01;
   c.bf16.enabled = s.bf16;
+  c.fp16.enabled = s.fp16;
+  c.zero_optimization.hybrid_shard_size = s.hybrid;
   c.zero_optimization.stage = 3;
   c.zero_optimization.reduce_bucket_size = 900;
   c.zero_optimization.stage3_param_persistence_threshold = 40;  // some whole parameters (on the device)
@@ -76,6 +80,7 @@ ParamRun train(const ParamSetup& s, const std::string& from = "", const std::str
   models::Gpt model(o);
   EngineOptions options;
   options.layout = layout;
+  options.fp16_scaler_at_float32 = s.fp16;
   auto engine = initialize(model, config_of(s), options);
   if (!from.empty()) engine->load_checkpoint(from);
   parallel::ZeroModel& zero = engine->sharding();
@@ -118,7 +123,8 @@ std::string job_dir(const std::string& name) {
 }
 
 // The same losses and final weights, bit for bit, with the shards on the
-// host: alone and with offload_optimizer, float32 and bf16, accumulation.
+// host: alone and with offload_optimizer, float32 and bf16, accumulation,
+// fp16's loss scaler, hybrid sharding.
 TEST(OffloadParam, TrainsBitwiseAsWithoutAloneAndWithOffloadOptimizer) {
   for (bool bf16 : {false, true}) {
     for (int micro : {1, 2}) {
@@ -136,6 +142,16 @@ TEST(OffloadParam, TrainsBitwiseAsWithoutAloneAndWithOffloadOptimizer) {
       s.offload_param = false;
       expect_same(device, train(s), "offload_optimizer alone, " + what);
     }
+  }
+  // fp16's loss scaler unscales the host gradients; hybrid sharding (2 ranks) replicates the host shards.
+  for (int variant : {0, 1}) {
+    if (variant == 1 && world()->size() < 2) continue;
+    ParamSetup s;
+    s.fp16 = variant == 0;
+    s.hybrid = variant == 1 ? 1 : 0;
+    const ParamRun device = train(s);
+    s.offload_param = s.offload_optimizer = true;
+    expect_same(device, train(s), variant == 0 ? "fp16" : "hybrid");
   }
 }
 
@@ -237,6 +253,37 @@ TEST(OffloadParam, SavesResumeAcrossOffloadParamOnAndOff) {
       }
     }
   }
+}
+
+// GatheredParameters(modify) writes an edit into the host shards and the
+// model reads it at the next gather: trained on bitwise as without offload_param.
+TEST(OffloadParam, AModifyingScopeReachesTheHostShards) {
+  std::vector<double> losses[2];
+  for (bool offload : {false, true}) {
+    at::manual_seed(9);
+    models::Gpt model(remat::testing::small_gpt(29, 2, 0.0));
+    ParamSetup s;
+    s.offload_param = offload;
+    EngineOptions options;
+    options.layout = remat::testing::layout_ptr(1);
+    auto engine = initialize(model, config_of(s), options);
+    {
+      GatheredParameters scope(*engine, /*modify=*/true);
+      at::NoGradGuard no_grad;
+      model->named_parameters()["pos_emb.weight"].fill_(0.5);
+    }
+    at::Tensor idx = at::arange(24, at::kLong).view({2, 12}).remainder(29);
+    for (int step = 0; step < 2; ++step) {
+      engine->backward(engine->forward([&] { return model->loss(idx, idx.roll(-1, 1)); }));
+      engine->step();
+      losses[offload].push_back(engine->last_metrics().loss);
+    }
+    for (const auto& [name, value] : engine->sharding().full_parameters()) {
+      if (name != "pos_emb.weight") continue;
+      EXPECT_FALSE(at::equal(value, at::full_like(value, 0.5))) << "stepped since";
+    }
+  }
+  EXPECT_EQ(losses[0], losses[1]);
 }
 
 // The keys: device "cpu" at stage 3 with DeepSpeed's buffer tuning accepted;
