@@ -33,7 +33,7 @@ at::Tensor host_copy(const at::Tensor& t, bool pinned) {
 void log_offload_param(const OffloadParamOptions& options, const std::vector<at::Tensor>& shards) {
   int64_t elements = 0;
   for (const auto& t : shards) elements += t.numel();
-  const bool pinned = !shards.empty() && shards.front().is_pinned();
+  const bool pinned = options.pin_memory && can_pin_host_memory();  // as zero_stage3.cc decides
   log_rank0().info("offload_param: {} float32 parameter shard elements ({} bytes) in host memory{}, copied to the "
                    "device for each unit's gather", elements, 4 * elements,
                    pinned                 ? ", pinned"
