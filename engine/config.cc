@@ -119,6 +119,19 @@ std::vector<Field> offload_optimizer_fields() {
           deepspeed_only("pipeline_write", nvme, "set device to \"cpu\"")};
 }
 
+// zero_optimization.offload_param (stage 3): NVMe refused (the device "nvme"
+// by check_zero_options), DeepSpeed's buffer tuning accepted (logged).
+std::vector<Field> offload_param_fields() {
+  using O = parallel::OffloadParamOptions;
+  return {enum_leaf("device", &O::device, parallel::offload_device_names()),
+          leaf("pin_memory", &O::pin_memory),
+          leaf("buffer_count", &O::buffer_count),
+          leaf("buffer_size", &O::buffer_size),
+          leaf("max_in_cpu", &O::max_in_cpu),
+          deepspeed_only("nvme_path", "it configures offload to NVMe, and remat offloads parameters to host memory only",
+                         "set device to \"cpu\"")};
+}
+
 const std::vector<Field>& base_schema() {
   static const std::vector<Field> fields = with({
       optional_leaf("train_batch_size", &Config::train_batch_size),
@@ -192,7 +205,8 @@ const std::vector<Field>& base_schema() {
                    &parallel::ZeroOptions::stage3_param_persistence_threshold),
               leaf("overlap_comm", &parallel::ZeroOptions::overlap_comm),
               leaf("contiguous_gradients", &parallel::ZeroOptions::contiguous_gradients),
-              object("offload_optimizer", &parallel::ZeroOptions::offload_optimizer, offload_optimizer_fields())},
+              object("offload_optimizer", &parallel::ZeroOptions::offload_optimizer, offload_optimizer_fields()),
+              object("offload_param", &parallel::ZeroOptions::offload_param, offload_param_fields())},
                   deepspeed_only_zero())), zero_tuning_fields())),
       object("activation_checkpointing", &Config::activation_checkpointing,
              {leaf("partition_activations", &AC::partition_activations),

@@ -98,12 +98,9 @@ std::vector<Field> deepspeed_only_top_level() {
 
 // DeepSpeed's zero_optimization keys that remat does not implement.
 std::vector<Field> deepspeed_only_zero() {
-  const char* no_offload_param = "remat keeps parameters on the device";
-  const char* stage3_shards = "set zero_optimization.stage to 3 to shard them over the data-parallel ranks";
   const char* no_quantized = "remat's collectives carry unquantized values";
   const char* no_trace = "remat's stage 3 gathers each unit around its remat::forward call, with no trace";
   return {
-      deepspeed_only("offload_param", no_offload_param, stage3_shards),
       deepspeed_only("prefetch_bucket_size", "it is DeepSpeed's other name of stage3_prefetch_bucket_size",
                      "write stage3_prefetch_bucket_size"),
       deepspeed_only("param_persistence_threshold",

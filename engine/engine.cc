@@ -47,11 +47,18 @@ namespace {
 using internal::Phase;
 
 bool gradients_finite(const std::vector<at::Tensor>& parameters) {
-  std::vector<at::Tensor> checks;
+  // Host tensors apart (offload_param's shards beside the persistent parameters on a device).
+  std::vector<at::Tensor> checks, host;
   for (const auto& p : parameters) {
-    if (p.grad().defined() && p.grad().numel() > 0) checks.push_back(at::isfinite(p.grad()).all());
+    if (p.grad().defined() && p.grad().numel() > 0) {
+      at::Tensor finite = at::isfinite(p.grad()).all();
+      (finite.is_cpu() ? host : checks).push_back(finite);
+    }
   }
-  return checks.empty() || at::stack(checks).all().item<bool>();
+  for (const auto* group : {&checks, &host}) {
+    if (!group->empty() && !at::stack(*group).all().item<bool>()) return false;
+  }
+  return true;
 }
 
 }  // namespace

@@ -45,6 +45,7 @@ const FieldTable<parallel::ZeroStats> kZeroFields = {
     {"grad_bytes", kNow, &parallel::ZeroStats::grad_bytes},
     {"gathered_bytes", kNow, &parallel::ZeroStats::gathered_bytes},
     {"host_bytes", kNow, &parallel::ZeroStats::host_bytes},
+    {"host_param_bytes", kNow, &parallel::ZeroStats::host_param_bytes},
     {"peak_gathered_bytes", kPeak, &parallel::ZeroStats::peak_gathered_bytes},
     {"peak_gathered_units", kPeak, &parallel::ZeroStats::peak_gathered_units},
     {"allgather_bytes", kTotal, &parallel::ZeroStats::allgather_bytes},

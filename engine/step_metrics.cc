@@ -101,6 +101,7 @@ nlohmann::json StepMetrics::to_json() const {
   if (skipped || loss_scale > 0) m["skipped"] = skipped;
   if (loss_scale > 0) internal::write_fields(loss_scaling_fields(), *this, m);
   if (offload_optimizer) m["host_optimizer_bytes"] = host_optimizer_bytes;
+  if (offload_param) m["host_parameter_bytes"] = host_parameter_bytes;
   for (const auto& [key, value] : plan.items()) m[key] = value;
   return m;
 }

@@ -36,6 +36,10 @@ struct StepMetrics {
   // Written only when `offload_optimizer`: the other runs' keys stay as they are.
   bool offload_optimizer = false;
   int64_t host_optimizer_bytes = 0;
+  // zero_optimization.offload_param: stage 3's parameter shards and their
+  // gradients held in host memory. Written only when `offload_param`.
+  bool offload_param = false;
+  int64_t host_parameter_bytes = 0;
   // Data-parallel gradient reduction (stages 0-2): the milliseconds spent
   // blocked on it, in the backward or after it (with overlap_comm, the
   // communication the backward did not hide), the gradient buckets reduced,

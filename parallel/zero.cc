@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <optional>
+#include <set>
 
 #include "nn/module_call.h"
 #include "parallel/grad_norm.h"
@@ -91,8 +92,17 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
     case 2: strategy_ = make_stage12(model, groups, sharded_tp_, config, mixed); break;
     default: strategy_ = make_stage3(model, units, groups, sharded_tp_, config, mixed); break;
   }
+  if (config.offload_param.enabled()) {
+    // The stage's shards: what it steps, less the model's own (persistent) parameters.
+    std::set<const void*> model_params;
+    for (const auto& p : model.parameters()) model_params.insert(p.unsafeGetTensorImpl());
+    for (const auto& t : strategy_->parameters()) {
+      if (!model_params.count(t.unsafeGetTensorImpl())) host_shards_.push_back(t);
+    }
+    log_offload_param(config.offload_param, host_shards_);
+  }
   if (config.offload_optimizer.enabled()) {
-    offload_ = std::make_unique<OptimizerOffload>(strategy_->parameters(), config.offload_optimizer);
+    offload_ = std::make_unique<OptimizerOffload>(strategy_->parameters(), config.offload_optimizer, host_shards_);
     // In the window's last micro-step, each gradient shard goes to the host as its reduction ends.
     strategy_->set_gradient_reduced([this](const at::Tensor& shard) {
       if (last_micro_step_) offload_->take_gradient(shard);
@@ -271,14 +281,16 @@ void ZeroModel::abandon_backward() {
 
 double ZeroModel::clip_grad_norm(double max_norm, const std::shared_ptr<Communicator>& tp_group) {
   auto groups = strategy_->grad_groups(sharded_tp_, tp_group);
-  if (!offload_) return parallel::clip_grad_norm(groups, max_norm);
+  if (!offload_ && host_shards_.empty()) return parallel::clip_grad_norm(groups, max_norm);
   // The gradients are the host masters'; the norms are summed on the device
-  // the shards live on (the communicator's backend takes its tensors).
+  // the shards live on (the communicator's backend takes its tensors), the
+  // model's where offload_param put the shards on the host.
   std::optional<at::Device> reduce_on;
+  if (!host_shards_.empty() && !model_.parameters().empty()) reduce_on = model_.parameters().front().device();
   for (auto& g : groups) {
     for (auto& t : g.tensors) {
       if (!reduce_on) reduce_on = t.device();
-      t = offload_->host_of(t);
+      if (offload_) t = offload_->host_of(t);
     }
   }
   return parallel::clip_grad_norm(groups, max_norm, reduce_on);
@@ -287,6 +299,13 @@ double ZeroModel::clip_grad_norm(double max_norm, const std::shared_ptr<Communic
 ZeroStats ZeroModel::stats() const {
   ZeroStats s = strategy_->stats();
   if (offload_) s.host_bytes = offload_->host_bytes();
+  for (const auto& t : host_shards_) {  // the strategy counted them as the device's
+    const int64_t bytes = static_cast<int64_t>(t.nbytes());
+    const int64_t grad = t.grad().defined() ? static_cast<int64_t>(t.grad().nbytes()) : 0;
+    s.host_param_bytes += bytes + grad;
+    s.param_bytes -= bytes;
+    s.grad_bytes -= grad;
+  }
   return s;
 }
 void ZeroModel::reset_peak() { strategy_->reset_peak(); }

@@ -69,6 +69,16 @@
 // after_step (and by begin_forward, whatever stepped them). On a CPU the
 // losses are bitwise those without offload.
 //
+// offload_param (stage 3, zero_stage3.cc): the units' float32 shards are host
+// tensors of their own (pinned where asked and this LibTorch can pin), copied
+// to the device in the compute dtype by each unit's gather (prefetched alike),
+// so that the device holds the units in flight and the persistent parameters
+// (below stage3_param_persistence_threshold, whole on every rank) only; each
+// unit's reduced gradient shard is copied to the host shard's gradient, and
+// the optimizer steps the host shards where they are (with offload_optimizer
+// too: the shards are then the host masters, not copied again). On a CPU the
+// losses are bitwise those without offload.
+//
 // Every stage: the model's parameters and buffers start as data-parallel
 // rank 0's (broadcast at construction, whatever each rank initialised).
 // Frozen parameters (requires_grad false when ZeroModel is built, e.g. the
@@ -132,6 +142,9 @@ struct ZeroStats {
   // offload_optimizer: the float32 masters and their gradient buffers held
   // in host memory (the optimizer's state is the optimizer's to count).
   int64_t host_bytes = 0;
+  // offload_param (stage 3): the parameter shards and their gradients held in
+  // host memory (param_bytes and grad_bytes then count the device's only).
+  int64_t host_param_bytes = 0;
   // Stages 1 and 2: the most gradient bytes held at once (parameters' own,
   // bucket buffers, reductions in flight and the shards'), since reset_peak();
   // the other stages: grad_bytes.
@@ -180,6 +193,8 @@ class ZeroModel {
   // Whether parameters() are host copies the optimizer steps in host memory
   // (zero_optimization.offload_optimizer.device cpu).
   bool offloads_optimizer() const { return offload_ != nullptr; }
+  // Whether stage 3's shards live in host memory (zero_optimization.offload_param.device cpu).
+  bool offloads_parameters() const { return !host_shards_.empty(); }
   // What the optimizer steps: the shards and the persistent parameters
   // (stage 0: the model's parameters).
   std::vector<at::Tensor> parameters() const;
@@ -283,6 +298,7 @@ class ZeroModel {
   std::vector<at::Tensor> sharded_tp_;
   std::unique_ptr<ShardingStrategy> strategy_;
   std::unique_ptr<OptimizerOffload> offload_;  // offload_optimizer only
+  std::vector<at::Tensor> host_shards_;        // offload_param: those of parameters() in host memory
   // offload_optimizer: the host masters into the device shards (`force`:
   // whether or not they changed).
   void push_offloaded(bool force);

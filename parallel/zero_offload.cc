@@ -7,15 +7,15 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <set>
+
 #include "runtime/error.h"
 #include "runtime/logging.h"
 
 namespace remat::parallel {
 
-namespace {
-
 // Pinning needs a CUDA build of LibTorch with a device present.
-bool can_pin() {
+bool can_pin_host_memory() {
   try {
     return at::globalContext().hasCUDA();
   } catch (...) {
@@ -23,18 +23,45 @@ bool can_pin() {
   }
 }
 
-}  // namespace
+at::Tensor host_copy(const at::Tensor& t, bool pinned) {
+  c10::NoGradGuard no_grad;
+  at::Tensor h = at::empty(t.sizes(), at::TensorOptions().dtype(at::kFloat).device(at::kCPU).pinned_memory(pinned));
+  h.copy_(t.detach());
+  return h;
+}
 
-OptimizerOffload::OptimizerOffload(std::vector<at::Tensor> device, const OffloadOptimizerOptions& options)
+void log_offload_param(const OffloadParamOptions& options, const std::vector<at::Tensor>& shards) {
+  int64_t elements = 0;
+  for (const auto& t : shards) elements += t.numel();
+  const bool pinned = options.pin_memory && can_pin_host_memory();  // as zero_stage3.cc decides
+  log_rank0().info("offload_param: {} float32 parameter shard elements ({} bytes) in host memory{}, copied to the "
+                   "device for each unit's gather", elements, 4 * elements,
+                   pinned                 ? ", pinned"
+                   : options.pin_memory ? " (pin_memory asked, but this LibTorch cannot pin: no CUDA; ordinary host memory)"
+                                        : "");
+  const OffloadParamOptions d;
+  if (options.buffer_count != d.buffer_count || options.buffer_size != d.buffer_size ||
+      options.max_in_cpu != d.max_in_cpu) {
+    log_rank0().info("offload_param: buffer_count {}, buffer_size {}, max_in_cpu {} tune DeepSpeed's own buffers "
+                     "and change nothing here (every shard lives on the host)",
+                     options.buffer_count, options.buffer_size, options.max_in_cpu);
+  }
+}
+
+OptimizerOffload::OptimizerOffload(std::vector<at::Tensor> device, const OffloadOptimizerOptions& options,
+                                   const std::vector<at::Tensor>& on_host)
     : device_(std::move(device)) {
-  pinned_ = options.pin_memory && can_pin();
+  pinned_ = options.pin_memory && can_pin_host_memory();
   c10::NoGradGuard no_grad;
   int64_t elements = 0;
+  std::set<const void*> already;
+  for (const auto& t : on_host) already.insert(t.unsafeGetTensorImpl());
   for (size_t i = 0; i < device_.size(); ++i) {
     const at::Tensor& d = device_[i];
     index_[d.unsafeGetTensorImpl()] = i;
-    offloaded_.push_back(d.requires_grad() ? 1 : 0);
-    if (!d.requires_grad()) {
+    const bool offload = d.requires_grad() && !already.count(d.unsafeGetTensorImpl());
+    offloaded_.push_back(offload ? 1 : 0);
+    if (!offload) {
       host_.push_back(d);
       grads_.emplace_back();
       versions_.push_back(0);
@@ -50,8 +77,9 @@ OptimizerOffload::OptimizerOffload(std::vector<at::Tensor> device, const Offload
     versions_.push_back(h._version());
     elements += d.numel();
   }
-  log_rank0().info("offload_optimizer: {} float32 master elements ({} bytes), their gradients and the optimizer "
+  log_rank0().info("offload_optimizer: {} float32 master elements ({} bytes){}, their gradients and the optimizer "
                    "state in host memory{}", elements, 4 * elements,
+                   on_host.empty() ? "" : " beside offload_param's host shards (stepped where they are)",
                    pinned_ ? ", pinned"
                    : options.pin_memory ? " (pin_memory asked, but this LibTorch cannot pin: no CUDA; ordinary host memory)"
                                         : "");

@@ -42,9 +42,11 @@ class OptimizerOffload {
  public:
   // `device`: what the stage's optimizer would step (its parameters()); each
   // that requires a gradient gets a float32 host master, pinned when
-  // options.pin_memory and this LibTorch can pin; the others (frozen) are
-  // handed to the optimizer as they are.
-  OptimizerOffload(std::vector<at::Tensor> device, const OffloadOptimizerOptions& options);
+  // options.pin_memory and this LibTorch can pin; the others (frozen, and
+  // those in `on_host`: offload_param's shards, host tensors already, whose
+  // reduced gradients land on them) are handed to the optimizer as they are.
+  OptimizerOffload(std::vector<at::Tensor> device, const OffloadOptimizerOptions& options,
+                   const std::vector<at::Tensor>& on_host = {});
 
   // What the optimizer steps, in the order of `device`.
   const std::vector<at::Tensor>& parameters() const { return host_; }
@@ -83,5 +85,16 @@ class OptimizerOffload {
   bool taken_ = false;
   bool pinned_ = false;
 };
+
+// Whether this LibTorch can pin host memory (a CUDA build with a device).
+bool can_pin_host_memory();
+
+// offload_param (stage 3): `t` copied into a new float32 host tensor of its
+// own, page-locked when `pinned`.
+at::Tensor host_copy(const at::Tensor& t, bool pinned);
+
+// offload_param's log lines: the host shards' elements, and DeepSpeed's
+// buffer keys where set (they change nothing here).
+void log_offload_param(const OffloadParamOptions& options, const std::vector<at::Tensor>& shards);
 
 }  // namespace remat::parallel

@@ -54,6 +54,20 @@ std::string check_zero_options(const ZeroOptions& z) {
   if (!(off.ratio > 0 && off.ratio <= 1)) {
     add(str("'zero_optimization.offload_optimizer.ratio' = ", off.ratio, " must be in (0, 1]"));
   }
+  const OffloadParamOptions& op = z.offload_param;
+  if (op.device == OffloadDevice::kNvme) {
+    add("'zero_optimization.offload_param.device' = \"nvme\": remat offloads parameters to host memory only: "
+        "set it to \"cpu\" (or \"none\")");
+  }
+  if (op.enabled() && z.stage != 3) {
+    add(str("'zero_optimization.offload_param.device' = \"cpu\" needs stage 3 (only stage 3 shards the "
+            "parameters), but zero_optimization.stage is ", z.stage, ": set the stage to 3, or "
+            "offload_param.device to \"none\""));
+  }
+  if (op.buffer_count < 1 || op.buffer_size < 1 || op.max_in_cpu < 0) {
+    add(str("'zero_optimization.offload_param': buffer_count (", op.buffer_count, ") and buffer_size (",
+            op.buffer_size, ") must be at least 1, max_in_cpu (", op.max_in_cpu, ") at least 0"));
+  }
   return problems;
 }
 

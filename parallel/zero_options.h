@@ -36,6 +36,23 @@ struct OffloadOptimizerOptions {
   bool enabled() const { return device == OffloadDevice::kCpu; }
 };
 
+// Stage 3's parameter shards in host memory (DeepSpeed's
+// zero_optimization.offload_param): kCpu keeps each unit's float32 shards as
+// host tensors, copied to the device for each gather (zero_stage3.cc); kNvme
+// is named only to be refused.
+struct OffloadParamOptions {
+  OffloadDevice device = OffloadDevice::kNone;
+  // The host shards page-locked, where this LibTorch can pin (a CUDA build);
+  // elsewhere ordinary host memory, and a log line says so.
+  bool pin_memory = false;
+  // DeepSpeed's tuning of its own parameter-offload buffers, accepted so that
+  // a copied config loads: none changes what is computed here (logged when set).
+  int buffer_count = 5;
+  int64_t buffer_size = 100000000;
+  int64_t max_in_cpu = 1000000000;
+  bool enabled() const { return device == OffloadDevice::kCpu; }
+};
+
 struct ZeroOptions {
   // 0: data parallel (gradients all-reduced); 1: optimizer state sharded;
   // 2: optimizer state and gradients sharded; 3: parameters too.
@@ -83,6 +100,8 @@ struct ZeroOptions {
   int hybrid_shard_size = 0;
   // Stages 1-3: the optimizer's masters, gradients and state on the host.
   OffloadOptimizerOptions offload_optimizer;
+  // Stage 3 only: the parameter shards on the host.
+  OffloadParamOptions offload_param;
 };
 
 // The dtype gradients are reduced in across data-parallel ranks (DeepSpeed's

@@ -11,6 +11,7 @@
 #include "nn/autograd_state.h"
 #include "nn/module_call.h"
 #include "parallel/sharding_strategy.h"
+#include "parallel/zero_offload.h"
 #include "runtime/communicator.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
@@ -150,6 +151,7 @@ class Stage3 final : public ShardingStrategy {
   int64_t persistence_threshold_ = 0;        // elements; 0 with bf16/fp16 (every parameter an fp32 master)
   std::vector<std::unique_ptr<Unit>> units_;  // blocks in order, then the root
   std::vector<at::Tensor> persistent_;
+  bool offload_param_ = false, pinned_ = false;  // the shards host tensors (zero.h); persistent_ on the device
   // A root parameter's backward needs its data after the first unit's
   // backward (e.g. a LayerNorm before the first block): the root is gathered
   // again then. Decided at each forward from the graph that reaches the
@@ -290,7 +292,9 @@ Stage3::Stage3(torch::nn::Module& model,
     : dp_(groups.shard), replicate_(groups.replicate), all_dp_(groups.dp),
       names_(parameter_names(model)), options_(options), bf16_(mixed.enabled()),
       compute_dtype_(mixed.compute_dtype), reduce_dtype_(mixed.reduce_dtype),
-      persistence_threshold_(bf16_ ? 0 : options.stage3_param_persistence_threshold) {
+      persistence_threshold_(bf16_ ? 0 : options.stage3_param_persistence_threshold),
+      offload_param_(options.offload_param.enabled()),
+      pinned_(offload_param_ && options.offload_param.pin_memory && can_pin_host_memory()) {
   std::unordered_set<const void*> tp_sharded;
   for (const auto& p : sharded_tp) tp_sharded.insert(p.unsafeGetTensorImpl());
   const at::ScalarType compute = compute_dtype_;
@@ -351,7 +355,8 @@ std::unique_ptr<Unit> Stage3::flatten_unit(const UnitParameters& params, size_t 
     for (size_t k = 0; k < g.params.size(); ++k) {
       g.full.narrow(0, g.offsets[k], g.params[k].numel()).copy_(g.params[k].reshape({-1}));
     }
-    g.shard = g.full.narrow(0, r * g.shard_numel, g.shard_numel).clone().requires_grad_(!g.frozen);
+    const at::Tensor mine = g.full.narrow(0, r * g.shard_numel, g.shard_numel);
+    g.shard = (offload_param_ ? host_copy(mine, pinned_) : mine.clone()).requires_grad_(!g.frozen);
     if (compute != at::kFloat) g.full = at::zeros({g.padded}, g.full.options().dtype(compute));
     for (size_t k = 0; k < g.params.size(); ++k) {
       auto& p = g.params[k];
@@ -405,7 +410,7 @@ void Stage3::gather(Unit& unit, bool wait) {
         allocate_storage(g.full, g.bytes());
       }
       MemoryCategoryScope buffers(MemoryCategory::kCommunication);
-      at::Tensor input = g.shard.detach().to(g.full.scalar_type());
+      at::Tensor input = g.shard.detach().to(g.full.device(), g.full.scalar_type());  // offload_param: to the device
       g.pending = dp_->allGather(g.full, input);
       allgather_bytes_ += g.bytes();
       track_gathered(g.bytes());
@@ -469,6 +474,7 @@ void Stage3::reduce(Unit& unit) {
       }
       shard_grad.narrow(0, o, len).copy_(out);
     }
+    if (offload_param_) shard_grad = shard_grad.to(g.shard.device());
     if (g.shard.grad().defined()) {
       g.shard.mutable_grad().add_(shard_grad);
     } else {
@@ -646,8 +652,8 @@ std::map<std::string, at::Tensor> Stage3::full_parameters() {
   std::map<std::string, at::Tensor> out;
   for (const auto& u : units_) {
     for (const auto& g : u->groups) {
-      at::Tensor full = at::empty({g.padded}, g.shard.options().requires_grad(false));
-      dp_->allGather(full, g.shard.detach())->wait();
+      at::Tensor full = at::empty({g.padded}, g.full.options().dtype(at::kFloat));
+      dp_->allGather(full, g.shard.detach().to(full.device()))->wait();
       for (size_t k = 0; k < g.params.size(); ++k) {
         const auto& p = g.params[k];
         out[names_.at(p.unsafeGetTensorImpl())] = full.narrow(0, g.offsets[k], p.numel()).view(p.sizes()).clone();

@@ -173,6 +173,8 @@ trains() {
     train "np1-$one-zero$stage-offload" 1 "$one" "$dev" --steps "$steps" --set zero_optimization.stage=$stage \
       "${ckpt[@]}" "${offload[@]}"
   done
+  train "np1-$one-zero3-offload-param" 1 "$one" "$dev" --steps "$steps" --set zero_optimization.stage=3 "${ckpt[@]}" \
+    "${offload[@]}" --set zero_optimization.offload_param.device=cpu --set zero_optimization.offload_param.pin_memory=true
   # A save made on the device, resumed on the CPU, and that one resumed on the device.
   local saves=$out/saves
   rm -rf "$saves"

@@ -122,6 +122,10 @@ StepMetrics StepMeter::finish_step(const StepOutcome& outcome, const ActivationP
     m.offload_optimizer = true;
     m.host_optimizer_bytes = share_.zero.host_bytes + m.optimizer_state_bytes;
   }
+  if (t_.zero->offloads_parameters()) {
+    m.offload_param = true;
+    m.host_parameter_bytes = share_.zero.host_param_bytes;
+  }
   if (device_.is_cuda()) read_cuda_allocator(m);
   if (plan != nullptr) m.plan = plan_metrics(*plan);
   return m;
