@@ -6,7 +6,7 @@
 # DeepSpeed config"), at 2 ranks: remat-estimate shows every "auto" decided;
 # each trains a few steps, logging each decision once; an "auto" run equals the
 # run given the decided values; offload_optimizer keeps its state on the host;
-# a 16-bit export is bf16; fp16 on a CPU whose LibTorch cannot compute half
+# offload_param the parameter shards; a 16-bit export is bf16; fp16 on a CPU whose LibTorch cannot compute half
 # precision is refused naming fp16, the device and the LibTorch, and trains
 # with the loss scaler where it can.
 # Prints "[remat-test] N passed, M failed".
@@ -110,6 +110,26 @@ if [[ ${#sets[@]} -gt 20 ]] && finite_losses "$tmp/hf_zero1_given.jsonl" &&
 else
   fail "hf_zero1.json's \"auto\" run equals the run given the decided values" "${sets[*]}" \
     "$(paste <(losses "$tmp/hf_zero1.jsonl") <(losses "$tmp/hf_zero1_given.jsonl"))" "$(cat "$tmp/hf_zero1_given.out")"
+fi
+
+# offload_param (hf_zero3.json, beside offload_optimizer): with every parameter
+# sharded (no persistence threshold), the shards live on the host, and the run
+# trains the bits of the same run with both offloads off.
+for off in on off; do
+  extra=()
+  [[ $off == off ]] && extra=(--set zero_optimization.offload_param.device=none
+                              --set zero_optimization.offload_optimizer.device=none)
+  "$run" -np 2 -- "$train" --config "$ds_dir/hf_zero3.json" --steps $steps "${small[@]}" "${extra[@]}" \
+    --set zero_optimization.stage3_param_persistence_threshold=0 --metrics "$tmp/hf_zero3_p0_$off.jsonl" \
+    >"$tmp/hf_zero3_p0_$off.out" 2>&1
+done
+bytes=$(sed -nE 's/.*"host_parameter_bytes":([0-9]+).*/\1/p' "$tmp/hf_zero3_p0_on.jsonl" | tail -1)
+if [[ -n "$bytes" && "$bytes" -gt 0 ]] && finite_losses "$tmp/hf_zero3_p0_on.jsonl" &&
+   cmp -s <(losses "$tmp/hf_zero3_p0_on.jsonl") <(losses "$tmp/hf_zero3_p0_off.jsonl"); then
+  pass "hf_zero3.json: offload_param keeps the parameter shards on the host ($bytes bytes), the same losses bit for bit"
+else
+  fail "hf_zero3.json: offload_param keeps the parameter shards on the host, the same losses" \
+    "$(tail -3 "$tmp/hf_zero3_p0_on.out")" "$(paste <(losses "$tmp/hf_zero3_p0_on.jsonl") <(losses "$tmp/hf_zero3_p0_off.jsonl"))"
 fi
 
 # stage3_gather_16bit_weights_on_model_save with bf16: the export is bf16;
