@@ -123,6 +123,13 @@ for off in on off; do
     --set zero_optimization.stage3_param_persistence_threshold=0 --metrics "$tmp/hf_zero3_p0_$off.jsonl" \
     >"$tmp/hf_zero3_p0_$off.out" 2>&1
 done
+# At the file's threshold ("auto": remat's 100000) the small GPT shards
+# nothing, and the log says offload_param has nothing to offload and why.
+if grep -q "offload_param has nothing to offload: no parameter is sharded" "$tmp/hf_zero3.out"; then
+  pass "hf_zero3.json: offload_param with nothing sharded says so, naming stage3_param_persistence_threshold"
+else
+  fail "hf_zero3.json: offload_param with nothing sharded says so" "$(grep offload_param "$tmp/hf_zero3.out")"
+fi
 bytes=$(sed -nE 's/.*"host_parameter_bytes":([0-9]+).*/\1/p' "$tmp/hf_zero3_p0_on.jsonl" | tail -1)
 if [[ -n "$bytes" && "$bytes" -gt 0 ]] && finite_losses "$tmp/hf_zero3_p0_on.jsonl" &&
    cmp -s <(losses "$tmp/hf_zero3_p0_on.jsonl") <(losses "$tmp/hf_zero3_p0_off.jsonl"); then
