@@ -497,6 +497,7 @@ MemoryEstimateInputs cold_gpt_inputs(const Config& config, int64_t vocab_size, i
     bytes.checkpoint_kept = bytes_of(a * (2 * btc + (sp > 1 ? 2 * btc / sp : 0)));
   }
   bytes.ends = ends;
+  bytes.head_backward = bytes_of(2 * 4 * b * t * V);
   return cold_inputs(std::move(in.parameters), static_cast<int>(L), bytes, device);
 }
 
@@ -543,7 +544,8 @@ MemoryEstimateInputs cold_inputs(std::vector<ParameterSize> parameters, int n_bl
     c.blocks.push_back(row);
     in.host_bytes.push_back({0, 0, 0, boundary, boundary + block});
   }
-  c.forward_base = bytes.ends;
+  // The head's backward runs with every block's saved tensors still live.
+  c.forward_base = bytes.ends + bytes.head_backward;
   c.forward_live_base = bytes.embedding;
   c.backward_base = bytes.ends;
   c.fixed_peak = bytes.ends;

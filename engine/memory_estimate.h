@@ -126,6 +126,9 @@ struct BlockActivationBytes {
   int64_t selective_op = 0;  // what selective_op keeps of it (the projections' outputs), its input apart
   int64_t embedding = 0;     // what the embeddings save (live before the first block)
   int64_t ends = 0;          // the embeddings', the head's and the loss's saved tensors
+  // What the head's backward adds on top of everything saved, at the step's
+  // start of the backward: the loss's gradient and the logits' (float32).
+  int64_t head_backward = 0;
   // What a checkpointed block keeps besides its input and selective_op's
   // outputs: the tensor-parallel collectives' outputs under
   // activation_checkpointing.save_collectives.

@@ -4,7 +4,8 @@
 # files, LLaVA's zero2, a bf16 ZeRO-3, a Whisper fine-tune, a p-tuning config
 # and a DeepSpeed training script's fp16 file; docs/config.md, "Bringing a
 # DeepSpeed config"), at 2 ranks: remat-estimate shows every "auto" decided;
-# each trains a few steps, logging each decision once; an "auto" run equals the
+# each trains a few steps, logging each decision once, an "auto" micro-batch
+# within the memory it was sized for; an "auto" run equals the
 # run given the decided values; offload_optimizer keeps its state on the host;
 # offload_param the parameter shards; a 16-bit export is bf16; fp16 on a CPU whose LibTorch cannot compute half
 # precision is refused naming fp16, the device and the LibTorch, and trains
@@ -72,6 +73,16 @@ for cfg in hf_zero1 hf_zero2 hf_zero3 llava_zero2 bf16_zero3 whisper_zero2 ptuni
   else
     fail "$cfg.json: remat-train logs each of its $autos \"auto\" values once ($logged lines)" \
       "$(grep -F '"auto"' "$tmp/$cfg.out")"
+  fi
+  # An "auto" micro-batch fits what each rank has: the measured peak stays under it.
+  if grep -q '"train_micro_batch_size_per_gpu": "auto"' "$file"; then
+    peak=$(grep -o '"mem_peak_bytes":[0-9]*' "$tmp/$cfg.jsonl" | cut -d: -f2 | sort -n | tail -1)
+    if [[ -n "$peak" && "$peak" -le $REMAT_MEMORY_PER_RANK_BYTES ]]; then
+      pass "$cfg.json: the \"auto\" micro-batch's measured peak, $peak bytes, fits the $REMAT_MEMORY_PER_RANK_BYTES each rank has"
+    else
+      fail "$cfg.json: the \"auto\" micro-batch's measured peak (${peak:-none}) fits $REMAT_MEMORY_PER_RANK_BYTES" \
+        "$(grep -F 'micro_batch_size_per_gpu "auto"' "$tmp/$cfg.out")"
+    fi
   fi
   # fp16 where this CPU computes it: the loss scaler's scale on every line.
   if [[ $(fp16_on "$file") == True ]]; then
