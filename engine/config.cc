@@ -91,6 +91,7 @@ std::vector<Field> zero_tuning_fields() {
     out.push_back(tuning(leaf(name, &T::gather_16bit_weights_on_model_save)));
   }
   out.push_back(tuning(optional_leaf("sub_group_size", &T::sub_group_size)));
+  out.push_back(tuning(optional_leaf("memory_efficient_linear", &T::memory_efficient_linear)));
   out.push_back(tuning(optional_leaf("cpu_offload", &T::cpu_offload)));
   out.push_back(tuning(optional_leaf("cpu_offload_param", &T::cpu_offload_param)));
   out.push_back(tuning(optional_leaf("cpu_offload_use_pin_memory", &T::cpu_offload_use_pin_memory)));
@@ -268,6 +269,12 @@ const std::vector<Field>& base_schema() {
               leaf("device", &TrainConfig::device)}),
   }, with(deepspeed_only_top_level(), {stored_in(optional_leaf("zero_allow_untested_optimizer",
                                                                 &DeepSpeedTuningConfig::allow_untested_optimizer),
+                                                  &Config::deepspeed_tuning),
+                                        stored_in(optional_leaf("prescale_gradients",
+                                                                &DeepSpeedTuningConfig::prescale_gradients),
+                                                  &Config::deepspeed_tuning),
+                                        stored_in(optional_leaf("gradient_predivide_factor",
+                                                                &DeepSpeedTuningConfig::gradient_predivide_factor),
                                                   &Config::deepspeed_tuning)}));
   return fields;
 }

@@ -117,6 +117,11 @@ struct DeepSpeedTuningConfig {
   // DeepSpeed's old offload switches: false asks for nothing (true is refused,
   // naming offload_optimizer or offload_param).
   std::optional<bool> cpu_offload, cpu_offload_param, cpu_offload_use_pin_memory;
+  // What remat always does, asked for explicitly (no effect; another value is
+  // refused: it would change how gradients are averaged or computed).
+  std::optional<bool> prescale_gradients;           // false: divide after the sum
+  std::optional<double> gradient_predivide_factor;  // 1.0: no division before the sum
+  std::optional<bool> memory_efficient_linear;      // zero_optimization: either value
 };
 
 // Resolved batch sizes: train = micro × accumulation × data-parallel size.

@@ -487,7 +487,6 @@ TEST(Config, DeepSpeedKeysAreRecognisedInEverySectionAndThroughSet) {
   for (const char* key : {"amp", "torch_autocast", "zero_force_ds_cpu_optimizer", "flops_profiler", "tensorboard", "wandb",
                           "csv_monitor", "comms_logger", "autotuning", "elasticity", "data_efficiency",
                           "compression_training", "aio", "sparse_attention", "curriculum_learning", "pipeline",
-                          "prescale_gradients", "gradient_predivide_factor",
                           "sparse_gradients", "dump_state", "memory_breakdown", "checkpoint"}) {
     EXPECT_THAT(config_error([&] { parse(str("{\"", key, "\": {}}")); }),
                 HasSubstr(str("recognised DeepSpeed key, not supported by remat: '", key, "', because ")))
@@ -932,6 +931,31 @@ TEST(ConfigTuningKeys, KeysWithoutEffectAreAcceptedAndSaidToBe) {
   EXPECT_THAT(config_error([] { parse(R"({"zero_optimization": {"sub_group_size": "big"}})"); }),
               HasSubstr("'zero_optimization.sub_group_size' must be integer or null, got string"));
 }
+
+// Keys set to what remat always does (DeepSpeed-Chat's configs write them) are
+// accepted, each said to have no effect; a value that would change how
+// gradients are averaged is refused, naming the value to write.
+TEST(ConfigTuningKeys, KeysAskingForWhatRematDoesAreAccepted) {
+  const std::string chat = R"({"prescale_gradients": false, "gradient_predivide_factor": 1.0,
+                               "zero_optimization": {"stage": 3, "memory_efficient_linear": false}})";
+  const std::vector<std::string> lines = ineffective_settings(parse(chat));
+  ASSERT_EQ(lines.size(), 3u);
+  EXPECT_THAT(lines[0], HasSubstr("prescale_gradients = false has no effect in remat"));
+  EXPECT_THAT(lines[1], HasSubstr("gradient_predivide_factor = 1.0 has no effect in remat"));
+  EXPECT_THAT(lines[2], HasSubstr("zero_optimization.memory_efficient_linear = false has no effect in remat"));
+  EXPECT_THAT(warnings_of(R"({"zero_optimization": {"memory_efficient_linear": true}})"),
+              HasSubstr("memory_efficient_linear = true has no effect"));
+  EXPECT_THAT(config_error([] { parse(R"({"prescale_gradients": true})"); }),
+              HasSubstr("'prescale_gradients' is true, which divides gradients before their sum"));
+  EXPECT_THAT(config_error([] { parse(R"({"gradient_predivide_factor": 2.0})"); }),
+              HasSubstr("'gradient_predivide_factor' = 2 divides gradients by it before their sum"));
+  // The old pinning switch, false, asks for no pinning (not for no offload).
+  EXPECT_THAT(warnings_of(R"({"zero_optimization": {"cpu_offload_use_pin_memory": false}})"),
+              HasSubstr("asks for no pinned host memory; write pin_memory in"));
+  EXPECT_THAT(warnings_of(R"({"zero_optimization": {"cpu_offload": false}})"),
+              HasSubstr("asks for no offload; write zero_optimization.offload_optimizer to ask for an offload"));
+}
+
 
 // stage3_max_live_parameters (and max_live_parameters) is ZeRO's cap on what
 // a prefetch may gather (parallel/zero_options.h).

@@ -69,12 +69,6 @@ std::vector<Field> deepspeed_only_top_level() {
       deepspeed_only("data_parallel_size",
                      "remat derives the data-parallel size: the world size / tensor_parallel.size",
                      "launch data-parallel size x tensor_parallel.size ranks"),
-      deepspeed_only("prescale_gradients",
-                     "remat averages gradients in the collective itself (one sum, then one division by the "
-                     "data-parallel size)"),
-      deepspeed_only("gradient_predivide_factor",
-                     "remat averages gradients in the collective itself (one sum, then one division by the "
-                     "data-parallel size)"),
       deepspeed_only("sparse_gradients", "remat reduces dense gradients only"),
       deepspeed_only("disable_allgather", "remat's ZeRO chooses its all-gathers itself",
                      "set zero_optimization.allgather_partitions to false to broadcast the updated "
@@ -130,7 +124,6 @@ std::vector<Field> deepspeed_only_zero() {
       deepspeed_only("ignore_unused_parameters", "remat has no check of unused parameters to turn off"),
       deepspeed_only("use_multi_rank_bucket_allreduce", "remat reduces each gradient bucket with one collective"),
       deepspeed_only("legacy_stage1", "remat has one stage 1"),
-      deepspeed_only("memory_efficient_linear", no_trace),
       deepspeed_only("override_module_apply", no_trace),
       deepspeed_only("pipeline_loading_checkpoint", "remat has no pipeline parallelism"),
       deepspeed_only("log_trace_cache_warnings", no_trace),
@@ -143,12 +136,14 @@ struct OldOffloadKey {
   const char* name;
   std::optional<bool> DeepSpeedTuningConfig::*value;
   const char* current;
+  const char* asks;  // what true asks for
 };
 constexpr OldOffloadKey kOldOffloadKeys[] = {
-    {"cpu_offload", &DeepSpeedTuningConfig::cpu_offload, "zero_optimization.offload_optimizer"},
-    {"cpu_offload_param", &DeepSpeedTuningConfig::cpu_offload_param, "zero_optimization.offload_param"},
+    {"cpu_offload", &DeepSpeedTuningConfig::cpu_offload, "zero_optimization.offload_optimizer", "an offload"},
+    {"cpu_offload_param", &DeepSpeedTuningConfig::cpu_offload_param, "zero_optimization.offload_param",
+     "an offload"},
     {"cpu_offload_use_pin_memory", &DeepSpeedTuningConfig::cpu_offload_use_pin_memory,
-     "pin_memory in zero_optimization.offload_optimizer or offload_param"},
+     "pin_memory in zero_optimization.offload_optimizer or offload_param", "pinned host memory"},
 };
 
 std::vector<std::string> tuning_without_effect(const Config& c) {
@@ -173,8 +168,23 @@ std::vector<std::string> tuning_without_effect(const Config& c) {
   for (const auto& key : kOldOffloadKeys) {
     if (t.*key.value) {
       out.push_back(str("zero_optimization.", key.name, " = false has no effect: it is DeepSpeed's old spelling of ",
-                        key.current, " and asks for no offload; write ", key.current, " to ask for one"));
+                        key.current, " and asks for no ", key.asks + 3 * (key.asks[0] == 'a' && key.asks[1] == 'n'),
+                        "; write ", key.current, " to ask for ", key.asks));
     }
+  }
+  if (t.prescale_gradients && !*t.prescale_gradients) {
+    out.push_back("prescale_gradients = false has no effect in remat: remat averages gradients as it asks, one sum "
+                  "across the data-parallel ranks, then one division");
+  }
+  if (t.gradient_predivide_factor && *t.gradient_predivide_factor == 1.0) {
+    out.push_back("gradient_predivide_factor = 1.0 has no effect in remat: gradients are divided by nothing before "
+                  "their sum, as remat always does");
+  }
+  if (t.memory_efficient_linear) {
+    out.push_back(str("zero_optimization.memory_efficient_linear = ", *t.memory_efficient_linear ? "true" : "false",
+                      " has no effect in remat: it chooses how DeepSpeed's traced stage 3 saves a linear layer's "
+                      "input; remat's stage 3 gathers each unit around its remat::forward call, and what a layer "
+                      "saves is the activation checkpointing's choice"));
   }
   if (t.gather_16bit_weights_on_model_save && !c.bf16.enabled && !c.fp16.enabled) {
     out.push_back("zero_optimization.stage3_gather_16bit_weights_on_model_save is true, but the training dtype is "
@@ -186,8 +196,21 @@ std::vector<std::string> tuning_without_effect(const Config& c) {
 
 std::vector<std::pair<std::string, std::string>> tuning_problems(const Config& c) {
   std::vector<std::pair<std::string, std::string>> out;
+  const DeepSpeedTuningConfig& t = c.deepspeed_tuning;
+  if (t.prescale_gradients && *t.prescale_gradients) {
+    out.emplace_back("prescale_gradients",
+                     "'prescale_gradients' is true, which divides gradients before their sum: remat sums them "
+                     "across the data-parallel ranks, then divides once (the same average, rounded once); set it to "
+                     "false or remove it");
+  }
+  if (t.gradient_predivide_factor && *t.gradient_predivide_factor != 1.0) {
+    out.emplace_back("gradient_predivide_factor",
+                     str("'gradient_predivide_factor' = ", *t.gradient_predivide_factor, " divides gradients by it "
+                         "before their sum: remat sums them, then divides once by the data-parallel size; set it to "
+                         "1.0 or remove it"));
+  }
   for (const auto& key : kOldOffloadKeys) {
-    const auto& value = c.deepspeed_tuning.*key.value;
+    const auto& value = t.*key.value;
     if (!value || !*value) continue;
     const std::string path = str("zero_optimization.", key.name);
     out.emplace_back(path, str("'", path, "' is true: it is DeepSpeed's old spelling of ", key.current,
