@@ -433,6 +433,14 @@ void check_scheduler(const SchedulerConfig& sc, Problems& problems) {
     problems.add({"scheduler.type", "scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps"},
                  str("scheduler WarmupDecayLR needs 'scheduler.params.total_num_steps' (", sc.total_num_steps,
                      ") greater than 'scheduler.params.warmup_num_steps' (", sc.warmup_num_steps, ")"));
+  } else if (sc.type == "WarmupDecayLR" && sc.last_batch_iteration + 1 >= sc.total_num_steps) {
+    // The first step would take the rate of step last_batch_iteration + 2,
+    // past the schedule's end: warmup_min_lr for the whole run.
+    problems.add({"scheduler.params.last_batch_iteration", "scheduler.params.total_num_steps"},
+                 str("'scheduler.params.last_batch_iteration' = ", sc.last_batch_iteration,
+                     " starts the run past the end of WarmupDecayLR's schedule ('scheduler.params.total_num_steps' = ",
+                     sc.total_num_steps, "): every step would train at warmup_min_lr; raise total_num_steps above ",
+                     sc.last_batch_iteration + 1, " plus the steps to train, or set last_batch_iteration to -1"));
   }
 }
 

@@ -1019,6 +1019,19 @@ TEST(ConfigTuningKeys, LastBatchIterationReachesTheScheduler) {
               }),
               HasSubstr("'scheduler.params.last_batch_iteration' = -2 must be -1 (a fresh run) or the index of the "
                         "last batch trained on (>= 0)"));
+  // Past the end of WarmupDecayLR's schedule from the first step (with
+  // total_num_steps given or decided from "auto" = train.steps): refused.
+  for (const char* total : {"10", "\"auto\""}) {
+    EXPECT_THAT(config_error([&] {
+                  parse(str(R"({"train": {"steps": 10}, "scheduler": {"type": "WarmupDecayLR", "params": )",
+                            R"({"warmup_num_steps": 2, "last_batch_iteration": 9, "total_num_steps": )", total, "}}}"));
+                }),
+                HasSubstr("'scheduler.params.last_batch_iteration' = 9 starts the run past the end of WarmupDecayLR's "
+                          "schedule ('scheduler.params.total_num_steps' = 10)"))
+        << total;
+  }
+  EXPECT_EQ(parse(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2,
+                      "last_batch_iteration": 8, "total_num_steps": 10}}})").scheduler.last_batch_iteration, 8);
 }
 
 }  // namespace
