@@ -76,6 +76,11 @@ void require_same_config(Communicator& world, const Config& config, at::Device d
   for (const auto& item : flat.items()) {
     std::string key = item.key().substr(1);
     std::replace(key.begin(), key.end(), '/', '.');
+    // A value remat decided from "auto" on each rank (the micro-batch from the
+    // memory each rank has) differs where the ranks' devices do: say so.
+    if (config.is_auto(key)) {
+      key += " (\"auto\", decided by each rank from its own device and memory: give it a number in the config)";
+    }
     settings[key] = item.value().dump();
   }
   require_same_settings(world, settings, "configurations");

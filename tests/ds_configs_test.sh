@@ -123,6 +123,13 @@ else
     "$(paste <(losses "$tmp/hf_zero1.jsonl") <(losses "$tmp/hf_zero1_given.jsonl"))" "$(cat "$tmp/hf_zero1_given.out")"
 fi
 
+# Ranks with different memory decide different "auto" micro-batches: the job
+# stops before training, naming the key as decided by each rank from "auto".
+expect "ranks that decide an \"auto\" micro-batch differently are told to give it a number" \
+  'train_micro_batch_size_per_gpu ("auto", decided by each rank from its own device and memory: give it a number' \
+  "$run" -np 2 -- bash -c 'REMAT_MEMORY_PER_RANK_BYTES=$(((OMPI_COMM_WORLD_RANK + 1) << 24)) exec "$0" "$@"' \
+  "$train" --config "$ds_dir/hf_zero1.json" --steps 1 "${small[@]}"
+
 # offload_param (hf_zero3.json, beside offload_optimizer): with every parameter
 # sharded (no persistence threshold), the shards live on the host, and the run
 # trains the bits of the same run with both offloads off.
