@@ -932,6 +932,18 @@ TEST(ConfigTuningKeys, KeysWithoutEffectAreAcceptedAndSaidToBe) {
               HasSubstr("'zero_optimization.sub_group_size' must be integer or null, got string"));
 }
 
+// "auto" misspelt where remat decides the key: named with the right spelling;
+// on a key remat does not decide, no such hint.
+TEST(Config, AMisspeltAutoIsNamed) {
+  for (const char* text : {R"({"train_micro_batch_size_per_gpu": "Auto"})", R"({"gradient_clipping": " AUTO"})"}) {
+    EXPECT_THAT(config_error([&] { parse(text); }), HasSubstr("; did you mean \"auto\" (remat decides it)?"))
+        << text;
+  }
+  EXPECT_THAT(config_error([] { parse("{}", {"train_micro_batch_size_per_gpu=Auto"}); }),
+              HasSubstr("did you mean \"auto\""));
+  EXPECT_EQ(config_error([] { parse(R"({"steps_per_print": "Auto"})"); }).find("did you mean"), std::string::npos);
+}
+
 // Keys set to what remat always does (DeepSpeed-Chat's configs write them) are
 // accepted, each said to have no effect; a value that would change how
 // gradients are averaged is refused, naming the value to write.

@@ -244,8 +244,16 @@ std::string type_problem(const std::string& path, const Field& field, const json
     // null: the type says it all ("got null null" says it twice); it does not mean "the default".
     const std::string got = value.is_null() ? std::string("null (leave the key out to keep its default)")
                                             : json_type_name(value) + " " + shown();
+    // "Auto", " auto ": the word where the key takes it, misspelt.
+    const bool near_auto = field.auto_ok && value.is_string() && !auto_value && [&] {
+      std::string w;
+      for (char ch : value.get_ref<const std::string&>()) {
+        if (ch != ' ') w += static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+      }
+      return w == "auto";
+    }();
     return str("'", path, "' must be ", integral(field) ? "integer" : kind_name(field.kind), words, field.nullable ? " or null" : "", ", got ",
-               got,
+               got, near_auto ? "; did you mean \"auto\" (remat decides it)?" : "",
                auto_value ? std::string(" (\"auto\" is filled in by a launcher such as Hugging Face's "
                                         "Trainer; remat decides \"auto\" only for the keys docs/config.md lists "
                                         "under \"auto\", and this is not one of them: give a value or leave the "
