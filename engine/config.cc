@@ -578,6 +578,11 @@ BatchSizes Config::resolve_batch(int dp) const {
   } else if (is_undecided_auto("train_micro_batch_size_per_gpu")) {
     fail_batch("train_micro_batch_size_per_gpu is \"auto\" and not decided yet: remat-train and remat-estimate "
                "decide it from their model's memory estimate (engine/auto_values.h); elsewhere give it a number");
+  } else if (is_auto("train_batch_size") || is_auto("gradient_accumulation_steps")) {
+    fail_batch(str(is_auto("train_batch_size") ? "train_batch_size" : "gradient_accumulation_steps",
+                   " is \"auto\", which remat derives from train_micro_batch_size_per_gpu, and that is not set: give "
+                   "train_micro_batch_size_per_gpu a number (or \"auto\", sized by remat-train from the memory "
+                   "each rank has)"));
   } else {
     fail_batch("set train_batch_size or train_micro_batch_size_per_gpu (or both)");
   }

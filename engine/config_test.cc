@@ -944,6 +944,16 @@ TEST(Config, AMisspeltAutoIsNamed) {
   EXPECT_EQ(config_error([] { parse(R"({"steps_per_print": "Auto"})"); }).find("did you mean"), std::string::npos);
 }
 
+// train_batch_size "auto" with no micro-batch: named as what is missing.
+TEST(Config, AnAutoTrainBatchSizeWithoutAMicroBatchNamesIt) {
+  const Config c = parse(R"({"train_batch_size": "auto"})");
+  EXPECT_THAT(config_error([&] { c.resolve_batch(2); }),
+              HasSubstr("train_batch_size is \"auto\", which remat derives from train_micro_batch_size_per_gpu, "
+                        "and that is not set"));
+  EXPECT_THAT(config_error([] { parse("{}").resolve_batch(2); }),
+              HasSubstr("set train_batch_size or train_micro_batch_size_per_gpu (or both)"));
+}
+
 // Keys set to what remat always does (DeepSpeed-Chat's configs write them) are
 // accepted, each said to have no effect; a value that would change how
 // gradients are averaged is refused, naming the value to write.
