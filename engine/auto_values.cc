@@ -45,8 +45,12 @@ void decide_optimizer_and_clipping(Config& c) {
   decided(c, "gradient_clipping", c.gradient_clipping,
           "remat's default, no clipping (give a number, such as 1.0, to clip the gradients' norm)");
   decided(c, "optimizer.params.lr", c.optimizer.lr, of);
-  decided(c, "optimizer.params.betas", c.optimizer.betas, of);
-  decided(c, "optimizer.params.eps", c.optimizer.eps, of);
+  // SGD reads neither: the default stands, said to be unused.
+  const std::string adam_only = c.optimizer.type == "SGD"
+                                    ? std::string("remat's default, unused: optimizer.type SGD has no betas or eps")
+                                    : of;
+  decided(c, "optimizer.params.betas", c.optimizer.betas, adam_only);
+  decided(c, "optimizer.params.eps", c.optimizer.eps, adam_only);
   decided(c, "optimizer.params.weight_decay", c.optimizer.weight_decay, of);
 }
 

@@ -93,6 +93,12 @@ TEST(AutoValues, TheConfigsOwnKeysBecomeRematsDefaults) {
   EXPECT_EQ(z.stage3_prefetch_bucket_size, d.zero_optimization.stage3_prefetch_bucket_size);
   EXPECT_EQ(z.stage3_param_persistence_threshold, d.zero_optimization.stage3_param_persistence_threshold);
   EXPECT_EQ(auto_of(c, "zero_optimization.reduce_bucket_size").value, "500000000");
+  // SGD reads no betas or eps: their "auto" is said to be unused.
+  const Config sgd = parse(R"({"optimizer": {"type": "SGD", "params": {"lr": "auto", "betas": "auto"}}})");
+  EXPECT_EQ(auto_of(sgd, "optimizer.params.betas").why,
+            "remat's default, unused: optimizer.type SGD has no betas or eps");
+  EXPECT_EQ(auto_of(sgd, "optimizer.params.lr").why,
+            "remat's default for optimizer.type SGD, as when the key is left out");
 }
 
 TEST(AutoValues, TheSchedulerFollowsTheOptimizerAndTheRun) {
