@@ -409,7 +409,16 @@ void check_top_level_and_optimizer(const Config& c, Problems& problems) {
   }
 }
 
-void check_scheduler(const SchedulerConfig& sc, Problems& problems) {
+// What a scheduler value decided from "auto" came from, for its errors.
+std::string from_auto(const Config& c, const std::string& key) {
+  if (!c.is_auto(key)) return "";
+  return key == "scheduler.params.total_num_steps"
+             ? str(" (\"auto\": train.steps, ", c.train.steps, "; raise the steps, or give total_num_steps a number)")
+             : std::string(" (decided from \"auto\"; give it a number)");
+}
+
+void check_scheduler(const Config& c, Problems& problems) {
+  const SchedulerConfig& sc = c.scheduler;
   if (sc.type == "none") return;
   if (sc.warmup_min_lr < 0) {
     problems.add({"scheduler.params.warmup_min_lr", "scheduler.type"},
@@ -432,14 +441,16 @@ void check_scheduler(const SchedulerConfig& sc, Problems& problems) {
   if (sc.type == "WarmupDecayLR" && sc.total_num_steps <= sc.warmup_num_steps) {
     problems.add({"scheduler.type", "scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps"},
                  str("scheduler WarmupDecayLR needs 'scheduler.params.total_num_steps' (", sc.total_num_steps,
-                     ") greater than 'scheduler.params.warmup_num_steps' (", sc.warmup_num_steps, ")"));
+                     from_auto(c, "scheduler.params.total_num_steps"), ") greater than "
+                     "'scheduler.params.warmup_num_steps' (", sc.warmup_num_steps,
+                     from_auto(c, "scheduler.params.warmup_num_steps"), ")"));
   } else if (sc.type == "WarmupDecayLR" && sc.last_batch_iteration + 1 >= sc.total_num_steps) {
     // The first step would take the rate of step last_batch_iteration + 2,
     // past the schedule's end: warmup_min_lr for the whole run.
     problems.add({"scheduler.params.last_batch_iteration", "scheduler.params.total_num_steps"},
                  str("'scheduler.params.last_batch_iteration' = ", sc.last_batch_iteration,
                      " starts the run past the end of WarmupDecayLR's schedule ('scheduler.params.total_num_steps' = ",
-                     sc.total_num_steps, "): every step would train at warmup_min_lr; raise total_num_steps above ",
+                     sc.total_num_steps, from_auto(c, "scheduler.params.total_num_steps"), "): every step would train at warmup_min_lr; raise total_num_steps above ",
                      sc.last_batch_iteration + 1, " plus the steps to train, or set last_batch_iteration to -1"));
   }
 }
@@ -507,7 +518,7 @@ void check_train_and_data(const Config& c, Problems& problems) {
 void check_values(const Config& c, const Origin& at) {
   Problems problems(at);
   check_top_level_and_optimizer(c, problems);
-  check_scheduler(c.scheduler, problems);
+  check_scheduler(c, problems);
   for (const auto& [key, problem] : deepspeed_keys::tuning_problems(c)) problems.add({key}, problem);
   check_sections(c, problems);
   check_train_and_data(c, problems);

@@ -1049,9 +1049,16 @@ TEST(ConfigTuningKeys, LastBatchIterationReachesTheScheduler) {
                             R"({"warmup_num_steps": 2, "last_batch_iteration": 9, "total_num_steps": )", total, "}}}"));
                 }),
                 HasSubstr("'scheduler.params.last_batch_iteration' = 9 starts the run past the end of WarmupDecayLR's "
-                          "schedule ('scheduler.params.total_num_steps' = 10)"))
+                          "schedule ('scheduler.params.total_num_steps' = 10"))
         << total;
   }
+  // A total decided from "auto" (train.steps) says so, and what to change.
+  EXPECT_THAT(config_error([] {
+                parse(R"({"train": {"steps": 3}, "scheduler": {"type": "WarmupDecayLR",
+                          "params": {"total_num_steps": "auto", "warmup_num_steps": 5}}})");
+              }),
+              HasSubstr("'scheduler.params.total_num_steps' (3 (\"auto\": train.steps, 3; raise the steps, or give "
+                        "total_num_steps a number)) greater than 'scheduler.params.warmup_num_steps' (5)"));
   EXPECT_EQ(parse(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2,
                       "last_batch_iteration": 8, "total_num_steps": 10}}})").scheduler.last_batch_iteration, 8);
 }
