@@ -24,6 +24,7 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <optional>
 
 #include "data/dataset.h"
 #include "engine/auto_values.h"
@@ -67,6 +68,9 @@ int estimate(int argc, char** argv) {
       ->check(CLI::Range(1, 1 << 24));
   app.add_flag("--live", live, "build the model on this process and profile one step (else: from the sizes alone)");
   app.add_option("--json", json_path, "also write the rows as JSON to this file");
+  // As remat-train takes it: what "auto" scheduler values follow.
+  std::optional<std::string> steps_flag;
+  app.add_option("--steps", steps_flag, "optimizer steps (train.steps), as remat-train's --steps");
   std::string device_name = "cpu";
   app.add_option("--device", device_name, "where the model computes: cpu (the default), or cuda (a GPU per rank)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
@@ -80,6 +84,7 @@ int estimate(int argc, char** argv) {
   }
   // Checked before the estimate, by the rule of remat-train's outputs.
   if (app.count("--json") > 0) check_output_file({"--json", json_path, "estimate.json"});
+  if (steps_flag) overrides.push_back("train.steps=" + *steps_flag);
   Config config = config_path.empty() ? parse_config(default_config_text(), "<embedded default>", overrides)
                                             : load_config(config_path, overrides);
   if (ranks % config.tensor_parallel.size != 0) {

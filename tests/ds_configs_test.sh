@@ -123,6 +123,19 @@ else
     "$(paste <(losses "$tmp/hf_zero1.jsonl") <(losses "$tmp/hf_zero1_given.jsonl"))" "$(cat "$tmp/hf_zero1_given.out")"
 fi
 
+# remat-estimate --steps decides the scheduler's "auto" values as remat-train
+# --steps does (whisper_zero2.json: WarmupDecayLR, total and warm-up "auto").
+"$estimate" -np 2 --config "$ds_dir/whisper_zero2.json" "${small[@]}" --steps $steps >"$tmp/whisper_steps.est" 2>&1
+for key in scheduler.params.total_num_steps scheduler.params.warmup_num_steps; do
+  a=$(grep -o "$key \"auto\" -> [0-9]*" "$tmp/whisper_steps.est")
+  b=$(grep -o "$key \"auto\" -> [0-9]*" "$tmp/whisper_zero2.out")
+  if [[ -n "$a" && "$a" == "$b" ]]; then
+    pass "remat-estimate --steps $steps decides $key as remat-train --steps $steps does (${a##* })"
+  else
+    fail "remat-estimate --steps $steps decides $key as remat-train does ('$a' vs '$b')" "$(cat "$tmp/whisper_steps.est")"
+  fi
+done
+
 # Ranks with different memory decide different "auto" micro-batches: the job
 # stops before training, naming the key as decided by each rank from "auto".
 expect "ranks that decide an \"auto\" micro-batch differently are told to give it a number" \
