@@ -14,6 +14,7 @@
 #include "engine/memory_estimate.h"
 #include "models/gpt.h"
 #include "parallel/zero.h"
+#include "runtime/communicator.h"
 #include "runtime/error.h"
 #include "runtime/layout.h"
 #include "tests/error_of.h"
@@ -154,8 +155,13 @@ TEST(OffloadEstimate, TheDeviceBudgetChargesOnlyWhatStaysOnTheDevice) {
         << "stage " << stage;
     // A budget between the two (checked at initialize, before any step):
     // refused with the state on the device, taken with it on the host.
+    // Every rank must run the same config: the least of the ranks' budgets.
     Case between = s;
-    between.device_budget = state(device) - 4 * host.local_elements;
+    at::Tensor budget = at::full({1}, state(device) - 4 * host.local_elements, at::kLong);
+    AllReduceOptions least;
+    least.op = ReduceOp::kMin;
+    world()->allReduce(budget, least)->wait();
+    between.device_budget = budget.item<int64_t>();
     EXPECT_NO_THROW(train(between, 0)) << "stage " << stage;
     between.offload = false;
     EXPECT_THAT(remat::testing::error_of<ConfigError>([&] { train(between, 0); }),
