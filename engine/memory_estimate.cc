@@ -48,12 +48,53 @@ int64_t optimizer_bytes_per_element(const OptimizerConfig& o) {
 // The model state of one stage, per rank.
 struct StateBytes {
   int64_t params = 0, grads = 0, optimizer = 0, gathered = 0, comm = 0;
+  int64_t host_optimizer = 0;  // offload_optimizer: what the host holds
   int64_t full_trainable = 0;  // every trainable parameter's bytes (a stage-0 backward's gradients)
 };
 
+// The accumulation window's micro-steps (1 where the batch sizes do not resolve here).
+int64_t accumulation_of(const Config& config, int dp) {
+  try {
+    return config.resolve_batch(dp).gradient_accumulation_steps;
+  } catch (const Error&) {
+    return 1;
+  }
+}
+
+// zero_optimization.offload_optimizer (parallel/zero_offload.h): the host
+// holds the float32 master of every element the optimizer steps, its
+// gradient buffer and the optimizer's state (what a run's metrics report as
+// host_optimizer_bytes); the device keeps its parameters (the stage gathers
+// from them) and, in the last micro-step, drops each gradient shard as its
+// reduction ends: stages 1-2 hold the buckets' whole gradients, stage 3 its
+// largest unit's shard. Accumulating, the shards stay on the device between
+// micro-batches: the gradients as without offload.
+void offload_optimizer_state(StateBytes& s, const parallel::StateElements& e, const MemoryEstimateInputs& in,
+                             const parallel::ZeroOptions& z, const parallel::MixedPrecision& mixed, int n,
+                             int64_t eb, int64_t accumulation) {
+  s.host_optimizer = e.local_trainable * (4 + 4) + s.optimizer;
+  s.optimizer = 0;
+  if (accumulation > 1) return;
+  if (z.stage < 3) {
+    s.grads = e.trainable * eb;
+    return;
+  }
+  const int64_t persistence = mixed.enabled() ? 0 : z.stage3_param_persistence_threshold;
+  std::map<int, int64_t> unit_shard;
+  for (const ParameterSize& p : in.parameters) {
+    if (p.trainable) unit_shard[p.unit] += p.numel < persistence ? p.numel : (p.numel + n - 1) / n;
+  }
+  int64_t largest = 0;
+  for (const auto& [unit, elements] : unit_shard) largest = std::max(largest, elements);
+  s.grads = largest * eb;
+}
+
 // The stage's memory rule (parallel/zero_memory.h, what the engine's live
 // accounting applies too) over the parameters' sizes, in bytes.
-StateBytes state_bytes(const MemoryEstimateInputs& in, const Config& config, int stage, int n) {
+// `accumulation`: the micro-steps of a window, when the optimizer is
+// offloaded (0: it is not).
+StateBytes state_bytes(const MemoryEstimateInputs& in, const Config& config, int stage, int n,
+                       int64_t accumulation) {
   parallel::ZeroOptions z = config.zero_optimization;
   z.stage = stage;
   // bf16 or fp16: float32 masters (stage 3: shards, every parameter sharded,
@@ -78,6 +119,7 @@ StateBytes state_bytes(const MemoryEstimateInputs& in, const Config& config, int
   // grads), stage 3's gathered units.
   s.comm = e.bucket * eb + s.gathered;
   s.full_trainable = e.trainable * in.element_bytes;
+  if (accumulation > 0) offload_optimizer_state(s, e, in, z, mixed, n, eb, accumulation);
   return s;
 }
 
@@ -211,15 +253,29 @@ void fill_row(MemoryEstimateRow& r, const StageTerms& t, const MemoryEstimateInp
   r.other_bytes = in.other_bytes;
   r.activation_bytes = predict_peak(in.activations, cols);
   r.host_bytes = host;
+  r.host_optimizer_bytes = st.host_optimizer;
   // The activation phase, or the optimizer's step (the state, the
   // gradients and one parameter's update temporaries).
   // Host bytes are apart: what of them a CPU model's tracker counts
-  // (cpu_checkpointing's copies) is in the activations already.
-  r.peak_bytes = std::max(t.fixed + r.activation_bytes + t.grads_term, st.params + st.optimizer + st.grads);
+  // (cpu_checkpointing's copies) is in the activations already. The
+  // offloaded optimizer's are too, but on a CPU model they are in the same
+  // memory, held through the step.
+  r.peak_bytes = std::max(t.fixed + r.activation_bytes + t.grads_term, st.params + st.optimizer + st.grads) +
+                 (in.host_is_device ? st.host_optimizer : 0);
+}
+
+StageTerms stage_terms(const MemoryEstimateInputs& in, const Config& config, int stage, int group,
+                       int64_t accumulation) {
+  StageTerms t;
+  t.state = state_bytes(in, config, stage, group, accumulation);
+  t.grads_term = in.gradients_in_activations ? t.state.grads - t.state.full_trainable : t.state.grads;
+  t.fixed = t.state.params + t.state.optimizer + in.other_bytes + t.state.gathered;
+  return t;
 }
 
 // The rows of one stage (`hybrid`: sharded within hybrid groups), every
-// policy with offloading off and on.
+// policy with offloading off and on, the optimizer offloaded as configured;
+// at stages 1-3 each row's peak with the optimizer on the host beside it.
 void add_stage_rows(MemoryEstimate& e, const Config& config, const MemoryEstimateInputs& in, int stage, bool hybrid,
                     int group, bool use_hybrid, int64_t keep_peak) {
   const BlockCosts& costs = in.activations;
@@ -227,10 +283,10 @@ void add_stage_rows(MemoryEstimate& e, const Config& config, const MemoryEstimat
   const auto& ac = config.activation_checkpointing;
   const bool offload_configured = config.activation_offloading.enabled || ac.cpu_checkpointing;
   const std::string configured = configured_policy(ac);
-  StageTerms t;
-  t.state = state_bytes(in, config, stage, group);
-  t.grads_term = in.gradients_in_activations ? t.state.grads - t.state.full_trainable : t.state.grads;
-  t.fixed = t.state.params + t.state.optimizer + in.other_bytes + t.state.gathered;
+  const int64_t accumulation = accumulation_of(config, e.dp);
+  const bool opt = stage > 0 && e.offload_optimizer;
+  const StageTerms t = stage_terms(in, config, stage, group, opt ? accumulation : 0);
+  const StageTerms host = stage_terms(in, config, stage, group, accumulation);
   for (bool offload : {false, true}) {
     for (const std::string& policy : kPolicies) {
       if (offload && policy == "selective_op") continue;  // no offloading variant of it
@@ -243,6 +299,7 @@ void add_stage_rows(MemoryEstimate& e, const Config& config, const MemoryEstimat
       r.hybrid = hybrid;
       r.policy = policy;
       r.offload = offload;
+      r.offload_optimizer = opt;
       r.configured = policy == configured && offload == offload_configured &&
                      stage == config.zero_optimization.stage && (stage == 0 || hybrid == use_hybrid);
       // The planner's exact solve grows with the square of the blocks: past
@@ -255,6 +312,17 @@ void add_stage_rows(MemoryEstimate& e, const Config& config, const MemoryEstimat
       if (policy == "every_k" || policy == "auto") r.plan = plan_text(costs, cols);
       if (unsolved) r.plan = str("not solved (more than ", kMaxPlannedBlocks, " blocks): at least this peak");
       fill_row(r, t, in, cols);
+      if (stage > 0) {
+        // The same row with the optimizer on the host (the planner's auto
+        // row under its own budget then).
+        MemoryEstimateRow h = r;
+        const std::vector<size_t> host_cols = opt ? cols
+            : policy_columns(costs, config, policy, offload, unsolved, keep_peak, host, in.device_capacity_bytes,
+                             h.feasible);
+        fill_row(h, host, in, host_cols);
+        r.host_optimizer_bytes = h.host_optimizer_bytes;
+        r.offload_optimizer_peak_bytes = h.feasible ? h.peak_bytes : 0;
+      }
       e.rows.push_back(std::move(r));
     }
   }
@@ -276,6 +344,7 @@ MemoryEstimate estimate_memory(const Config& config, int world_size, const Memor
   e.world_size = world_size;
   e.tp = tp;
   e.dp = world_size / tp;
+  e.offload_optimizer = config.zero_optimization.offload_optimizer.enabled();
   // The trainer's rules that need the number of ranks (ZeroModel's), so that
   // the estimate refuses what the run would.
   if (std::string bad = parallel::check_hybrid_shard_size(config.zero_optimization, e.dp); !bad.empty()) {
@@ -331,17 +400,20 @@ std::string MemoryEstimate::table() const {
   o << "Estimated memory per rank (" << mode << (host_is_device ? "" : ", the model on a GPU") << "), " << world_size << " ranks = dp " << dp << " x tp " << tp
     << (shard_group < dp ? str(", hybrid shards of ", shard_group) : std::string()) << ", MiB; * the configuration\n";
   char line[512];
-  std::snprintf(line, sizeof line, "  %-5s %-13s %-7s %10s %10s %10s %10s %10s %10s %10s %10s  %s\n", "stage",
-                "policy", "offload", "params", "grads", "optimizer", "gathered", "activation", "host", "comm",
-                "peak", "plan");
+  std::snprintf(line, sizeof line, "  %-5s %-13s %-7s %-5s %10s %10s %10s %10s %10s %10s %10s %10s %10s %10s  %s\n",
+                "stage", "policy", "offload", "optim", "params", "grads", "optimizer", "gathered", "activation",
+                "host", "comm", "peak", "host optim", "peak optim", "plan");
   o << line;
   for (const auto& r : rows) {
     const std::string stage = str(r.configured ? "*" : " ", r.stage, r.hybrid ? "h" : "");
-    std::snprintf(line, sizeof line, "  %-5s %-13s %-7s %10s %10s %10s %10s %10s %10s %10s %10s  %s%s\n",
-                  stage.c_str(), r.policy.c_str(), r.offload ? "on" : "off", mib(r.parameter_bytes).c_str(),
-                  mib(r.gradient_bytes).c_str(), mib(r.optimizer_bytes).c_str(), mib(r.gathered_bytes).c_str(),
-                  mib(r.activation_bytes).c_str(), mib(r.host_bytes).c_str(), mib(r.comm_bytes).c_str(),
-                  mib(r.peak_bytes).c_str(), r.feasible ? "" : "(no plan fits its budget) ", r.plan.c_str());
+    const bool alt = r.stage > 0;  // stage 0 cannot offload the optimizer
+    std::snprintf(line, sizeof line, "  %-5s %-13s %-7s %-5s %10s %10s %10s %10s %10s %10s %10s %10s %10s %10s  %s%s\n",
+                  stage.c_str(), r.policy.c_str(), r.offload ? "on" : "off", r.offload_optimizer ? "host" : "dev",
+                  mib(r.parameter_bytes).c_str(), mib(r.gradient_bytes).c_str(), mib(r.optimizer_bytes).c_str(),
+                  mib(r.gathered_bytes).c_str(), mib(r.activation_bytes).c_str(), mib(r.host_bytes).c_str(),
+                  mib(r.comm_bytes).c_str(), mib(r.peak_bytes).c_str(), alt ? mib(r.host_optimizer_bytes).c_str() : "-",
+                  alt && r.offload_optimizer_peak_bytes > 0 ? mib(r.offload_optimizer_peak_bytes).c_str() : "-",
+                  r.feasible ? "" : "(no plan fits its budget) ", r.plan.c_str());
     o << line;
   }
   if (!rows.empty() && std::count_if(rows.begin(), rows.end(), [](const MemoryEstimateRow& r) {
@@ -353,7 +425,11 @@ std::string MemoryEstimate::table() const {
        "gradients included; grads: the stage's peak" : "gradients apart")
     << "); host: what offloading moves to the host and holds there at the peak (apart from the peak); comm: buffers "
        "inside grads (stages 1-2 bucket) and gathered (stage 3); peak: what one rank holds at once"
-    << (host_is_device ? "" : " on its device (host apart: in host memory)") << "\n";
+    << (host_is_device ? "" : " on its device (host apart: in host memory)")
+    << "; optim: where the optimizer's state is (host: zero_optimization.offload_optimizer.device cpu); host optim: "
+       "the float32 master shards, their gradients and the optimizer's state on the host when it is there; peak optim: "
+       "the peak with the optimizer on the host"
+    << (host_is_device ? " (host optim included: the host is the device)" : " (host optim apart)") << "\n";
   if (device_capacity_bytes > 0 && !rows.empty()) o << "  " << capacity_text(*this) << "\n";
   return o.str();
 }
@@ -364,6 +440,8 @@ std::string MemoryEstimate::line() const {
              mib(r.parameter_bytes), " + gradients ", mib(r.gradient_bytes), " + optimizer state ",
              mib(r.optimizer_bytes), " + gathered units ", mib(r.gathered_bytes), " + activations ",
              mib(r.activation_bytes), r.host_bytes > 0 ? str(" (host ", mib(r.host_bytes), ")") : std::string(),
+             r.offload_optimizer ? str("; the optimizer on the host: ", mib(r.host_optimizer_bytes), " MiB")
+                                 : std::string(),
              " (ZeRO stage ", r.stage, r.hybrid ? " hybrid" : "", ", ", r.policy, r.plan.empty() ? "" : " ", r.plan,
              ")", device_capacity_bytes > 0 ? "; " + capacity_text(*this) : std::string());
 }
@@ -377,7 +455,9 @@ nlohmann::json MemoryEstimate::to_json() const {
                          {"optimizer_bytes", r.optimizer_bytes}, {"gathered_bytes", r.gathered_bytes},
                          {"activation_bytes", r.activation_bytes}, {"host_bytes", r.host_bytes},
                          {"comm_bytes", r.comm_bytes}, {"other_bytes", r.other_bytes},
-                         {"peak_bytes", r.peak_bytes}});
+                         {"peak_bytes", r.peak_bytes}, {"offload_optimizer", r.offload_optimizer},
+                         {"host_optimizer_bytes", r.host_optimizer_bytes},
+                         {"offload_optimizer_peak_bytes", r.offload_optimizer_peak_bytes}});
   }
   nlohmann::json out = {{"mode", mode}, {"world_size", world_size}, {"dp", dp}, {"tp", tp},
                         {"shard_group", shard_group}, {"rows", rows_json}};
@@ -417,10 +497,27 @@ std::string cheapest_fitting_change(const MemoryEstimate& e, int64_t have) {
     if (r.policy != now.policy || r.offload != now.offload || r.stage <= now.stage) continue;
     if (fits(r) && (!stage_best || r.stage < stage_best->stage)) stage_best = &r;
   }
+  // 3. The optimizer on the host, at this stage or the lowest that allows it
+  // (no recompute; the optimizer steps on the host).
+  const MemoryEstimateRow* host_best = nullptr;
+  for (const auto& r : e.rows) {
+    if (r.policy != now.policy || r.offload != now.offload || r.stage < std::max(now.stage, 1) ||
+        now.offload_optimizer || r.hybrid != (e.shard_group < e.dp)) {
+      continue;
+    }
+    const bool host_fits = r.offload_optimizer_peak_bytes > 0 && r.offload_optimizer_peak_bytes <= have;
+    if (host_fits && (!host_best || r.stage < host_best->stage)) host_best = &r;
+  }
   std::vector<std::string> options;
   if (stage_best) options.push_back(keys(*stage_best));
+  if (host_best && (!stage_best || host_best->stage <= stage_best->stage)) {
+    options.push_back(str(host_best->stage != now.stage ? str("zero_optimization.stage=", host_best->stage, " ") : "",
+                          "zero_optimization.offload_optimizer.device=cpu (estimated device peak ",
+                          mib(host_best->offload_optimizer_peak_bytes), " MiB; the host holds ",
+                          mib(host_best->host_optimizer_bytes), " MiB)"));
+  }
   if (best) options.push_back(keys(*best));
-  // 3. A whole-device budget for the planner at this stage (or the highest).
+  // 4. A whole-device budget for the planner at this stage (or the highest).
   for (int stage : {now.stage, 3}) {
     const MemoryEstimateRow& full = e.row(stage, "full", now.offload);
     if (full.peak_bytes <= have) {

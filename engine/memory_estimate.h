@@ -88,6 +88,19 @@ struct MemoryEstimateRow {
   int64_t parameter_bytes = 0, gradient_bytes = 0, optimizer_bytes = 0, gathered_bytes = 0;
   int64_t activation_bytes = 0, host_bytes = 0, comm_bytes = 0, other_bytes = 0;
   int64_t peak_bytes = 0;  // what the device (the host, for a CPU model) must hold at once
+  // zero_optimization.offload_optimizer.device cpu (stages 1-3): the
+  // optimizer state and the float32 master shards with their gradient
+  // buffers live on the host: host_optimizer_bytes, what a run's metrics
+  // report under that name. offload_optimizer: the config offloads, and the
+  // columns above keep what stays on the device (no optimizer state; the
+  // gradients less the shards' that leave as their reductions end:
+  // docs/memory.md, "Offloading the optimizer"). At stages 1-3 every row
+  // gives host_optimizer_bytes and offload_optimizer_peak_bytes, its peak
+  // with the optimizer on the host, offloaded or not (0: stage 0, or an auto
+  // row whose budget no plan fits then). On a CPU model the host is the
+  // device: the peaks include host_optimizer_bytes.
+  bool offload_optimizer = false;
+  int64_t host_optimizer_bytes = 0, offload_optimizer_peak_bytes = 0;
 };
 
 struct MemoryEstimate {
@@ -95,6 +108,7 @@ struct MemoryEstimate {
   bool host_is_device = true;         // the inputs': false on a GPU
   int64_t device_capacity_bytes = 0;  // the inputs' (0: unknown)
   int world_size = 1, dp = 1, tp = 1, shard_group = 1;
+  bool offload_optimizer = false;    // the config's (zero_optimization.offload_optimizer)
   std::vector<MemoryEstimateRow> rows;
 
   // The configured row (an Error when the configuration has none: variant
@@ -112,7 +126,8 @@ struct MemoryEstimate {
 
 // Every stage (0-3; 1-3 hybrid too when the config sets hybrid_shard_size)
 // x none, full, every_k, selective_op, auto x offloading off/on for `config`
-// at `world_size` ranks. auto uses the config's budget when its variant is
+// at `world_size` ranks, the optimizer offloaded as configured (each row at
+// stages 1-3 with its peak had the optimizer been on the host beside it). auto uses the config's budget when its variant is
 // auto, else memory_budget_fraction 0.5.
 MemoryEstimate estimate_memory(const Config& config, int world_size, const MemoryEstimateInputs& inputs);
 
@@ -158,9 +173,10 @@ MemoryEstimateInputs live_inputs(torch::nn::Module& model, const std::string& bl
 int64_t largest_fitting_micro_batch(const Config& config, int world_size, int64_t have, int64_t limit,
                                     const std::function<MemoryEstimateInputs(int64_t micro)>& inputs);
 
-// The cheapest change to `config` whose row fits `have` bytes per rank (the
-// configured stage under another policy, then another stage, then a memory
-// budget), as the keys to set; empty when none fits.
+// The cheapest change to `config` whose row fits `have` bytes per rank (a
+// higher stage, then the optimizer offloaded to the host, then another
+// policy at this stage, then a memory budget), as the keys to set; empty
+// when none fits.
 std::string cheapest_fitting_change(const MemoryEstimate& estimate, int64_t have);
 
 }  // namespace remat

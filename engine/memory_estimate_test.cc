@@ -440,5 +440,41 @@ TEST(MemoryEstimate, TheLargestFittingMicroBatchFitsAndOneMoreDoesNot) {
   }
 }
 
+// zero_optimization.offload_optimizer on a GPU: the configured row keeps no
+// optimizer state on the device and the host holds 16 bytes per element the
+// rank's AdamW steps (masters, their gradients, two moments); every row at
+// stages 1-3 shows its peak with the optimizer on the host, and where that is
+// the change that fits, the cheapest change names it. On a CPU the host is
+// the device: offloading saves nothing there.
+TEST(MemoryEstimate, TheOptimizerOnTheHost) {
+  const Config plain = config_of({"zero_optimization.stage=2", "activation_checkpointing.variant=\"none\""});
+  const Config host = config_of({"zero_optimization.stage=2", "activation_checkpointing.variant=\"none\"",
+                                 "zero_optimization.offload_optimizer.device=\"cpu\""});
+  const MemoryEstimate p = estimate_memory(plain, 2, cold_gpt_inputs(plain, kVocab, 1, c10::DeviceType::CUDA));
+  const MemoryEstimate h = estimate_memory(host, 2, cold_gpt_inputs(host, kVocab, 1, c10::DeviceType::CUDA));
+  const MemoryEstimateRow &pr = p.configured(), &hr = h.configured();
+  EXPECT_FALSE(pr.offload_optimizer);
+  EXPECT_TRUE(hr.offload_optimizer);
+  EXPECT_EQ(hr.optimizer_bytes, 0);
+  EXPECT_EQ(hr.parameter_bytes, pr.parameter_bytes) << "the device keeps what the stage gathers from";
+  EXPECT_EQ(hr.host_optimizer_bytes, 2 * pr.optimizer_bytes) << "masters and gradients (8) beside AdamW's 8";
+  EXPECT_EQ(pr.host_optimizer_bytes, hr.host_optimizer_bytes);
+  EXPECT_EQ(pr.offload_optimizer_peak_bytes, hr.peak_bytes);
+  EXPECT_EQ(pr.peak_bytes - hr.peak_bytes, pr.optimizer_bytes + pr.gradient_bytes - hr.gradient_bytes);
+  EXPECT_EQ(p.row(0, "none").offload_optimizer_peak_bytes, 0) << "stage 0 cannot offload it";
+  EXPECT_THAT(h.table(), HasSubstr("host optim"));
+  EXPECT_THAT(h.line(), HasSubstr("the optimizer on the host"));
+  EXPECT_EQ(h.to_json()["rows"][0].count("host_optimizer_bytes"), 1u);
+  // Room for the offloaded row alone at this stage: the cheapest change names it.
+  const std::string change = cheapest_fitting_change(p, hr.peak_bytes);
+  EXPECT_THAT(change, HasSubstr("zero_optimization.offload_optimizer.device=cpu"));
+  EXPECT_EQ(change.find("zero_optimization.stage="), std::string::npos) << change;
+  EXPECT_EQ(cheapest_fitting_change(h, hr.peak_bytes - 1).find("offload_optimizer"), std::string::npos);
+  // On a CPU the offloaded bytes are in the same memory: the peak grows.
+  const MemoryEstimate cpu = estimate_memory(host, 2, cold_gpt_inputs(host, kVocab, 1));
+  const MemoryEstimate cpu_plain = estimate_memory(plain, 2, cold_gpt_inputs(plain, kVocab, 1));
+  EXPECT_GT(cpu.configured().peak_bytes, cpu_plain.configured().peak_bytes);
+}
+
 }  // namespace
 }  // namespace remat

@@ -38,10 +38,11 @@ MemoryTrackerOptions keeping() {
   return o;
 }
 
-std::string config_json(int stage, const std::string& variant, int accumulation) {
+std::string config_json(int stage, const std::string& variant, int accumulation, bool offload = false) {
   return str(R"({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": )", accumulation,
              R"(, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-                "zero_optimization": {"stage": )", stage, R"(, "stage3_param_persistence_threshold": 0},
+                "zero_optimization": {"stage": )", stage, R"(, "stage3_param_persistence_threshold": 0)",
+             offload ? R"(, "offload_optimizer": {"device": "cpu"})" : "", R"(},
                 "activation_checkpointing": {"variant": ")", variant, R"("}, "train": {"seed": 5}})");
 }
 
@@ -59,8 +60,9 @@ struct Trained {
   std::unique_ptr<Engine> engine;
   int accumulation;
 
-  Trained(int stage, const std::string& variant, int accumulation = 1) : accumulation(accumulation) {
-    Config config = parse_config(config_json(stage, variant, accumulation), "<test>");
+  Trained(int stage, const std::string& variant, int accumulation = 1, bool offload = false)
+      : accumulation(accumulation) {
+    Config config = parse_config(config_json(stage, variant, accumulation, offload), "<test>");
     EngineOptions options;
     options.layout = testing::layout_ptr(1);
     options.memory = &tracker;
@@ -219,6 +221,39 @@ TEST(MemoryTrace, EveryStagesStepAddsUpToTheTrackerAtEverySample) {
     }
     EXPECT_EQ(highest(p, "offloaded host copies"), 0) << what;
   }
+}
+
+// zero_optimization.offload_optimizer: the optimizer's masters, their
+// gradients and its state are one category of their own, "host optimizer"
+// (on a GPU under the CPU's counter, apart from the device's): from the
+// step's start it holds what the metrics report as host_optimizer_bytes, the
+// trace's otherData names it, and no "optimizer state" is left on the device.
+TEST(MemoryTrace, TheOffloadedOptimizerIsAHostCategory) {
+  for (int stage : {1, 2, 3}) {
+    const std::string what = str("stage ", stage, " offloaded");
+    Trained run(stage, "full", 1, /*offload=*/true);
+    run.step();
+    const std::string path = scratch_file(str("offload", stage));
+    run.engine->trace_memory(path);
+    run.step();
+    const StepMetrics& m = run.engine->last_metrics();
+    ASSERT_TRUE(m.offload_optimizer) << what;
+    const Parsed p = parse(path);
+    expect_sound(p, m, what);
+    const auto& first = p.samples.front().bytes;
+    EXPECT_EQ(first.at("host optimizer"), m.host_optimizer_bytes) << what;
+    EXPECT_EQ(first.at("optimizer state"), 0) << what;
+    EXPECT_EQ(highest(p, "optimizer state"), 0) << what;
+    EXPECT_EQ(p.trace["otherData"]["host_optimizer_bytes"].get<int64_t>(), m.host_optimizer_bytes) << what;
+  }
+  Trained plain(2, "full");
+  plain.step();
+  const std::string path = scratch_file("not_offloaded");
+  plain.engine->trace_memory(path);
+  plain.step();
+  const Parsed p = parse(path);
+  EXPECT_EQ(highest(p, "host optimizer"), 0);
+  EXPECT_EQ(p.trace["otherData"].count("host_optimizer_bytes"), 0u);
 }
 
 // The file is a Chrome trace: the step's phases in order, one recompute per

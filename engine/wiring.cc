@@ -145,14 +145,27 @@ std::pair<int64_t, std::string> resident_state(torch::nn::Module& model, paralle
     if (p.requires_grad()) model_trainable += static_cast<int64_t>(p.numel()) * grad_element;
   }
   for (const auto& b : model.buffers()) count(b);
+  // offload_optimizer (and offload_param, whose host shards the optimizer
+  // steps): the tensors the optimizer steps, their gradients and its state
+  // are on the host: not charged to the device's budget (nor, on a CPU,
+  // where the tracker counts them too, as other tensors). The device shards
+  // the masters mirror are: stage 3's apart from the model's parameters
+  // (stages 1-2's are views of them, counted above; offload_param keeps none).
+  const bool host = zero.offloads_optimizer() || zero.offloads_parameters();
   for (const auto& p : zero.parameters()) {
-    count(p);
+    if (!host || !p.requires_grad()) {
+      count(p);
+    } else if (zero.parameters_gathered_on_use() && !zero.offloads_parameters()) {
+      params += static_cast<int64_t>(p.nbytes());
+    }
     if (p.requires_grad()) local_trainable += static_cast<int64_t>(p.numel() * p.element_size());
   }
-  int64_t state = optimizer_state_bytes(optimizer);
-  const int64_t other = std::max<int64_t>(0, live - params - state);
-  std::string note;
-  if (state == 0) {
+  int64_t state = host ? 0 : optimizer_state_bytes(optimizer);
+  const parallel::ZeroStats zs = zero.stats();
+  const int64_t on_host = host ? zs.host_bytes + zs.host_param_bytes + optimizer_state_bytes(optimizer) : 0;
+  const int64_t other = std::max<int64_t>(0, live - params - state - on_host);
+  std::string note = host ? " (the optimizer on the host: what it steps, their gradients and its state not counted)" : "";
+  if (state == 0 && !host) {
     const std::string type = optimizer_type(optimizer);
     if (type == "AdamW" || type == "Adam") {
       state = 2 * local_trainable;

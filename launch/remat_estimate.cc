@@ -4,7 +4,7 @@
 // bytes and the peak (engine/memory_estimate.h), the configured row marked.
 //
 //   remat-estimate [--config ds_config.json] [--set key=value ...] [-np N] [--live] [--device cpu|cuda]
-//                  [--json FILE]
+//                  [--host-memory BYTES] [--json FILE]
 //
 // cold (the default): from the config's sizes, nothing built; --live builds
 // the GPT on this process and profiles one step under every block choice.
@@ -15,7 +15,13 @@
 // (--json: its "auto" object).
 // Exits 2 when the configuration does not fit the memory a rank has here
 // (REMAT_MEMORY_PER_RANK_BYTES, else on the CPU the host's over its ranks,
-// on a GPU the first GPU's capacity).
+// on a GPU the first GPU's capacity). With --device cuda a verdict line
+// answers "does this GPT (its parameters counted) fit on this device with
+// this host": the device's peak against its capacity and what offloading
+// keeps on the host (the optimizer's masters, gradients and state under
+// zero_optimization.offload_optimizer, offloaded activations) against
+// --host-memory (bytes per rank; default this host's available memory over
+// the ranks); it exits 2 too when the host part does not fit.
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 
@@ -40,6 +46,32 @@
 
 namespace remat {
 namespace {
+
+// The verdict line of a GPU run (see the top): the device and the host, the
+// configured row and, where the optimizer could move to the host, that row
+// too. Whether the host part fits (`host` 0: unknown, not checked).
+bool host_verdict(const MemoryEstimate& e, const MemoryEstimateInputs& in, double device, double host,
+                  const std::string& host_source) {
+  const MemoryEstimateRow& r = e.configured();
+  int64_t params = 0;
+  for (const auto& p : in.parameters) params += p.numel;
+  auto part = [&](const char* what, int64_t bytes, double have) {
+    if (have <= 0) return str(what, " ", human_bytes(static_cast<double>(bytes)), " (its capacity unknown)");
+    return str(what, " ", human_bytes(static_cast<double>(bytes)), " of ", human_bytes(have),
+               bytes <= have ? ": fits" : ": does not fit");
+  };
+  const int64_t on_host = (r.offload_optimizer ? r.host_optimizer_bytes : 0) + r.host_bytes;
+  std::cout << "verdict: the GPT of the config, " << params << " parameters"
+            << (e.tp > 1 ? " per tensor-parallel rank" : "") << ", ZeRO stage " << r.stage << ", the optimizer on the "
+            << (r.offload_optimizer ? "host" : "device") << ": " << part("device", r.peak_bytes, device) << "; "
+            << part("host", on_host, host) << (host > 0 ? str(" (", host_source, ")") : "") << "\n";
+  if (!r.offload_optimizer && r.offload_optimizer_peak_bytes > 0) {
+    std::cout << "  with zero_optimization.offload_optimizer.device=cpu: "
+              << part("device", r.offload_optimizer_peak_bytes, device) << "; "
+              << part("host", r.host_optimizer_bytes + r.host_bytes, host) << "\n";
+  }
+  return host <= 0 || on_host <= host;
+}
 
 // The config's "auto" values decided for the run `facts` describe (a CUDA
 // device here tells whether it has bf16; with none here, one that has it is
@@ -74,6 +106,11 @@ int estimate(int argc, char** argv) {
   std::string device_name = "cpu";
   app.add_option("--device", device_name, "where the model computes: cpu (the default), or cuda (a GPU per rank)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
+  int64_t host_memory = 0;
+  app.add_option("--host-memory", host_memory,
+                 "with --device cuda: the host memory each rank has, in bytes, for what offloading keeps there "
+                 "(default: this host's available memory over the ranks)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 60));
   // -np N, as mpirun spells it.
   std::vector<std::string> args;
   for (int i = argc - 1; i > 0; --i) args.push_back(std::string(argv[i]) == "-np" ? "--np" : argv[i]);
@@ -94,6 +131,10 @@ int estimate(int argc, char** argv) {
   const int dp = ranks / config.tensor_parallel.size;
   data::Dataset data = data::Dataset::load(config.data.path, config.data.train_fraction, config.model.seq_len);
   const bool cuda = device_name == "cuda";
+  if (host_memory > 0 && !cuda) {
+    throw ConfigError("--host-memory is the host's memory beside a GPU (--device cuda); on the CPU the host is the "
+                      "device: give its memory per rank as REMAT_MEMORY_PER_RANK_BYTES");
+  }
   const c10::DeviceType device = cuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
   // What each rank has: given, else its GPU, else its share of this host.
   const bool given = knobs::get(knobs::kMemoryPerRankBytes).has_value();
@@ -160,6 +201,14 @@ int estimate(int argc, char** argv) {
   } else if (cuda) {
     std::cout << "no GPU here to read its capacity: set REMAT_MEMORY_PER_RANK_BYTES to the bytes of a rank's GPU "
                  "to check the fit\n";
+  }
+  if (cuda) {
+    const bool env = knobs::get(knobs::kMemoryPerRankBytes).has_value();
+    const double host = host_memory > 0 ? static_cast<double>(host_memory)
+                        : env            ? 0.0
+                                         : available_bytes_per_rank() / ranks;
+    fits &= host_verdict(e, inputs, have, host,
+                         host_memory > 0 ? "--host-memory" : str("this host's available memory over ", ranks, " ranks"));
   }
   if (!json_path.empty()) {
     nlohmann::json rows = e.to_json();

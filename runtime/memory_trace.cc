@@ -56,6 +56,7 @@ const char* memory_category_name(MemoryCategory category) {
     case MemoryCategory::kHostCopies: return "offloaded host copies";
     case MemoryCategory::kCommunication: return "communication buffers";
     case MemoryCategory::kOther: return "other";
+    case MemoryCategory::kHostOptimizer: return "host optimizer";
   }
   return "?";
 }

@@ -49,8 +49,12 @@ enum class MemoryCategory : uint8_t {
   kHostCopies,        // offloaded host copies (checkpoint inputs, activations)
   kCommunication,     // collectives' buffers
   kOther,             // everything else: in backward mostly activations' gradients
+  // The optimizer offloaded to the host (ZeRO-Offload): its float32 master
+  // shards, their gradients and its state, in host memory (on a GPU under the
+  // CPU's counter, apart from the device's).
+  kHostOptimizer,
 };
-constexpr size_t kMemoryCategories = 9;
+constexpr size_t kMemoryCategories = 10;
 // "parameters", "gradients", ..., "other": the names in the trace.
 const char* memory_category_name(MemoryCategory category);
 

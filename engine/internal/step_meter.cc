@@ -89,7 +89,12 @@ void StepMeter::end_backward() {
 
 void StepMeter::begin_optimizer() { phase_start_ = Clock::now(); }
 
-void StepMeter::end_optimizer() { opt_ms_ = ms_between(phase_start_, Clock::now()); }
+void StepMeter::end_optimizer() {
+  opt_ms_ = ms_between(phase_start_, Clock::now());
+  if (trace_ && t_.zero->offloads_optimizer()) {
+    for (const auto& t : optimizer_state_tensors(*t_.optimizer)) classify_memory(t, MemoryCategory::kHostOptimizer);
+  }
+}
 
 const Counters& StepMeter::read_counters() {
   share_ = Counters::read(t_.zero).since(before_);
@@ -169,15 +174,25 @@ void StepMeter::start_trace() {
   if (!t_.zero->parameters_gathered_on_use()) {
     for (const auto& p : t_.model->parameters()) known.push_back({p, MemoryCategory::kParameters});
   }
-  for (const auto& p : t_.zero->parameters()) known.push_back({p, MemoryCategory::kParameters});
-  for (const auto& t : optimizer_state_tensors(*t_.optimizer)) known.push_back({t, MemoryCategory::kOptimizerState});
+  // offload_optimizer: what the optimizer steps and its state are on the host.
+  const bool host = t_.zero->offloads_optimizer();
+  for (const auto& p : t_.zero->parameters()) {
+    known.push_back({p, host && p.requires_grad() ? MemoryCategory::kHostOptimizer : MemoryCategory::kParameters});
+    if (host && p.grad().defined()) known.push_back({p.grad(), MemoryCategory::kHostOptimizer});
+  }
+  for (const auto& t : optimizer_state_tensors(*t_.optimizer)) {
+    known.push_back({t, host ? MemoryCategory::kHostOptimizer : MemoryCategory::kOptimizerState});
+  }
   trace_ = std::make_unique<MemoryTrace>(*t_.memory, known);
 }
 
 // Gradients autograd allocated count as gradients over their whole life.
+// The offloaded optimizer's host gradients, and the state its first step
+// allocates (end_optimizer), count as the host optimizer's.
 void StepMeter::classify_gradients() const {
+  const MemoryCategory zero = t_.zero->offloads_optimizer() ? MemoryCategory::kHostOptimizer : MemoryCategory::kGradients;
   for (const auto& p : t_.model->parameters()) classify_memory(p.grad(), MemoryCategory::kGradients);
-  for (const auto& p : t_.zero->parameters()) classify_memory(p.grad(), MemoryCategory::kGradients);
+  for (const auto& p : t_.zero->parameters()) classify_memory(p.grad(), zero);
 }
 
 void StepMeter::finish_trace(const StepMetrics& m) {
@@ -190,6 +205,7 @@ void StepMeter::finish_trace(const StepMetrics& m) {
   other["step"] = m.step;
   other["mem_base_bytes"] = m.mem_base_bytes;
   other["mem_peak_bytes"] = m.mem_peak_bytes;
+  if (m.offload_optimizer) other["host_optimizer_bytes"] = m.host_optimizer_bytes;
   ChromeTraceOptions chrome;
   chrome.max_samples = trace_samples_;
   chrome.pid = t_.rank;

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The memory tools see zero_optimization.offload_optimizer (docs/memory.md,
+# "Offloading the optimizer"):
+#   - remat-estimate's host_optimizer_bytes beside remat-train's measured
+#     ones at 2 ranks, stages 1, 2 and 3: the same bytes;
+#   - remat-estimate --device cuda --host-memory: the verdict line (device and
+#     host), a device between the offloaded and the plain peak: the plain
+#     config does not fit and the cheapest change names the offload, the
+#     offloaded one fits, and does not where the host is too small (exit 2);
+#   - bad input: --host-memory without --device cuda.
+#
+#   tests/offload_memory_test.sh REMAT_TRAIN REMAT_ESTIMATE REMAT_RUN
+set -uo pipefail
+train=$1 estimate=$2 run=$3
+source "$(dirname "$0")/testlib.sh"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+export REMAT_COMM_TIMEOUT_S=60 REMAT_LOG_LEVEL=warn
+quiet=(--set train.sample_chars=0 --set train.eval_interval=0)
+offload=(--set zero_optimization.offload_optimizer.device=cpu)
+
+# --- A. The estimate's host bytes against a run's ------------------------------
+for stage in 1 2 3; do
+  if ! "$estimate" -np 2 "${offload[@]}" --set zero_optimization.stage=$stage --json "$tmp/e$stage.json" \
+      >"$tmp/e.out" 2>&1; then
+    fail "stage $stage: remat-estimate" "$(cat "$tmp/e.out")"
+    continue
+  fi
+  if ! "$run" -np 2 -- "$train" --steps 2 "${quiet[@]}" "${offload[@]}" --set zero_optimization.stage=$stage \
+      --metrics "$tmp/m$stage.jsonl" >"$tmp/train.out" 2>&1; then
+    fail "stage $stage: remat-train with the optimizer offloaded" "$(cat "$tmp/train.out")"
+    continue
+  fi
+  verdict=$(python3 - "$tmp/e$stage.json" "$tmp/m$stage.jsonl" <<'PY'
+import json, sys
+row = next(r for r in json.load(open(sys.argv[1]))["rows"] if r["configured"])
+measured = [json.loads(l)["host_optimizer_bytes"] for l in open(sys.argv[2])][-1]
+ok = row["offload_optimizer"] and row["optimizer_bytes"] == 0 and row["host_optimizer_bytes"] == measured
+print("ok" if ok else "off", f"estimated {row['host_optimizer_bytes']} bytes, measured {measured}")
+PY
+)
+  if [[ $verdict == ok* ]]; then
+    pass "stage $stage: host_optimizer_bytes ${verdict#ok }"
+  else
+    fail "stage $stage: the estimate's host bytes are not the run's" "$verdict"
+  fi
+done
+
+# --- B. Does it fit on this device with this host? ---------------------------
+gpu=(--device cuda --set zero_optimization.stage=2 --set activation_checkpointing.variant=full)
+REMAT_MEMORY_PER_RANK_BYTES=$((1 << 40)) "$estimate" "${gpu[@]}" --json "$tmp/gpu.json" >"$tmp/gpu.out" 2>&1 ||
+  fail "remat-estimate --device cuda" "$(cat "$tmp/gpu.out")"
+read -r plain host_peak host_bytes < <(python3 -c '
+import json, sys
+r = next(r for r in json.load(open(sys.argv[1]))["rows"] if r["configured"])
+print(r["peak_bytes"], r["offload_optimizer_peak_bytes"], r["host_optimizer_bytes"])' "$tmp/gpu.json")
+between=$(((plain + host_peak) / 2))
+out=$(REMAT_MEMORY_PER_RANK_BYTES=$between "$estimate" "${gpu[@]}" --host-memory $((1 << 30)) 2>&1)
+rc=$?
+if [[ $rc -eq 2 ]] && grep -qF "the cheapest change that fits: zero_optimization.offload_optimizer.device=cpu" <<<"$out" &&
+    grep -q "^verdict: .* the optimizer on the device: device .*: does not fit; host 0 B of 1 GiB: fits" <<<"$out" &&
+    grep -q "with zero_optimization.offload_optimizer.device=cpu: device .*: fits; host .*: fits" <<<"$out"; then
+  pass "a device between the two peaks: the plain config does not fit, the offload is named (exit 2)"
+else
+  fail "a device between the two peaks (exit $rc)" "$out"
+fi
+out=$(REMAT_MEMORY_PER_RANK_BYTES=$between "$estimate" "${gpu[@]}" "${offload[@]}" --host-memory $((1 << 30)) 2>&1)
+rc=$?
+if [[ $rc -eq 0 ]] && grep -q "^verdict: .* the optimizer on the host: device .*: fits; host .*: fits (--host-memory)" <<<"$out"; then
+  pass "the offloaded config fits that device and host (exit 0)"
+else
+  fail "the offloaded config on that device and host (exit $rc)" "$out"
+fi
+out=$(REMAT_MEMORY_PER_RANK_BYTES=$between "$estimate" "${gpu[@]}" "${offload[@]}" --host-memory $((host_bytes - 1)) 2>&1)
+rc=$?
+if [[ $rc -eq 2 ]] && grep -q "^verdict: .*: fits; host .*: does not fit" <<<"$out"; then
+  pass "a host one byte short of the optimizer's state: does not fit (exit 2)"
+else
+  fail "a host one byte short (exit $rc)" "$out"
+fi
+
+# --- C. Bad input --------------------------------------------------------------
+expect "--host-memory without --device cuda" "--host-memory is the host's memory beside a GPU (--device cuda)" \
+  "$estimate" --host-memory 1000000
+
+summary
