@@ -25,6 +25,7 @@ COLOURS = {
     "offloaded host copies": "#937860",
     "communication buffers": "#da8bc3",
     "other": "#b0b0b0",
+    "host optimizer": "#ccb974",
 }
 
 
