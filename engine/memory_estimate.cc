@@ -692,7 +692,8 @@ MemoryEstimateInputs live_inputs(torch::nn::Module& model, const std::string& bl
 int64_t largest_fitting_micro_batch(const Config& config, int world_size, int64_t have, int64_t limit,
                                     const std::function<MemoryEstimateInputs(int64_t micro)>& inputs) {
   auto fits = [&](int64_t micro) {
-    const MemoryEstimateRow& row = estimate_memory(config, world_size, inputs(micro)).configured();
+    const MemoryEstimate estimate = estimate_memory(config, world_size, inputs(micro));
+    const MemoryEstimateRow& row = estimate.configured();  // a row of `estimate`, which must outlive it
     return row.feasible && row.peak_bytes <= have;
   };
   int64_t lo = 0, hi = limit;  // lo fits (0: trivially), hi + 1 does not (or is past the limit)
