@@ -65,14 +65,16 @@ int64_t accumulation_of(const Config& config, int dp) {
 // holds the float32 master of every element the optimizer steps, its
 // gradient buffer and the optimizer's state (what a run's metrics report as
 // host_optimizer_bytes); the device keeps its parameters (the stage gathers
-// from them) and, in the last micro-step, drops each gradient shard as its
+// from them; under bf16 or fp16 the 16-bit ones alone, the frozen masters on
+// the host too: parallel::masters_on_host) and, in the last micro-step,
+// drops each gradient shard as its
 // reduction ends: stages 1-2 hold the buckets' whole gradients, stage 3 its
 // largest unit's shard. Accumulating, the shards stay on the device between
 // micro-batches: the gradients as without offload.
 void offload_optimizer_state(StateBytes& s, const parallel::StateElements& e, const MemoryEstimateInputs& in,
                              const parallel::ZeroOptions& z, const parallel::MixedPrecision& mixed, int n,
                              int64_t eb, int64_t accumulation) {
-  s.host_optimizer = e.local_trainable * (4 + 4) + s.optimizer;
+  s.host_optimizer = e.local_trainable * (4 + 4) + s.optimizer + e.host_frozen * 4;
   s.optimizer = 0;
   if (accumulation > 1) return;
   if (z.stage < 3) {
@@ -97,6 +99,7 @@ StateBytes state_bytes(const MemoryEstimateInputs& in, const Config& config, int
                        int64_t accumulation) {
   parallel::ZeroOptions z = config.zero_optimization;
   z.stage = stage;
+  z.offload_optimizer.device = accumulation > 0 ? parallel::OffloadDevice::kCpu : parallel::OffloadDevice::kNone;
   // bf16 or fp16: float32 masters (stage 3: shards, every parameter sharded,
   // units gathered in 16 bits; stages 0-2: whole, each with a 16-bit copy the
   // model computes with). in.element_bytes is the profiled model's (2 in a

@@ -93,7 +93,8 @@ MemoryEstimate estimate_of(const Case& s) {
 
 // The host holds the masters (4 bytes), their gradient buffers (4) and
 // AdamW's two moments (8) per element this rank's optimizer steps: the
-// estimate says so for each rank, the run measures it. At 1 rank exactly;
+// estimate says so for each rank, the run measures it, and the parameter
+// bytes the device keeps (bf16: the masters leave it). At 1 rank exactly;
 // at 2 the stage's own shards (stages 1-2 pad each bucket to the ranks) may
 // differ from an even split by a few elements.
 TEST(OffloadEstimate, HostBytesAreTheRunsAtEveryStage) {
@@ -125,6 +126,17 @@ TEST(OffloadEstimate, HostBytesAreTheRunsAtEveryStage) {
       EXPECT_EQ(off.offload_optimizer_peak_bytes, row.peak_bytes) << what;
       EXPECT_GT(off.optimizer_bytes, 0) << what;
       EXPECT_LT(row.gradient_bytes, off.gradient_bytes) << what << ": the shards' gradients leave the device";
+      // The device's parameters: under bf16 the 16-bit copies alone (the
+      // masters went to the host), a third of stages 1-2's 6 bytes and half
+      // of stage 3's 4; the run's, to the byte at 1 rank (at 2, stages 1-2
+      // pad each bucket).
+      const int64_t device_params = run.metrics.at("param_bytes").get<int64_t>();
+      if (world()->size() == 1) {
+        EXPECT_EQ(row.parameter_bytes, device_params) << what;
+      } else {
+        EXPECT_NEAR(static_cast<double>(row.parameter_bytes), static_cast<double>(device_params), 2.0 * 64) << what;
+      }
+      EXPECT_EQ(row.parameter_bytes * (!bf16 ? 1 : stage < 3 ? 3 : 2), off.parameter_bytes) << what;
     }
   }
 }

@@ -46,6 +46,7 @@ struct OffloadSetup {
   int hybrid = 0;
   int ranks = 0;  // the first `ranks` ranks train (0: all)
   std::set<int> inject;  // steps (1-based) whose first host gradient gets an inf, on rank 0
+  std::vector<std::string> frozen;  // parameters made requires_grad false before initialize
 };
 
 Config config_of(const OffloadSetup& s) {
@@ -89,6 +90,7 @@ OffloadRun train(const OffloadSetup& s, const std::string& from = "", const std:
   models::GptOptions o = remat::testing::small_gpt(29, 3, /*dropout=*/0.1);
   at::manual_seed(9);
   models::Gpt model(o);
+  for (const auto& name : s.frozen) model->named_parameters()[name].requires_grad_(false);
   EngineOptions options;
   options.layout = layout;
   options.fp16_scaler_at_float32 = s.fp16;
@@ -213,8 +215,10 @@ TEST(OffloadOptimizer, Fp16LossScalerAndOverflowAsWithout) {
 // is asked for and, on a LibTorch without CUDA, not possible (logged).
 TEST(OffloadOptimizer, StateLivesInSeparateHostTensorsAndIsCounted) {
   for (int stage : {1, 2, 3}) {
+   for (bool bf16 : {false, true}) {
     OffloadSetup s;
     s.stage = stage;
+    s.bf16 = bf16;
     s.offload = true;
     s.pin = true;
     const auto layout = remat::testing::layout_ptr(1);
@@ -269,6 +273,7 @@ TEST(OffloadOptimizer, StateLivesInSeparateHostTensorsAndIsCounted) {
     }
     for (auto& [p, data] : whole.restore) p.set_data(data);
     zero.end_evaluation();
+   }
   }
   OffloadSetup plain;
   plain.steps = 1;
@@ -279,12 +284,13 @@ TEST(OffloadOptimizer, StateLivesInSeparateHostTensorsAndIsCounted) {
 // offload resumes offloaded, bit for bit as the run that never stopped; at
 // another data-parallel size (1 rank of 2), either save resumes alike.
 TEST(OffloadOptimizer, SavesResumeAcrossOffloadAndDataParallelSize) {
-  for (int stage : {2, 3}) {
+  for (const auto& [stage, bf16] : std::vector<std::pair<int, bool>>{{2, false}, {3, false}, {1, true}, {3, true}}) {
     OffloadSetup s;
     s.stage = stage;
+    s.bf16 = bf16;
     s.steps = 6;
     const OffloadRun straight = train(s);
-    const std::string on = job_dir(str("on", stage)), off = job_dir(str("off", stage));
+    const std::string on = job_dir(str("on", stage, bf16)), off = job_dir(str("off", stage, bf16));
     OffloadSetup saving = s;
     saving.steps = 3;
     saving.offload = true;
@@ -320,13 +326,14 @@ TEST(OffloadOptimizer, SavesResumeAcrossOffloadAndDataParallelSize) {
 // optimizer steps and saves hold) and the model reads it; a run edited so
 // trains on bitwise as the same run without offload.
 TEST(OffloadOptimizer, AModifyingScopeReachesTheHostMasters) {
-  for (int stage : {1, 3}) {
+  for (const auto& [stage, bf16] : std::vector<std::pair<int, bool>>{{1, false}, {3, false}, {2, true}, {3, true}}) {
     std::vector<double> losses[2];
     for (bool offload : {false, true}) {
       at::manual_seed(9);
       models::Gpt model(remat::testing::small_gpt(29, 2, 0.0));
       OffloadSetup s;
       s.stage = stage;
+      s.bf16 = bf16;
       s.offload = offload;
       EngineOptions options;
       options.layout = remat::testing::layout_ptr(1);
@@ -353,7 +360,57 @@ TEST(OffloadOptimizer, AModifyingScopeReachesTheHostMasters) {
         losses[offload].push_back(engine->last_metrics().loss);
       }
     }
-    EXPECT_EQ(losses[0], losses[1]) << "stage " << stage;
+    EXPECT_EQ(losses[0], losses[1]) << "stage " << stage << (bf16 ? " bf16" : "");
+  }
+}
+
+// Under bf16 (and fp16) the float32 masters live in host memory alone: the
+// device keeps the 16-bit parameters (stages 1-2 whole, stage 3 its shards),
+// so the device's parameter bytes are a third (stages 1-2: 2 bytes of 6) or a
+// half (stage 3: 2 of 4) of the run without offload. Frozen parameters' float32
+// values go to the host too, and a run with some frozen trains bitwise as
+// without offload and ends with the same float32 weights.
+TEST(OffloadOptimizer, SixteenBitRunsKeepTheMastersOnTheHostAlone) {
+  for (int stage : {1, 2, 3}) {
+    OffloadSetup s;
+    s.stage = stage;
+    s.bf16 = true;
+    s.steps = 3;
+    s.frozen = {"pos_emb.weight", "blocks.1.ln1.weight"};
+    const OffloadRun device = train(s);
+    s.offload = true;
+    const OffloadRun host = train(s);
+    const std::string what = str("stage ", stage);
+    expect_same(device, host, what + " with frozen parameters");
+    EXPECT_LT(host.losses.back(), host.losses.front()) << what << ": trains";
+    const int64_t on_device = device.metrics.back().at("param_bytes").get<int64_t>();
+    const int64_t offloaded = host.metrics.back().at("param_bytes").get<int64_t>();
+    EXPECT_EQ(offloaded * (stage < 3 ? 3 : 2), on_device) << what;
+
+    at::manual_seed(9);
+    models::Gpt model(remat::testing::small_gpt(29, 3, 0.1));
+    int64_t frozen_elements = 0;
+    for (const auto& name : s.frozen) {
+      model->named_parameters()[name].requires_grad_(false);
+      frozen_elements += model->named_parameters()[name].numel();
+    }
+    EngineOptions options;
+    options.layout = remat::testing::layout_ptr(1);
+    auto engine = initialize(model, config_of(s), options);
+    parallel::ZeroModel& zero = engine->sharding();
+    for (const auto& p : model->parameters()) EXPECT_EQ(p.scalar_type(), at::kBFloat16) << what;
+    int64_t master_bytes = 0, frozen_bytes = 0;
+    for (const auto& p : zero.parameters()) {
+      EXPECT_EQ(p.scalar_type(), at::kFloat) << what << ": the optimizer steps (and saves hold) float32 masters";
+      for (const auto& q : model->parameters()) EXPECT_FALSE(p.is_alias_of(q)) << what;
+      (p.requires_grad() ? master_bytes : frozen_bytes) += static_cast<int64_t>(p.nbytes());
+    }
+    // Stage 3 shards the frozen parameters too; 1 and 2 keep them whole.
+    if (stage < 3 || world()->size() == 1) {
+      EXPECT_EQ(frozen_bytes, 4 * frozen_elements) << what;
+    }
+    EXPECT_GT(frozen_bytes, 0) << what;
+    EXPECT_EQ(zero.stats().host_bytes, master_bytes + frozen_bytes) << what << ": before the first backward";
   }
 }
 

@@ -49,6 +49,11 @@ class ShardingStrategy {
 
   // What the optimizer steps.
   virtual std::vector<at::Tensor> parameters() const = 0;
+  // masters_on_host (zero_options.h): for each of parameters(), a 16-bit
+  // device tensor then, the float32 host tensor holding its value (the
+  // optimizer's master, which ZeroModel's OptimizerOffload copies into it);
+  // empty otherwise (parameters() hold their own values).
+  virtual std::vector<at::Tensor> host_masters() const { return {}; }
 
   // The model's parameters brought up to date with what the optimizer
   // stepped or a load wrote into parameters() (stages 1 and 2 gather the

@@ -102,7 +102,8 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
     log_offload_param(config.offload_param, host_shards_);
   }
   if (config.offload_optimizer.enabled()) {
-    offload_ = std::make_unique<OptimizerOffload>(strategy_->parameters(), config.offload_optimizer, host_shards_);
+    offload_ = std::make_unique<OptimizerOffload>(strategy_->parameters(), config.offload_optimizer, host_shards_,
+                                                  strategy_->host_masters());
     // In the window's last micro-step, each gradient shard goes to the host as its reduction ends.
     strategy_->set_gradient_reduced([this](const at::Tensor& shard) {
       if (last_micro_step_) offload_->take_gradient(shard);

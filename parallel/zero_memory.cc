@@ -87,10 +87,15 @@ StateElements state_elements(const ZeroOptions& options, const MixedPrecision& m
     case 0: s = data_parallel_state(params); break;
     case 1:
     case 2: s = stage12_state(options, shard_group, params); break;
-    default: return stage3_state(options, mixed, shard_group, params);
+    default: s = stage3_state(options, mixed, shard_group, params); break;
   }
-  // Every parameter is whole on every rank: its 16-bit copy too.
-  if (mixed.enabled()) s.compute_copies = s.stored;
+  // Stages 0-2: every parameter is whole on every rank, its 16-bit copy too.
+  if (mixed.enabled() && options.stage < 3) s.compute_copies = s.stored;
+  if (masters_on_host(options, mixed)) {
+    s.compute_copies = s.stored;
+    s.host_frozen = s.stored - (options.stage < 3 ? s.trainable : s.local_trainable);
+    s.stored = 0;
+  }
   return s;
 }
 

@@ -42,6 +42,11 @@ struct StateElements {
   // bf16 or fp16 at stages 0-2: the model's 16-bit copies of the whole parameters,
   // beside `stored` float32 masters (stage 3's are `gathered`).
   int64_t compute_copies = 0;
+  // masters_on_host (zero_options.h): no float32 master on the device
+  // (`stored` 0); `compute_copies` are the 16-bit parameters it keeps
+  // (stages 1-2: whole, stage 3: the shards); the host holds the trainable
+  // masters (local_trainable) and these, the frozen parameters' float32 values.
+  int64_t host_frozen = 0;
 };
 
 // options.stage's rule over `params` sharded within groups of `shard_group`

@@ -54,16 +54,31 @@ void log_offload_param(const OffloadParamOptions& options, const std::vector<at:
 }
 
 OptimizerOffload::OptimizerOffload(std::vector<at::Tensor> device, const OffloadOptimizerOptions& options,
-                                   const std::vector<at::Tensor>& on_host)
+                                   const std::vector<at::Tensor>& on_host, const std::vector<at::Tensor>& masters)
     : device_(std::move(device)) {
   pinned_ = options.pin_memory && can_pin_host_memory();
   c10::NoGradGuard no_grad;
-  int64_t elements = 0;
+  int64_t elements = 0, frozen = 0;
   std::set<const void*> already;
   for (const auto& t : on_host) already.insert(t.unsafeGetTensorImpl());
+  REMAT_CHECK(masters.empty() || masters.size() == device_.size(), "offload_optimizer: ", masters.size(),
+              " host masters for ", device_.size(), " tensors");
   for (size_t i = 0; i < device_.size(); ++i) {
     const at::Tensor& d = device_[i];
     index_[d.unsafeGetTensorImpl()] = i;
+    if (!masters.empty() && masters[i].defined()) {
+      at::Tensor h = masters[i];
+      REMAT_CHECK(h.device().is_cpu() && h.scalar_type() == at::kFloat && h.sizes() == d.sizes(),
+                  "offload_optimizer: a stage's host master is not a float32 host tensor of its parameter's shape");
+      h.requires_grad_(d.requires_grad());
+      offloaded_.push_back(1);
+      host_.push_back(h);
+      grads_.emplace_back();
+      versions_.push_back(h._version());
+      (d.requires_grad() ? elements : frozen) += d.numel();
+      adopted_ = true;
+      continue;
+    }
     const bool offload = d.requires_grad() && !already.count(d.unsafeGetTensorImpl());
     offloaded_.push_back(offload ? 1 : 0);
     if (!offload) {
@@ -83,11 +98,14 @@ OptimizerOffload::OptimizerOffload(std::vector<at::Tensor> device, const Offload
     elements += d.numel();
   }
   log_rank0().info("offload_optimizer: {} float32 master elements ({} bytes){}, their gradients and the optimizer "
-                   "state in host memory{}", elements, 4 * elements,
+                   "state in host memory{}{}", elements, 4 * elements,
                    on_host.empty() ? "" : " beside offload_param's host shards (stepped where they are)",
                    pinned_ ? ", pinned"
                    : options.pin_memory ? " (pin_memory asked, but this LibTorch cannot pin: no CUDA; ordinary host memory)"
-                                        : "");
+                                        : "",
+                   adopted_ ? str("; the masters there alone", frozen > 0 ? str(" (and ", frozen, " frozen elements')") : "",
+                                  ": the device keeps their 16-bit copies")
+                            : std::string());
   if (options.buffer_count != OffloadOptimizerOptions{}.buffer_count || options.fast_init ||
       options.ratio != OffloadOptimizerOptions{}.ratio) {
     log_rank0().info("offload_optimizer: buffer_count {}, fast_init {}, ratio {} tune DeepSpeed's own offload "

@@ -19,7 +19,8 @@
 // waits for the compute stream (the reduced gradient as computed), their
 // device memory recorded on it (not reused before the copy ends), into
 // pinned buffers without blocking where pinned; take_gradients waits for
-// them. The copies back are synchronous, on the current stream, ordered
+// them. Under masters_on_host the device tensors are 16-bit: the copy back
+// rounds, as making the compute copy from a device master would. The copies back are synchronous, on the current stream, ordered
 // before the collectives that read the shards. On a CPU every copy is done at
 // once: the host and the device are one memory, the host tensors are still
 // separate tensors, and the step computes the same bits as without offload.
@@ -45,8 +46,11 @@ class OptimizerOffload {
   // options.pin_memory and this LibTorch can pin; the others (frozen, and
   // those in `on_host`: offload_param's shards, host tensors already, whose
   // reduced gradients land on them) are handed to the optimizer as they are.
+  // `masters` (the stage's host_masters(), masters_on_host): where defined,
+  // the host master of device[i], made by the stage (device[i] is its 16-bit
+  // copy), frozen ones too, taken as it is.
   OptimizerOffload(std::vector<at::Tensor> device, const OffloadOptimizerOptions& options,
-                   const std::vector<at::Tensor>& on_host = {});
+                   const std::vector<at::Tensor>& on_host = {}, const std::vector<at::Tensor>& masters = {});
 
   // What the optimizer steps, in the order of `device`.
   const std::vector<at::Tensor>& parameters() const { return host_; }
@@ -84,6 +88,7 @@ class OptimizerOffload {
   std::map<const void*, size_t> index_;  // device_ by TensorImpl
   bool taken_ = false;
   bool pinned_ = false;
+  bool adopted_ = false;  // masters made by the stage (masters_on_host)
 };
 
 // Whether this LibTorch can pin host memory (a CUDA build with a device).

@@ -121,6 +121,11 @@ const char* dtype_name(at::ScalarType dtype) {
   }
 }
 
+bool masters_on_host(const ZeroOptions& options, const MixedPrecision& mixed) {
+  return mixed.enabled() && options.stage >= 1 && options.offload_optimizer.enabled() &&
+         !(options.stage == 3 && options.offload_param.enabled());
+}
+
 std::string check_mixed_precision(const MixedPrecision& m) {
   const at::ScalarType compute = m.compute_dtype, reduce = m.reduce_dtype;
   if (compute != at::kFloat && compute != at::kBFloat16 && compute != at::kHalf) {

@@ -161,6 +161,14 @@ MixedPrecision mixed_precision(const Bf16Options& bf16, bool fp16);
 // "float32", "bf16" or "fp16": the names the config and the logs use.
 const char* dtype_name(at::ScalarType dtype);
 
+// offload_optimizer under bf16 or fp16 at stages 1-3 (stage 3 without
+// offload_param, whose shards are float32 host tensors already): the float32
+// masters live in host memory alone, the optimizer's, and the device keeps
+// their 16-bit copies (stages 1-2: whole, the model computes with them;
+// stage 3: its shards, gathered from). The rule the strategies follow and
+// the memory rules count (zero_memory.h).
+bool masters_on_host(const ZeroOptions& options, const MixedPrecision& mixed);
+
 // The rules of ZeroOptions alone, written once: an empty string when valid,
 // else every rule broken, one per line, each saying what is wrong and which
 // key to change. ZeroModel checks these, and

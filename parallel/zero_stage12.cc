@@ -10,6 +10,7 @@
 #include <unordered_set>
 
 #include "parallel/sharding_strategy.h"
+#include "parallel/zero_offload.h"
 #include "runtime/communicator.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
@@ -27,9 +28,10 @@ struct Bucket {
   std::vector<char> arrived;  // gradient of params[k] arrived in this backward
   size_t arrivals = 0;
   int64_t numel = 0, padded = 0, chunk = 0;
-  at::Tensor flat;   // [padded] float32: the parameters are views of it (bf16: of `compute`)
+  at::Tensor flat;   // [padded] float32: the parameters are views of it (bf16: of `compute`); none under masters_on_host
   at::Tensor compute;  // bf16: [padded] copy of flat, made when flat changed
-  at::Tensor shard;  // a leaf sharing flat's [r * chunk, +chunk): the optimizer's parameter
+  at::Tensor shard;  // a leaf sharing flat's [r * chunk, +chunk): the optimizer's parameter (masters_on_host: compute's)
+  at::Tensor master;  // masters_on_host: the shard's float32 value, in host memory
   int64_t shard_version = 0;  // shard._version() when flat was last made whole
   at::Tensor grad;   // [padded] gradients collected for the reduce (contiguous_gradients)
   at::Tensor input, output;  // of the reduction in flight
@@ -47,6 +49,7 @@ class Stage12 final : public ShardingStrategy {
   ~Stage12() override;
 
   std::vector<at::Tensor> parameters() const override;
+  std::vector<at::Tensor> host_masters() const override;
   std::vector<ShardLayout> layout() const override;
   std::map<std::string, at::Tensor> full_parameters() override;
   // The buckets made whole again from the stepped shards (when they changed).
@@ -78,6 +81,14 @@ class Stage12 final : public ShardingStrategy {
   void launch(size_t b);
   void complete(size_t b);
   int64_t grad_bytes_now() const;
+  void flatten_bucket(Bucket& b, bool pinned);
+  void install_frozen_copies(bool pinned);
+  // The bucket's float32 values, whole: flat, or gathered from the host masters.
+  at::Tensor whole_master(const Bucket& b);
+  // What the bucket's float32 gradients are made in.
+  at::TensorOptions grad_options(const Bucket& b) const {
+    return b.compute.defined() ? b.compute.options().dtype(at::kFloat) : b.flat.options();
+  }
   void track_grad_bytes() { peak_grad_bytes_ = std::max(peak_grad_bytes_, grad_bytes_now()); }
 
   torch::nn::Module& model_;
@@ -86,6 +97,11 @@ class Stage12 final : public ShardingStrategy {
   // 16-bit compute copies (bf16 or fp16: compute_dtype_) of float32 masters.
   bool bf16_ = false;
   at::ScalarType compute_dtype_ = at::kFloat, reduce_dtype_ = at::kFloat;
+  // masters_on_host (zero_options.h): the device keeps the 16-bit copies
+  // alone (no flat, frozen_ the model's 16-bit parameters); the float32
+  // masters are the buckets' `master` and frozen_masters_, in host memory.
+  bool host_masters_ = false;
+  std::vector<at::Tensor> frozen_masters_;
   std::map<const void*, std::string> names_;
   std::vector<Bucket> buckets_;  // in the order their gradients are expected
   size_t next_launch_ = 0;       // buckets reduce in order, the same on every rank
@@ -115,10 +131,10 @@ class Stage12 final : public ShardingStrategy {
 Stage12::Stage12(torch::nn::Module& model, const DpGroups& groups,
                  const std::vector<at::Tensor>& sharded_tp, const ZeroOptions& options, const MixedPrecision& mixed)
     : model_(model), groups_(groups), options_(options), bf16_(mixed.enabled()), compute_dtype_(mixed.compute_dtype),
-      reduce_dtype_(mixed.reduce_dtype),
+      reduce_dtype_(mixed.reduce_dtype), host_masters_(masters_on_host(options, mixed)),
       names_(parameter_names(model)),
       hooks_([this](size_t b, size_t k) { on_gradient(b, k); }) {
-  const int n = groups_.shard->size(), r = groups_.shard->rank();
+  const int n = groups_.shard->size();
   std::unordered_set<const void*> tp_sharded;
   for (const auto& p : sharded_tp) tp_sharded.insert(p.unsafeGetTensorImpl());
   // Reverse registration order is the order backward produces gradients in
@@ -147,48 +163,73 @@ Stage12::Stage12(torch::nn::Module& model, const DpGroups& groups,
     b.numel += p.numel();
   }
   torch::NoGradGuard no_grad;
+  const bool pinned = host_masters_ && options_.offload_optimizer.pin_memory && can_pin_host_memory();
   int64_t total = 0;
   for (size_t i = 0; i < buckets_.size(); ++i) {
-    Bucket& b = buckets_[i];
-    b.padded = std::max<int64_t>((b.numel + n - 1) / n * n, n);
-    b.chunk = b.padded / n;
-    b.arrived.assign(b.params.size(), 0);
-    b.flat = at::zeros({b.padded}, b.params[0].options().requires_grad(false));
-    for (size_t k = 0; k < b.params.size(); ++k) {
-      b.flat.narrow(0, b.offsets[k], b.params[k].numel()).copy_(b.params[k].detach().reshape({-1}));
-    }
-    // bf16: the model computes from a bf16 copy of the bucket (installed
-    // before the hooks: a parameter's dtype is fixed from here on).
-    if (bf16_) b.compute = b.flat.to(compute_dtype_);
-    const at::Tensor& installed = bf16_ ? b.compute : b.flat;
-    for (size_t k = 0; k < b.params.size(); ++k) {
-      auto& p = b.params[k];
-      p.set_data(installed.narrow(0, b.offsets[k], p.numel()).view(p.sizes()));
-    }
-    b.shard = b.flat.narrow(0, r * b.chunk, b.chunk).detach().requires_grad_(true);
-    b.shard_version = b.shard._version();
-    total += b.numel;
-    for (size_t k = 0; k < b.params.size(); ++k) hooks_.add(b.params[k], i, k);
+    flatten_bucket(buckets_[i], pinned);
+    total += buckets_[i].numel;
+    for (size_t k = 0; k < buckets_[i].params.size(); ++k) hooks_.add(buckets_[i].params[k], i, k);
   }
-  if (bf16_) {
-    for (auto& p : frozen_) {
-      at::Tensor m = p.detach().clone();
-      names_.emplace(m.unsafeGetTensorImpl(), names_.at(p.unsafeGetTensorImpl()));
-      p.set_data(p.detach().to(compute_dtype_));
-      frozen_compute_.push_back(p);
-      frozen_versions_.push_back(m._version());
-      p = m;
-    }
-  }
+  if (bf16_) install_frozen_copies(pinned);
   overlapping_ = overlap_by_default();
   int64_t frozen = 0;
   for (const auto& p : frozen_) frozen += p.numel();
   log_rank0().info("zero stage {}: {} parameter elements in {} gradient buckets (reduce_bucket_size {}), "
-                   "optimizer state{} sharded over {} data-parallel ranks{}{}",
+                   "optimizer state{} sharded over {} data-parallel ranks{}{}{}",
                    options_.stage, total, buckets_.size(), options_.reduce_bucket_size,
                    options_.stage == 2 ? " and gradients" : "", n,
                    options_.overlap_comm ? "; reductions overlap the backward" : "",
-                   frozen > 0 ? str("; ", frozen, " frozen elements kept whole") : std::string());
+                   frozen > 0 ? str("; ", frozen, " frozen elements kept whole") : std::string(),
+                   host_masters_ ? str("; the device keeps ", dtype_name(compute_dtype_),
+                                       " parameters alone, their float32 masters in host memory (offload_optimizer)")
+                                 : std::string());
+}
+
+// The bucket's parameters copied into its flat buffer and made views of it
+// (bf16: of its 16-bit copy; masters_on_host: the copy alone stays on the
+// device, this rank's float32 shard going to the host).
+void Stage12::flatten_bucket(Bucket& b, bool pinned) {
+  const int n = groups_.shard->size(), r = groups_.shard->rank();
+  b.padded = std::max<int64_t>((b.numel + n - 1) / n * n, n);
+  b.chunk = b.padded / n;
+  b.arrived.assign(b.params.size(), 0);
+  b.flat = at::zeros({b.padded}, b.params[0].options().requires_grad(false));
+  for (size_t k = 0; k < b.params.size(); ++k) {
+    b.flat.narrow(0, b.offsets[k], b.params[k].numel()).copy_(b.params[k].detach().reshape({-1}));
+  }
+  // bf16: the model computes from a bf16 copy of the bucket (installed
+  // before the hooks: a parameter's dtype is fixed from here on).
+  if (bf16_) b.compute = b.flat.to(compute_dtype_);
+  const at::Tensor& installed = bf16_ ? b.compute : b.flat;
+  for (size_t k = 0; k < b.params.size(); ++k) {
+    auto& p = b.params[k];
+    p.set_data(installed.narrow(0, b.offsets[k], p.numel()).view(p.sizes()));
+  }
+  if (host_masters_) {
+    b.master = host_copy(b.flat.narrow(0, r * b.chunk, b.chunk), pinned);
+    b.shard = b.compute.narrow(0, r * b.chunk, b.chunk).detach().requires_grad_(true);
+    b.flat = at::Tensor();
+  } else {
+    b.shard = b.flat.narrow(0, r * b.chunk, b.chunk).detach().requires_grad_(true);
+  }
+  b.shard_version = b.shard._version();
+}
+
+// bf16: the frozen parameters computed with as 16-bit copies of float32
+// masters (masters_on_host: masters in host memory, frozen_ the model's own).
+void Stage12::install_frozen_copies(bool pinned) {
+  for (auto& p : frozen_) {
+    at::Tensor m = host_masters_ ? host_copy(p, pinned) : p.detach().clone();
+    p.set_data(p.detach().to(compute_dtype_));
+    if (host_masters_) {
+      frozen_masters_.push_back(m);
+      continue;
+    }
+    names_.emplace(m.unsafeGetTensorImpl(), names_.at(p.unsafeGetTensorImpl()));
+    frozen_compute_.push_back(p);
+    frozen_versions_.push_back(m._version());
+    p = m;
+  }
 }
 
 Stage12::~Stage12() {
@@ -207,6 +248,26 @@ std::vector<at::Tensor> Stage12::parameters() const {
   return out;
 }
 
+std::vector<at::Tensor> Stage12::host_masters() const {
+  if (!host_masters_) return {};
+  std::vector<at::Tensor> out;
+  for (const auto& b : buckets_) out.push_back(b.master);
+  for (const auto& m : frozen_masters_) out.push_back(m);
+  return out;
+}
+
+at::Tensor Stage12::whole_master(const Bucket& b) {
+  if (!host_masters_) return b.flat;
+  Communicator& group = *groups_.shard;
+  at::Tensor mine = b.master.to(b.compute.device(), at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+  if (group.size() == 1) return mine;
+  MemoryCategoryScope buffers(MemoryCategory::kCommunication);
+  at::Tensor whole = at::empty({b.padded}, mine.options());
+  group.allGather(whole, mine)->wait();
+  allgather_bytes_ += static_cast<int64_t>(whole.nbytes());
+  return whole;
+}
+
 std::vector<ShardLayout> Stage12::layout() const {
   std::vector<ShardLayout> out;
   const int64_t r = groups_.shard->rank();
@@ -217,14 +278,21 @@ std::vector<ShardLayout> Stage12::layout() const {
 
 std::map<std::string, at::Tensor> Stage12::full_parameters() {
   sync_parameters();
+  torch::NoGradGuard no_grad;
   std::map<std::string, at::Tensor> out;
   for (const auto& b : buckets_) {
+    const at::Tensor whole = whole_master(b);
     for (size_t k = 0; k < b.params.size(); ++k) {
       const at::Tensor& p = b.params[k];
-      out[names_.at(p.unsafeGetTensorImpl())] = b.flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes()).clone();
+      out[names_.at(p.unsafeGetTensorImpl())] = whole.narrow(0, b.offsets[k], p.numel()).view(p.sizes()).clone();
     }
   }
-  for (const auto& p : frozen_) out[names_.at(p.unsafeGetTensorImpl())] = p.detach().clone();
+  for (size_t i = 0; i < frozen_.size(); ++i) {
+    const at::Tensor& p = frozen_[i];
+    out[names_.at(p.unsafeGetTensorImpl())] =
+        host_masters_ ? frozen_masters_[i].to(p.device(), at::kFloat, /*non_blocking=*/false, /*copy=*/true)
+                      : p.detach().clone();
+  }
   return out;
 }
 
@@ -256,28 +324,32 @@ void Stage12::sync_parameters() {
     };
     std::vector<InFlight> flights;
     for (auto& b : buckets_) {
+      // Gathered in float32 into flat (and copied into the 16-bit copy
+      // after), or under masters_on_host in 16 bits into the copy itself:
+      // the same bits, as rounding is elementwise.
+      at::Tensor& whole = host_masters_ ? b.compute : b.flat;
       if (!options_.allgather_partitions) {
         for (int q = 0; q < n; ++q) {
-          at::Tensor part = b.flat.narrow(0, q * b.chunk, b.chunk);
+          at::Tensor part = whole.narrow(0, q * b.chunk, b.chunk);
           flights.push_back({group.broadcast(part, {q}), part, at::Tensor(), at::Tensor()});
         }
-        allgather_bytes_ += static_cast<int64_t>(b.flat.nbytes());
+        allgather_bytes_ += static_cast<int64_t>(whole.nbytes());
         continue;
       }
       const int64_t piece = std::max<int64_t>(options_.allgather_bucket_size / n, 1);
       if (piece >= b.chunk) {
         at::Tensor input = b.shard.detach().clone();
-        flights.push_back({group.allGather(b.flat, input), input, at::Tensor(), at::Tensor()});
+        flights.push_back({group.allGather(whole, input), input, at::Tensor(), at::Tensor()});
       } else {
-        at::Tensor by_rank = b.flat.view({n, b.chunk});
+        at::Tensor by_rank = whole.view({n, b.chunk});
         for (int64_t o = 0; o < b.chunk; o += piece) {
           const int64_t len = std::min(piece, b.chunk - o);
           at::Tensor input = b.shard.detach().narrow(0, o, len).clone();
-          at::Tensor output = at::empty({n * len}, b.flat.options());
+          at::Tensor output = at::empty({n * len}, whole.options());
           flights.push_back({group.allGather(output, input), input, output, by_rank.narrow(1, o, len)});
         }
       }
-      allgather_bytes_ += static_cast<int64_t>(b.flat.nbytes());
+      allgather_bytes_ += static_cast<int64_t>(whole.nbytes());
     }
     for (auto& f : flights) {
       f.work->wait();
@@ -289,7 +361,7 @@ void Stage12::sync_parameters() {
     frozen_versions_[i] = frozen_[i]._version();
   }
   for (auto& b : buckets_) {
-    if (bf16_) b.compute.copy_(b.flat);  // the compute copy, once per step
+    if (bf16_ && !host_masters_) b.compute.copy_(b.flat);  // the compute copy, once per step
     b.shard_version = b.shard._version();
   }
   stepped_ = false;
@@ -300,6 +372,7 @@ void Stage12::leave_whole() {
   if (!bf16_) return;
   torch::NoGradGuard no_grad;
   for (auto& b : buckets_) {
+    b.flat = whole_master(b);
     for (size_t k = 0; k < b.params.size(); ++k) {
       auto& p = b.params[k];
       p.set_data(b.flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes()));
@@ -307,6 +380,9 @@ void Stage12::leave_whole() {
     b.compute = at::Tensor();
   }
   for (size_t i = 0; i < frozen_compute_.size(); ++i) frozen_compute_[i].set_data(frozen_[i]);
+  for (size_t i = 0; i < frozen_masters_.size(); ++i) {
+    frozen_[i].set_data(frozen_masters_[i].to(frozen_[i].device(), at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+  }
 }
 
 at::Tensor Stage12::finish_forward(const at::Tensor& loss) {
@@ -337,7 +413,7 @@ void Stage12::on_gradient(size_t bi, size_t k) {
     torch::NoGradGuard no_grad;
     MemoryCategoryScope gradients(MemoryCategory::kGradients);
     classify_memory(p.grad(), MemoryCategory::kGradients);
-    if (!b.grad.defined()) b.grad = at::zeros({b.padded}, b.flat.options());
+    if (!b.grad.defined()) b.grad = at::zeros({b.padded}, grad_options(b));
     b.grad.narrow(0, b.offsets[k], p.numel()).add_(p.grad().reshape({-1}));
     track_grad_bytes();
     p.mutable_grad() = at::Tensor();
@@ -378,7 +454,7 @@ void Stage12::launch(size_t bi) {
   // On a memory trace the bucket and its reduced part are gradients (the
   // collective's own buffers are communication).
   MemoryCategoryScope gradients(MemoryCategory::kGradients);
-  at::Tensor flat = b.grad.defined() ? b.grad : at::zeros({b.padded}, b.flat.options());
+  at::Tensor flat = b.grad.defined() ? b.grad : at::zeros({b.padded}, grad_options(b));
   b.grad = at::Tensor();
   for (size_t k = 0; k < b.params.size(); ++k) {
     auto& p = b.params[k];
@@ -520,7 +596,7 @@ int64_t Stage12::grad_bytes_now() const {
 ZeroStats Stage12::stats() const {
   ZeroStats s;
   for (const auto& b : buckets_) {
-    s.param_bytes += static_cast<int64_t>(b.flat.nbytes());
+    if (b.flat.defined()) s.param_bytes += static_cast<int64_t>(b.flat.nbytes());
     if (b.compute.defined()) s.param_bytes += static_cast<int64_t>(b.compute.nbytes());
   }
   for (const auto& p : frozen_) s.param_bytes += static_cast<int64_t>(p.nbytes());

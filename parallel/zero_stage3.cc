@@ -1,7 +1,6 @@
 // ZeRO stage 3 (see zero.h): units' parameters flattened, sharded over the
 // data-parallel group, gathered around each use and reduce-scattered back.
 #include <ATen/ATen.h>
-#include <c10/core/CPUAllocator.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/nn/module.h>
@@ -12,6 +11,7 @@
 #include "nn/module_call.h"
 #include "parallel/sharding_strategy.h"
 #include "parallel/zero_offload.h"
+#include "parallel/zero_units.h"
 #include "runtime/communicator.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
@@ -28,26 +28,11 @@ struct FlatGroup {
   bool tp_sharded = false;
   bool frozen = false;  // requires_grad false: gathered for use, never reduced or stepped
   at::Tensor full;   // [padded]; its storage holds data only while gathered
-  at::Tensor shard;  // this rank's [shard_numel], the optimizer's parameter
+  at::Tensor shard;  // this rank's [shard_numel], the optimizer's parameter (masters_on_host: 16-bit)
+  at::Tensor master;  // masters_on_host: the shard's float32 value, in host memory
   std::shared_ptr<Work> pending;
   int64_t bytes() const { return padded * static_cast<int64_t>(full.element_size()); }
 };
-
-// The parameters are views of `full`: emptying its storage frees them all,
-// and refilling it restores them in place (autograd's saved references to
-// the parameters see the data again).
-void release_storage(const at::Tensor& t) {
-  c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
-  impl->set_data_ptr_noswap(c10::DataPtr(nullptr, t.device()));
-  impl->set_nbytes(0);
-}
-
-void allocate_storage(const at::Tensor& t, int64_t nbytes) {
-  c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
-  c10::Allocator* allocator = impl->allocator() ? impl->allocator() : c10::GetAllocator(t.device().type());
-  impl->set_data_ptr_noswap(allocator->allocate(nbytes));
-  impl->set_nbytes(nbytes);
-}
 
 struct Unit {
   std::string name;
@@ -65,37 +50,6 @@ struct Unit {
   }
 };
 
-// A unit's name, module (null: the root unit) and parameters, before flattening.
-struct UnitParameters {
-  std::string name;
-  const torch::nn::Module* module = nullptr;
-  std::vector<at::Tensor> params;
-};
-
-// Each given unit's parameters (a parameter shared by two units in the first
-// only), then the root unit's: every other parameter of the model.
-std::vector<UnitParameters> unit_parameters(torch::nn::Module& model,
-                                            const std::vector<std::shared_ptr<torch::nn::Module>>& units) {
-  std::unordered_set<const void*> in_units;
-  std::vector<UnitParameters> out;
-  std::map<const torch::nn::Module*, std::string> names;
-  for (const auto& item : model.named_modules()) names[item.value().get()] = item.key();
-  for (const auto& m : units) {
-    REMAT_CHECK(names.count(m.get()), "ZeroModel: a unit is not a submodule of the model");
-    std::vector<at::Tensor> ps;
-    for (const auto& p : m->parameters()) {
-      if (in_units.insert(p.unsafeGetTensorImpl()).second) ps.push_back(p);
-    }
-    out.push_back({names[m.get()], m.get(), ps});
-  }
-  std::vector<at::Tensor> root;
-  for (const auto& p : model.parameters()) {
-    if (!in_units.count(p.unsafeGetTensorImpl())) root.push_back(p);
-  }
-  out.push_back({"root", nullptr, root});
-  return out;
-}
-
 class Stage3 final : public ShardingStrategy {
  public:
   Stage3(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
@@ -110,6 +64,7 @@ class Stage3 final : public ShardingStrategy {
   }
 
   std::vector<at::Tensor> parameters() const override;
+  std::vector<at::Tensor> host_masters() const override;
   std::vector<ShardLayout> layout() const override;
   std::map<std::string, at::Tensor> full_parameters() override;
   void begin_forward() override;
@@ -152,6 +107,9 @@ class Stage3 final : public ShardingStrategy {
   std::vector<std::unique_ptr<Unit>> units_;  // blocks in order, then the root
   std::vector<at::Tensor> persistent_;
   bool offload_param_ = false, pinned_ = false;  // the shards host tensors (zero.h); persistent_ on the device
+  // masters_on_host (zero_options.h): 16-bit shards on the device, their
+  // float32 masters (FlatGroup::master) in host memory, pinned where asked and possible.
+  bool host_masters_ = false, masters_pinned_ = false;
   // A root parameter's backward needs its data after the first unit's
   // backward (e.g. a LayerNorm before the first block): the root is gathered
   // again then. Decided at each forward from the graph that reaches the
@@ -294,7 +252,9 @@ Stage3::Stage3(torch::nn::Module& model,
       compute_dtype_(mixed.compute_dtype), reduce_dtype_(mixed.reduce_dtype),
       persistence_threshold_(bf16_ ? 0 : options.stage3_param_persistence_threshold),
       offload_param_(options.offload_param.enabled()),
-      pinned_(offload_param_ && options.offload_param.pin_memory && can_pin_host_memory()) {
+      pinned_(offload_param_ && options.offload_param.pin_memory && can_pin_host_memory()),
+      host_masters_(masters_on_host(options, mixed)),
+      masters_pinned_(host_masters_ && options.offload_optimizer.pin_memory && can_pin_host_memory()) {
   std::unordered_set<const void*> tp_sharded;
   for (const auto& p : sharded_tp) tp_sharded.insert(p.unsafeGetTensorImpl());
   const at::ScalarType compute = compute_dtype_;
@@ -315,9 +275,11 @@ Stage3::Stage3(torch::nn::Module& model,
   }
   log_rank0().info("zero stage 3: {} units, {} of {} parameter elements sharded over {} "
                    "data-parallel ranks ({} kept whole: below stage3_param_persistence_threshold {}); "
-                   "compute in {}, shards in float32",
-                   units_.size(), sharded, total, dp_->size(), total - sharded,
-                   persistence_threshold_, c10::toString(compute));
+                   "compute in {}, shards in {}",
+                   units_.size(), sharded, total, dp_->size(), total - sharded, persistence_threshold_,
+                   c10::toString(compute),
+                   host_masters_ ? str(c10::toString(compute), " (their float32 masters in host memory: offload_optimizer)")
+                                 : std::string("float32"));
 }
 
 std::unique_ptr<Unit> Stage3::flatten_unit(const UnitParameters& params, size_t index,
@@ -356,7 +318,9 @@ std::unique_ptr<Unit> Stage3::flatten_unit(const UnitParameters& params, size_t 
       g.full.narrow(0, g.offsets[k], g.params[k].numel()).copy_(g.params[k].reshape({-1}));
     }
     const at::Tensor mine = g.full.narrow(0, r * g.shard_numel, g.shard_numel);
-    g.shard = (offload_param_ ? host_copy(mine, pinned_) : mine.clone()).requires_grad_(!g.frozen);
+    if (host_masters_) g.master = host_copy(mine, masters_pinned_);
+    g.shard = (offload_param_ ? host_copy(mine, pinned_) : host_masters_ ? mine.to(compute) : mine.clone())
+                  .requires_grad_(!g.frozen);
     if (compute != at::kFloat) g.full = at::zeros({g.padded}, g.full.options().dtype(compute));
     for (size_t k = 0; k < g.params.size(); ++k) {
       auto& p = g.params[k];
@@ -446,7 +410,7 @@ void Stage3::reduce(Unit& unit) {
     // On a memory trace: the whole gradients (autograd's) and this rank's
     // reduced shard are gradients; the flat copy and the buckets buffers.
     MemoryCategoryScope buffers(MemoryCategory::kCommunication);
-    at::Tensor flat = at::zeros({g.padded}, g.shard.options().requires_grad(false));
+    at::Tensor flat = at::zeros({g.padded}, g.shard.options().dtype(at::kFloat).requires_grad(false));
     for (size_t k = 0; k < g.params.size(); ++k) {
       auto& p = g.params[k];
       classify_memory(p.grad(), MemoryCategory::kGradients);
@@ -635,6 +599,16 @@ std::vector<GradGroup> Stage3::grad_groups(const std::vector<at::Tensor>& sharde
   return out;
 }
 
+std::vector<at::Tensor> Stage3::host_masters() const {
+  if (!host_masters_) return {};
+  std::vector<at::Tensor> out;
+  for (const auto& u : units_) {
+    for (const auto& g : u->groups) out.push_back(g.master);
+  }
+  out.resize(out.size() + persistent_.size());  // none with mixed precision
+  return out;
+}
+
 std::vector<ShardLayout> Stage3::layout() const {
   std::vector<ShardLayout> out;
   const int64_t r = dp_->rank();
@@ -653,7 +627,7 @@ std::map<std::string, at::Tensor> Stage3::full_parameters() {
   for (const auto& u : units_) {
     for (const auto& g : u->groups) {
       at::Tensor full = at::empty({g.padded}, g.full.options().dtype(at::kFloat));
-      dp_->allGather(full, g.shard.detach().to(full.device()))->wait();
+      dp_->allGather(full, (host_masters_ ? g.master : g.shard).detach().to(full.device()))->wait();
       for (size_t k = 0; k < g.params.size(); ++k) {
         const auto& p = g.params[k];
         out[names_.at(p.unsafeGetTensorImpl())] = full.narrow(0, g.offsets[k], p.numel()).view(p.sizes()).clone();
