@@ -98,7 +98,7 @@ at::Tensor Engine::forward(const std::function<at::Tensor()>& fn, const std::vec
     if (s.auto_plan) s.plan_blocks(*model_, config_, fn, plan_key);
     // Gradients set to none, as LibTorch 2.x's zero_grad does. Before the
     // base is read: the last step's gradients are not this step's memory.
-    for (auto& p : s.zero->parameters()) p.mutable_grad() = at::Tensor();
+    s.zero->zero_grad();
     s.zero->take_gradient_arrivals();  // a profiling step's are not this step's
     s.meter.begin_step();
     s.loss_sum = 0;
@@ -282,7 +282,7 @@ bool Engine::step() {
                      m.opt_ms, m.step_ms);
   }
   // Gradients cleared: the next step starts without them.
-  for (auto& p : s.zero->parameters()) p.mutable_grad() = at::Tensor();
+  s.zero->zero_grad();
   global_steps_ = step;
   s.lr = learning_rate(config_.optimizer, config_.scheduler, global_steps_ + 1);
   span.reset();

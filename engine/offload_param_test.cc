@@ -201,6 +201,13 @@ TEST(OffloadParam, ShardsAreSeparateHostTensorsAndCounted) {
       shard_bytes += static_cast<int64_t>(p.grad().nbytes());
     }
     EXPECT_GT(shards, 0);
+    // What stays on the device for parameters(): the persistent parameters, the model's own.
+    int64_t device_bytes = 0;
+    for (const auto& t : zero.device_parameters()) {
+      EXPECT_LT(t.numel(), 40) << "a host shard among the device's tensors";
+      device_bytes += static_cast<int64_t>(t.nbytes());
+    }
+    EXPECT_EQ(device_bytes, persistent_bytes);
     const parallel::ZeroStats st = zero.stats();
     EXPECT_EQ(st.host_param_bytes, shard_bytes);
     if (with_optimizer) {

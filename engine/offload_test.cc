@@ -411,6 +411,28 @@ TEST(OffloadOptimizer, SixteenBitRunsKeepTheMastersOnTheHostAlone) {
     }
     EXPECT_GT(frozen_bytes, 0) << what;
     EXPECT_EQ(zero.stats().host_bytes, master_bytes + frozen_bytes) << what << ": before the first backward";
+    // What the masters are copied into: 16-bit device tensors, one per master,
+    // the model's own storage at stages 1-2 (views of the bf16 buckets).
+    const auto masters = zero.parameters();
+    const auto kept = zero.device_parameters();
+    ASSERT_EQ(kept.size(), masters.size()) << what;
+    for (size_t i = 0; i < masters.size(); ++i) {
+      EXPECT_EQ(kept[i].scalar_type(), at::kBFloat16) << what;
+      EXPECT_EQ(kept[i].sizes(), masters[i].sizes()) << what;
+      if (stage < 3) {
+        bool shares = false;
+        for (const auto& q : model->parameters()) shares = shares || kept[i].is_alias_of(q);
+        EXPECT_TRUE(shares) << what << ": a 16-bit shard outside the model's buckets";
+      }
+    }
+    // Clearing the gradients reaches the host masters' (between steps, as the engine does).
+    at::Tensor idx = at::arange(24, at::kLong).view({2, 12}).remainder(29);
+    engine->backward(engine->forward([&] { return model->loss(idx, idx.roll(-1, 1)); }));
+    int64_t with_grad = 0;
+    for (const auto& p : zero.parameters()) with_grad += p.grad().defined() ? 1 : 0;
+    EXPECT_GT(with_grad, 0) << what;
+    zero.zero_grad();
+    for (const auto& p : zero.parameters()) EXPECT_FALSE(p.grad().defined()) << what;
   }
 }
 

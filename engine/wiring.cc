@@ -148,16 +148,13 @@ std::pair<int64_t, std::string> resident_state(torch::nn::Module& model, paralle
   // offload_optimizer (and offload_param, whose host shards the optimizer
   // steps): the tensors the optimizer steps, their gradients and its state
   // are on the host: not charged to the device's budget (nor, on a CPU,
-  // where the tracker counts them too, as other tensors). The device shards
-  // the masters mirror are: stage 3's apart from the model's parameters
-  // (stages 1-2's are views of them, counted above; offload_param keeps none).
+  // where the tracker counts them too, as other tensors). The device
+  // tensors the masters are copied into are: stage 3's shards apart from the
+  // model's parameters (16-bit under bf16 or fp16; stages 1-2's are views of
+  // the model's, counted above; offload_param keeps none).
   const bool host = zero.offloads_optimizer() || zero.offloads_parameters();
+  for (const auto& t : zero.device_parameters()) count(t);
   for (const auto& p : zero.parameters()) {
-    if (!host || !p.requires_grad()) {
-      count(p);
-    } else if (zero.parameters_gathered_on_use() && !zero.offloads_parameters()) {
-      params += static_cast<int64_t>(p.nbytes());
-    }
     if (p.requires_grad()) local_trainable += static_cast<int64_t>(p.numel() * p.element_size());
   }
   int64_t state = host ? 0 : optimizer_state_bytes(optimizer);

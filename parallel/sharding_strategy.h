@@ -92,6 +92,11 @@ class ShardingStrategy {
   // updated (stages 1-3: as each bucket's or unit's reduction ends), so that
   // a gradient complete for the window can move on at once (offload_optimizer).
   void set_gradient_reduced(std::function<void(const at::Tensor&)> hook) { gradient_reduced_ = std::move(hook); }
+  // Called with one of parameters() just before the strategy reads it on
+  // the current stream (a gather; a forward that reads it directly), so that
+  // a copy into it still in flight is waited for (offload_optimizer's copies
+  // back, zero_offload.h).
+  void set_before_read(std::function<void(const at::Tensor&)> hook) { before_read_ = std::move(hook); }
 
   // The gradients for the global norm, each group with the communicators its
   // squares are summed over (`sharded_tp`: which tensors differ across the
@@ -110,9 +115,12 @@ class ShardingStrategy {
   void gradient_reduced(const at::Tensor& t) const {
     if (gradient_reduced_) gradient_reduced_(t);
   }
+  void before_read(const at::Tensor& t) const {
+    if (before_read_) before_read_(t);
+  }
 
  private:
-  std::function<void(const at::Tensor&)> gradient_reduced_;
+  std::function<void(const at::Tensor&)> gradient_reduced_, before_read_;
 };
 
 // Calls `arrived(bucket, index)` each time a backward has accumulated the

@@ -108,6 +108,7 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
     strategy_->set_gradient_reduced([this](const at::Tensor& shard) {
       if (last_micro_step_) offload_->take_gradient(shard);
     });
+    strategy_->set_before_read([this](const at::Tensor& t) { offload_->ready(t); });
   }
   arrivals_ = std::make_unique<Arrivals>(model);
   if (mixed.enabled()) {
@@ -155,7 +156,24 @@ at::Tensor ZeroModel::take_gradient_arrivals() {
 }
 
 std::vector<at::Tensor> ZeroModel::parameters() const {
-  return offload_ ? offload_->parameters() : strategy_->parameters();
+  if (!offload_) return strategy_->parameters();
+  offload_->settle();  // the caller may write them
+  return offload_->parameters();
+}
+
+std::vector<at::Tensor> ZeroModel::device_parameters() const {
+  std::vector<at::Tensor> out;
+  std::set<const void*> host;
+  for (const auto& t : host_shards_) host.insert(t.unsafeGetTensorImpl());
+  for (const auto& t : strategy_->parameters()) {
+    if (!host.count(t.unsafeGetTensorImpl())) out.push_back(t);
+  }
+  return out;
+}
+
+void ZeroModel::zero_grad() {
+  const auto tensors = offload_ ? offload_->parameters() : strategy_->parameters();
+  for (auto t : tensors) t.mutable_grad() = at::Tensor();
 }
 std::vector<ShardLayout> ZeroModel::layout() const { return strategy_->layout(); }
 int ZeroModel::shard_size() const { return shard_group_->size(); }

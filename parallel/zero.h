@@ -196,8 +196,16 @@ class ZeroModel {
   // Whether stage 3's shards live in host memory (zero_optimization.offload_param.device cpu).
   bool offloads_parameters() const { return !host_shards_.empty(); }
   // What the optimizer steps: the shards and the persistent parameters
-  // (stage 0: the model's parameters).
+  // (stage 0: the model's parameters). offload_optimizer: the host masters,
+  // free to write once this returns (copies from them to the device ended).
   std::vector<at::Tensor> parameters() const;
+  // The tensors the stage keeps on the device for parameters(): the same
+  // tensors without offload; offload_optimizer: what the masters are copied
+  // into (stage 3 under masters_on_host: 16-bit shards); offload_param's
+  // host shards left out.
+  std::vector<at::Tensor> device_parameters() const;
+  // Every gradient of parameters() dropped (set to none), as between steps.
+  void zero_grad();
 
   // For each of parameters(): the model parameter elements it holds.
   std::vector<ShardLayout> layout() const;

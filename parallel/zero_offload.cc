@@ -114,6 +114,14 @@ OptimizerOffload::OptimizerOffload(std::vector<at::Tensor> device, const Offload
   }
 }
 
+OptimizerOffload::~OptimizerOffload() {
+  try {
+    if (in_flight_) side_->synchronize();
+    settle();
+  } catch (...) {
+  }
+}
+
 at::Tensor OptimizerOffload::host_of(const at::Tensor& device) const {
   auto it = index_.find(device.unsafeGetTensorImpl());
   return it == index_.end() ? device : host_[it->second];
@@ -158,6 +166,7 @@ void OptimizerOffload::take_gradients() {
   for (size_t i = 0; i < device_.size(); ++i) take(i);
   if (in_flight_) side_->synchronize();
   in_flight_ = false;
+  settle();  // the step writes the masters next
   taken_ = true;
 }
 
@@ -166,17 +175,56 @@ void OptimizerOffload::push(bool force) {
   for (size_t i = 0; i < host_.size() && !changed; ++i) changed = offloaded_[i] && host_[i]._version() != versions_[i];
   if (!changed) return;
   c10::NoGradGuard no_grad;
+  bool waited = false;
   for (size_t i = 0; i < device_.size(); ++i) {
     if (!offloaded_[i]) continue;
-    device_[i].detach().copy_(host_[i].detach());
+    if (device_[i].device().is_cpu()) {
+      device_[i].detach().copy_(host_[i].detach());
+    } else {
+      upload(i, waited);
+    }
     versions_[i] = host_[i]._version();
   }
   taken_ = false;
 }
 
+void OptimizerOffload::upload(size_t i, bool& waited) {
+  const at::Device device = device_[i].device();
+  const auto* impl = c10::impl::getDeviceGuardImpl(device.type());
+  if (!up_) up_ = impl->getStreamFromGlobalPool(device);
+  if (!waited) {
+    c10::Event queued(device.type());
+    queued.record(impl->getStream(device));
+    queued.block(*up_);
+    waited = true;
+  }
+  {
+    c10::StreamGuard on_up(*up_);
+    device_[i].detach().copy_(host_[i].detach(), /*non_blocking=*/pinned_);
+  }
+  if (uploaded_.size() != device_.size()) uploaded_.resize(device_.size());
+  if (!uploaded_[i]) uploaded_[i] = std::make_unique<c10::Event>(device.type());
+  uploaded_[i]->record(*up_);
+  uploading_ = true;
+}
+
+void OptimizerOffload::ready(const at::Tensor& device) const {
+  if (uploaded_.empty()) return;
+  auto it = index_.find(device.unsafeGetTensorImpl());
+  if (it == index_.end() || !uploaded_[it->second]) return;
+  const auto* impl = c10::impl::getDeviceGuardImpl(device.device().type());
+  uploaded_[it->second]->block(impl->getStream(device.device()));
+}
+
+void OptimizerOffload::settle() {
+  if (uploading_) up_->synchronize();
+  uploading_ = false;
+}
+
 void OptimizerOffload::drop_gradients() {
   if (in_flight_) side_->synchronize();
   in_flight_ = false;
+  settle();
   for (size_t i = 0; i < device_.size(); ++i) {
     device_[i].mutable_grad() = at::Tensor();
     host_[i].mutable_grad() = at::Tensor();

@@ -19,19 +19,30 @@
 // waits for the compute stream (the reduced gradient as computed), their
 // device memory recorded on it (not reused before the copy ends), into
 // pinned buffers without blocking where pinned; take_gradients waits for
-// them. Under masters_on_host the device tensors are 16-bit: the copy back
-// rounds, as making the compute copy from a device master would. The copies back are synchronous, on the current stream, ordered
-// before the collectives that read the shards. On a CPU every copy is done at
+// them. The copies back run on a second side stream that first waits for
+// what the compute stream queued (which may still read the device tensors),
+// without blocking the host where pinned; each tensor's copy records an
+// event, and the stage makes the compute stream wait for a tensor's event
+// just before it reads it (ready(): stages 1-2 before each bucket's
+// all-gather, stage 3 before each unit's gather), so that later copies
+// overlap the first gathers. The host masters are not written while a copy
+// from them is in flight: take_gradients (before the step) and parameters()
+// (ZeroModel's, before a load or a user's write) wait for the copies
+// (settle()). Under masters_on_host the device tensors are 16-bit: the copy
+// back rounds, as making the compute copy from a device master would. On a
+// CPU every copy is done at
 // once: the host and the device are one memory, the host tensors are still
 // separate tensors, and the step computes the same bits as without offload.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -51,6 +62,10 @@ class OptimizerOffload {
   // copy), frozen ones too, taken as it is.
   OptimizerOffload(std::vector<at::Tensor> device, const OffloadOptimizerOptions& options,
                    const std::vector<at::Tensor>& on_host = {}, const std::vector<at::Tensor>& masters = {});
+  // Waits for the copies in flight (their buffers are then free to go).
+  ~OptimizerOffload();
+  OptimizerOffload(const OptimizerOffload&) = delete;
+  OptimizerOffload& operator=(const OptimizerOffload&) = delete;
 
   // What the optimizer steps, in the order of `device`.
   const std::vector<at::Tensor>& parameters() const { return host_; }
@@ -68,6 +83,12 @@ class OptimizerOffload {
   // only when gradients were taken (a step may have followed) or a master
   // was written since the last push.
   void push(bool force);
+  // Before `device` is read on the current stream: that stream waits for
+  // its copy from the host (nothing where none is in flight, or on a CPU).
+  void ready(const at::Tensor& device) const;
+  // The host waits for the copies to the device still in flight (before the
+  // host masters are written).
+  void settle();
   // Drops the gradients on both sides (an abandoned backward).
   void drop_gradients();
 
@@ -79,10 +100,15 @@ class OptimizerOffload {
   void take(size_t i);
   // dst (host) <- src: on an accelerator on side_, else at once.
   void copy_to_host(const at::Tensor& src, at::Tensor& dst);
+  // device_[i] <- host_[i] on up_ (`waited`: up_ waits for the compute stream once per push).
+  void upload(size_t i, bool& waited);
 
   std::vector<at::Tensor> device_, host_, grads_;  // grads_: the host gradient buffers
   std::optional<c10::Stream> side_;  // an accelerator's copy stream, from its first copy
   bool in_flight_ = false;           // copies on side_ not waited for
+  std::optional<c10::Stream> up_;    // an accelerator's stream for the copies back, from the first
+  std::vector<std::unique_ptr<c10::Event>> uploaded_;  // each device tensor's last copy back
+  bool uploading_ = false;           // copies on up_ not waited for by the host
   std::vector<char> offloaded_;
   std::vector<int64_t> versions_;  // host_'s versions at the last push
   std::map<const void*, size_t> index_;  // device_ by TensorImpl

@@ -117,7 +117,7 @@ class Stage12 final : public ShardingStrategy {
   std::vector<at::Tensor> frozen_;
   // bf16: the model's frozen parameters, bf16 copies of frozen_ (their float32 masters).
   std::vector<at::Tensor> frozen_compute_;
-  std::vector<int64_t> frozen_versions_;  // bf16: frozen_'s versions when the copies were made
+  std::vector<int64_t> frozen_versions_;  // bf16: frozen_'s versions at the last sync
   // The shards received gradients (a step may follow) since the buckets were
   // last made whole. An optimizer may update a shard without bumping its
   // version counter (LibTorch 1.13's SGD writes through .data()), so the
@@ -221,8 +221,9 @@ void Stage12::install_frozen_copies(bool pinned) {
   for (auto& p : frozen_) {
     at::Tensor m = host_masters_ ? host_copy(p, pinned) : p.detach().clone();
     p.set_data(p.detach().to(compute_dtype_));
-    if (host_masters_) {
+    if (host_masters_) {  // a copy from the master (a load) makes the buckets stale: sync waits for it
       frozen_masters_.push_back(m);
+      frozen_versions_.push_back(p._version());
       continue;
     }
     names_.emplace(m.unsafeGetTensorImpl(), names_.at(p.unsafeGetTensorImpl()));
@@ -316,6 +317,11 @@ void Stage12::sync_parameters() {
   Communicator& group = *groups_.shard;
   const int n = group.size();
   torch::NoGradGuard no_grad;
+  // Read as they are (no gather): whole already, copied into by offload_optimizer.
+  for (const auto& p : frozen_) before_read(p);
+  if (n == 1) {
+    for (const auto& b : buckets_) before_read(b.shard);
+  }
   if (n > 1) {
     MemoryCategoryScope buffers(MemoryCategory::kCommunication);
     struct InFlight {
@@ -328,6 +334,7 @@ void Stage12::sync_parameters() {
       // after), or under masters_on_host in 16 bits into the copy itself:
       // the same bits, as rounding is elementwise.
       at::Tensor& whole = host_masters_ ? b.compute : b.flat;
+      before_read(b.shard);  // this bucket's copy from the host; the later ones' go on
       if (!options_.allgather_partitions) {
         for (int q = 0; q < n; ++q) {
           at::Tensor part = whole.narrow(0, q * b.chunk, b.chunk);
@@ -356,10 +363,8 @@ void Stage12::sync_parameters() {
       if (f.target.defined()) f.target.copy_(f.output.view(f.target.sizes()));
     }
   }
-  for (size_t i = 0; i < frozen_compute_.size(); ++i) {
-    frozen_compute_[i].detach().copy_(frozen_[i]);
-    frozen_versions_[i] = frozen_[i]._version();
-  }
+  for (size_t i = 0; i < frozen_compute_.size(); ++i) frozen_compute_[i].detach().copy_(frozen_[i]);
+  for (size_t i = 0; i < frozen_versions_.size(); ++i) frozen_versions_[i] = frozen_[i]._version();
   for (auto& b : buckets_) {
     if (bf16_ && !host_masters_) b.compute.copy_(b.flat);  // the compute copy, once per step
     b.shard_version = b.shard._version();

@@ -374,6 +374,7 @@ void Stage3::gather(Unit& unit, bool wait) {
         allocate_storage(g.full, g.bytes());
       }
       MemoryCategoryScope buffers(MemoryCategory::kCommunication);
+      before_read(g.shard);  // offload_optimizer: its copy from the host master ended
       at::Tensor input = g.shard.detach().to(g.full.device(), g.full.scalar_type());  // offload_param: to the device
       g.pending = dp_->allGather(g.full, input);
       allgather_bytes_ += g.bytes();
@@ -503,6 +504,7 @@ bool Stage3::root_data_needed_in_backward(const at::Tensor& x) const {
 }
 
 void Stage3::begin_forward() {
+  for (const auto& p : persistent_) before_read(p);  // read whole, without a gather
   gather(*units_.back(), /*wait=*/true);
   in_forward_ = true;
 }
@@ -627,6 +629,7 @@ std::map<std::string, at::Tensor> Stage3::full_parameters() {
   for (const auto& u : units_) {
     for (const auto& g : u->groups) {
       at::Tensor full = at::empty({g.padded}, g.full.options().dtype(at::kFloat));
+      before_read(g.shard);
       dp_->allGather(full, (host_masters_ ? g.master : g.shard).detach().to(full.device()))->wait();
       for (size_t k = 0; k < g.params.size(); ++k) {
         const auto& p = g.params[k];
