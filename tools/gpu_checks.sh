@@ -9,7 +9,8 @@
 #      (MPI, staging through pinned host buffers), at ZeRO stages 0 and 3 with
 #      full checkpointing and activation offloading; at 1 rank stages 1 and 3
 #      with zero_optimization.offload_optimizer (pinned) beside the same runs
-#      without it; a save made on the GPU resumed on the CPU and back; fp16
+#      without it (losses compared, bitwise or against a control run twice),
+#      stage 2 under bf16 with and without it (the masters on the host alone); a save made on the GPU resumed on the CPU and back; fp16
 #      (fp16.enabled, the loss scaler) at 1 rank;
 #   3. the llama and lora examples, built against the installed remat;
 #   4. benchmarks/gpu_bench.sh: remat beside PyTorch on the same kernels, and
@@ -175,12 +176,47 @@ trains() {
   done
   train "np1-$one-zero3-offload-param" 1 "$one" "$dev" --steps "$steps" --set zero_optimization.stage=3 "${ckpt[@]}" \
     "${offload[@]}" --set zero_optimization.offload_param.device=cpu --set zero_optimization.offload_param.pin_memory=true
+  # bf16: the masters on the host alone, the device keeping the bf16 parameters
+  # (param_bytes a third of the run without offload at stage 2).
+  local bf16=(--set bf16.enabled=true --set zero_optimization.stage=2)
+  train "np1-$one-zero2-bf16" 1 "$one" "$dev" --steps "$steps" "${ckpt[@]}" "${bf16[@]}"
+  train "np1-$one-zero2-bf16-offload" 1 "$one" "$dev" --steps "$steps" "${ckpt[@]}" "${bf16[@]}" "${offload[@]}"
+  # The same run again: the control for what the GPU's kernels repeat.
+  train "np1-$one-zero1-again" 1 "$one" "$dev" --steps "$steps" --set zero_optimization.stage=1 "${ckpt[@]}"
+  parity "np1-$one-zero1" "np1-$one-zero1-again" "np1-$one-zero1-offload"
+  parity "np1-$one-zero3" "" "np1-$one-zero3-offload"
+  parity "np1-$one-zero2-bf16" "" "np1-$one-zero2-bf16-offload"
   # A save made on the device, resumed on the CPU, and that one resumed on the device.
   local saves=$out/saves
   rm -rf "$saves"
   train "save-on-$dev" 1 auto "$dev" --steps 4 --save-dir "$saves"
   train "resume-on-cpu" 1 mpi cpu --steps 6 --resume "$saves" --save-dir "$saves"
   train "resume-back-on-$dev" 1 auto "$dev" --steps 8 --resume "$saves" --save-dir "$saves"
+}
+
+# parity BASE CONTROL OTHER: OTHER's losses against BASE's, bitwise or the
+# largest difference, beside CONTROL's (BASE run again: what the kernels
+# repeat; "" for none), and the device's parameter bytes of the two. A
+# difference where the control is bitwise fails.
+parity() {
+  local base=$out/$1.jsonl control=${2:+$out/$2.jsonl} other=$out/$3.jsonl
+  [[ -s $base && -s $other ]] || return
+  python3 - "$1" "$3" "$base" "$other" "$control" <<'EOF' || fail "parity $3 against $1"
+import json, sys
+base_label, other_label, base, other, control = sys.argv[1:6]
+load = lambda p: [json.loads(l) for l in open(p) if l.strip()]
+a, b = load(base), load(other)
+gap = lambda x, y: max(abs(r["loss"] - s["loss"]) for r, s in zip(x, y))
+d = gap(a, b)
+c = gap(a, load(control)) if control else None
+params = lambda rows: rows[-1].get("param_bytes", 0) / 2**20
+line = f"train: parity {other_label} against {base_label}: " + ("bitwise" if d == 0 else f"max |loss difference| {d:.3g}")
+if c is not None:
+    line += " (the control, the same run twice: " + ("bitwise" if c == 0 else f"{c:.3g}") + ")"
+line += f"; device param_bytes {params(b):.2f} MiB against {params(a):.2f} MiB"
+print(line)
+sys.exit(1 if c == 0 and d > 0 else 0)
+EOF
 }
 
 # fp16_run STEPS DEVICE BACKEND: remat-train with fp16.enabled at 1 rank (fp16
