@@ -10,9 +10,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/module.h>
-#include <unistd.h>
 
-#include <filesystem>
 #include <set>
 
 #include "engine/config.h"
@@ -25,13 +23,15 @@
 #include "runtime/layout.h"
 #include "runtime/runtime.h"
 #include "tests/error_of.h"
+#include "tests/offload_runs.h"
 #include "tests/parallel_setup.h"
 
 namespace remat {
 namespace {
 
-namespace fs = std::filesystem;
+using remat::testing::expect_same;
 using remat::testing::world;
+using ParamRun = remat::testing::TrainedRun;
 
 struct ParamSetup {
   bool offload_param = false;
@@ -64,16 +64,9 @@ Config config_of(const ParamSetup& s) {
   return c;
 }
 
-struct ParamRun {
-  std::vector<double> losses;
-  std::vector<nlohmann::json> metrics;
-  std::map<std::string, at::Tensor> final_params;
-};
-
 // The GPT trained to step `s.steps` (a resume from `from` counts its steps);
 // saved into `save_to` after step `save_at`.
 ParamRun train(const ParamSetup& s, const std::string& from = "", const std::string& save_to = "", int save_at = -1) {
-  ParamRun run;
   const auto layout = remat::testing::layout_ptr(1);
   models::GptOptions o = remat::testing::small_gpt(29, 3, /*dropout=*/0.1);
   at::manual_seed(9);
@@ -83,43 +76,8 @@ ParamRun train(const ParamSetup& s, const std::string& from = "", const std::str
   options.fp16_scaler_at_float32 = s.fp16;
   auto engine = initialize(model, config_of(s), options);
   if (!from.empty()) engine->load_checkpoint(from);
-  parallel::ZeroModel& zero = engine->sharding();
-  EXPECT_EQ(zero.offloads_parameters(), s.offload_param);
-  for (int step = static_cast<int>(engine->global_steps()) + 1; step <= s.steps; ++step) {
-    for (int m = 0; m < s.micro_steps; ++m) {
-      at::Tensor idx = at::arange(2 * 12, at::kLong).view({2, 12})
-                           .mul(layout->dp_rank() + 1).add(step * 3 + m).remainder(o.vocab_size);
-      engine->backward(engine->forward([&] { return model->loss(idx, idx.roll(-1, 1)); }));
-      engine->step();
-    }
-    run.losses.push_back(engine->last_metrics().loss);
-    run.metrics.push_back(engine->last_metrics().to_json());
-    if (step == save_at) engine->save_checkpoint(save_to);
-  }
-  for (const auto& [name, value] : zero.full_parameters()) run.final_params[name] = value;
-  return run;
-}
-
-void expect_same(const ParamRun& a, const ParamRun& b, const std::string& what) {
-  ASSERT_EQ(a.losses.size(), b.losses.size()) << what;
-  for (size_t i = 0; i < a.losses.size(); ++i) EXPECT_EQ(a.losses[i], b.losses[i]) << what << ", step " << i + 1;
-  ASSERT_EQ(a.final_params.size(), b.final_params.size()) << what;
-  for (const auto& [name, value] : a.final_params) {
-    EXPECT_TRUE(at::equal(value, b.final_params.at(name))) << what << ": " << name;
-  }
-}
-
-std::string job_dir(const std::string& name) {
-  at::Tensor stamp = at::full({1}, static_cast<int64_t>(::getpid()), at::kLong);
-  world()->broadcast(stamp, {0})->wait();
-  const std::string dir =
-      (fs::temp_directory_path() / str("remat_offload_param_", stamp.item<int64_t>(), "_", name)).string();
-  if (world()->rank() == 0) {
-    fs::remove_all(dir);
-    fs::create_directories(dir);
-  }
-  world()->barrier()->wait();
-  return dir;
+  EXPECT_EQ(engine->sharding().offloads_parameters(), s.offload_param);
+  return remat::testing::train_to(*engine, model, *layout, o.vocab_size, s.steps, s.micro_steps, {save_to, save_at});
 }
 
 // The same losses and final weights, bit for bit, with the shards on the
@@ -238,7 +196,8 @@ TEST(OffloadParam, SavesResumeAcrossOffloadParamOnAndOff) {
   ParamSetup s;
   s.steps = 6;
   const ParamRun straight = train(s);
-  const std::string on = job_dir("on"), off = job_dir("off");
+  const std::string on = remat::testing::job_dir("remat_offload_param_", "on");
+  const std::string off = remat::testing::job_dir("remat_offload_param_", "off");
   ParamSetup saving = s;
   saving.steps = 3;
   saving.offload_param = true;

@@ -10,9 +10,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/module.h>
-#include <unistd.h>
 
-#include <filesystem>
 
 #include "engine/config.h"
 #include "engine/engine.h"
@@ -26,13 +24,16 @@
 #include "runtime/layout.h"
 #include "runtime/runtime.h"
 #include "tests/error_of.h"
+#include "tests/offload_runs.h"
 #include "tests/parallel_setup.h"
 
 namespace remat {
 namespace {
 
-namespace fs = std::filesystem;
+using remat::testing::expect_same;
+using remat::testing::job_dir;
 using remat::testing::world;
+using OffloadRun = remat::testing::TrainedRun;
 
 struct OffloadSetup {
   int stage = 1;
@@ -70,22 +71,13 @@ Config config_of(const OffloadSetup& s) {
   return c;
 }
 
-struct OffloadRun {
-  std::vector<double> losses;
-  std::vector<nlohmann::json> metrics;
-  std::map<std::string, at::Tensor> final_params;
-  bool trained = false;  // this rank took part
-};
-
 // The GPT trained `s.steps` steps in all (a resume from `from` counts its
 // steps); saves into `save_to` after step `save_at`. Checks, every step, that
 // the optimizer's tensors share no memory with the model's.
 OffloadRun train(const OffloadSetup& s, const std::string& from = "", const std::string& save_to = "", int save_at = -1) {
-  OffloadRun run;
   const int n = s.ranks > 0 ? s.ranks : world()->size();
   auto group = world()->split(world()->rank() < n ? 0 : -1, world()->rank());
-  if (world()->rank() >= n) return run;
-  run.trained = true;
+  if (world()->rank() >= n) return {};
   auto layout = std::make_shared<ParallelLayout>(group, ParallelDims::from_world(group->size(), 1));
   models::GptOptions o = remat::testing::small_gpt(29, 3, /*dropout=*/0.1);
   at::manual_seed(9);
@@ -98,47 +90,17 @@ OffloadRun train(const OffloadSetup& s, const std::string& from = "", const std:
   if (!from.empty()) engine->load_checkpoint(from);
   parallel::ZeroModel& zero = engine->sharding();
   EXPECT_EQ(zero.offloads_optimizer(), s.offload);
-  for (int step = static_cast<int>(engine->global_steps()) + 1; step <= s.steps; ++step) {
-    for (int m = 0; m < s.micro_steps; ++m) {
-      at::Tensor idx = at::arange(2 * 12, at::kLong).view({2, 12})
-                           .mul(layout->dp_rank() + 1).add(step * 3 + m).remainder(o.vocab_size);
-      engine->backward(engine->forward([&] { return model->loss(idx, idx.roll(-1, 1)); }));
-      if (m + 1 == s.micro_steps && s.inject.count(step) && world()->rank() == 0) {
-        for (auto& p : zero.parameters()) {
-          if (p.grad().defined() && p.grad().numel() > 0) {
-            p.mutable_grad().view({-1})[0] = std::numeric_limits<float>::infinity();
-            break;
-          }
-        }
+  auto inject = [&](int step) {
+    if (!s.inject.count(step) || world()->rank() != 0) return;
+    for (auto& p : zero.parameters()) {
+      if (p.grad().defined() && p.grad().numel() > 0) {
+        p.mutable_grad().view({-1})[0] = std::numeric_limits<float>::infinity();
+        return;
       }
-      engine->step();
     }
-    run.losses.push_back(engine->last_metrics().loss);
-    run.metrics.push_back(engine->last_metrics().to_json());
-    if (step == save_at) engine->save_checkpoint(save_to);
-  }
-  for (const auto& [name, value] : zero.full_parameters()) run.final_params[name] = value;
-  return run;
-}
-
-void expect_same(const OffloadRun& a, const OffloadRun& b, const std::string& what) {
-  ASSERT_EQ(a.losses.size(), b.losses.size()) << what;
-  for (size_t i = 0; i < a.losses.size(); ++i) EXPECT_EQ(a.losses[i], b.losses[i]) << what << ", step " << i + 1;
-  for (const auto& [name, value] : a.final_params) {
-    EXPECT_TRUE(at::equal(value, b.final_params.at(name))) << what << ": " << name;
-  }
-}
-
-std::string job_dir(const std::string& name) {
-  at::Tensor stamp = at::full({1}, static_cast<int64_t>(::getpid()), at::kLong);
-  world()->broadcast(stamp, {0})->wait();
-  const std::string dir = (fs::temp_directory_path() / str("remat_offload_", stamp.item<int64_t>(), "_", name)).string();
-  if (world()->rank() == 0) {
-    fs::remove_all(dir);
-    fs::create_directories(dir);
-  }
-  world()->barrier()->wait();
-  return dir;
+  };
+  return remat::testing::train_to(*engine, model, *layout, o.vocab_size, s.steps, s.micro_steps, {save_to, save_at},
+                                  inject);
 }
 
 // The same losses and final weights, bit for bit, with the optimizer on the
@@ -290,7 +252,8 @@ TEST(OffloadOptimizer, SavesResumeAcrossOffloadAndDataParallelSize) {
     s.bf16 = bf16;
     s.steps = 6;
     const OffloadRun straight = train(s);
-    const std::string on = job_dir(str("on", stage, bf16)), off = job_dir(str("off", stage, bf16));
+    const std::string on = job_dir("remat_offload_", str("on", stage, bf16));
+    const std::string off = job_dir("remat_offload_", str("off", stage, bf16));
     OffloadSetup saving = s;
     saving.steps = 3;
     saving.offload = true;
