@@ -38,11 +38,13 @@ MemoryTrackerOptions keeping() {
   return o;
 }
 
-std::string config_json(int stage, const std::string& variant, int accumulation, bool offload = false) {
+std::string config_json(int stage, const std::string& variant, int accumulation, bool offload = false,
+                        bool offload_param = false) {
   return str(R"({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": )", accumulation,
              R"(, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
                 "zero_optimization": {"stage": )", stage, R"(, "stage3_param_persistence_threshold": 0)",
-             offload ? R"(, "offload_optimizer": {"device": "cpu"})" : "", R"(},
+             offload ? R"(, "offload_optimizer": {"device": "cpu"})" : "",
+             offload_param ? R"(, "offload_param": {"device": "cpu"})" : "", R"(},
                 "activation_checkpointing": {"variant": ")", variant, R"("}, "train": {"seed": 5}})");
 }
 
@@ -60,9 +62,10 @@ struct Trained {
   std::unique_ptr<Engine> engine;
   int accumulation;
 
-  Trained(int stage, const std::string& variant, int accumulation = 1, bool offload = false)
+  Trained(int stage, const std::string& variant, int accumulation = 1, bool offload = false,
+          bool offload_param = false)
       : accumulation(accumulation) {
-    Config config = parse_config(config_json(stage, variant, accumulation, offload), "<test>");
+    Config config = parse_config(config_json(stage, variant, accumulation, offload, offload_param), "<test>");
     EngineOptions options;
     options.layout = testing::layout_ptr(1);
     options.memory = &tracker;
@@ -254,6 +257,33 @@ TEST(MemoryTrace, TheOffloadedOptimizerIsAHostCategory) {
   const Parsed p = parse(path);
   EXPECT_EQ(highest(p, "host optimizer"), 0);
   EXPECT_EQ(p.trace["otherData"].count("host_optimizer_bytes"), 0u);
+}
+
+// zero_optimization.offload_param: stage 3's host shards and their
+// gradients are a category of their own, "host parameters" (on a GPU under
+// the CPU's counter): at its highest it holds what the metrics report as
+// host_parameter_bytes (the shards and their reduced gradients), and the
+// trace's otherData names it; with offload_optimizer too, "host optimizer"
+// keeps what host_optimizer_bytes counts, the shards not again.
+TEST(MemoryTrace, OffloadedShardsAreHostParameters) {
+  for (bool with_optimizer : {false, true}) {
+    const std::string what = with_optimizer ? "offload_param and offload_optimizer" : "offload_param";
+    Trained run(3, "full", 1, with_optimizer, /*offload_param=*/true);
+    run.step();
+    const std::string path = scratch_file(str("offload_param", with_optimizer));
+    run.engine->trace_memory(path);
+    run.step();
+    const StepMetrics& m = run.engine->last_metrics();
+    ASSERT_TRUE(m.offload_param) << what;
+    const Parsed p = parse(path);
+    expect_sound(p, m, what);
+    EXPECT_GT(m.host_parameter_bytes, 0) << what;
+    EXPECT_EQ(highest(p, "host parameters"), m.host_parameter_bytes) << what;
+    EXPECT_EQ(p.trace["otherData"]["host_parameter_bytes"].get<int64_t>(), m.host_parameter_bytes) << what;
+    if (with_optimizer) {
+      EXPECT_EQ(highest(p, "host optimizer"), m.host_optimizer_bytes) << what;
+    }
+  }
 }
 
 // The file is a Chrome trace: the step's phases in order, one recompute per

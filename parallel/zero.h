@@ -195,6 +195,8 @@ class ZeroModel {
   bool offloads_optimizer() const { return offload_ != nullptr; }
   // Whether stage 3's shards live in host memory (zero_optimization.offload_param.device cpu).
   bool offloads_parameters() const { return !host_shards_.empty(); }
+  // offload_param: those of parameters() that are stage 3's host shards (empty without it).
+  const std::vector<at::Tensor>& host_shards() const { return host_shards_; }
   // What the optimizer steps: the shards and the persistent parameters
   // (stage 0: the model's parameters). offload_optimizer: the host masters,
   // free to write once this returns (copies from them to the device ended).

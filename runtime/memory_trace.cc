@@ -57,6 +57,7 @@ const char* memory_category_name(MemoryCategory category) {
     case MemoryCategory::kCommunication: return "communication buffers";
     case MemoryCategory::kOther: return "other";
     case MemoryCategory::kHostOptimizer: return "host optimizer";
+    case MemoryCategory::kHostParameters: return "host parameters";
   }
   return "?";
 }

@@ -53,8 +53,11 @@ enum class MemoryCategory : uint8_t {
   // shards, their gradients and its state, in host memory (on a GPU under the
   // CPU's counter, apart from the device's).
   kHostOptimizer,
+  // Stage 3's parameter shards offloaded to the host (offload_param) and
+  // their gradients, in host memory (on a GPU under the CPU's counter).
+  kHostParameters,
 };
-constexpr size_t kMemoryCategories = 10;
+constexpr size_t kMemoryCategories = 11;
 // "parameters", "gradients", ..., "other": the names in the trace.
 const char* memory_category_name(MemoryCategory category);
 

@@ -26,6 +26,7 @@ COLOURS = {
     "communication buffers": "#da8bc3",
     "other": "#b0b0b0",
     "host optimizer": "#ccb974",
+    "host parameters": "#8c8c3c",
 }
 
 

@@ -3,6 +3,7 @@
 #include <torch/nn/module.h>
 
 #include <algorithm>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -174,11 +175,16 @@ void StepMeter::start_trace() {
   if (!t_.zero->parameters_gathered_on_use()) {
     for (const auto& p : t_.model->parameters()) known.push_back({p, MemoryCategory::kParameters});
   }
-  // offload_optimizer: what the optimizer steps and its state are on the host.
+  // offload_optimizer: what the optimizer steps and its state are on the
+  // host; offload_param: the shards and their gradients are, apart.
   const bool host = t_.zero->offloads_optimizer();
+  std::set<const void*> shards;
+  for (const auto& t : t_.zero->host_shards()) shards.insert(t.unsafeGetTensorImpl());
   for (const auto& p : t_.zero->parameters()) {
-    known.push_back({p, host && p.requires_grad() ? MemoryCategory::kHostOptimizer : MemoryCategory::kParameters});
-    if (host && p.grad().defined()) known.push_back({p.grad(), MemoryCategory::kHostOptimizer});
+    MemoryCategory category = host && p.requires_grad() ? MemoryCategory::kHostOptimizer : MemoryCategory::kParameters;
+    if (shards.count(p.unsafeGetTensorImpl())) category = MemoryCategory::kHostParameters;
+    known.push_back({p, category});
+    if (category != MemoryCategory::kParameters && p.grad().defined()) known.push_back({p.grad(), category});
   }
   for (const auto& t : optimizer_state_tensors(*t_.optimizer)) {
     known.push_back({t, host ? MemoryCategory::kHostOptimizer : MemoryCategory::kOptimizerState});
@@ -188,11 +194,13 @@ void StepMeter::start_trace() {
 
 // Gradients autograd allocated count as gradients over their whole life.
 // The offloaded optimizer's host gradients, and the state its first step
-// allocates (end_optimizer), count as the host optimizer's.
+// allocates (end_optimizer), count as the host optimizer's; offload_param's
+// shards' gradients as the host parameters'.
 void StepMeter::classify_gradients() const {
   const MemoryCategory zero = t_.zero->offloads_optimizer() ? MemoryCategory::kHostOptimizer : MemoryCategory::kGradients;
   for (const auto& p : t_.model->parameters()) classify_memory(p.grad(), MemoryCategory::kGradients);
   for (const auto& p : t_.zero->parameters()) classify_memory(p.grad(), zero);
+  for (const auto& p : t_.zero->host_shards()) classify_memory(p.grad(), MemoryCategory::kHostParameters);
 }
 
 void StepMeter::finish_trace(const StepMetrics& m) {
@@ -206,6 +214,7 @@ void StepMeter::finish_trace(const StepMetrics& m) {
   other["mem_base_bytes"] = m.mem_base_bytes;
   other["mem_peak_bytes"] = m.mem_peak_bytes;
   if (m.offload_optimizer) other["host_optimizer_bytes"] = m.host_optimizer_bytes;
+  if (m.offload_param) other["host_parameter_bytes"] = m.host_parameter_bytes;
   ChromeTraceOptions chrome;
   chrome.max_samples = trace_samples_;
   chrome.pid = t_.rank;
