@@ -106,6 +106,11 @@ OptimizerOffload::OptimizerOffload(std::vector<at::Tensor> device, const Offload
                    adopted_ ? str("; the masters there alone", frozen > 0 ? str(" (and ", frozen, " frozen elements')") : "",
                                   ": the device keeps their 16-bit copies")
                             : std::string());
+  if (options.ratio < 1) {
+    log_rank0().warn("offload_optimizer.ratio {} asks for that share of the optimizer state on the host; remat "
+                     "offloads the whole of it (the device keeps none of the state): leave ratio out, or at 1",
+                     options.ratio);
+  }
   if (options.buffer_count != OffloadOptimizerOptions{}.buffer_count || options.fast_init ||
       options.ratio != OffloadOptimizerOptions{}.ratio) {
     log_rank0().info("offload_optimizer: buffer_count {}, fast_init {}, ratio {} tune DeepSpeed's own offload "
