@@ -172,14 +172,15 @@ void fill_row(MemoryEstimateRow& r, const StageTerms& t, const MemoryEstimateInp
   r.activation_bytes = predict_peak(in.activations, cols);
   r.host_bytes = host;
   r.host_optimizer_bytes = st.host_optimizer;
+  r.host_parameter_bytes = st.host_params;
   // The activation phase, or the optimizer's step (the state, the
   // gradients and one parameter's update temporaries).
   // Host bytes are apart: what of them a CPU model's tracker counts
   // (cpu_checkpointing's copies) is in the activations already. The
-  // offloaded optimizer's are too, but on a CPU model they are in the same
-  // memory, held through the step.
+  // offloaded optimizer's and parameters' are too, but on a CPU model they
+  // are in the same memory, held through the step.
   r.peak_bytes = std::max(t.fixed + r.activation_bytes + t.grads_term, st.params + st.optimizer + st.grads) +
-                 (in.host_is_device ? st.host_optimizer : 0);
+                 (in.host_is_device ? st.host_optimizer + st.host_params : 0);
 }
 
 StageTerms stage_terms(const MemoryEstimateInputs& in, const Config& config, int stage, int group,
@@ -263,6 +264,7 @@ MemoryEstimate estimate_memory(const Config& config, int world_size, const Memor
   e.tp = tp;
   e.dp = world_size / tp;
   e.offload_optimizer = config.zero_optimization.offload_optimizer.enabled();
+  e.offload_param = config.zero_optimization.offload_param.enabled();
   // The trainer's rules that need the number of ranks (ZeroModel's), so that
   // the estimate refuses what the run would.
   if (std::string bad = parallel::check_hybrid_shard_size(config.zero_optimization, e.dp); !bad.empty()) {
@@ -318,20 +320,25 @@ std::string MemoryEstimate::table() const {
   o << "Estimated memory per rank (" << mode << (host_is_device ? "" : ", the model on a GPU") << "), " << world_size << " ranks = dp " << dp << " x tp " << tp
     << (shard_group < dp ? str(", hybrid shards of ", shard_group) : std::string()) << ", MiB; * the configuration\n";
   char line[512];
-  std::snprintf(line, sizeof line, "  %-5s %-13s %-7s %-5s %10s %10s %10s %10s %10s %10s %10s %10s %10s %10s  %s\n",
+  // offload_param: a column of its own (stage 3's rows), absent otherwise.
+  std::snprintf(line, sizeof line, "  %-5s %-13s %-7s %-5s %10s %10s %10s %10s %10s %10s %10s %10s %10s %10s%s  %s\n",
                 "stage", "policy", "offload", "optim", "params", "grads", "optimizer", "gathered", "activation",
-                "host", "comm", "peak", "host optim", "peak optim", "plan");
+                "host", "comm", "peak", "host optim", "peak optim", offload_param ? " host param" : "", "plan");
   o << line;
   for (const auto& r : rows) {
     const std::string stage = str(r.configured ? "*" : " ", r.stage, r.hybrid ? "h" : "");
     const bool alt = r.stage > 0;  // stage 0 cannot offload the optimizer
-    std::snprintf(line, sizeof line, "  %-5s %-13s %-7s %-5s %10s %10s %10s %10s %10s %10s %10s %10s %10s %10s  %s%s\n",
+    char host_param[32] = "";
+    if (offload_param) {
+      std::snprintf(host_param, sizeof host_param, " %10s", r.stage == 3 ? mib(r.host_parameter_bytes).c_str() : "-");
+    }
+    std::snprintf(line, sizeof line, "  %-5s %-13s %-7s %-5s %10s %10s %10s %10s %10s %10s %10s %10s %10s %10s%s  %s%s\n",
                   stage.c_str(), r.policy.c_str(), r.offload ? "on" : "off", r.offload_optimizer ? "host" : "dev",
                   mib(r.parameter_bytes).c_str(), mib(r.gradient_bytes).c_str(), mib(r.optimizer_bytes).c_str(),
                   mib(r.gathered_bytes).c_str(), mib(r.activation_bytes).c_str(), mib(r.host_bytes).c_str(),
                   mib(r.comm_bytes).c_str(), mib(r.peak_bytes).c_str(), alt ? mib(r.host_optimizer_bytes).c_str() : "-",
                   alt && r.offload_optimizer_peak_bytes > 0 ? mib(r.offload_optimizer_peak_bytes).c_str() : "-",
-                  r.feasible ? "" : "(no plan fits its budget) ", r.plan.c_str());
+                  host_param, r.feasible ? "" : "(no plan fits its budget) ", r.plan.c_str());
     o << line;
   }
   if (!rows.empty() && std::count_if(rows.begin(), rows.end(), [](const MemoryEstimateRow& r) {
@@ -347,7 +354,14 @@ std::string MemoryEstimate::table() const {
     << "; optim: where the optimizer's state is (host: zero_optimization.offload_optimizer.device cpu); host optim: "
        "the float32 master shards, their gradients and the optimizer's state on the host when it is there; peak optim: "
        "the peak with the optimizer on the host"
-    << (host_is_device ? " (host optim included: the host is the device)" : " (host optim apart)") << "\n";
+    << (host_is_device ? " (host optim included: the host is the device)" : " (host optim apart)")
+    << (offload_param ? str("; host param: zero_optimization.offload_param's float32 parameter shards and their "
+                            "gradients on the host (with the optimizer on the device, its state of them too), ",
+                            host_is_device ? "in the peaks" : "apart from the peaks",
+                            "; params, grads and optimizer then keep the device's: the persistent parameters' and, "
+                            "in grads, a unit's gradient shard until it reaches the host")
+                      : std::string())
+    << "\n";
   if (device_capacity_bytes > 0 && !rows.empty()) o << "  " << capacity_text(*this) << "\n";
   return o.str();
 }
@@ -360,6 +374,8 @@ std::string MemoryEstimate::line() const {
              mib(r.activation_bytes), r.host_bytes > 0 ? str(" (host ", mib(r.host_bytes), ")") : std::string(),
              r.offload_optimizer ? str("; the optimizer on the host: ", mib(r.host_optimizer_bytes), " MiB")
                                  : std::string(),
+             r.host_parameter_bytes > 0 ? str("; the parameter shards on the host: ", mib(r.host_parameter_bytes), " MiB")
+                                        : std::string(),
              " (ZeRO stage ", r.stage, r.hybrid ? " hybrid" : "", ", ", r.policy, r.plan.empty() ? "" : " ", r.plan,
              ")", device_capacity_bytes > 0 ? "; " + capacity_text(*this) : std::string());
 }
@@ -376,10 +392,13 @@ nlohmann::json MemoryEstimate::to_json() const {
                          {"peak_bytes", r.peak_bytes}, {"offload_optimizer", r.offload_optimizer},
                          {"host_optimizer_bytes", r.host_optimizer_bytes},
                          {"offload_optimizer_peak_bytes", r.offload_optimizer_peak_bytes}});
+    // Written only when the config offloads parameters: other estimates' keys stay as they are.
+    if (offload_param) rows_json.back()["host_parameter_bytes"] = r.host_parameter_bytes;
   }
   nlohmann::json out = {{"mode", mode}, {"world_size", world_size}, {"dp", dp}, {"tp", tp},
                         {"shard_group", shard_group}, {"rows", rows_json}};
   if (!host_is_device) out["host_is_device"] = false;
+  if (offload_param) out["offload_param"] = true;
   if (device_capacity_bytes > 0) out["device_capacity_bytes"] = device_capacity_bytes;
   return out;
 }

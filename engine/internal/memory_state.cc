@@ -28,11 +28,12 @@ int64_t optimizer_bytes_per_element(const OptimizerConfig& o) {
 // drops each gradient shard as its
 // reduction ends: stages 1-2 hold the buckets' whole gradients, stage 3 its
 // largest unit's shard. Accumulating, the shards stay on the device between
-// micro-batches: the gradients as without offload.
+// micro-batches: the gradients as without offload. offload_param's host
+// shards are the masters themselves: no copy of them, no gradient buffer.
 void offload_optimizer_state(StateBytes& s, const parallel::StateElements& e, const MemoryEstimateInputs& in,
                              const parallel::ZeroOptions& z, const parallel::MixedPrecision& mixed, int n,
                              int64_t eb, int64_t accumulation) {
-  s.host_optimizer = e.local_trainable * (4 + 4) + s.optimizer + e.host_frozen * 4;
+  s.host_optimizer = (e.local_trainable - e.host_trainable) * (4 + 4) + s.optimizer + e.host_frozen * 4;
   s.optimizer = 0;
   if (accumulation > 1) return;
   if (z.stage < 3) {
@@ -86,7 +87,15 @@ StateBytes state_bytes(const MemoryEstimateInputs& in, const Config& config, int
   // grads), stage 3's gathered units.
   s.comm = e.bucket * eb + s.gathered;
   s.full_trainable = e.trainable * in.element_bytes;
-  if (accumulation > 0) offload_optimizer_state(s, e, in, z, mixed, n, eb, accumulation);
+  // offload_param: float32 shards and gradients on the host (4 bytes each).
+  s.host_params = (e.host_shards + e.host_trainable) * 4;
+  if (accumulation > 0) {
+    offload_optimizer_state(s, e, in, z, mixed, n, eb, accumulation);
+  } else {
+    // LibTorch's optimizer makes its state beside what it steps: the host shards' on the host.
+    s.host_params += e.host_trainable * per_opt;
+    s.optimizer -= e.host_trainable * per_opt;
+  }
   return s;
 }
 

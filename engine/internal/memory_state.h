@@ -1,10 +1,11 @@
 // The model state one rank holds under a ZeRO stage, in bytes, for the
 // estimator (engine/memory_estimate.cc): the stage's memory rule
 // (parallel/zero_memory.h, which the engine's live accounting applies too)
-// over the parameters' sizes, with the optimizer offloaded as asked.
+// over the parameters' sizes, with the optimizer offloaded as asked and
+// stage 3's parameters as the config offloads them.
 //
 //   const StateBytes s = state_bytes(inputs, config, /*stage=*/3, /*shard_group=*/8, /*accumulation=*/0);
-//   // s.params + s.grads + s.optimizer on the device; s.host_optimizer on the host
+//   // s.params + s.grads + s.optimizer on the device; s.host_optimizer + s.host_params on the host
 #pragma once
 
 #include <cstdint>
@@ -18,6 +19,9 @@ namespace remat::internal {
 struct StateBytes {
   int64_t params = 0, grads = 0, optimizer = 0, gathered = 0, comm = 0;
   int64_t host_optimizer = 0;  // offload_optimizer: what the host holds
+  // offload_param (stage 3): the float32 shards and their gradients on the
+  // host, and without offload_optimizer the optimizer's state of them.
+  int64_t host_params = 0;
   int64_t full_trainable = 0;  // every trainable parameter's bytes (a stage-0 backward's gradients)
 };
 
