@@ -11,7 +11,7 @@
 #include <set>
 #include <sstream>
 
-#include "parallel/zero_memory.h"
+#include "engine/internal/memory_state.h"
 #include "parallel/zero_options.h"
 #include "runtime/compat.h"
 #include "runtime/device_memory.h"
@@ -39,92 +39,7 @@ bool has_column(const BlockCosts& costs, BlockChoice choice) {
   return std::find(costs.choices.begin(), costs.choices.end(), choice) != costs.choices.end();
 }
 
-// Optimizer state bytes per trainable element of the optimizer's type.
-int64_t optimizer_bytes_per_element(const OptimizerConfig& o) {
-  if (o.type == "SGD") return o.momentum > 0 ? 4 : 0;
-  return 8;  // AdamW, Adam: two moments
-}
-
-// The model state of one stage, per rank.
-struct StateBytes {
-  int64_t params = 0, grads = 0, optimizer = 0, gathered = 0, comm = 0;
-  int64_t host_optimizer = 0;  // offload_optimizer: what the host holds
-  int64_t full_trainable = 0;  // every trainable parameter's bytes (a stage-0 backward's gradients)
-};
-
-// The accumulation window's micro-steps (1 where the batch sizes do not resolve here).
-int64_t accumulation_of(const Config& config, int dp) {
-  try {
-    return config.resolve_batch(dp).gradient_accumulation_steps;
-  } catch (const Error&) {
-    return 1;
-  }
-}
-
-// zero_optimization.offload_optimizer (parallel/zero_offload.h): the host
-// holds the float32 master of every element the optimizer steps, its
-// gradient buffer and the optimizer's state (what a run's metrics report as
-// host_optimizer_bytes); the device keeps its parameters (the stage gathers
-// from them; under bf16 or fp16 the 16-bit ones alone, the frozen masters on
-// the host too: parallel::masters_on_host) and, in the last micro-step,
-// drops each gradient shard as its
-// reduction ends: stages 1-2 hold the buckets' whole gradients, stage 3 its
-// largest unit's shard. Accumulating, the shards stay on the device between
-// micro-batches: the gradients as without offload.
-void offload_optimizer_state(StateBytes& s, const parallel::StateElements& e, const MemoryEstimateInputs& in,
-                             const parallel::ZeroOptions& z, const parallel::MixedPrecision& mixed, int n,
-                             int64_t eb, int64_t accumulation) {
-  s.host_optimizer = e.local_trainable * (4 + 4) + s.optimizer + e.host_frozen * 4;
-  s.optimizer = 0;
-  if (accumulation > 1) return;
-  if (z.stage < 3) {
-    s.grads = e.trainable * eb;
-    return;
-  }
-  const int64_t persistence = mixed.enabled() ? 0 : z.stage3_param_persistence_threshold;
-  std::map<int, int64_t> unit_shard;
-  for (const ParameterSize& p : in.parameters) {
-    if (p.trainable) unit_shard[p.unit] += p.numel < persistence ? p.numel : (p.numel + n - 1) / n;
-  }
-  int64_t largest = 0;
-  for (const auto& [unit, elements] : unit_shard) largest = std::max(largest, elements);
-  s.grads = largest * eb;
-}
-
-// The stage's memory rule (parallel/zero_memory.h, what the engine's live
-// accounting applies too) over the parameters' sizes, in bytes.
-// `accumulation`: the micro-steps of a window, when the optimizer is
-// offloaded (0: it is not).
-StateBytes state_bytes(const MemoryEstimateInputs& in, const Config& config, int stage, int n,
-                       int64_t accumulation) {
-  parallel::ZeroOptions z = config.zero_optimization;
-  z.stage = stage;
-  z.offload_optimizer.device = accumulation > 0 ? parallel::OffloadDevice::kCpu : parallel::OffloadDevice::kNone;
-  // bf16 or fp16: float32 masters (stage 3: shards, every parameter sharded,
-  // units gathered in 16 bits; stages 0-2: whole, each with a 16-bit copy the
-  // model computes with). in.element_bytes is the profiled model's (2 in a
-  // live 16-bit profile, whose backward allocated 16-bit gradients).
-  const parallel::MixedPrecision mixed = parallel::mixed_precision(config.bf16, config.fp16.enabled);
-  const bool half = mixed.compute_dtype != at::kFloat;
-  const int64_t eb = half ? 4 : in.element_bytes;
-  const int64_t gathered_eb = half ? 2 : in.element_bytes;
-  const int64_t per_opt = optimizer_bytes_per_element(config.optimizer);
-  std::vector<parallel::ParameterCount> params;
-  params.reserve(in.parameters.size());
-  for (const ParameterSize& p : in.parameters) params.push_back({p.numel, p.trainable, p.unit});
-  const parallel::StateElements e = parallel::state_elements(z, mixed, n, params);
-  StateBytes s;
-  s.params = e.stored * eb + e.compute_copies * 2;
-  s.grads = e.gradients.peak * eb;
-  s.optimizer = e.local_trainable * per_opt;
-  s.gathered = e.gathered * gathered_eb;
-  // The buffers of the collectives: stages 1-2's gradient bucket (inside
-  // grads), stage 3's gathered units.
-  s.comm = e.bucket * eb + s.gathered;
-  s.full_trainable = e.trainable * in.element_bytes;
-  if (accumulation > 0) offload_optimizer_state(s, e, in, z, mixed, n, eb, accumulation);
-  return s;
-}
+using internal::StateBytes;
 
 std::vector<size_t> every_k_columns(const BlockCosts& costs, const Config& config, bool offload) {
   const auto& ac = config.activation_checkpointing;
@@ -257,20 +172,21 @@ void fill_row(MemoryEstimateRow& r, const StageTerms& t, const MemoryEstimateInp
   r.activation_bytes = predict_peak(in.activations, cols);
   r.host_bytes = host;
   r.host_optimizer_bytes = st.host_optimizer;
+  r.host_parameter_bytes = st.host_params;
   // The activation phase, or the optimizer's step (the state, the
   // gradients and one parameter's update temporaries).
   // Host bytes are apart: what of them a CPU model's tracker counts
   // (cpu_checkpointing's copies) is in the activations already. The
-  // offloaded optimizer's are too, but on a CPU model they are in the same
-  // memory, held through the step.
+  // offloaded optimizer's and parameters' are too, but on a CPU model they
+  // are in the same memory, held through the step.
   r.peak_bytes = std::max(t.fixed + r.activation_bytes + t.grads_term, st.params + st.optimizer + st.grads) +
-                 (in.host_is_device ? st.host_optimizer : 0);
+                 (in.host_is_device ? st.host_optimizer + st.host_params : 0);
 }
 
 StageTerms stage_terms(const MemoryEstimateInputs& in, const Config& config, int stage, int group,
                        int64_t accumulation) {
   StageTerms t;
-  t.state = state_bytes(in, config, stage, group, accumulation);
+  t.state = internal::state_bytes(in, config, stage, group, accumulation);
   t.grads_term = in.gradients_in_activations ? t.state.grads - t.state.full_trainable : t.state.grads;
   t.fixed = t.state.params + t.state.optimizer + in.other_bytes + t.state.gathered;
   return t;
@@ -286,7 +202,7 @@ void add_stage_rows(MemoryEstimate& e, const Config& config, const MemoryEstimat
   const auto& ac = config.activation_checkpointing;
   const bool offload_configured = config.activation_offloading.enabled || ac.cpu_checkpointing;
   const std::string configured = configured_policy(ac);
-  const int64_t accumulation = accumulation_of(config, e.dp);
+  const int64_t accumulation = internal::accumulation_of(config, e.dp);
   const bool opt = stage > 0 && e.offload_optimizer;
   const StageTerms t = stage_terms(in, config, stage, group, opt ? accumulation : 0);
   const StageTerms host = stage_terms(in, config, stage, group, accumulation);
@@ -348,6 +264,7 @@ MemoryEstimate estimate_memory(const Config& config, int world_size, const Memor
   e.tp = tp;
   e.dp = world_size / tp;
   e.offload_optimizer = config.zero_optimization.offload_optimizer.enabled();
+  e.offload_param = config.zero_optimization.offload_param.enabled();
   // The trainer's rules that need the number of ranks (ZeroModel's), so that
   // the estimate refuses what the run would.
   if (std::string bad = parallel::check_hybrid_shard_size(config.zero_optimization, e.dp); !bad.empty()) {
@@ -403,20 +320,25 @@ std::string MemoryEstimate::table() const {
   o << "Estimated memory per rank (" << mode << (host_is_device ? "" : ", the model on a GPU") << "), " << world_size << " ranks = dp " << dp << " x tp " << tp
     << (shard_group < dp ? str(", hybrid shards of ", shard_group) : std::string()) << ", MiB; * the configuration\n";
   char line[512];
-  std::snprintf(line, sizeof line, "  %-5s %-13s %-7s %-5s %10s %10s %10s %10s %10s %10s %10s %10s %10s %10s  %s\n",
+  // offload_param: a column of its own (stage 3's rows), absent otherwise.
+  std::snprintf(line, sizeof line, "  %-5s %-13s %-7s %-5s %10s %10s %10s %10s %10s %10s %10s %10s %10s %10s%s  %s\n",
                 "stage", "policy", "offload", "optim", "params", "grads", "optimizer", "gathered", "activation",
-                "host", "comm", "peak", "host optim", "peak optim", "plan");
+                "host", "comm", "peak", "host optim", "peak optim", offload_param ? " host param" : "", "plan");
   o << line;
   for (const auto& r : rows) {
     const std::string stage = str(r.configured ? "*" : " ", r.stage, r.hybrid ? "h" : "");
     const bool alt = r.stage > 0;  // stage 0 cannot offload the optimizer
-    std::snprintf(line, sizeof line, "  %-5s %-13s %-7s %-5s %10s %10s %10s %10s %10s %10s %10s %10s %10s %10s  %s%s\n",
+    char host_param[32] = "";
+    if (offload_param) {
+      std::snprintf(host_param, sizeof host_param, " %10s", r.stage == 3 ? mib(r.host_parameter_bytes).c_str() : "-");
+    }
+    std::snprintf(line, sizeof line, "  %-5s %-13s %-7s %-5s %10s %10s %10s %10s %10s %10s %10s %10s %10s %10s%s  %s%s\n",
                   stage.c_str(), r.policy.c_str(), r.offload ? "on" : "off", r.offload_optimizer ? "host" : "dev",
                   mib(r.parameter_bytes).c_str(), mib(r.gradient_bytes).c_str(), mib(r.optimizer_bytes).c_str(),
                   mib(r.gathered_bytes).c_str(), mib(r.activation_bytes).c_str(), mib(r.host_bytes).c_str(),
                   mib(r.comm_bytes).c_str(), mib(r.peak_bytes).c_str(), alt ? mib(r.host_optimizer_bytes).c_str() : "-",
                   alt && r.offload_optimizer_peak_bytes > 0 ? mib(r.offload_optimizer_peak_bytes).c_str() : "-",
-                  r.feasible ? "" : "(no plan fits its budget) ", r.plan.c_str());
+                  host_param, r.feasible ? "" : "(no plan fits its budget) ", r.plan.c_str());
     o << line;
   }
   if (!rows.empty() && std::count_if(rows.begin(), rows.end(), [](const MemoryEstimateRow& r) {
@@ -432,7 +354,14 @@ std::string MemoryEstimate::table() const {
     << "; optim: where the optimizer's state is (host: zero_optimization.offload_optimizer.device cpu); host optim: "
        "the float32 master shards, their gradients and the optimizer's state on the host when it is there; peak optim: "
        "the peak with the optimizer on the host"
-    << (host_is_device ? " (host optim included: the host is the device)" : " (host optim apart)") << "\n";
+    << (host_is_device ? " (host optim included: the host is the device)" : " (host optim apart)")
+    << (offload_param ? str("; host param: zero_optimization.offload_param's float32 parameter shards and their "
+                            "gradients on the host (with the optimizer on the device, its state of them too), ",
+                            host_is_device ? "in the peaks" : "apart from the peaks",
+                            "; params, grads and optimizer then keep the device's: the persistent parameters' and, "
+                            "in grads, a unit's gradient shard until it reaches the host")
+                      : std::string())
+    << "\n";
   if (device_capacity_bytes > 0 && !rows.empty()) o << "  " << capacity_text(*this) << "\n";
   return o.str();
 }
@@ -445,6 +374,8 @@ std::string MemoryEstimate::line() const {
              mib(r.activation_bytes), r.host_bytes > 0 ? str(" (host ", mib(r.host_bytes), ")") : std::string(),
              r.offload_optimizer ? str("; the optimizer on the host: ", mib(r.host_optimizer_bytes), " MiB")
                                  : std::string(),
+             r.host_parameter_bytes > 0 ? str("; the parameter shards on the host: ", mib(r.host_parameter_bytes), " MiB")
+                                        : std::string(),
              " (ZeRO stage ", r.stage, r.hybrid ? " hybrid" : "", ", ", r.policy, r.plan.empty() ? "" : " ", r.plan,
              ")", device_capacity_bytes > 0 ? "; " + capacity_text(*this) : std::string());
 }
@@ -461,10 +392,13 @@ nlohmann::json MemoryEstimate::to_json() const {
                          {"peak_bytes", r.peak_bytes}, {"offload_optimizer", r.offload_optimizer},
                          {"host_optimizer_bytes", r.host_optimizer_bytes},
                          {"offload_optimizer_peak_bytes", r.offload_optimizer_peak_bytes}});
+    // Written only when the config offloads parameters: other estimates' keys stay as they are.
+    if (offload_param) rows_json.back()["host_parameter_bytes"] = r.host_parameter_bytes;
   }
   nlohmann::json out = {{"mode", mode}, {"world_size", world_size}, {"dp", dp}, {"tp", tp},
                         {"shard_group", shard_group}, {"rows", rows_json}};
   if (!host_is_device) out["host_is_device"] = false;
+  if (offload_param) out["offload_param"] = true;
   if (device_capacity_bytes > 0) out["device_capacity_bytes"] = device_capacity_bytes;
   return out;
 }

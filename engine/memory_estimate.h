@@ -101,6 +101,14 @@ struct MemoryEstimateRow {
   // device: the peaks include host_optimizer_bytes.
   bool offload_optimizer = false;
   int64_t host_optimizer_bytes = 0, offload_optimizer_peak_bytes = 0;
+  // zero_optimization.offload_param.device cpu, stage 3's rows: the float32
+  // parameter shards (trained and frozen) and their gradients on the host
+  // (a run's host_parameter_bytes) and, with the optimizer not offloaded,
+  // LibTorch's optimizer's state of them, made beside them. The columns
+  // above keep the device's: the persistent parameters, their gradients and
+  // optimizer state, and at the step's most a unit's reduced gradient shard
+  // before its copy to the host. On a CPU model the peaks include it.
+  int64_t host_parameter_bytes = 0;
 };
 
 struct MemoryEstimate {
@@ -109,6 +117,7 @@ struct MemoryEstimate {
   int64_t device_capacity_bytes = 0;  // the inputs' (0: unknown)
   int world_size = 1, dp = 1, tp = 1, shard_group = 1;
   bool offload_optimizer = false;    // the config's (zero_optimization.offload_optimizer)
+  bool offload_param = false;        // the config's (zero_optimization.offload_param, stage 3's rows)
   std::vector<MemoryEstimateRow> rows;
 
   // The configured row (an Error when the configuration has none: variant

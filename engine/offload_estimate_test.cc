@@ -9,6 +9,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <map>
+#include <string>
+
 #include "engine/config.h"
 #include "engine/engine.h"
 #include "engine/memory_estimate.h"
@@ -29,6 +32,7 @@ struct Case {
   int stage = 1;
   bool offload = true;
   bool bf16 = false;
+  bool offload_param = false;  // zero_optimization.offload_param (stage 3)
   int64_t device_budget = 0;  // activation_checkpointing.device_memory_budget_bytes (variant auto), 0: none
 };
 
@@ -44,6 +48,7 @@ Config config_of(const Case& s) {
   c.zero_optimization.reduce_bucket_size = 900;
   c.zero_optimization.stage3_param_persistence_threshold = 40;
   c.zero_optimization.offload_optimizer.device = s.offload ? parallel::OffloadDevice::kCpu : parallel::OffloadDevice::kNone;
+  c.zero_optimization.offload_param.device = s.offload_param ? parallel::OffloadDevice::kCpu : parallel::OffloadDevice::kNone;
   if (s.device_budget > 0) {
     c.activation_checkpointing.variant = CheckpointVariant::kAuto;
     c.activation_checkpointing.device_memory_budget_bytes = s.device_budget;
@@ -137,6 +142,90 @@ TEST(OffloadEstimate, HostBytesAreTheRunsAtEveryStage) {
         EXPECT_NEAR(static_cast<double>(row.parameter_bytes), static_cast<double>(device_params), 2.0 * 64) << what;
       }
       EXPECT_EQ(row.parameter_bytes * (!bf16 ? 1 : stage < 3 ? 3 : 2), off.parameter_bytes) << what;
+    }
+  }
+}
+
+// The largest unit's trained shard elements on this rank (the transient
+// gradient shard the device holds while a unit is reduced), from the GPT's
+// parameter names: blocks.<i>.* are block i's, the rest the root unit's.
+int64_t largest_unit_shard(const Case& s) {
+  models::Gpt model(gpt());
+  const int64_t persistence = s.bf16 ? 0 : config_of(s).zero_optimization.stage3_param_persistence_threshold;
+  const int64_t n = world()->size();
+  std::map<int, int64_t> units;
+  for (const auto& item : model->named_parameters()) {
+    const std::string& name = item.key();
+    const int64_t numel = item.value().numel();
+    if (numel < persistence) continue;
+    const int unit = name.rfind("blocks.", 0) == 0 ? std::stoi(name.substr(7)) : -1;
+    units[unit] += (numel + n - 1) / n;
+  }
+  int64_t largest = 0;
+  for (const auto& [unit, elements] : units) largest = std::max(largest, elements);
+  return largest;
+}
+
+// zero_optimization.offload_param at stage 3, alone and with
+// offload_optimizer, float32 and bf16: the estimate's device parameters (the
+// persistent ones; none under bf16) and host shards are the run's
+// param_bytes and host_parameter_bytes (without offload_optimizer with the
+// shards' AdamW state beside them, which the run counts in
+// optimizer_state_bytes; with it, host_optimizer_bytes is the run's); the
+// device's gradients are the persistent parameters' (the run's grad_bytes)
+// and a unit's reduced shard on its way to the host. At 1 rank to the byte;
+// at 2 the run pads each unit's flat buffer, the estimate each parameter: a
+// few elements of 16 bytes (shard, gradient, state) apart.
+TEST(OffloadEstimate, ParameterShardsOnTheHostAreTheRuns) {
+  const bool one = world()->size() == 1;
+  for (bool bf16 : {false, true}) {
+    for (bool offload : {false, true}) {
+      Case s;
+      s.stage = 3;
+      s.bf16 = bf16;
+      s.offload = offload;
+      s.offload_param = true;
+      const std::string what = str(bf16 ? "bf16" : "float32", offload ? ", offload_optimizer" : "");
+      const Trained run = train(s, 2);
+      const MemoryEstimate e = estimate_of(s);
+      const MemoryEstimateRow& row = e.configured();
+      const int64_t device_params = run.metrics.at("param_bytes").get<int64_t>();
+      const int64_t device_grads = run.metrics.at("grad_bytes").get<int64_t>();
+      const int64_t host_params = run.metrics.at("host_parameter_bytes").get<int64_t>();
+      EXPECT_EQ(row.parameter_bytes, device_params) << what;
+      if (bf16) {
+        EXPECT_EQ(row.parameter_bytes, 0) << what << ": every parameter is sharded";
+      }
+      // Without offload_optimizer LibTorch's AdamW keeps the persistent
+      // parameters' state on the device, the shards' on the host.
+      const int64_t host_state =
+          offload ? 0 : run.metrics.at("optimizer_state_bytes").get<int64_t>() - row.optimizer_bytes;
+      if (!offload) {
+        EXPECT_EQ(row.optimizer_bytes, 8 * device_params / 4) << what;
+      }
+      const double slack = one ? 0.0 : 16.0 * 64;
+      EXPECT_NEAR(static_cast<double>(row.host_parameter_bytes), static_cast<double>(host_params + host_state), slack)
+          << what;
+      if (offload) {
+        EXPECT_NEAR(static_cast<double>(row.host_optimizer_bytes),
+                    static_cast<double>(run.metrics.at("host_optimizer_bytes").get<int64_t>()), slack)
+            << what;
+        // One micro-step: every gradient leaves as its unit's reduction ends.
+        EXPECT_GT(row.gradient_bytes, 0) << what;
+      } else {
+        EXPECT_NEAR(static_cast<double>(row.gradient_bytes),
+                    static_cast<double>(device_grads + 4 * largest_unit_shard(s)), one ? 0.0 : 4.0 * 64)
+            << what;
+      }
+      EXPECT_EQ(e.to_json().at("rows").at(0).at("host_parameter_bytes").get<int64_t>(), 0) << what << ": stage 0";
+      // The same config without offload_param: the shards on the device.
+      Case plain = s;
+      plain.offload_param = false;
+      const MemoryEstimate p = estimate_of(plain);
+      const MemoryEstimateRow& on_device = p.configured();
+      EXPECT_EQ(on_device.host_parameter_bytes, 0) << what;
+      EXPECT_GT(on_device.parameter_bytes, row.parameter_bytes) << what;
+      EXPECT_FALSE(p.to_json().at("rows").at(0).contains("host_parameter_bytes")) << what;
     }
   }
 }

@@ -19,7 +19,8 @@
 // answers "does this GPT (its parameters counted) fit on this device with
 // this host": the device's peak against its capacity and what offloading
 // keeps on the host (the optimizer's masters, gradients and state under
-// zero_optimization.offload_optimizer, offloaded activations) against
+// zero_optimization.offload_optimizer, stage 3's parameter shards under
+// offload_param, offloaded activations) against
 // --host-memory (bytes per rank; default this host's available memory over
 // the ranks); it exits 2 too when the host part does not fit.
 #include <ATen/ATen.h>
@@ -49,9 +50,10 @@ namespace {
 
 // The verdict line of a GPU run (see the top): the device and the host, the
 // configured row and, where the optimizer could move to the host, that row
-// too. Whether the host part fits (`host` 0: unknown, not checked).
-bool host_verdict(const MemoryEstimate& e, const MemoryEstimateInputs& in, double device, double host,
-                  const std::string& host_source) {
+// too (`offloaded`: the configured row of the config with it there). Whether
+// the host part fits (`host` 0: unknown, not checked).
+bool host_verdict(const MemoryEstimate& e, const MemoryEstimateRow* offloaded, const MemoryEstimateInputs& in,
+                  double device, double host, const std::string& host_source) {
   const MemoryEstimateRow& r = e.configured();
   int64_t params = 0;
   for (const auto& p : in.parameters) params += p.numel;
@@ -60,15 +62,19 @@ bool host_verdict(const MemoryEstimate& e, const MemoryEstimateInputs& in, doubl
     return str(what, " ", human_bytes(static_cast<double>(bytes)), " of ", human_bytes(have),
                bytes <= have ? ": fits" : ": does not fit");
   };
-  const int64_t on_host = (r.offload_optimizer ? r.host_optimizer_bytes : 0) + r.host_bytes;
+  // What stays on the host: the offloaded optimizer, offload_param's shards, offloaded activations.
+  auto host_of = [](const MemoryEstimateRow& row) {
+    return (row.offload_optimizer ? row.host_optimizer_bytes : 0) + row.host_parameter_bytes + row.host_bytes;
+  };
+  const int64_t on_host = host_of(r);
   std::cout << "verdict: the GPT of the config, " << params << " parameters"
             << (e.tp > 1 ? " per tensor-parallel rank" : "") << ", ZeRO stage " << r.stage << ", the optimizer on the "
             << (r.offload_optimizer ? "host" : "device") << ": " << part("device", r.peak_bytes, device) << "; "
             << part("host", on_host, host) << (host > 0 ? str(" (", host_source, ")") : "") << "\n";
-  if (!r.offload_optimizer && r.offload_optimizer_peak_bytes > 0) {
+  if (offloaded != nullptr) {
     std::cout << "  with zero_optimization.offload_optimizer.device=cpu: "
               << part("device", r.offload_optimizer_peak_bytes, device) << "; "
-              << part("host", r.host_optimizer_bytes + r.host_bytes, host) << "\n";
+              << part("host", host_of(*offloaded), host) << "\n";
   }
   return host <= 0 || on_host <= host;
 }
@@ -207,7 +213,14 @@ int estimate(int argc, char** argv) {
     const double host = host_memory > 0 ? static_cast<double>(host_memory)
                         : env            ? 0.0
                                          : available_bytes_per_rank() / ranks;
-    fits &= host_verdict(e, inputs, have, host,
+    // The optimizer moved to the host: its row, offload_param's shards then without their state.
+    std::optional<MemoryEstimate> offloaded;
+    if (!e.configured().offload_optimizer && e.configured().offload_optimizer_peak_bytes > 0) {
+      Config with_host = config;
+      with_host.zero_optimization.offload_optimizer.device = parallel::OffloadDevice::kCpu;
+      offloaded = estimate_memory(with_host, ranks, inputs);
+    }
+    fits &= host_verdict(e, offloaded ? &offloaded->configured() : nullptr, inputs, have, host,
                          host_memory > 0 ? "--host-memory" : str("this host's available memory over ", ranks, " ranks"));
   }
   if (!json_path.empty()) {

@@ -50,12 +50,14 @@ GradientHold stage12_gradients(const ZeroOptions& options, int64_t trainable, in
 // every other one in 1/N; at most two units' sharded parameters gathered at
 // once: the unit computing and the one prefetched beside it (the next in
 // forward, the previous in backward), when it is within the prefetch size
-// and the two within stage3_max_live_parameters.
+// and the two within stage3_max_live_parameters. offload_param: the shards
+// on the host (StateElements::host_shards).
 StateElements stage3_state(const ZeroOptions& options, const MixedPrecision& mixed, int shard_group,
                            const std::vector<ParameterCount>& params) {
   const int64_t persistence = mixed.enabled() ? 0 : options.stage3_param_persistence_threshold;
   StateElements s;
   std::map<int, int64_t> unit_sharded;  // block -> its sharded elements
+  std::map<int, int64_t> unit_shard_trained;  // unit (-1: the root) -> its trained shards' elements
   for (const ParameterCount& p : params) {
     if (p.trainable) s.trainable += p.numel;
     const bool persistent = p.numel < persistence;
@@ -63,8 +65,25 @@ StateElements stage3_state(const ZeroOptions& options, const MixedPrecision& mix
     s.stored += local;
     if (p.trainable) s.local_trainable += local;
     if (!persistent && p.unit >= 0) unit_sharded[p.unit] += p.numel;
+    if (persistent) continue;
+    s.host_shards += local;
+    if (p.trainable) {
+      s.host_trainable += local;
+      unit_shard_trained[p.unit] += local;
+    }
   }
   s.gradients = stage3_gradients(s.trainable, s.local_trainable);
+  if (options.offload_param.enabled()) {
+    // The device keeps the persistent parameters and their gradients, and a
+    // unit's reduced shard until it is copied into the host shard's gradient.
+    int64_t largest = 0;
+    for (const auto& [unit, elements] : unit_shard_trained) largest = std::max(largest, elements);
+    s.stored -= s.host_shards;
+    const int64_t persistent_trained = s.local_trainable - s.host_trainable;
+    s.gradients = {persistent_trained + largest, persistent_trained};
+  } else {
+    s.host_shards = s.host_trainable = 0;
+  }
   for (auto it = unit_sharded.begin(); it != unit_sharded.end(); ++it) {
     auto next = std::next(it);
     const bool adjacent = next != unit_sharded.end() && next->first == it->first + 1;

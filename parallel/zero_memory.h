@@ -47,6 +47,14 @@ struct StateElements {
   // (stages 1-2: whole, stage 3: the shards); the host holds the trainable
   // masters (local_trainable) and these, the frozen parameters' float32 values.
   int64_t host_frozen = 0;
+  // offload_param (stage 3): the shards (every parameter not persistent, trained
+  // and frozen) are float32 host tensors, `host_shards` elements, of which
+  // `host_trainable` get gradients there and are stepped there (inside
+  // local_trainable); `stored` and `gradients` keep the device's: the
+  // persistent parameters and theirs, and at the step's most the reduced
+  // shard of the largest unit before it is copied to the host.
+  int64_t host_shards = 0;
+  int64_t host_trainable = 0;
 };
 
 // options.stage's rule over `params` sharded within groups of `shard_group`
