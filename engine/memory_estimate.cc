@@ -403,7 +403,7 @@ nlohmann::json MemoryEstimate::to_json() const {
   return out;
 }
 
-std::string cheapest_fitting_change(const MemoryEstimate& e, int64_t have) {
+std::string cheapest_fitting_change(const MemoryEstimate& e, int64_t have, int64_t host_have) {
   const MemoryEstimateRow& now = e.configured();
   const std::vector<std::string> order = {"none", "selective_op", "every_k", "full"};
   auto rank = [&](const std::string& p) {
@@ -442,7 +442,9 @@ std::string cheapest_fitting_change(const MemoryEstimate& e, int64_t have) {
         now.offload_optimizer || r.hybrid != (e.shard_group < e.dp)) {
       continue;
     }
-    const bool host_fits = r.offload_optimizer_peak_bytes > 0 && r.offload_optimizer_peak_bytes <= have;
+    const int64_t on_host = r.host_optimizer_bytes + r.host_parameter_bytes + r.host_bytes;
+    const bool host_fits = r.offload_optimizer_peak_bytes > 0 && r.offload_optimizer_peak_bytes <= have &&
+                           (host_have <= 0 || on_host <= host_have);
     if (host_fits && (!host_best || r.stage < host_best->stage)) host_best = &r;
   }
   std::vector<std::string> options;

@@ -185,7 +185,9 @@ int64_t largest_fitting_micro_batch(const Config& config, int world_size, int64_
 // The cheapest change to `config` whose row fits `have` bytes per rank (a
 // higher stage, then the optimizer offloaded to the host, then another
 // policy at this stage, then a memory budget), as the keys to set; empty
-// when none fits.
-std::string cheapest_fitting_change(const MemoryEstimate& estimate, int64_t have);
+// when none fits. `host_have` (0: unknown): the host memory each rank has
+// beside its device; the optimizer is named for the host only where what the
+// host then holds fits it.
+std::string cheapest_fitting_change(const MemoryEstimate& estimate, int64_t have, int64_t host_have = 0);
 
 }  // namespace remat

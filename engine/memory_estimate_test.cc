@@ -470,6 +470,10 @@ TEST(MemoryEstimate, TheOptimizerOnTheHost) {
   EXPECT_THAT(change, HasSubstr("zero_optimization.offload_optimizer.device=cpu"));
   EXPECT_EQ(change.find("zero_optimization.stage="), std::string::npos) << change;
   EXPECT_EQ(cheapest_fitting_change(h, hr.peak_bytes - 1).find("offload_optimizer"), std::string::npos);
+  // ... but not where the host cannot hold what it would keep.
+  EXPECT_THAT(cheapest_fitting_change(p, hr.peak_bytes, hr.host_optimizer_bytes), HasSubstr("offload_optimizer"));
+  EXPECT_EQ(cheapest_fitting_change(p, hr.peak_bytes, hr.host_optimizer_bytes - 1).find("offload_optimizer"),
+            std::string::npos);
   // On a CPU the offloaded bytes are in the same memory: the peak grows.
   const MemoryEstimate cpu = estimate_memory(host, 2, cold_gpt_inputs(host, kVocab, 1));
   const MemoryEstimate cpu_plain = estimate_memory(plain, 2, cold_gpt_inputs(plain, kVocab, 1));

@@ -31,6 +31,7 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <functional>
 #include <optional>
 
 #include "data/dataset.h"
@@ -48,6 +49,45 @@
 namespace remat {
 namespace {
 
+// What stays on the host under `row`: the offloaded optimizer, offload_param's shards, offloaded activations.
+int64_t host_need(const MemoryEstimateRow& row) {
+  return (row.offload_optimizer ? row.host_optimizer_bytes : 0) + row.host_parameter_bytes + row.host_bytes;
+}
+
+// The line saying whether the configuration fits: its device peak against
+// `have` bytes per rank (`who` has them) and, beside a GPU, what it keeps on
+// the host against `host` (0: unknown, not checked); where it does not, the
+// cheapest change that fits both (`on_device`: the config's estimate with the
+// optimizer on the device). Whether it fits.
+bool fit_line(const MemoryEstimate& e, double have, double host, const std::string& who,
+              const std::string& host_source, const std::function<MemoryEstimate()>& on_device) {
+  const MemoryEstimateRow& r = e.configured();
+  const bool device_fits = r.peak_bytes <= have;
+  const bool host_fits = host <= 0 || host_need(r) <= host;
+  std::cout << who << human_bytes(have) << ": the configuration " << (device_fits && host_fits ? "fits" : "does not fit");
+  if (!device_fits) {
+    const std::string change =
+        cheapest_fitting_change(e, static_cast<int64_t>(have), static_cast<int64_t>(std::max(host, 0.0)));
+    std::cout << (change.empty() ? "; no row of the table fits: lower the batch size or the model's size"
+                                 : "; the cheapest change that fits: " + change);
+  } else if (!host_fits) {
+    std::cout << ": its device part fits, but what it keeps on the host, " << human_bytes(host_need(r))
+              << ", is more than the " << human_bytes(host) << " each rank has there (" << host_source << ")";
+    const MemoryEstimate back = r.offload_optimizer ? on_device() : e;
+    const MemoryEstimateRow& b = back.configured();
+    if (r.offload_optimizer && b.peak_bytes <= have && host_need(b) <= host) {
+      std::cout << "; the cheapest change that fits: zero_optimization.offload_optimizer.device=none (estimated "
+                << "device peak " << human_bytes(static_cast<double>(b.peak_bytes)) << ", the host keeping "
+                << human_bytes(static_cast<double>(host_need(b))) << ")";
+    } else {
+      std::cout << "; give each rank more host memory (fewer ranks per host), or shard over more ranks (stage 3 "
+                   "divides the host's share among them)";
+    }
+  }
+  std::cout << "\n";
+  return device_fits && host_fits;
+}
+
 // The verdict line of a GPU run (see the top): the device and the host, the
 // configured row and, where the optimizer could move to the host, that row
 // too (`offloaded`: the configured row of the config with it there). Whether
@@ -62,11 +102,7 @@ bool host_verdict(const MemoryEstimate& e, const MemoryEstimateRow* offloaded, c
     return str(what, " ", human_bytes(static_cast<double>(bytes)), " of ", human_bytes(have),
                bytes <= have ? ": fits" : ": does not fit");
   };
-  // What stays on the host: the offloaded optimizer, offload_param's shards, offloaded activations.
-  auto host_of = [](const MemoryEstimateRow& row) {
-    return (row.offload_optimizer ? row.host_optimizer_bytes : 0) + row.host_parameter_bytes + row.host_bytes;
-  };
-  const int64_t on_host = host_of(r);
+  const int64_t on_host = host_need(r);
   std::cout << "verdict: the GPT of the config, " << params << " parameters"
             << (e.tp > 1 ? " per tensor-parallel rank" : "") << ", ZeRO stage " << r.stage << ", the optimizer on the "
             << (r.offload_optimizer ? "host" : "device") << ": " << part("device", r.peak_bytes, device) << "; "
@@ -74,7 +110,7 @@ bool host_verdict(const MemoryEstimate& e, const MemoryEstimateRow* offloaded, c
   if (offloaded != nullptr) {
     std::cout << "  with zero_optimization.offload_optimizer.device=cpu: "
               << part("device", r.offload_optimizer_peak_bytes, device) << "; "
-              << part("host", host_of(*offloaded), host) << "\n";
+              << part("host", host_need(*offloaded), host) << "\n";
   }
   return host <= 0 || on_host <= host;
 }
@@ -189,39 +225,36 @@ int estimate(int argc, char** argv) {
   }
   const MemoryEstimate e = estimate_memory(config, ranks, inputs);
   std::cout << auto_table << e.table() << e.line() << "\n";
+  // Beside a GPU: the host memory each rank has for what offloading keeps there (0: unknown).
+  const double host = !cuda                                         ? 0.0
+                      : host_memory > 0                             ? static_cast<double>(host_memory)
+                      : knobs::get(knobs::kMemoryPerRankBytes)      ? 0.0
+                                                                    : available_bytes_per_rank() / ranks;
+  const std::string host_source =
+      host_memory > 0 ? "--host-memory" : str("this host's available memory over ", ranks, " ranks");
+  // The same config with the optimizer moved to the host, or back on the device.
+  auto with_optimizer_on = [&](parallel::OffloadDevice where) {
+    Config changed = config;
+    changed.zero_optimization.offload_optimizer.device = where;
+    return estimate_memory(changed, ranks, inputs);
+  };
   bool fits = true;
   if (have > 0) {
-    const int64_t peak = e.configured().peak_bytes;
-    fits = peak <= have;
-    std::cout << (given  ? "each rank has "
-                  : cuda ? "each rank's GPU has "
-                         : str("with ", ranks, " ranks on this host, each has about "))
-              << human_bytes(have) << ": the "
-              << "configuration " << (peak <= have ? "fits" : "does not fit");
-    if (peak > have) {
-      const std::string change = cheapest_fitting_change(e, static_cast<int64_t>(have));
-      std::cout << (change.empty() ? "; no row of the table fits: lower the batch size or the model's size"
-                                   : "; the cheapest change that fits: " + change);
-    }
-    std::cout << "\n";
+    const std::string who = given ? "each rank has "
+                            : cuda ? "each rank's GPU has "
+                                   : str("with ", ranks, " ranks on this host, each has about ");
+    fits = fit_line(e, have, host, who, host_source, [&] { return with_optimizer_on(parallel::OffloadDevice::kNone); });
   } else if (cuda) {
     std::cout << "no GPU here to read its capacity: set REMAT_MEMORY_PER_RANK_BYTES to the bytes of a rank's GPU "
                  "to check the fit\n";
   }
   if (cuda) {
-    const bool env = knobs::get(knobs::kMemoryPerRankBytes).has_value();
-    const double host = host_memory > 0 ? static_cast<double>(host_memory)
-                        : env            ? 0.0
-                                         : available_bytes_per_rank() / ranks;
     // The optimizer moved to the host: its row, offload_param's shards then without their state.
     std::optional<MemoryEstimate> offloaded;
     if (!e.configured().offload_optimizer && e.configured().offload_optimizer_peak_bytes > 0) {
-      Config with_host = config;
-      with_host.zero_optimization.offload_optimizer.device = parallel::OffloadDevice::kCpu;
-      offloaded = estimate_memory(with_host, ranks, inputs);
+      offloaded = with_optimizer_on(parallel::OffloadDevice::kCpu);
     }
-    fits &= host_verdict(e, offloaded ? &offloaded->configured() : nullptr, inputs, have, host,
-                         host_memory > 0 ? "--host-memory" : str("this host's available memory over ", ranks, " ranks"));
+    fits &= host_verdict(e, offloaded ? &offloaded->configured() : nullptr, inputs, have, host, host_source);
   }
   if (!json_path.empty()) {
     nlohmann::json rows = e.to_json();
