@@ -249,10 +249,13 @@ TEST(OffloadEstimate, TheDeviceBudgetChargesOnlyWhatStaysOnTheDevice) {
              r.metrics.at("act_plan_predicted_peak_bytes").get<int64_t>();
     };
     ASSERT_EQ(device.local_elements, host.local_elements);
-    // The plan's state also holds the other tensors live at the step's start,
-    // which on this CPU differ a little with the stage's host copies.
+    // The plan's state also holds the other tensors live when it profiles,
+    // which on this CPU differ a little with the stage's host copies and, at
+    // 2 ranks, with the timing of the reductions in flight (measured: up to
+    // 5248 bytes either way between runs of the same config, against the
+    // 31296 bytes of AdamW state moved): a band of a quarter of the state.
     EXPECT_NEAR(static_cast<double>(state(device) - state(host)), 8.0 * static_cast<double>(host.local_elements),
-                0.15 * 8.0 * static_cast<double>(host.local_elements))
+                0.25 * 8.0 * static_cast<double>(host.local_elements))
         << "stage " << stage;
     // A budget between the two (checked at initialize, before any step):
     // refused with the state on the device, taken with it on the host.

@@ -9,13 +9,18 @@
 // offload on and off, at another data-parallel size too.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/linear.h>
 
 
 #include "engine/config.h"
 #include "engine/engine.h"
 #include "engine/optim.h"
 #include "models/gpt.h"
+#include "nn/module_call.h"
 #include "optim/host_adam.h"
 #include "parallel/zero.h"
 #include "runtime/communicator.h"
@@ -396,6 +401,86 @@ TEST(OffloadOptimizer, SixteenBitRunsKeepTheMastersOnTheHostAlone) {
     EXPECT_GT(with_grad, 0) << what;
     zero.zero_grad();
     for (const auto& p : zero.parameters()) EXPECT_FALSE(p.grad().defined()) << what;
+    // A step copies the stepped masters back, not the frozen ones (unwritten).
+    if (stage < 3) {
+      const at::Tensor frozen = model->named_parameters()["pos_emb.weight"];
+      const int64_t before = frozen._version();
+      engine->step();  // the backward's above (its gradients dropped: nothing stepped)
+      EXPECT_EQ(frozen._version(), before) << what << ": a frozen parameter copied again";
+    }
+  }
+}
+
+// A model of the user's own, not remat's GPT: a Conv2d patch embedding on a
+// float32 image, linear blocks, a head; its loss may add a gradient penalty
+// taken with autograd::grad inside the forward.
+struct PatchNetImpl : torch::nn::Module {
+  PatchNetImpl() {
+    patch = register_module("patch", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 4).stride(4)));
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < 2; ++i) blocks->push_back(torch::nn::Linear(8, 8));
+    head = register_module("head", torch::nn::Linear(8, 4));
+  }
+  at::Tensor loss(const at::Tensor& image, const at::Tensor& label, double penalty) {
+    const at::Tensor embedded = remat::forward(patch, image).flatten(2).transpose(1, 2);  // [B, 4, 8]
+    at::Tensor x = embedded;
+    for (size_t i = 0; i < blocks->size(); ++i) {
+      x = x + at::gelu(remat::forward(blocks->ptr<torch::nn::LinearImpl>(i), x));
+    }
+    const at::Tensor ce = at::cross_entropy_loss(remat::forward(head, x.mean(1)).to(at::kFloat), label);
+    if (penalty == 0) return ce;
+    const at::Tensor g = torch::autograd::grad({ce}, {embedded}, {}, /*retain_graph=*/true, /*create_graph=*/true)[0];
+    return ce + penalty * g.pow(2).sum().to(at::kFloat);
+  }
+  torch::nn::Conv2d patch{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(PatchNet);
+
+// PatchNet's losses over 4 steps, its patch bias frozen.
+std::vector<double> train_patch_net(int stage, bool bf16, bool offload, double penalty) {
+  at::manual_seed(5);
+  PatchNet model;
+  model->patch->bias.requires_grad_(false);
+  OffloadSetup s;
+  s.stage = stage;
+  s.bf16 = bf16;
+  s.offload = offload;
+  Config c = config_of(s);
+  c.zero_optimization.stage3_param_persistence_threshold = 0;
+  EngineOptions options;
+  options.layout = remat::testing::layout_ptr(1);
+  auto engine = initialize(model, c, options);
+  EXPECT_EQ(engine->sharding().offloads_optimizer(), offload);
+  at::manual_seed(6 + world()->rank());
+  const at::Tensor image = at::randn({4, 3, 8, 8});  // float32, as a data loader gives it
+  const at::Tensor label = at::arange(4, at::kLong);
+  std::vector<double> losses;
+  for (int step = 0; step < 4; ++step) {
+    engine->backward(engine->forward([&] { return model->loss(image, label, penalty); }));
+    engine->step();
+    losses.push_back(engine->last_metrics().loss);
+  }
+  return losses;
+}
+
+// The user's model, a frozen parameter in it, trains with the optimizer on
+// the host bitwise as without, at stages 1-3, float32 and bf16; so does its
+// gradient penalty (autograd::grad inside the forward) at stages 1 and 2
+// (stage 3 refuses a backward inside the forward, offloaded or not).
+TEST(OffloadOptimizer, AUsersOwnModelAndAGradientPenaltyTrainAsWithout) {
+  for (int stage : {1, 2, 3}) {
+    for (bool bf16 : {false, true}) {
+      for (double penalty : {0.0, 0.1}) {
+        if (penalty > 0 && stage == 3) continue;
+        const std::string what = str("stage ", stage, bf16 ? " bf16" : " float32", " penalty ", penalty);
+        const std::vector<double> device = train_patch_net(stage, bf16, false, penalty);
+        const std::vector<double> host = train_patch_net(stage, bf16, true, penalty);
+        EXPECT_EQ(device, host) << what;
+        EXPECT_LT(host.back(), host.front()) << what << ": trains";
+      }
+    }
   }
 }
 

@@ -181,6 +181,7 @@ int ZeroModel::replicate_size() const { return replicate_group_ ? replicate_grou
 
 std::vector<std::pair<std::string, at::Tensor>> ZeroModel::full_parameters() {
   push_offloaded(false);
+  if (offload_) offload_->settle();  // rare: every copy back ended before anything is read
   std::map<std::string, at::Tensor> full = strategy_->full_parameters();
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& item : model_.named_parameters()) out.emplace_back(item.key(), full.at(item.key()));
@@ -208,6 +209,7 @@ ZeroModel::WholeParameters ZeroModel::install_whole_parameters(bool as_computed,
   WholeParameters out;
   push_offloaded(false);
   if (!strategy_->parameters_gathered_on_use()) {
+    strategy_->sync_parameters();  // what a push copied, gathered (and waited for) before it is read
     // Whole already. Where they are 16-bit copies of float32 masters, what
     // the scope leaves unchanged must not be written back rounded.
     if (keep_values && mixed_) {

@@ -7,6 +7,7 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <algorithm>
 #include <set>
 
 #include "runtime/error.h"
@@ -183,6 +184,8 @@ void OptimizerOffload::push(bool force) {
   bool waited = false;
   for (size_t i = 0; i < device_.size(); ++i) {
     if (!offloaded_[i]) continue;
+    // A frozen master (masters_on_host) changes only when written (a load, an edit).
+    if (!host_[i].requires_grad() && host_[i]._version() == versions_[i]) continue;
     if (device_[i].device().is_cpu()) {
       device_[i].detach().copy_(host_[i].detach());
     } else {
@@ -205,8 +208,23 @@ void OptimizerOffload::upload(size_t i, bool& waited) {
   }
   {
     c10::StreamGuard on_up(*up_);
-    device_[i].detach().copy_(host_[i].detach(), /*non_blocking=*/pinned_);
+    at::Tensor dst = device_[i].detach(), src = host_[i].detach();
+    if (pinned_ && dst.scalar_type() != src.scalar_type()) {
+      // A copy that converts goes through a float32 temporary on the device
+      // as large as what it copies: in pieces, at most 64 MiB of it.
+      dst = dst.view({-1});
+      src = src.view({-1});
+      constexpr int64_t kPiece = int64_t{16} << 20;
+      for (int64_t o = 0; o < dst.numel(); o += kPiece) {
+        const int64_t n = std::min(kPiece, dst.numel() - o);
+        dst.narrow(0, o, n).copy_(src.narrow(0, o, n), /*non_blocking=*/true);
+      }
+    } else {
+      dst.copy_(src, /*non_blocking=*/pinned_);
+    }
   }
+  // Written on up_: its memory is not reused before the copy ends, whatever frees it.
+  impl->recordDataPtrOnStream(device_[i].storage().data_ptr(), *up_);
   if (uploaded_.size() != device_.size()) uploaded_.resize(device_.size());
   if (!uploaded_[i]) uploaded_[i] = std::make_unique<c10::Event>(device.type());
   uploaded_[i]->record(*up_);

@@ -637,7 +637,10 @@ std::map<std::string, at::Tensor> Stage3::full_parameters() {
       }
     }
   }
-  for (const auto& p : persistent_) out[names_.at(p.unsafeGetTensorImpl())] = p.detach().to(at::kFloat).clone();
+  for (const auto& p : persistent_) {
+    before_read(p);  // offload_optimizer: its copy from the host master ended
+    out[names_.at(p.unsafeGetTensorImpl())] = p.detach().to(at::kFloat).clone();
+  }
   return out;
 }
 
