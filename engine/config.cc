@@ -1,6 +1,7 @@
 #include "engine/config.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -531,6 +532,22 @@ void check_config_rules(const Config& config, const std::string& source) { check
 
 // Whether the machine has that device is the engine's to check: a config may
 // be read where it does not run.
+namespace {
+
+// " (did you mean \"cuda:1\"?)" for "CUDA:1", "cuda1", "gpu:1"; "" when no device is close.
+std::string closest_device(const std::string& spec) {
+  std::string low = spec;
+  std::transform(low.begin(), low.end(), low.begin(), [](unsigned char ch) { return std::tolower(ch); });
+  if (low.rfind("gpu", 0) == 0) low = "cuda" + low.substr(3);
+  if (low.size() > 4 && low.rfind("cuda", 0) == 0 && low[4] != ':') low = "cuda:" + low.substr(4);
+  std::string near = low != spec && device_spec_problem(low).empty()
+                         ? low
+                         : json_schema::closest_choice(spec, {"auto", "cpu", "cuda"});
+  return near.empty() ? std::string() : str(" (did you mean \"", near, "\"?)");
+}
+
+}  // namespace
+
 std::string device_spec_problem(const std::string& spec, const std::string& key) {
   if (spec == "auto" || spec == "cpu" || spec == "cuda") return {};
   const std::string index = spec.rfind("cuda:", 0) == 0 ? spec.substr(5) : std::string();
@@ -538,7 +555,8 @@ std::string device_spec_problem(const std::string& spec, const std::string& key)
       std::all_of(index.begin(), index.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
     return {};
   }
-  return str("'", key, "' = \"", spec, "\" is not a device: give auto (the local rank's CUDA device where CUDA is "
+  return str("'", key, "' = \"", spec, "\" is not a device", closest_device(spec),
+             ": give auto (the local rank's CUDA device where CUDA is "
              "available, else the CPU), cpu, cuda (the local rank's CUDA device) or cuda:N (CUDA device N)");
 }
 

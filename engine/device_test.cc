@@ -34,6 +34,7 @@ using internal::CudaDevices;
 using internal::resolve_device;
 using testing::error_of;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr int64_t kVocab = 13, kLayers = 2;
 
@@ -59,6 +60,15 @@ TEST(DeviceConfig, RefusesWhatIsNotADeviceNamingTheKey) {
     EXPECT_THAT(e, HasSubstr(str("'train.device' = \"", spec, "\" is not a device"))) << spec;
     EXPECT_THAT(e, HasSubstr("give auto")) << spec;
   }
+  // The closest device is offered where one is close.
+  for (const auto& [spec, near] : std::vector<std::pair<std::string, std::string>>{
+           {"CPU", "cpu"}, {"gpu", "cuda"}, {"Cuda", "cuda"}, {"GPU:1", "cuda:1"}, {"cuda0", "cuda:0"},
+           {"CUDA:3", "cuda:3"}, {"Auto", "auto"}}) {
+    EXPECT_THAT(error_of<ConfigError>([&] { parse(spec); }), HasSubstr(str("(did you mean \"", near, "\"?)")))
+        << spec;
+  }
+  EXPECT_THAT(error_of<ConfigError>([] { parse("tpu"); }), Not(HasSubstr("did you mean")));
+  EXPECT_THAT(device_spec_problem("Cuda", "--device"), HasSubstr("'--device' = \"Cuda\" is not a device"));
   // From an override, the override is named.
   EXPECT_THAT(error_of<ConfigError>([] { parse_config("{}", "<test>", {"train.device=tpu"}); }),
               HasSubstr("--set train.device=tpu"));

@@ -40,6 +40,7 @@
 #include "runtime/logging.h"
 #include "runtime/memory.h"
 #include "runtime/memory_trace.h"
+#include "runtime/output_file.h"
 #include "runtime/runtime.h"
 namespace remat {
 namespace {
@@ -370,8 +371,21 @@ double Engine::Impl::mean_loss() {
   return loss_t.item<double>();
 }
 
+namespace {
+
+// An output of the engine's (`flag`) must not land in the saves it keeps or loaded.
+void check_spares_saves(const std::string& flag, const std::string& path, const std::string& save_dir,
+                        const std::string& loaded) {
+  check_outputs_spare_inputs({{flag, path}},
+                             {{"the save folder", save_dir, true, "which holds this run's saves and their lock"},
+                              {"the save loaded from", loaded, true, "the save this run resumed"}});
+}
+
+}  // namespace
+
 void Engine::trace_memory(const std::string& path, int max_samples) {
   Impl& s = *impl_;
+  check_spares_saves("remat::Engine::trace_memory", path, s.save_lock_dir, s.loaded_dir);
   check_trace_path(path, "remat::Engine::trace_memory");
   if (max_samples < 4) {
     throw ConfigError(str("remat::Engine::trace_memory: max_samples is ", max_samples, ": give at least 4 (the first, "
@@ -476,6 +490,7 @@ int64_t Engine::export_model(const std::string& path) {
   if (impl_->phase != Phase::kIdle) {
     throw Error("remat::Engine::export_model: called between forward() and step(): export between steps");
   }
+  check_spares_saves("remat::Engine::export_model", path, impl_->save_lock_dir, impl_->loaded_dir);
   ContextScope scope(impl_->context);
   return remat::export_model(path, *impl_->zero, *model_, *impl_->world, export_dtype());
 }

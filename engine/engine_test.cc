@@ -1200,6 +1200,22 @@ TEST(Engine, AnExportRankZeroCannotWriteIsTheSameErrorOnEveryRank) {
   EXPECT_NO_THROW(run.train(1));
 }
 
+TEST(Engine, AnExportOrTraceInsideTheSaveFolderIsRefusedOnEveryRank) {
+  const std::string dir = scratch("export_into_saves");
+  Trainer run(config_json(3, "none"), false, quick_timeout());
+  run.train(1);
+  run.engine->save_checkpoint(dir);
+  for (const std::string& path : {dir + "/.lock", dir + "/latest", dir + "/step_00000001/rank_0.pt", dir}) {
+    const std::string error = error_of<ConfigError>([&] { run.engine->export_model(path); });
+    EXPECT_THAT(error, HasSubstr(str("remat::Engine::export_model '", path, "'")));
+    EXPECT_THAT(error, HasSubstr(str("the save folder '", dir, "', which holds this run's saves and their lock")));
+    EXPECT_TRUE(same_on_every_rank(error)) << error;
+  }
+  EXPECT_THAT(error_of<ConfigError>([&] { run.engine->trace_memory(dir + "/trace.json"); }),
+              HasSubstr("lies inside the save folder"));
+  EXPECT_NO_THROW(run.train(1));
+  EXPECT_NO_THROW(run.engine->load_checkpoint(dir));  // the save is intact
+}
 
 // docs/engine.md's complete example, small: an embedding, residual MLP
 // blocks and a head, the head called through remat::forward as the model

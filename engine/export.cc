@@ -98,20 +98,20 @@ int64_t write_model_file(const std::string& path,
     done += static_cast<size_t>(n);
   }
   if (::fsync(fd) != 0) throw fail(str("flushing '", tmp, "' to disk failed"), errno);
-  if (::close(fd) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    throw Error(str("export file '", path, "': closing '", tmp, "' failed (", std::strerror(err),
-                    "); the temporary file is removed"));
-  }
-  // Checked at start too: the path may have changed since.
+  // Checked at start too: the path may have changed since. Renamed while
+  // still open (and so locked): a writer at work is never taken for a stale one.
   const std::string what = not_a_regular_file(path);
   if (!what.empty() || ::rename(tmp.c_str(), path.c_str()) != 0) {
     const int err = errno;
+    ::close(fd);
     ::unlink(tmp.c_str());
     throw Error(str("export file '", path, "': cannot put the file there (",
                     what.empty() ? std::string(std::strerror(err)) : "it is " + what + " now",
                     "); the temporary file is removed"));
+  }
+  if (::close(fd) != 0) {
+    throw Error(str("export file '", path, "': closing it failed (", std::strerror(errno),
+                    "); export again to be sure of its contents"));
   }
   return static_cast<int64_t>(bytes.size());
 }

@@ -7,6 +7,7 @@
 
 #include "engine/save/storage.h"
 #include "runtime/communicator.h"
+#include "runtime/error.h"
 #include "runtime/logging.h"
 
 namespace remat {
@@ -46,8 +47,10 @@ int discard_saves_after(const std::string& dir, int64_t step, Communicator& worl
       }
     }
     if (removed > 0) {
-      log().warn("--overwrite-saves: removed {} save(s) after step {} from '{}'; 'latest' {}", removed, step, dir,
-                 keep.empty() ? std::string("removed") : "names " + keep);
+      // Step 0: the run did not resume from this folder, and every save there was another run's.
+      log().warn("--overwrite-saves: removed {} save(s) {} from '{}'; 'latest' {}", removed,
+                 step == 0 ? std::string("of an earlier run") : str("after step ", step, ", where this run resumed"),
+                 dir, keep.empty() ? std::string("removed") : "names " + keep);
     }
   }
   at::Tensor count = at::full({1}, removed, at::kLong);

@@ -7,8 +7,9 @@
 # (no --hostfile/--host) shared-memory transport, and --oversubscribe with no
 # core binding when N exceeds the cores, and OMP_NUM_THREADS (when unset) of
 # cores / N, at least 1, so that the ranks' intra-op thread pools do not spin
-# against each other; every REMAT_* variable is passed to the ranks. Prints the
-# command it runs.
+# against each other; every REMAT_* variable is passed to the ranks. More than
+# 4 ranks per core on one machine is refused unless --oversubscribe is given.
+# Prints the command it runs, quoted for a shell.
 set -euo pipefail
 
 die() {
@@ -21,14 +22,21 @@ usage() {
 }
 
 np=""
+user_oversubscribe=0
 single_node=1
 mpi_args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -np | -n | --np)
       [[ $# -ge 2 ]] || die "$1 needs a number of ranks"
+      [[ -z "$np" ]] || die "the number of ranks is given twice ('$np' and '$2'): give -np once"
       np="$2"
       shift 2
+      ;;
+    --oversubscribe | -oversubscribe)
+      user_oversubscribe=1
+      mpi_args+=("$1")
+      shift
       ;;
     --hostfile | --machinefile | -hostfile | --host | -host | -H)
       single_node=0
@@ -51,7 +59,7 @@ while [[ $# -gt 0 ]]; do
 done
 
 [[ -n "$np" ]] || die "say how many ranks: remat-run -np N -- PROGRAM ARGS"
-[[ "$np" =~ ^[1-9][0-9]*$ ]] || die "-np '$np' is not a positive number of ranks"
+[[ "$np" =~ ^[1-9][0-9]{0,6}$ ]] || die "-np '$np' is not a positive number of ranks"
 [[ $# -gt 0 ]] || die "no program to run: put it after --, e.g. remat-run -np 2 -- remat-train"
 command -v mpirun >/dev/null ||
   die "mpirun not found: install Open MPI (Debian/Ubuntu: apt-get install openmpi-bin)"
@@ -83,12 +91,20 @@ if [[ $single_node -eq 1 && -z "${OMP_NUM_THREADS:-}" ]]; then
   export OMP_NUM_THREADS=$((threads < 1 ? 1 : threads))
 fi
 
+# Each rank is a whole process (its LibTorch, its memory): far more of them
+# than cores only thrashes, and is a typo more often than a plan.
+if [[ $single_node -eq 1 && $user_oversubscribe -eq 0 && "$np" -gt $((4 * cores)) ]]; then
+  die "-np $np starts $np ranks on this machine's $cores cores (more than 4 per core, each a process with its own" \
+      "LibTorch and memory): use fewer ranks, or pass --oversubscribe to mean it"
+fi
+
 cmd=(mpirun -np "$np")
 [[ $(id -u) -eq 0 ]] && cmd+=(--allow-run-as-root)
 if [[ $single_node -eq 1 ]]; then
   cmd+=(--mca btl self,vader --mca btl_vader_single_copy_mechanism none)
   if [[ "$np" -gt "$cores" ]]; then
-    cmd+=(--oversubscribe --bind-to none)
+    [[ $user_oversubscribe -eq 1 ]] || cmd+=(--oversubscribe)
+    cmd+=(--bind-to none)
   fi
 fi
 while IFS= read -r name; do
@@ -96,5 +112,5 @@ while IFS= read -r name; do
 done < <(env | sed -n 's/^\(REMAT_[A-Za-z0-9_]*\)=.*/\1/p')
 [[ -n "${OMP_NUM_THREADS:-}" ]] && cmd+=(-x OMP_NUM_THREADS)
 cmd+=("${mpi_args[@]}" "$@")
-echo "remat-run: ${cmd[*]}" >&2
+echo "remat-run: $(printf '%q ' "${cmd[@]}" | sed 's/ $//')" >&2
 exec "${cmd[@]}"

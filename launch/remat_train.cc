@@ -4,12 +4,13 @@
 //
 //   remat-run -np 2 -- remat-train --config configs/default.json [--set key=value ...]
 //       [--steps N] [--seed S] [--metrics FILE] [--save-dir DIR [--overwrite-saves]] [--resume DIR]
-//       [--export FILE] [--plan-report DIR] [--memory-trace FILE [--memory-trace-samples N]]
+//       [--export FILE] [--plan-report DIR] [--memory-trace FILE [--memory-trace-samples N]] [--print-config]
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <sys/stat.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -70,17 +71,40 @@ bool resumes_from(const std::string& resume, const std::string& save_dir) {
   return fs::equivalent(save, save_dir, ec) || fs::equivalent(save.parent_path(), save_dir, ec);
 }
 
-// What is left to resume from when a save fails.
-std::string intact_save_note(const std::string& save_dir, const std::string& resume_dir) {
-  const int64_t newest = latest_step(save_dir);
+// The save root `resume` names (its folder when it names a step folder):
+// what the run's outputs must stay out of.
+std::string resume_root(const std::string& resume) {
+  fs::path p(resume);
+  if (p.filename().empty()) p = p.parent_path();  // "root/step_00000004/"
+  static const std::regex step_folder("step_[0-9]+");
+  if (!std::regex_match(p.filename().string(), step_folder)) return resume;
+  return p.parent_path().empty() ? std::string(".") : p.parent_path().string();
+}
+
+// What is left to resume from when a save fails (`after_save`: free space
+// first) or the job ends half-way.
+std::string intact_save_note(const std::string& save_dir, const std::string& resume_dir, bool after_save = true) {
+  const std::string free_first = after_save ? "free space there, then " : "";
+  const int64_t newest = save_dir.empty() ? -1 : latest_step(save_dir);
   if (newest >= 0) {
-    return str("The newest complete save is step ", newest, " in '", shown_path(save_dir), "' (its 'latest'): free "
-               "space there, then run again with the same settings and --resume ", shown_path(save_dir));
+    return str("The newest complete save is step ", newest, " in '", shown_path(save_dir), "' (its 'latest'): ",
+               free_first, "run again with the same settings and --resume ", shown_path(save_dir));
   }
   if (!resume_dir.empty()) {
     return str("No save of this run is complete; the save it resumed, '", shown_path(resume_dir), "', is as it was");
   }
-  return "No save of this run is complete: free space there, or give --save-dir a folder on a disk with room";
+  if (save_dir.empty()) return "Nothing of this run is kept: no --save-dir was given";
+  return after_save
+             ? "No save of this run is complete: free space there, or give --save-dir a folder on a disk with room"
+             : "No save of this run is complete";
+}
+
+// A communication failure that ends the training (a peer that stopped or
+// exited), rethrown with what is left to resume from, its type kept.
+[[noreturn]] void rethrow_naming_saves(const CommError& e, const std::string& save_dir, const std::string& resume_dir) {
+  const std::string text = str(e.what(), ". ", intact_save_note(save_dir, resume_dir, false));
+  if (dynamic_cast<const TimeoutError*>(&e) != nullptr) throw TimeoutError(text);
+  throw CommError(text);
 }
 
 // Engine::save_checkpoint, its failure (a full disk) naming what is left to
@@ -117,22 +141,47 @@ std::vector<std::pair<std::string, std::string>> output_files(const std::string&
   return files;
 }
 
-// Rank 0's outputs, checked before anything trains: each follows the one
-// rule (runtime/output_file.h), and no two are one file.
+// Rank 0's outputs, checked before anything trains: none lands on what the
+// run reads (`inputs`) or inside its save folder, each follows the one rule
+// (runtime/output_file.h), and no two are one file.
 void check_outputs(const std::string& metrics, const std::string& trace, const std::string& export_path,
-                   const std::string& plan_report) {
+                   const std::string& plan_report, const std::vector<RunInput>& inputs) {
+  const auto files = output_files(metrics, trace, export_path, plan_report);
+  std::vector<std::pair<std::string, std::string>> named = files;
+  named.push_back({"--plan-report", plan_report});
+  check_outputs_spare_inputs(named, inputs);
   if (!metrics.empty()) check_output_file({"--metrics", metrics, "metrics.jsonl"});
   if (!export_path.empty()) check_export_path(export_path);
   if (!trace.empty()) {
     check_trace_path(trace, "--memory-trace");
     check_output_file({"the plot of --memory-trace", memory_plot_path(trace), "memory.png"});
+    check_plot_script_path(trace);
   }
   if (!plan_report.empty()) check_plan_report_dir(plan_report);
-  const auto files = output_files(metrics, trace, export_path, plan_report);
   for (const auto& [flag, path] : files) {
     if (flag.rfind("--plan-report", 0) == 0) check_output_file({flag, path});
   }
   check_distinct_outputs(files);
+}
+
+// --memory-trace-samples, read as --steps is (a JSON number: 4000, 4e3);
+// without --memory-trace it has nothing to bound and is refused.
+int64_t memory_trace_samples(const std::optional<std::string>& flag, const std::string& trace) {
+  if (!flag) return 4000;
+  if (trace.empty()) {
+    throw ConfigError("--memory-trace-samples bounds the samples of --memory-trace, which is not given: add "
+                      "--memory-trace FILE, or leave --memory-trace-samples out");
+  }
+  const auto j = nlohmann::json::parse(*flag, nullptr, /*allow_exceptions=*/false);
+  const bool number = j.is_number() && std::isfinite(j.get<double>());
+  const double n = number ? j.get<double>() : 0;
+  if (!number || n != std::floor(n) || n < 4 || n > (1 << 30)) {
+    throw ConfigError(str("--memory-trace-samples '", shown_path(*flag), "' is ",
+                          number ? "out of range" : "not a number",
+                          ": give a whole number from 4 (the first, the last, and the lowest and highest between "
+                          "them) to 1073741824, e.g. 4000 or 1e4"));
+  }
+  return static_cast<int64_t>(n);
 }
 
 // The file's identity (device and inode; 0 when it does not exist): a
@@ -147,9 +196,8 @@ int train(int argc, char** argv) {
   CLI::App app{"remat-train: train a GPT with remat's activation checkpointing"};
   std::string config_path, metrics_path, save_dir, resume_dir, export_path, memory_trace, backend = "auto";
   std::vector<std::string> overrides;
-  std::optional<std::string> steps_flag, seed_flag, device_flag;
-  bool overwrite_saves = false;
-  int trace_samples = 4000;
+  std::optional<std::string> steps_flag, seed_flag, device_flag, samples_flag;
+  bool overwrite_saves = false, print_config = false;
   app.add_option("--config", config_path, "JSON configuration (default: the embedded one)");
   app.add_option("--set", overrides, "override a key: --set model.n_layer=8 (repeatable)");
   app.add_option("--steps", steps_flag, "optimizer steps (train.steps)");
@@ -169,10 +217,12 @@ int train(int argc, char** argv) {
   app.add_option("--memory-trace", memory_trace, "write rank 0's memory timeline of one step (the run's second, "
                  "or its only one) to this file in Chrome's Trace Event JSON (Perfetto, chrome://tracing) and "
                  "its plot beside it (.png, with matplotlib); docs/memory.md");
-  app.add_option("--memory-trace-samples", trace_samples, "at most this many samples in --memory-trace (runs "
-                 "of consecutive samples kept by their lowest and highest; default 4000)")
-      ->check(CLI::Range(4, 1 << 30));
+  app.add_option("--memory-trace-samples", samples_flag, "at most this many samples in --memory-trace (runs "
+                 "of consecutive samples kept by their lowest and highest; default 4000)");
   app.add_option("--backend", backend, "communication backend: auto, mpi or nccl");
+  app.add_flag("--print-config", print_config, "print the configuration this run would train with (every key, "
+               "defaults filled in and each \"auto\" decided for this launch) as JSON that --config reads, then "
+               "exit without training");
   std::string plan_report;
   app.add_option("--plan-report", plan_report, "variant auto: write the planner's frontier (every plan a budget "
                  "gets: predicted peak, extra time, plan) to DIR/frontier.csv, the plan in effect and the knee "
@@ -186,6 +236,8 @@ int train(int argc, char** argv) {
                            {"--resume", &resume_dir}, {"--export", &export_path}, {"--memory-trace", &memory_trace},
                            {"--plan-report", &plan_report}});
 
+  const int64_t trace_samples = memory_trace_samples(samples_flag, memory_trace);
+
   // First: everything allocated from here on is counted (and, for a memory
   // trace, kept by allocation).
   MemoryTracker memory(MemoryTrackerOptions{!memory_trace.empty()});
@@ -193,7 +245,11 @@ int train(int argc, char** argv) {
   // The flags are overrides like any other: validated the same way.
   if (steps_flag) overrides.push_back("train.steps=" + *steps_flag);
   if (seed_flag) overrides.push_back("train.seed=" + *seed_flag);
-  if (device_flag) overrides.push_back("train.device=" + *device_flag);
+  if (device_flag) {
+    // Named as the flag the user typed, not as the override it becomes.
+    if (const std::string why = device_spec_problem(*device_flag, "--device"); !why.empty()) throw ConfigError(why);
+    overrides.push_back("train.device=" + *device_flag);
+  }
   // Not const: its "auto" values are decided once the layout, data and device are known.
   Config config = config_path.empty() ? parse_config(default_config_text(), "<embedded default>", overrides)
                                       : load_config(config_path, overrides);
@@ -224,7 +280,13 @@ int train(int argc, char** argv) {
                           "leave --plan-report out"));
   }
   // Written after training or beside it: a path one cannot be written to stops the run now.
-  if (rank0) check_outputs(metrics_path, memory_trace, export_path, plan_report);
+  if (rank0) {
+    check_outputs(metrics_path, memory_trace, export_path, plan_report,
+                  {{"--config", config_path},
+                   {"data.path", config.data.path},
+                   {"--save-dir", save_dir, true, "which holds this run's saves and their lock"},
+                   {"--resume", resume_root(resume_dir), true, "the save this run reads"}});
+  }
   data::Dataset data = data::Dataset::load(config.data.path, config.data.train_fraction, config.model.seq_len);
   const at::Device device = training_device(config);
   if (!config.auto_values.empty()) {
@@ -237,6 +299,12 @@ int train(int argc, char** argv) {
                                      : "this host's available memory over its ranks"});
   }
   const BatchSizes batch = config.resolve_batch(layout->dims().dp);
+  if (print_config) {
+    if (rank0) std::printf("%s\n", config.to_json().c_str());
+    std::fflush(stdout);
+    world.barrier()->wait();
+    return 0;
+  }
   check_memory_estimate(config, batch, data.vocab_size(), world.size(), device);
 
   models::GptOptions model_options;
@@ -308,59 +376,63 @@ int train(int argc, char** argv) {
   const int64_t tokens_per_step = batch.train_batch_size * config.model.seq_len;
   double first_loss = 0, last_loss = 0;
   int64_t max_peak = 0;
-  for (int64_t step = resumed + 1; step <= tc.steps; ++step) {
-    model->train();
-    if (step == trace_step && rank0) {
-      trace_before = identity_of(memory_trace);
-      engine->trace_memory(memory_trace, trace_samples);
-    }
-    for (int64_t micro = 0; micro < batch.gradient_accumulation_steps; ++micro) {
-      auto [host_x, host_y] = data.train_batch(static_cast<uint64_t>(tc.seed), layout->dp_rank(), window,
-                                               batch.micro_batch_per_gpu);
-      window += batch.micro_batch_per_gpu;
-      // The batch goes where the model is (the engine placed it: train.device).
-      const at::Tensor x = engine->to_device(host_x), y = engine->to_device(host_y);
-      at::Tensor loss = engine->forward([&, x = x, y = y] { return model->loss(x, y); }, x.sizes().vec());
-      engine->backward(loss);
-      engine->step();
-    }
-    const StepMetrics& m = engine->last_metrics();
-    if (rank0 && !plan_report.empty() && m.plan.contains("act_plan_ms")) plot_frontier(plan_report);
-    const double tokens_per_s = tokens_per_step / (m.step_ms / 1000.0);
-    max_peak = std::max(max_peak, m.mem_peak_bytes - m.mem_base_bytes);
-    if (step == trace_step) traced_peak = m.mem_peak_bytes;
-    if (step == resumed + 1) first_loss = m.loss;
-    last_loss = m.loss;
-    if (metrics.is_open()) {
-      nlohmann::json line = m.to_json();
-      line["tokens_per_s"] = tokens_per_s;
-      metrics << line.dump() << "\n" << std::flush;
-      if (!metrics) {
-        // An auxiliary output: its failure must not cost the training or its saves.
-        log_rank0().warn("writing the --metrics file '{}' failed at step {} ({}; disk full?): it holds the steps "
-                         "before, no more lines are written, and training goes on",
-                         shown_path(metrics_path), step, std::strerror(errno));
-        metrics.close();
+  try {
+    for (int64_t step = resumed + 1; step <= tc.steps; ++step) {
+      model->train();
+      if (step == trace_step && rank0) {
+        trace_before = identity_of(memory_trace);
+        engine->trace_memory(memory_trace, static_cast<int>(trace_samples));
       }
-    }
-    progress.step(step, tokens_per_s, m);
-    if (tc.eval_interval > 0 && (step % tc.eval_interval == 0 || step == tc.steps)) {
-      double val = 0;
-      for (int64_t i = 0; i < tc.eval_batches; ++i) {
-        auto [host_x, host_y] = data.val_batch(i, batch.micro_batch_per_gpu);
+      for (int64_t micro = 0; micro < batch.gradient_accumulation_steps; ++micro) {
+        auto [host_x, host_y] = data.train_batch(static_cast<uint64_t>(tc.seed), layout->dp_rank(), window,
+                                                 batch.micro_batch_per_gpu);
+        window += batch.micro_batch_per_gpu;
+        // The batch goes where the model is (the engine placed it: train.device).
         const at::Tensor x = engine->to_device(host_x), y = engine->to_device(host_y);
-        val += engine->evaluate([&, x = x, y = y] { return model->loss(x, y).item<double>(); });
+        at::Tensor loss = engine->forward([&, x = x, y = y] { return model->loss(x, y); }, x.sizes().vec());
+        engine->backward(loss);
+        engine->step();
       }
-      progress.line(str("step ", step, ": held-out loss ", val / std::max<int64_t>(tc.eval_batches, 1)));
-    }
-    if (!save_dir.empty() && ((tc.save_interval > 0 && step % tc.save_interval == 0) || step == tc.steps)) {
-      save_naming_intact(*engine, save_dir, resume_dir, window);
-      progress.line(str("saved step ", step, " to ", save_dir));
-      if (!replaced) {
-        discard_saves_after(save_dir, replace_after, world, step);  // --overwrite-saves, now that one is complete
-        replaced = true;
+      const StepMetrics& m = engine->last_metrics();
+      if (rank0 && !plan_report.empty() && m.plan.contains("act_plan_ms")) plot_frontier(plan_report);
+      const double tokens_per_s = tokens_per_step / (m.step_ms / 1000.0);
+      max_peak = std::max(max_peak, m.mem_peak_bytes - m.mem_base_bytes);
+      if (step == trace_step) traced_peak = m.mem_peak_bytes;
+      if (step == resumed + 1) first_loss = m.loss;
+      last_loss = m.loss;
+      if (metrics.is_open()) {
+        nlohmann::json line = m.to_json();
+        line["tokens_per_s"] = tokens_per_s;
+        metrics << line.dump() << "\n" << std::flush;
+        if (!metrics) {
+          // An auxiliary output: its failure must not cost the training or its saves.
+          log_rank0().warn("writing the --metrics file '{}' failed at step {} ({}; disk full?): it holds the steps "
+                           "before, no more lines are written, and training goes on",
+                           shown_path(metrics_path), step, std::strerror(errno));
+          metrics.close();
+        }
+      }
+      progress.step(step, tokens_per_s, m);
+      if (tc.eval_interval > 0 && (step % tc.eval_interval == 0 || step == tc.steps)) {
+        double val = 0;
+        for (int64_t i = 0; i < tc.eval_batches; ++i) {
+          auto [host_x, host_y] = data.val_batch(i, batch.micro_batch_per_gpu);
+          const at::Tensor x = engine->to_device(host_x), y = engine->to_device(host_y);
+          val += engine->evaluate([&, x = x, y = y] { return model->loss(x, y).item<double>(); });
+        }
+        progress.line(str("step ", step, ": held-out loss ", val / std::max<int64_t>(tc.eval_batches, 1)));
+      }
+      if (!save_dir.empty() && ((tc.save_interval > 0 && step % tc.save_interval == 0) || step == tc.steps)) {
+        save_naming_intact(*engine, save_dir, resume_dir, window);
+        progress.line(str("saved step ", step, " to ", save_dir));
+        if (!replaced) {
+          discard_saves_after(save_dir, replace_after, world, step);  // --overwrite-saves, now that one is complete
+          replaced = true;
+        }
       }
     }
+  } catch (const CommError& e) {
+    rethrow_naming_saves(e, save_dir, resume_dir);
   }
   if (rank0 && tc.steps > resumed) {
     std::printf("loss: first %.4f, last %.4f; peak activation memory per step %s\n", first_loss, last_loss,
@@ -403,7 +475,16 @@ int train(int argc, char** argv) {
   if (tc.sample_chars > 0) {
     at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(tc.seed));
     at::Tensor prompt = engine->to_device(data.encode("The ").unsqueeze(0));
-    at::Tensor text = engine->evaluate([&] { return model->generate(prompt, tc.sample_chars, 0.8, gen); });
+    at::Tensor text;
+    try {
+      text = engine->evaluate([&] { return model->generate(prompt, tc.sample_chars, 0.8, gen); });
+    } catch (const CommError&) {
+      throw;
+    } catch (const Error& e) {
+      throw Error(str("the end-of-run sample cannot be drawn at step ", engine->global_steps(), " (last loss ",
+                      last_loss, "): ", e.what(), ". What training wrote (saves, export, metrics) is kept; set "
+                      "train.sample_chars=0 to skip the sample"));
+    }
     if (rank0) std::printf("--- sample ---\n%s\n--------------\n", data.decode(text.cpu()).c_str());
   }
   std::fflush(stdout);

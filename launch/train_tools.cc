@@ -85,30 +85,56 @@ std::string memory_plot_script_path(const std::string& trace) {
 namespace {
 
 // The plotting script written beside the trace, for drawing the plot by hand
-// (a temporary file renamed over its path); what to run, or why it is not there.
-std::string plot_by_hand(const std::string& trace, const std::string& png) {
+// (a temporary file renamed over its path), and what to run with it: "run
+// CMD", or why the script is not there and how to draw the plot without it.
+std::string run_by_hand(const std::string& trace, const std::string& png) {
   const std::string script = memory_plot_script_path(trace);
   std::string tmp;
   const int fd = open_temporary_beside(script, tmp);
   const std::string& text = plot_memory_trace_script();
-  bool written = fd >= 0 && ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
-  if (fd >= 0) written = ::close(fd) == 0 && written;
-  if (written && not_a_regular_file(script).empty() && ::rename(tmp.c_str(), script.c_str()) == 0) {
-    return str("python3 ", shell_quoted(script), " ", shell_quoted(trace), " ", shell_quoted(png));
+  int err = fd < 0 ? errno : 0;
+  if (err == 0 && ::write(fd, text.data(), text.size()) != static_cast<ssize_t>(text.size())) {
+    err = errno != 0 ? errno : ENOSPC;
   }
-  const int err = errno;
+  // Checked at start too (check_plot_script_path): it may have changed since.
+  const std::string what = err == 0 ? not_a_regular_file(script) : std::string();
+  if (err == 0 && what.empty() && ::rename(tmp.c_str(), script.c_str()) != 0) err = errno;
+  if (fd >= 0) ::close(fd);
+  if (err == 0 && what.empty()) {
+    return str("run python3 ", shell_quoted(script), " ", shell_quoted(trace), " ", shell_quoted(png));
+  }
   if (fd >= 0) ::unlink(tmp.c_str());
-  return str("the script that draws it could not be written to ", script, " (", std::strerror(err), ")");
+  return str("its plotting script could not be written to '", shown_path(script), "' (",
+             what.empty() ? std::string(std::strerror(err)) : "it is " + what + " now",
+             "): draw the plot with tools/plot_memory_trace.py of remat's source, given the trace and the plot's path");
 }
 
 }  // namespace
+
+void check_plot_script_path(const std::string& trace) {
+  const std::string script = memory_plot_script_path(trace);
+  check_output_file({"the plot script beside --memory-trace", script, "memory.plot.py"});
+  // Written only when the plot cannot be drawn, over a file of that name:
+  // one remat wrote before may be replaced, a file of the user's may not.
+  std::ifstream existing(script);
+  std::string first;
+  if (existing && std::getline(existing, first)) {
+    std::string second;
+    std::getline(existing, second);
+    const std::string& ours = plot_memory_trace_script();
+    if (ours.compare(0, first.size() + 1 + second.size(), first + "\n" + second) != 0) {
+      throw ConfigError(str("--memory-trace '", shown_path(trace), "': '", shown_path(script),
+                            "' exists and is not remat's plotting script, which is written there when the plot "
+                            "cannot be drawn: move that file, or give --memory-trace another name"));
+    }
+  }
+}
 
 std::string plot_memory_trace(const std::string& trace, const std::string& png) {
   std::string script = (std::filesystem::temp_directory_path() / "remat_plot_XXXXXX.py").string();
   const int fd = ::mkstemps(script.data(), 3);
   if (fd < 0) {
-    return str("its plot was not drawn (no temporary file: ", std::strerror(errno), "); run ",
-               plot_by_hand(trace, png));
+    return str("its plot was not drawn (no temporary file: ", std::strerror(errno), "); ", run_by_hand(trace, png));
   }
   const std::string& text = plot_memory_trace_script();
   const bool written = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
@@ -131,12 +157,12 @@ std::string plot_memory_trace(const std::string& trace, const std::string& png) 
   if (status == 0) return "";
   if (WIFEXITED(status) && WEXITSTATUS(status) == 3) {
     return str("its plot needs python3 with matplotlib (Debian/Ubuntu: apt-get install python3-matplotlib); "
-               "then run ", plot_by_hand(trace, png));
+               "then ", run_by_hand(trace, png));
   }
   while (!output.empty() && output.back() == '\n') output.pop_back();
   if (output.size() > 300) output = "..." + output.substr(output.size() - 300);
   return str("drawing its plot failed (", output.empty() ? "exit status " + std::to_string(status) : output,
-             "); run ", plot_by_hand(trace, png), " to see why");
+             "); to see why, ", run_by_hand(trace, png));
 }
 
 std::string human_bytes(double b) {
@@ -147,6 +173,28 @@ std::string human_bytes(double b) {
     ++u;
   }
   return str(std::round(b * 10) / 10, " ", units[u]);
+}
+
+std::pair<std::string, std::string> human_bytes_apart(double a, double b) {
+  // One more digit until the two differ, at most three; then the bytes.
+  auto shown = [](double bytes, int digits) {
+    const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+    int u = 0;
+    while (bytes >= 1024 && u < 5) {
+      bytes /= 1024;
+      ++u;
+    }
+    char text[64];
+    std::snprintf(text, sizeof text, "%.*f %s", u == 0 ? 0 : digits, bytes, units[u]);
+    return std::string(text);
+  };
+  for (int digits = 1; digits <= 3; ++digits) {
+    if (shown(a, digits) != shown(b, digits) || a == b) {
+      return digits == 1 ? std::make_pair(human_bytes(a), human_bytes(b))
+                         : std::make_pair(shown(a, digits), shown(b, digits));
+    }
+  }
+  return {str(static_cast<int64_t>(a), " B"), str(static_cast<int64_t>(b), " B")};
 }
 
 double memory_per_rank(c10::Device device) {
@@ -214,8 +262,8 @@ MemoryEstimate check_memory_estimate(const Config& c, const BatchSizes& batch, i
   const MemoryEstimateRow& row = e.configured();
   if (have > 0 && static_cast<double>(row.peak_bytes) > have) {
     const std::string change = cheapest_fitting_change(e, static_cast<int64_t>(have));
-    throw ConfigError(str("this config needs about ", human_bytes(static_cast<double>(row.peak_bytes)),
-                          " per rank (", e.line(), ") but about ", human_bytes(have),
+    const auto [need, has] = human_bytes_apart(static_cast<double>(row.peak_bytes), have);
+    throw ConfigError(str("this config needs about ", need, " per rank (", e.line(), ") but about ", has,
                           " is available to each rank", device.is_cuda() ? "'s GPU" : " on this host", ": ",
                           change.empty() ? "no ZeRO stage or checkpointing policy fits; lower "
                                            "train_micro_batch_size_per_gpu, model.seq_len or the model's size "
@@ -308,16 +356,19 @@ void keep_metrics_through(const std::string& path, int64_t step) {
     return ConfigError(str("cannot rewrite the --metrics file '", path, "' to keep its steps up to ", step,
                            ": ", what, " (", std::strerror(errno), "); give a file path in a writable folder"));
   };
-  std::string tmp = real + ".tmp.XXXXXX";
-  const int fd = ::mkstemp(tmp.data());
+  std::string tmp;
+  const int fd = open_temporary_beside(real, tmp);
   if (fd < 0) throw failed("cannot create a file beside it");
   ::fchmod(fd, st.st_mode & 07777);
   const bool written = ::write(fd, kept.data(), kept.size()) == static_cast<ssize_t>(kept.size()) && ::fsync(fd) == 0;
-  if (::close(fd) != 0 || !written || ::rename(tmp.c_str(), real.c_str()) != 0) {
+  // Renamed while open (and so locked): a writer at work is never taken for a stale one.
+  if (!written || ::rename(tmp.c_str(), real.c_str()) != 0) {
     const ConfigError error = failed(str("writing '", tmp, "' failed"));
+    ::close(fd);
     ::unlink(tmp.c_str());
     throw error;
   }
+  ::close(fd);
   log().info("--metrics '{}': kept the lines of steps up to {}, dropped {} later or incomplete ones", path, step,
              dropped);
 }

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "engine/config.h"
 #include "engine/memory_estimate.h"
@@ -15,6 +16,9 @@
 namespace remat {
 
 std::string human_bytes(double bytes);
+// Two amounts compared in one message, with enough digits that they differ
+// where they do ("1.72 MiB" and "1.74 MiB", not "1.7 MiB" twice).
+std::pair<std::string, std::string> human_bytes_apart(double a, double b);
 
 // Host memory available to this process: REMAT_MEMORY_PER_RANK_BYTES, else
 // MemAvailable (capped by a cgroup v2 limit) shared by the ranks on this host
@@ -65,6 +69,10 @@ std::string memory_plot_path(const std::string& trace);
 // Where the plotting script goes when the plot cannot be drawn: the plot's
 // path with .plot.py for .png.
 std::string memory_plot_script_path(const std::string& trace);
+// The plot script's path beside `trace` checked at start like every output
+// (runtime/output_file.h); and a file there that is not remat's plotting
+// script (written when the plot cannot be drawn) is refused, not replaced.
+void check_plot_script_path(const std::string& trace);
 // Plots a memory trace (Engine::trace_memory) into `png` with
 // tools/plot_memory_trace.py, compiled in, when a python3 with matplotlib is
 // found. Empty when written; else what is missing and the command to run,

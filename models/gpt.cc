@@ -102,8 +102,15 @@ at::Tensor GptImpl::generate(at::Tensor idx, int64_t n, double temperature, at::
       context = at::cat({context, at::zeros({context.size(0), padded - context.size(1)}, context.options())}, 1);
     }
     at::Tensor logits = forward(context).select(1, last).to(at::kFloat) / std::max(temperature, 1e-6);
+    at::Tensor probabilities = at::softmax(logits, -1);
+    if (!at::isfinite(probabilities).all().item<bool>()) {
+      train(was_training);
+      throw Error(str("Gpt::generate: the next-token probabilities of token ", i + 1, " are not finite (NaN or inf), "
+                      "so the model's weights or activations are not: the weights have diverged (a learning rate "
+                      "too high, no gradient clipping) or were loaded so"));
+    }
     // Drawn where the generator is (a CPU generator for a model on a GPU).
-    at::Tensor next = at::multinomial(at::softmax(logits, -1).to(gen.device()), 1, false, gen).to(idx.device());
+    at::Tensor next = at::multinomial(probabilities.to(gen.device()), 1, false, gen).to(idx.device());
     idx = at::cat({idx, next}, 1);
   }
   train(was_training);

@@ -592,4 +592,8 @@ void apply_override(json& root, const std::vector<Field>& schema, const std::str
 }
 
 
+std::string closest_choice(const std::string& name, const std::vector<std::string>& options) {
+  return closest(name, options);
+}
+
 }  // namespace remat::json_schema

@@ -246,4 +246,9 @@ void apply_override(json& root, const std::vector<Field>& fields, const std::str
 // never cut short), only a very long one cut.
 std::string override_source(const std::string& text);
 
+// The option `name` was probably meant to be (case ignored, a few edits, or
+// a prefix), or "" when none is really close: what an error about a word
+// offers in its place.
+std::string closest_choice(const std::string& name, const std::vector<std::string>& options);
+
 }  // namespace remat::json_schema

@@ -424,12 +424,15 @@ void MemoryTrace::write(const std::string& path, const ChromeTraceOptions& optio
     }
     done += static_cast<size_t>(n);
   }
-  if (::close(fd) != 0 && err == 0) err = errno;
-  // Checked at start too: the path may have become a device, fifo or link since.
+  // Checked at start too: the path may have become a device, fifo or link
+  // since. Renamed while open (and so locked): a writer at work is never
+  // taken for a stale one.
   const std::string what = err == 0 ? not_a_regular_file(path) : std::string();
   if (err == 0 && what.empty() && ::rename(temporary.c_str(), path.c_str()) != 0) err = errno;
+  const bool renamed = err == 0 && what.empty();
+  if (::close(fd) != 0 && err == 0) err = errno;
   if (err != 0 || !what.empty()) {
-    ::unlink(temporary.c_str());
+    if (!renamed) ::unlink(temporary.c_str());
     throw Error(str("writing the memory trace '", shown_path(path), "' failed (",
                     what.empty() ? std::string(std::strerror(err)) : "it is " + what + " now",
                     "): free space there or give another path; the temporary file is removed"));

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <limits.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,6 +12,7 @@
 #include <map>
 
 #include "runtime/error.h"
+#include "runtime/logging.h"
 
 namespace remat {
 namespace fs = std::filesystem;
@@ -51,14 +53,39 @@ std::string not_a_regular_file(const std::string& path) {
   return "not a regular file";
 }
 
+int remove_stale_temporaries(const std::string& path) {
+  const std::string prefix = fs::path(path).filename().string() + ".tmp.";
+  const size_t suffix = 6;  // mkstemp's XXXXXX
+  int removed = 0;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(folder_of(path), ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() != prefix.size() + suffix || name.compare(0, prefix.size(), prefix) != 0) continue;
+    const int fd = ::open(entry.path().c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) continue;
+    struct stat st {};
+    // Held by a writer that is still at work: left alone.
+    const bool stale = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && ::flock(fd, LOCK_EX | LOCK_NB) == 0;
+    if (stale && ::unlink(entry.path().c_str()) == 0) {
+      ++removed;
+      log().info("removed '{}' ({} bytes), the temporary file of an earlier write of '{}' that did not finish",
+                 shown_path(entry.path().string()), st.st_size, shown_path(path));
+    }
+    ::close(fd);
+  }
+  return removed;
+}
+
 int open_temporary_beside(const std::string& path, std::string& name) {
+  remove_stale_temporaries(path);
   name = path + ".tmp.XXXXXX";
-  const int fd = ::mkstemp(name.data());
+  const int fd = ::mkostemp(name.data(), O_CLOEXEC);
   if (fd >= 0) {
     // mkstemp creates the file 0600; the output gets the mode a new file gets here.
     const mode_t mask = ::umask(0);
     ::umask(mask);
     ::fchmod(fd, 0666 & ~mask);
+    ::flock(fd, LOCK_EX | LOCK_NB);  // "being written": the next writer leaves it alone
   }
   return fd;
 }
@@ -120,6 +147,49 @@ void check_distinct_outputs(const std::vector<std::pair<std::string, std::string
     const auto& [flag, path] = *it->second;
     throw ConfigError(str(output.first, " '", shown_path(output.second), "' and ", flag, " '", shown_path(path),
                           "' are the same file, so one would overwrite the other: give each its own path"));
+  }
+}
+
+namespace {
+
+// Where `path` leads (through `..` and symbolic links of the part that exists).
+fs::path resolved(const std::string& path) {
+  std::error_code ec;
+  fs::path p = fs::weakly_canonical(fs::absolute(path, ec), ec);
+  return ec ? fs::absolute(path).lexically_normal() : p;
+}
+
+// Whether `inner` is `outer` or lies inside it.
+bool within(const fs::path& inner, const fs::path& outer) {
+  auto o = outer.begin();
+  for (auto i = inner.begin(); o != outer.end(); ++i, ++o) {
+    if (o->empty() && std::next(o) == outer.end()) return true;  // "dir/"
+    if (i == inner.end() || *i != *o) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+void check_outputs_spare_inputs(const std::vector<std::pair<std::string, std::string>>& outputs,
+                                const std::vector<RunInput>& inputs) {
+  for (const auto& [flag, path] : outputs) {
+    if (path.empty()) continue;
+    const fs::path out = resolved(path);
+    const std::string id = output_identity(path);
+    for (const RunInput& in : inputs) {
+      if (in.path.empty()) continue;
+      const bool same = (!id.empty() && id == output_identity(in.path)) || out == resolved(in.path);
+      if (!same && !(in.folder && within(out, resolved(in.path)))) continue;
+      const std::string shown = str(flag, " '", shown_path(path), "'");
+      if (!in.folder) {
+        throw ConfigError(str(shown, " is the ", in.what, " file '", shown_path(in.path), "' this run reads, so "
+                              "writing it would destroy an input: give ", flag, " its own path"));
+      }
+      throw ConfigError(str(shown, same ? " is " : " lies inside ", in.what, " '", shown_path(in.path), "', ",
+                            in.role, ", so writing it would damage them: give ", flag,
+                            " a path outside that folder"));
+    }
   }
 }
 

@@ -51,6 +51,32 @@ std::string shown_path(const std::string& path);
 // A temporary file of a unique name beside `path` (PATH.tmp.XXXXXX), open,
 // with the mode a new file gets here: an existing PATH.tmp, whoever's, is left
 // alone. Returns the descriptor (-1 with errno set) and the name in `name`.
+// The file is locked (flock) while the descriptor is open, so the writer
+// renames it over `path` before closing it; temporaries of `path` that no
+// process holds (a writer killed half-way left them) are removed first, each
+// named in a log line.
 int open_temporary_beside(const std::string& path, std::string& name);
+
+// Removes the PATH.tmp.XXXXXX files beside `path` that no writer holds (see
+// open_temporary_beside); returns how many.
+int remove_stale_temporaries(const std::string& path);
+
+// What an output may not be: a file the run reads, or a path inside a folder
+// the run reads or keeps (its saves). `folder`: `path` is a folder whose
+// inside is protected too.
+struct RunInput {
+  std::string what;  // "--config", "data.path", "--resume", "--save-dir"
+  std::string path;
+  bool folder = false;
+  std::string role = "which this run reads";  // of a folder: what it holds, for the message
+};
+
+// A ConfigError naming the output's flag, the input and what to change when
+// an output (flag, path) of `outputs` is one of `inputs`' files, or is (or
+// lies inside) one of their folders, through `..`, symbolic links and hard
+// links; paths that do not exist yet are compared by where they would be.
+// Empty paths are skipped.
+void check_outputs_spare_inputs(const std::vector<std::pair<std::string, std::string>>& outputs,
+                                const std::vector<RunInput>& inputs);
 
 }  // namespace remat

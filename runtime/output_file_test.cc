@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <vector>
 
 #include "runtime/error.h"
 #include "tests/error_of.h"
@@ -89,6 +90,60 @@ TEST_F(OutputFileTest, OneFileSpelledTwiceIsRefusedNamingBothFlags) {
                   [&] { check_distinct_outputs({{"--metrics", metrics}, {"--export", at("hard.json")}}); }),
               HasSubstr("are the same file"));
   EXPECT_NO_THROW(check_distinct_outputs({{"--metrics", metrics}, {"--export", at("sub/e.pt")}, {"--json", ""}}));
+}
+
+TEST_F(OutputFileTest, OutputsOnTheRunsInputsOrInsideItsFoldersAreRefused) {
+  std::ofstream(at("cfg.json")) << "{}";
+  std::ofstream(at("corpus.txt")) << "text";
+  fs::create_directories(dir_ / "saves" / "step_00000002");
+  fs::create_directory_symlink(dir_ / "saves", at("saves_link"));
+  const std::vector<RunInput> inputs{{"--config", at("cfg.json")},
+                                     {"data.path", at("corpus.txt")},
+                                     {"--resume", at("saves/step_00000002"), true, "the save this run reads"},
+                                     {"--save-dir", at("saves"), true, "which holds this run's saves and their lock"}};
+  auto refusal_of = [&](const std::string& flag, const std::string& path) {
+    return error_of<ConfigError>([&] { check_outputs_spare_inputs({{flag, path}}, inputs); });
+  };
+  EXPECT_THAT(refusal_of("--metrics", at("cfg.json")),
+              HasSubstr("--metrics '" + at("cfg.json") + "' is the --config file '" + at("cfg.json") +
+                        "' this run reads, so writing it would destroy an input: give --metrics its own path"));
+  EXPECT_THAT(refusal_of("--export", at("sub/../corpus.txt")), HasSubstr("is the data.path file"));
+  EXPECT_THAT(refusal_of("--memory-trace", at("saves/.lock")),
+              HasSubstr("--memory-trace '" + at("saves/.lock") + "' lies inside --save-dir '" + at("saves") +
+                        "', which holds this run's saves and their lock, so writing it would damage them: give "
+                        "--memory-trace a path outside that folder"));
+  EXPECT_THAT(refusal_of("--metrics", at("saves_link/latest")), HasSubstr("lies inside --save-dir"));
+  EXPECT_THAT(refusal_of("--export", at("saves/step_00000002/rank_0.pt")), HasSubstr("lies inside --resume"));
+  EXPECT_THAT(refusal_of("--memory-trace", at("saves")), HasSubstr("--memory-trace '" + at("saves") + "' is --save-dir"));
+  EXPECT_THAT(refusal_of("--memory-trace", at("saves/new/deeper.json")), HasSubstr("lies inside --save-dir"));
+  // A folder that does not exist yet is compared by where it would be.
+  EXPECT_THAT(error_of<ConfigError>([&] {
+                check_outputs_spare_inputs({{"--metrics", at("fresh/m.json")}}, {{"--save-dir", at("fresh"), true}});
+              }),
+              HasSubstr("lies inside --save-dir"));
+  // A hard link to an input is that input.
+  fs::create_hard_link(at("cfg.json"), at("cfg_hard.json"));
+  EXPECT_THAT(refusal_of("--metrics", at("cfg_hard.json")), HasSubstr("is the --config file"));
+  EXPECT_NO_THROW(check_outputs_spare_inputs(
+      {{"--metrics", at("m.json")}, {"--export", at("saves_sibling.pt")}, {"--json", ""}}, inputs));
+}
+
+TEST_F(OutputFileTest, TheNextWriterRemovesTemporariesNoWriterHolds) {
+  const std::string out = at("model.pt");
+  std::ofstream(out + ".tmp.Ab12Cd") << "left by a killed export";
+  std::ofstream(out + ".tmp") << "the user's";
+  std::ofstream(out + ".tmp.notours") << "the user's too";
+  std::string held;
+  const int writing = open_temporary_beside(out, held);  // a writer at work
+  ASSERT_GE(writing, 0);
+  EXPECT_FALSE(fs::exists(out + ".tmp.Ab12Cd"));
+  EXPECT_EQ(remove_stale_temporaries(out), 0);
+  EXPECT_TRUE(fs::exists(held)) << "a temporary still being written is left alone";
+  ::close(writing);  // its writer was killed before renaming it
+  EXPECT_EQ(remove_stale_temporaries(out), 1);
+  EXPECT_FALSE(fs::exists(held));
+  EXPECT_TRUE(fs::exists(out + ".tmp"));
+  EXPECT_TRUE(fs::exists(out + ".tmp.notours"));
 }
 
 TEST_F(OutputFileTest, AVeryLongPathIsCutInMessagesKeepingBothEnds) {

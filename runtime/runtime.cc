@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -94,7 +95,7 @@ void Runtime::pick_cuda_device() {
 void Runtime::share_cores() {
   const int cores = static_cast<int>(std::thread::hardware_concurrency());
   if (auto asked = knobs::omp_num_threads()) {
-    bound_threads(*asked, cores);
+    bound_threads(*asked, cores, env_.local_world_size);
     return;
   }
   if (env_.local_world_size <= 1 || cores <= 0) return;
@@ -106,18 +107,22 @@ void Runtime::share_cores() {
   at::set_num_threads(threads);
 }
 
-// The user's OMP_NUM_THREADS, at most the cores: more threads than cores
-// never run at once, and LibTorch starting OMP_NUM_THREADS=100000 of them
-// ended the process in a segmentation fault at its first parallel kernel.
+// The user's OMP_NUM_THREADS, lowered where it asks for more than the cores:
+// more threads than cores never run at once, and LibTorch starting
+// OMP_NUM_THREADS=100000 of them ended the process in a segmentation fault at
+// its first parallel kernel. The ranks on this machine share the cores, so a
+// value beyond them becomes the cores over the local ranks, as if unset.
 // Set here, before any kernel, the bound holds for every thread LibTorch
 // starts; the variable itself is lowered too, for anything the rank starts.
-void Runtime::bound_threads(int64_t asked, int cores) {
+void Runtime::bound_threads(int64_t asked, int cores, int local_ranks) {
   if (cores <= 0 || asked <= cores) return;
-  log().warn("{}={} asks for more intra-op threads than this machine's {} cores: using {} (set it to at most "
+  const int threads = std::max(1, cores / std::max(1, local_ranks));
+  log().warn("{}={} asks for more intra-op threads than this machine's {} cores: using {}{} (set it to at most "
              "{} to silence this)",
-             knobs::kOmpNumThreads, asked, cores, cores, cores);
-  at::set_num_threads(cores);
-  ::setenv(knobs::kOmpNumThreads, std::to_string(cores).c_str(), 1);
+             knobs::kOmpNumThreads, asked, cores, threads,
+             local_ranks > 1 ? str(", the cores shared by its ", local_ranks, " ranks") : std::string(), cores);
+  at::set_num_threads(threads);
+  ::setenv(knobs::kOmpNumThreads, std::to_string(threads).c_str(), 1);
 }
 
 #if defined(REMAT_WITH_MPI) && defined(REMAT_WITH_NCCL)
@@ -187,6 +192,29 @@ void end_peers() {
 #endif
 }
 
+// An error as printed: each word (a run without white space: a path, a
+// value the user gave) over 240 characters cut in the middle, its ends kept
+// and how much was left out said, so that a value of megabytes never floods
+// the terminal and the error stays readable.
+std::string capped(const std::string& text) {
+  constexpr size_t kHead = 80, kTail = 120, kLongest = 240;
+  std::string out;
+  size_t i = 0;
+  while (i < text.size()) {
+    size_t end = i;
+    while (end < text.size() && !std::isspace(static_cast<unsigned char>(text[end]))) ++end;
+    if (end - i > kLongest) {
+      out += text.substr(i, kHead) + "...(" + std::to_string(end - i - kHead - kTail) + " characters)..." +
+             text.substr(end - kTail, kTail);
+    } else {
+      out.append(text, i, end - i);
+    }
+    while (end < text.size() && std::isspace(static_cast<unsigned char>(text[end]))) out += text[end++];
+    i = end;
+  }
+  return out;
+}
+
 }  // namespace
 
 int run_main(const std::function<int()>& body) {
@@ -199,7 +227,7 @@ int run_main(const std::function<int()>& body) {
                  "%s remat out of memory: %s\n  the step needs more memory than the device has free: "
                  "remat-estimate shows each variant's peak for a config, and docs/memory.md what lowers "
                  "it (a smaller micro-batch, activation checkpointing or offloading, a higher ZeRO stage)\n",
-                 log_prefix().c_str(), e.what_without_backtrace());
+                 log_prefix().c_str(), capped(e.what_without_backtrace()).c_str());
     std::fflush(stderr);
     end_peers();
     return 1;
@@ -209,7 +237,7 @@ int run_main(const std::function<int()>& body) {
                        : dynamic_cast<const ConfigError*>(&e) ? "configuration error"
                        : dynamic_cast<const Error*>(&e)       ? "error"
                                                               : "unexpected error";
-    std::fprintf(stderr, "%s remat %s: %s\n", log_prefix().c_str(), kind, e.what());
+    std::fprintf(stderr, "%s remat %s: %s\n", log_prefix().c_str(), kind, capped(e.what()).c_str());
     std::fflush(stderr);
     end_peers();
     return 1;

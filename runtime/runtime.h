@@ -48,7 +48,7 @@ class Runtime {
   Runtime();
   void share_cores();
   void pick_cuda_device();
-  static void bound_threads(int64_t asked, int cores);
+  static void bound_threads(int64_t asked, int cores, int local_ranks);
   ProcessEnv env_;
   int cuda_devices_ = 0;  // CUDA devices this rank sees (0: none, or no CUDA in this build)
   int cuda_device_ = -1;  // the one it uses

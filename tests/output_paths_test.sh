@@ -154,14 +154,17 @@ if "${with_tmpfs[@]}" 8k "$full_fs" true 2>/dev/null; then
   # rename) names the newest complete save.
   out=$("${with_tmpfs[@]}" 8m "$full_fs" bash -c 'fs=$1; shift
     REMAT_FAULT_SAVE_PAUSE_MS=500 "$@" & job=$!
-    for _ in $(seq 1 600); do [[ -e $fs/saves/step_00000002/rank_0.pt.tmp ]] && break; sleep 0.05; done
+    for _ in $(seq 1 600); do [[ -e $fs/saves/.staging_step_00000002/rank_0.pt.tmp ]] && break; sleep 0.05; done
     head -c 16M /dev/zero >"$fs/fill" 2>/dev/null
-    wait $job' _ "$full_fs" "${tiny[@]}" --steps 3 --set train.save_interval=1 --save-dir "$full_fs/saves" 2>&1); rc=$?
+    wait $job; rc=$?
+    echo "left in the save folder: $(ls -A "$fs/saves" | tr "\n" " ")"
+    exit $rc' _ "$full_fs" "${tiny[@]}" --steps 3 --set train.save_interval=1 --save-dir "$full_fs/saves" 2>&1); rc=$?
   expect_text="The newest complete save is step 1 in '$full_fs/saves' (its 'latest'): free space there, then run again"
-  if [[ $rc -ne 0 && $rc -lt 124 ]] && grep -qF "$expect_text" <<<"$out"; then
-    pass "a save on a full disk names the newest complete save (exit $rc)"
+  if [[ $rc -ne 0 && $rc -lt 124 ]] && grep -qF "$expect_text" <<<"$out" &&
+     grep -qx "left in the save folder: .lock latest step_00000001 " <<<"$out"; then
+    pass "a save on a full disk names the newest complete save and leaves no partial file (exit $rc)"
   else
-    fail "a save on a full disk names the newest complete save (exit $rc)" "$out"
+    fail "a save on a full disk names the newest complete save and leaves no partial file (exit $rc)" "$out"
   fi
 else
   skip "outputs on a full disk" "no tmpfs can be mounted here (${ns[*]})"

@@ -83,7 +83,7 @@ if "${with_tmpfs[@]}" 64k "$small_fs" true 2>/dev/null; then
   out=$("${with_tmpfs[@]}" 1m "$small_fs" bash -c '
     fs=$1 save=$2; shift 2
     REMAT_FAULT_SAVE_PAUSE_MS=1000 "$@" & job=$!
-    for _ in $(seq 1 400); do [[ -e $save/step_00000003/rank_0.pt.tmp ]] && break; sleep 0.05; done
+    for _ in $(seq 1 400); do [[ -e $save/.staging_step_00000003/rank_0.pt.tmp ]] && break; sleep 0.05; done
     head -c 2M /dev/zero >"$fs/fill" 2>/dev/null
     wait $job; rc=$?
     echo "left on the disk: $(ls -A "$fs" | tr "\n" " ")"
@@ -311,9 +311,10 @@ expect "a micro-batch beyond the machine's memory is refused with the estimate" 
 #     loaded CI machine meets it and a hang does not.
 timeout_s=10
 for delay in 2 3.5 5; do
+  rm -rf "$tmp/stall_saves"
   REMAT_COMM_TIMEOUT_S=$timeout_s "$run" -np 2 -- "$train" "${small[@]}" --steps 100000 \
     --set zero_optimization.stage=3 --set activation_checkpointing.variant=full \
-    --set model.n_layer=4 >"$tmp/stall.log" 2>&1 &
+    --set model.n_layer=4 --set train.save_interval=1 --save-dir "$tmp/stall_saves" >"$tmp/stall.log" 2>&1 &
   job=$!  # remat-run, then the mpirun it becomes; the ranks are its children
   for _ in $(seq 1 600); do grep -q '^step 1/' "$tmp/stall.log" && break; sleep 0.1; done
   sleep "$delay"
@@ -329,8 +330,9 @@ for delay in 2 3.5 5; do
   wait "$job" 2>/dev/null; rc=$?
   took=$(awk -v a="$stopped" -v b="$ended" 'BEGIN { printf "%.1f", b - a }')
   if [[ $rc -ne 0 && -n "$victim" ]] && awk -v t="$took" -v l="$timeout_s" 'BEGIN { exit !(t <= l + 5) }' &&
-     grep -q "did not complete within $timeout_s s" "$tmp/stall.log"; then
-    pass "a rank stopped ${delay} s into a ZeRO-3 run ends the job in ${took} s (timeout ${timeout_s} s)"
+     grep -q "did not complete within $timeout_s s" "$tmp/stall.log" &&
+     grep -qE "The newest complete save is step [0-9]+ in '$tmp/stall_saves' \(its 'latest'\): run again with the same settings and --resume" "$tmp/stall.log"; then
+    pass "a rank stopped ${delay} s into a ZeRO-3 run ends the job in ${took} s (timeout ${timeout_s} s), naming the save to resume"
   else
     fail "a rank stopped ${delay} s into a ZeRO-3 run ends the job within ${timeout_s} + 5 s (took ${took} s, exit $rc, rank ${victim:-not found})" \
       "$(tail -5 "$tmp/stall.log")"

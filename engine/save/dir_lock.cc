@@ -8,7 +8,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <vector>
 
+#include "engine/save/manifest.h"
 #include "engine/save/storage.h"
 #include "runtime/communicator.h"
 #include "runtime/error.h"
@@ -40,11 +43,15 @@ void check_save_root(const std::string& dir, const SaveDirOptions& options) {
   const auto saves = save::step_folders(dir);
   if (!options.resuming && !options.overwrite && (!saves.empty() || fs::exists(status))) {
     const int64_t newest = latest_step(dir);
+    // Where `latest` names no save (a run killed before writing it), the step folder that verifies.
+    const std::string resume = newest >= 0 ? dir : save::newest_intact_step(dir);
     throw ConfigError(str("save folder '", dir, "' holds the saves of another run (",
                           saves.size(), " step folder(s)",
                           newest >= 0 ? str(", latest step ", newest) : std::string(),
-                          "): a new run would overwrite them. Resume that run with Engine::load_checkpoint(\"", dir,
-                          "\"), give this run another save folder, or pass SaveDirOptions::overwrite = true to "
+                          "): a new run would overwrite them. ",
+                          resume.empty() ? std::string("None of them verifies, so none can be resumed")
+                                         : str("Resume that run with Engine::load_checkpoint(\"", resume, "\")"),
+                          ", give this run another save folder, or pass SaveDirOptions::overwrite = true to "
                           "Engine::use_save_dir to replace them"));
   }
 }
@@ -91,19 +98,44 @@ void lock_save_dir(const std::string& dir, const std::string& run_id, int& fd) {
                           "another save folder, or wait for the other to end"));
   }
   const std::string me = str("pid ", ::getpid(), " on ", save::host_name(), ", run ", run_id, "\n");
-  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) != static_cast<ssize_t>(me.size())) {
+  // Synced: the other ranks read it (check_shared), some through another node's view of the folder.
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) != static_cast<ssize_t>(me.size()) ||
+      ::fsync(fd) != 0) {
     log().warn("save folder '{}': could not record this job in its lock file", dir);
   }
 }
 
 // This rank's part of SaveDirLock's constructor: checks every rank makes;
-// rank 0 locks (into `fd`) and checks what the folder holds.
+// rank 0 locks (into `fd`), removes what killed saves left, and checks what
+// the folder holds.
 void take_save_dir(const std::string& dir, const std::string& run_id, Communicator& world,
                    const SaveDirOptions& options, int& fd) {
   check_writable(dir, run_id, world.rank());
-  if (world.rank() == 0) {
-    lock_save_dir(dir, run_id, fd);
-    check_save_root(dir, options);
+  if (world.rank() != 0) return;
+  lock_save_dir(dir, run_id, fd);
+  const std::vector<std::string> left = save::remove_save_leftovers(dir);
+  if (!left.empty()) {
+    log().info("save folder '{}': removed {} left by a save that did not finish ({}{})", dir, left.size(), left[0],
+               left.size() > 1 ? ", ..." : "");
+  }
+  check_save_root(dir, options);
+}
+
+// Every rank finds rank 0's lock record of this run in the folder: one
+// spelling may name a different folder on each node (a node-local disk, a
+// per-rank working directory), and a save split over such folders cannot be
+// resumed.
+void check_shared(const std::string& dir, const std::string& run_id, int rank) {
+  if (rank == 0) return;
+  std::ifstream in(fs::path(dir) / ".lock");
+  std::string record((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (record.find("run " + run_id) == std::string::npos) {
+    throw ConfigError(str("save folder '", dir, "' is not the folder rank 0 has: rank ", rank, " does not find "
+                          "rank 0's record of this run in its '.lock' (",
+                          record.empty() ? "no such file" : "another run's",
+                          "), so the spelling names another folder here (a node-local disk or another working "
+                          "directory). A save is one folder every rank writes into: give a path on a file system "
+                          "all ranks share, the same on each"));
   }
 }
 
@@ -115,6 +147,7 @@ SaveDirLock::SaveDirLock(const std::string& dir, const std::string& run_id, Comm
   // rank cannot use is the same error on every rank (none waits for it).
   try {
     agree_on_outcome(world, "the save folder check", [&] { take_save_dir(dir, run_id, world, options, fd_); });
+    agree_on_outcome(world, "the save folder check", [&] { check_shared(dir, run_id, world.rank()); });
   } catch (...) {
     if (fd_ >= 0) ::close(fd_);
     fd_ = -1;

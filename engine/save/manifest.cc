@@ -250,8 +250,8 @@ bool save_verifies(const fs::path& folder) {
   }
 }
 
-// The newest step folder under `root` other than `skip` whose manifest and
-// every rank file verify (sizes and CRC-32s), or "".
+}  // namespace
+
 std::string newest_intact_step(const std::string& root, const std::string& skip) {
   const fs::path skipped = fs::path(skip).lexically_normal();
   for (const auto& [step, folder] : step_folders(root)) {
@@ -260,8 +260,6 @@ std::string newest_intact_step(const std::string& root, const std::string& skip)
   }
   return "";
 }
-
-}  // namespace
 
 std::string offer_newest(const std::string& root, const std::string& skip) {
   const std::string newest = newest_intact_step(root, skip);

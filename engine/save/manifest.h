@@ -42,6 +42,10 @@ nlohmann::json manifest_json(const TrainPosition& position, const TrainShards& s
 // or damaged one is a ConfigError naming `path`.
 Manifest read_manifest(const std::string& path);
 
+// The newest step folder in `root` (other than `skip`) whose manifest and
+// every rank file verify; "" when none does.
+std::string newest_intact_step(const std::string& root, const std::string& skip = "");
+
 // The sentence an error about a save in `root` ends with: the newest save
 // (other than the broken `skip`) whose manifest and every rank file verify.
 std::string offer_newest(const std::string& root, const std::string& skip = "");

@@ -39,7 +39,7 @@ void write_atomically(const std::string& path, const std::string& bytes) {
     if (!out) throw Error(str("save: writing '", tmp, "' failed (disk full?)"));
   }
   fsync_path(tmp, false);
-  if (auto pause = knobs::fault_save_pause()) std::this_thread::sleep_for(*pause);
+  fault_pause(path);
   fs::rename(tmp, path);
   fsync_path(fs::path(path).parent_path().string(), true);
 }
@@ -90,6 +90,67 @@ std::string root_of(const std::string& folder) {
   fs::path p(folder);
   if (p.filename().empty()) p = p.parent_path();  // "root/step_00000004/"
   return p.parent_path().string();
+}
+
+std::string staging_folder(int64_t step) { return ".staging_" + step_folder(step); }
+
+namespace {
+
+// The hidden name an old save waits under while a new one takes its place
+// (where the file system cannot exchange two folders).
+fs::path replaced_name(const fs::path& final) {
+  return final.parent_path() / (".replaced_" + final.filename().string());
+}
+
+}  // namespace
+
+bool install_save(const std::string& staging, const std::string& final) {
+  fault_pause(final);
+  std::error_code ec;
+  const bool old = fs::exists(final, ec);
+  if (!old) {
+    fs::rename(staging, final);
+  } else if (::renameat2(AT_FDCWD, staging.c_str(), AT_FDCWD, final.c_str(), RENAME_EXCHANGE) != 0) {
+    if (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP) {
+      throw Error(str("save: cannot put '", staging, "' in place of '", final, "' (", std::strerror(errno), ")"));
+    }
+    const fs::path aside = replaced_name(final);
+    fs::remove_all(aside, ec);
+    fs::rename(final, aside);
+    fs::rename(staging, final);
+    fs::rename(aside, staging);
+  }
+  fsync_path(fs::path(final).parent_path().string(), true);
+  return old;
+}
+
+std::vector<std::string> remove_save_leftovers(const std::string& root) {
+  std::vector<std::string> removed;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(root, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(".replaced_", 0) == 0 && step_of(name.substr(10)) >= 0) {
+      const fs::path final = entry.path().parent_path() / name.substr(10);
+      if (!fs::exists(final, ec)) {
+        fs::rename(entry.path(), final, ec);  // the new save never took its place: the old one is it
+        if (!ec) continue;
+      }
+    } else if (!(name.rfind(".staging_", 0) == 0 && step_of(name.substr(9)) >= 0) && name != "latest.tmp") {
+      continue;
+    }
+    fs::remove_all(entry.path(), ec);
+    if (!ec) removed.push_back(name);
+  }
+  return removed;
+}
+
+void fault_pause(const std::string& what) {
+  const auto pause = knobs::fault_save_pause();
+  if (!pause) return;
+  std::fprintf(stderr, "remat fault seam: pausing %lld ms before '%s' is put in place\n",
+               static_cast<long long>(pause->count()), what.c_str());
+  std::fflush(stderr);
+  std::this_thread::sleep_for(*pause);
 }
 
 }  // namespace remat::save

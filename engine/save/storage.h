@@ -36,4 +36,29 @@ std::vector<std::pair<int64_t, std::filesystem::path>> step_folders(const std::s
 // The save root a step folder lies in.
 std::string root_of(const std::string& folder);
 
+// The folder a save of `step` is written in until it is complete
+// (".staging_step_00000010"): never a step folder, so nothing reads a save
+// before its manifest is there, and a save never writes into a folder that
+// holds another one.
+std::string staging_folder(int64_t step);
+
+// Puts the complete save in `staging` at `final` in one rename: where `final`
+// holds a save already, the two are exchanged atomically (the old save then
+// lies at `staging`, for the caller to remove once `latest` is written), so a
+// crash leaves one complete save there, the old or the new. Where the file
+// system cannot exchange, the old save is first renamed to a hidden name that
+// remove_save_leftovers puts back if the second rename never happened.
+// Returns whether an old save was replaced.
+bool install_save(const std::string& staging, const std::string& final);
+
+// What killed saves left in `root`, removed at the start of a run (rank 0,
+// under the save folder's lock): staging folders, replaced saves (put back
+// where their step folder is missing) and `latest`'s temporary file. Returns
+// what was removed, for one log line.
+std::vector<std::string> remove_save_leftovers(const std::string& root);
+
+// REMAT_FAULT_SAVE_PAUSE_MS: pauses before `what` is renamed into place,
+// saying so on stderr, so a test can kill a save at each of its steps.
+void fault_pause(const std::string& what);
+
 }  // namespace remat::save

@@ -82,10 +82,11 @@ std::vector<std::string> gather_text(const std::string& mine, Communicator& worl
   return out;
 }
 
-// Rank 0: the manifest of the step folder (every rank's file listed from
-// `all`, each rank's size, CRC-32, tensor- and data-parallel rank, and
-// `layouts`), then `latest`.
-void write_manifest(const std::string& dir, const std::string& folder, const TrainPosition& position,
+// Rank 0: the manifest of the save (every rank's file listed from `all`,
+// each rank's size, CRC-32, tensor- and data-parallel rank, and `layouts`)
+// in its staging folder, the save put in place of its step folder, then
+// `latest`; a save it replaced is removed last.
+void write_manifest(const std::string& dir, const std::string& staging, const TrainPosition& position,
                     const TrainShards& shards, const SaveIdentity& identity, Communicator& world,
                     const at::Tensor& all, const std::vector<std::string>& layouts) {
   std::vector<save::ListedFile> files;
@@ -94,7 +95,9 @@ void write_manifest(const std::string& dir, const std::string& folder, const Tra
                      all[4 * r + 3].item<int64_t>(), layouts[r]});
   }
   const nlohmann::json manifest = save::manifest_json(position, shards, identity, world.size(), files);
-  save::write_atomically((fs::path(folder) / "manifest.json").string(), manifest.dump(1));
+  save::write_atomically((fs::path(staging) / "manifest.json").string(), manifest.dump(1));
+  const std::string folder = (fs::path(dir) / save::step_folder(position.step)).string();
+  const bool replaced = save::install_save(staging, folder);
   const int64_t current = latest_step(dir);
   if (current > position.step) {
     // A later save of an earlier run this one resumed before: the newest
@@ -104,22 +107,23 @@ void write_manifest(const std::string& dir, const std::string& folder, const Tra
   } else {
     save::write_atomically((fs::path(dir) / "latest").string(), save::step_folder(position.step) + "\n");
   }
+  if (replaced) fs::remove_all(staging);  // the save this one replaced, now that `latest` is written
 }
 
-}  // namespace
-
-void save_train_state(const std::string& dir, const TrainPosition& position, const TrainShards& shards,
-                      torch::optim::Optimizer& optimizer, const SaveIdentity& identity,
-                      Communicator& world) {
-  REMAT_CHECK(shards.tensors.size() == shards.layout.size(),
-              "save_train_state: one layout per tensor (ZeroModel::parameters() and layout())");
-  const std::string folder = (fs::path(dir) / save::step_folder(position.step)).string();
+// The rank files into `staging`, then (rank 0) the manifest, the save put in
+// place and `latest`.
+void write_staged_save(const std::string& dir, const std::string& staging, const TrainPosition& position,
+                       const TrainShards& shards, torch::optim::Optimizer& optimizer, const SaveIdentity& identity,
+                       Communicator& world) {
   std::string bytes, layout;
   // Each rank's file; a rank that cannot write it stops every rank here.
   agree_on_outcome(world, str("the save of step ", position.step), [&] {
-    fs::create_directories(folder);
+    if (!fs::is_directory(staging)) {
+      throw Error(str("save: rank ", world.rank(), " does not see the folder '", staging, "' rank 0 created: the "
+                      "save folder must be one folder every rank shares"));
+    }
     bytes = save::rank_file_bytes(position, shards, optimizer, identity, world.rank(), world.size(), layout);
-    save::write_atomically((fs::path(folder) / str("rank_", world.rank(), ".pt")).string(), bytes);
+    save::write_atomically((fs::path(staging) / str("rank_", world.rank(), ".pt")).string(), bytes);
   });
 
   // Every rank's file is in place (and its size, checksum and layout known)
@@ -131,8 +135,32 @@ void save_train_state(const std::string& dir, const TrainPosition& position, con
   world.allGather(all, mine)->wait();
   const std::vector<std::string> layouts = gather_text(layout, world);
   agree_on_outcome(world, str("the save of step ", position.step), [&] {
-    if (world.rank() == 0) write_manifest(dir, folder, position, shards, identity, world, all, layouts);
+    if (world.rank() == 0) write_manifest(dir, staging, position, shards, identity, world, all, layouts);
   });
+}
+
+}  // namespace
+
+void save_train_state(const std::string& dir, const TrainPosition& position, const TrainShards& shards,
+                      torch::optim::Optimizer& optimizer, const SaveIdentity& identity,
+                      Communicator& world) {
+  REMAT_CHECK(shards.tensors.size() == shards.layout.size(),
+              "save_train_state: one layout per tensor (ZeroModel::parameters() and layout())");
+  // Written in a staging folder of its own, put in place once complete.
+  const std::string staging = (fs::path(dir) / save::staging_folder(position.step)).string();
+  agree_on_outcome(world, str("the save of step ", position.step), [&] {
+    if (world.rank() != 0) return;
+    fs::remove_all(staging);  // what a failed save of this step left
+    fs::create_directories(staging);
+  });
+  // A save that fails leaves nothing of itself (a full disk keeps no partial rank file).
+  try {
+    write_staged_save(dir, staging, position, shards, optimizer, identity, world);
+  } catch (...) {
+    std::error_code ec;
+    if (world.rank() == 0) fs::remove_all(staging, ec);
+    throw;
+  }
 }
 
 namespace {

@@ -164,8 +164,8 @@ class MpiWork final : public Work {
     int polls = 0;
     while (!isCompleted()) {
       if (communication_failed()) {
-        give_up(str(what_, " on rank ", rank_, " abandoned: an earlier operation failed (",
-                    communication_failure(), ")"),
+        // The failure that ended the job first: it is what the user acts on.
+        give_up(str(communication_failure(), " (", what_, " on rank ", rank_, " was abandoned because of it)"),
                 /*timed_out=*/false);
       }
       // Spin briefly, then yield: ranks are often oversubscribed on few cores.

@@ -131,7 +131,8 @@ class NcclWork final : public Work {
     auto start = std::chrono::steady_clock::now();
     while (!isCompleted()) {
       if (communication_failed()) {
-        error_ = str(what_, " abandoned: an earlier operation failed (", communication_failure(), ")");
+        // The failure that ended the job first: it is what the user acts on.
+        error_ = str(communication_failure(), " (", what_, " was abandoned because of it)");
         abort();
         throw CommError(error_);
       }

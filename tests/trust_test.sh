@@ -1,0 +1,193 @@
+#!/usr/bin/env bash
+# remat-train and remat-run against a hostile user's fifth round: a save
+# killed at each of its write steps while it replaces another run's save of
+# the same step, outputs named on the run's own inputs or inside its save
+# folder, one --save-dir spelling that names a different folder per rank,
+# stale temporary files, a frozen rank, NaN weights at the sample, and the
+# messages of bad flags. Each case ends as stated: nothing lost, a clear
+# error and a nonzero exit, never a hang.
+# Prints "[remat-test] N passed, M failed".
+set -uo pipefail
+train="$(realpath "$1")"
+run="$(realpath "$2")"
+tmp="${TEST_TMPDIR:-$(mktemp -d)}"
+export REMAT_COMM_TIMEOUT_S=60 REMAT_LOG_LEVEL=warn
+source "$(dirname "$0")/testlib.sh"
+
+small=(--set model.n_layer=2 --set model.seq_len=32 --set model.d_model=32 --set model.d_ff=64
+       --set train_micro_batch_size_per_gpu=4 --set train.eval_interval=0 --set train.sample_chars=0)
+tiny=("$train" "${small[@]}")
+run_id() { sed -nE 's/.*"run_id": "([^"]*)".*/\1/p' "$1/manifest.json"; }
+
+# 1. A run that replaces another run's saves (--overwrite-saves), killed at
+#    each write step of its first save, which has the step of the old run's
+#    save: the folder always holds a save that resumes (the old run's or the
+#    new one's, never a mix), and the next run removes what the killed one
+#    left. The fault seam pauses before each file or folder is put in place
+#    and says so; the k-th pause is where the kill lands.
+rm -rf "$tmp/first"
+"$run" -np 2 -- "${tiny[@]}" --steps 5 --set train.save_interval=5 --save-dir "$tmp/first" >"$tmp/first.log" 2>&1 ||
+  fail "the first run saves step 5" "$(tail -5 "$tmp/first.log")"
+old_id=$(run_id "$tmp/first/step_00000005")
+# The pauses of a save at 2 ranks: each rank file, the manifest, the step
+# folder, then `latest`.
+for k in 1 2 3 4 5; do
+  dir="$tmp/kill_$k"
+  rm -rf "$dir" && cp -a "$tmp/first" "$dir"
+  REMAT_FAULT_SAVE_PAUSE_MS=3000 "$run" -np 2 -- "${tiny[@]}" --steps 10 --set train.save_interval=5 \
+    --save-dir "$dir" --overwrite-saves >"$tmp/kill_$k.log" 2>&1 &
+  job=$!
+  for _ in $(seq 1 900); do
+    [[ $(grep -c 'remat fault seam: pausing' "$tmp/kill_$k.log" 2>/dev/null) -ge $k ]] && break
+    kill -0 "$job" 2>/dev/null || break
+    sleep 0.1
+  done
+  where=$(grep 'remat fault seam: pausing' "$tmp/kill_$k.log" | sed -n "${k}p" | sed -E "s/.*before '([^']*)'.*/\1/")
+  pkill -KILL -f "remat-train.*--save-dir $dir" 2>/dev/null
+  wait "$job" 2>/dev/null
+  sleep 0.5  # the ranks' own exit after mpirun's
+  resumed=$("$run" -np 2 -- "${tiny[@]}" --steps 6 --resume "$dir" --save-dir "$dir" 2>&1); rc=$?
+  id=$(run_id "$dir/step_00000005")
+  left=$(ls -A "$dir" | grep -E '^\.(staging|replaced)_|\.tmp' | tr '\n' ' ')
+  if [[ -z "$where" ]]; then
+    fail "a save killed at write step $k: the step was reached" "$(tail -5 "$tmp/kill_$k.log")"
+  elif [[ $rc -eq 0 && -n "$id" && -z "$left" ]]; then
+    whose=$([[ "$id" == "$old_id" ]] && echo "the old run's" || echo "the new run's")
+    pass "a save killed before '${where#$dir/}' is put in place leaves $whose step 5, which resumes; nothing left over"
+  else
+    fail "a save killed before '${where#$dir/}' is put in place leaves a save that resumes (exit $rc, left: $left)" \
+      "$resumed" "$(ls -A "$dir")"
+  fi
+done
+
+# 2. Outputs on the run's inputs or inside its save folder are refused at
+#    start, and the inputs are left as they were.
+mkdir -p "$tmp/io"
+echo '{"model": {"n_layer": 2}}' >"$tmp/io/cfg.json"
+cp "$tmp/io/cfg.json" "$tmp/io/cfg.orig"
+head -c 20000 /dev/urandom | base64 >"$tmp/io/corpus.txt"
+cp "$tmp/io/corpus.txt" "$tmp/io/corpus.orig"
+expect "--metrics on the --config file is refused" \
+  "--metrics '$tmp/io/cfg.json' is the --config file '$tmp/io/cfg.json' this run reads" \
+  "${tiny[@]}" --steps 1 --config "$tmp/io/cfg.json" --metrics "$tmp/io/cfg.json"
+expect "--export on data.path is refused" "--export '$tmp/io/corpus.txt' is the data.path file" \
+  "${tiny[@]}" --steps 1 --set data.path="$tmp/io/corpus.txt" --export "$tmp/io/corpus.txt"
+rm -rf "$tmp/sv"
+"${tiny[@]}" --steps 2 --save-dir "$tmp/sv" >/dev/null 2>&1
+expect "--memory-trace on the save folder's lock is refused" \
+  "--memory-trace '$tmp/sv/.lock' lies inside --save-dir '$tmp/sv', which holds this run's saves and their lock" \
+  "${tiny[@]}" --steps 4 --resume "$tmp/sv" --save-dir "$tmp/sv" --memory-trace "$tmp/sv/.lock"
+expect "--metrics on the save folder's latest is refused" "--metrics '$tmp/sv/latest' lies inside --save-dir" \
+  "${tiny[@]}" --steps 4 --resume "$tmp/sv" --save-dir "$tmp/sv" --metrics "$tmp/sv/latest"
+expect "--export on a rank file of the save resumed is refused" \
+  "--export '$tmp/sv/step_00000002/rank_0.pt' lies inside --resume '$tmp/sv', the save this run reads" \
+  "${tiny[@]}" --steps 4 --resume "$tmp/sv/step_00000002" --export "$tmp/sv/step_00000002/rank_0.pt"
+expect "--memory-trace on a --save-dir not yet made is refused at start, not at the traced step" \
+  "--memory-trace '$tmp/sv7' is --save-dir '$tmp/sv7'" \
+  "${tiny[@]}" --steps 3 --save-dir "$tmp/sv7" --memory-trace "$tmp/sv7"
+if cmp -s "$tmp/io/cfg.json" "$tmp/io/cfg.orig" && cmp -s "$tmp/io/corpus.txt" "$tmp/io/corpus.orig" &&
+   [[ "$(cat "$tmp/sv/latest")" == step_00000002 && ! -e "$tmp/sv7" ]] && "${tiny[@]}" --steps 3 --resume "$tmp/sv" \
+     --save-dir "$tmp/sv" >/dev/null 2>&1; then
+  pass "the inputs and the save are as they were, and no folder was made for the refused run"
+else
+  fail "the inputs and the save are as they were, and no folder was made for the refused run" "$(ls -A "$tmp/sv" "$tmp")"
+fi
+# The plot script beside the trace: the user's file of that name is refused, remat's own replaced.
+echo "print('mine')" >"$tmp/io/t.plot.py"
+expect "a file of the user's where the plot script goes is refused at start" \
+  "'$tmp/io/t.plot.py' exists and is not remat's plotting script" \
+  "${tiny[@]}" --steps 1 --memory-trace "$tmp/io/t.json"
+[[ "$(cat "$tmp/io/t.plot.py")" == "print('mine')" ]] && pass "the user's t.plot.py is left as it was" ||
+  fail "the user's t.plot.py is left as it was" "$(head -3 "$tmp/io/t.plot.py")"
+
+# 3. One --save-dir spelling that is a different folder on each rank (a
+#    working directory per rank, as with node-local disks) is refused at start.
+mkdir -p "$tmp/node0" "$tmp/node1"
+per_node=(bash -c 'cd "$1/node${OMPI_COMM_WORLD_RANK:-$PMIX_RANK}" && shift && exec "$@"' _ "$tmp")
+expect "a --save-dir that names a different folder on each rank is refused" \
+  "--save-dir 'saves' is not the folder rank 0 has: rank 1 does not find rank 0's record of this run" \
+  "$run" -np 2 -- "${per_node[@]}" "${tiny[@]}" --steps 2 --save-dir saves
+if [[ ! -e "$tmp/node0/saves/step_00000002" && ! -e "$tmp/node1/saves/step_00000002" ]]; then
+  pass "no step was saved into the split folder"
+else
+  fail "no step was saved into the split folder" "$(ls -R "$tmp/node0" "$tmp/node1")"
+fi
+
+# 4. An export killed before its rename leaves a temporary file, which the next
+#    export of that path removes.
+echo "partial" >"$tmp/io/model.pt.tmp.Zz9Yx8"
+out=$("${tiny[@]}" --steps 1 --export "$tmp/io/model.pt" 2>&1); rc=$?
+if [[ $rc -eq 0 && ! -e "$tmp/io/model.pt.tmp.Zz9Yx8" && -s "$tmp/io/model.pt" ]]; then
+  pass "the next export removes the temporary file a killed one left"
+else
+  fail "the next export removes the temporary file a killed one left (exit $rc)" "$out" "$(ls -A "$tmp/io")"
+fi
+
+# 5. Flags: --memory-trace-samples read as --steps is, refused without
+#    --memory-trace; --device named as typed, with the closest device.
+expect "--memory-trace-samples that is not a number" \
+  "--memory-trace-samples 'abc' is not a number: give a whole number from 4" \
+  "${tiny[@]}" --steps 1 --memory-trace "$tmp/io/s.json" --memory-trace-samples abc
+expect "--memory-trace-samples without --memory-trace" \
+  "--memory-trace-samples bounds the samples of --memory-trace, which is not given" \
+  "${tiny[@]}" --steps 1 --memory-trace-samples 100
+out=$("${tiny[@]}" --steps 1 --memory-trace "$tmp/io/s.json" --memory-trace-samples 1e3 2>&1); rc=$?
+[[ $rc -eq 0 && -s "$tmp/io/s.json" ]] && pass "--memory-trace-samples 1e3 is read as 1000" ||
+  fail "--memory-trace-samples 1e3 is read as 1000 (exit $rc)" "$out"
+for spec in CPU:cpu gpu:cuda Cuda:cuda; do
+  expect "--device ${spec%%:*} names the flag and offers ${spec#*:}" \
+    "'--device' = \"${spec%%:*}\" is not a device (did you mean \"${spec#*:}\"?)" \
+    "${tiny[@]}" --steps 1 --device "${spec%%:*}"
+done
+
+# 6. A value of megabytes is cut in the error, its ends kept: a data.path of
+#    1 MB in a config file, and a 100 kB --save-dir (an argument's limit).
+python3 -c 'import json; print(json.dumps({"data": {"path": "/nowhere/" + "x" * 1000000}}))' >"$tmp/io/long.json"
+long="$tmp/$(head -c 100000 /dev/zero | tr '\0' 'x')"
+for what in "data.path" "--save-dir"; do
+  if [[ $what == data.path ]]; then out=$("${tiny[@]}" --steps 1 --config "$tmp/io/long.json" 2>&1); rc=$?
+  else out=$("${tiny[@]}" --steps 1 --save-dir "$long" 2>&1); rc=$?; fi
+  if [[ $rc -ne 0 && $rc -lt 124 && ${#out} -lt 4000 ]] && grep -qF "characters)..." <<<"$out"; then
+    pass "a $what of megabytes is cut in the error (${#out} characters printed, exit $rc)"
+  else
+    fail "a $what of megabytes is cut in the error (${#out} characters printed, exit $rc)" "${out:0:600}"
+  fi
+done
+
+# 7. remat-run: far more ranks than cores is refused unless asked for, a
+#    repeated -np is refused, and the command printed is quoted.
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
+expect "remat-run refuses more than 4 ranks per core" \
+  "-np 10000 starts 10000 ranks on this machine's $cores cores (more than 4 per core" \
+  "$run" -np 10000 -- true
+expect "remat-run refuses -np given twice" "the number of ranks is given twice ('2' and '3'): give -np once" \
+  "$run" -np 2 -np 3 -- true
+out=$("$run" -np 1 -- echo "two words" 2>&1)
+grep -qF 'echo two\ words' <<<"$out" && pass "remat-run prints its command quoted" ||
+  fail "remat-run prints its command quoted" "$out"
+threads=$(( cores / 2 < 1 ? 1 : cores / 2 ))
+out=$(OMP_NUM_THREADS=100000 "$run" -np 2 -- "${tiny[@]}" --steps 1 2>&1); rc=$?
+if [[ $rc -eq 0 ]] && grep -qF "asks for more intra-op threads than this machine's $cores cores: using $threads, the cores shared by its 2 ranks" <<<"$out"; then
+  pass "OMP_NUM_THREADS beyond the cores becomes the cores over the ranks ($threads)"
+else
+  fail "OMP_NUM_THREADS beyond the cores becomes the cores over the ranks ($threads, exit $rc)" "$out"
+fi
+
+# 8. --overwrite-saves after a resume from elsewhere names what it removed for what it is.
+rm -rf "$tmp/ow" && cp -a "$tmp/first" "$tmp/ow"
+out=$(REMAT_LOG_LEVEL=warn "${tiny[@]}" --steps 4 --resume "$tmp/sv" --save-dir "$tmp/ow" --overwrite-saves 2>&1)
+grep -qF "removed 1 save(s) of an earlier run from '$tmp/ow'" <<<"$out" &&
+  pass "--overwrite-saves after resuming elsewhere says it removed an earlier run's saves" ||
+  fail "--overwrite-saves after resuming elsewhere says it removed an earlier run's saves" "$out"
+
+# 9. A model whose weights are not finite: the sample at the end is a clear
+#    error naming why, with no stack trace.
+expect_all "a sample from NaN weights is a clear error" "the end-of-run sample cannot be drawn" \
+  "train.sample_chars=0" -- "${tiny[@]}" --steps 2 --set train.sample_chars=20 \
+  --set optimizer.params.lr=1e30 --set scheduler.type=none --set gradient_clipping=0 --set train.on_nonfinite=skip
+out=$(timeout 120 "${tiny[@]}" --steps 2 --set train.sample_chars=20 --set optimizer.params.lr=1e30 \
+      --set scheduler.type=none --set gradient_clipping=0 --set train.on_nonfinite=skip 2>&1)
+grep -qE 'frame #|0x[0-9a-f]{8,}' <<<"$out" && fail "no stack trace with the sample's error" "$out" ||
+  pass "no stack trace with the sample's error"
+
+summary
