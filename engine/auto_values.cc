@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
+#include "engine/deepspeed_keys.h"
 #include "runtime/error.h"
 
 namespace remat {
@@ -16,7 +17,11 @@ const std::vector<std::string>& auto_keys() {
       "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps",
       "scheduler.params.total_num_steps", "bf16.enabled", "fp16.enabled", "zero_optimization.reduce_bucket_size",
       "zero_optimization.allgather_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
-      "zero_optimization.stage3_param_persistence_threshold"};
+      "zero_optimization.stage3_param_persistence_threshold",
+      // DeepSpeed reads "auto" on these as the key left out: its default.
+      "zero_optimization.stage3_max_live_parameters", "zero_optimization.max_live_parameters",
+      "zero_optimization.stage3_max_reuse_distance", "zero_optimization.max_reuse_distance",
+      "zero_optimization.sub_group_size"};
   return keys;
 }
 
@@ -77,6 +82,10 @@ void decide_scheduler(Config& c) {
   }
 }
 
+// DeepSpeed's default of sub_group_size and stage3_max_reuse_distance, which
+// have no effect in remat (deepspeed_keys.cc).
+constexpr int64_t kDeepSpeedTilingDefault = 1000000000;
+
 void decide_zero_sizes(Config& c) {
   const auto& z = c.zero_optimization;
   const std::string why = "remat's default, as when the key is left out";
@@ -84,6 +93,38 @@ void decide_zero_sizes(Config& c) {
   decided(c, "zero_optimization.allgather_bucket_size", z.allgather_bucket_size, why);
   decided(c, "zero_optimization.stage3_prefetch_bucket_size", z.stage3_prefetch_bucket_size, why);
   decided(c, "zero_optimization.stage3_param_persistence_threshold", z.stage3_param_persistence_threshold, why);
+  for (const char* key : {"zero_optimization.stage3_max_live_parameters", "zero_optimization.max_live_parameters"}) {
+    decided(c, key, z.stage3_max_live_parameters, "remat's default (DeepSpeed's), as when the key is left out");
+  }
+  // Unset, as left out: their values would only be said to change nothing.
+  for (const char* key : {"zero_optimization.stage3_max_reuse_distance", "zero_optimization.max_reuse_distance"}) {
+    decided(c, key, kDeepSpeedTilingDefault,
+            str("DeepSpeed's default, as when the key is left out; it has no effect in remat: ",
+                deepspeed_keys::kMaxReuseDistanceWhy));
+  }
+  decided(c, "zero_optimization.sub_group_size", kDeepSpeedTilingDefault,
+          str("DeepSpeed's default, as when the key is left out; it has no effect in remat: ",
+              deepspeed_keys::kSubGroupSizeWhy));
+}
+
+// stage3_param_persistence_threshold "auto", once the precision is known: at
+// stage 3 under bf16 or fp16 the threshold stage 3 uses, 0, with why (one
+// line says what was decided, what is used and why: no other line repeats it).
+void decide_persistence_threshold(Config& c) {
+  const std::string key = "zero_optimization.stage3_param_persistence_threshold";
+  if (!c.is_auto(key) || c.is_undecided_auto("bf16.enabled") || c.is_undecided_auto("fp16.enabled")) return;
+  auto& z = c.zero_optimization;
+  const auto mixed = parallel::mixed_precision(c.bf16, c.fp16.enabled);
+  const int64_t used = parallel::stage3_persistence_threshold(z, mixed);
+  if (z.stage != 3 || used == z.stage3_param_persistence_threshold) return;
+  z.stage3_param_persistence_threshold = used;
+  for (auto& a : c.auto_values) {
+    if (a.key != key) continue;
+    a.value = json(used).dump();
+    a.why = str(deepspeed_keys::persistence_threshold_why(mixed), " (remat's default, ",
+                parallel::ZeroOptions{}.stage3_param_persistence_threshold, ", keeps smaller parameters whole in "
+                "float32 runs)");
+  }
 }
 
 }  // namespace
@@ -92,6 +133,7 @@ void decide_config_autos(Config& config) {
   decide_optimizer_and_clipping(config);
   decide_scheduler(config);
   decide_zero_sizes(config);
+  decide_persistence_threshold(config);  // where bf16 and fp16 are given, not "auto"
 }
 
 void decide_precision_autos(Config& c, const std::string& device, bool cuda, bool computes_bf16) {
@@ -119,6 +161,7 @@ void decide_precision_autos(Config& c, const std::string& device, bool cuda, boo
                              : str("the training device, ", device, ", computes bf16, which needs no loss "
                                    "scaling: set bf16.enabled for it"));
   }
+  decide_persistence_threshold(c);
   // The precision's rules, which parse_config left for these decisions.
   if (precision_auto) check_config_rules(c, str("the config with bf16/fp16 \"auto\" decided for ", device));
 }

@@ -10,10 +10,14 @@
 // When each is decided:
 // - parse_config, from the config alone: gradient_clipping, the optimizer's
 //   lr, betas, eps and weight_decay, the scheduler's warmup_min_lr,
-//   warmup_max_lr, warmup_num_steps and total_num_steps, and the ZeRO bucket
-//   and threshold sizes;
+//   warmup_max_lr, warmup_num_steps and total_num_steps, the ZeRO bucket and
+//   threshold sizes and stage3_max_live_parameters, and DeepSpeed's
+//   sub_group_size and stage3_max_reuse_distance (its default, said to have
+//   no effect);
 // - where the training device is known (remat-train, remat-estimate, the
-//   engine): bf16.enabled and fp16.enabled;
+//   engine): bf16.enabled and fp16.enabled, and with them
+//   stage3_param_persistence_threshold at stage 3 (0 under bf16 or fp16,
+//   what stage 3 uses there);
 // - where the data-parallel size and the model's memory are known:
 //   train_micro_batch_size_per_gpu (from a memory estimate: remat-train's
 //   GPT; a model given to remat::initialize cannot be estimated before it

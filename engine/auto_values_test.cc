@@ -65,7 +65,7 @@ TEST(AutoValues, EveryKeyTheTrainerFillsIsTakenInTheOrderGiven) {
   EXPECT_TRUE(c.is_auto("bf16.enabled"));
   EXPECT_TRUE(c.is_undecided_auto("bf16.enabled"));
   EXPECT_FALSE(c.is_auto("zero_optimization.stage"));
-  EXPECT_EQ(auto_keys().size(), 18u);
+  EXPECT_EQ(auto_keys().size(), 23u);
 }
 
 TEST(AutoValues, TheConfigsOwnKeysBecomeRematsDefaults) {
@@ -254,6 +254,61 @@ TEST(AutoValues, EachDecisionIsOneLine) {
                               "gradient_accumulation_steps x data-parallel size = 2 x 1 x 3");
   // The dump shows what was decided.
   EXPECT_THAT(c.to_json(), HasSubstr("\"train_batch_size\": 6"));
+}
+
+// Issue 49, item 6: under bf16 or fp16 at stage 3 the persistence threshold
+// "auto" said "-> 100000" while stage 3 used 0. Its one line now says what
+// stage 3 uses and why, however the precision is decided.
+TEST(AutoValues, APersistenceThresholdIsTheOneStage3Uses) {
+  const std::string key = "zero_optimization.stage3_param_persistence_threshold";
+  Config c = parse(R"({"bf16": {"enabled": true},
+                       "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": "auto"}})");
+  EXPECT_EQ(c.zero_optimization.stage3_param_persistence_threshold, 0);
+  EXPECT_EQ(auto_of(c, key).value, "0");
+  EXPECT_EQ(auto_of(c, key).why, "under bf16 stage 3 shards every parameter, since the float32 masters live in the "
+                                 "shards and a parameter kept whole would have none beside its bf16 copy (remat's "
+                                 "default, 100000, keeps smaller parameters whole in float32 runs)");
+  // One line says it; no other line repeats or contradicts it.
+  int lines = 0;
+  for (const auto& line : auto_lines(c)) lines += line.find("persistence_threshold") != std::string::npos;
+  EXPECT_EQ(lines, 1);
+  for (const auto& line : ineffective_settings(c)) EXPECT_EQ(line.find("persistence"), std::string::npos) << line;
+  // bf16 and fp16 "auto": decided with the device.
+  const std::string both = R"({"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+                               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": "auto"}})";
+  c = parse(both);
+  decide_precision_autos(c, "cpu", false, false);  // float32: remat's default stands
+  EXPECT_EQ(c.zero_optimization.stage3_param_persistence_threshold, 100000);
+  EXPECT_EQ(auto_of(c, key).why, "remat's default, as when the key is left out");
+  c = parse(both);
+  decide_precision_autos(c, "cuda:1", true, false);  // fp16
+  EXPECT_EQ(auto_of(c, key).value, "0");
+  EXPECT_THAT(auto_of(c, key).why, HasSubstr("under fp16 stage 3 shards every parameter"));
+  // Below stage 3 the threshold is not read: remat's default, as before.
+  c = parse(R"({"bf16": {"enabled": true}, "zero_optimization": {"stage": 2,
+                "stage3_param_persistence_threshold": "auto"}})");
+  EXPECT_EQ(auto_of(c, key).value, "100000");
+}
+
+// Issue 49, item 12: DeepSpeed reads "auto" on these as the key left out
+// (its default); remat did not take it. Their lines say what it means here.
+TEST(AutoValues, DeepSpeedsDefaultsForItsTilingAndPrefetchKeys) {
+  const Config c = parse(R"({"zero_optimization": {"stage": 3, "sub_group_size": "auto",
+      "stage3_max_live_parameters": "auto", "stage3_max_reuse_distance": "auto"}})");
+  EXPECT_EQ(c.zero_optimization.stage3_max_live_parameters, 1000000000);
+  EXPECT_EQ(auto_of(c, "zero_optimization.stage3_max_live_parameters").why,
+            "remat's default (DeepSpeed's), as when the key is left out");
+  EXPECT_EQ(auto_of(c, "zero_optimization.sub_group_size").value, "1000000000");
+  EXPECT_THAT(auto_of(c, "zero_optimization.sub_group_size").why,
+              HasSubstr("DeepSpeed's default, as when the key is left out; it has no effect in remat: remat steps each "
+                        "optimizer shard in one piece"));
+  EXPECT_THAT(auto_of(c, "zero_optimization.stage3_max_reuse_distance").why,
+              HasSubstr("it has no effect in remat: remat's stage 3 frees a unit's parameters"));
+  // Said once: by the "auto" line, not again as a value without effect.
+  EXPECT_FALSE(c.deepspeed_tuning.sub_group_size.has_value());
+  EXPECT_TRUE(ineffective_settings(c).empty());
+  EXPECT_EQ(parse(R"({"zero_optimization": {"max_live_parameters": "auto"}})")
+                .zero_optimization.stage3_max_live_parameters, 1000000000);
 }
 
 }  // namespace

@@ -1,7 +1,6 @@
 #include "engine/config.h"
 
 #include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -73,6 +72,28 @@ std::vector<Field> within(S Config::*section, std::vector<Field> fields) {
   return fields;
 }
 
+// `fields`: one key's spellings, the first the preferred one (json_schema
+// refuses two of them given together, naming both: only one value could be read).
+std::vector<Field> spellings(std::vector<Field> fields) {
+  for (size_t i = 1; i < fields.size(); ++i) fields[i].spelling_of = fields[0].name;
+  return fields;
+}
+
+// stage3_param_persistence_threshold, ZeRO's, also recorded as given (a
+// number: "auto" stores nothing), for the line that says when stage 3 uses
+// another value (deepspeed_keys.cc: persistence_threshold_note).
+Field persistence_threshold_field() {
+  Field f = stored_in(leaf("stage3_param_persistence_threshold",
+                           &parallel::ZeroOptions::stage3_param_persistence_threshold),
+                      &Config::zero_optimization);
+  f.assign = [assign = std::move(f.assign)](const json& value, void* target) {
+    assign(value, target);
+    auto& c = *static_cast<Config*>(target);
+    c.deepspeed_tuning.param_persistence_threshold = c.zero_optimization.stage3_param_persistence_threshold;
+  };
+  return f;
+}
+
 // DeepSpeed's tuning keys of zero_optimization that remat reads (the others
 // are in deepspeed_keys.cc): stage3_max_live_parameters is ZeRO's, the rest
 // the engine's (config.h: DeepSpeedTuningConfig), each in every spelling.
@@ -80,22 +101,45 @@ std::vector<Field> zero_tuning_fields() {
   using T = DeepSpeedTuningConfig;
   auto tuning = [](Field f) { return stored_in(std::move(f), &Config::deepspeed_tuning); };
   auto zero = [](Field f) { return stored_in(std::move(f), &Config::zero_optimization); };
-  std::vector<Field> out;
-  for (const char* name : {"stage3_max_live_parameters", "max_live_parameters"}) {
-    out.push_back(zero(leaf(name, &parallel::ZeroOptions::stage3_max_live_parameters)));
-  }
-  for (const char* name : {"stage3_max_reuse_distance", "max_reuse_distance"}) {
-    out.push_back(tuning(optional_leaf(name, &T::max_reuse_distance)));
-  }
-  for (const char* name : {"stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
-                           "gather_16bit_weights_on_model_save"}) {
-    out.push_back(tuning(leaf(name, &T::gather_16bit_weights_on_model_save)));
-  }
+  std::vector<Field> out = with(
+      spellings({zero(leaf("stage3_max_live_parameters", &parallel::ZeroOptions::stage3_max_live_parameters)),
+                 zero(leaf("max_live_parameters", &parallel::ZeroOptions::stage3_max_live_parameters))}),
+      spellings({tuning(optional_leaf("stage3_max_reuse_distance", &T::max_reuse_distance)),
+                 tuning(optional_leaf("max_reuse_distance", &T::max_reuse_distance))}));
+  // stage3_gather_fp16_weights_on_model_save: DeepSpeed's deprecated spelling.
+  out = with(out, spellings({tuning(leaf("stage3_gather_16bit_weights_on_model_save",
+                                         &T::gather_16bit_weights_on_model_save)),
+                             tuning(leaf("stage3_gather_fp16_weights_on_model_save",
+                                         &T::gather_16bit_weights_on_model_save)),
+                             tuning(leaf("gather_16bit_weights_on_model_save",
+                                         &T::gather_16bit_weights_on_model_save))}));
+  out.push_back(persistence_threshold_field());
   out.push_back(tuning(optional_leaf("sub_group_size", &T::sub_group_size)));
   out.push_back(tuning(optional_leaf("memory_efficient_linear", &T::memory_efficient_linear)));
+  out.push_back(tuning(optional_leaf("round_robin_gradients", &T::round_robin_gradients)));
+  // DeepSpeed's old offload switches: given beside their current key's
+  // section, refused naming both (deepspeed_keys.cc: tuning_problems).
   out.push_back(tuning(optional_leaf("cpu_offload", &T::cpu_offload)));
   out.push_back(tuning(optional_leaf("cpu_offload_param", &T::cpu_offload_param)));
   out.push_back(tuning(optional_leaf("cpu_offload_use_pin_memory", &T::cpu_offload_use_pin_memory)));
+  return out;
+}
+
+// bf16 (parallel/zero_options.h) beside DeepSpeed's bf16 keys: its tuning
+// accepted (the engine's), 16-bit masters and optimizer state refused
+// (false, DeepSpeed's default, asks for nothing).
+std::vector<Field> bf16_fields() {
+  using T = DeepSpeedTuningConfig;
+  auto tuning = [](Field f) { return stored_in(std::move(f), &Config::deepspeed_tuning); };
+  std::vector<Field> out = within(&Config::bf16, {leaf("enabled", &parallel::Bf16Options::enabled)});
+  out.push_back(tuning(optional_leaf("immediate_grad_update", &T::immediate_grad_update)));
+  // check_grad_overflow: the key's name in DeepSpeed versions after check_overflow.
+  out = with(out, spellings({tuning(optional_leaf("check_overflow", &T::check_overflow)),
+                             tuning(optional_leaf("check_grad_overflow", &T::check_overflow))}));
+  out.push_back(deepspeed_keys::deepspeed_only_unless("bf16_master_weights_and_grads", {false},
+                                                      "remat keeps float32 master weights and gradients"));
+  out.push_back(deepspeed_keys::deepspeed_only_unless("bf16_optimizer_states", {false},
+                                                      "remat keeps the optimizer state in float32"));
   return out;
 }
 
@@ -105,33 +149,45 @@ std::vector<Field> zero_tuning_fields() {
 // recognises but refuses.
 using AC = ActivationCheckpointingOptions;
 
-// zero_optimization.offload_optimizer: DeepSpeed's NVMe keys refused (the
-// device "nvme" itself by check_zero_options), its pipeline tuning accepted.
+// An offload section's device: "nvme" refused with DeepSpeed's other NVMe
+// keys (nvme_key), so that every NVMe problem is in one error.
+template <typename O>
+Field offload_device(const char* section) {
+  Field device = enum_leaf("device", &O::device, parallel::offload_device_names());
+  device.value_refusal = [section = std::string(section)](const std::string&, const json& value) {
+    return value == "nvme" ? parallel::offload_device_problem(section, parallel::OffloadDevice::kNvme) : "";
+  };
+  return device;
+}
+
+// zero_optimization.offload_optimizer: DeepSpeed's pipeline tuning accepted,
+// its NVMe keys asking for nothing while the device is not "nvme".
 std::vector<Field> offload_optimizer_fields() {
   using O = parallel::OffloadOptimizerOptions;
-  const char* nvme = "it configures offload to NVMe, and remat offloads the optimizer to host memory only";
-  return {enum_leaf("device", &O::device, parallel::offload_device_names()),
+  using deepspeed_keys::nvme_key;
+  const std::string nvme = "it configures offload to NVMe, and remat offloads the optimizer to host memory only";
+  return {offload_device<O>("offload_optimizer"),
           leaf("pin_memory", &O::pin_memory),
           leaf("buffer_count", &O::buffer_count),
           leaf("fast_init", &O::fast_init),
           leaf("ratio", &O::ratio),
-          deepspeed_only("nvme_path", nvme, "set device to \"cpu\""),
-          deepspeed_only("pipeline", nvme, "set device to \"cpu\""),
-          deepspeed_only("pipeline_read", nvme, "set device to \"cpu\""),
-          deepspeed_only("pipeline_write", nvme, "set device to \"cpu\"")};
+          nvme_key("nvme_path", nullptr, nvme),
+          nvme_key("pipeline", false, nvme),
+          nvme_key("pipeline_read", false, nvme),
+          nvme_key("pipeline_write", false, nvme)};
 }
 
-// zero_optimization.offload_param (stage 3): NVMe refused (the device "nvme"
-// by check_zero_options), DeepSpeed's buffer tuning accepted (logged).
+// zero_optimization.offload_param (stage 3): DeepSpeed's buffer tuning
+// accepted (logged), nvme_path asking for nothing while the device is not "nvme".
 std::vector<Field> offload_param_fields() {
   using O = parallel::OffloadParamOptions;
-  return {enum_leaf("device", &O::device, parallel::offload_device_names()),
+  return {offload_device<O>("offload_param"),
           leaf("pin_memory", &O::pin_memory),
           leaf("buffer_count", &O::buffer_count),
           leaf("buffer_size", &O::buffer_size),
           leaf("max_in_cpu", &O::max_in_cpu),
-          deepspeed_only("nvme_path", "it configures offload to NVMe, and remat offloads parameters to host memory only",
-                         "set device to \"cpu\"")};
+          deepspeed_keys::nvme_key("nvme_path", nullptr, "it configures offload to NVMe, and remat offloads "
+                                                          "parameters to host memory only")};
 }
 
 const std::vector<Field>& base_schema() {
@@ -179,10 +235,7 @@ const std::vector<Field>& base_schema() {
                      {stored_in(enum_leaf("grad_accum_dtype", &parallel::Bf16Options::grad_accum_dtype,
                                           parallel::grad_accum_dtype_names()),
                                 &Config::bf16)}),
-      object("bf16", &Config::bf16,
-             {leaf("enabled", &parallel::Bf16Options::enabled),
-              deepspeed_only("immediate_grad_update",
-                             "remat's bf16 updates the fp32 master shards once per optimizer step")}),
+      inline_section("bf16", bf16_fields()),
       object("fp16", &Config::fp16,
              {leaf("enabled", &Fp16Config::enabled),
               leaf("auto_cast", &Fp16Config::auto_cast),
@@ -203,8 +256,6 @@ const std::vector<Field>& base_schema() {
               leaf("hybrid_shard_size", &parallel::ZeroOptions::hybrid_shard_size),
               leaf("stage3_prefetch_bucket_size",
                    &parallel::ZeroOptions::stage3_prefetch_bucket_size),
-              leaf("stage3_param_persistence_threshold",
-                   &parallel::ZeroOptions::stage3_param_persistence_threshold),
               leaf("overlap_comm", &parallel::ZeroOptions::overlap_comm),
               leaf("contiguous_gradients", &parallel::ZeroOptions::contiguous_gradients),
               object("offload_optimizer", &parallel::ZeroOptions::offload_optimizer, offload_optimizer_fields()),
@@ -271,6 +322,9 @@ const std::vector<Field>& base_schema() {
   }, with(deepspeed_only_top_level(), {stored_in(optional_leaf("zero_allow_untested_optimizer",
                                                                 &DeepSpeedTuningConfig::allow_untested_optimizer),
                                                   &Config::deepspeed_tuning),
+                                        stored_in(optional_leaf("zero_force_ds_cpu_optimizer",
+                                                                &DeepSpeedTuningConfig::force_ds_cpu_optimizer),
+                                                  &Config::deepspeed_tuning),
                                         stored_in(optional_leaf("prescale_gradients",
                                                                 &DeepSpeedTuningConfig::prescale_gradients),
                                                   &Config::deepspeed_tuning),
@@ -290,275 +344,7 @@ const std::vector<Field>& schema() {
   return fields;
 }
 
-// Where the values a rule reads came from, for its error: the --set
-// overrides that set one of its keys (or a section holding one, or, for a
-// rule on a whole section, a key inside it), else the file.
-class Origin {
- public:
-  Origin(std::string source, const std::vector<std::string>& overrides) : source_(std::move(source)) {
-    for (const auto& o : overrides) overrides_.emplace_back(o.substr(0, o.find('=')), o);
-  }
-
-  std::string operator()(const std::vector<std::string>& keys) const {
-    auto within = [](const std::string& inner, const std::string& outer) {
-      return inner == outer || (inner.size() > outer.size() && inner.compare(0, outer.size(), outer) == 0 &&
-                                inner[outer.size()] == '.');
-    };
-    std::string named;
-    for (const auto& [key, text] : overrides_) {
-      for (const auto& k : keys) {
-        if (within(k, key) || within(key, k)) {
-          named += (named.empty() ? "" : " and ") + json_schema::override_source(text);
-          break;
-        }
-      }
-    }
-    return named.empty() ? source_ : named;
-  }
-
- private:
-  std::string source_;
-  std::vector<std::pair<std::string, std::string>> overrides_;  // key, whole override
-};
-
-// The keys inside `section` that `line` quotes ('model.n_head').
-std::vector<std::string> quoted_keys(const std::string& line, const std::string& section) {
-  std::vector<std::string> keys;
-  for (size_t open = line.find('\''); open != std::string::npos;) {
-    const size_t close = line.find('\'', open + 1);
-    if (close == std::string::npos) break;
-    std::string key = line.substr(open + 1, close - open - 1);
-    if (key.rfind(section + ".", 0) == 0) keys.push_back(std::move(key));
-    open = line.find('\'', close + 1);
-  }
-  return keys;
-}
-
-// Every broken rule of a configuration, each with where its values came
-// from; one ConfigError lists them all, so that a file is mended in one pass.
-class Problems {
- public:
-  explicit Problems(const Origin& origin) : origin_(origin) {}
-
-  // A rule over `keys` is broken. A library's check of a section may report
-  // several, one per line: each is traced to the keys of the section it quotes.
-  void add(const std::vector<std::string>& keys, const std::string& message) {
-    std::stringstream lines(message);
-    for (std::string line; std::getline(lines, line);) {
-      if (line.empty()) continue;
-      const std::vector<std::string> quoted = keys.size() == 1 ? quoted_keys(line, keys[0]) : keys;
-      found_.emplace_back(origin_(quoted.empty() ? keys : quoted), line);
-    }
-  }
-
-  // One problem as "config error in <origin>: <problem>"; several as a list.
-  void throw_if_any() const {
-    if (found_.empty()) return;
-    if (found_.size() == 1) fail(found_[0].first, found_[0].second);
-    const bool one_origin = std::all_of(found_.begin(), found_.end(),
-                                        [&](const auto& p) { return p.first == found_[0].first; });
-    std::string message = str(found_.size(), " problems (nothing was applied):");
-    for (const auto& [origin, problem] : found_) {
-      message += "\n  - " + (one_origin ? problem : "in " + origin + ": " + problem);
-    }
-    if (one_origin) fail(found_[0].first, message);
-    throw ConfigError("config error: " + message);
-  }
-
- private:
-  const Origin& origin_;
-  std::vector<std::pair<std::string, std::string>> found_;  // origin, problem
-};
-
-// The batch sizes and the clipping, printing and optimizer ranges.
-void check_top_level_and_optimizer(const Config& c, Problems& problems) {
-  auto positive = [&](const std::string& path, std::optional<int64_t> v) {
-    if (v && *v < 1) problems.add({path}, str("'", path, "' = ", *v, " must be at least 1"));
-  };
-  positive("train_batch_size", c.train_batch_size);
-  positive("train_micro_batch_size_per_gpu", c.train_micro_batch_size_per_gpu);
-  positive("gradient_accumulation_steps", c.gradient_accumulation_steps);
-  if (c.gradient_clipping < 0) {
-    problems.add({"gradient_clipping"}, str("'gradient_clipping' = ", c.gradient_clipping,
-                                            " must be >= 0 (0 turns clipping off)"));
-  }
-  if (c.steps_per_print < 1) {
-    problems.add({"steps_per_print"}, str("'steps_per_print' = ", c.steps_per_print, " must be at least 1"));
-  }
-  // The optimizer's own ranges, named by key (LibTorch would stop with a backtrace).
-  const auto& o = c.optimizer;
-  if (o.lr <= 0) problems.add({"optimizer.params.lr"}, str("'optimizer.params.lr' = ", o.lr, " must be > 0"));
-  for (int i = 0; i < 2; ++i) {
-    if (o.betas[i] < 0 || o.betas[i] >= 1) {
-      problems.add({"optimizer.params.betas"}, str("'optimizer.params.betas' [", o.betas[0], ", ", o.betas[1],
-                                                   "]: beta", i + 1, " must be in [0, 1)"));
-    }
-  }
-  if (o.eps <= 0) problems.add({"optimizer.params.eps"}, str("'optimizer.params.eps' = ", o.eps, " must be > 0"));
-  if (o.weight_decay < 0) {
-    problems.add({"optimizer.params.weight_decay"},
-                 str("'optimizer.params.weight_decay' = ", o.weight_decay, " must be >= 0"));
-  }
-  if (o.momentum < 0) {
-    problems.add({"optimizer.params.momentum"}, str("'optimizer.params.momentum' = ", o.momentum, " must be >= 0"));
-  }
-  if (o.nesterov && (o.type != "SGD" || o.momentum <= 0)) {
-    problems.add({"optimizer.params.nesterov", "optimizer.type", "optimizer.params.momentum"},
-                 o.type != "SGD" ? str("'optimizer.params.nesterov' applies to SGD only (optimizer.type is ", o.type,
-                                       "): remove it")
-                                 : std::string("'optimizer.params.nesterov' needs 'optimizer.params.momentum' > 0"));
-  }
-}
-
-// What a scheduler value decided from "auto" came from, for its errors.
-std::string from_auto(const Config& c, const std::string& key) {
-  if (!c.is_auto(key)) return "";
-  return key == "scheduler.params.total_num_steps"
-             ? str(" (\"auto\": train.steps, ", c.train.steps, "; raise the steps, or give total_num_steps a number)")
-             : std::string(" (decided from \"auto\"; give it a number)");
-}
-
-void check_scheduler(const Config& c, Problems& problems) {
-  const SchedulerConfig& sc = c.scheduler;
-  if (sc.type == "none") return;
-  if (sc.warmup_min_lr < 0) {
-    problems.add({"scheduler.params.warmup_min_lr", "scheduler.type"},
-                 str("'scheduler.params.warmup_min_lr' = ", sc.warmup_min_lr, " must be >= 0"));
-  }
-  if (sc.warmup_max_lr <= 0) {
-    problems.add({"scheduler.params.warmup_max_lr", "scheduler.type"},
-                 str("'scheduler.params.warmup_max_lr' = ", sc.warmup_max_lr,
-                     " must be > 0 (a negative rate climbs the loss)"));
-  }
-  if (sc.warmup_num_steps < 0) {
-    problems.add({"scheduler.params.warmup_num_steps", "scheduler.type"},
-                 str("'scheduler.params.warmup_num_steps' = ", sc.warmup_num_steps, " must be >= 0"));
-  }
-  if (sc.last_batch_iteration < -1) {
-    problems.add({"scheduler.params.last_batch_iteration"},
-                 str("'scheduler.params.last_batch_iteration' = ", sc.last_batch_iteration,
-                     " must be -1 (a fresh run) or the index of the last batch trained on (>= 0)"));
-  }
-  if (sc.type == "WarmupDecayLR" && sc.total_num_steps <= sc.warmup_num_steps) {
-    problems.add({"scheduler.type", "scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps"},
-                 str("scheduler WarmupDecayLR needs 'scheduler.params.total_num_steps' (", sc.total_num_steps,
-                     from_auto(c, "scheduler.params.total_num_steps"), ") greater than "
-                     "'scheduler.params.warmup_num_steps' (", sc.warmup_num_steps,
-                     from_auto(c, "scheduler.params.warmup_num_steps"), ")"));
-  } else if (sc.type == "WarmupDecayLR" && sc.last_batch_iteration + 1 >= sc.total_num_steps) {
-    // The first step would take the rate of step last_batch_iteration + 2,
-    // past the schedule's end: warmup_min_lr for the whole run.
-    problems.add({"scheduler.params.last_batch_iteration", "scheduler.params.total_num_steps"},
-                 str("'scheduler.params.last_batch_iteration' = ", sc.last_batch_iteration,
-                     " starts the run past the end of WarmupDecayLR's schedule ('scheduler.params.total_num_steps' = ",
-                     sc.total_num_steps, from_auto(c, "scheduler.params.total_num_steps"), "): every step would train at warmup_min_lr; raise total_num_steps above ",
-                     sc.last_batch_iteration + 1, " plus the steps to train, or set last_batch_iteration to -1"));
-  }
-}
-
-// fp16: the loss scaler's rules (optim/loss_scaler.h), and what remat does not do.
-void check_fp16(const Config& c, Problems& problems) {
-  problems.add({"fp16"}, optim::check_loss_scaler_options(c.fp16));
-  if (c.fp16.fp16_master_weights_and_grads) {
-    problems.add({"fp16.fp16_master_weights_and_grads"},
-                 "'fp16.fp16_master_weights_and_grads' is true, which keeps master weights and gradients in fp16 "
-                 "(DeepSpeed allows it with its CPU Adam under ZeRO-Offload only), and remat keeps float32 master "
-                 "weights and gradients: set it to false or remove it");
-  }
-  if (c.fp16.enabled && c.bf16.enabled) {
-    problems.add({"fp16.enabled", "bf16.enabled"},
-                 "'fp16.enabled' and 'bf16.enabled' are both true: choose one compute dtype (as DeepSpeed does)");
-  }
-}
-
-// The libraries' sections (each rule is the library's, written once there)
-// and the tensor-parallel layout over the model.
-void check_sections(const Config& c, Problems& problems) {
-  problems.add({"zero_optimization"}, parallel::check_zero_options(c.zero_optimization));
-  // The precision's rules wait for bf16/fp16 "auto" to be decided (decide_precision_autos checks again).
-  if (!c.is_undecided_auto("bf16.enabled") && !c.is_undecided_auto("fp16.enabled")) {
-    problems.add({"bf16.enabled", "fp16.enabled", "communication_data_type"},
-                 parallel::check_mixed_precision(parallel::mixed_precision(c.bf16, c.fp16.enabled)));
-  }
-  check_fp16(c, problems);
-  problems.add({"activation_checkpointing"}, check_activation_checkpointing(c.activation_checkpointing));
-  problems.add({"activation_offloading"}, check_offload_activations(c.activation_offloading));
-  if (c.tensor_parallel.size < 1) {
-    problems.add({"tensor_parallel.size"},
-                 str("'tensor_parallel.size' = ", c.tensor_parallel.size, " must be at least 1"));
-  }
-  problems.add({"model"}, models::check_model_shape(c.model));
-  if (const int tp = c.tensor_parallel.size;
-      c.tensor_parallel.sequence_parallel_active() && c.model.seq_len >= 1 && c.model.seq_len % tp != 0) {
-    const int below = c.model.seq_len / tp * tp;
-    problems.add({"tensor_parallel.sequence_parallel", "model.seq_len", "tensor_parallel.size"},
-                 str("tensor_parallel.sequence_parallel splits each sequence evenly across the tensor_parallel.size=",
-                     tp, " ranks, and model.seq_len=", c.model.seq_len, " is not a multiple of ", tp,
-                     ": set model.seq_len to ", below > 0 ? str(below, " or ") : std::string(), below + tp,
-                     " (any multiple of ", tp, "), or turn sequence_parallel off"));
-  }
-}
-
-void check_train_and_data(const Config& c, Problems& problems) {
-  const auto& t = c.train;
-  for (auto [path, v] : {std::pair{"train.steps", t.steps}, {"train.seed", t.seed},
-                         {"train.eval_interval", t.eval_interval},
-                         {"train.eval_batches", t.eval_batches},
-                         {"train.save_interval", t.save_interval},
-                         {"train.sample_chars", t.sample_chars}}) {
-    if (v < 0) problems.add({path}, str("'", path, "' = ", v, " must be >= 0"));
-  }
-  if (const std::string why = device_spec_problem(t.device); !why.empty()) problems.add({"train.device"}, why);
-  if (c.data.train_fraction <= 0 || c.data.train_fraction >= 1) {
-    problems.add({"data.train_fraction"},
-                 str("'data.train_fraction' = ", c.data.train_fraction, " must be in (0, 1)"));
-  }
-}
-
-// Checks that span several keys or need ranges: every broken rule in one error.
-void check_values(const Config& c, const Origin& at) {
-  Problems problems(at);
-  check_top_level_and_optimizer(c, problems);
-  check_scheduler(c, problems);
-  for (const auto& [key, problem] : deepspeed_keys::tuning_problems(c)) problems.add({key}, problem);
-  check_sections(c, problems);
-  check_train_and_data(c, problems);
-  problems.throw_if_any();
-}
-
 }  // namespace
-
-void check_config_rules(const Config& config, const std::string& source) { check_values(config, Origin(source, {})); }
-
-// Whether the machine has that device is the engine's to check: a config may
-// be read where it does not run.
-namespace {
-
-// " (did you mean \"cuda:1\"?)" for "CUDA:1", "cuda1", "gpu:1"; "" when no device is close.
-std::string closest_device(const std::string& spec) {
-  std::string low = spec;
-  std::transform(low.begin(), low.end(), low.begin(), [](unsigned char ch) { return std::tolower(ch); });
-  if (low.rfind("gpu", 0) == 0) low = "cuda" + low.substr(3);
-  if (low.size() > 4 && low.rfind("cuda", 0) == 0 && low[4] != ':') low = "cuda:" + low.substr(4);
-  std::string near = low != spec && device_spec_problem(low).empty()
-                         ? low
-                         : json_schema::closest_choice(spec, {"auto", "cpu", "cuda"});
-  return near.empty() ? std::string() : str(" (did you mean \"", near, "\"?)");
-}
-
-}  // namespace
-
-std::string device_spec_problem(const std::string& spec, const std::string& key) {
-  if (spec == "auto" || spec == "cpu" || spec == "cuda") return {};
-  const std::string index = spec.rfind("cuda:", 0) == 0 ? spec.substr(5) : std::string();
-  if (!index.empty() && index.size() <= 4 &&
-      std::all_of(index.begin(), index.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
-    return {};
-  }
-  return str("'", key, "' = \"", spec, "\" is not a device", closest_device(spec),
-             ": give auto (the local rank's CUDA device where CUDA is "
-             "available, else the CPU), cpu, cuda (the local rank's CUDA device) or cuda:N (CUDA device N)");
-}
 
 BatchSizes Config::resolve_batch(int dp) const {
   REMAT_CHECK_GE(dp, 1, "data-parallel size");
@@ -618,55 +404,6 @@ BatchSizes Config::resolve_batch(int dp) const {
   return out;
 }
 
-std::vector<std::string> ineffective_settings(const Config& c) {
-  std::vector<std::string> out;
-  const auto& ac = c.activation_checkpointing;
-  if (ac.variant == CheckpointVariant::kNone &&
-      (ac.partition_activations || ac.cpu_checkpointing || ac.contiguous_memory_optimization)) {
-    out.push_back("activation_checkpointing.variant is none, so partition_activations, "
-                  "cpu_checkpointing and contiguous_memory_optimization have no region to "
-                  "act on; set variant to full, selective_layer or selective_op");
-  }
-  if (ac.variant == CheckpointVariant::kAuto &&
-      (ac.save_ops || ac.every_k != 1 || ac.every_k_from != EveryKFrom::kFirst)) {
-    out.push_back("activation_checkpointing.variant is auto: save_ops, every_k and every_k_from are not "
-                  "used (the planner chooses per block between the default and the matmul op lists, "
-                  "full checkpoints and keeping)");
-  }
-  const auto& tp = c.tensor_parallel;
-  if (tp.sequence_parallel && tp.size == 1) {
-    out.push_back("tensor_parallel.sequence_parallel with tensor_parallel.size 1 has nothing to split: "
-                  "every rank keeps the whole sequence; set tensor_parallel.size > 1 or leave "
-                  "sequence_parallel out");
-  }
-  // (per_rank is the default: only a value other than it was surely asked for.)
-  if (tp.sequence_parallel_dropout != models::SequenceParallelDropout::kPerRank) {
-    const std::string name = models::sequence_parallel_dropout_names().at(
-        static_cast<size_t>(tp.sequence_parallel_dropout));
-    if (!tp.sequence_parallel_active()) {
-      out.push_back(str("tensor_parallel.sequence_parallel_dropout is \"", name, "\" but sequence parallelism is ",
-                        tp.sequence_parallel ? "over one rank (tensor_parallel.size 1)" : "off",
-                        ": it only chooses where the dropouts of a split sequence draw; set "
-                        "tensor_parallel.sequence_parallel to true with tensor_parallel.size > 1, or leave "
-                        "sequence_parallel_dropout out"));
-    } else if (c.model.dropout == 0) {
-      out.push_back(str("tensor_parallel.sequence_parallel_dropout is \"", name, "\" but model.dropout is 0: "
-                        "there are no dropout masks to draw; set model.dropout > 0, or leave "
-                        "sequence_parallel_dropout out"));
-    }
-  }
-  if (ac.save_collectives && tp.size == 1) {
-    out.push_back("activation_checkpointing.save_collectives with tensor_parallel.size 1: there are no "
-                  "tensor-parallel collectives to keep");
-  }
-  if (ac.partition_activations && tp.size == 1) {
-    out.push_back("activation_checkpointing.partition_activations with tensor_parallel.size 1 "
-                  "keeps whole inputs (there is no group to split them across)");
-  }
-  for (auto& line : deepspeed_keys::tuning_without_effect(c)) out.push_back(std::move(line));
-  return out;
-}
-
 std::string Config::to_json() const { return json_schema::dump("", schema(), this).dump(2); }
 
 Config parse_config(const std::string& text, const std::string& source,
@@ -698,7 +435,7 @@ Config parse_config(const std::string& text, const std::string& source,
   }
   for (auto& key : autos) config.auto_values.push_back({std::move(key), "", ""});
   decide_config_autos(config);  // before the rules: they see the decided values
-  check_values(config, Origin(source, overrides));
+  check_config_rules(config, source, overrides);
   return config;
 }
 

@@ -122,6 +122,16 @@ struct DeepSpeedTuningConfig {
   std::optional<bool> prescale_gradients;           // false: divide after the sum
   std::optional<double> gradient_predivide_factor;  // 1.0: no division before the sum
   std::optional<bool> memory_efficient_linear;      // zero_optimization: either value
+  // Either value accepted, true said to change nothing (false asks for nothing):
+  std::optional<bool> round_robin_gradients;   // zero_optimization: the order of gradient copies to the host
+  std::optional<bool> force_ds_cpu_optimizer;  // zero_force_ds_cpu_optimizer: remat refuses no offloaded optimizer
+  std::optional<bool> immediate_grad_update;   // bf16: when bf16 gradients join the float32 accumulation
+  // bf16.check_overflow (or check_grad_overflow): remat checks every step,
+  // train.on_nonfinite decides what follows (said when true).
+  std::optional<bool> check_overflow;
+  // zero_optimization.stage3_param_persistence_threshold as a number given
+  // (the value is ZeroOptions'): said when stage 3 uses another (bf16, fp16).
+  std::optional<int64_t> param_persistence_threshold;
 };
 
 // Resolved batch sizes: train = micro × accumulation × data-parallel size.
@@ -193,8 +203,9 @@ Config parse_config(const std::string& text, const std::string& source,
 
 // The rules parse_config checks, again, over a config changed since (its
 // "auto" values decided: engine/auto_values.h); every broken one in one
-// ConfigError naming `source`.
-void check_config_rules(const Config& config, const std::string& source);
+// ConfigError naming `source`, or the `overrides` that set one of its keys.
+void check_config_rules(const Config& config, const std::string& source,
+                        const std::vector<std::string>& overrides = {});
 
 // Settings that are valid but would have no effect in `config` (e.g.
 // sequence_parallel_dropout with sequence parallelism off, or a DeepSpeed

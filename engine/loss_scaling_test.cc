@@ -324,20 +324,26 @@ TEST(LossScalingConfig, TheFp16SectionBindsEveryKey) {
   EXPECT_EQ(parse(R"({"fp16": {"loss_scale": 128}})").fp16.loss_scale, 128);
   EXPECT_EQ(nlohmann::json::parse(c.to_json())["fp16"]["hysteresis"], 3);
 
-  const std::string msg = config_error(R"({"fp16": {"loss_scale": -2, "loss_scale_window": 0, "hysteresis": 0,
-      "min_loss_scale": 0, "initial_scale_power": 300}})");
+  const std::string broken = R"("loss_scale": -2, "loss_scale_window": 0, "hysteresis": 0,
+      "min_loss_scale": 0, "initial_scale_power": 300)";
+  const std::string msg = config_error(R"({"fp16": {"enabled": true, )" + broken + "}}");
   EXPECT_THAT(msg, HasSubstr("5 problems"));
   for (const char* key : {"'fp16.loss_scale' = -2", "'fp16.loss_scale_window' = 0", "'fp16.hysteresis' = 0",
                           "'fp16.min_loss_scale' = 0", "'fp16.initial_scale_power' = 300"}) {
     EXPECT_THAT(msg, HasSubstr(key));
   }
-  EXPECT_THAT(config_error(R"({"fp16": {"fp16_master_weights_and_grads": true}})"),
+  EXPECT_THAT(config_error(R"({"fp16": {"enabled": true, "fp16_master_weights_and_grads": true}})"),
               HasSubstr("'fp16.fp16_master_weights_and_grads' is true, which keeps master weights and gradients "
                         "in fp16"));
+  // fp16 off (enabled false, or left out as DeepSpeed's default): the section
+  // asks for nothing, and its other keys are not checked (issue 49, item 12).
+  EXPECT_FALSE(parse(R"({"fp16": {"enabled": false, "fp16_master_weights_and_grads": true, )" + broken + "}}")
+                   .fp16.enabled);
+  EXPECT_FALSE(parse(R"({"fp16": {"fp16_master_weights_and_grads": true}})").fp16.enabled);
   EXPECT_THAT(config_error(R"({"fp16": {"enabled": true}, "bf16": {"enabled": true}})"),
               HasSubstr("'fp16.enabled' and 'bf16.enabled' are both true"));
   EXPECT_THAT(config_error(R"({"fp16": {"hysterisis": 2}})"), HasSubstr("did you mean 'fp16.hysteresis'?"));
-  EXPECT_THAT(error_of<ConfigError>([] { parse_config("{}", "test.json", {"fp16.hysteresis=0"}); }),
+  EXPECT_THAT(error_of<ConfigError>([] { parse_config("{}", "test.json", {"fp16.enabled=true", "fp16.hysteresis=0"}); }),
               HasSubstr("config error in --set fp16.hysteresis=0: 'fp16.hysteresis' = 0 must be at least 1"));
 }
 

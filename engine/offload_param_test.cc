@@ -253,7 +253,7 @@ TEST(OffloadParam, AModifyingScopeReachesTheHostShards) {
 }
 
 // The keys: device "cpu" at stage 3 with DeepSpeed's buffer tuning accepted;
-// another stage, "nvme" and nvme_path refused saying what to change; "none"
+// another stage, "nvme" and nvme_path beside it refused saying what to change; "none"
 // accepted at any stage (a copied config switching it off).
 TEST(OffloadParam, ConfigKeys) {
   const Config c = parse_config(
@@ -281,11 +281,17 @@ TEST(OffloadParam, ConfigKeys) {
     parse_config(R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})", "<offload_param_test>");
   });
   EXPECT_NE(nvme.find("offload_param.device' = \"nvme\""), std::string::npos) << nvme;
+  // NVMe's keys: refused beside the device "nvme", in the same error; with
+  // "cpu" they ask for nothing (DeepSpeed reads them only for NVMe).
   const std::string path = remat::testing::error_of<ConfigError>([] {
-    parse_config(R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "nvme_path": "/x"}}})",
+    parse_config(R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}})",
                  "<offload_param_test>");
   });
   EXPECT_NE(path.find("offload_param.nvme_path"), std::string::npos) << path;
+  EXPECT_NE(path.find("offload_param.device' = \"nvme\""), std::string::npos) << path;
+  EXPECT_EQ(parse_config(R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "nvme_path": "/x"}}})",
+                         "<offload_param_test>").zero_optimization.offload_param.device,
+            parallel::OffloadDevice::kCpu);
 }
 
 }  // namespace

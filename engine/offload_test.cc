@@ -532,7 +532,7 @@ TEST(OffloadOptimizer, GradientShardsMoveAsTheirReductionEnds) {
 }
 
 // The keys: device "cpu" from JSON with DeepSpeed's pipeline tuning accepted,
-// "nvme" and stage 0 refused saying what to change, NVMe's keys refused.
+// "nvme" and stage 0 refused saying what to change, NVMe's keys refused beside "nvme".
 TEST(OffloadOptimizer, ConfigKeys) {
   const Config c = parse_config(
       R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": true,
@@ -558,11 +558,17 @@ TEST(OffloadOptimizer, ConfigKeys) {
     parse_config(R"({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}})", "<offload_test>");
   });
   EXPECT_NE(stage0.find("set zero_optimization.stage to 1, 2 or 3"), std::string::npos) << stage0;
+  // NVMe's keys: refused beside the device "nvme", in the same error; with
+  // "cpu" they ask for nothing (DeepSpeed reads them only for NVMe).
   const std::string path = remat::testing::error_of<ConfigError>([] {
-    parse_config(R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "nvme_path": "/x"}}})",
+    parse_config(R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}})",
                  "<offload_test>");
   });
   EXPECT_NE(path.find("offload_optimizer.nvme_path"), std::string::npos) << path;
+  EXPECT_NE(path.find("offload_optimizer.device' = \"nvme\""), std::string::npos) << path;
+  EXPECT_EQ(parse_config(R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "nvme_path": "/x"}}})",
+                         "<offload_test>").zero_optimization.offload_optimizer.device,
+            parallel::OffloadDevice::kCpu);
 }
 
 }  // namespace

@@ -54,7 +54,7 @@ GradientHold stage12_gradients(const ZeroOptions& options, int64_t trainable, in
 // on the host (StateElements::host_shards).
 StateElements stage3_state(const ZeroOptions& options, const MixedPrecision& mixed, int shard_group,
                            const std::vector<ParameterCount>& params) {
-  const int64_t persistence = mixed.enabled() ? 0 : options.stage3_param_persistence_threshold;
+  const int64_t persistence = stage3_persistence_threshold(options, mixed);
   StateElements s;
   std::map<int, int64_t> unit_sharded;  // block -> its sharded elements
   std::map<int, int64_t> unit_shard_trained;  // unit (-1: the root) -> its trained shards' elements

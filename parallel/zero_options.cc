@@ -40,35 +40,41 @@ std::string check_zero_options(const ZeroOptions& z) {
             " must be >= 0"));
   }
   const OffloadOptimizerOptions& off = z.offload_optimizer;
-  if (off.device == OffloadDevice::kNvme) {
-    add("'zero_optimization.offload_optimizer.device' = \"nvme\": remat offloads the optimizer to host memory "
-        "only: set it to \"cpu\" (or \"none\")");
-  }
+  if (const std::string p = offload_device_problem("offload_optimizer", off.device); !p.empty()) add(p);
   if (off.enabled() && z.stage == 0) {
     add("'zero_optimization.offload_optimizer.device' = \"cpu\" needs a sharded optimizer: set "
         "zero_optimization.stage to 1, 2 or 3, or offload_optimizer.device to \"none\"");
   }
-  if (off.buffer_count < 1) {
-    add(str("'zero_optimization.offload_optimizer.buffer_count' = ", off.buffer_count, " must be at least 1"));
+  // DeepSpeed's ranges for its own tuning (which changes nothing here): 0 included.
+  if (off.buffer_count < 0) {
+    add(str("'zero_optimization.offload_optimizer.buffer_count' = ", off.buffer_count, " must be >= 0"));
   }
-  if (!(off.ratio > 0 && off.ratio <= 1)) {
-    add(str("'zero_optimization.offload_optimizer.ratio' = ", off.ratio, " must be in (0, 1]"));
+  if (!(off.ratio >= 0 && off.ratio <= 1)) {
+    add(str("'zero_optimization.offload_optimizer.ratio' = ", off.ratio, " must be in [0, 1]"));
   }
   const OffloadParamOptions& op = z.offload_param;
-  if (op.device == OffloadDevice::kNvme) {
-    add("'zero_optimization.offload_param.device' = \"nvme\": remat offloads parameters to host memory only: "
-        "set it to \"cpu\" (or \"none\")");
-  }
+  if (const std::string p = offload_device_problem("offload_param", op.device); !p.empty()) add(p);
   if (op.enabled() && z.stage != 3) {
     add(str("'zero_optimization.offload_param.device' = \"cpu\" needs stage 3 (only stage 3 shards the "
             "parameters), but zero_optimization.stage is ", z.stage, ": set the stage to 3, or "
             "offload_param.device to \"none\""));
   }
-  if (op.buffer_count < 1 || op.buffer_size < 1 || op.max_in_cpu < 0) {
-    add(str("'zero_optimization.offload_param': buffer_count (", op.buffer_count, ") and buffer_size (",
-            op.buffer_size, ") must be at least 1, max_in_cpu (", op.max_in_cpu, ") at least 0"));
+  if (op.buffer_count < 0 || op.buffer_size < 0 || op.max_in_cpu < 0) {
+    add(str("'zero_optimization.offload_param': buffer_count (", op.buffer_count, "), buffer_size (",
+            op.buffer_size, ") and max_in_cpu (", op.max_in_cpu, ") must be >= 0"));
   }
   return problems;
+}
+
+std::string offload_device_problem(const std::string& section, OffloadDevice device) {
+  if (device != OffloadDevice::kNvme) return "";
+  return str("'zero_optimization.", section, ".device' = \"nvme\": remat offloads ",
+             section == "offload_param" ? "parameters" : "the optimizer", " to host memory only, not to NVMe: set it "
+             "to \"cpu\" (or \"none\")");
+}
+
+int64_t stage3_persistence_threshold(const ZeroOptions& options, const MixedPrecision& mixed) {
+  return mixed.enabled() ? 0 : options.stage3_param_persistence_threshold;
 }
 
 const std::vector<std::string>& offload_device_names() {

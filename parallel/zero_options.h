@@ -169,6 +169,20 @@ const char* dtype_name(at::ScalarType dtype);
 // the memory rules count (zero_memory.h).
 bool masters_on_host(const ZeroOptions& options, const MixedPrecision& mixed);
 
+// The persistence threshold stage 3 uses (parameters with fewer elements stay
+// whole on every rank): options.stage3_param_persistence_threshold in
+// float32; 0 under bf16 or fp16, where every parameter is sharded, since the
+// float32 masters live in the shards and a parameter kept whole would have
+// none beside its 16-bit copy. ZeroModel, the memory rules and the config's
+// log line ask this.
+int64_t stage3_persistence_threshold(const ZeroOptions& options, const MixedPrecision& mixed);
+
+// The problem with offloading to `device` in `section` ("offload_optimizer"
+// or "offload_param"): "nvme" is refused, since remat offloads to host memory
+// only; "" for "cpu" and "none". check_zero_options and the config's schema
+// (which refuses "nvme" beside DeepSpeed's other NVMe keys) say it.
+std::string offload_device_problem(const std::string& section, OffloadDevice device);
+
 // The rules of ZeroOptions alone, written once: an empty string when valid,
 // else every rule broken, one per line, each saying what is wrong and which
 // key to change. ZeroModel checks these, and

@@ -103,7 +103,7 @@ class Stage3 final : public ShardingStrategy {
   ZeroOptions options_;
   bool bf16_ = false;                        // gathered parameters in bf16 or fp16, shards in fp32
   at::ScalarType compute_dtype_, reduce_dtype_;  // gathered in; gradients reduced in (communication_data_type)
-  int64_t persistence_threshold_ = 0;        // elements; 0 with bf16/fp16 (every parameter an fp32 master)
+  int64_t persistence_threshold_ = 0;        // elements: stage3_persistence_threshold (zero_options.h)
   std::vector<std::unique_ptr<Unit>> units_;  // blocks in order, then the root
   std::vector<at::Tensor> persistent_;
   bool offload_param_ = false, pinned_ = false;  // the shards host tensors (zero.h); persistent_ on the device
@@ -250,7 +250,7 @@ Stage3::Stage3(torch::nn::Module& model,
     : dp_(groups.shard), replicate_(groups.replicate), all_dp_(groups.dp),
       names_(parameter_names(model)), options_(options), bf16_(mixed.enabled()),
       compute_dtype_(mixed.compute_dtype), reduce_dtype_(mixed.reduce_dtype),
-      persistence_threshold_(bf16_ ? 0 : options.stage3_param_persistence_threshold),
+      persistence_threshold_(stage3_persistence_threshold(options, mixed)),
       offload_param_(options.offload_param.enabled()),
       pinned_(offload_param_ && options.offload_param.pin_memory && can_pin_host_memory()),
       host_masters_(masters_on_host(options, mixed)),
@@ -274,7 +274,7 @@ Stage3::Stage3(torch::nn::Module& model,
     for (const auto& g : u->groups) sharded += g.numel;
   }
   log_rank0().info("zero stage 3: {} units, {} of {} parameter elements sharded over {} "
-                   "data-parallel ranks ({} kept whole: below stage3_param_persistence_threshold {}); "
+                   "data-parallel ranks ({} kept whole: below the persistence threshold in use, {}); "
                    "compute in {}, shards in {}",
                    units_.size(), sharded, total, dp_->size(), total - sharded, persistence_threshold_,
                    c10::toString(compute),

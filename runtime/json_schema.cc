@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <map>
 #include <set>
 #include <sstream>
 
@@ -62,12 +63,25 @@ const char* kind_name(Kind kind) {
   return "?";
 }
 
-Field refused(const char* name, std::function<std::string(const std::string& path)> message) {
+Field refused(const char* name, std::function<std::string(const std::string& path, const json& value)> message,
+              std::function<bool(const json& value, const json& section)> asks_nothing) {
   Field field;
   field.name = name;
-  field.kind = Kind::kObject;  // never read: the key is refused before its value is looked at
+  field.kind = Kind::kObject;  // never read: the key's value is only asked whether it asks for nothing
   field.refusal = std::move(message);
+  field.asks_nothing = std::move(asks_nothing);
   return field;
+}
+
+// DeepSpeed's way of writing a feature off ({"enabled": false, ...}, an
+// offload with {"device": "none"}), as copied configs carry it. Anything else
+// (true, "auto", other values) asks for something.
+bool switched_off(const json& value) {
+  if (!value.is_object()) return false;
+  auto enabled = value.find("enabled");
+  if (enabled != value.end()) return enabled->is_boolean() && !enabled->get<bool>();
+  auto device = value.find("device");
+  return device != value.end() && device->is_string() && device->get<std::string>() == "none";
 }
 
 Field inline_section(const char* name, std::vector<Field> children) {
@@ -309,20 +323,44 @@ struct Problems {
   }
 };
 
-// A refused section that asks for nothing: DeepSpeed's way of writing a
-// feature off ({"enabled": false, ...}, an offload with {"device": "none"}), as
-// copied configs carry it. Anything else (true, "auto", other values) asks for
-// what remat does not do.
-bool switched_off(const json& value) {
-  if (!value.is_object()) return false;
-  auto enabled = value.find("enabled");
-  if (enabled != value.end()) return enabled->is_boolean() && !enabled->get<bool>();
-  auto device = value.find("device");
-  return device != value.end() && device->is_string() && device->get<std::string>() == "none";
+// Whether the refused key `field`, given `value` in `section` (at `path`),
+// asks for nothing: accepted and ignored. A section of the document that
+// switches itself off asks for nothing whatever else it holds.
+bool asks_nothing(const Field& field, const json& value, const json& section, const std::string& path) {
+  if (!path.empty() && switched_off(section)) return true;
+  return field.asks_nothing ? field.asks_nothing(value, section) : switched_off(value);
 }
 
-// Every unknown key, refused key and wrong type in `object` and in the
-// sections it holds.
+// What is wrong with a value of the right type (value_refusal), or "".
+std::string value_problem(const std::string& path, const Field& field, const json& value) {
+  if (!field.value_refusal || is_auto(value) || value.is_null()) return "";
+  return field.value_refusal(path, value);
+}
+
+// Spellings of one key (Field::spelling_of) given together in `object`.
+void collect_spellings(const std::string& path, const std::vector<Field>& fields, const json& object,
+                       Problems& problems) {
+  std::map<std::string, std::vector<std::string>> given;  // preferred spelling -> those given, in key order
+  for (const auto& [name, value] : object.items()) {
+    auto it = std::find_if(fields.begin(), fields.end(), [&](const Field& f) { return f.name == name; });
+    if (it != fields.end() && !it->refusal) given[it->spelling_of.empty() ? name : it->spelling_of].push_back(name);
+  }
+  for (const auto& [preferred, names] : given) {
+    if (names.size() < 2) continue;
+    std::string listed;
+    for (size_t i = 0; i < names.size(); ++i) {
+      listed += str(i == 0 ? "" : i + 1 == names.size() ? " and " : ", ", "'", join_path(path, names[i]), "' (",
+                    preview(object.at(names[i])), ")");
+    }
+    const bool has_preferred = std::find(names.begin(), names.end(), preferred) != names.end();
+    problems.add(str(listed, " are spellings of one key, given together: only one value could be read; keep ",
+                     has_preferred ? "'" : "one, preferably '", join_path(path, preferred), "', and remove the ",
+                     names.size() > 2 ? "others" : "other"));
+  }
+}
+
+// Every unknown key, refused key, wrong type and key given in two spellings
+// in `object` and in the sections it holds.
 void collect_problems(const std::string& path, const std::vector<Field>& fields, const json& object,
                       Problems& problems) {
   for (const auto& [name, value] : object.items()) {
@@ -335,13 +373,16 @@ void collect_problems(const std::string& path, const std::vector<Field>& fields,
         sections.emplace_back(path, &fields);
       }
     } else if (it->refusal) {
-      if (!switched_off(value)) problems.add(it->refusal(child_path));
+      if (!asks_nothing(*it, value, object, path)) problems.add(it->refusal(child_path, value));
     } else if (std::string problem = type_problem(child_path, *it, value); !problem.empty()) {
       problems.add(std::move(problem));
+    } else if (std::string refused_value = value_problem(child_path, *it, value); !refused_value.empty()) {
+      problems.add(std::move(refused_value));
     } else if (it->kind == Kind::kObject) {
       collect_problems(child_path, it->children, value, problems);
     }
   }
+  collect_spellings(path, fields, object, problems);
 }
 
 // Fails when `object` has any problem: one alone as it is, several as a list
@@ -410,7 +451,7 @@ void allow_auto(std::vector<Field>& fields, const std::string& path) {
 json dump(const std::string& path, const std::vector<Field>& fields, const void* target) {
   json out = json::object();
   for (const auto& field : fields) {
-    if (field.refusal) continue;
+    if (field.refusal || !field.spelling_of.empty()) continue;  // other spellings: the preferred one holds the value
     std::string child_path = join_path(path, field.name);
     if (field.kind == Kind::kObject) {
       out[field.name] = dump(child_path, field.children, field.member_const(target));
@@ -509,6 +550,8 @@ const Field& find_field(const std::vector<Field>& schema, const std::string& sou
   std::stringstream parts(dotted);
   std::string part;
   while (std::getline(parts, part, '.')) {
+    // A refused key is looked into no further (set whole, its value decides: apply_override).
+    if (found != nullptr && found->refusal) fail(source, found->refusal(path, json(json::value_t::discarded)));
     if (found != nullptr && found->kind != Kind::kObject) {
       fail(source, str("'", path, "' is a ", kind_name(found->kind),
                        ", not a section: '", dotted, "' cannot be set"));
@@ -519,10 +562,20 @@ const Field& find_field(const std::vector<Field>& schema, const std::string& sou
     if (it == fields->end()) fail(source, unknown_key_message(path, part, *fields));
     found = &*it;
     path = join_path(path, part);
-    if (found->refusal) fail(source, found->refusal(path));
   }
   if (found == nullptr) fail(source, "an empty key cannot be set");
   return *found;
+}
+
+// The object of `root` that holds the last of `keys` (an empty one where there is none).
+json section_at(const json& root, const std::vector<std::string>& keys) {
+  const json* node = &root;
+  for (size_t i = 0; i + 1 < keys.size(); ++i) {
+    auto it = node->find(keys[i]);
+    if (it == node->end() || !it->is_object()) return json::object();
+    node = &*it;
+  }
+  return *node;
 }
 
 // Writes the keys of `patch` into `target`, section into section: what
@@ -564,19 +617,26 @@ void apply_override(json& root, const std::vector<Field>& schema, const std::str
   } catch (const json::parse_error&) {
     value = raw;  // A bare word is a string: optimizer.type=SGD.
   }
-  // A string field keeps what was typed even when it parses as JSON (data.path=1).
-  if (field.kind == Kind::kString && !value.is_string()) value = raw;
-  // Checked here as well, so that messages quote the value as it was typed.
-  // (A section must be given an object, so later overrides can walk into it.)
-  check_type(source, dotted, field, value, &raw);
-  // A whole section (model={"n_layer": 2}) is checked here too, so that its
-  // errors name this override.
-  if (field.kind == Kind::kObject) check_object(source, dotted, field.children, value);
-  json* node = &root;
   std::stringstream parts(dotted);
   std::string part;
   std::vector<std::string> keys;
   while (std::getline(parts, part, '.')) keys.push_back(part);
+  if (field.refusal) {
+    // Its "off" value is accepted (and ignored), as in a file.
+    const std::string parent = dotted.substr(0, dotted.size() - std::min(dotted.size(), keys.back().size() + 1));
+    if (!asks_nothing(field, value, section_at(root, keys), parent)) fail(source, field.refusal(dotted, value));
+  } else {
+    // A string field keeps what was typed even when it parses as JSON (data.path=1).
+    if (field.kind == Kind::kString && !value.is_string()) value = raw;
+    // Checked here as well, so that messages quote the value as it was typed.
+    // (A section must be given an object, so later overrides can walk into it.)
+    check_type(source, dotted, field, value, &raw);
+    if (const std::string problem = value_problem(dotted, field, value); !problem.empty()) fail(source, problem);
+    // A whole section (model={"n_layer": 2}) is checked here too, so that its
+    // errors name this override.
+    if (field.kind == Kind::kObject) check_object(source, dotted, field.children, value);
+  }
+  json* node = &root;
   for (size_t i = 0; i + 1 < keys.size(); ++i) {
     json& next = (*node)[keys[i]];
     if (next.is_null()) next = json::object();

@@ -1,10 +1,11 @@
 // A strict JSON-to-struct engine: a table of fields, each bound to a struct
 // member, validates a JSON document (every unknown key, with a valid key only
 // when one is really close; keys the schema recognises but refuses, with its
-// reason; wrong types with path, expected and actual type: all of them in one
-// error; duplicate keys, malformed JSON with line and column), fills the
-// structs, applies "a.b.c=value" overrides and dumps the structs back. It
-// knows no schema: engine/config.cc holds remat's.
+// reason, unless at a value that asks for nothing; values it refuses; wrong
+// types with path, expected and actual type; a key given in two of its
+// spellings: all of them in one error; duplicate keys, malformed JSON with
+// line and column), fills the structs, applies "a.b.c=value" overrides and
+// dumps the structs back. It knows no schema: engine/config.cc holds remat's.
 //
 //   struct Section { int size = 1; };
 //   struct Root { Section section; };
@@ -50,8 +51,21 @@ struct Field {
   std::function<void*(void*)> member;
   std::function<const void*(const void*)> member_const;
   // Set for a key the schema recognises but does not accept (refused()): the
-  // message for the key at `path`, saying why and what to do instead.
-  std::function<std::string(const std::string& path)> refusal;
+  // message for the key at `path` given `value`, saying why and what to do
+  // instead.
+  std::function<std::string(const std::string& path, const json& value)> refusal;
+  // With `refusal`: whether `value` asks for nothing (the key's "off" value),
+  // given the object `section` that holds the key; such a value is accepted
+  // and ignored. Unset: a section that switches itself off (see refused()).
+  std::function<bool(const json& value, const json& section)> asks_nothing;
+  // A value of the field's type that asks for what the schema's owner does
+  // not do: the problem, or "" for a value it takes. Checked with the types,
+  // so that such values are listed in the same error as the other problems.
+  std::function<std::string(const std::string& path, const json& value)> value_refusal;
+  // Another spelling of the key named here (its preferred spelling): two
+  // spellings of one key given in one object are refused, naming both, since
+  // only one of the values could be read.
+  std::string spelling_of;
   // Takes the string "auto" in place of a value (allow_auto()): the member
   // keeps what it holds and apply() reports the key, for its caller to decide.
   bool auto_ok = false;
@@ -204,11 +218,20 @@ Field object(const char* name, M S::*member, std::vector<Field> children) {
 // optimizer.params and scheduler.params).
 Field inline_section(const char* name, std::vector<Field> children);
 
-// A key that is recognised but refused: `message(path)` is the error (why,
-// and what to do). A section that switches itself off ({"enabled": false} or
-// {"device": "none"}) asks for nothing and is accepted and ignored; any other
-// value is refused. It is neither dumped nor offered as a valid key.
-Field refused(const char* name, std::function<std::string(const std::string& path)> message);
+// A key that is recognised but refused: `message(path, value)` is the error
+// (why, and what to do). A value for which `asks_nothing(value, section)`
+// holds is accepted and ignored (the key's "off" value: DeepSpeed's
+// zero_quantized_weights false); without `asks_nothing`, a section that
+// switches itself off ({"enabled": false} or {"device": "none"}) is. Inside
+// a section that switches itself off every refused key is accepted and
+// ignored. Any other value is refused. It is neither dumped nor offered as
+// a valid key.
+Field refused(const char* name, std::function<std::string(const std::string& path, const json& value)> message,
+              std::function<bool(const json& value, const json& section)> asks_nothing = {});
+
+// Whether `value` is a section that switches itself off: {"enabled": false,
+// ...}, or an offload's {"device": "none", ...}.
+bool switched_off(const json& value);
 
 // Lets the leaf at dotted `path` in `fields` (inline sections count as a
 // part) take "auto" (Field::auto_ok). A path naming no leaf is an Error: the
@@ -224,19 +247,22 @@ json parse_strict(const std::string& text, const std::string& source);
 
 // Validates `object` against `fields` (at dotted `path`) and stores every
 // present value into `target`, the struct the fields are bound to. Every
-// unknown key, refused key and wrong type in `object` is listed in one
-// ConfigError, and then nothing is stored. A key given "auto" where its field
+// unknown key, refused key or value, wrong type and key given in two
+// spellings in `object` is listed in one ConfigError, and then nothing is
+// stored. A key given "auto" where its field
 // takes it (allow_auto) stores nothing: its dotted path is appended to
 // `auto_keys` (when not null), in key order.
 void apply(const std::string& source, const std::string& path, const std::vector<Field>& fields,
            const json& object, void* target, std::vector<std::string>* auto_keys = nullptr);
 
-// The struct as JSON, every field present.
+// The struct as JSON, every field present (a key with several spellings in
+// its preferred one).
 json dump(const std::string& path, const std::vector<Field>& fields, const void* target);
 
 // Applies "a.b.c=value" to the document `root` (value is JSON, else a plain
 // string); an unknown key fails (with a valid one when one is close), as does
-// a refused one, and a key path with an empty part ("model.n_layer."). A
+// a refused one (at a value that asks for something) or a refused value, and
+// a key path with an empty part ("model.n_layer."). A
 // section given whole (model={"n_layer": 2}) is merged into what `root` holds
 // there: the keys it leaves out keep their values, as with a key at a time.
 // Errors name override_source(text) as their source.

@@ -7,7 +7,8 @@
 # each trains a few steps, logging each decision once, an "auto" micro-batch
 # within the memory it was sized for; an "auto" run equals the
 # run given the decided values; offload_optimizer keeps its state on the host;
-# offload_param the parameter shards; a 16-bit export is bf16; fp16 on a CPU whose LibTorch cannot compute half
+# offload_param the parameter shards; bf16 at stage 3 says the persistence threshold it uses; a 16-bit export
+# is bf16; fp16 on a CPU whose LibTorch cannot compute half
 # precision is refused naming fp16, the device and the LibTorch, and trains
 # with the loss scaler where it can.
 # Prints "[remat-test] N passed, M failed".
@@ -168,6 +169,17 @@ if [[ -n "$bytes" && "$bytes" -gt 0 ]] && finite_losses "$tmp/hf_zero3_p0_on.jso
 else
   fail "hf_zero3.json: offload_param keeps the parameter shards on the host, the same losses" \
     "$(tail -3 "$tmp/hf_zero3_p0_on.out")" "$(paste <(losses "$tmp/hf_zero3_p0_on.jsonl") <(losses "$tmp/hf_zero3_p0_off.jsonl"))"
+fi
+
+# bf16 at stage 3 shards every parameter: the persistence threshold's "auto"
+# (bf16_zero3.json) says the 0 stage 3 uses and why, in its one line.
+line=$(grep -F 'zero_optimization.stage3_param_persistence_threshold "auto" -> ' "$tmp/bf16_zero3.out")
+if [[ $(grep -c . <<<"$line") -eq 1 && "$line" == *'"auto" -> 0: under bf16 stage 3 shards every parameter'* ]] &&
+   ! grep -q 'persistence_threshold "auto" -> 100000' "$tmp/bf16_zero3.out"; then
+  pass "bf16_zero3.json: the persistence threshold's \"auto\" is the 0 that bf16's stage 3 uses, said once with why"
+else
+  fail "bf16_zero3.json: the persistence threshold's \"auto\" is the 0 that bf16's stage 3 uses" \
+    "$(grep -F persistence "$tmp/bf16_zero3.out")"
 fi
 
 # stage3_gather_16bit_weights_on_model_save with bf16: the export is bf16;

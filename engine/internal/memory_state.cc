@@ -40,7 +40,7 @@ void offload_optimizer_state(StateBytes& s, const parallel::StateElements& e, co
     s.grads = e.trainable * eb;
     return;
   }
-  const int64_t persistence = mixed.enabled() ? 0 : z.stage3_param_persistence_threshold;
+  const int64_t persistence = parallel::stage3_persistence_threshold(z, mixed);
   std::map<int, int64_t> unit_shard;
   for (const ParameterSize& p : in.parameters) {
     if (p.trainable) unit_shard[p.unit] += p.numel < persistence ? p.numel : (p.numel + n - 1) / n;
