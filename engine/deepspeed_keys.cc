@@ -137,7 +137,8 @@ std::vector<Field> deepspeed_only_top_level() {
                             "set zero_optimization.allgather_partitions to false to broadcast the updated "
                             "parameters instead"),
       deepspeed_only_unless("dump_state", {false}, "remat does not print its engine's state",
-                            "remat-train prints the effective configuration at start"),
+                            "remat-train --print-config prints the configuration a run trains with, every "
+                            "\"auto\" decided"),
       deepspeed_only_unless("memory_breakdown", {false}, "remat does not log its allocator's state per step",
                             metrics),
       deepspeed_only("timers", "remat has no timer settings", "set wall_clock_breakdown to true"),

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -26,6 +27,7 @@
 #include "engine/optim.h"
 #include "engine/step_counters.h"
 #include "engine/save/dir_lock.h"
+#include "engine/save/storage.h"
 #include "engine/save/train_state.h"
 #include "nn/saved_tensors_hooks.h"
 #include "parallel/layers.h"
@@ -373,12 +375,18 @@ double Engine::Impl::mean_loss() {
 
 namespace {
 
-// An output of the engine's (`flag`) must not land in the saves it keeps or loaded.
+// An output of the engine's (`flag`) must not land in the saves it keeps or
+// loaded (`loaded`: a save root, or a step folder in one).
 void check_spares_saves(const std::string& flag, const std::string& path, const std::string& save_dir,
-                        const std::string& loaded) {
+                        std::string loaded) {
+  if (!loaded.empty() && save::step_of(std::filesystem::path(loaded).lexically_normal().filename().string()) >= 0) {
+    loaded = save::root_of(loaded);
+  }
   check_outputs_spare_inputs({{flag, path}},
-                             {{"the save folder", save_dir, true, "which holds this run's saves and their lock"},
-                              {"the save loaded from", loaded, true, "the save this run resumed"}});
+                             {{"the save folder", save_dir, true, "which holds this run's saves and their lock",
+                               save_folder_entries()},
+                              {"the save loaded from", loaded, true, "the save this run resumed",
+                               save_folder_entries()}});
 }
 
 }  // namespace

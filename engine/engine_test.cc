@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/functional/loss.h>
@@ -18,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -1137,17 +1139,26 @@ TEST(Engine, ASaveOneRankCannotWriteIsTheSameErrorOnEveryRank) {
   Trainer run(config_json(2, "none"), false, quick_timeout());
   run.train(1);
   run.engine->use_save_dir(dir);
-  // Rank 1's file cannot be put in place: a folder holds its name.
-  const std::string blocked = dir + "/step_00000001/rank_1.pt";
-  if (testing::world()->rank() == 0) fs::create_directories(blocked + "/in_the_way");
-  testing::world()->barrier()->wait();
+  // Rank 1 cannot write its file: its files may not grow past 1 KiB (a full
+  // disk as one process sees it).
+  const std::string blocked = dir + "/.staging_step_00000001/rank_1.pt";
+  struct rlimit before {};
+  ::getrlimit(RLIMIT_FSIZE, &before);
+  if (testing::world()->rank() == 1) {
+    std::signal(SIGXFSZ, SIG_IGN);  // the write fails instead of ending the process
+    struct rlimit small = before;
+    small.rlim_cur = 1024;
+    ::setrlimit(RLIMIT_FSIZE, &small);
+  }
   const std::string error = error_of<Error>([&] { run.engine->save_checkpoint(dir); });
+  if (testing::world()->rank() == 1) ::setrlimit(RLIMIT_FSIZE, &before);
   EXPECT_THAT(error, HasSubstr(blocked));
   EXPECT_THAT(error, HasSubstr("(the save of step 1 failed on rank 1 of 2; every rank stops with this error)"));
   EXPECT_TRUE(same_on_every_rank(error)) << error;
   EXPECT_EQ(latest_step(dir), -1) << "an incomplete save is not the latest";
-  if (testing::world()->rank() == 0) fs::remove_all(blocked);
   testing::world()->barrier()->wait();
+  EXPECT_FALSE(fs::exists(dir + "/.staging_step_00000001")) << "a failed save leaves nothing of itself";
+  EXPECT_FALSE(fs::exists(dir + "/step_00000001"));
   EXPECT_EQ(run.engine->save_checkpoint(dir), dir + "/step_00000001");
   EXPECT_EQ(latest_step(dir), 1);
   EXPECT_NO_THROW(run.train(1));
@@ -1211,8 +1222,10 @@ TEST(Engine, AnExportOrTraceInsideTheSaveFolderIsRefusedOnEveryRank) {
     EXPECT_THAT(error, HasSubstr(str("the save folder '", dir, "', which holds this run's saves and their lock")));
     EXPECT_TRUE(same_on_every_rank(error)) << error;
   }
-  EXPECT_THAT(error_of<ConfigError>([&] { run.engine->trace_memory(dir + "/trace.json"); }),
+  EXPECT_THAT(error_of<ConfigError>([&] { run.engine->trace_memory(dir + "/step_00000001/trace.json"); }),
               HasSubstr("lies inside the save folder"));
+  // A file of the user's beside the saves is theirs to write.
+  EXPECT_EQ(run.engine->export_model(dir + "/model.pt") > 0, testing::world()->rank() == 0);
   EXPECT_NO_THROW(run.train(1));
   EXPECT_NO_THROW(run.engine->load_checkpoint(dir));  // the save is intact
 }

@@ -284,8 +284,9 @@ int train(int argc, char** argv) {
     check_outputs(metrics_path, memory_trace, export_path, plan_report,
                   {{"--config", config_path},
                    {"data.path", config.data.path},
-                   {"--save-dir", save_dir, true, "which holds this run's saves and their lock"},
-                   {"--resume", resume_root(resume_dir), true, "the save this run reads"}});
+                   {"--save-dir", save_dir, true, "which holds this run's saves and their lock",
+                    save_folder_entries()},
+                   {"--resume", resume_root(resume_dir), true, "the save this run reads", save_folder_entries()}});
   }
   data::Dataset data = data::Dataset::load(config.data.path, config.data.train_fraction, config.model.seq_len);
   const at::Device device = training_device(config);

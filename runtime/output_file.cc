@@ -159,17 +159,31 @@ fs::path resolved(const std::string& path) {
   return ec ? fs::absolute(path).lexically_normal() : p;
 }
 
-// Whether `inner` is `outer` or lies inside it.
-bool within(const fs::path& inner, const fs::path& outer) {
+// Whether `inner` lies inside `outer` (or is it), in an entry `owned` names
+// (every entry when it is empty).
+bool within(const fs::path& inner, const fs::path& outer, const std::vector<std::string>& owned) {
   auto o = outer.begin();
-  for (auto i = inner.begin(); o != outer.end(); ++i, ++o) {
-    if (o->empty() && std::next(o) == outer.end()) return true;  // "dir/"
+  auto i = inner.begin();
+  for (; o != outer.end(); ++i, ++o) {
+    if (o->empty() && std::next(o) == outer.end()) break;  // "dir/"
     if (i == inner.end() || *i != *o) return false;
   }
-  return true;
+  if (i == inner.end() || owned.empty()) return true;
+  const std::string entry = i->string();
+  for (const std::string& name : owned) {
+    const bool prefix = !name.empty() && name.back() == '*';
+    if (prefix ? entry.compare(0, name.size() - 1, name, 0, name.size() - 1) == 0 : entry == name) return true;
+  }
+  return false;
 }
 
 }  // namespace
+
+const std::vector<std::string>& save_folder_entries() {
+  static const std::vector<std::string> entries{".lock",       "latest",      "latest.tmp",  "step_*",
+                                                ".staging_*",  ".replaced_*", ".probe_rank_*"};
+  return entries;
+}
 
 void check_outputs_spare_inputs(const std::vector<std::pair<std::string, std::string>>& outputs,
                                 const std::vector<RunInput>& inputs) {
@@ -180,7 +194,7 @@ void check_outputs_spare_inputs(const std::vector<std::pair<std::string, std::st
     for (const RunInput& in : inputs) {
       if (in.path.empty()) continue;
       const bool same = (!id.empty() && id == output_identity(in.path)) || out == resolved(in.path);
-      if (!same && !(in.folder && within(out, resolved(in.path)))) continue;
+      if (!same && !(in.folder && within(out, resolved(in.path), in.owned))) continue;
       const std::string shown = str(flag, " '", shown_path(path), "'");
       if (!in.folder) {
         throw ConfigError(str(shown, " is the ", in.what, " file '", shown_path(in.path), "' this run reads, so "

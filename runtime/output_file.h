@@ -63,19 +63,26 @@ int remove_stale_temporaries(const std::string& path);
 
 // What an output may not be: a file the run reads, or a path inside a folder
 // the run reads or keeps (its saves). `folder`: `path` is a folder whose
-// inside is protected too.
+// inside is protected too: all of it, or only the entries `owned` names (a
+// name, or a prefix ending in '*'), so that a file of the user's may sit
+// beside a save (saves/model.pt) while the save's own files may not be hit.
 struct RunInput {
   std::string what;  // "--config", "data.path", "--resume", "--save-dir"
   std::string path;
   bool folder = false;
   std::string role = "which this run reads";  // of a folder: what it holds, for the message
+  std::vector<std::string> owned;             // of a folder: its protected entries; empty: every one
 };
 
+// The entries of a save folder remat owns (its lock, `latest`, step folders
+// and what a save writes before they are complete): RunInput::owned.
+const std::vector<std::string>& save_folder_entries();
+
 // A ConfigError naming the output's flag, the input and what to change when
-// an output (flag, path) of `outputs` is one of `inputs`' files, or is (or
-// lies inside) one of their folders, through `..`, symbolic links and hard
-// links; paths that do not exist yet are compared by where they would be.
-// Empty paths are skipped.
+// an output (flag, path) of `outputs` is one of `inputs`' files, or is one of
+// their folders or lies inside one (in an entry it owns), through `..`,
+// symbolic links and hard links; paths that do not exist yet are compared by
+// where they would be. Empty paths are skipped.
 void check_outputs_spare_inputs(const std::vector<std::pair<std::string, std::string>>& outputs,
                                 const std::vector<RunInput>& inputs);
 

@@ -126,6 +126,16 @@ TEST_F(OutputFileTest, OutputsOnTheRunsInputsOrInsideItsFoldersAreRefused) {
   EXPECT_THAT(refusal_of("--metrics", at("cfg_hard.json")), HasSubstr("is the --config file"));
   EXPECT_NO_THROW(check_outputs_spare_inputs(
       {{"--metrics", at("m.json")}, {"--export", at("saves_sibling.pt")}, {"--json", ""}}, inputs));
+  // A save folder's own entries only: a file of the user's may sit beside the saves.
+  const std::vector<RunInput> saves{{"--save-dir", at("saves"), true, "which holds saves", save_folder_entries()}};
+  for (const char* name : {"saves/.lock", "saves/latest", "saves/step_00000002/rank_0.pt", "saves/step_00000009",
+                           "saves/.staging_step_00000004/manifest.json", "saves", "saves_link/latest.tmp"}) {
+    EXPECT_THAT(error_of<ConfigError>([&] { check_outputs_spare_inputs({{"--export", at(name)}}, saves); }),
+                HasSubstr("--save-dir"))
+        << name;
+  }
+  EXPECT_NO_THROW(check_outputs_spare_inputs({{"--export", at("saves/model.pt")}}, saves));
+  EXPECT_NO_THROW(check_outputs_spare_inputs({{"--metrics", at("saves/latest_metrics.jsonl")}}, saves));
 }
 
 TEST_F(OutputFileTest, TheNextWriterRemovesTemporariesNoWriterHolds) {

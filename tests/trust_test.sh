@@ -60,6 +60,26 @@ for k in 1 2 3 4 5; do
   fi
 done
 
+# 1b. A first save killed before `latest` is written: the step folder is
+#     complete, and the refusal of a new run there names it as what to resume.
+dir="$tmp/no_latest"
+rm -rf "$dir"
+REMAT_FAULT_SAVE_PAUSE_MS=3000 "$run" -np 2 -- "${tiny[@]}" --steps 3 --save-dir "$dir" >"$tmp/no_latest.log" 2>&1 &
+job=$!
+for _ in $(seq 1 900); do
+  grep -q "before '$dir/latest'" "$tmp/no_latest.log" 2>/dev/null && break
+  kill -0 "$job" 2>/dev/null || break
+  sleep 0.1
+done
+pkill -KILL -f "remat-train.*--save-dir $dir" 2>/dev/null
+wait "$job" 2>/dev/null
+sleep 0.5
+expect "a new run in a folder whose first save lost its 'latest' names the step folder to resume" \
+  "Resume that run with --resume $dir/step_00000003" "${tiny[@]}" --steps 3 --save-dir "$dir"
+ok_resume=$("${tiny[@]}" --steps 4 --resume "$dir/step_00000003" --save-dir "$dir" 2>&1) &&
+  pass "--resume of the step folder it names continues the run" ||
+  fail "--resume of the step folder it names continues the run" "$ok_resume"
+
 # 2. Outputs on the run's inputs or inside its save folder are refused at
 #    start, and the inputs are left as they were.
 mkdir -p "$tmp/io"
@@ -82,11 +102,15 @@ expect "--metrics on the save folder's latest is refused" "--metrics '$tmp/sv/la
 expect "--export on a rank file of the save resumed is refused" \
   "--export '$tmp/sv/step_00000002/rank_0.pt' lies inside --resume '$tmp/sv', the save this run reads" \
   "${tiny[@]}" --steps 4 --resume "$tmp/sv/step_00000002" --export "$tmp/sv/step_00000002/rank_0.pt"
+out=$("${tiny[@]}" --steps 5 --resume "$tmp/sv" --save-dir "$tmp/sv" --export "$tmp/sv/model.pt" 2>&1) &&
+  [[ -s "$tmp/sv/model.pt" && "$(cat "$tmp/sv/latest")" == step_00000005 ]] &&
+  pass "an export of the user's beside the saves (--export SV/model.pt) is theirs to write" ||
+  fail "an export of the user's beside the saves (--export SV/model.pt) is theirs to write" "$out"
 expect "--memory-trace on a --save-dir not yet made is refused at start, not at the traced step" \
   "--memory-trace '$tmp/sv7' is --save-dir '$tmp/sv7'" \
   "${tiny[@]}" --steps 3 --save-dir "$tmp/sv7" --memory-trace "$tmp/sv7"
 if cmp -s "$tmp/io/cfg.json" "$tmp/io/cfg.orig" && cmp -s "$tmp/io/corpus.txt" "$tmp/io/corpus.orig" &&
-   [[ "$(cat "$tmp/sv/latest")" == step_00000002 && ! -e "$tmp/sv7" ]] && "${tiny[@]}" --steps 3 --resume "$tmp/sv" \
+   [[ "$(cat "$tmp/sv/latest")" == step_00000005 && ! -e "$tmp/sv7" ]] && "${tiny[@]}" --steps 6 --resume "$tmp/sv" \
      --save-dir "$tmp/sv" >/dev/null 2>&1; then
   pass "the inputs and the save are as they were, and no folder was made for the refused run"
 else
@@ -175,7 +199,7 @@ fi
 
 # 8. --overwrite-saves after a resume from elsewhere names what it removed for what it is.
 rm -rf "$tmp/ow" && cp -a "$tmp/first" "$tmp/ow"
-out=$(REMAT_LOG_LEVEL=warn "${tiny[@]}" --steps 4 --resume "$tmp/sv" --save-dir "$tmp/ow" --overwrite-saves 2>&1)
+out=$(REMAT_LOG_LEVEL=warn "${tiny[@]}" --steps 4 --resume "$tmp/sv/step_00000002" --save-dir "$tmp/ow" --overwrite-saves 2>&1)
 grep -qF "removed 1 save(s) of an earlier run from '$tmp/ow'" <<<"$out" &&
   pass "--overwrite-saves after resuming elsewhere says it removed an earlier run's saves" ||
   fail "--overwrite-saves after resuming elsewhere says it removed an earlier run's saves" "$out"
