@@ -3,8 +3,9 @@
 // asks for.
 //
 //   remat-run -np 2 -- remat-train --config configs/default.json [--set key=value ...]
-//       [--steps N] [--seed S] [--device D] [--backend B] [--metrics FILE] [--save-dir DIR [--overwrite-saves]] [--resume DIR]
-//       [--export FILE] [--plan-report DIR] [--memory-trace FILE [--memory-trace-samples N]] [--print-config]
+//       [--steps N] [--seed S] [--device D] [--backend B] [--metrics FILE]
+//       [--save-dir DIR [--overwrite-saves]] [--resume DIR] [--export FILE] [--plan-report DIR]
+//       [--memory-trace FILE [--memory-trace-samples N]] [--print-config]
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <sys/stat.h>
