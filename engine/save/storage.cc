@@ -125,20 +125,23 @@ bool install_save(const std::string& staging, const std::string& final) {
 }
 
 std::vector<std::string> remove_save_leftovers(const std::string& root) {
-  std::vector<std::string> removed;
   std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(root, ec)) {
-    const std::string name = entry.path().filename().string();
+  std::vector<std::string> names;  // read first: the folder changes below
+  for (const auto& entry : fs::directory_iterator(root, ec)) names.push_back(entry.path().filename().string());
+  std::sort(names.begin(), names.end());
+  std::vector<std::string> removed;
+  for (const std::string& name : names) {
+    const fs::path path = fs::path(root) / name;
     if (name.rfind(".replaced_", 0) == 0 && step_of(name.substr(10)) >= 0) {
-      const fs::path final = entry.path().parent_path() / name.substr(10);
+      const fs::path final = fs::path(root) / name.substr(10);
       if (!fs::exists(final, ec)) {
-        fs::rename(entry.path(), final, ec);  // the new save never took its place: the old one is it
+        fs::rename(path, final, ec);  // the new save never took its place: the old one is it
         if (!ec) continue;
       }
     } else if (!(name.rfind(".staging_", 0) == 0 && step_of(name.substr(9)) >= 0) && name != "latest.tmp") {
       continue;
     }
-    fs::remove_all(entry.path(), ec);
+    fs::remove_all(path, ec);
     if (!ec) removed.push_back(name);
   }
   return removed;
