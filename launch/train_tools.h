@@ -36,6 +36,7 @@ struct GptAutoFacts {
   bool computes_bf16 = false;  // the CUDA device has bf16 (cuda_computes_bf16)
   double have = 0;             // bytes per rank (memory_per_rank); 0: unknown
   std::string have_what;       // where `have` comes from, for the reason
+  bool assumed_gpu = false;    // no GPU here to ask: computes_bf16 is assumed, and the reasons say so
 };
 // Decides every "auto" the config leaves open: bf16/fp16 from the device,
 // train_micro_batch_size_per_gpu the largest micro-batch whose cold estimate
