@@ -136,8 +136,14 @@ void decide_config_autos(Config& config) {
   decide_persistence_threshold(config);  // where bf16 and fp16 are given, not "auto"
 }
 
-void decide_precision_autos(Config& c, const std::string& device, bool cuda, bool computes_bf16) {
+void decide_precision_autos(Config& c, const std::string& device, bool cuda, bool computes_bf16, bool assumed) {
   const bool precision_auto = c.is_undecided_auto("bf16.enabled") || c.is_undecided_auto("fp16.enabled");
+  // What the GPU computes, as known or as assumed where there is none to ask.
+  const std::string gpu = str("the training device, ", device, ", ");
+  const std::string has_bf16 = str(assumed ? "is assumed to compute" : "computes", " bf16 (compute capability 8.0 or "
+                                   "higher", assumed ? "; no GPU here to ask" : "", ")");
+  const std::string no_bf16 = str(assumed ? "is assumed to have" : "has", " no bf16 (compute capability below 8.0",
+                                  assumed ? "; no GPU here to ask" : "", ")");
   if (c.is_undecided_auto("bf16.enabled")) {
     const bool fp16_given = c.fp16.enabled && !c.is_auto("fp16.enabled");
     c.bf16.enabled = !fp16_given && cuda && computes_bf16;
@@ -146,9 +152,8 @@ void decide_precision_autos(Config& c, const std::string& device, bool cuda, boo
             : !cuda       ? str("the training device, ", device, ", is a CPU: float32, which CPUs compute without "
                                 "rounding (set bf16.enabled true where the CPU has AVX512-BF16 or AMX and its bf16 "
                                 "matmuls measure faster: benchmarks/bf16_bench.sh)")
-            : c.bf16.enabled ? str("the training device, ", device, ", computes bf16 (compute capability 8.0 or "
-                                   "higher): bf16 compute from float32 masters, no loss scaling needed")
-                             : str("the training device, ", device, ", has no bf16 (compute capability below 8.0)"));
+            : c.bf16.enabled ? str(gpu, has_bf16, ": bf16 compute from float32 masters, no loss scaling needed")
+                             : str(gpu, no_bf16));
   }
   if (c.is_undecided_auto("fp16.enabled")) {
     c.fp16.enabled = !c.bf16.enabled && cuda && !computes_bf16;
@@ -156,10 +161,8 @@ void decide_precision_autos(Config& c, const std::string& device, bool cuda, boo
             c.bf16.enabled ? std::string("bf16.enabled is true: one compute dtype")
             : !cuda        ? str("the training device, ", device, ", is a CPU: float32 (CPU kernels compute "
                                  "fp16 no faster, and it needs loss scaling)")
-            : c.fp16.enabled ? str("the training device, ", device, ", has no bf16 (compute capability below "
-                                   "8.0): fp16 with the dynamic loss scaler")
-                             : str("the training device, ", device, ", computes bf16, which needs no loss "
-                                   "scaling: set bf16.enabled for it"));
+            : c.fp16.enabled ? str(gpu, no_bf16, ": fp16 with the dynamic loss scaler")
+                             : str(gpu, has_bf16, ", which needs no loss scaling: set bf16.enabled for it"));
   }
   decide_persistence_threshold(c);
   // The precision's rules, which parse_config left for these decisions.

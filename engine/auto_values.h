@@ -45,8 +45,11 @@ void decide_config_autos(Config& config);
 // device that computes it (`computes_bf16`: compute capability 8.0 or
 // higher); on a CUDA device without bf16, fp16 with its loss scaler; on the
 // CPU float32 (both false). A precision set true explicitly wins: the other
-// "auto" becomes false.
-void decide_precision_autos(Config& config, const std::string& device, bool cuda, bool computes_bf16);
+// "auto" becomes false. `assumed`: no such device here to ask (an estimate
+// for a GPU elsewhere): `computes_bf16` is an assumption, and the reasons
+// say so.
+void decide_precision_autos(Config& config, const std::string& device, bool cuda, bool computes_bf16,
+                            bool assumed = false);
 
 // What a caller's memory allows for train_micro_batch_size_per_gpu "auto":
 // the largest micro-batch from 1 to `limit` that fits (0: not even 1), and why.

@@ -148,7 +148,7 @@ void Engine::Impl::plan_blocks(torch::nn::Module& model, const Config& config, c
   meter.begin_planning();
   if (device_budget_bytes) {
     auto [state, what] = internal::resident_state(model, *zero, *optimizer, batch.gradient_accumulation_steps,
-                                        memory->current(device));
+                                                  device == c10::DeviceType::CPU, memory->current(device));
     planner->set_state_bytes(state, std::move(what));
   }
   const bool planned = planner->ensure(plan_key, profile_step);

@@ -254,6 +254,12 @@ class Engine {
 // remat-train's memory check. A ConfigError as initialize() gives one.
 at::Device training_device(const Config& config, const std::string& spec = "");
 
+// fp16.enabled on a `device` that cannot compute in fp16 with this LibTorch
+// (LibTorch 1.13's CPU): the ConfigError initialize() refuses it with; nothing
+// where fp16 is off or the device computes it. For what is sized before
+// initialize(), such as remat-estimate.
+void check_fp16_device(const Config& config, at::Device device);
+
 // The engine for `model` from a parsed config (EngineOptions::overrides are
 // applied on top). Collective. Initializing a model that another live engine
 // trains is an Error.

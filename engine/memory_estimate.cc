@@ -108,6 +108,10 @@ struct StageTerms {
   StateBytes state;
   int64_t grads_term = 0;
   int64_t fixed = 0;  // parameters, optimizer state, other bytes and gathered units
+  // A CPU model: the offloaded optimizer's and parameters' host bytes, held
+  // through the step in the same memory (in the peak, and charged against a
+  // whole-device budget as the engine's planner charges them).
+  int64_t host_held = 0;
 };
 
 // The planner's columns for the auto row: the configured budget when the
@@ -115,16 +119,19 @@ struct StageTerms {
 // budget leaves what the state and gradients take. A budget no plan fits:
 // infeasible, at full checkpointing's columns.
 std::vector<size_t> auto_columns(const BlockCosts& costs, const Config& config, bool offload, int64_t keep_peak,
-                                 const StageTerms& t, int64_t device_capacity, bool& feasible) {
+                                 const StageTerms& t, const MemoryEstimateInputs& in, bool& feasible) {
   const auto& ac = config.activation_checkpointing;
   int64_t budget = keep_peak / 2;
   if (ac.variant == CheckpointVariant::kAuto) {
     if (ac.memory_budget_bytes) budget = *ac.memory_budget_bytes;
     if (ac.memory_budget_fraction) budget = static_cast<int64_t>(*ac.memory_budget_fraction * keep_peak);
-    if (ac.device_memory_budget_bytes) budget = *ac.device_memory_budget_bytes - t.fixed - t.grads_term;
-    if (ac.device_memory_budget_auto && device_capacity > 0) {
-      budget = auto_device_budget(device_capacity, 1, "activation_checkpointing.device_memory_budget_bytes").budget -
-               t.fixed - t.grads_term;
+    const int64_t state = t.fixed + t.grads_term + t.host_held;
+    if (ac.device_memory_budget_bytes) budget = *ac.device_memory_budget_bytes - state;
+    if (ac.device_memory_budget_auto && in.device_capacity_bytes > 0) {
+      budget = auto_device_budget(in.device_capacity_bytes, 1, "activation_checkpointing.device_memory_budget_bytes",
+                                  in.device_capacity_given)
+                   .budget -
+               state;
     }
   }
   const size_t n = costs.blocks.size();
@@ -144,7 +151,7 @@ std::vector<size_t> auto_columns(const BlockCosts& costs, const Config& config, 
 // kMaxPlannedBlocks, at full checkpointing's peak).
 std::vector<size_t> policy_columns(const BlockCosts& costs, const Config& config, const std::string& policy,
                                    bool offload, bool unsolved, int64_t keep_peak, const StageTerms& t,
-                                   int64_t device_capacity, bool& feasible) {
+                                   const MemoryEstimateInputs& in, bool& feasible) {
   const size_t n = costs.blocks.size();
   const BlockChoice keep = offload ? BlockChoice::kOffloadActivations : BlockChoice::kKeep;
   const BlockChoice full = offload ? BlockChoice::kFullOffload : BlockChoice::kFull;
@@ -152,7 +159,7 @@ std::vector<size_t> policy_columns(const BlockCosts& costs, const Config& config
   if (policy == "full" || (policy == "auto" && unsolved)) return std::vector<size_t>(n, column_of(costs, full));
   if (policy == "selective_op") return std::vector<size_t>(n, column_of(costs, BlockChoice::kSelectiveOp));
   if (policy == "every_k") return every_k_columns(costs, config, offload);
-  return auto_columns(costs, config, offload, keep_peak, t, device_capacity, feasible);
+  return auto_columns(costs, config, offload, keep_peak, t, in, feasible);
 }
 
 // A row's bytes from its stage's terms and its blocks' columns.
@@ -179,8 +186,8 @@ void fill_row(MemoryEstimateRow& r, const StageTerms& t, const MemoryEstimateInp
   // (cpu_checkpointing's copies) is in the activations already. The
   // offloaded optimizer's and parameters' are too, but on a CPU model they
   // are in the same memory, held through the step.
-  r.peak_bytes = std::max(t.fixed + r.activation_bytes + t.grads_term, st.params + st.optimizer + st.grads) +
-                 (in.host_is_device ? st.host_optimizer + st.host_params : 0);
+  r.peak_bytes =
+      std::max(t.fixed + r.activation_bytes + t.grads_term, st.params + st.optimizer + st.grads) + t.host_held;
 }
 
 StageTerms stage_terms(const MemoryEstimateInputs& in, const Config& config, int stage, int group,
@@ -189,12 +196,25 @@ StageTerms stage_terms(const MemoryEstimateInputs& in, const Config& config, int
   t.state = internal::state_bytes(in, config, stage, group, accumulation);
   t.grads_term = in.gradients_in_activations ? t.state.grads - t.state.full_trainable : t.state.grads;
   t.fixed = t.state.params + t.state.optimizer + in.other_bytes + t.state.gathered;
+  t.host_held = in.host_is_device ? t.state.host_optimizer + t.state.host_params : 0;
   return t;
+}
+
+// `r` again under other terms (the optimizer or the parameters elsewhere),
+// an auto row solved again under them.
+MemoryEstimateRow row_under(MemoryEstimateRow r, const StageTerms& t, const MemoryEstimateInputs& in,
+                            const Config& config, bool unsolved, int64_t keep_peak) {
+  r.feasible = true;
+  const std::vector<size_t> cols = policy_columns(in.activations, config, r.policy, r.offload, unsolved, keep_peak, t,
+                                                  in, r.feasible);
+  fill_row(r, t, in, cols);
+  return r;
 }
 
 // The rows of one stage (`hybrid`: sharded within hybrid groups), every
 // policy with offloading off and on, the optimizer offloaded as configured;
-// at stages 1-3 each row's peak with the optimizer on the host beside it.
+// at stages 1-3 each row's peak with the optimizer on the host beside it,
+// and where the config offloads, its peak without.
 void add_stage_rows(MemoryEstimate& e, const Config& config, const MemoryEstimateInputs& in, int stage, bool hybrid,
                     int group, bool use_hybrid, int64_t keep_peak) {
   const BlockCosts& costs = in.activations;
@@ -206,6 +226,11 @@ void add_stage_rows(MemoryEstimate& e, const Config& config, const MemoryEstimat
   const bool opt = stage > 0 && e.offload_optimizer;
   const StageTerms t = stage_terms(in, config, stage, group, opt ? accumulation : 0);
   const StageTerms host = stage_terms(in, config, stage, group, accumulation);
+  // Neither the optimizer nor the parameters offloaded.
+  Config plain = config;
+  plain.zero_optimization.offload_param.device = parallel::OffloadDevice::kNone;
+  const bool offloads = opt || (stage == 3 && e.offload_param);
+  const StageTerms none = stage_terms(in, plain, stage, group, 0);
   for (bool offload : {false, true}) {
     for (const std::string& policy : kPolicies) {
       if (offload && policy == "selective_op") continue;  // no offloading variant of it
@@ -227,20 +252,20 @@ void add_stage_rows(MemoryEstimate& e, const Config& config, const MemoryEstimat
       const bool unsolved = policy == "auto" && n > kMaxPlannedBlocks;
       if (unsolved && !r.configured) continue;
       const std::vector<size_t> cols =
-          policy_columns(costs, config, policy, offload, unsolved, keep_peak, t, in.device_capacity_bytes, r.feasible);
+          policy_columns(costs, config, policy, offload, unsolved, keep_peak, t, in, r.feasible);
       if (policy == "every_k" || policy == "auto") r.plan = plan_text(costs, cols);
-      if (unsolved) r.plan = str("not solved (more than ", kMaxPlannedBlocks, " blocks): at least this peak");
       fill_row(r, t, in, cols);
+      if (unsolved) r.plan = str("not solved (more than ", kMaxPlannedBlocks, " blocks): at least this peak");
       if (stage > 0) {
         // The same row with the optimizer on the host (the planner's auto
         // row under its own budget then).
-        MemoryEstimateRow h = r;
-        const std::vector<size_t> host_cols = opt ? cols
-            : policy_columns(costs, config, policy, offload, unsolved, keep_peak, host, in.device_capacity_bytes,
-                             h.feasible);
-        fill_row(h, host, in, host_cols);
+        const MemoryEstimateRow h = row_under(r, host, in, config, unsolved, keep_peak);
         r.host_optimizer_bytes = h.host_optimizer_bytes;
         r.offload_optimizer_peak_bytes = h.feasible ? h.peak_bytes : 0;
+      }
+      if (offloads) {
+        const MemoryEstimateRow p = row_under(r, none, in, plain, unsolved, keep_peak);
+        r.no_offload_peak_bytes = p.feasible ? p.peak_bytes : 0;
       }
       e.rows.push_back(std::move(r));
     }
@@ -392,82 +417,15 @@ nlohmann::json MemoryEstimate::to_json() const {
                          {"peak_bytes", r.peak_bytes}, {"offload_optimizer", r.offload_optimizer},
                          {"host_optimizer_bytes", r.host_optimizer_bytes},
                          {"offload_optimizer_peak_bytes", r.offload_optimizer_peak_bytes}});
-    // Written only when the config offloads parameters: other estimates' keys stay as they are.
+    // Written only when the config offloads: other estimates' keys stay as they are.
     if (offload_param) rows_json.back()["host_parameter_bytes"] = r.host_parameter_bytes;
+    if (offload_param || offload_optimizer) rows_json.back()["no_offload_peak_bytes"] = r.no_offload_peak_bytes;
   }
   nlohmann::json out = {{"mode", mode}, {"world_size", world_size}, {"dp", dp}, {"tp", tp},
                         {"shard_group", shard_group}, {"rows", rows_json}};
   if (!host_is_device) out["host_is_device"] = false;
   if (offload_param) out["offload_param"] = true;
   if (device_capacity_bytes > 0) out["device_capacity_bytes"] = device_capacity_bytes;
-  return out;
-}
-
-std::string cheapest_fitting_change(const MemoryEstimate& e, int64_t have, int64_t host_have) {
-  const MemoryEstimateRow& now = e.configured();
-  const std::vector<std::string> order = {"none", "selective_op", "every_k", "full"};
-  auto rank = [&](const std::string& p) {
-    return static_cast<int>(std::find(order.begin(), order.end(), p) - order.begin());
-  };
-  auto fits = [&](const MemoryEstimateRow& r) { return r.feasible && r.peak_bytes <= have; };
-  auto keys = [&](const MemoryEstimateRow& r) {
-    std::vector<std::string> k;
-    if (r.stage != now.stage) k.push_back(str("zero_optimization.stage=", r.stage));
-    if (r.policy != now.policy) {
-      k.push_back(str("activation_checkpointing.variant=",
-                      r.policy == "every_k" ? "selective_layer" : r.policy));
-    }
-    if (r.offload != now.offload) k.push_back(str("activation_offloading.enabled=", r.offload ? "true" : "false"));
-    std::string out;
-    for (const auto& s : k) out += (out.empty() ? "" : " ") + s;
-    return str(out, " (estimated peak ", mib(r.peak_bytes), " MiB)");
-  };
-  // 1. Another policy at this stage, cheapest recompute first.
-  const MemoryEstimateRow* best = nullptr;
-  for (const auto& r : e.rows) {
-    if (r.stage != now.stage || r.hybrid != now.hybrid || r.offload != now.offload || r.policy == "auto") continue;
-    if (fits(r) && rank(r.policy) > rank(now.policy) && (!best || rank(r.policy) < rank(best->policy))) best = &r;
-  }
-  // 2. A higher stage with this policy.
-  const MemoryEstimateRow* stage_best = nullptr;
-  for (const auto& r : e.rows) {
-    if (r.policy != now.policy || r.offload != now.offload || r.stage <= now.stage) continue;
-    if (fits(r) && (!stage_best || r.stage < stage_best->stage)) stage_best = &r;
-  }
-  // 3. The optimizer on the host, at this stage or the lowest that allows it
-  // (no recompute; the optimizer steps on the host).
-  const MemoryEstimateRow* host_best = nullptr;
-  for (const auto& r : e.rows) {
-    if (r.policy != now.policy || r.offload != now.offload || r.stage < std::max(now.stage, 1) ||
-        now.offload_optimizer || r.hybrid != (e.shard_group < e.dp)) {
-      continue;
-    }
-    const int64_t on_host = r.host_optimizer_bytes + r.host_parameter_bytes + r.host_bytes;
-    const bool host_fits = r.offload_optimizer_peak_bytes > 0 && r.offload_optimizer_peak_bytes <= have &&
-                           (host_have <= 0 || on_host <= host_have);
-    if (host_fits && (!host_best || r.stage < host_best->stage)) host_best = &r;
-  }
-  std::vector<std::string> options;
-  if (stage_best) options.push_back(keys(*stage_best));
-  if (host_best && (!stage_best || host_best->stage <= stage_best->stage)) {
-    options.push_back(str(host_best->stage != now.stage ? str("zero_optimization.stage=", host_best->stage, " ") : "",
-                          "zero_optimization.offload_optimizer.device=cpu (estimated device peak ",
-                          mib(host_best->offload_optimizer_peak_bytes), " MiB; the host holds ",
-                          mib(host_best->host_optimizer_bytes), " MiB)"));
-  }
-  if (best) options.push_back(keys(*best));
-  // 4. A whole-device budget for the planner at this stage (or the highest).
-  for (int stage : {now.stage, 3}) {
-    const MemoryEstimateRow& full = e.row(stage, "full", now.offload);
-    if (full.peak_bytes <= have) {
-      options.push_back(str(stage != now.stage ? str("zero_optimization.stage=", stage, " ") : std::string(),
-                            "activation_checkpointing.variant=auto activation_checkpointing.device_memory_budget_bytes=",
-                            have, " (the planner keeps what fits)"));
-      break;
-    }
-  }
-  std::string out;
-  for (const auto& o : options) out += (out.empty() ? "" : "; or ") + o;
   return out;
 }
 
@@ -626,25 +584,6 @@ MemoryEstimateInputs live_inputs(torch::nn::Module& model, const std::string& bl
     in.host_bytes.push_back(std::move(host));
   }
   return in;
-}
-
-int64_t largest_fitting_micro_batch(const Config& config, int world_size, int64_t have, int64_t limit,
-                                    const std::function<MemoryEstimateInputs(int64_t micro)>& inputs) {
-  auto fits = [&](int64_t micro) {
-    const MemoryEstimate estimate = estimate_memory(config, world_size, inputs(micro));
-    const MemoryEstimateRow& row = estimate.configured();  // a row of `estimate`, which must outlive it
-    return row.feasible && row.peak_bytes <= have;
-  };
-  int64_t lo = 0, hi = limit;  // lo fits (0: trivially), hi + 1 does not (or is past the limit)
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo + 1) / 2;
-    if (fits(mid)) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
 }
 
 }  // namespace remat

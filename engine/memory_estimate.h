@@ -71,6 +71,9 @@ struct MemoryEstimateInputs {
   // "auto" plans against it less the reserve (runtime/device_memory.h);
   // unknown, "auto" plans as a config without a budget (half the peak).
   int64_t device_capacity_bytes = 0;
+  // The capacity is REMAT_MEMORY_PER_RANK_BYTES, what a rank may use: "auto"
+  // reserves a tenth of it, without the 1 GiB floor of a measured device.
+  bool device_capacity_given = false;
   // Live: bytes the step's start held beyond the parameters and optimizer
   // state (buffers, data); cold: 0.
   int64_t other_bytes = 0;
@@ -109,6 +112,12 @@ struct MemoryEstimateRow {
   // optimizer state, and at the step's most a unit's reduced gradient shard
   // before its copy to the host. On a CPU model the peaks include it.
   int64_t host_parameter_bytes = 0;
+  // The config offloads (offload_optimizer, or offload_param at stage 3):
+  // the row's peak with neither, the optimizer and every parameter on the
+  // device (0: nothing offloaded, or an auto row whose budget no plan fits
+  // then). On a CPU model, where the host copies share the memory, it is
+  // lower than peak_bytes.
+  int64_t no_offload_peak_bytes = 0;
 };
 
 struct MemoryEstimate {
@@ -182,12 +191,13 @@ MemoryEstimateInputs live_inputs(torch::nn::Module& model, const std::string& bl
 int64_t largest_fitting_micro_batch(const Config& config, int world_size, int64_t have, int64_t limit,
                                     const std::function<MemoryEstimateInputs(int64_t micro)>& inputs);
 
-// The cheapest change to `config` whose row fits `have` bytes per rank (a
-// higher stage, then the optimizer offloaded to the host, then another
-// policy at this stage, then a memory budget), as the keys to set; empty
-// when none fits. `host_have` (0: unknown): the host memory each rank has
-// beside its device; the optimizer is named for the host only where what the
-// host then holds fits it.
+// The cheapest change to `config` whose row fits `have` bytes per rank (the
+// configured offloading off where that fits, as on a CPU, then a higher
+// stage, then the optimizer offloaded to the host, then another policy at
+// this stage, then a memory budget), as the keys to set; empty when none
+// fits. `host_have` (0: unknown): the host memory each rank has beside its
+// device; the optimizer is named for the host only where what the host then
+// holds fits it.
 std::string cheapest_fitting_change(const MemoryEstimate& estimate, int64_t have, int64_t host_have = 0);
 
 }  // namespace remat

@@ -407,9 +407,6 @@ TEST(MemoryEstimate, Misuse) {
               HasSubstr("the model has no module 'layers'"));
 }
 
-}  // namespace
-}  // namespace remat
-
 namespace remat {
 namespace {
 
@@ -478,6 +475,83 @@ TEST(MemoryEstimate, TheOptimizerOnTheHost) {
   const MemoryEstimate cpu = estimate_memory(host, 2, cold_gpt_inputs(host, kVocab, 1));
   const MemoryEstimate cpu_plain = estimate_memory(plain, 2, cold_gpt_inputs(plain, kVocab, 1));
   EXPECT_GT(cpu.configured().peak_bytes, cpu_plain.configured().peak_bytes);
+}
+
+}  // namespace
+}  // namespace remat
+
+// On a CPU the host copies of the offloaded optimizer and parameters are in
+// the same memory: a configuration that offloads may fit only without it,
+// and the fit search tries that first (issue 49, item 10: at 12 MiB per rank
+// the default config with the optimizer offloaded was told that nothing fits,
+// though stage 3 without offload, 11.57 MiB, does).
+TEST(MemoryEstimate, OnACpuTheFitSearchTurnsOffloadingOff) {
+  const int64_t have = int64_t{12} << 20;
+  for (const std::vector<std::string>& keys :
+       {std::vector<std::string>{"zero_optimization.offload_optimizer.device=\"cpu\""},
+        {"zero_optimization.offload_param.device=\"cpu\"", "zero_optimization.offload_optimizer.device=\"cpu\"",
+         "train_micro_batch_size_per_gpu=17"}}) {
+    const Config c = config_of(keys);
+    std::vector<std::string> plain_keys(keys.begin() + (keys.size() > 1 ? 2 : 1), keys.end());
+    const Config plain = config_of(plain_keys);
+    const MemoryEstimate e = estimate_memory(c, 2, cold_gpt_inputs(c, kVocab, c.resolve_batch(2).micro_batch_per_gpu));
+    const MemoryEstimate p =
+        estimate_memory(plain, 2, cold_gpt_inputs(plain, kVocab, plain.resolve_batch(2).micro_batch_per_gpu));
+    const MemoryEstimateRow &row = e.configured(), &off = p.configured();
+    EXPECT_EQ(row.no_offload_peak_bytes, off.peak_bytes) << keys[0];
+    EXPECT_GT(row.peak_bytes, off.peak_bytes) << keys[0];
+    const int64_t between = (row.peak_bytes + off.peak_bytes) / 2;
+    const std::string change = cheapest_fitting_change(e, keys.size() > 1 ? between : have);
+    EXPECT_THAT(change, HasSubstr("zero_optimization.offload_optimizer.device=none"));
+    EXPECT_THAT(change, HasSubstr(str("(estimated peak ", off.peak_bytes / 1048576 , ".")));
+    EXPECT_EQ(change.find("offload_param.device=none") != std::string::npos, keys.size() > 1) << change;
+    EXPECT_EQ(e.to_json()["rows"][0].count("no_offload_peak_bytes"), 1u);
+    EXPECT_EQ(p.to_json()["rows"][0].count("no_offload_peak_bytes"), 0u) << "other estimates' keys as they were";
+  }
+  const Config c = config_of({"zero_optimization.offload_optimizer.device=\"cpu\""});
+  EXPECT_THAT(cheapest_fitting_change(estimate_memory(c, 2, cold_gpt_inputs(c, kVocab, 16)), have),
+              HasSubstr("zero_optimization.offload_optimizer.device=none (estimated peak 11.57 MiB: on this CPU the "
+                        "host copies are in the same memory)"));
+}
+
+// A whole-device budget on a CPU bounds the host copies too (they share the
+// memory the budget is of): the offloaded auto row's peak, host bytes
+// included, stays within it (issue 49, item 10: they were left out, and a
+// run went over its budget by about the host optimizer's bytes).
+TEST(MemoryEstimate, OnACpuTheDeviceBudgetCountsTheHostCopies) {
+  const Config base = config_of({"zero_optimization.offload_optimizer.device=\"cpu\"",
+                                 "activation_checkpointing.variant=\"none\""});
+  const MemoryEstimate e = estimate_memory(base, 2, cold_gpt_inputs(base, kVocab, 4));
+  const int64_t budget = (e.row(3, "none").peak_bytes + e.row(3, "full").peak_bytes) / 2;
+  const Config c = config_of({"zero_optimization.offload_optimizer.device=\"cpu\"",
+                              "activation_checkpointing.variant=\"auto\"",
+                              str("activation_checkpointing.device_memory_budget_bytes=", budget)});
+  const MemoryEstimateRow row = estimate_memory(c, 2, cold_gpt_inputs(c, kVocab, 4)).configured();
+  ASSERT_TRUE(row.feasible);
+  EXPECT_GT(row.host_optimizer_bytes, 0);
+  EXPECT_LE(row.peak_bytes, budget) << "host optimizer " << row.host_optimizer_bytes;
+  // On a GPU they are apart: the device's peak alone is within the budget.
+  const MemoryEstimateRow gpu =
+      estimate_memory(c, 2, cold_gpt_inputs(c, kVocab, 4, c10::DeviceType::CUDA)).configured();
+  EXPECT_LE(gpu.peak_bytes, budget);
+  EXPECT_GT(gpu.peak_bytes + gpu.host_optimizer_bytes, budget) << "the host copies are not the device's";
+}
+
+// REMAT_MEMORY_PER_RANK_BYTES gives what a rank may use: "auto" keeps a tenth
+// of it, where a measured device keeps at least 1 GiB (issue 49, item 11:
+// "auto" on the CPU planned against the host's whole memory instead).
+TEST(MemoryEstimate, AGivenCapacityReservesATenth) {
+  const Config c = config_of({"activation_checkpointing.variant=\"auto\"",
+                              "activation_checkpointing.device_memory_budget_bytes=\"auto\""});
+  MemoryEstimateInputs in = cold_gpt_inputs(c, kVocab, 16);
+  in.device_capacity_bytes = int64_t{16} << 20;
+  EXPECT_THAT(error_of<ConfigError>([&] { estimate_memory(c, 2, in); }), HasSubstr("leaves nothing above the reserve"));
+  in.device_capacity_given = true;
+  const MemoryEstimate e = estimate_memory(c, 2, in);
+  EXPECT_TRUE(e.configured().feasible);
+  EXPECT_LE(e.configured().peak_bytes, in.device_capacity_bytes - in.device_capacity_bytes / 10);
+  EXPECT_GT(e.configured().peak_bytes, e.row(3, "full").peak_bytes) << "the planner keeps what fits";
+  EXPECT_THAT(e.line(), HasSubstr("memory 16.00 MiB per rank: the configured peak fits"));
 }
 
 }  // namespace

@@ -128,9 +128,28 @@ std::string optimizer_type(const torch::optim::Optimizer& optimizer) {
 
 namespace internal {
 
+namespace {
+
+// What `optimizer` allocates at its first step for `local_trainable` bytes of
+// float32 parameters (0 once it has), with a note on what the figure is.
+std::pair<int64_t, std::string> pending_state(const torch::optim::Optimizer& optimizer, int64_t local_trainable) {
+  if (optimizer_state_bytes(optimizer) > 0) return {0, ""};
+  const std::string type = optimizer_type(optimizer);
+  if (type == "AdamW" || type == "Adam") return {2 * local_trainable, " (to be allocated at the first step)"};
+  if (const auto* sgd = dynamic_cast<const torch::optim::SGD*>(&optimizer)) {
+    const auto& o = static_cast<const torch::optim::SGDOptions&>(sgd->param_groups().at(0).options());
+    return {o.momentum() > 0 ? local_trainable : 0, o.momentum() > 0 ? " (to be allocated at the first step)" : ""};
+  }
+  return {0, " (an optimizer remat does not know: its state is not counted)"};
+}
+
+std::string mib_text(int64_t b) { return str(std::round(static_cast<double>(b) / 10485.76) / 100, " MiB"); }
+
+}  // namespace
+
 std::pair<int64_t, std::string> resident_state(torch::nn::Module& model, parallel::ZeroModel& zero,
                                                const torch::optim::Optimizer& optimizer, int64_t accumulation,
-                                               int64_t live) {
+                                               bool host_is_device, int64_t live) {
   std::set<const void*> seen;
   int64_t params = 0, local_trainable = 0, model_trainable = 0;
   auto count = [&](const at::Tensor& t) {
@@ -147,42 +166,40 @@ std::pair<int64_t, std::string> resident_state(torch::nn::Module& model, paralle
   for (const auto& b : model.buffers()) count(b);
   // offload_optimizer (and offload_param, whose host shards the optimizer
   // steps): the tensors the optimizer steps, their gradients and its state
-  // are on the host: not charged to the device's budget (nor, on a CPU,
-  // where the tracker counts them too, as other tensors). The device
-  // tensors the masters are copied into are: stage 3's shards apart from the
-  // model's parameters (16-bit under bf16 or fp16; stages 1-2's are views of
-  // the model's, counted above; offload_param keeps none).
+  // are on the host. On a GPU they are not charged to the device's budget;
+  // on a CPU the host is the device: the budget bounds them too (the
+  // measured peak holds them), so they are charged, the state the optimizer
+  // will allocate included. The device tensors the masters are copied into
+  // are charged either way: stage 3's shards apart from the model's
+  // parameters (16-bit under bf16 or fp16; stages 1-2's are views of the
+  // model's, counted above; offload_param keeps none).
   const bool host = zero.offloads_optimizer() || zero.offloads_parameters();
   for (const auto& t : zero.device_parameters()) count(t);
   for (const auto& p : zero.parameters()) {
     if (p.requires_grad()) local_trainable += static_cast<int64_t>(p.numel() * p.element_size());
   }
-  int64_t state = host ? 0 : optimizer_state_bytes(optimizer);
   const parallel::ZeroStats zs = zero.stats();
   const int64_t on_host = host ? zs.host_bytes + zs.host_param_bytes + optimizer_state_bytes(optimizer) : 0;
+  int64_t state = host ? 0 : optimizer_state_bytes(optimizer);
   const int64_t other = std::max<int64_t>(0, live - params - state - on_host);
-  std::string note = host ? " (the optimizer on the host: what it steps, their gradients and its state not counted)" : "";
-  if (state == 0 && !host) {
-    const std::string type = optimizer_type(optimizer);
-    if (type == "AdamW" || type == "Adam") {
-      state = 2 * local_trainable;
-      note = " (to be allocated at the first step)";
-    } else if (const auto* sgd = dynamic_cast<const torch::optim::SGD*>(&optimizer)) {
-      const auto& o = static_cast<const torch::optim::SGDOptions&>(sgd->param_groups().at(0).options());
-      state = o.momentum() > 0 ? local_trainable : 0;
-      if (state > 0) note = " (to be allocated at the first step)";
-    } else {
-      note = " (an optimizer remat does not know: its state is not counted)";
-    }
+  auto [pending, note] = pending_state(optimizer, local_trainable);
+  int64_t host_charged = 0;
+  if (host && host_is_device) {
+    host_charged = on_host + pending;
+    note = str(" (the optimizer on the host, which on this CPU is the device's memory: what it steps, their "
+               "gradients and its state, ", mib_text(host_charged), pending > 0 ? ", some at the first step)" : ")");
+  } else if (host) {
+    note = " (the optimizer on the host: what it steps, their gradients and its state not counted)";
+  } else {
+    state += pending;
   }
   // Held between micro-batches: the stage's rule (parallel/zero_memory.h).
   const int64_t grads =
       accumulation > 1 ? zero.gradient_hold(model_trainable, local_trainable).between_micro_batches : 0;
-  const auto mib = [](int64_t b) { return str(std::round(static_cast<double>(b) / 10485.76) / 100, " MiB"); };
-  return {params + state + grads + other,
-          str("parameters and buffers ", mib(params), " + optimizer state ", mib(state), note,
-              grads > 0 ? str(" + gradients held between micro-batches ", mib(grads)) : std::string(),
-              other > 0 ? str(" + other tensors live at the step's start (the batch among them) ", mib(other))
+  return {params + state + host_charged + grads + other,
+          str("parameters and buffers ", mib_text(params), " + optimizer state ", mib_text(state + host_charged), note,
+              grads > 0 ? str(" + gradients held between micro-batches ", mib_text(grads)) : std::string(),
+              other > 0 ? str(" + other tensors live at the step's start (the batch among them) ", mib_text(other))
                         : std::string())};
 }
 
@@ -327,6 +344,11 @@ at::Device training_device(const Config& config, const std::string& spec) {
                                   internal::visible_cuda_devices(), given ? "EngineOptions::device" : "train.device");
 }
 
+void check_fp16_device(const Config& config, at::Device device) {
+  if (!config.fp16.enabled) return;
+  if (const std::string refusal = internal::fp16_refusal(device); !refusal.empty()) throw ConfigError(refusal);
+}
+
 // The device of this rank (train.device, or EngineOptions::device), the
 // model placed there before anything records its parameters: the
 // sharding's flat buffers, the optimizer's state and the meter all follow
@@ -357,7 +379,8 @@ void Engine::Impl::wire_sharding(torch::nn::Module& model, const Config& config,
   REMAT_CHECK(optimizer != nullptr, "remat::initialize: EngineOptions::optimizer returned no optimizer");
   // A whole-device budget the model state alone fills is refused before any step.
   if (const auto& device = device_budget_bytes; device && auto_plan) {
-    const auto [state, what] = internal::resident_state(model, *zero, *optimizer, batch.gradient_accumulation_steps);
+    const auto [state, what] = internal::resident_state(model, *zero, *optimizer, batch.gradient_accumulation_steps,
+                                                        this->device == c10::DeviceType::CPU);
     if (*device <= state) {
       throw ConfigError(str("activation_checkpointing.device_memory_budget_bytes = ", *device,
                             " is below the model state alone: ", what, " = ", state, " bytes per rank, before any "
@@ -389,6 +412,7 @@ void Engine::Impl::wire_meter(torch::nn::Module& model, const Config& config) {
   targets.model = &model;
   targets.zero = zero.get();
   targets.optimizer = optimizer.get();
+  targets.offload_param = config.zero_optimization.offload_param.enabled();
   targets.rank = world->rank();
   targets.trace_labels = {{"rank", world->rank()},
                           {"device", c10::DeviceTypeName(device, /*lower_case=*/true)},

@@ -3,13 +3,16 @@
 // parameters, gradients, optimizer state, gathered units, activations, host
 // bytes and the peak (engine/memory_estimate.h), the configured row marked.
 //
-//   remat-estimate [--config ds_config.json] [--set key=value ...] [-np N] [--live] [--device cpu|cuda]
+//   remat-estimate [--config ds_config.json] [--set key=value ...] [-np N] [--live] [--device cpu|cuda|auto]
 //                  [--host-memory BYTES] [--json FILE]
 //
 // cold (the default): from the config's sizes, nothing built; --live builds
 // the GPT on this process and profiles one step under every block choice.
 // --device cuda: the model on a GPU, one per rank: offloaded bytes are host
-// rows apart from the device's peak, and the capacity is the GPU's.
+// rows apart from the device's peak, and the capacity is the GPU's. Without
+// --device, the config's train.device (auto: a GPU where this process sees
+// one, else the CPU). What remat-train refuses before it trains (fp16 where
+// this LibTorch cannot compute it) is refused alike, in the same words.
 // Keys the config gives "auto" are decided first as remat-train would decide
 // them here (engine/auto_values.h), and printed above the table with why
 // (--json: its "auto" object).
@@ -37,6 +40,7 @@
 #include "data/dataset.h"
 #include "engine/auto_values.h"
 #include "engine/config.h"
+#include "engine/engine.h"
 #include "engine/memory_estimate.h"
 #include "launch/train_tools.h"
 #include "models/gpt.h"
@@ -54,13 +58,54 @@ int64_t host_need(const MemoryEstimateRow& row) {
   return (row.offload_optimizer ? row.host_optimizer_bytes : 0) + row.host_parameter_bytes + row.host_bytes;
 }
 
+// The configured offloading (zero_optimization's offload_optimizer and
+// offload_param) as keys to set: a change of where the optimizer or the
+// parameter shards live.
+struct OffloadChange {
+  parallel::OffloadDevice optimizer, param;
+  std::string keys;
+};
+using Reestimate = std::function<MemoryEstimate(const OffloadChange&)>;
+
+// The changes of offloading that bring what the host keeps back to the
+// device, one key first, then both.
+std::vector<OffloadChange> offload_backs(const MemoryEstimate& e) {
+  using D = parallel::OffloadDevice;
+  const D opt = e.offload_optimizer ? D::kCpu : D::kNone, param = e.offload_param ? D::kCpu : D::kNone;
+  std::vector<OffloadChange> out;
+  if (e.offload_optimizer) out.push_back({D::kNone, param, "zero_optimization.offload_optimizer.device=none"});
+  if (e.offload_param) out.push_back({opt, D::kNone, "zero_optimization.offload_param.device=none"});
+  if (e.offload_optimizer && e.offload_param) {
+    out.push_back({D::kNone, D::kNone, "zero_optimization.offload_optimizer.device=none "
+                                       "zero_optimization.offload_param.device=none"});
+  }
+  return out;
+}
+
+// A host too small for what the configuration keeps there: the cheapest
+// change of offloading whose device and host parts both fit, else more host
+// memory or more ranks.
+std::string host_advice(const MemoryEstimate& e, double have, double host, const Reestimate& reestimate) {
+  for (const OffloadChange& change : offload_backs(e)) {
+    const MemoryEstimate back = reestimate(change);
+    const MemoryEstimateRow& b = back.configured();
+    if (b.feasible && b.peak_bytes <= have && host_need(b) <= host) {
+      return str("; the cheapest change that fits: ", change.keys, " (estimated device peak ",
+                 human_bytes(static_cast<double>(b.peak_bytes)), ", the host keeping ",
+                 human_bytes(static_cast<double>(host_need(b))), ")");
+    }
+  }
+  return "; give each rank more host memory (fewer ranks per host), or shard over more ranks (stage 3 divides the "
+         "host's share among them)";
+}
+
 // The line saying whether the configuration fits: its device peak against
 // `have` bytes per rank (`who` has them) and, beside a GPU, what it keeps on
 // the host against `host` (0: unknown, not checked); where it does not, the
-// cheapest change that fits both (`on_device`: the config's estimate with the
-// optimizer on the device). Whether it fits.
+// cheapest change that fits both (`reestimate`: the config's estimate with
+// its offloading changed). Whether it fits.
 bool fit_line(const MemoryEstimate& e, double have, double host, const std::string& who,
-              const std::string& host_source, const std::function<MemoryEstimate()>& on_device) {
+              const std::string& host_source, const Reestimate& reestimate) {
   const MemoryEstimateRow& r = e.configured();
   const bool device_fits = r.peak_bytes <= have;
   const bool host_fits = host <= 0 || host_need(r) <= host;
@@ -71,21 +116,27 @@ bool fit_line(const MemoryEstimate& e, double have, double host, const std::stri
     std::cout << (change.empty() ? "; no row of the table fits: lower the batch size or the model's size"
                                  : "; the cheapest change that fits: " + change);
   } else if (!host_fits) {
-    std::cout << ": its device part fits, but what it keeps on the host, " << human_bytes(host_need(r))
-              << ", is more than the " << human_bytes(host) << " each rank has there (" << host_source << ")";
-    const MemoryEstimate back = r.offload_optimizer ? on_device() : e;
-    const MemoryEstimateRow& b = back.configured();
-    if (r.offload_optimizer && b.peak_bytes <= have && host_need(b) <= host) {
-      std::cout << "; the cheapest change that fits: zero_optimization.offload_optimizer.device=none (estimated "
-                << "device peak " << human_bytes(static_cast<double>(b.peak_bytes)) << ", the host keeping "
-                << human_bytes(static_cast<double>(host_need(b))) << ")";
-    } else {
-      std::cout << "; give each rank more host memory (fewer ranks per host), or shard over more ranks (stage 3 "
-                   "divides the host's share among them)";
-    }
+    const auto [need, has] = human_bytes_apart(static_cast<double>(host_need(r)), host);
+    std::cout << ": its device part fits, but what it keeps on the host, " << need << ", is more than the " << has
+              << " each rank has there (" << host_source << ")"
+              << host_advice(e, have, host, reestimate);
   }
   std::cout << "\n";
   return device_fits && host_fits;
+}
+
+// Where the configured row keeps the optimizer and the parameters, in words.
+std::string placement(const MemoryEstimate& e, const MemoryEstimateRow& r) {
+  const bool params = r.stage == 3 && e.offload_param;
+  if (params && r.offload_optimizer) {
+    return "the parameter shards (the optimizer's masters), their gradients and the optimizer's state on the host, "
+           "the persistent parameters on the device";
+  }
+  if (params) {
+    return "the parameter shards, their gradients and their optimizer state on the host (offload_param), the "
+           "persistent parameters and theirs on the device";
+  }
+  return r.offload_optimizer ? "the optimizer on the host" : "the optimizer on the device";
 }
 
 // The verdict line of a GPU run (see the top): the device and the host, the
@@ -104,8 +155,8 @@ bool host_verdict(const MemoryEstimate& e, const MemoryEstimateRow* offloaded, c
   };
   const int64_t on_host = host_need(r);
   std::cout << "verdict: the GPT of the config, " << params << " parameters"
-            << (e.tp > 1 ? " per tensor-parallel rank" : "") << ", ZeRO stage " << r.stage << ", the optimizer on the "
-            << (r.offload_optimizer ? "host" : "device") << ": " << part("device", r.peak_bytes, device) << "; "
+            << (e.tp > 1 ? " per tensor-parallel rank" : "") << ", ZeRO stage " << r.stage << ", "
+            << placement(e, r) << ": " << part("device", r.peak_bytes, device) << "; "
             << part("host", on_host, host) << (host > 0 ? str(" (", host_source, ")") : "") << "\n";
   if (offloaded != nullptr) {
     std::cout << "  with zero_optimization.offload_optimizer.device=cpu: "
@@ -117,17 +168,33 @@ bool host_verdict(const MemoryEstimate& e, const MemoryEstimateRow* offloaded, c
 
 // The config's "auto" values decided for the run `facts` describe (a CUDA
 // device here tells whether it has bf16; with none here, one that has it is
-// assumed), as the lines printed above the table.
-std::string decide_autos(Config& config, GptAutoFacts facts) {
+// assumed, and the reasons say so), as the lines printed above the table.
+std::string decide_autos(Config& config, GptAutoFacts facts, std::string& none_fits) {
   if (config.auto_values.empty()) return "";
-  if (facts.device.is_cuda()) facts.computes_bf16 = cuda_device_count() == 0 || cuda_computes_bf16(0);
+  facts.none_fits = &none_fits;  // the table at micro-batch 1 all the same
+  facts.assumed_gpu = facts.device.is_cuda() && cuda_device_count() == 0;
+  if (facts.device.is_cuda()) facts.computes_bf16 = facts.assumed_gpu || cuda_computes_bf16(0);
   decide_gpt_autos(config, facts);
   std::string out = "\"auto\" values, as remat-train would decide them here:\n";
   for (const auto& line : auto_lines(config)) out += "  " + line + "\n";
-  if (facts.device.is_cuda() && cuda_device_count() == 0) {
-    out += "  (no GPU here: bf16/fp16 \"auto\" were decided for a GPU with bf16, compute capability 8.0 or higher)\n";
-  }
   return out + "\n";
+}
+
+// Where the estimated run computes: --device when given, else the config's
+// train.device. auto is a GPU where this process sees one, else the CPU (as
+// remat-train resolves it); cuda and cuda:N are a GPU, here or not.
+c10::DeviceType estimated_device(const std::string& flag, const Config& config) {
+  const std::string spec = flag.empty() ? config.train.device : flag;
+  if (spec == "cpu") return c10::DeviceType::CPU;
+  if (spec == "auto") return cuda_device_count() > 0 ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
+  return c10::DeviceType::CUDA;
+}
+
+// fp16 where the estimated device cannot compute it: remat-train's refusal.
+// A GPU that is not here cannot be asked (every CUDA GPU computes fp16).
+void check_fp16(const Config& config, c10::DeviceType device) {
+  if (device == c10::DeviceType::CUDA && cuda_device_count() == 0) return;
+  check_fp16_device(config, c10::Device(device, device == c10::DeviceType::CUDA ? 0 : -1));
 }
 
 int estimate(int argc, char** argv) {
@@ -145,9 +212,11 @@ int estimate(int argc, char** argv) {
   // As remat-train takes it: what "auto" scheduler values follow.
   std::optional<std::string> steps_flag;
   app.add_option("--steps", steps_flag, "optimizer steps (train.steps), as remat-train's --steps");
-  std::string device_name = "cpu";
-  app.add_option("--device", device_name, "where the model computes: cpu (the default), or cuda (a GPU per rank)")
-      ->check(CLI::IsMember({"cpu", "cuda"}));
+  std::string device_name;
+  app.add_option("--device", device_name,
+                 "where the model computes: cpu, cuda (a GPU per rank) or auto (a GPU where this process sees one, "
+                 "else the CPU); default: the config's train.device")
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   int64_t host_memory = 0;
   app.add_option("--host-memory", host_memory,
                  "with --device cuda: the host memory each rank has, in bytes, for what offloading keeps there "
@@ -172,23 +241,29 @@ int estimate(int argc, char** argv) {
   }
   const int dp = ranks / config.tensor_parallel.size;
   data::Dataset data = data::Dataset::load(config.data.path, config.data.train_fraction, config.model.seq_len);
-  const bool cuda = device_name == "cuda";
+  const c10::DeviceType device = estimated_device(device_name, config);
+  const bool cuda = device == c10::DeviceType::CUDA;
   if (host_memory > 0 && !cuda) {
-    throw ConfigError("--host-memory is the host's memory beside a GPU (--device cuda); on the CPU the host is the "
-                      "device: give its memory per rank as REMAT_MEMORY_PER_RANK_BYTES");
+    throw ConfigError(str("--host-memory is the host's memory beside a GPU (--device cuda); the estimate is for ",
+                          device_name.empty() ? str("train.device ", config.train.device) : "--device " + device_name,
+                          ", the CPU, where the host is the device: give its memory per rank as "
+                          "REMAT_MEMORY_PER_RANK_BYTES"));
   }
-  const c10::DeviceType device = cuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
   // What each rank has: given, else its GPU, else its share of this host.
   const bool given = knobs::get(knobs::kMemoryPerRankBytes).has_value();
   const double have = given ? available_bytes_per_rank()
                       : cuda ? static_cast<double>(device_memory(c10::Device(device, 0)).capacity)
                              : available_bytes_per_rank() / ranks;
+  std::string none_fits;  // not even a micro-batch of 1 fits "auto": why
   const std::string auto_table = decide_autos(config, {dp, ranks, data.vocab_size(), data.train_size(),
                                                        c10::Device(device), false, have,
                                                        given ? "REMAT_MEMORY_PER_RANK_BYTES"
                                                        : cuda ? "the first GPU's capacity"
                                                               : str("this host's available memory over ", ranks,
-                                                                    " ranks")});
+                                                                    " ranks")},
+                                              none_fits);
+  std::cout << auto_table << std::flush;  // what was decided, before a refusal as after it
+  check_fp16(config, device);
   const BatchSizes batch = config.resolve_batch(dp);
   MemoryEstimateInputs inputs;
   if (live) {
@@ -218,13 +293,14 @@ int estimate(int argc, char** argv) {
     inputs = cold_gpt_inputs(config, data.vocab_size(), batch.micro_batch_per_gpu, device);
   }
   // The capacity beside the peak on a GPU; on the CPU only for "auto" (its
-  // figures otherwise as they were).
-  if (cuda) inputs.device_capacity_bytes = static_cast<int64_t>(have);
-  if (!cuda && config.activation_checkpointing.device_memory_budget_auto) {
-    inputs.device_capacity_bytes = device_memory(c10::Device(device)).capacity / ranks;
+  // figures otherwise as they were). Either way what each rank has, the
+  // figure the fit is judged by.
+  if (cuda || config.activation_checkpointing.device_memory_budget_auto) {
+    inputs.device_capacity_bytes = static_cast<int64_t>(have);
+    inputs.device_capacity_given = given;
   }
   const MemoryEstimate e = estimate_memory(config, ranks, inputs);
-  std::cout << auto_table << e.table() << e.line() << "\n";
+  std::cout << e.table() << e.line() << "\n";
   // Beside a GPU: the host memory each rank has for what offloading keeps there (0: unknown).
   const double host = !cuda                                         ? 0.0
                       : host_memory > 0                             ? static_cast<double>(host_memory)
@@ -232,10 +308,11 @@ int estimate(int argc, char** argv) {
                                                                     : available_bytes_per_rank() / ranks;
   const std::string host_source =
       host_memory > 0 ? "--host-memory" : str("this host's available memory over ", ranks, " ranks");
-  // The same config with the optimizer moved to the host, or back on the device.
-  auto with_optimizer_on = [&](parallel::OffloadDevice where) {
+  // The same config with the optimizer or the parameter shards moved.
+  auto reestimate = [&](const OffloadChange& change) {
     Config changed = config;
-    changed.zero_optimization.offload_optimizer.device = where;
+    changed.zero_optimization.offload_optimizer.device = change.optimizer;
+    changed.zero_optimization.offload_param.device = change.param;
     return estimate_memory(changed, ranks, inputs);
   };
   bool fits = true;
@@ -243,7 +320,7 @@ int estimate(int argc, char** argv) {
     const std::string who = given ? "each rank has "
                             : cuda ? "each rank's GPU has "
                                    : str("with ", ranks, " ranks on this host, each has about ");
-    fits = fit_line(e, have, host, who, host_source, [&] { return with_optimizer_on(parallel::OffloadDevice::kNone); });
+    fits = fit_line(e, have, host, who, host_source, reestimate);
   } else if (cuda) {
     std::cout << "no GPU here to read its capacity: set REMAT_MEMORY_PER_RANK_BYTES to the bytes of a rank's GPU "
                  "to check the fit\n";
@@ -252,7 +329,7 @@ int estimate(int argc, char** argv) {
     // The optimizer moved to the host: its row, offload_param's shards then without their state.
     std::optional<MemoryEstimate> offloaded;
     if (!e.configured().offload_optimizer && e.configured().offload_optimizer_peak_bytes > 0) {
-      offloaded = with_optimizer_on(parallel::OffloadDevice::kCpu);
+      offloaded = reestimate({parallel::OffloadDevice::kCpu, config.zero_optimization.offload_param.device, ""});
     }
     fits &= host_verdict(e, offloaded ? &offloaded->configured() : nullptr, inputs, have, host, host_source);
   }
@@ -268,6 +345,13 @@ int estimate(int argc, char** argv) {
       throw ConfigError(str("cannot write --json file '", json_path, "' (", std::strerror(errno),
                             "): give a writable path"));
     }
+  }
+  if (!none_fits.empty()) {
+    // remat-train's refusal, after the table that shows what each configuration needs.
+    std::cout << "remat-train refuses this config: train_micro_batch_size_per_gpu is \"auto\" and not even a "
+                 "micro-batch of 1 fits (" << none_fits << "); the rows above are at micro-batch 1: pick the "
+                 "row or change that fits, or give each rank more memory\n";
+    return 2;
   }
   return fits ? 0 : 2;
 }

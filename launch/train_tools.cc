@@ -32,30 +32,7 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
 
 }  // namespace
 
-double available_bytes_per_rank() {
-  if (auto bytes = knobs::memory_per_rank_bytes()) return static_cast<double>(*bytes);
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key;
-  double kib = 0;
-  while (meminfo >> key) {
-    if (key == "MemAvailable:") {
-      meminfo >> kib;
-      break;
-    }
-    meminfo.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
-  }
-  double bytes = kib * 1024;
-  // A container's limit (cgroup v2), where one is set.
-  std::ifstream max_file("/sys/fs/cgroup/memory.max"), current_file("/sys/fs/cgroup/memory.current");
-  double max = 0, current = 0;
-  if ((max_file >> max) && (current_file >> current) && max > current) bytes = std::min(bytes, max - current);
-  int local_ranks = 1;
-  if (auto v = knobs::get("OMPI_COMM_WORLD_LOCAL_SIZE")) {
-    local_ranks = static_cast<int>(knobs::parse_whole("OMPI_COMM_WORLD_LOCAL_SIZE", *v, 1, 1 << 30,
-                                                      {"a whole number of ranks >= 1", "fix the launcher"}));
-  }
-  return bytes / local_ranks;
-}
+double available_bytes_per_rank() { return static_cast<double>(rank_memory(c10::Device(c10::DeviceType::CPU)).per_rank()); }
 
 namespace {
 
@@ -197,22 +174,19 @@ std::pair<std::string, std::string> human_bytes_apart(double a, double b) {
   return {str(static_cast<int64_t>(a), " B"), str(static_cast<int64_t>(b), " B")};
 }
 
-double memory_per_rank(c10::Device device) {
-  if (!device.is_cuda()) return available_bytes_per_rank();
-  if (const auto given = knobs::memory_per_rank_bytes()) return static_cast<double>(*given);
-  return static_cast<double>(device_memory(device).capacity / ranks_sharing(device));
-}
+double memory_per_rank(c10::Device device) { return static_cast<double>(rank_memory(device).per_rank()); }
 
 namespace {
 
-// The GPT's cold estimate inputs at `micro`, the capacity set as check_memory_estimate sets it.
+// The GPT's cold estimate inputs at `micro`: the capacity beside the peak on
+// a GPU; on the CPU only for "auto" (the figures otherwise as they were).
+// Either way what each rank has (rank_memory), the figure the fit is judged by.
 MemoryEstimateInputs gpt_inputs(const Config& c, int64_t vocab, int64_t micro, c10::Device device) {
   MemoryEstimateInputs inputs = cold_gpt_inputs(c, vocab, micro, device.type());
   if (device.is_cuda() || c.activation_checkpointing.device_memory_budget_auto) {
-    const auto given = knobs::memory_per_rank_bytes();
-    inputs.device_capacity_bytes = device.is_cuda() && given
-                                       ? *given
-                                       : device_memory(device).capacity / ranks_sharing(device);
+    const RankMemory m = rank_memory(device);
+    inputs.device_capacity_bytes = m.per_rank();
+    inputs.device_capacity_given = m.given;
   }
   return inputs;
 }
@@ -220,7 +194,7 @@ MemoryEstimateInputs gpt_inputs(const Config& c, int64_t vocab, int64_t micro, c
 }  // namespace
 
 void decide_gpt_autos(Config& c, const GptAutoFacts& f) {
-  decide_precision_autos(c, f.device.str(), f.device.is_cuda(), f.computes_bf16);
+  decide_precision_autos(c, f.device.str(), f.device.is_cuda(), f.computes_bf16, f.assumed_gpu);
   decide_batch_autos(c, f.dp, [&](int64_t limit) -> MicroBatchChoice {
     if (f.have <= 0) {
       return {0, str("the memory each rank has is unknown here (", f.have_what,
@@ -233,7 +207,12 @@ void decide_gpt_autos(Config& c, const GptAutoFacts& f) {
         c, f.world_size, budget, cap, [&](int64_t m) { return gpt_inputs(c, f.vocab, m, f.device); });
     const std::string of = str(human_bytes(static_cast<double>(budget)), ", nine tenths of the ",
                                human_bytes(f.have), " each rank has (", f.have_what, ")");
-    if (micro < 1) return {0, str("the estimated peak of one sequence per rank exceeds ", of)};
+    if (micro < 1) {
+      const std::string why = str("the estimated peak of one sequence per rank exceeds ", of);
+      if (f.none_fits == nullptr) return {0, why};
+      *f.none_fits = why;
+      return {1, why + "; shown at micro-batch 1, which does not fit"};
+    }
     const int64_t peak =
         estimate_memory(c, f.world_size, gpt_inputs(c, f.vocab, micro, f.device)).configured().peak_bytes;
     // Where the bound, not the memory, stopped it.
@@ -248,17 +227,10 @@ void decide_gpt_autos(Config& c, const GptAutoFacts& f) {
 
 MemoryEstimate check_memory_estimate(const Config& c, const BatchSizes& batch, int64_t vocab, int world_size,
                                      c10::Device device) {
-  MemoryEstimateInputs inputs = cold_gpt_inputs(c, vocab, batch.micro_batch_per_gpu, device.type());
-  // The capacity beside the peak on a GPU; on the CPU only for "auto".
-  if (device.is_cuda() || c.activation_checkpointing.device_memory_budget_auto) {
-    const auto given = knobs::memory_per_rank_bytes();
-    inputs.device_capacity_bytes = device.is_cuda() && given
-                                       ? *given
-                                       : device_memory(device).capacity / ranks_sharing(device);
-  }
+  const MemoryEstimateInputs inputs = gpt_inputs(c, vocab, batch.micro_batch_per_gpu, device);
   const MemoryEstimate e = estimate_memory(c, world_size, inputs);
   log_rank0().info("{}", e.line());
-  const double have = device.is_cuda() ? static_cast<double>(inputs.device_capacity_bytes) : available_bytes_per_rank();
+  const double have = memory_per_rank(device);
   const MemoryEstimateRow& row = e.configured();
   if (have > 0 && static_cast<double>(row.peak_bytes) > have) {
     const std::string change = cheapest_fitting_change(e, static_cast<int64_t>(have));

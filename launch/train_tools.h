@@ -40,6 +40,11 @@ struct GptAutoFacts {
   bool computes_bf16 = false;  // the CUDA device has bf16 (cuda_computes_bf16)
   double have = 0;             // bytes per rank (memory_per_rank); 0: unknown
   std::string have_what;       // where `have` comes from, for the reason
+  bool assumed_gpu = false;    // no GPU here to ask: computes_bf16 is assumed, and the reasons say so
+  // Where not even one sequence per rank fits: null, the refusal remat-train
+  // gives; else (remat-estimate, which shows the table all the same) the
+  // micro-batch becomes 1 and why none fits is written here.
+  std::string* none_fits = nullptr;
 };
 // Decides every "auto" the config leaves open: bf16/fp16 from the device,
 // train_micro_batch_size_per_gpu the largest micro-batch whose cold estimate

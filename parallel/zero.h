@@ -147,7 +147,10 @@ struct ZeroStats {
   int64_t host_param_bytes = 0;
   // Stages 1 and 2: the most gradient bytes held at once (parameters' own,
   // bucket buffers, reductions in flight and the shards'), since reset_peak();
-  // the other stages: grad_bytes.
+  // stage 3: the most the device held at once of the shards' gradients
+  // (offload_optimizer's before each goes to the host; none of
+  // offload_param's host shards but each on its way there) and the
+  // persistent parameters'; stage 0: grad_bytes.
   int64_t peak_grad_bytes = 0;
   // Totals: milliseconds spent blocked on gradient reductions (stages 0-2:
   // the communication the backward did not hide, whether waited for in the

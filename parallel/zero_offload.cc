@@ -64,6 +64,14 @@ OptimizerOffload::OptimizerOffload(std::vector<at::Tensor> device, const Offload
   for (const auto& t : on_host) already.insert(t.unsafeGetTensorImpl());
   REMAT_CHECK(masters.empty() || masters.size() == device_.size(), "offload_optimizer: ", masters.size(),
               " host masters for ", device_.size(), " tensors");
+  // A trainable master's gradient buffer, kept across steps: made here, so
+  // that what the host holds through training is held from the start (the
+  // planner's whole-device budget charges it on a CPU before the first step).
+  auto gradient_buffer = [&](const at::Tensor& d) {
+    return d.requires_grad() ? at::empty(d.sizes(), at::TensorOptions().dtype(at::kFloat).device(at::kCPU)
+                                                        .pinned_memory(pinned_))
+                             : at::Tensor();
+  };
   for (size_t i = 0; i < device_.size(); ++i) {
     const at::Tensor& d = device_[i];
     index_[d.unsafeGetTensorImpl()] = i;
@@ -74,7 +82,7 @@ OptimizerOffload::OptimizerOffload(std::vector<at::Tensor> device, const Offload
       h.requires_grad_(d.requires_grad());
       offloaded_.push_back(1);
       host_.push_back(h);
-      grads_.emplace_back();
+      grads_.push_back(gradient_buffer(d));
       versions_.push_back(h._version());
       (d.requires_grad() ? elements : frozen) += d.numel();
       adopted_ = true;
@@ -94,7 +102,7 @@ OptimizerOffload::OptimizerOffload(std::vector<at::Tensor> device, const Offload
     h.copy_(d.detach());
     h.requires_grad_(true);
     host_.push_back(h);
-    grads_.emplace_back();
+    grads_.push_back(gradient_buffer(d));
     versions_.push_back(h._version());
     elements += d.numel();
   }

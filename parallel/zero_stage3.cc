@@ -95,6 +95,12 @@ class Stage3 final : public ShardingStrategy {
   bool root_data_needed_in_backward(const at::Tensor& x) const;
   void track_gathered(int64_t delta);
   void track_gathered_units(int delta);
+  // The gradients on the device (the shards' unless on the host, the persistent parameters'); their
+  // peak since reset_peak(), `in_flight` bytes of a shard on its way to the host beside them.
+  int64_t device_grad_bytes() const;
+  void track_grad_peak(int64_t in_flight = 0) {
+    peak_grad_bytes_ = std::max(peak_grad_bytes_, device_grad_bytes() + in_flight);
+  }
 
   std::shared_ptr<Communicator> dp_;         // the shard group
   std::shared_ptr<Communicator> replicate_;  // hybrid: the ranks holding the same shards
@@ -122,6 +128,7 @@ class Stage3 final : public ShardingStrategy {
   int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
   int gathered_units_ = 0, peak_gathered_units_ = 0;
   int64_t allgather_bytes_ = 0, reducescatter_bytes_ = 0, allreduce_bytes_ = 0;
+  int64_t peak_grad_bytes_ = 0;
 };
 
 // ---------------------------------------------------------------------------
@@ -439,12 +446,14 @@ void Stage3::reduce(Unit& unit) {
       }
       shard_grad.narrow(0, o, len).copy_(out);
     }
+    if (offload_param_) track_grad_peak(static_cast<int64_t>(shard_grad.nbytes()));
     if (offload_param_) shard_grad = shard_grad.to(g.shard.device());
     if (g.shard.grad().defined()) {
       g.shard.mutable_grad().add_(shard_grad);
     } else {
       g.shard.mutable_grad() = shard_grad;
     }
+    track_grad_peak();  // before offload_optimizer takes the shard to the host
     gradient_reduced(g.shard);
   }
   free(unit);
@@ -547,6 +556,7 @@ void Stage3::finish_backward(bool synchronize) {
     }
   }
   if (synchronize) all_reduce_gradients(persistent_, *all_dp_, options_.reduce_bucket_size, allreduce_bytes_);
+  track_grad_peak();
   for (auto& u : units_) {
     if (u->ran && !u->reduced) {
       throw Error(str("zero stage 3: unit '", u->name, "' ran forward but its gradients were not "
@@ -656,13 +666,24 @@ ZeroStats Stage3::stats() const {
   s.allgather_bytes = allgather_bytes_;
   s.reducescatter_bytes = reducescatter_bytes_;
   s.allreduce_bytes = allreduce_bytes_;
-  s.peak_grad_bytes = s.grad_bytes;
+  s.peak_grad_bytes = std::max(peak_grad_bytes_, device_grad_bytes());
   return s;
+}
+
+int64_t Stage3::device_grad_bytes() const {
+  int64_t bytes = 0;
+  auto add = [&](const at::Tensor& t) { bytes += t.grad().defined() ? static_cast<int64_t>(t.grad().nbytes()) : 0; };
+  for (size_t i = 0; !offload_param_ && i < units_.size(); ++i) {
+    for (const auto& g : units_[i]->groups) add(g.shard);
+  }
+  for (const auto& p : persistent_) add(p);
+  return bytes;
 }
 
 void Stage3::reset_peak() {
   peak_gathered_bytes_ = gathered_bytes_;
   peak_gathered_units_ = gathered_units_;
+  peak_grad_bytes_ = device_grad_bytes();
 }
 
 std::map<std::string, int64_t> Stage3::gather_counts() const {

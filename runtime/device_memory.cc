@@ -4,7 +4,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
+#include <limits>
 
+#include "runtime/env_knobs.h"
 #include "runtime/error.h"
 #include "runtime/memory.h"
 #include "runtime/process_env.h"
@@ -22,6 +25,25 @@ namespace {
 int64_t physical_memory() {
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
   return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : 0;
+}
+
+// MemAvailable, capped by a container's limit (cgroup v2) where one is set; 0 unknown.
+int64_t available_memory() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  double kib = 0;
+  while (meminfo >> key) {
+    if (key == "MemAvailable:") {
+      meminfo >> kib;
+      break;
+    }
+    meminfo.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  }
+  double bytes = kib * 1024;
+  std::ifstream max_file("/sys/fs/cgroup/memory.max"), current_file("/sys/fs/cgroup/memory.current");
+  double max = 0, current = 0;
+  if ((max_file >> max) && (current_file >> current) && max > current) bytes = std::min(bytes, max - current);
+  return static_cast<int64_t>(bytes);
 }
 
 // cudaMemGetInfo's total of device `index` (made current for the call, the
@@ -61,8 +83,10 @@ void read_allocator(int index, DeviceMemory& m) {
 #endif
 }
 
+// GiB to a tenth; below 1 GiB (a share REMAT_MEMORY_PER_RANK_BYTES gives) MiB.
 std::string gib(int64_t bytes) {
-  return str(std::round(static_cast<double>(bytes) / (1 << 30) * 10) / 10, " GiB");
+  const bool small = bytes < (int64_t{1} << 30);
+  return str(std::round(static_cast<double>(bytes) / (small ? 1 << 20 : 1 << 30) * 10) / 10, small ? " MiB" : " GiB");
 }
 
 }  // namespace
@@ -129,12 +153,26 @@ void reset_device_memory_peaks(c10::Device device) {
 }
 
 std::string DeviceBudget::text() const {
-  return str(gib(budget), " = ", gib(capacity), " capacity",
+  return str(gib(budget), " = ", gib(capacity), " ", source,
              ranks_sharing > 1 ? str(" / ", ranks_sharing, " ranks sharing the device") : std::string(), " - ",
              gib(reserve), " reserve");
 }
 
-DeviceBudget auto_device_budget(int64_t capacity, int ranks_sharing, const std::string& key) {
+RankMemory rank_memory(c10::Device device) {
+  RankMemory m;
+  if (const auto given = knobs::memory_per_rank_bytes()) {
+    m.total = *given;
+    m.given = true;
+    m.source = knobs::kMemoryPerRankBytes;
+    return m;
+  }
+  m.ranks = std::max(ranks_sharing(device), 1);
+  m.total = device.is_cuda() ? device_memory(device).capacity : available_memory();
+  m.source = device.is_cuda() ? "capacity" : "available memory";
+  return m;
+}
+
+DeviceBudget auto_device_budget(int64_t capacity, int ranks_sharing, const std::string& key, bool given) {
   if (capacity <= 0) {
     throw ConfigError(str("'", key, "' is \"auto\" but this device's capacity is unknown (no CUDA runtime in this "
                           "build, or the device could not be asked): give the budget in bytes"));
@@ -143,7 +181,7 @@ DeviceBudget auto_device_budget(int64_t capacity, int ranks_sharing, const std::
   b.capacity = capacity;
   b.ranks_sharing = std::max(ranks_sharing, 1);
   b.share = capacity / b.ranks_sharing;
-  b.reserve = std::max(b.share / 10, kMinDeviceReserveBytes);
+  b.reserve = given ? b.share / 10 : std::max(b.share / 10, kMinDeviceReserveBytes);
   b.budget = b.share - b.reserve;
   if (b.budget <= 0) {
     throw ConfigError(str("'", key, "' is \"auto\" but the device's share, ", gib(b.share), " (", capacity,
@@ -162,7 +200,10 @@ int ranks_sharing(c10::Device device) {
 }
 
 DeviceBudget auto_device_budget(c10::Device device, const std::string& key) {
-  return auto_device_budget(device_memory(device).capacity, ranks_sharing(device), key);
+  const RankMemory m = rank_memory(device);
+  DeviceBudget b = auto_device_budget(m.total, m.ranks, key, m.given);
+  b.source = m.source;
+  return b;
 }
 
 }  // namespace remat

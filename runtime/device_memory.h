@@ -51,13 +51,31 @@ int cuda_device_count();
 // runtime, or where the device cannot be asked.
 bool cuda_computes_bf16(int index);
 
+// The memory one rank of this host has on `device`, and where the figure
+// comes from: REMAT_MEMORY_PER_RANK_BYTES when set (`given`); else a GPU's
+// capacity over the ranks sharing it, the CPU's available memory
+// (MemAvailable, capped by a cgroup v2 memory.max less memory.current) over
+// the host's ranks. What remat-train's fit check, remat-estimate and
+// device_memory_budget_bytes "auto" read. `total` 0: unknown.
+struct RankMemory {
+  int64_t total = 0;  // the device's bytes (given: the rank's)
+  int ranks = 1;      // ranks on this host sharing them (given: 1)
+  bool given = false;
+  std::string source;  // "REMAT_MEMORY_PER_RANK_BYTES", "capacity", "available memory"
+  int64_t per_rank() const { return total / ranks; }
+};
+RankMemory rank_memory(c10::Device device);
+
 // `device_memory_budget_bytes: "auto"`: a rank's share of its device less a
 // reserve for what no tensor holds (on a GPU: the CUDA context, the caching
 // allocator's fragmentation, NCCL's buffers; on the CPU: the process's own
-// heap and the rest of the host), a tenth of the share and at least 1 GiB.
+// heap), a tenth of the share and at least 1 GiB; a tenth alone of a share
+// REMAT_MEMORY_PER_RANK_BYTES gives (the bytes a rank may use, a device's
+// fixed costs left out).
 struct DeviceBudget {
   int64_t capacity = 0;   // the device's bytes
   int ranks_sharing = 1;  // ranks on this host computing on the same device
+  std::string source = "capacity";  // what `capacity` is (RankMemory::source)
   int64_t share = 0;      // capacity / ranks_sharing
   int64_t reserve = 0;
   int64_t budget = 0;  // share - reserve
@@ -66,14 +84,15 @@ struct DeviceBudget {
 };
 constexpr int64_t kMinDeviceReserveBytes = int64_t{1} << 30;
 // A ConfigError naming `key` when the capacity is unknown (0) or the share
-// leaves nothing above the reserve.
-DeviceBudget auto_device_budget(int64_t capacity, int ranks_sharing, const std::string& key);
+// leaves nothing above the reserve. `given`: the capacity is
+// REMAT_MEMORY_PER_RANK_BYTES (a tenth reserved, no floor).
+DeviceBudget auto_device_budget(int64_t capacity, int ranks_sharing, const std::string& key, bool given = false);
 // The ranks on this host that compute on `device`, this one among them: the
 // CPU: every local rank; CUDA: the local ranks over the devices (Runtime gives
 // local rank r device r % devices), rounded up.
 int ranks_sharing(c10::Device device);
-// The same for a rank of this process computing on `device`: its capacity
-// shared by ranks_sharing(device).
+// The same for a rank of this process computing on `device`: its
+// rank_memory().
 DeviceBudget auto_device_budget(c10::Device device, const std::string& key);
 
 }  // namespace remat

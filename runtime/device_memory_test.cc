@@ -113,5 +113,34 @@ TEST(DeviceMemory, AutoBudgetRefusesAnUnknownOrTooSmallDevice) {
               HasSubstr("/ 4 ranks"));
 }
 
+// REMAT_MEMORY_PER_RANK_BYTES gives what a rank may use: "auto" keeps a tenth
+// of it, without the 1 GiB floor of a measured device; unset, the CPU's
+// figure is the host's available memory over its ranks (issue 49, item 11:
+// "auto" on the CPU read the physical memory and ignored the variable).
+TEST(DeviceMemory, AGivenShareReservesATenth) {
+  const int64_t sixteen = int64_t{16} << 20;
+  const DeviceBudget b = auto_device_budget(sixteen, 1, "k", /*given=*/true);
+  EXPECT_EQ(b.reserve, sixteen / 10);
+  EXPECT_EQ(b.budget, sixteen - sixteen / 10);
+  EXPECT_EQ(b.text(), "14.4 MiB = 16 MiB capacity - 1.6 MiB reserve");
+}
+
+TEST(DeviceMemory, RankMemoryIsTheGivenBytesOrTheAvailableMemory) {
+  const c10::Device cpu(c10::DeviceType::CPU);
+  ASSERT_EQ(::setenv("REMAT_MEMORY_PER_RANK_BYTES", "16777216", 1), 0);
+  const RankMemory given = rank_memory(cpu);
+  EXPECT_TRUE(given.given);
+  EXPECT_EQ(given.per_rank(), int64_t{16} << 20);
+  const DeviceBudget b = auto_device_budget(cpu, "k");
+  EXPECT_EQ(b.budget, (int64_t{16} << 20) - (int64_t{16} << 20) / 10);
+  EXPECT_EQ(b.text(), "14.4 MiB = 16 MiB REMAT_MEMORY_PER_RANK_BYTES - 1.6 MiB reserve");
+  ASSERT_EQ(::unsetenv("REMAT_MEMORY_PER_RANK_BYTES"), 0);
+  const RankMemory host = rank_memory(cpu);
+  EXPECT_FALSE(host.given);
+  EXPECT_EQ(host.source, "available memory");
+  EXPECT_GT(host.total, 0);
+  EXPECT_LE(host.total, device_memory(cpu).capacity) << "available, not the physical memory";
+}
+
 }  // namespace
 }  // namespace remat

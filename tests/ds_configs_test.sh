@@ -42,8 +42,11 @@ for cfg in hf_zero1 hf_zero2 hf_zero3 llava_zero2 bf16_zero3 whisper_zero2 ptuni
   "$estimate" -np 2 --config "$file" "${small[@]}" --json "$tmp/$cfg.est.json" >"$tmp/$cfg.est" 2>&1
   rc=$?
   shown=$(grep -c '"auto" -> ' "$tmp/$cfg.est")
-  if [[ $rc -eq 0 && $shown -eq $autos ]]; then
-    pass "$cfg.json: remat-estimate shows its $autos \"auto\" values decided"
+  # fp16 where this LibTorch cannot compute it: refused as remat-train refuses it, after the values.
+  refused=$(grep -c "fp16.enabled is true, but the cpu device cannot compute in fp16" "$tmp/$cfg.est")
+  if [[ $shown -eq $autos && $rc -eq 0 && $refused -eq 0 ]] ||
+      [[ $shown -eq $autos && $rc -eq 1 && $refused -gt 0 && $(fp16_on "$file") == True ]]; then
+    pass "$cfg.json: remat-estimate shows its $autos \"auto\" values decided$( ((refused)) && echo ", and refuses fp16 here")"
   else
     fail "$cfg.json: remat-estimate shows its $autos \"auto\" values decided ($shown shown, exit $rc)" \
       "$(cat "$tmp/$cfg.est")"

@@ -8,9 +8,15 @@
 #   - activation_checkpointing.device_memory_budget_bytes at ZeRO-3 with 8
 #     blocks: the measured peak at most 1.05 x the budget, the plan's predicted
 #     total within 10 % of it, the losses bitwise those of no checkpointing;
-#   - device_memory_budget_bytes "auto": the host's share less the reserve;
+#   - device_memory_budget_bytes "auto": the share of the host's available
+#     memory less the reserve, or REMAT_MEMORY_PER_RANK_BYTES less a tenth,
+#     and the fit check's words agree with the figure it judged by;
+#   - remat-estimate follows train.device (and --device auto), and says when
+#     it assumes what a GPU it cannot ask computes;
 #   - bad input: a budget below the model state alone, two budget keys, --live
-#     with tensor parallelism, ranks that tensor parallelism does not divide.
+#     with tensor parallelism, ranks that tensor parallelism does not divide,
+#     fp16 where this LibTorch cannot compute it (remat-train's refusal from
+#     remat-estimate, cold and live, no stack trace).
 #
 #   tests/memory_test.sh REMAT_TRAIN REMAT_ESTIMATE REMAT_RUN
 set -uo pipefail
@@ -243,6 +249,54 @@ else
   fail "remat-estimate refuses bf16 reductions without bf16 as remat-train does (exits $estimate_rc and $train_rc)" \
     "$(cat "$tmp/refused_estimate.out")" "$(cat "$tmp/refused_train.out")"
 fi
+# fp16 where this LibTorch's CPU kernels cannot compute it: remat-estimate,
+# cold and live, refuses it in remat-train's words and exit status, without a
+# stack trace (cold said "fits", --live died in a half-precision dropout with
+# 30 frames).
+fp16=(--set fp16.enabled=true)
+"$run" -np 1 -- "$train" --steps 1 "${quiet[@]}" "${fp16[@]}" >"$tmp/fp16_train.out" 2>&1
+train_rc=$?
+train_says=$(grep -o "configuration error: .*" "$tmp/fp16_train.out" | head -1)
+if [[ $train_rc -eq 0 ]]; then
+  skip "remat-estimate refuses fp16 as remat-train does" "this LibTorch computes fp16 on the CPU"
+else
+  for mode in cold live; do
+    flags=()
+    [[ $mode == live ]] && flags=(--live)
+    "$estimate" -np 2 "${flags[@]}" "${fp16[@]}" >"$tmp/fp16_estimate.out" 2>&1
+    estimate_rc=$?
+    estimate_says=$(grep -o "configuration error: .*" "$tmp/fp16_estimate.out" | head -1)
+    if [[ $estimate_rc -eq $train_rc && $estimate_says == "$train_says" &&
+          $estimate_says == *"fp16.enabled is true, but the cpu device cannot compute in fp16"* ]] &&
+        ! grep -q "frame #" "$tmp/fp16_estimate.out"; then
+      pass "remat-estimate ($mode) refuses fp16 as remat-train does (exit $estimate_rc): $estimate_says"
+    else
+      fail "remat-estimate ($mode) refuses fp16 as remat-train does (exits $estimate_rc and $train_rc)" \
+        "$(cat "$tmp/fp16_estimate.out")" "$train_says"
+    fi
+  done
+fi
+# remat-estimate estimates for train.device (a GPU for cuda, here or not) and
+# takes --device auto (a GPU where this process sees one, here the CPU); it
+# said what a GPU it could not ask computes as a fact.
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c GPU)
+if "$estimate" --set train.device=cuda >"$tmp/d.out" 2>&1 && grep -q "the model on a GPU" "$tmp/d.out" &&
+    "$estimate" --device auto >"$tmp/a.out" 2>&1 &&
+    [[ $(grep -c "the model on a GPU" "$tmp/a.out") -eq $((gpus > 0 ? 1 : 0)) ]]; then
+  pass "remat-estimate follows train.device=cuda, and --device auto is this process's device"
+else
+  fail "remat-estimate follows train.device=cuda, and --device auto is this process's device" \
+    "$(cat "$tmp/d.out" "$tmp/a.out")"
+fi
+if [[ $gpus -eq 0 ]]; then
+  out=$("$estimate" --device cuda --set bf16.enabled=auto --set fp16.enabled=auto 2>&1)
+  if grep -qF 'bf16.enabled "auto" -> true: the training device, cuda, is assumed to compute bf16 (compute capability 8.0 or higher; no GPU here to ask)' <<<"$out" &&
+      ! grep -q "cuda, computes bf16" <<<"$out"; then
+    pass "remat-estimate --device cuda without a GPU says the compute capability is assumed"
+  else
+    fail "remat-estimate --device cuda without a GPU says the compute capability is assumed" "$out"
+  fi
+fi
 expect "remat-estimate refuses hybrid shards that do not divide its ranks" \
   "zero_optimization.hybrid_shard_size 3 must divide the data-parallel size 4" \
   "$estimate" -np 4 --set zero_optimization.stage=3 --set zero_optimization.hybrid_shard_size=3
@@ -285,20 +339,56 @@ else
   fail "a budget of exactly a plan's predicted total is met (measured peak <= budget)" \
     "${verdict:-$(cat "$tmp/mid.out" "$tmp/at.out" 2>/dev/null)}"
 fi
-# device_memory_budget_bytes "auto" on the CPU: the host's physical memory
-# over its 2 ranks, less a tenth of that (at least 1 GiB), is the plan's budget.
-share=$(( $(getconf _PHYS_PAGES) * $(getconf PAGE_SIZE) / 2 ))
-reserve=$(( share / 10 > 1073741824 ? share / 10 : 1073741824 ))
+# device_memory_budget_bytes "auto" on the CPU: the host's available memory
+# over its 2 ranks, less a tenth of that (at least 1 GiB), is the plan's budget
+# (MemAvailable moves while the run starts: within 5 %). It was the host's
+# physical memory, beyond what the fit check allows.
+available=$(( $(awk '/^MemAvailable:/ { print $2 }' /proc/meminfo) * 1024 ))
 "$run" -np 2 -- "$train" --steps 1 "${quiet[@]}" --set activation_checkpointing.variant=auto \
   --set activation_checkpointing.device_memory_budget_bytes=auto --metrics "$tmp/device_auto.jsonl" \
   >"$tmp/device_auto.out" 2>&1
 resolved=$(python3 -c "import json, sys; print(json.loads(open(sys.argv[1]).readline())['act_plan_device_budget_bytes'])" \
   "$tmp/device_auto.jsonl" 2>/dev/null)
-if [[ $resolved == $(( share - reserve )) ]]; then
-  pass "device_memory_budget_bytes \"auto\" is the host's share less the reserve: $resolved bytes"
+if python3 -c "
+import sys
+share = $available // 2
+want = share - max(share // 10, 1 << 30)
+sys.exit(0 if abs(int(sys.argv[1]) - want) <= 0.05 * want else 1)" "${resolved:-0}"; then
+  pass "device_memory_budget_bytes \"auto\" is the share of the available memory less the reserve: $resolved bytes"
 else
-  fail "device_memory_budget_bytes \"auto\" is the host's share less the reserve ($(( share - reserve )) bytes)" \
+  fail "device_memory_budget_bytes \"auto\" is the share of the available memory less the reserve (MemAvailable $available)" \
     "${resolved:-$(cat "$tmp/device_auto.out")}"
+fi
+# With REMAT_MEMORY_PER_RANK_BYTES, what a rank may use: a tenth kept (16 MiB:
+# 15099494 bytes); the planner keeps what fits and the run stays within it.
+# It ignored the variable and planned against the host's physical memory.
+sixteen=$((16 << 20))
+REMAT_MEMORY_PER_RANK_BYTES=$sixteen "$run" -np 2 -- "$train" --steps 2 "${quiet[@]}" --set model.n_layer=8 \
+  --set activation_checkpointing.variant=auto --set activation_checkpointing.device_memory_budget_bytes=auto \
+  --metrics "$tmp/given_auto.jsonl" >"$tmp/given_auto.out" 2>&1
+verdict=$(python3 - "$tmp/given_auto.jsonl" $((sixteen - sixteen / 10)) <<'PY' 2>&1
+import json, sys
+steps = [json.loads(l) for l in open(sys.argv[1])]
+want, budget = int(sys.argv[2]), steps[0]["act_plan_device_budget_bytes"]
+peak = max(s["mem_peak_bytes"] for s in steps)
+print(f"budget {budget} B (want {want}), measured peak {peak} B")
+sys.exit(0 if budget == want and peak <= budget else 1)
+PY
+)
+if [[ $? -eq 0 ]]; then
+  pass "device_memory_budget_bytes \"auto\" with REMAT_MEMORY_PER_RANK_BYTES=16 MiB: $verdict"
+else
+  fail "device_memory_budget_bytes \"auto\" with REMAT_MEMORY_PER_RANK_BYTES=16 MiB" "$verdict" "$(cat "$tmp/given_auto.out")"
+fi
+# Where nothing fits, the refusal judges the figure it names ("does not fit",
+# 8 MiB), not the host's memory ("fits") beside "about 8 MiB is available".
+out=$(REMAT_MEMORY_PER_RANK_BYTES=$((8 << 20)) "$run" -np 1 -- "$train" --steps 1 "${quiet[@]}" \
+  --set activation_checkpointing.variant=auto --set activation_checkpointing.device_memory_budget_bytes=auto 2>&1)
+if grep -q "memory 8.00 MiB per rank: the configured peak does not fit) but about 8 MiB is available" <<<"$out" &&
+    ! grep -q "the configured peak fits" <<<"$out"; then
+  pass "the refusal under REMAT_MEMORY_PER_RANK_BYTES with \"auto\" says one thing"
+else
+  fail "the refusal under REMAT_MEMORY_PER_RANK_BYTES with \"auto\" says one thing" "$out"
 fi
 expect "device_memory_budget_bytes \"auto\" beside another budget" \
   "sets 'memory_budget_bytes' and 'device_memory_budget_bytes': the budget is given once" \

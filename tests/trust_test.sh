@@ -10,6 +10,7 @@
 set -uo pipefail
 train="$(realpath "$1")"
 run="$(realpath "$2")"
+estimate="$(realpath "$3")"
 tmp="${TEST_TMPDIR:-$(mktemp -d)}"
 export REMAT_COMM_TIMEOUT_S=60 REMAT_LOG_LEVEL=warn
 source "$(dirname "$0")/testlib.sh"
@@ -213,5 +214,26 @@ out=$(timeout 120 "${tiny[@]}" --steps 2 --set train.sample_chars=20 --set optim
       --set scheduler.type=none --set gradient_clipping=0 --set train.on_nonfinite=skip 2>&1)
 grep -qE 'frame #|0x[0-9a-f]{8,}' <<<"$out" && fail "no stack trace with the sample's error" "$out" ||
   pass "no stack trace with the sample's error"
+
+# 10. remat-estimate where not even one sequence fits the "auto" micro-batch:
+#     the table at micro-batch 1, then remat-train's refusal (exit 2), and no
+#     advice to run remat-estimate.
+out=$(REMAT_MEMORY_PER_RANK_BYTES=200000 "$estimate" --set train_micro_batch_size_per_gpu=auto 2>&1); rc=$?
+if [[ $rc -eq 2 ]] && grep -q "^configured" <<<"$out" &&
+   grep -qF "remat-train refuses this config: train_micro_batch_size_per_gpu is \"auto\" and not even a micro-batch of 1 fits" <<<"$out" &&
+   ! grep -q "remat-estimate prints" <<<"$out"; then
+  pass "remat-estimate shows the table at micro-batch 1 where the \"auto\" micro-batch cannot fit (exit 2)"
+else
+  fail "remat-estimate shows the table at micro-batch 1 where the \"auto\" micro-batch cannot fit (exit $rc)" "$out"
+fi
+# Two sizes that print alike at one digit are shown with more.
+out=$(REMAT_MEMORY_PER_RANK_BYTES=11800000 "${tiny[@]:0:1}" --steps 1 2>&1); rc=$?
+amounts=$(grep -oE "needs about [0-9.]+ [KMG]iB per rank .* but about [0-9.]+ [KMG]iB" <<<"$out" |
+          sed -E 's/needs about ([0-9.]+ [KMG]iB).* but about ([0-9.]+ [KMG]iB)/\1|\2/')
+if [[ $rc -ne 0 && -n "$amounts" && "${amounts%%|*}" != "${amounts##*|}" ]]; then
+  pass "the fit refusal shows its two amounts apart ($amounts)"
+else
+  fail "the fit refusal shows its two amounts apart ($amounts, exit $rc)" "$out"
+fi
 
 summary

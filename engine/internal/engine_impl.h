@@ -39,13 +39,15 @@ enum class Phase { kIdle, kForwarded, kBackwarded };
 // What a micro-step starts from outside its activations: every parameter's
 // and shard's storage once, the optimizer's state (before its first step,
 // what it will allocate then) and, with gradient accumulation, the gradients
-// held between micro-batches. For device_memory_budget_bytes. `live`: the
-// tracker's count at the step's start, when known: what it holds beyond the
-// parameters and the optimizer state allocated so far (the batch, whatever
-// the caller keeps) is held through the step as well.
+// held between micro-batches. For device_memory_budget_bytes. With the
+// optimizer or the parameters offloaded, what lives on the host is charged
+// only where the host is the device (`host_is_device`: a model on the CPU).
+// `live`: the tracker's count at the step's start, when known: what it
+// holds beyond the parameters and the optimizer state allocated so far (the
+// batch, whatever the caller keeps) is held through the step as well.
 std::pair<int64_t, std::string> resident_state(torch::nn::Module& model, parallel::ZeroModel& zero,
                                                const torch::optim::Optimizer& optimizer, int64_t accumulation,
-                                               int64_t live = 0);
+                                               bool host_is_device, int64_t live = 0);
 
 }  // namespace internal
 

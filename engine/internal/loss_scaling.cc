@@ -81,18 +81,24 @@ std::string fp16_compute_failure(c10::Device device) {
   return "";
 }
 
+std::string fp16_refusal(c10::Device device) {
+  const std::string missing = fp16_compute_failure(device);
+  if (missing.empty()) return "";
+  // Where a half-precision matmul fails, so would the model.
+  return str("config error: fp16.enabled is true, but the ", c10::DeviceTypeName(device.type(), /*lower_case=*/true),
+             " device cannot compute in fp16 with this LibTorch (", compat::torch_version(), "): a half-precision "
+             "matmul and its backward fail (", missing, "). Set bf16.enabled instead (bf16 needs no loss scaling), "
+             "or train on a GPU");
+}
+
 std::unique_ptr<LossScaling> wire_loss_scaling(const optim::LossScalerOptions& options, c10::Device device,
                                                bool at_float32) {
   const std::string where = c10::DeviceTypeName(device.type(), /*lower_case=*/true);
   if (at_float32) {
     log_rank0().warn("fp16.enabled with EngineOptions::fp16_scaler_at_float32 (a test seam): the loss scaler runs "
                      "over float32 compute on the {} device", where);
-  } else if (const std::string missing = fp16_compute_failure(device); !missing.empty()) {
-    // Where a half-precision matmul fails, so would the model.
-    throw ConfigError(str("config error: fp16.enabled is true, but the ", where, " device cannot compute in fp16 "
-                          "with this LibTorch (", compat::torch_version(), "): a half-precision matmul and its "
-                          "backward fail (", missing, "). Set bf16.enabled instead (bf16 needs no loss scaling), "
-                          "or train on a GPU"));
+  } else if (const std::string refusal = fp16_refusal(device); !refusal.empty()) {
+    throw ConfigError(refusal);
   }
   auto scaling = std::make_unique<LossScaling>(options);
   log_rank0().info("fp16 loss scaling: {} scale {}{}", options.dynamic() ? "dynamic, first" : "static",

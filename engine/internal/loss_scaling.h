@@ -52,6 +52,10 @@ class LossScaling {
 // 2.6's do).
 std::string fp16_compute_failure(c10::Device device);
 
+// The ConfigError text of fp16.enabled on a `device` that cannot compute in
+// fp16 (fp16_compute_failure names why); empty where it can.
+std::string fp16_refusal(c10::Device device);
+
 // The loss scaling of fp16.enabled on `device`: a ConfigError naming fp16 and
 // the device where it cannot compute in fp16 (fp16_compute_failure).
 // `at_float32` is the test seam (EngineOptions::fp16_scaler_at_float32): the

@@ -25,11 +25,12 @@ int64_t optimizer_bytes_per_element(const OptimizerConfig& o) {
 // host_optimizer_bytes); the device keeps its parameters (the stage gathers
 // from them; under bf16 or fp16 the 16-bit ones alone, the frozen masters on
 // the host too: parallel::masters_on_host) and, in the last micro-step,
-// drops each gradient shard as its
-// reduction ends: stages 1-2 hold the buckets' whole gradients, stage 3 its
-// largest unit's shard. Accumulating, the shards stay on the device between
-// micro-batches: the gradients as without offload. offload_param's host
-// shards are the masters themselves: no copy of them, no gradient buffer.
+// drops each gradient shard as its reduction ends: stages 1-2 hold the
+// buckets' whole gradients, stage 3 its largest unit's shard and the
+// persistent parameters' (what a run reports as grad_peak_bytes).
+// Accumulating, the shards stay on the device between micro-batches: the
+// gradients as without offload. offload_param's host shards are the masters
+// themselves: no copy of them, no gradient buffer.
 void offload_optimizer_state(StateBytes& s, const parallel::StateElements& e, const MemoryEstimateInputs& in,
                              const parallel::ZeroOptions& z, const parallel::MixedPrecision& mixed, int n,
                              int64_t eb, int64_t accumulation) {
@@ -40,14 +41,22 @@ void offload_optimizer_state(StateBytes& s, const parallel::StateElements& e, co
     s.grads = e.trainable * eb;
     return;
   }
+  // Stage 3: the persistent parameters' gradients, whole on every rank until
+  // the backward's end, beside the largest unit's reduced shard.
   const int64_t persistence = parallel::stage3_persistence_threshold(z, mixed);
   std::map<int, int64_t> unit_shard;
+  int64_t persistent = 0;
   for (const ParameterSize& p : in.parameters) {
-    if (p.trainable) unit_shard[p.unit] += p.numel < persistence ? p.numel : (p.numel + n - 1) / n;
+    if (!p.trainable) continue;
+    if (p.numel < persistence) {
+      persistent += p.numel;
+    } else {
+      unit_shard[p.unit] += (p.numel + n - 1) / n;
+    }
   }
   int64_t largest = 0;
   for (const auto& [unit, elements] : unit_shard) largest = std::max(largest, elements);
-  s.grads = largest * eb;
+  s.grads = (persistent + largest) * eb;
 }
 
 }  // namespace

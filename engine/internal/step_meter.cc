@@ -128,7 +128,7 @@ StepMetrics StepMeter::finish_step(const StepOutcome& outcome, const ActivationP
     m.offload_optimizer = true;
     m.host_optimizer_bytes = share_.zero.host_bytes + m.optimizer_state_bytes;
   }
-  if (t_.zero->offloads_parameters()) {
+  if (t_.offload_param) {
     m.offload_param = true;
     m.host_parameter_bytes = share_.zero.host_param_bytes;
   }

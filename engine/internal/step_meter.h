@@ -55,6 +55,9 @@ struct StepMeterTargets {
   torch::nn::Module* model = nullptr;
   parallel::ZeroModel* zero = nullptr;
   torch::optim::Optimizer* optimizer = nullptr;
+  // zero_optimization.offload_param is set: host_parameter_bytes is in the
+  // metrics, 0 where every parameter stays whole on the device (persistent).
+  bool offload_param = false;
   int rank = 0;
   // A memory timeline's otherData besides the step and its memory metrics.
   nlohmann::json trace_labels = nlohmann::json::object();
