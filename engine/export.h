@@ -31,7 +31,7 @@ std::vector<std::pair<std::string, at::Tensor>> consolidated_parameters(parallel
                                                                         const torch::nn::Module& model);
 
 // Writes `parameters` as one {name: tensor} dictionary file: to a temporary
-// file of a unique name beside it (PATH.tmp.XXXXXX), flushed, fsynced and
+// file of a unique name beside it (PATH.remat-tmp.XXXXXX), flushed, fsynced and
 // renamed over `path`. Returns the bytes written. A failure removes the
 // temporary file and is an Error (a path that is not a regular file too: the
 // rename would replace a device, fifo or symbolic link).

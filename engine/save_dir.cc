@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <vector>
 
 #include "engine/save/storage.h"
 #include "runtime/communicator.h"
@@ -28,14 +29,15 @@ int discard_saves_after(const std::string& dir, int64_t step, Communicator& worl
   int64_t removed = 0;
   if (world.rank() == 0) {
     std::string keep;  // the newest complete save kept
+    std::vector<fs::path> doomed;
     for (const auto& [s, folder] : save::step_folders(dir)) {
       if (s > step && s != except) {
-        fs::remove_all(folder);
-        ++removed;
+        doomed.push_back(folder);
       } else if (keep.empty() && fs::exists(folder / "manifest.json")) {
         keep = folder.filename().string();
       }
     }
+    // `latest` first: a crash while the folders go leaves it naming a save that is there.
     const fs::path latest = fs::path(dir) / "latest";
     std::error_code ec;
     const int64_t named = latest_step(dir);
@@ -46,6 +48,8 @@ int discard_saves_after(const std::string& dir, int64_t step, Communicator& worl
         save::write_atomically(latest.string(), keep + "\n");
       }
     }
+    for (const fs::path& folder : doomed) fs::remove_all(folder);
+    removed = static_cast<int64_t>(doomed.size());
     if (removed > 0) {
       // Step 0: the run did not resume from this folder, and every save there was another run's.
       log().warn("--overwrite-saves: removed {} save(s) {} from '{}'; 'latest' {}", removed,

@@ -342,7 +342,9 @@ TEST(Export, WritesBesideThePathAndRefusesWhatItWouldReplace) {
   for (const auto& item : model->named_parameters()) params.emplace_back(item.key(), item.value());
   auto leftovers = [&] {
     int n = 0;
-    for (const auto& e : fs::directory_iterator(dir)) n += e.path().filename().string().find(".tmp.") != std::string::npos;
+    for (const auto& e : fs::directory_iterator(dir)) {
+      n += e.path().filename().string().find(".remat-tmp.") != std::string::npos;
+    }
     return n;
   };
 

@@ -281,6 +281,12 @@ int train(int argc, char** argv) {
                           "leave --plan-report out"));
   }
   // Written after training or beside it: a path one cannot be written to stops the run now.
+  // The save folder may be the save root resumed (continuing it), not a folder inside its entries.
+  std::error_code same_root;
+  if (!save_dir.empty() && !resume_dir.empty() && !fs::equivalent(resume_root(resume_dir), save_dir, same_root)) {
+    check_outputs_spare_inputs({{"--save-dir", save_dir}}, {{"--resume", resume_root(resume_dir), true,
+                                                            "the save this run reads", save_folder_entries()}});
+  }
   if (rank0) {
     check_outputs(metrics_path, memory_trace, export_path, plan_report,
                   {{"--config", config_path},

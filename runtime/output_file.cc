@@ -6,6 +6,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -53,19 +55,34 @@ std::string not_a_regular_file(const std::string& path) {
   return "not a regular file";
 }
 
+namespace {
+
+constexpr const char* kTemporaryMark = ".remat-tmp.";  // PATH.remat-tmp.XXXXXX
+
+// Whether `name` is a temporary of `base` remat would make: the mark and
+// mkstemp's six letters or digits, nothing else.
+bool temporary_of(const std::string& name, const std::string& base) {
+  const std::string prefix = base + kTemporaryMark;
+  if (name.size() != prefix.size() + 6 || name.compare(0, prefix.size(), prefix) != 0) return false;
+  return std::all_of(name.begin() + static_cast<std::ptrdiff_t>(prefix.size()), name.end(),
+                     [](unsigned char c) { return std::isalnum(c) != 0; });
+}
+
+}  // namespace
+
 int remove_stale_temporaries(const std::string& path) {
-  const std::string prefix = fs::path(path).filename().string() + ".tmp.";
-  const size_t suffix = 6;  // mkstemp's XXXXXX
+  const std::string base = fs::path(path).filename().string();
   int removed = 0;
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(folder_of(path), ec)) {
-    const std::string name = entry.path().filename().string();
-    if (name.size() != prefix.size() + suffix || name.compare(0, prefix.size(), prefix) != 0) continue;
+    if (!temporary_of(entry.path().filename().string(), base)) continue;
     const int fd = ::open(entry.path().c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) continue;
     struct stat st {};
-    // Held by a writer that is still at work: left alone.
-    const bool stale = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && ::flock(fd, LOCK_EX | LOCK_NB) == 0;
+    // Held by a writer at work, or a file with other names (so someone's
+    // data, not a temporary): left alone.
+    const bool stale = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_nlink == 1 &&
+                       ::flock(fd, LOCK_EX | LOCK_NB) == 0;
     if (stale && ::unlink(entry.path().c_str()) == 0) {
       ++removed;
       log().info("removed '{}' ({} bytes), the temporary file of an earlier write of '{}' that did not finish",
@@ -78,7 +95,7 @@ int remove_stale_temporaries(const std::string& path) {
 
 int open_temporary_beside(const std::string& path, std::string& name) {
   remove_stale_temporaries(path);
-  name = path + ".tmp.XXXXXX";
+  name = path + kTemporaryMark + "XXXXXX";
   const int fd = ::mkostemp(name.data(), O_CLOEXEC);
   if (fd >= 0) {
     // mkstemp creates the file 0600; the output gets the mode a new file gets here.
@@ -177,6 +194,24 @@ bool within(const fs::path& inner, const fs::path& outer, const std::vector<std:
   return false;
 }
 
+// Whether a file in `folder`'s entries `owned` names (every entry when it is
+// empty), at any depth, is the file `out` names by another name (a hard link).
+bool linked_inside(const std::string& out, const fs::path& folder, const std::vector<std::string>& owned) {
+  struct stat target {};
+  if (::stat(out.c_str(), &target) != 0 || !S_ISREG(target.st_mode) || target.st_nlink < 2) return false;
+  std::error_code ec;
+  for (auto it = fs::recursive_directory_iterator(folder, ec); !ec && it != fs::recursive_directory_iterator();
+       it.increment(ec)) {
+    if (it.depth() == 0 && !within(it->path(), folder, owned)) {
+      it.disable_recursion_pending();
+      continue;
+    }
+    struct stat st {};
+    if (::lstat(it->path().c_str(), &st) == 0 && st.st_dev == target.st_dev && st.st_ino == target.st_ino) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 const std::vector<std::string>& save_folder_entries() {
@@ -194,13 +229,16 @@ void check_outputs_spare_inputs(const std::vector<std::pair<std::string, std::st
     for (const RunInput& in : inputs) {
       if (in.path.empty()) continue;
       const bool same = (!id.empty() && id == output_identity(in.path)) || out == resolved(in.path);
-      if (!same && !(in.folder && within(out, resolved(in.path), in.owned))) continue;
+      const bool inside = in.folder && within(out, resolved(in.path), in.owned);
+      const bool linked = in.folder && !same && !inside && linked_inside(path, resolved(in.path), in.owned);
+      if (!same && !inside && !linked) continue;
       const std::string shown = str(flag, " '", shown_path(path), "'");
       if (!in.folder) {
         throw ConfigError(str(shown, " is the ", in.what, " file '", shown_path(in.path), "' this run reads, so "
                               "writing it would destroy an input: give ", flag, " its own path"));
       }
-      throw ConfigError(str(shown, same ? " is " : " lies inside ", in.what, " '", shown_path(in.path), "', ",
+      throw ConfigError(str(shown, same ? " is " : linked ? " is a hard link to a file inside " : " lies inside ",
+                            in.what, " '", shown_path(in.path), "', ",
                             in.role, ", so writing it would damage them: give ", flag,
                             " a path outside that folder"));
     }

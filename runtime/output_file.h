@@ -48,17 +48,18 @@ void check_distinct_outputs(const std::vector<std::pair<std::string, std::string
 // error about a path of megabytes stays readable and still names the file.
 std::string shown_path(const std::string& path);
 
-// A temporary file of a unique name beside `path` (PATH.tmp.XXXXXX), open,
-// with the mode a new file gets here: an existing PATH.tmp, whoever's, is left
-// alone. Returns the descriptor (-1 with errno set) and the name in `name`.
+// A temporary file of a unique name beside `path` (PATH.remat-tmp.XXXXXX),
+// open, with the mode a new file gets here: an existing PATH.tmp, whoever's,
+// is left alone. Returns the descriptor (-1 with errno set) and the name in `name`.
 // The file is locked (flock) while the descriptor is open, so the writer
 // renames it over `path` before closing it; temporaries of `path` that no
 // process holds (a writer killed half-way left them) are removed first, each
 // named in a log line.
 int open_temporary_beside(const std::string& path, std::string& name);
 
-// Removes the PATH.tmp.XXXXXX files beside `path` that no writer holds (see
-// open_temporary_beside); returns how many.
+// Removes the PATH.remat-tmp.XXXXXX files beside `path` (six letters or
+// digits) that no writer holds and that have no other name (a hard link is
+// someone's data); returns how many.
 int remove_stale_temporaries(const std::string& path);
 
 // What an output may not be: a file the run reads, or a path inside a folder

@@ -135,25 +135,34 @@ TEST_F(OutputFileTest, OutputsOnTheRunsInputsOrInsideItsFoldersAreRefused) {
         << name;
   }
   EXPECT_NO_THROW(check_outputs_spare_inputs({{"--export", at("saves/model.pt")}}, saves));
+  // A hard link elsewhere to a save's file is that file.
+  std::ofstream(at("saves/step_00000002/rank_0.pt")) << "a rank's state";
+  fs::create_hard_link(at("saves/step_00000002/rank_0.pt"), at("linked_rank.pt"));
+  EXPECT_THAT(error_of<ConfigError>([&] { check_outputs_spare_inputs({{"--metrics", at("linked_rank.pt")}}, saves); }),
+              HasSubstr("--metrics '" + at("linked_rank.pt") + "' is a hard link to a file inside --save-dir"));
   EXPECT_NO_THROW(check_outputs_spare_inputs({{"--metrics", at("saves/latest_metrics.jsonl")}}, saves));
 }
 
 TEST_F(OutputFileTest, TheNextWriterRemovesTemporariesNoWriterHolds) {
   const std::string out = at("model.pt");
-  std::ofstream(out + ".tmp.Ab12Cd") << "left by a killed export";
-  std::ofstream(out + ".tmp") << "the user's";
-  std::ofstream(out + ".tmp.notours") << "the user's too";
+  std::ofstream(out + ".remat-tmp.Ab12Cd") << "left by a killed export";
+  // The user's files, whatever they look like: other marks, other lengths,
+  // other characters, or a second name (a hard link).
+  const std::vector<std::string> theirs{".tmp", ".tmp.Ab12Cd", ".tmp.backup", ".remat-tmp.notours", ".remat-tmp.ab.cde",
+                                        ".remat-tmp.Hard11"};
+  for (const std::string& suffix : theirs) std::ofstream(out + suffix) << "the user's";
+  fs::create_hard_link(out + ".remat-tmp.Hard11", at("kept_elsewhere"));
   std::string held;
   const int writing = open_temporary_beside(out, held);  // a writer at work
   ASSERT_GE(writing, 0);
-  EXPECT_FALSE(fs::exists(out + ".tmp.Ab12Cd"));
+  EXPECT_NE(held.find("model.pt.remat-tmp."), std::string::npos) << held;
+  EXPECT_FALSE(fs::exists(out + ".remat-tmp.Ab12Cd"));
   EXPECT_EQ(remove_stale_temporaries(out), 0);
   EXPECT_TRUE(fs::exists(held)) << "a temporary still being written is left alone";
   ::close(writing);  // its writer was killed before renaming it
   EXPECT_EQ(remove_stale_temporaries(out), 1);
   EXPECT_FALSE(fs::exists(held));
-  EXPECT_TRUE(fs::exists(out + ".tmp"));
-  EXPECT_TRUE(fs::exists(out + ".tmp.notours"));
+  for (const std::string& suffix : theirs) EXPECT_TRUE(fs::exists(out + suffix)) << suffix;
 }
 
 TEST_F(OutputFileTest, AVeryLongPathIsCutInMessagesKeepingBothEnds) {

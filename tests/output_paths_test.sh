@@ -46,7 +46,7 @@ expect "remat-estimate --json on a symbolic link is refused" \
 echo "the user's" >"$tmp/trace.json.tmp"
 out=$("${tiny[@]}" --steps 2 --memory-trace "$tmp/trace.json" 2>&1)
 if [[ $? -eq 0 && -s "$tmp/trace.json" && "$(cat "$tmp/trace.json.tmp")" == "the user's" ]] &&
-   [[ -z "$(ls "$tmp" | grep -F 'trace.json.tmp.')" ]]; then
+   [[ -z "$(ls "$tmp" | grep -F 'trace.json.remat-tmp.')" ]]; then
   pass "--memory-trace leaves the user's FILE.tmp alone and no temporary file behind"
 else
   fail "--memory-trace leaves the user's FILE.tmp alone and no temporary file behind" "$out" "$(ls "$tmp")"

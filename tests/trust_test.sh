@@ -81,6 +81,27 @@ ok_resume=$("${tiny[@]}" --steps 4 --resume "$dir/step_00000003" --save-dir "$di
   pass "--resume of the step folder it names continues the run" ||
   fail "--resume of the step folder it names continues the run" "$ok_resume"
 
+# 1c. --overwrite-saves killed while it replaces later saves: `latest` is
+#     rewritten before any folder goes, so it always names a save that is there.
+rm -rf "$tmp/later" && "${tiny[@]}" --steps 4 --set train.save_interval=2 --save-dir "$tmp/later" >/dev/null 2>&1
+REMAT_FAULT_SAVE_PAUSE_MS=3000 "${tiny[@]}" --steps 3 --save-dir "$tmp/later" --overwrite-saves \
+  >"$tmp/later.log" 2>&1 &
+job=$!
+for _ in $(seq 1 900); do  # step 3's save leaves `latest` on step 4: the pause before it is --overwrite-saves'
+  grep -q "before '$tmp/later/latest'" "$tmp/later.log" 2>/dev/null && break
+  kill -0 "$job" 2>/dev/null || break
+  sleep 0.1
+done
+kill -9 "$job" 2>/dev/null
+wait "$job" 2>/dev/null
+out=$("${tiny[@]}" --steps 5 --resume "$tmp/later" --save-dir "$tmp/later" 2>&1); rc=$?
+if [[ $rc -eq 0 ]]; then
+  pass "--overwrite-saves killed while replacing later saves leaves a 'latest' that resumes"
+else
+  fail "--overwrite-saves killed while replacing later saves leaves a 'latest' that resumes (exit $rc)" "$out" \
+    "$(cat "$tmp/later.log")"
+fi
+
 # 2. Outputs on the run's inputs or inside its save folder are refused at
 #    start, and the inputs are left as they were.
 mkdir -p "$tmp/io"
@@ -107,6 +128,13 @@ out=$("${tiny[@]}" --steps 5 --resume "$tmp/sv" --save-dir "$tmp/sv" --export "$
   [[ -s "$tmp/sv/model.pt" && "$(cat "$tmp/sv/latest")" == step_00000005 ]] &&
   pass "an export of the user's beside the saves (--export SV/model.pt) is theirs to write" ||
   fail "an export of the user's beside the saves (--export SV/model.pt) is theirs to write" "$out"
+expect "a --save-dir inside the step folder resumed is refused" \
+  "--save-dir '$tmp/sv/step_00000002' lies inside --resume '$tmp/sv', the save this run reads" \
+  "${tiny[@]}" --steps 4 --resume "$tmp/sv/step_00000002" --save-dir "$tmp/sv/step_00000002"
+ln -f "$tmp/sv/step_00000002/rank_0.pt" "$tmp/io/linked.pt"
+expect "--metrics on a hard link to a save's rank file is refused" \
+  "--metrics '$tmp/io/linked.pt' is a hard link to a file inside --save-dir '$tmp/sv'" \
+  "${tiny[@]}" --steps 7 --resume "$tmp/sv" --save-dir "$tmp/sv" --metrics "$tmp/io/linked.pt"
 expect "--memory-trace on a --save-dir not yet made is refused at start, not at the traced step" \
   "--memory-trace '$tmp/sv7' is --save-dir '$tmp/sv7'" \
   "${tiny[@]}" --steps 3 --save-dir "$tmp/sv7" --memory-trace "$tmp/sv7"
@@ -140,12 +168,23 @@ fi
 
 # 4. An export killed before its rename leaves a temporary file, which the next
 #    export of that path removes.
-echo "partial" >"$tmp/io/model.pt.tmp.Zz9Yx8"
+echo "partial" >"$tmp/io/model.pt.remat-tmp.Zz9Yx8"
 out=$("${tiny[@]}" --steps 1 --export "$tmp/io/model.pt" 2>&1); rc=$?
-if [[ $rc -eq 0 && ! -e "$tmp/io/model.pt.tmp.Zz9Yx8" && -s "$tmp/io/model.pt" ]]; then
+if [[ $rc -eq 0 && ! -e "$tmp/io/model.pt.remat-tmp.Zz9Yx8" && -s "$tmp/io/model.pt" ]]; then
   pass "the next export removes the temporary file a killed one left"
 else
   fail "the next export removes the temporary file a killed one left (exit $rc)" "$out" "$(ls -A "$tmp/io")"
+fi
+
+# A file of the user's named like a temporary of another kind, or the run's
+# own config under such a name, is never taken for one.
+cp "$tmp/io/cfg.json" "$tmp/io/out.pt.tmp.config"
+echo mine >"$tmp/io/out.pt.tmp.backup"
+out=$("${tiny[@]}" --config "$tmp/io/out.pt.tmp.config" --steps 1 --export "$tmp/io/out.pt" --metrics "$tmp/io/out.pt.m" 2>&1); rc=$?
+if [[ $rc -eq 0 && -s "$tmp/io/out.pt.tmp.config" && -s "$tmp/io/out.pt.tmp.backup" ]]; then
+  pass "files of the user's beside an output are left alone"
+else
+  fail "files of the user's beside an output are left alone (exit $rc)" "$out" "$(ls -A "$tmp/io")"
 fi
 
 # 5. Flags: --memory-trace-samples read as --steps is, refused without

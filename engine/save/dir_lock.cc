@@ -81,7 +81,12 @@ void check_writable(const std::string& dir, const std::string& run_id, int rank)
 // Rank 0: locks the folder's .lock file (into `fd`) and records this job in it.
 void lock_save_dir(const std::string& dir, const std::string& run_id, int& fd) {
   const std::string path = (fs::path(dir) / ".lock").string();
-  fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  // Not through a link: the lock and its record are this folder's own.
+  fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+  if (fd < 0 && errno == ELOOP) {
+    throw ConfigError(str("save folder '", dir, "': '", path, "' is a symbolic link, where remat keeps the folder's "
+                          "lock: remove it, or give another save folder"));
+  }
   if (fd < 0) {
     throw ConfigError(str("save folder '", dir, "': cannot create '", path, "' (", std::strerror(errno), ")"));
   }
@@ -127,6 +132,12 @@ void take_save_dir(const std::string& dir, const std::string& run_id, Communicat
 // resumed.
 void check_shared(const std::string& dir, const std::string& run_id, int rank) {
   if (rank == 0) return;
+  std::error_code ec;
+  if (fs::is_symlink(fs::symlink_status(fs::path(dir) / ".lock", ec))) {
+    throw ConfigError(str("save folder '", dir, "': its '.lock' is a symbolic link on rank ", rank, ", so this rank "
+                          "may see another folder than rank 0 does: remove the link, and give a save folder every "
+                          "rank shares"));
+  }
   std::ifstream in(fs::path(dir) / ".lock");
   std::string record((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (record.find("run " + run_id) == std::string::npos) {
