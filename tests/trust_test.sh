@@ -258,15 +258,16 @@ grep -qE 'frame #|0x[0-9a-f]{8,}' <<<"$out" && fail "no stack trace with the sam
 #     the table at micro-batch 1, then remat-train's refusal (exit 2), and no
 #     advice to run remat-estimate.
 out=$(REMAT_MEMORY_PER_RANK_BYTES=200000 "$estimate" --set train_micro_batch_size_per_gpu=auto 2>&1); rc=$?
-if [[ $rc -eq 2 ]] && grep -q "^configured" <<<"$out" &&
+if [[ $rc -eq 2 ]] && grep -q "^Estimated memory per rank" <<<"$out" &&
    grep -qF "remat-train refuses this config: train_micro_batch_size_per_gpu is \"auto\" and not even a micro-batch of 1 fits" <<<"$out" &&
    ! grep -q "remat-estimate prints" <<<"$out"; then
   pass "remat-estimate shows the table at micro-batch 1 where the \"auto\" micro-batch cannot fit (exit 2)"
 else
   fail "remat-estimate shows the table at micro-batch 1 where the \"auto\" micro-batch cannot fit (exit $rc)" "$out"
 fi
-# Two sizes that print alike at one digit are shown with more.
-out=$(REMAT_MEMORY_PER_RANK_BYTES=11800000 "${tiny[@]:0:1}" --steps 1 2>&1); rc=$?
+# Two sizes that print alike at one digit are shown with more (the default
+# GPT at one rank needs 13.21 MiB; 13,800,000 bytes are 13.16 MiB).
+out=$(REMAT_MEMORY_PER_RANK_BYTES=13800000 "$train" --steps 1 2>&1); rc=$?
 amounts=$(grep -oE "needs about [0-9.]+ [KMG]iB per rank .* but about [0-9.]+ [KMG]iB" <<<"$out" |
           sed -E 's/needs about ([0-9.]+ [KMG]iB).* but about ([0-9.]+ [KMG]iB)/\1|\2/')
 if [[ $rc -ne 0 && -n "$amounts" && "${amounts%%|*}" != "${amounts##*|}" ]]; then
