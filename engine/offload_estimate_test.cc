@@ -252,7 +252,8 @@ TEST(OffloadEstimate, Stage3GradientPeakIsTheEstimates) {
                                    "accumulation ", accumulation);
       const Trained run = train(s, 2 * accumulation);
       const int64_t peak = run.metrics.at("grad_peak_bytes").get<int64_t>();
-      const MemoryEstimateRow& row = estimate_of(s).configured();
+      const MemoryEstimate estimate = estimate_of(s);  // kept: the row is a reference into it
+      const MemoryEstimateRow& row = estimate.configured();
       EXPECT_GT(peak, 0) << what;
       EXPECT_NEAR(static_cast<double>(row.gradient_bytes), static_cast<double>(peak),
                   world()->size() == 1 ? 0.0 : 4.0 * 64)
