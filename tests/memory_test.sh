@@ -313,7 +313,7 @@ expect "a whole-device budget no plan meets names the smallest feasible one" "Th
 # the state counted the parameters and optimizer state but not the rest of
 # what is live at the step's start, the batch among it).
 smallest=$(REMAT_LOG_LEVEL=warn "$run" -np 2 -- "$train" --steps 1 "${quiet[@]}" --set activation_checkpointing.variant=auto \
-  --set activation_checkpointing.device_memory_budget_bytes=3000000 2>&1 | grep -o "The smallest feasible budget is [0-9]*" |
+  --set activation_checkpointing.device_memory_budget_bytes=3000000 2>&1 | grep -ao "The smallest feasible budget is [0-9]*" |
   head -1 | grep -o "[0-9]*$")
 if [[ -n $smallest ]] && "$run" -np 2 -- "$train" --steps 3 "${quiet[@]}" --set activation_checkpointing.variant=auto \
     --set activation_checkpointing.device_memory_budget_bytes="$smallest" --metrics "$tmp/smallest.jsonl" \

@@ -184,7 +184,7 @@ for case in offload_optimizer offload_param; do
   budget=(--set activation_checkpointing.variant=auto "${with[@]}")
   out=$(REMAT_LOG_LEVEL=warn "$run" -np 2 -- "$train" --steps 1 "${quiet[@]}" "${budget[@]}" \
     --set activation_checkpointing.device_memory_budget_bytes=3000000 2>&1)
-  smallest=$(grep -o "The smallest feasible budget is [0-9]*" <<<"$out" | head -1 | grep -o "[0-9]*$")
+  smallest=$(grep -ao "The smallest feasible budget is [0-9]*" <<<"$out" | head -1 | grep -o "[0-9]*$")
   if [[ -z $smallest ]] || ! grep -q "which on this CPU is the device's memory" <<<"$out"; then
     fail "$case: a budget of 3000000 bytes is refused, naming the smallest feasible one" "$out"
     continue
