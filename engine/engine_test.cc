@@ -1159,6 +1159,8 @@ TEST(Engine, ASaveOneRankCannotWriteIsTheSameErrorOnEveryRank) {
   testing::world()->barrier()->wait();
   EXPECT_FALSE(fs::exists(dir + "/.staging_step_00000001")) << "a failed save leaves nothing of itself";
   EXPECT_FALSE(fs::exists(dir + "/step_00000001"));
+  // Every rank has looked before rank 0 stages the next save of this step.
+  testing::world()->barrier()->wait();
   EXPECT_EQ(run.engine->save_checkpoint(dir), dir + "/step_00000001");
   EXPECT_EQ(latest_step(dir), 1);
   EXPECT_NO_THROW(run.train(1));
