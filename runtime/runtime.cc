@@ -11,6 +11,7 @@
 #include <memory>
 #include <thread>
 
+#include "runtime/blas.h"
 #include "runtime/error.h"
 #include "runtime/env_knobs.h"
 #include "runtime/internal/backend_choice.h"
@@ -63,6 +64,7 @@ Runtime::Runtime() {
   }
   set_log_rank(env_.rank, env_.world_size);
   share_cores();
+  report_blas();
   pick_cuda_device();
 }
 
@@ -105,6 +107,22 @@ void Runtime::share_cores() {
              "(set OMP_NUM_THREADS to choose)",
              env_.local_world_size, cores, threads);
   at::set_num_threads(threads);
+}
+
+// The CPU's float32 matrix products: OpenBLAS's threads for one product
+// bounded to LibTorch's intra-op threads (the cores shared out above), and
+// the library they reach said once, with a warning on the reference BLAS.
+void Runtime::report_blas() {
+  set_blas_threads(at::get_num_threads());
+  const BlasLibrary blas = float32_blas();
+  if (blas.reference) {
+    log_rank0().warn("CPU float32 matrix products run on {}: an order of magnitude slower than an optimised "
+                     "BLAS. Install one (tools/install_deps.sh installs libopenblas0-openmp), or put its "
+                     "libblas.so.3 first with LD_LIBRARY_PATH",
+                     blas.text());
+  } else {
+    log_rank0().info("CPU float32 matrix products run on {}", blas.text());
+  }
 }
 
 // The user's OMP_NUM_THREADS, lowered where it asks for more than the cores:

@@ -47,6 +47,7 @@ class Runtime {
  private:
   Runtime();
   void share_cores();
+  void report_blas();
   void pick_cuda_device();
   static void bound_threads(int64_t asked, int cores, int local_ranks);
   ProcessEnv env_;

@@ -10,6 +10,11 @@
 #include <map>
 #include <vector>
 
+#include <ATen/ATen.h>
+
+#include <filesystem>
+
+#include "runtime/blas.h"
 #include "runtime/env_knobs.h"
 #include "runtime/error.h"
 #include "tests/error_of.h"
@@ -232,6 +237,29 @@ TEST(Knobs, FaultSavePauseIsBoundedAtOneMinute) {
   }
   ScopedEnv env(knobs::kFaultSavePauseMs, "60000");
   EXPECT_EQ(knobs::fault_save_pause()->count(), 60000);
+}
+
+// The library float32 products reach is found and named; OpenBLAS's threads
+// follow what the runtime sets (tests/reliability_test.sh checks the log
+// line with OpenBLAS and with the reference BLAS put first).
+TEST(Blas, NamesTheLibraryOfFloat32ProductsAndSetsOpenBlasThreads) {
+  const at::Tensor a = at::ones({8, 8});
+  EXPECT_EQ(at::mm(a, a)[0][0].item<float>(), 8.0F);  // LibTorch's product, through that library
+  const BlasLibrary blas = float32_blas();
+  ASSERT_FALSE(blas.path.empty()) << "sgemm_ was not found in this process";
+  EXPECT_TRUE(std::filesystem::exists(blas.path)) << blas.path;
+  EXPECT_THAT(blas.text(), HasSubstr(blas.name));
+  EXPECT_THAT(blas.text(), HasSubstr(" from " + blas.path));
+  if (!blas.openblas) return;
+  EXPECT_THAT(blas.name, ::testing::StartsWith("OpenBLAS 0."));
+  EXPECT_THAT(blas.build, ::testing::ContainsRegex("^(OpenMP|pthread|single-threaded) build"));
+  const int before = blas.threads;
+  set_blas_threads(1);
+  EXPECT_EQ(float32_blas().threads, 1);
+  EXPECT_THAT(float32_blas().text(), HasSubstr("; 1 thread)"));
+  set_blas_threads(0);  // ignored
+  EXPECT_EQ(float32_blas().threads, 1);
+  set_blas_threads(before);
 }
 
 TEST(Logging, PrefixCarriesRankAndLayout) {

@@ -24,6 +24,7 @@ outcome() {
   local name="$1" want="$2" text="$3" absent="$4" out rc ended
   shift 4
   out=$(timeout 120 "$@" 2>&1); rc=$?
+  last_out=$out
   if [[ $want == ok ]]; then ended=$((rc == 0)); else ended=$((rc != 0 && rc != 124 && rc < 128)); fi
   if [[ $ended -eq 1 ]] && grep -qF -- "$text" <<<"$out" &&
      { [[ -z "$absent" ]] || ! grep -qE -- "$absent" <<<"$out"; }; then
@@ -288,6 +289,21 @@ ok "OMP_NUM_THREADS beyond the cores is lowered to them, with a warning" \
   env OMP_NUM_THREADS=100000 "${tiny[@]}" --steps 1
 outcome "an OMP_NUM_THREADS of 0 is refused at start" error \
   "OMP_NUM_THREADS='0' is not a whole number of threads >= 1" "^step " env OMP_NUM_THREADS=0 "${tiny[@]}" --steps 1
+
+# The library float32 products reach is said once at start, its threads the
+# rank's share of the cores; the reference BLAS put first (Debian's netlib,
+# what LibTorch reached before OpenBLAS was installed) is warned of.
+share=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
+share=$((share / 2 < 1 ? 1 : share / 2))  # what remat-run gives each of 2 ranks
+ok "the BLAS of float32 products is named with each rank's threads" \
+  "CPU float32 matrix products run on OpenBLAS 0." env REMAT_LOG_LEVEL=info "$run" -np 2 -- "$train" "${small[@]}" --steps 1
+if grep -qF "; $share thread$([[ $share -gt 1 ]] && echo s)) from" <<<"$last_out"; then
+  pass "OpenBLAS runs the rank's share of the cores ($share thread(s))"
+else
+  fail "OpenBLAS runs the rank's share of the cores ($share thread(s))" "$last_out"
+fi
+ok "the reference BLAS put first is warned of" "CPU float32 matrix products run on the reference BLAS from" \
+  env LD_LIBRARY_PATH="/usr/lib/$(uname -m)-linux-gnu/blas" "${tiny[@]}" --steps 1
 
 # --- B. No hangs -------------------------------------------------------------
 

@@ -10,6 +10,8 @@ packages=(
   bazel-bootstrap    # Bazel 4.2.3
   bazel-platforms
   libtorch-dev       # LibTorch 1.13 (CPU)
+  libopenblas0-openmp  # the BLAS of LibTorch's float32 products (docs/benchmarks.md, "BLAS")
+  libblas3           # the reference BLAS beside it, for side-by-side runs (benchmarks/blas_bench.sh)
   libopenmpi-dev
   openmpi-bin
   libspdlog-dev
