@@ -59,26 +59,28 @@ void decide_optimizer_and_clipping(Config& c) {
   decided(c, "optimizer.params.weight_decay", c.optimizer.weight_decay, of);
 }
 
+// As Hugging Face's Trainer fills them (transformers' integrations/deepspeed.py).
 void decide_scheduler(Config& c) {
   auto& s = c.scheduler;
-  decided(c, "scheduler.params.warmup_min_lr", s.warmup_min_lr, "remat's default, as when the key is left out");
+  if (c.is_undecided_auto("scheduler.params.warmup_min_lr")) {
+    s.warmup_min_lr = 0.0;
+    decided(c, "scheduler.params.warmup_min_lr", 0.0, "0, as Hugging Face's Trainer fills it (DeepSpeed's default)");
+  }
   if (c.is_undecided_auto("scheduler.params.warmup_max_lr")) {
     s.warmup_max_lr = c.optimizer.lr;
-    decided(c, "scheduler.params.warmup_max_lr", s.warmup_max_lr,
+    decided(c, "scheduler.params.warmup_max_lr", c.optimizer.lr,
             "optimizer.params.lr, the rate the optimizer was given (as Hugging Face's Trainer fills it)");
   }
   if (c.is_undecided_auto("scheduler.params.total_num_steps")) {
     s.total_num_steps = c.train.steps;
-    decided(c, "scheduler.params.total_num_steps", s.total_num_steps, "train.steps, the run's optimizer steps");
+    decided(c, "scheduler.params.total_num_steps", c.train.steps,
+            "train.steps, the run's optimizer steps (as Hugging Face's Trainer fills it)");
   }
   if (c.is_undecided_auto("scheduler.params.warmup_num_steps")) {
-    // WarmupDecayLR decays after the warm-up: the default may not outlast the run.
-    const bool too_long = s.type == "WarmupDecayLR" && s.warmup_num_steps >= s.total_num_steps;
-    if (too_long) s.warmup_num_steps = std::max<int64_t>(0, s.total_num_steps / 10);
-    decided(c, "scheduler.params.warmup_num_steps", s.warmup_num_steps,
-            too_long ? str("a tenth of total_num_steps (", s.total_num_steps, "): remat's default, ",
-                           SchedulerConfig{}.warmup_num_steps, ", is not below it, as WarmupDecayLR needs")
-                     : std::string("remat's default, as when the key is left out"));
+    s.warmup_num_steps = 2;
+    decided(c, "scheduler.params.warmup_num_steps", 2,
+            "Hugging Face's Trainer fills its warmup_steps, 0 unless set, and DeepSpeed warms up over at least "
+            "2 steps");
   }
 }
 

@@ -84,9 +84,10 @@ TEST(AutoValues, TheConfigsOwnKeysBecomeRematsDefaults) {
   EXPECT_EQ(c.scheduler.warmup_max_lr, c.optimizer.lr);
   EXPECT_EQ(c.scheduler.total_num_steps, 50);
   EXPECT_THAT(auto_of(c, "scheduler.params.total_num_steps").why, HasSubstr("train.steps"));
-  // WarmupDecayLR: remat's default warm-up (1000) would outlast 50 steps.
-  EXPECT_EQ(c.scheduler.warmup_num_steps, 5);
-  EXPECT_THAT(auto_of(c, "scheduler.params.warmup_num_steps").why, HasSubstr("a tenth of total_num_steps (50)"));
+  // The Trainer's warmup_steps (0 unless set), which DeepSpeed raises to 2.
+  EXPECT_EQ(c.scheduler.warmup_num_steps, 2);
+  EXPECT_THAT(auto_of(c, "scheduler.params.warmup_num_steps").why,
+              HasSubstr("fills its warmup_steps, 0 unless set, and DeepSpeed warms up over at least 2 steps"));
   const auto& z = c.zero_optimization;
   EXPECT_EQ(z.reduce_bucket_size, d.zero_optimization.reduce_bucket_size);
   EXPECT_EQ(z.allgather_bucket_size, d.zero_optimization.allgather_bucket_size);
@@ -109,8 +110,15 @@ TEST(AutoValues, TheSchedulerFollowsTheOptimizerAndTheRun) {
   EXPECT_EQ(c.scheduler.warmup_max_lr, 3e-4);
   EXPECT_THAT(auto_of(c, "scheduler.params.warmup_max_lr").why, HasSubstr("optimizer.params.lr"));
   EXPECT_EQ(c.scheduler.total_num_steps, 5000);
-  EXPECT_EQ(c.scheduler.warmup_num_steps, 1000);  // remat's default, below the run's steps
-  EXPECT_EQ(auto_of(c, "scheduler.params.warmup_num_steps").why, "remat's default, as when the key is left out");
+  EXPECT_EQ(c.scheduler.warmup_num_steps, 2);  // as for a short run: the Trainer's warmup_steps, raised to 2
+  EXPECT_EQ(auto_of(c, "scheduler.params.warmup_num_steps").value, "2");
+  EXPECT_EQ(c.scheduler.warmup_min_lr, 0.0);  // left out: DeepSpeed's default, written in
+  // WarmupCosineLR takes the warm-up and the total the same way.
+  c = parse(R"({"scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": "auto",
+                                                                    "total_num_steps": "auto"}}})",
+            {"train.steps=300"});
+  EXPECT_EQ(c.scheduler.warmup_num_steps, 2);
+  EXPECT_EQ(c.scheduler.total_num_steps, 300);
   // An override may say "auto" too.
   c = parse("{}", {"gradient_clipping=auto", "train_micro_batch_size_per_gpu=\"auto\""});
   EXPECT_TRUE(c.is_auto("gradient_clipping"));

@@ -217,15 +217,17 @@ const std::vector<Field>& base_schema() {
               deepspeed_only("legacy_fusion", "remat's optimizers are LibTorch's own")}),
       object("scheduler", &Config::scheduler,
              {leaf("type", &SchedulerConfig::type,
-                   {"none", "WarmupLR", "WarmupDecayLR"}),
+                   {"none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"}),
               inline_section(
                   "params",
-                  {leaf("warmup_min_lr", &SchedulerConfig::warmup_min_lr),
-                   leaf("warmup_max_lr", &SchedulerConfig::warmup_max_lr),
+                  {optional_leaf("warmup_min_lr", &SchedulerConfig::warmup_min_lr),
+                   optional_leaf("warmup_max_lr", &SchedulerConfig::warmup_max_lr),
                    leaf("warmup_num_steps", &SchedulerConfig::warmup_num_steps),
                    leaf("warmup_type", &SchedulerConfig::warmup_type,
                         {"log", "linear"}),
-                   leaf("total_num_steps", &SchedulerConfig::total_num_steps),
+                   optional_leaf("total_num_steps", &SchedulerConfig::total_num_steps),
+                   optional_leaf("warmup_min_ratio", &SchedulerConfig::warmup_min_ratio),
+                   optional_leaf("cos_min_ratio", &SchedulerConfig::cos_min_ratio),
                    leaf("last_batch_iteration", &SchedulerConfig::last_batch_iteration)})}),
       // Stored with the bf16 options (parallel/zero_options.h).
       stored_in(enum_leaf("communication_data_type", &parallel::Bf16Options::reduce_dtype,
@@ -406,6 +408,23 @@ BatchSizes Config::resolve_batch(int dp) const {
 
 std::string Config::to_json() const { return json_schema::dump("", schema(), this).dump(2); }
 
+namespace {
+
+// The defaults of the keys the scheduler's type takes, written in: the dumped
+// config shows the rates the run trains with. Another type's keys stay unset.
+void fill_scheduler_defaults(Config& c) {
+  SchedulerConfig& s = c.scheduler;
+  if (s.type == "WarmupLR" || s.type == "WarmupDecayLR") {
+    s.warmup_min_lr = s.min_lr();
+    s.warmup_max_lr = s.max_lr(c.optimizer.lr);
+  } else if (s.type == "WarmupCosineLR") {
+    s.warmup_min_ratio = s.min_ratio();
+    s.cos_min_ratio = s.floor_ratio();
+  }
+}
+
+}  // namespace
+
 Config parse_config(const std::string& text, const std::string& source,
                     const std::vector<std::string>& overrides) {
   json root = json_schema::parse_strict(text, source);
@@ -436,6 +455,7 @@ Config parse_config(const std::string& text, const std::string& source,
   for (auto& key : autos) config.auto_values.push_back({std::move(key), "", ""});
   decide_config_autos(config);  // before the rules: they see the decided values
   check_config_rules(config, source, overrides);
+  fill_scheduler_defaults(config);
   return config;
 }
 

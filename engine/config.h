@@ -37,18 +37,34 @@ struct OptimizerConfig {
   bool nesterov = false;  // SGD
 };
 
-// scheduler: the learning rate per step (engine/optim.h).
+// scheduler: DeepSpeed's learning-rate schedules (engine/lr_schedule.h),
+// with the parameters of DeepSpeed's constructors: each type takes its own
+// (a key of another type is refused, as DeepSpeed's constructor refuses it).
+// A key left out takes DeepSpeed's default: the accessors below hold them, and
+// parse_config writes them into the keys the type takes.
 struct SchedulerConfig {
-  std::string type = "none";  // none | WarmupLR | WarmupDecayLR
-  double warmup_min_lr = 0.0;
-  double warmup_max_lr = 1e-3;
-  int64_t warmup_num_steps = 1000;
-  std::string warmup_type = "log";  // log | linear
-  int64_t total_num_steps = 0;      // WarmupDecayLR only; required there
+  std::string type = "none";  // none | WarmupLR | WarmupDecayLR | WarmupCosineLR
+  std::optional<double> warmup_min_lr;     // WarmupLR, WarmupDecayLR
+  std::optional<double> warmup_max_lr;     // WarmupLR, WarmupDecayLR
+  int64_t warmup_num_steps = 1000;         // below 2: 2 (warmup_steps())
+  std::string warmup_type = "log";         // log | linear
+  std::optional<int64_t> total_num_steps;  // WarmupDecayLR, WarmupCosineLR: required
+  std::optional<double> warmup_min_ratio;  // WarmupCosineLR: of optimizer.params.lr
+  std::optional<double> cos_min_ratio;     // WarmupCosineLR: of optimizer.params.lr
   // DeepSpeed's index of the last batch already trained on: -1 (a fresh run)
-  // or k >= 0, which continues the schedule after it (step s takes the rate
-  // of step s + k + 1).
+  // or k >= 0, which starts the schedule after it (engine/lr_schedule.h).
   int64_t last_batch_iteration = -1;
+
+  // DeepSpeed's defaults, for a key left out. warmup_max_lr: the optimizer's
+  // rate under WarmupLR, 0.001 under WarmupDecayLR.
+  double min_lr() const { return warmup_min_lr.value_or(0.0); }
+  double max_lr(double optimizer_lr) const {
+    return warmup_max_lr.value_or(type == "WarmupLR" ? optimizer_lr : 1e-3);
+  }
+  double min_ratio() const { return warmup_min_ratio.value_or(0.0); }
+  double floor_ratio() const { return cos_min_ratio.value_or(1e-4); }
+  // The warm-up's length: DeepSpeed raises warmup_num_steps to at least 2.
+  int64_t warmup_steps() const { return warmup_num_steps < 2 ? 2 : warmup_num_steps; }
 };
 
 // tensor_parallel: ranks per tensor-parallel group (runtime/layout.h), and

@@ -148,42 +148,92 @@ std::string from_auto(const Config& c, const std::string& key) {
              : std::string(" (decided from \"auto\"; give it a number)");
 }
 
-void check_scheduler(const Config& c, Problems& problems) {
+// The keys of scheduler.params each type takes are its DeepSpeed constructor's
+// arguments: another type's key is refused, as that constructor refuses it.
+void check_scheduler_keys(const Config& c, Problems& problems) {
   const SchedulerConfig& sc = c.scheduler;
-  if (sc.type == "none") return;
-  if (sc.warmup_min_lr < 0) {
-    problems.add({"scheduler.params.warmup_min_lr", "scheduler.type"},
-                 str("'scheduler.params.warmup_min_lr' = ", sc.warmup_min_lr, " must be >= 0"));
-  }
-  if (sc.warmup_max_lr <= 0) {
+  const bool cosine = sc.type == "WarmupCosineLR";
+  // `name` belongs to another type; given a value or "auto" (which stores none).
+  auto refuse = [&](const std::string& name, bool foreign, bool has_value, const std::string& instead) {
+    const std::string key = "scheduler.params." + name;
+    if (!foreign || (!has_value && !c.is_auto(key))) return;
+    problems.add({key, "scheduler.type"}, str("'", key, "' is not a parameter of ", sc.type,
+                                              " (DeepSpeed's constructor refuses it): ", instead));
+  };
+  const std::string ratios = "WarmupCosineLR's rates are optimizer.params.lr times a ratio: remove it, and give "
+                             "warmup_min_ratio and cos_min_ratio (optimizer.params.lr is the peak)";
+  refuse("warmup_min_lr", cosine, sc.warmup_min_lr.has_value(), ratios);
+  refuse("warmup_max_lr", cosine, sc.warmup_max_lr.has_value(), ratios);
+  refuse("total_num_steps", sc.type == "WarmupLR", sc.total_num_steps.has_value(),
+         "WarmupLR keeps warmup_max_lr after the warm-up; remove it, or set scheduler.type to WarmupDecayLR or "
+         "WarmupCosineLR to decay over total_num_steps");
+  const std::string cosine_only = "it is WarmupCosineLR's; remove it, or set scheduler.type to WarmupCosineLR";
+  refuse("warmup_min_ratio", !cosine, sc.warmup_min_ratio.has_value(), cosine_only);
+  refuse("cos_min_ratio", !cosine, sc.cos_min_ratio.has_value(), cosine_only);
+}
+
+// The ranges of the values, and the schedule's length against its warm-up
+// and against last_batch_iteration (engine/lr_schedule.h: step s >= 2 trains
+// at the rate of position last_batch_iteration + s - 1).
+void check_scheduler_values(const Config& c, Problems& problems) {
+  const SchedulerConfig& sc = c.scheduler;
+  auto at_least = [&](const std::string& name, std::optional<double> v, const std::string& why) {
+    if (v && *v < 0) {
+      problems.add({"scheduler.params." + name, "scheduler.type"},
+                   str("'scheduler.params.", name, "' = ", *v, " must be >= 0", why));
+    }
+  };
+  at_least("warmup_min_lr", sc.warmup_min_lr, "");
+  at_least("warmup_min_ratio", sc.warmup_min_ratio, " (the warm-up starts at that share of optimizer.params.lr)");
+  at_least("cos_min_ratio", sc.cos_min_ratio,
+           " (DeepSpeed stops the rate at 0, before total_num_steps): give 0 to decay to 0");
+  if (sc.warmup_max_lr && *sc.warmup_max_lr <= 0) {
     problems.add({"scheduler.params.warmup_max_lr", "scheduler.type"},
-                 str("'scheduler.params.warmup_max_lr' = ", sc.warmup_max_lr,
+                 str("'scheduler.params.warmup_max_lr' = ", *sc.warmup_max_lr,
                      " must be > 0 (a negative rate climbs the loss)"));
   }
   if (sc.warmup_num_steps < 0) {
     problems.add({"scheduler.params.warmup_num_steps", "scheduler.type"},
-                 str("'scheduler.params.warmup_num_steps' = ", sc.warmup_num_steps, " must be >= 0"));
+                 str("'scheduler.params.warmup_num_steps' = ", sc.warmup_num_steps,
+                     " must be >= 0 (DeepSpeed warms up over at least 2 steps: 0 and 1 give 2)"));
   }
   if (sc.last_batch_iteration < -1) {
     problems.add({"scheduler.params.last_batch_iteration"},
                  str("'scheduler.params.last_batch_iteration' = ", sc.last_batch_iteration,
                      " must be -1 (a fresh run) or the index of the last batch trained on (>= 0)"));
   }
-  if (sc.type == "WarmupDecayLR" && sc.total_num_steps <= sc.warmup_num_steps) {
-    problems.add({"scheduler.type", "scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps"},
-                 str("scheduler WarmupDecayLR needs 'scheduler.params.total_num_steps' (", sc.total_num_steps,
-                     from_auto(c, "scheduler.params.total_num_steps"), ") greater than "
-                     "'scheduler.params.warmup_num_steps' (", sc.warmup_num_steps,
-                     from_auto(c, "scheduler.params.warmup_num_steps"), ")"));
-  } else if (sc.type == "WarmupDecayLR" && sc.last_batch_iteration + 1 >= sc.total_num_steps) {
-    // The first step would take the rate of step last_batch_iteration + 2,
-    // past the schedule's end: warmup_min_lr for the whole run.
-    problems.add({"scheduler.params.last_batch_iteration", "scheduler.params.total_num_steps"},
-                 str("'scheduler.params.last_batch_iteration' = ", sc.last_batch_iteration,
-                     " starts the run past the end of WarmupDecayLR's schedule ('scheduler.params.total_num_steps' = ",
-                     sc.total_num_steps, from_auto(c, "scheduler.params.total_num_steps"), "): every step would train at warmup_min_lr; raise total_num_steps above ",
-                     sc.last_batch_iteration + 1, " plus the steps to train, or set last_batch_iteration to -1"));
+  if (sc.type != "WarmupDecayLR" && sc.type != "WarmupCosineLR") return;
+  const std::string total_key = "scheduler.params.total_num_steps";
+  if (!sc.total_num_steps) {
+    problems.add({total_key, "scheduler.type"},
+                 str("scheduler ", sc.type, " needs '", total_key, "' (DeepSpeed's constructor requires it): give "
+                     "the run's optimizer steps, or \"auto\" (train.steps)"));
+    return;
   }
+  const int64_t total = *sc.total_num_steps, k = sc.last_batch_iteration;
+  const bool decay = sc.type == "WarmupDecayLR";
+  if (total <= sc.warmup_steps()) {
+    problems.add({"scheduler.type", total_key, "scheduler.params.warmup_num_steps"},
+                 str("scheduler ", sc.type, " needs '", total_key, "' (", total, from_auto(c, total_key),
+                     ") greater than its warm-up, 'scheduler.params.warmup_num_steps' (", sc.warmup_num_steps,
+                     from_auto(c, "scheduler.params.warmup_num_steps"),
+                     sc.warmup_num_steps < 2 ? ", warmed up over 2 steps as DeepSpeed does" : "",
+                     "), which it decays from: raise total_num_steps or lower warmup_num_steps"));
+  } else if (const int64_t end = decay ? total : total - 1; k + 1 >= end) {
+    // Step 2 would train at position k + 1, where the decay has ended.
+    problems.add({"scheduler.params.last_batch_iteration", total_key},
+                 str("'scheduler.params.last_batch_iteration' = ", k, " starts the run past the end of ", sc.type,
+                     "'s schedule ('", total_key, "' = ", total, from_auto(c, total_key),
+                     "): from step 2 on every step would train at ",
+                     decay ? "warmup_min_lr" : "cos_min_ratio x optimizer.params.lr", "; raise total_num_steps above ",
+                     decay ? k + 1 : k + 2, " plus the steps to train, or set last_batch_iteration to -1"));
+  }
+}
+
+void check_scheduler(const Config& c, Problems& problems) {
+  if (c.scheduler.type == "none") return;
+  check_scheduler_keys(c, problems);
+  check_scheduler_values(c, problems);
 }
 
 // fp16: the loss scaler's rules (optim/loss_scaler.h), and what remat does
@@ -339,6 +389,10 @@ std::vector<std::string> ineffective_settings(const Config& c) {
   if (ac.partition_activations && tp.size == 1) {
     out.push_back("activation_checkpointing.partition_activations with tensor_parallel.size 1 "
                   "keeps whole inputs (there is no group to split them across)");
+  }
+  if (const auto& sc = c.scheduler; sc.type != "none" && sc.warmup_num_steps < 2) {
+    out.push_back(str("scheduler.params.warmup_num_steps = ", sc.warmup_num_steps, ": the warm-up lasts 2 steps, "
+                      "as DeepSpeed raises it to at least 2 (and from 0.19.3 refuses 0); give 2 to say so"));
   }
   for (auto& line : deepspeed_keys::tuning_without_effect(c)) out.push_back(std::move(line));
   return out;

@@ -15,6 +15,7 @@
 namespace remat {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 template <typename F>
@@ -346,7 +347,8 @@ TEST(Config, CrossFieldChecks) {
   EXPECT_THAT(config_error([] {
                 parse(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}})");
               }),
-              HasSubstr("needs 'scheduler.params.total_num_steps' (0) greater than"));
+              HasSubstr("scheduler WarmupDecayLR needs 'scheduler.params.total_num_steps' (DeepSpeed's "
+                        "constructor requires it): give the run's optimizer steps, or \"auto\" (train.steps)"));
 }
 
 TEST(Config, BatchSizesAnyTwoDetermineTheThird) {
@@ -1035,7 +1037,8 @@ TEST(ConfigTuningKeys, Gather16BitWeightsOnSaveIsReadInEverySpelling) {
             "");
 }
 
-// scheduler.params.last_batch_iteration reaches the scheduler (engine/optim.h shifts the schedule).
+// scheduler.params.last_batch_iteration reaches the scheduler (engine/lr_schedule.h starts the schedule
+// after it).
 TEST(ConfigTuningKeys, LastBatchIterationReachesTheScheduler) {
   EXPECT_EQ(parse("{}").scheduler.last_batch_iteration, -1);
   EXPECT_EQ(parse(R"({"scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": 99}}})")
@@ -1062,9 +1065,104 @@ TEST(ConfigTuningKeys, LastBatchIterationReachesTheScheduler) {
                           "params": {"total_num_steps": "auto", "warmup_num_steps": 5}}})");
               }),
               HasSubstr("'scheduler.params.total_num_steps' (3 (\"auto\": train.steps, 3; raise the steps, or give "
-                        "total_num_steps a number)) greater than 'scheduler.params.warmup_num_steps' (5)"));
+                        "total_num_steps a number)) greater than its warm-up, 'scheduler.params.warmup_num_steps' "
+                        "(5), which it decays from: raise total_num_steps or lower warmup_num_steps"));
   EXPECT_EQ(parse(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2,
                       "last_batch_iteration": 8, "total_num_steps": 10}}})").scheduler.last_batch_iteration, 8);
+  // WarmupCosineLR reaches cos_min_ratio one position earlier, at total_num_steps - 1.
+  auto cosine = [](int k) {
+    return parse(str(R"({"scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 2, )",
+                     R"("total_num_steps": 10, "last_batch_iteration": )", k, "}}}"));
+  };
+  EXPECT_THAT(config_error([&] { cosine(8); }),
+              HasSubstr("'scheduler.params.last_batch_iteration' = 8 starts the run past the end of WarmupCosineLR's "
+                        "schedule ('scheduler.params.total_num_steps' = 10): from step 2 on every step would train at "
+                        "cos_min_ratio x optimizer.params.lr; raise total_num_steps above 10 plus the steps to train, "
+                        "or set last_batch_iteration to -1"));
+  EXPECT_EQ(cosine(7).scheduler.last_batch_iteration, 7);
+}
+
+// Each scheduler type takes its DeepSpeed constructor's keys: another type's
+// key is refused (DeepSpeed's constructor would), naming what to write; the
+// defaults of the keys left out are written in. "none" reads no key.
+TEST(ConfigScheduler, EachTypeTakesItsConstructorsKeys) {
+  auto refused = [](const std::string& type, const std::string& params) {
+    return config_error([&] { parse(str(R"({"scheduler": {"type": ")", type, R"(", "params": )", params, "}}")); });
+  };
+  EXPECT_THAT(refused("WarmupCosineLR", R"({"total_num_steps": 10, "warmup_num_steps": 2, "warmup_max_lr": 0.1})"),
+              HasSubstr("'scheduler.params.warmup_max_lr' is not a parameter of WarmupCosineLR (DeepSpeed's "
+                        "constructor refuses it): WarmupCosineLR's rates are optimizer.params.lr times a ratio: "
+                        "remove it, and give warmup_min_ratio and cos_min_ratio (optimizer.params.lr is the peak)"));
+  EXPECT_THAT(refused("WarmupCosineLR", R"({"total_num_steps": 10, "warmup_num_steps": 2, "warmup_min_lr": "auto"})"),
+              HasSubstr("'scheduler.params.warmup_min_lr' is not a parameter of WarmupCosineLR"));
+  EXPECT_THAT(refused("WarmupLR", R"({"total_num_steps": 100})"),
+              HasSubstr("'scheduler.params.total_num_steps' is not a parameter of WarmupLR (DeepSpeed's constructor "
+                        "refuses it): WarmupLR keeps warmup_max_lr after the warm-up; remove it, or set "
+                        "scheduler.type to WarmupDecayLR or WarmupCosineLR to decay over total_num_steps"));
+  EXPECT_THAT(refused("WarmupDecayLR", R"({"total_num_steps": 100, "cos_min_ratio": 0.1})"),
+              HasSubstr("'scheduler.params.cos_min_ratio' is not a parameter of WarmupDecayLR (DeepSpeed's "
+                        "constructor refuses it): it is WarmupCosineLR's; remove it, or set scheduler.type to "
+                        "WarmupCosineLR"));
+  EXPECT_THAT(refused("WarmupLR", R"({"warmup_min_ratio": 0.1})"),
+              HasSubstr("'scheduler.params.warmup_min_ratio' is not a parameter of WarmupLR"));
+  EXPECT_EQ(parse(R"({"scheduler": {"type": "none", "params": {"total_num_steps": 5, "cos_min_ratio": 0.5,
+                      "warmup_max_lr": 0.1}}})").scheduler.type, "none");
+
+  // Left out: DeepSpeed's defaults, WarmupLR's peak the optimizer's rate.
+  const Config warmup = parse(R"({"optimizer": {"params": {"lr": 3e-4}}, "scheduler": {"type": "WarmupLR"}})");
+  EXPECT_EQ(warmup.scheduler.warmup_min_lr, 0.0);
+  EXPECT_EQ(warmup.scheduler.warmup_max_lr, 3e-4);
+  EXPECT_FALSE(warmup.scheduler.total_num_steps.has_value());
+  EXPECT_FALSE(warmup.scheduler.cos_min_ratio.has_value());
+  const Config decay = parse(R"({"optimizer": {"params": {"lr": 3e-4}},
+      "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 2000}}})");
+  EXPECT_EQ(decay.scheduler.warmup_max_lr, 1e-3);
+  const Config cosine = parse(R"({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 2000}}})");
+  EXPECT_EQ(cosine.scheduler.warmup_min_ratio, 0.0);
+  EXPECT_EQ(cosine.scheduler.cos_min_ratio, 1e-4);
+  EXPECT_FALSE(cosine.scheduler.warmup_max_lr.has_value());
+  // The dump holds them and reads back to the same schedule.
+  const Config again = parse(warmup.to_json());
+  EXPECT_EQ(again.scheduler.warmup_max_lr, 3e-4);
+  EXPECT_EQ(parse(cosine.to_json()).scheduler.cos_min_ratio, 1e-4);
+}
+
+// warmup_num_steps below 2 warms up over 2 (DeepSpeed's max(2, ...)), said
+// once; the rules compare the total with that warm-up; the ratios' ranges.
+TEST(ConfigScheduler, RangesAndTheWarmUpOfAtLeastTwoSteps) {
+  EXPECT_THAT(config_error([] {
+                parse(R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": -1}}})");
+              }),
+              HasSubstr("'scheduler.params.warmup_num_steps' = -1 must be >= 0 (DeepSpeed warms up over at least 2 "
+                        "steps: 0 and 1 give 2)"));
+  EXPECT_THAT(config_error([] {
+                parse(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 1,
+                          "total_num_steps": 2}}})");
+              }),
+              HasSubstr("scheduler WarmupDecayLR needs 'scheduler.params.total_num_steps' (2) greater than its "
+                        "warm-up, 'scheduler.params.warmup_num_steps' (1, warmed up over 2 steps as DeepSpeed does), "
+                        "which it decays from: raise total_num_steps or lower warmup_num_steps"));
+  const std::string zero = R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 0,
+                                "total_num_steps": 3}}})";
+  EXPECT_EQ(parse(zero).scheduler.warmup_num_steps, 0);
+  EXPECT_THAT(warnings_of(zero), HasSubstr("scheduler.params.warmup_num_steps = 0: the warm-up lasts 2 steps, as "
+                                           "DeepSpeed raises it to at least 2 (and from 0.19.3 refuses 0); give 2 "
+                                           "to say so"));
+  EXPECT_EQ(warnings_of(R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}})"), "");
+  EXPECT_EQ(warnings_of(R"({"scheduler": {"type": "none", "params": {"warmup_num_steps": 0}}})"), "");
+  EXPECT_THAT(config_error([] {
+                parse(R"({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 100,
+                          "warmup_num_steps": 10, "warmup_min_ratio": -0.5, "cos_min_ratio": -0.1}}})");
+              }),
+              AllOf(HasSubstr("'scheduler.params.warmup_min_ratio' = -0.5 must be >= 0 (the warm-up starts at that "
+                              "share of optimizer.params.lr)"),
+                    HasSubstr("'scheduler.params.cos_min_ratio' = -0.1 must be >= 0 (DeepSpeed stops the rate at "
+                              "0, before total_num_steps): give 0 to decay to 0")));
+  EXPECT_THAT(config_error([] {
+                parse(R"({"scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 10}}})");
+              }),
+              HasSubstr("scheduler WarmupCosineLR needs 'scheduler.params.total_num_steps' (DeepSpeed's constructor "
+                        "requires it)"));
 }
 
 }  // namespace

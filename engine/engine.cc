@@ -24,6 +24,7 @@
 #include "engine/internal/engine_impl.h"
 #include "engine/internal/step_meter.h"
 #include "engine/internal/unused_parameters.h"
+#include "engine/lr_schedule.h"
 #include "engine/optim.h"
 #include "engine/step_counters.h"
 #include "engine/save/dir_lock.h"

@@ -34,6 +34,7 @@
 #include "engine/save_dir.h"
 #include "nn/module_call.h"
 #include "runtime/error.h"
+#include "tests/deepspeed_lr.h"
 #include "runtime/layout.h"
 #include "tests/error_of.h"
 #include "tests/parallel_setup.h"
@@ -534,67 +535,81 @@ TEST(Engine, AccumulationOfThreeStepsAtTheThirdAndRefusesSavesBefore) {
   EXPECT_EQ(run.engine->save_checkpoint(dir), dir + "/step_00000001");
 }
 
-TEST(Engine, GetLrFollowsWarmupDecayAcrossStepsAndAfterALoad) {
-  const std::string dir = scratch("schedule");
-  nlohmann::json config = nlohmann::json::parse(config_json(1, "none"));
-  config["scheduler"] = {{"type", "WarmupDecayLR"},
-                         {"params", {{"warmup_min_lr", 0.0}, {"warmup_max_lr", 0.01}, {"warmup_num_steps", 4},
-                                     {"warmup_type", "linear"}, {"total_num_steps", 8}}}};
-  // Linear warm-up to 0.01 at step 4, then linear decay to 0 at step 8.
-  auto expected = [](int64_t step) {
-    return step < 4 ? 0.01 * step / 4 : 0.01 * std::clamp<double>(8.0 - step, 0, 4) / 4;
-  };
-  {
-    Trainer run(config.dump());
-    EXPECT_DOUBLE_EQ(run.engine->get_lr(), expected(1));
-    for (int64_t step = 1; step <= 9; ++step) {
-      run.train(1);
-      EXPECT_DOUBLE_EQ(run.engine->last_metrics().lr, expected(step)) << "step " << step;
-      EXPECT_DOUBLE_EQ(run.engine->optimizer().param_groups()[0].options().get_lr(), expected(step)) << "step " << step;
-      EXPECT_DOUBLE_EQ(run.engine->get_lr(), expected(step + 1)) << "after step " << step;
-      if (step == 3) run.engine->save_checkpoint(dir);
+// The rate every step of a 20-step run trains at (last_metrics().lr and the
+// optimizer's param group) is DeepSpeed's for the same section
+// (tests/deepspeed_lr.h: its schedules and its engine's order), get_lr() the
+// next step's; a run saved at step 7 and resumed trains steps 8-20 at the
+// uninterrupted run's rates.
+TEST(Engine, EachStepTrainsAtDeepSpeedsRateAndAResumeContinuesTheSchedule) {
+  const std::vector<nlohmann::json> schedules = {
+      {{"type", "WarmupLR"},
+       {"params", {{"warmup_min_lr", 1e-3}, {"warmup_max_lr", 0.02}, {"warmup_num_steps", 6}}}},
+      {{"type", "WarmupDecayLR"},
+       {"params", {{"warmup_min_lr", 0.0}, {"warmup_max_lr", 0.01}, {"warmup_num_steps", 4},
+                   {"warmup_type", "linear"}, {"total_num_steps", 16}, {"last_batch_iteration", 2}}}},
+      {{"type", "WarmupCosineLR"},
+       {"params", {{"warmup_num_steps", 5}, {"total_num_steps", 20}, {"warmup_min_ratio", 0.1}}}}};
+  for (size_t n = 0; n < schedules.size(); ++n) {
+    const std::string dir = scratch(str("schedule_", n));
+    nlohmann::json config = nlohmann::json::parse(config_json(1, "none"));  // optimizer.params.lr 0.01
+    config["scheduler"] = schedules[n];
+    const std::vector<double> rates = testing::deepspeed_rates(0.01, schedules[n], 21);
+    const std::string type = schedules[n]["type"];
+    {
+      Trainer run(config.dump());
+      EXPECT_DOUBLE_EQ(run.engine->get_lr(), rates[0]) << type;
+      for (int step = 1; step <= 20; ++step) {
+        run.train(1);
+        EXPECT_DOUBLE_EQ(run.engine->last_metrics().lr, rates[step - 1]) << type << ", step " << step;
+        EXPECT_DOUBLE_EQ(run.engine->optimizer().param_groups()[0].options().get_lr(), rates[step - 1])
+            << type << ", step " << step;
+        EXPECT_DOUBLE_EQ(run.engine->get_lr(), rates[step]) << type << ", after step " << step;
+        if (step == 7) run.engine->save_checkpoint(dir);
+      }
+    }
+    Trainer resumed(config.dump());
+    resumed.engine->load_checkpoint(dir);
+    EXPECT_DOUBLE_EQ(resumed.engine->get_lr(), rates[7]) << type;
+    for (int step = 8; step <= 20; ++step) {
+      resumed.train(1);
+      EXPECT_DOUBLE_EQ(resumed.engine->last_metrics().lr, rates[step - 1]) << type << ", resumed, step " << step;
     }
   }
-  Trainer resumed(config.dump());
-  resumed.engine->load_checkpoint(dir);
-  EXPECT_DOUBLE_EQ(resumed.engine->get_lr(), expected(4));
-  resumed.train(1);
-  EXPECT_DOUBLE_EQ(resumed.engine->last_metrics().lr, expected(4));
-  EXPECT_DOUBLE_EQ(resumed.engine->get_lr(), expected(5));
 }
 
-// scheduler.params.last_batch_iteration k (issue 41, item 4): the schedule
-// shifted by k + 1 steps. A resume adds the same shift to the save's step, so
-// a run resumed with its own config continues its schedule; saves do not
-// record k, so a resume with k = -1 takes the save's step alone.
+// scheduler.params.last_batch_iteration k (issue 41, item 4): step 1 trains
+// at the optimizer's rate, step s at position k + s - 1, as in DeepSpeed. A
+// resume goes on from the save's step with the config's k, so a run resumed
+// with its own config continues its schedule; saves do not record k, so a
+// resume with k = -1 takes the unshifted schedule's rate of that step.
 TEST(Engine, LastBatchIterationShiftsTheScheduleAndAResumeKeepsTheShift) {
   const std::string dir = scratch("shifted_schedule");
   nlohmann::json config = nlohmann::json::parse(config_json(1, "none"));
   config["scheduler"] = {{"type", "WarmupDecayLR"},
-                         {"params", {{"warmup_min_lr", 0.0}, {"warmup_max_lr", 0.01}, {"warmup_num_steps", 4},
+                         {"params", {{"warmup_min_lr", 0.0}, {"warmup_max_lr", 0.02}, {"warmup_num_steps", 4},
                                      {"warmup_type", "linear"}, {"total_num_steps", 8},
                                      {"last_batch_iteration", 1}}}};
-  auto expected = [](int64_t step) {
-    return step < 4 ? 0.01 * step / 4 : 0.01 * std::clamp<double>(8.0 - step, 0, 4) / 4;
-  };
+  const std::vector<double> shifted = testing::deepspeed_rates(0.01, config["scheduler"], 4);
+  EXPECT_EQ(shifted[0], 0.01);  // the optimizer's own
+  EXPECT_DOUBLE_EQ(shifted[1], 0.02 * 2 / 4);
   {
     Trainer run(config.dump());
-    EXPECT_DOUBLE_EQ(run.engine->get_lr(), expected(3));
+    EXPECT_DOUBLE_EQ(run.engine->get_lr(), shifted[0]);
     for (int64_t step = 1; step <= 3; ++step) {
       run.train(1);
-      EXPECT_DOUBLE_EQ(run.engine->last_metrics().lr, expected(step + 2)) << "step " << step;
+      EXPECT_DOUBLE_EQ(run.engine->last_metrics().lr, shifted[step - 1]) << "step " << step;
       if (step == 2) run.engine->save_checkpoint(dir);
     }
   }
   Trainer resumed(config.dump());
   resumed.engine->load_checkpoint(dir + "/step_00000002");
-  EXPECT_DOUBLE_EQ(resumed.engine->get_lr(), expected(5));
+  EXPECT_DOUBLE_EQ(resumed.engine->get_lr(), shifted[2]);
   resumed.train(1);
-  EXPECT_DOUBLE_EQ(resumed.engine->last_metrics().lr, expected(5));
+  EXPECT_DOUBLE_EQ(resumed.engine->last_metrics().lr, shifted[2]);
   config["scheduler"]["params"]["last_batch_iteration"] = -1;
   Trainer unshifted(config.dump());
   unshifted.engine->load_checkpoint(dir + "/step_00000002");
-  EXPECT_DOUBLE_EQ(unshifted.engine->get_lr(), expected(3));
+  EXPECT_DOUBLE_EQ(unshifted.engine->get_lr(), testing::deepspeed_rates(0.01, config["scheduler"], 3)[2]);
 }
 
 TEST(Engine, ANonFiniteStepIsSkippedOrStoppedWithTheParametersUnchanged) {

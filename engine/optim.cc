@@ -4,8 +4,6 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
-#include <algorithm>
-#include <cmath>
 #include <type_traits>
 #include <utility>
 
@@ -38,25 +36,6 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerConfig& c
                     .weight_decay(c.weight_decay));
   }
   throw ConfigError(str("optimizer.type '", c.type, "' is not one of AdamW, Adam, SGD"));
-}
-
-double learning_rate(const OptimizerConfig& optimizer, const SchedulerConfig& s, int64_t step) {
-  if (s.type == "none") return optimizer.lr;
-  step += s.last_batch_iteration + 1;  // continues after DeepSpeed's last batch (-1: a fresh run)
-  const double lo = s.warmup_min_lr, hi = s.warmup_max_lr;
-  const auto warmup = std::max<int64_t>(s.warmup_num_steps, 1);
-  if (step < warmup) {
-    double gamma = s.warmup_type == "log"
-                       ? std::log(static_cast<double>(step + 1)) / std::log(static_cast<double>(warmup))
-                       : static_cast<double>(step) / static_cast<double>(warmup);
-    return lo + (hi - lo) * std::min(gamma, 1.0);
-  }
-  if (s.type == "WarmupDecayLR") {
-    double gamma = static_cast<double>(s.total_num_steps - step) /
-                   static_cast<double>(std::max<int64_t>(s.total_num_steps - warmup, 1));
-    return lo + (hi - lo) * std::clamp(gamma, 0.0, 1.0);
-  }
-  return hi;
 }
 
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {

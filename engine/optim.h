@@ -1,4 +1,4 @@
-// The optimizer and learning-rate schedule the config asks for.
+// The optimizer the config asks for, and access to its rate and state.
 #pragma once
 
 #include <torch/optim/optimizer.h>
@@ -11,7 +11,6 @@
 namespace remat {
 
 struct OptimizerConfig;
-struct SchedulerConfig;
 
 // LibTorch's AdamW, Adam or SGD with the config's parameters. `on_host`
 // (zero_optimization.offload_optimizer: the parameters are float32 host
@@ -20,16 +19,7 @@ struct SchedulerConfig;
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerConfig& config,
                                                         std::vector<at::Tensor> params, bool on_host = false);
 
-// The learning rate of `step` (1-based): the optimizer's lr without a
-// scheduler; DeepSpeed's WarmupLR (warm up from warmup_min_lr to warmup_max_lr
-// over warmup_num_steps, log or linear, then constant) and WarmupDecayLR (the
-// same, then linear decay to warmup_min_lr at total_num_steps). With
-// scheduler.last_batch_iteration k, step s takes the rate of step s + k + 1:
-// a resumed run (its step from the save) with the value it was started with
-// continues its schedule; saves do not record k.
-double learning_rate(const OptimizerConfig& optimizer, const SchedulerConfig& scheduler,
-                     int64_t step);
-
+// Sets every parameter group's rate (engine/lr_schedule.h says which).
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr);
 
 // The optimizer's per-parameter state tensors (Adam's moments, SGD's momentum

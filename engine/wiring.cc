@@ -21,6 +21,7 @@
 #include "engine/engine.h"
 #include "engine/internal/device.h"
 #include "engine/internal/engine_impl.h"
+#include "engine/lr_schedule.h"
 #include "engine/optim.h"
 #include "nn/saved_tensors_hooks.h"
 #include "parallel/layers.h"
