@@ -37,6 +37,9 @@ struct MicroBatchSearchOptions {
   int min_passes = 3;
   int max_passes = 32;
   double timed_seconds = 0.2;
+  // Once growth stops, the candidates within twice the tolerance of the best
+  // are timed again and keep their faster round, before the knee is taken.
+  bool confirm = true;
   // Growth stops at the first candidate whose warm-up pass takes more than
   // candidate_seconds / (1 + min_passes): that candidate is timed by its
   // warm-up alone and is the last. Each candidate costs about
@@ -88,7 +91,7 @@ using SlowestOfRanks = std::function<std::vector<double>(std::vector<double>)>;
 // Measures the candidates in order, each after options.warmup passes, until
 // `patience` in a row stop improving the best tokens/s by more than the
 // tolerance, a pass exceeds the per-candidate budget or the candidates end;
-// chooses the knee. Every decision to go on is taken on `slowest`'s figures, so every
+// times those near the best again (options.confirm); chooses the knee. Every decision to go on is taken on `slowest`'s figures, so every
 // rank measures the same candidates with the same number of passes.
 MicroBatchSearch search_micro_batch(const std::vector<int64_t>& candidates, int64_t tokens_per_sample,
                                     const MicroBatchPass& pass, const SlowestOfRanks& slowest,
