@@ -15,7 +15,7 @@
 #
 # Environment: BIN (the folder of remat-estimate, remat-train and remat-run),
 # FIT_HOST_BYTES (the host memory the verdict allows, default: the estimator's
-# own, this host's available memory).
+# own, this host's physical memory over the ranks).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -179,10 +179,11 @@ void choose_micro_batch(Config& c, int dp, const MicroBatchChooser& choose) {
   const auto& tbs = c.train_batch_size;
   if (!choose) {
     throw ConfigError(
-        "config error: train_micro_batch_size_per_gpu is \"auto\", which remat decides from the memory estimate "
-        "of the GPT that remat-train and remat-estimate build; a model given to remat::initialize cannot be "
+        "config error: train_micro_batch_size_per_gpu is \"auto\", which remat measures for the GPT that "
+        "remat-train builds, bounded by its memory estimate; a model given to remat::initialize cannot be "
         "estimated before it runs: give train_micro_batch_size_per_gpu a number (or train_batch_size and "
-        "gradient_accumulation_steps as numbers, to derive it)");
+        "gradient_accumulation_steps as numbers, to derive it), or give EngineOptions::micro_batch its bound "
+        "and a micro-batch's loss, for initialize to measure it");
   }
   if (tbs && *tbs % dp != 0) {
     throw ConfigError(str("config error: train_batch_size (", *tbs, ") is not divisible by the data-parallel size (",

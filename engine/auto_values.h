@@ -19,9 +19,11 @@
 //   stage3_param_persistence_threshold at stage 3 (0 under bf16 or fp16,
 //   what stage 3 uses there);
 // - where the data-parallel size and the model's memory are known:
-//   train_micro_batch_size_per_gpu (from a memory estimate: remat-train's
-//   GPT; a model given to remat::initialize cannot be estimated before it
-//   runs), then gradient_accumulation_steps and train_batch_size.
+//   train_micro_batch_size_per_gpu (the chooser's: remat::initialize's is a
+//   measurement, bounded by a memory estimate, engine/micro_batch_search.h
+//   and EngineOptions::micro_batch; a model given to it without one cannot
+//   be estimated before it runs), then gradient_accumulation_steps and
+//   train_batch_size.
 #pragma once
 
 #include <cstdint>

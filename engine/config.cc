@@ -459,6 +459,19 @@ Config parse_config(const std::string& text, const std::string& source,
   return config;
 }
 
+void set_config_value(Config& config, const std::string& key, const std::string& value, const std::string& source) {
+  json object = json::object();
+  json* at = &object;
+  size_t begin = 0;
+  for (size_t dot = key.find('.'); dot != std::string::npos; begin = dot + 1, dot = key.find('.', begin)) {
+    at = &(*at)[key.substr(begin, dot - begin)];
+  }
+  const json parsed = json::parse(value, nullptr, /*allow_exceptions=*/false);
+  if (parsed.is_discarded()) throw ConfigError(str("config error in ", source, ": '", key, "' = ", value, " is not JSON"));
+  (*at)[key.substr(begin)] = parsed;
+  json_schema::apply(source, "", schema(), object, &config, nullptr);
+}
+
 Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) {

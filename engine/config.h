@@ -233,6 +233,13 @@ std::vector<std::string> ineffective_settings(const Config& config);
 // `spec` is auto, cpu, cuda or cuda:N, else the problem, naming `key`.
 std::string device_spec_problem(const std::string& spec, const std::string& key = "train.device");
 
+// Stores `value` (JSON text) into the member the dotted `key` binds,
+// validated as the config's own JSON is (a ConfigError naming `source`
+// otherwise): an "auto" key decided elsewhere, such as a resumed run taking
+// its save's decision (engine/engine.h, keep_saved_decisions). Only the
+// member: the key's AutoValue is the caller's to record.
+void set_config_value(Config& config, const std::string& key, const std::string& value, const std::string& source);
+
 // Reads and parses a file; an unreadable file is a ConfigError.
 Config load_config(const std::string& path,
                    const std::vector<std::string>& overrides = {});

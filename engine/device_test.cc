@@ -337,5 +337,68 @@ TEST(EngineDevice, AutoValuesAreDecidedFromThePlacedDevice) {
   EXPECT_EQ(derived->config().train_micro_batch_size_per_gpu, 4);
 }
 
+// Two steps of `model` under `engine` on the first `micro` rows of `rows`: the losses.
+std::vector<double> two_steps(Engine& engine, models::Gpt& model, const at::Tensor& rows, int64_t micro) {
+  std::vector<double> losses;
+  for (int step = 0; step < 2; ++step) {
+    const at::Tensor x = engine.to_device(rows.narrow(0, step, micro));
+    at::Tensor loss = engine.forward([&] { return model->loss(x, x); });
+    losses.push_back(loss.item<double>());
+    engine.backward(loss);
+    engine.step();
+  }
+  return losses;
+}
+
+// An "auto" micro-batch for a model given to initialize, with
+// EngineOptions::micro_batch (its bound and a micro-batch's loss): the
+// candidates up to the bound measured through the wiring, the knee chosen
+// and said, and training after it is the training given that number, bit
+// for bit (dropout on: the passes leave the RNG as they found it).
+TEST(EngineDevice, AMeasuredAutoMicroBatchTrainsAsTheNumberGiven) {
+  EngineOptions options;
+  options.layout = testing::layout_ptr(1);
+  options.blocks = "blocks";
+  const at::Tensor rows = at::randint(kVocab, {10, 12}, at::kLong);
+  at::manual_seed(5);
+  models::Gpt model(testing::small_gpt(kVocab, kLayers, 0.1));
+  options.micro_batch.fit = [](int64_t limit) { return MicroBatchChoice{std::min<int64_t>(limit, 8), "the test's bound"}; };
+  options.micro_batch.loss = [&](int64_t micro) {
+    const at::Tensor x = rows.narrow(0, 0, micro).to(training_device(Config{}));
+    return model->loss(x, x);
+  };
+  options.micro_batch.tokens_per_sample = 12;
+  int64_t micro = 0;
+  std::vector<double> measured;
+  {
+    auto engine = initialize(model, R"({"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto"})",
+                             options);
+    const MicroBatchSearch* search = engine->micro_batch_search();
+    ASSERT_NE(search, nullptr);
+    EXPECT_EQ(search->candidates, (std::vector<int64_t>{1, 2, 4, 8}));
+    micro = *engine->config().train_micro_batch_size_per_gpu;
+    EXPECT_EQ(micro, search->chosen_micro());
+    EXPECT_EQ(engine->config().train_batch_size, micro);
+    EXPECT_THAT(auto_lines(engine->config()).back(),
+                HasSubstr(str("train_micro_batch_size_per_gpu \"auto\" -> ", micro, ": the throughput knee")));
+    EXPECT_THAT(auto_lines(engine->config()).back(), HasSubstr("; 8: the test's bound"));
+    measured = two_steps(*engine, model, rows, micro);
+  }
+  at::manual_seed(5);
+  models::Gpt given(testing::small_gpt(kVocab, kLayers, 0.1));
+  EngineOptions plain = options;
+  plain.micro_batch = {};
+  auto engine = initialize(given, str(R"({"train_micro_batch_size_per_gpu": )", micro, "}"), plain);
+  EXPECT_EQ(engine->micro_batch_search(), nullptr);
+  EXPECT_EQ(two_steps(*engine, given, rows, micro), measured) << "micro-batch " << micro;
+
+  // A loss without a bound is refused: the candidates need one.
+  models::Gpt unbounded(testing::small_gpt(kVocab, kLayers, 0.0));
+  options.micro_batch.fit = nullptr;
+  EXPECT_THAT(error_of<ConfigError>([&] { initialize(unbounded, R"({"train_micro_batch_size_per_gpu": "auto"})",
+                                                     options); }),
+              HasSubstr("EngineOptions::micro_batch.loss is set but micro_batch.fit is not"));
+}
+
 }  // namespace
 }  // namespace remat

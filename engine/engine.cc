@@ -21,6 +21,7 @@
 #include "checkpointing/planner.h"
 #include "checkpointing/policy.h"
 #include "engine/export.h"
+#include "engine/internal/decisions.h"
 #include "engine/internal/engine_impl.h"
 #include "engine/internal/step_meter.h"
 #include "engine/internal/unused_parameters.h"
@@ -91,6 +92,8 @@ bool Engine::is_gradient_accumulation_boundary() const {
 
 double Engine::get_lr() const { return impl_->lr; }
 
+const MicroBatchSearch* Engine::micro_batch_search() const { return impl_->search ? &*impl_->search : nullptr; }
+
 at::Tensor Engine::forward(const std::function<at::Tensor()>& fn, const std::vector<int64_t>& plan_key) {
   Impl& s = *impl_;
   ContextScope scope(s.context);
@@ -131,20 +134,11 @@ void Engine::Impl::check_forward_order() const {
 // `fn` when the key is new).
 void Engine::Impl::plan_blocks(torch::nn::Module& model, const Config& config, const std::function<at::Tensor()>& fn,
                                const std::vector<int64_t>& plan_key) {
-  // One forward and backward of this micro-batch per profiling run; the
-  // planner puts the RNG back, the gradients are dropped by forward().
+  // One forward and backward of this micro-batch per profiling run, scaled
+  // as backward() scales it (the same tensors as the step's); the planner
+  // puts the RNG back, the gradients are dropped by forward().
   auto profile_step = [&] {
-    zero->begin_forward();
-    std::unique_ptr<OffloadActivations> offload;
-    if (config.activation_offloading.enabled) {
-      offload = std::make_unique<OffloadActivations>(config.activation_offloading, &model);
-    }
-    at::Tensor loss = zero->finish_forward(fn());
-    offload.reset();
-    zero->begin_backward(/*synchronize=*/true);
-    // Scaled as backward() scales it: the same tensors as the step's.
-    (loss / static_cast<double>(batch.gradient_accumulation_steps)).backward();
-    zero->finish_backward(/*synchronize=*/true);
+    forward_backward(model, config, fn, static_cast<double>(batch.gradient_accumulation_steps));
   };
   meter.begin_planning();
   if (device_budget_bytes) {
@@ -160,6 +154,20 @@ void Engine::Impl::plan_blocks(torch::nn::Module& model, const Config& config, c
       return c != BlockChoice::kKeep && c != BlockChoice::kOffloadActivations;
     }));
   }
+}
+
+void Engine::Impl::forward_backward(torch::nn::Module& model, const Config& config,
+                                    const std::function<at::Tensor()>& fn, double divide_by) {
+  zero->begin_forward();
+  std::unique_ptr<OffloadActivations> offload;
+  if (config.activation_offloading.enabled) {
+    offload = std::make_unique<OffloadActivations>(config.activation_offloading, &model);
+  }
+  at::Tensor loss = zero->finish_forward(fn());
+  offload.reset();
+  zero->begin_backward(/*synchronize=*/true);
+  (loss / divide_by).backward();
+  zero->finish_backward(/*synchronize=*/true);
 }
 
 // The model's forward under the sharding and activation offloading.
@@ -453,6 +461,8 @@ std::string Engine::save_checkpoint(const std::string& dir, const nlohmann::json
   position.step = global_steps_;
   position.client_state = client_state.dump();
   if (s.loss_scaling) position.loss_scaler = s.loss_scaling->save();
+  position.decisions = internal::decisions_json(config_, s.batch, s.layout->dims().dp, s.device_budget_bytes,
+                                                s.search ? &*s.search : nullptr);
   save_train_state(dir, position, s.shards(*model_), *s.optimizer, s.identity, *s.world);
   char folder[32];
   std::snprintf(folder, sizeof folder, "step_%08lld", static_cast<long long>(global_steps_));
@@ -484,6 +494,10 @@ nlohmann::json Engine::load_checkpoint(const std::string& dir) {
   } else if (s.loss_scaling) {
     log_rank0().info("the save in '{}' holds no fp16 loss scaler state: the scale starts at {}", dir,
                      s.loss_scaling->scale());
+  }
+  if (const std::string change = internal::batch_change(position.decisions, s.batch, s.layout->dims().dp);
+      !change.empty()) {
+    log_rank0().warn("{}", change);
   }
   s.loaded_dir = dir;
   s.lr = learning_rate(config_.optimizer, config_.scheduler, global_steps_ + 1);

@@ -40,7 +40,9 @@
 #include <utility>
 #include <vector>
 
+#include "engine/auto_values.h"
 #include "engine/config.h"
+#include "engine/micro_batch_search.h"
 #include "engine/save_dir.h"
 #include "engine/step_metrics.h"
 
@@ -62,6 +64,30 @@ class ZeroModel;
 }
 
 using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
+
+// train_micro_batch_size_per_gpu "auto" by measurement (docs/config.md,
+// "auto"): what initialize() needs to decide it for a model. Without `loss`
+// an "auto" micro-batch is a ConfigError asking for a number (unless
+// train_batch_size and gradient_accumulation_steps give it). With it,
+// initialize() times one forward+backward per pass through its wiring (the
+// sharding, the checkpointing policy) at the candidates up to `fit` and takes
+// the throughput knee (engine/micro_batch_search.h); every rank decides the
+// same, and the parameters, gradients and random states after it are as if
+// the chosen number had been given.
+struct MicroBatchProbe {
+  // The largest micro-batch from 1 to `limit` whose memory fits a rank, and
+  // why (0: not even 1): the model's memory estimate (remat-train: the GPT's,
+  // engine/memory_estimate.h). The smallest of the ranks' bounds the candidates.
+  MicroBatchChooser fit;
+  // The loss of one training micro-batch of `micro` samples, computed on the
+  // engine's device (training_device(): the batch moved there, the model
+  // called through its blocks as in a step). Called at initialize, a few
+  // times per candidate.
+  std::function<at::Tensor(int64_t micro)> loss;
+  // Tokens per sample, for the tokens/s the search reports (1: samples/s).
+  int64_t tokens_per_sample = 1;
+  MicroBatchSearchOptions search;
+};
 
 struct EngineOptions {
   // Overrides applied on top of the config, validated the same way:
@@ -92,6 +118,8 @@ struct EngineOptions {
   // variant auto: each plan also writes the planner's frontier to
   // <plan_report_dir>/frontier.csv (rank 0; PlannerOptions::report_dir).
   std::string plan_report_dir;
+  // An "auto" micro-batch decided by measurement (see MicroBatchProbe).
+  MicroBatchProbe micro_batch;
   // Test seam (fault injection, docs/engine.md): with fp16.enabled, run its
   // loss scaler over float32 compute instead of refusing where fp16 compute
   // is missing, so the scaling, the unscaling, the overflow skip, the
@@ -152,6 +180,8 @@ class Engine {
   double get_global_grad_norm() const { return last_metrics_.grad_norm; }
   // The last optimizer step's metrics.
   const StepMetrics& last_metrics() const { return last_metrics_; }
+  // The search that decided an "auto" micro-batch at initialize (null: none ran).
+  const MicroBatchSearch* micro_batch_search() const;
 
   // Records the next optimizer step's memory timeline (its forwards,
   // backwards and optimizer step, by category, with the spans of each phase,
@@ -183,7 +213,9 @@ class Engine {
   // size, data-parallel size and ZeRO stage with this model (parameter names
   // and whole shapes, and EngineOptions::model_signature), optimizer type and
   // train.seed; returns its client state. Anything else is a ConfigError
-  // naming what differs.
+  // naming what differs. A global batch other than the save's run trained
+  // with is a warning on rank 0 saying it changes from what to what (the
+  // save's "auto" values are taken before initialize: keep_saved_decisions).
   nlohmann::json load_checkpoint(const std::string& dir);
   // Writes every parameter whole, by state-dict name, to one file that
   // torch.load and torch::pickle_load read (written by rank 0). Returns the
@@ -259,6 +291,15 @@ at::Device training_device(const Config& config, const std::string& spec = "");
 // where fp16 is off or the device computes it. For what is sized before
 // initialize(), such as remat-estimate.
 void check_fp16_device(const Config& config, at::Device device);
+
+// A resumed run's own decisions (engine/decisions.h): every "auto" value the
+// run that made the save `resume` decided (a step folder or a save root, as
+// load_checkpoint takes it), for the keys `config` still gives "auto", each
+// reason saying it was kept from the save, and the budget
+// device_memory_budget_bytes "auto" became; nothing is measured again. At
+// another data-parallel size `dp` train_batch_size is derived afresh. Logs
+// one line on rank 0 of what it took. Call it before initialize().
+void keep_saved_decisions(Config& config, const std::string& resume, int dp);
 
 // The engine for `model` from a parsed config (EngineOptions::overrides are
 // applied on top). Collective. Initializing a model that another live engine

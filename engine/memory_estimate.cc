@@ -11,6 +11,7 @@
 #include <set>
 #include <sstream>
 
+#include "checkpointing/frontier.h"
 #include "engine/internal/memory_state.h"
 #include "parallel/zero_options.h"
 #include "runtime/compat.h"
@@ -115,12 +116,21 @@ struct StageTerms {
 };
 
 // The planner's columns for the auto row: the configured budget when the
-// variant is auto, else half the peak with every block kept; a whole-device
-// budget leaves what the state and gradients take. A budget no plan fits:
-// infeasible, at full checkpointing's columns.
+// variant is auto (memory_budget_fraction "knee": the plan at the knee of the
+// frontier, as the planner takes it), else half the peak with every block
+// kept; a whole-device budget leaves what the state and gradients take. A
+// budget no plan fits: infeasible, at full checkpointing's columns.
 std::vector<size_t> auto_columns(const BlockCosts& costs, const Config& config, bool offload, int64_t keep_peak,
                                  const StageTerms& t, const MemoryEstimateInputs& in, bool& feasible) {
   const auto& ac = config.activation_checkpointing;
+  const size_t n = costs.blocks.size();
+  std::vector<size_t> cols(n);
+  if (ac.variant == CheckpointVariant::kAuto && ac.memory_budget_knee && n >= 2) {
+    const std::vector<FrontierPoint> frontier = activation_frontier(offload ? costs : without_offloading(costs));
+    const ActivationPlan& knee = frontier[frontier_knee(frontier)].plan;
+    for (size_t i = 0; i < n; ++i) cols[i] = column_of(costs, knee.choices[i]);
+    return cols;
+  }
   int64_t budget = keep_peak / 2;
   if (ac.variant == CheckpointVariant::kAuto) {
     if (ac.memory_budget_bytes) budget = *ac.memory_budget_bytes;
@@ -134,8 +144,6 @@ std::vector<size_t> auto_columns(const BlockCosts& costs, const Config& config, 
                state;
     }
   }
-  const size_t n = costs.blocks.size();
-  std::vector<size_t> cols(n);
   try {
     ActivationPlan plan = solve_activation_plan(offload ? costs : without_offloading(costs), budget);
     for (size_t i = 0; i < n; ++i) cols[i] = column_of(costs, plan.choices[i]);

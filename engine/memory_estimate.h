@@ -184,10 +184,12 @@ MemoryEstimateInputs live_inputs(torch::nn::Module& model, const std::string& bl
 
 // train_micro_batch_size_per_gpu "auto" (engine/auto_values.h): the largest
 // micro-batch from 1 to `limit` whose configured row fits `have` bytes per
-// rank (its peak at most `have`; under variant auto, a plan within its
-// budget), with `inputs(micro)` the estimate's inputs at that micro-batch; 0
-// when not even 1 fits. The peak grows with the micro-batch, so the answer is
-// found by bisection (about log2(limit) estimates).
+// rank (its peak at most `have`: memory alone; under variant auto a budget no
+// plan meets is the planner's to refuse, at the micro-batch chosen, and the
+// row is judged at full checkpointing's peak), with `inputs(micro)` the
+// estimate's inputs at that micro-batch; 0 when not even 1 fits. The peak
+// grows with the micro-batch, so the answer is found by bisection (about
+// log2(limit) estimates).
 int64_t largest_fitting_micro_batch(const Config& config, int world_size, int64_t have, int64_t limit,
                                     const std::function<MemoryEstimateInputs(int64_t micro)>& inputs);
 

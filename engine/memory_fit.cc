@@ -132,10 +132,13 @@ std::string cheapest_fitting_change(const MemoryEstimate& e, int64_t have, int64
 
 int64_t largest_fitting_micro_batch(const Config& config, int world_size, int64_t have, int64_t limit,
                                     const std::function<MemoryEstimateInputs(int64_t micro)>& inputs) {
+  // Memory alone: an auto row whose budget no plan meets is at full
+  // checkpointing's peak, the least its plan needs; whether the budget can be
+  // met is the planner's to say, at the micro-batch chosen, as for one given.
   auto fits = [&](int64_t micro) {
     const MemoryEstimate estimate = estimate_memory(config, world_size, inputs(micro));
     const MemoryEstimateRow& row = estimate.configured();  // a row of `estimate`, which must outlive it
-    return row.feasible && row.peak_bytes <= have;
+    return row.peak_bytes <= have;
   };
   int64_t lo = 0, hi = limit;  // lo fits (0: trivially), hi + 1 does not (or is past the limit)
   while (lo < hi) {

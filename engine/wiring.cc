@@ -57,13 +57,17 @@ void warn_ineffective(const Config& c) {
 }
 
 // The config's "auto" values still open (a caller such as remat-train may
-// have decided them), from the device this rank trains on; one line per
-// decided key on rank 0.
-void decide_autos(Config& c, at::Device device, int dp) {
+// have decided them), from the device this rank trains on. An "auto"
+// micro-batch that only a measurement gives (EngineOptions::micro_batch) is
+// left to decide_micro_batch, after the wiring it is measured through.
+// Whether it was left.
+bool decide_autos(Config& c, at::Device device, int dp, bool measurable) {
   const bool cuda = device.is_cuda();
   decide_precision_autos(c, device.str(), cuda, cuda && cuda_computes_bf16(device.has_index() ? device.index() : 0));
-  decide_batch_autos(c, dp);
-  for (const auto& line : auto_lines(c)) log_rank0().info("{}", line);
+  const bool measured = measurable && c.is_undecided_auto("train_micro_batch_size_per_gpu") &&
+                        !(c.train_batch_size && c.gradient_accumulation_steps);
+  if (!measured) decide_batch_autos(c, dp);
+  return measured;
 }
 
 // Every rank runs what the others run: ranks configured differently would
@@ -225,10 +229,11 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineO
   s.wire_memory();
   s.wire_layout(config_);
   s.wire_device(*model_, config_);
-  decide_autos(config_, s.placed, s.layout->dims().dp);
+  const int dp = s.layout->dims().dp;
+  const bool measured = decide_autos(config_, s.placed, dp, static_cast<bool>(s.options.micro_batch.loss));
   require_same_config(*s.world, config_, s.placed);
   warn_ineffective(config_);
-  s.batch = config_.resolve_batch(s.layout->dims().dp);
+  if (!measured) s.batch = config_.resolve_batch(dp);
   torch::nn::Module& model = *model_;
   model_parallel_manual_seed(static_cast<uint64_t>(config_.train.seed), *s.layout);
   // fp16: refused here where the device cannot compute it, before anything is wired.
@@ -240,6 +245,9 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineO
   auto block_list = find_block_list(model, blocks);
   s.wire_checkpointing(model, config_, blocks, static_cast<int64_t>(block_list->size()));
   s.wire_sharding(model, config_, *block_list, sharded);
+  if (measured) s.decide_micro_batch(model, config_);
+  for (const auto& line : auto_lines(config_)) log_rank0().info("{}", line);
+  s.check_device_budget(model);
   s.wire_identity(model, config_);
   s.wire_meter(model, config_);
   s.lr = learning_rate(config_.optimizer, config_.scheduler, 1);
@@ -378,16 +386,20 @@ void Engine::Impl::wire_sharding(torch::nn::Module& model, const Config& config,
   optimizer = options.optimizer ? options.optimizer(zero->parameters())
                                 : make_optimizer(config.optimizer, zero->parameters(), zero->offloads_optimizer());
   REMAT_CHECK(optimizer != nullptr, "remat::initialize: EngineOptions::optimizer returned no optimizer");
-  // A whole-device budget the model state alone fills is refused before any step.
-  if (const auto& device = device_budget_bytes; device && auto_plan) {
-    const auto [state, what] = internal::resident_state(model, *zero, *optimizer, batch.gradient_accumulation_steps,
-                                                        this->device == c10::DeviceType::CPU);
-    if (*device <= state) {
-      throw ConfigError(str("activation_checkpointing.device_memory_budget_bytes = ", *device,
-                            " is below the model state alone: ", what, " = ", state, " bytes per rank, before any "
-                            "activation. Raise the budget above that, or shard the state (a higher "
-                            "zero_optimization.stage, more data-parallel ranks)"));
-    }
+}
+
+// A whole-device budget the model state alone fills is refused before any
+// step (the state held between micro-batches follows the batch).
+void Engine::Impl::check_device_budget(torch::nn::Module& model) {
+  const auto& budget = device_budget_bytes;
+  if (!budget || !auto_plan) return;
+  const auto [state, what] = internal::resident_state(model, *zero, *optimizer, batch.gradient_accumulation_steps,
+                                                      device == c10::DeviceType::CPU);
+  if (*budget <= state) {
+    throw ConfigError(str("activation_checkpointing.device_memory_budget_bytes = ", *budget,
+                          " is below the model state alone: ", what, " = ", state, " bytes per rank, before any "
+                          "activation. Raise the budget above that, or shard the state (a higher "
+                          "zero_optimization.stage, more data-parallel ranks)"));
   }
 }
 

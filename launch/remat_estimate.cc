@@ -15,7 +15,10 @@
 // this LibTorch cannot compute it) is refused alike, in the same words.
 // Keys the config gives "auto" are decided first as remat-train would decide
 // them here (engine/auto_values.h), and printed above the table with why
-// (--json: its "auto" object).
+// (--json: its "auto" object). An "auto" micro-batch, which remat-train
+// measures at start, is cold the largest that fits (the most remat-train may
+// choose, the candidates listed); with --live the same search runs here, on
+// this process alone, and the table is at its choice.
 // Exits 2 when the configuration does not fit the memory a rank has here
 // (REMAT_MEMORY_PER_RANK_BYTES, else on the CPU the host's over its ranks,
 // on a GPU the first GPU's capacity). With --device cuda a verdict line
@@ -24,24 +27,28 @@
 // keeps on the host (the optimizer's masters, gradients and state under
 // zero_optimization.offload_optimizer, stage 3's parameter shards under
 // offload_param, offloaded activations) against
-// --host-memory (bytes per rank; default this host's available memory over
+// --host-memory (bytes per rank; default this host's physical memory over
 // the ranks); it exits 2 too when the host part does not fit.
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
+#include <torch/cuda.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <iostream>
 #include <functional>
 #include <optional>
+#include <thread>
 
 #include "data/dataset.h"
 #include "engine/auto_values.h"
 #include "engine/config.h"
 #include "engine/engine.h"
 #include "engine/memory_estimate.h"
+#include "engine/micro_batch_search.h"
 #include "launch/train_tools.h"
 #include "models/gpt.h"
 #include "runtime/device_memory.h"
@@ -166,18 +173,85 @@ bool host_verdict(const MemoryEstimate& e, const MemoryEstimateRow* offloaded, c
   return host <= 0 || on_host <= host;
 }
 
+// --live's micro-batch search at the candidates up to `fit` (a divisor of
+// `divides` when > 0): the GPT's forward and backward alone on this process
+// (no sharding, no communication), with a rank's share of the cores as
+// remat-run gives it (OMP_NUM_THREADS when set), under the same rule as
+// remat-train's (engine/micro_batch_search.h); the model's gradients and
+// the RNG left as found.
+MicroBatchSearch search_here(models::Gpt& model, const Config& config, const data::Dataset& data,
+                             c10::DeviceType device, int ranks, int64_t fit, int64_t divides) {
+  const int threads = at::get_num_threads();
+  if (!knobs::get(knobs::kOmpNumThreads)) {
+    at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(ranks, 1)));
+  }
+  const at::Generator generator = at::detail::getDefaultCPUGenerator();
+  const at::Tensor rng = generator.get_state();
+  auto pass = [&](int64_t micro) {
+    for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+    auto [x, y] = data.train_batch(static_cast<uint64_t>(config.train.seed), 0, 0, micro);
+    const auto start = std::chrono::steady_clock::now();
+    model->loss(x.to(at::Device(device)), y.to(at::Device(device))).backward();
+    if (device == c10::DeviceType::CUDA) torch::cuda::synchronize();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  const MicroBatchSearch s = search_micro_batch(micro_batch_candidates(fit, divides), config.model.seq_len, pass,
+                                                [](std::vector<double> v) { return v; });
+  for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+  at::Generator(generator).set_state(rng);
+  at::set_num_threads(threads);
+  return s;
+}
+
 // The config's "auto" values decided for the run `facts` describe (a CUDA
 // device here tells whether it has bf16; with none here, one that has it is
 // assumed, and the reasons say so), as the lines printed above the table.
-std::string decide_autos(Config& config, GptAutoFacts facts, std::string& none_fits) {
+// An "auto" micro-batch: with `measure` (--live), the search's choice and
+// its line; else the largest that fits, the most remat-train may choose.
+std::string decide_autos(Config& config, GptAutoFacts facts, std::string& none_fits,
+                         const std::function<MicroBatchSearch(int64_t fit, int64_t divides)>& measure) {
   if (config.auto_values.empty()) return "";
   facts.none_fits = &none_fits;  // the table at micro-batch 1 all the same
   facts.assumed_gpu = facts.device.is_cuda() && cuda_device_count() == 0;
   if (facts.device.is_cuda()) facts.computes_bf16 = facts.assumed_gpu || cuda_computes_bf16(0);
-  decide_gpt_autos(config, facts);
+  std::string search_line;
+  if (decide_gpt_autos(config, facts)) {
+    const MicroBatchChooser fit = gpt_micro_batch_fit(config, facts);
+    decide_batch_autos(config, facts.dp, [&](int64_t limit) -> MicroBatchChoice {
+      const MicroBatchChoice f = fit(limit);
+      const int64_t divides = config.train_batch_size ? limit : 0;
+      if (f.micro < 1 || !none_fits.empty()) return f;  // remat-train refuses it: nothing to measure
+      if (measure) {
+        const MicroBatchSearch s = measure(f.micro, divides);
+        search_line = "  " + s.line() + " (--live: on this process alone, without the sharding's communication)\n";
+        return {s.chosen_micro(), str(s.why(), "; ", f.micro, ": ", f.why)};
+      }
+      std::string candidates;
+      for (int64_t m : micro_batch_candidates(f.micro, divides)) candidates += (candidates.empty() ? "" : ", ") + str(m);
+      return {f.micro, str(f.why, "; the most remat-train may choose: at start it measures the candidates ", candidates,
+                           " and takes the smallest within ", MicroBatchSearchOptions{}.tolerance * 100,
+                           " % of the best tokens/s (remat-estimate --live measures them here)")};
+    });
+  }
   std::string out = "\"auto\" values, as remat-train would decide them here:\n";
   for (const auto& line : auto_lines(config)) out += "  " + line + "\n";
-  return out + "\n";
+  return out + search_line + "\n";
+}
+
+// The GPT of `config` on this process, for --live: seeded as remat-train
+// seeds it, in the precision it computes in, on `device`, in training mode.
+models::Gpt live_model(const Config& config, const data::Dataset& data, c10::DeviceType device) {
+  at::manual_seed(static_cast<uint64_t>(config.train.seed));
+  models::GptOptions options;
+  options.shape = config.model;
+  options.vocab_size = data.vocab_size();
+  models::Gpt model(options);
+  // bf16 and fp16 compute in 16 bits: profiled so.
+  if (config.bf16.enabled) model->to(at::kBFloat16);
+  if (config.fp16.enabled) model->to(at::kHalf);
+  if (device == c10::DeviceType::CUDA) model->to(at::Device(device));
+  model->train();
+  return model;
 }
 
 // Where the estimated run computes: --device when given, else the config's
@@ -195,6 +269,19 @@ c10::DeviceType estimated_device(const std::string& flag, const Config& config) 
 void check_fp16(const Config& config, c10::DeviceType device) {
   if (device == c10::DeviceType::CUDA && cuda_device_count() == 0) return;
   check_fp16_device(config, c10::Device(device, device == c10::DeviceType::CUDA ? 0 : -1));
+}
+
+// What --live needs: one process without tensor parallelism, and a GPU for --device cuda.
+void check_live(const Config& config, bool cuda) {
+  if (config.tensor_parallel.size != 1) {
+    throw ConfigError(str("--live builds the model on this one process, without tensor parallelism, but "
+                          "tensor_parallel.size is ", config.tensor_parallel.size,
+                          ": estimate it cold (without --live), or with --set tensor_parallel.size=1"));
+  }
+  if (cuda && !at::hasCUDA()) {
+    throw ConfigError("--live --device cuda profiles the model on a GPU, but this process has none (or LibTorch "
+                      "is built without CUDA): estimate it cold (without --live)");
+  }
 }
 
 int estimate(int argc, char** argv) {
@@ -220,7 +307,7 @@ int estimate(int argc, char** argv) {
   int64_t host_memory = 0;
   app.add_option("--host-memory", host_memory,
                  "with --device cuda: the host memory each rank has, in bytes, for what offloading keeps there "
-                 "(default: this host's available memory over the ranks)")
+                 "(default: this host's physical memory over the ranks)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 60));
   // -np N, as mpirun spells it.
   std::vector<std::string> args;
@@ -251,44 +338,36 @@ int estimate(int argc, char** argv) {
   }
   // What each rank has: given, else its GPU, else its share of this host.
   const bool given = knobs::get(knobs::kMemoryPerRankBytes).has_value();
-  const double have = given ? available_bytes_per_rank()
+  const double have = given ? host_bytes_per_rank()
                       : cuda ? static_cast<double>(device_memory(c10::Device(device, 0)).capacity)
-                             : available_bytes_per_rank() / ranks;
+                             : host_bytes_per_rank() / ranks;
+  if (live) check_live(config, cuda);
+  // --live: the model, built once the precision is decided (its search and its profile).
+  std::optional<models::Gpt> model;
+  std::function<MicroBatchSearch(int64_t, int64_t)> measure;
+  if (live) {
+    measure = [&](int64_t fit, int64_t divides) {
+      model = live_model(config, data, device);
+      return search_here(*model, config, data, device, ranks, fit, divides);
+    };
+  }
   std::string none_fits;  // not even a micro-batch of 1 fits "auto": why
   const std::string auto_table = decide_autos(config, {dp, ranks, data.vocab_size(), data.train_size(),
                                                        c10::Device(device), false, have,
                                                        given ? "REMAT_MEMORY_PER_RANK_BYTES"
                                                        : cuda ? "the first GPU's capacity"
-                                                              : str("this host's available memory over ", ranks,
+                                                              : str("this host's physical memory over ", ranks,
                                                                     " ranks")},
-                                              none_fits);
+                                              none_fits, measure);
   std::cout << auto_table << std::flush;  // what was decided, before a refusal as after it
   check_fp16(config, device);
   const BatchSizes batch = config.resolve_batch(dp);
   MemoryEstimateInputs inputs;
   if (live) {
-    if (config.tensor_parallel.size != 1) {
-      throw ConfigError(str("--live builds the model on this one process, without tensor parallelism, but "
-                            "tensor_parallel.size is ", config.tensor_parallel.size,
-                            ": estimate it cold (without --live), or with --set tensor_parallel.size=1"));
-    }
-    if (cuda && !at::hasCUDA()) {
-      throw ConfigError("--live --device cuda profiles the model on a GPU, but this process has none (or LibTorch "
-                        "is built without CUDA): estimate it cold (without --live)");
-    }
-    at::manual_seed(static_cast<uint64_t>(config.train.seed));
-    models::GptOptions options;
-    options.shape = config.model;
-    options.vocab_size = data.vocab_size();
-    models::Gpt model(options);
-    // bf16 and fp16 compute in 16 bits: profiled so.
-    if (config.bf16.enabled) model->to(at::kBFloat16);
-    if (config.fp16.enabled) model->to(at::kHalf);
-    if (cuda) model->to(at::Device(device));
-    model->train();
+    if (!model) model = live_model(config, data, device);
     auto [x, y] = data.train_batch(static_cast<uint64_t>(config.train.seed), 0, 0, batch.micro_batch_per_gpu);
     x = x.to(at::Device(device)), y = y.to(at::Device(device));
-    inputs = live_inputs(*model, "blocks", [&, x = x, y = y] { model->loss(x, y).backward(); });
+    inputs = live_inputs(**model, "blocks", [&, x = x, y = y] { (*model)->loss(x, y).backward(); });
   } else {
     inputs = cold_gpt_inputs(config, data.vocab_size(), batch.micro_batch_per_gpu, device);
   }
@@ -305,9 +384,9 @@ int estimate(int argc, char** argv) {
   const double host = !cuda                                         ? 0.0
                       : host_memory > 0                             ? static_cast<double>(host_memory)
                       : knobs::get(knobs::kMemoryPerRankBytes)      ? 0.0
-                                                                    : available_bytes_per_rank() / ranks;
+                                                                    : host_bytes_per_rank() / ranks;
   const std::string host_source =
-      host_memory > 0 ? "--host-memory" : str("this host's available memory over ", ranks, " ranks");
+      host_memory > 0 ? "--host-memory" : str("this host's physical memory over ", ranks, " ranks");
   // The same config with the optimizer or the parameter shards moved.
   auto reestimate = [&](const OffloadChange& change) {
     Config changed = config;

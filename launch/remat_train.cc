@@ -193,6 +193,33 @@ std::pair<dev_t, ino_t> identity_of(const std::string& path) {
   return {st.st_dev, st.st_ino};
 }
 
+// --print-config: the configuration this launch trains with, every "auto"
+// decided, as JSON that --config reads (rank 0); no training.
+int print_and_exit(const Config& config, Communicator& world) {
+  if (world.rank() == 0) std::printf("%s\n", config.to_json().c_str());
+  std::fflush(stdout);
+  world.barrier()->wait();
+  return 0;
+}
+
+// What initialize() measures an "auto" micro-batch with: the candidates up to
+// what the GPT's estimate fits, each timed on this rank's training stream's
+// first window (any batch of that size times alike; the data stream itself
+// is not advanced).
+MicroBatchProbe gpt_probe(const Config& config, const GptAutoFacts& facts, const data::Dataset& data,
+                          models::Gpt model, const ParallelLayout& layout, at::Device device) {
+  MicroBatchProbe probe;
+  probe.fit = gpt_micro_batch_fit(config, facts);
+  probe.tokens_per_sample = config.model.seq_len;
+  const auto seed = static_cast<uint64_t>(config.train.seed);
+  const int dp_rank = layout.dp_rank();
+  probe.loss = [&data, gpt = model.ptr(), seed, dp_rank, device](int64_t micro) {
+    auto [x, y] = data.train_batch(seed, dp_rank, 0, micro);
+    return gpt->loss(x.to(device), y.to(device));
+  };
+  return probe;
+}
+
 int train(int argc, char** argv) {
   CLI::App app{"remat-train: train a GPT with remat's activation checkpointing"};
   std::string config_path, metrics_path, save_dir, resume_dir, export_path, memory_trace, backend = "auto";
@@ -297,23 +324,19 @@ int train(int argc, char** argv) {
   }
   data::Dataset data = data::Dataset::load(config.data.path, config.data.train_fraction, config.model.seq_len);
   const at::Device device = training_device(config);
-  if (!config.auto_values.empty()) {
-    const bool cuda = device.is_cuda();
-    decide_gpt_autos(config, {layout->dims().dp, world.size(), data.vocab_size(), data.train_size(), device,
-                              cuda && cuda_computes_bf16(device.has_index() ? device.index() : 0),
-                              memory_per_rank(device),
-                              knobs::memory_per_rank_bytes() ? "REMAT_MEMORY_PER_RANK_BYTES"
-                              : cuda ? "its GPU's capacity over the ranks sharing it"
-                                     : "this host's available memory over its ranks"});
-  }
-  const BatchSizes batch = config.resolve_batch(layout->dims().dp);
-  if (print_config) {
-    if (rank0) std::printf("%s\n", config.to_json().c_str());
-    std::fflush(stdout);
-    world.barrier()->wait();
-    return 0;
-  }
-  check_memory_estimate(config, batch, data.vocab_size(), world.size(), device);
+  // A resumed run goes on with what its save's run decided.
+  if (!resume_dir.empty() && !config.auto_values.empty()) keep_saved_decisions(config, resume_dir, layout->dims().dp);
+  const bool cuda = device.is_cuda();
+  const GptAutoFacts facts{layout->dims().dp, world.size(), data.vocab_size(), data.train_size(), device,
+                           cuda && cuda_computes_bf16(device.has_index() ? device.index() : 0), memory_per_rank(device),
+                           knobs::memory_per_rank_bytes() ? "REMAT_MEMORY_PER_RANK_BYTES"
+                           : cuda ? "its GPU's capacity over the ranks sharing it"
+                                  : "this host's physical memory over its ranks"};
+  // An "auto" micro-batch is measured at initialize; the rest is decided here.
+  const bool measured = decide_gpt_autos(config, facts);
+  BatchSizes batch = measured ? BatchSizes{} : config.resolve_batch(layout->dims().dp);
+  if (print_config && !measured) return print_and_exit(config, world);
+  if (!measured) check_memory_estimate(config, batch, data.vocab_size(), world.size(), device);
 
   models::GptOptions model_options;
   model_options.shape = config.model;
@@ -328,7 +351,14 @@ int train(int argc, char** argv) {
   options.blocks = "blocks";
   options.model_signature = model->options().to_string();
   options.plan_report_dir = plan_report;
+  if (measured) options.micro_batch = gpt_probe(config, facts, data, model, *layout, device);
   auto engine = initialize(model, config, options);
+  if (measured) {
+    config = engine->config();  // the micro-batch decided
+    batch = config.resolve_batch(layout->dims().dp);
+    if (print_config) return print_and_exit(config, world);
+    check_memory_estimate(config, batch, data.vocab_size(), world.size(), device);
+  }
   // Checked, created and locked before anything is trained: a run must not
   // find out at its first save that it cannot keep its work.
   // Resuming lets a folder hold saves only when they are the ones resumed.

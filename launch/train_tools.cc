@@ -32,7 +32,7 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
 
 }  // namespace
 
-double available_bytes_per_rank() { return static_cast<double>(rank_memory(c10::Device(c10::DeviceType::CPU)).per_rank()); }
+double host_bytes_per_rank() { return static_cast<double>(rank_memory(c10::Device(c10::DeviceType::CPU)).per_rank()); }
 
 namespace {
 
@@ -193,9 +193,8 @@ MemoryEstimateInputs gpt_inputs(const Config& c, int64_t vocab, int64_t micro, c
 
 }  // namespace
 
-void decide_gpt_autos(Config& c, const GptAutoFacts& f) {
-  decide_precision_autos(c, f.device.str(), f.device.is_cuda(), f.computes_bf16, f.assumed_gpu);
-  decide_batch_autos(c, f.dp, [&](int64_t limit) -> MicroBatchChoice {
+MicroBatchChooser gpt_micro_batch_fit(const Config& c, const GptAutoFacts& f) {
+  return [c, f](int64_t limit) -> MicroBatchChoice {
     if (f.have <= 0) {
       return {0, str("the memory each rank has is unknown here (", f.have_what,
                      "): set REMAT_MEMORY_PER_RANK_BYTES, or give train_micro_batch_size_per_gpu a number")};
@@ -222,7 +221,15 @@ void decide_gpt_autos(Config& c, const GptAutoFacts& f) {
                                                                            : " (remat's bound)";
     return {micro, str("the largest micro-batch", bound.empty() ? "" : str(" up to ", cap, bound),
                        " whose estimated peak per rank (", human_bytes(static_cast<double>(peak)), ") fits ", of)};
-  });
+  };
+}
+
+bool decide_gpt_autos(Config& c, const GptAutoFacts& f) {
+  decide_precision_autos(c, f.device.str(), f.device.is_cuda(), f.computes_bf16, f.assumed_gpu);
+  const bool measured = c.is_undecided_auto("train_micro_batch_size_per_gpu") &&
+                        !(c.train_batch_size && c.gradient_accumulation_steps);
+  if (!measured) decide_batch_autos(c, f.dp);
+  return measured;
 }
 
 MemoryEstimate check_memory_estimate(const Config& c, const BatchSizes& batch, int64_t vocab, int world_size,

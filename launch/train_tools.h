@@ -9,6 +9,7 @@
 #include <string>
 #include <utility>
 
+#include "engine/auto_values.h"
 #include "engine/config.h"
 #include "engine/memory_estimate.h"
 #include "engine/step_metrics.h"
@@ -20,14 +21,15 @@ std::string human_bytes(double bytes);
 // where they do ("1.72 MiB" and "1.74 MiB", not "1.7 MiB" twice).
 std::pair<std::string, std::string> human_bytes_apart(double a, double b);
 
-// Host memory available to this process: REMAT_MEMORY_PER_RANK_BYTES, else
-// MemAvailable (capped by a cgroup v2 limit) shared by the ranks on this host
-// (Open MPI's local size); 0 when unknown.
-double available_bytes_per_rank();
+// Host memory this process may count on: REMAT_MEMORY_PER_RANK_BYTES, else
+// the physical memory (capped by a cgroup v2 limit) shared by the ranks on
+// this host (Open MPI's local size); 0 when unknown. A capacity, the same
+// at every launch (runtime/device_memory.h, rank_memory).
+double host_bytes_per_rank();
 
 // What each rank has to train in: REMAT_MEMORY_PER_RANK_BYTES when set;
 // else on a CUDA `device` its capacity over the ranks sharing it, on the CPU
-// available_bytes_per_rank(). 0 when unknown.
+// host_bytes_per_rank(). 0 when unknown.
 double memory_per_rank(c10::Device device);
 
 // What remat-train's and remat-estimate's "auto" (engine/auto_values.h) are
@@ -46,13 +48,19 @@ struct GptAutoFacts {
   // micro-batch becomes 1 and why none fits is written here.
   std::string* none_fits = nullptr;
 };
-// Decides every "auto" the config leaves open: bf16/fp16 from the device,
-// train_micro_batch_size_per_gpu the largest micro-batch whose cold estimate
-// of the GPT (its configured row) fits nine tenths of `have` (a tenth kept
-// for what no estimate counts: the allocator's fragmentation, the CUDA
-// context, the process's own heap), at most the training split's sequences
-// and kMaxAutoMicroBatch; then the accumulation and train_batch_size.
-void decide_gpt_autos(Config& c, const GptAutoFacts& facts);
+// The "auto" values decided without measuring: bf16/fp16 from the device,
+// and the batch sizes when train_batch_size and gradient_accumulation_steps
+// give the micro-batch (or none is "auto"). Whether an "auto" micro-batch is
+// left to measure (remat-train: initialize with EngineOptions::micro_batch,
+// gpt_micro_batch_fit bounding the candidates; remat-estimate --live).
+bool decide_gpt_autos(Config& c, const GptAutoFacts& facts);
+
+// The largest micro-batch up to `limit` whose cold estimate of the GPT (its
+// configured row) fits nine tenths of `facts.have` (a tenth kept for what no
+// estimate counts: the allocator's fragmentation, the CUDA context, the
+// process's own heap), at most the training split's sequences, and why: the
+// bound of an "auto" micro-batch's candidates.
+MicroBatchChooser gpt_micro_batch_fit(const Config& c, const GptAutoFacts& facts);
 
 // The cold estimate of the GPT of `c` at `world_size` ranks
 // (engine/memory_estimate.h), its line logged; a ConfigError naming the

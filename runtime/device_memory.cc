@@ -27,23 +27,17 @@ int64_t physical_memory() {
   return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : 0;
 }
 
-// MemAvailable, capped by a container's limit (cgroup v2) where one is set; 0 unknown.
-int64_t available_memory() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key;
-  double kib = 0;
-  while (meminfo >> key) {
-    if (key == "MemAvailable:") {
-      meminfo >> kib;
-      break;
-    }
-    meminfo.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+// The host's memory as a rank can count on it whatever runs beside it: the
+// physical memory, capped by a container's limit (cgroup v2 memory.max)
+// where one is set. Stable from one launch to the next, unlike MemAvailable.
+int64_t host_capacity() {
+  int64_t bytes = physical_memory();
+  std::ifstream max_file("/sys/fs/cgroup/memory.max");
+  double max = 0;
+  if ((max_file >> max) && max > 0 && (bytes <= 0 || max < static_cast<double>(bytes))) {
+    bytes = static_cast<int64_t>(max);
   }
-  double bytes = kib * 1024;
-  std::ifstream max_file("/sys/fs/cgroup/memory.max"), current_file("/sys/fs/cgroup/memory.current");
-  double max = 0, current = 0;
-  if ((max_file >> max) && (current_file >> current) && max > current) bytes = std::min(bytes, max - current);
-  return static_cast<int64_t>(bytes);
+  return bytes;
 }
 
 // cudaMemGetInfo's total of device `index` (made current for the call, the
@@ -137,6 +131,14 @@ DeviceMemory device_memory(c10::Device device, const MemoryTracker* tracker) {
   return m;
 }
 
+void release_cached_device_memory(c10::Device device) {
+#if defined(REMAT_WITH_C10_CUDA)
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#else
+  (void)device;
+#endif
+}
+
 void reset_device_memory_peaks(c10::Device device) {
 #if defined(REMAT_WITH_C10_CUDA)
   if (!device.is_cuda()) return;
@@ -167,8 +169,8 @@ RankMemory rank_memory(c10::Device device) {
     return m;
   }
   m.ranks = std::max(ranks_sharing(device), 1);
-  m.total = device.is_cuda() ? device_memory(device).capacity : available_memory();
-  m.source = device.is_cuda() ? "capacity" : "available memory";
+  m.total = device.is_cuda() ? device_memory(device).capacity : host_capacity();
+  m.source = device.is_cuda() ? "capacity" : "physical memory";
   return m;
 }
 

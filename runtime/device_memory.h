@@ -43,6 +43,11 @@ DeviceMemory device_memory(c10::Device device, const MemoryTracker* tracker = nu
 // current values. Nothing on the CPU (a MemoryTracker resets its own).
 void reset_device_memory_peaks(c10::Device device);
 
+// CUDA (a CUDA LibTorch): hands the caching allocator's unused blocks back
+// to the driver (what a measurement that allocated much and freed it leaves
+// reserved). Nothing on the CPU.
+void release_cached_device_memory(c10::Device device);
+
 // The CUDA devices this process sees (0 in a build without the CUDA runtime).
 int cuda_device_count();
 
@@ -53,15 +58,17 @@ bool cuda_computes_bf16(int index);
 
 // The memory one rank of this host has on `device`, and where the figure
 // comes from: REMAT_MEMORY_PER_RANK_BYTES when set (`given`); else a GPU's
-// capacity over the ranks sharing it, the CPU's available memory
-// (MemAvailable, capped by a cgroup v2 memory.max less memory.current) over
-// the host's ranks. What remat-train's fit check, remat-estimate and
-// device_memory_budget_bytes "auto" read. `total` 0: unknown.
+// capacity over the ranks sharing it, the CPU's physical memory (capped by a
+// cgroup v2 memory.max where one is set) over the host's ranks. A capacity,
+// never what is free at the moment: the same figure at every launch, so
+// that what is decided from it (an "auto" micro-batch's candidates) does not
+// drift. What remat-train's fit check and "auto" micro-batch, remat-estimate
+// and device_memory_budget_bytes "auto" read. `total` 0: unknown.
 struct RankMemory {
   int64_t total = 0;  // the device's bytes (given: the rank's)
   int ranks = 1;      // ranks on this host sharing them (given: 1)
   bool given = false;
-  std::string source;  // "REMAT_MEMORY_PER_RANK_BYTES", "capacity", "available memory"
+  std::string source;  // "REMAT_MEMORY_PER_RANK_BYTES", "capacity", "physical memory"
   int64_t per_rank() const { return total / ranks; }
 };
 RankMemory rank_memory(c10::Device device);

@@ -5,6 +5,8 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <vector>
+
 #include "runtime/error.h"
 #include "runtime/memory.h"
 #include "tests/error_of.h"
@@ -115,8 +117,10 @@ TEST(DeviceMemory, AutoBudgetRefusesAnUnknownOrTooSmallDevice) {
 
 // REMAT_MEMORY_PER_RANK_BYTES gives what a rank may use: "auto" keeps a tenth
 // of it, without the 1 GiB floor of a measured device; unset, the CPU's
-// figure is the host's available memory over its ranks (issue 49, item 11:
-// "auto" on the CPU read the physical memory and ignored the variable).
+// figure is the host's physical memory (within a cgroup's limit) over its
+// ranks (issue 49, item 11: "auto" on the CPU ignored the variable; issue 50,
+// item 1: MemAvailable moved between launches, and the "auto" micro-batch
+// with it).
 TEST(DeviceMemory, AGivenShareReservesATenth) {
   const int64_t sixteen = int64_t{16} << 20;
   const DeviceBudget b = auto_device_budget(sixteen, 1, "k", /*given=*/true);
@@ -125,7 +129,7 @@ TEST(DeviceMemory, AGivenShareReservesATenth) {
   EXPECT_EQ(b.text(), "14.4 MiB = 16 MiB capacity - 1.6 MiB reserve");
 }
 
-TEST(DeviceMemory, RankMemoryIsTheGivenBytesOrTheAvailableMemory) {
+TEST(DeviceMemory, RankMemoryIsTheGivenBytesOrTheStableCapacity) {
   const c10::Device cpu(c10::DeviceType::CPU);
   ASSERT_EQ(::setenv("REMAT_MEMORY_PER_RANK_BYTES", "16777216", 1), 0);
   const RankMemory given = rank_memory(cpu);
@@ -137,9 +141,12 @@ TEST(DeviceMemory, RankMemoryIsTheGivenBytesOrTheAvailableMemory) {
   ASSERT_EQ(::unsetenv("REMAT_MEMORY_PER_RANK_BYTES"), 0);
   const RankMemory host = rank_memory(cpu);
   EXPECT_FALSE(host.given);
-  EXPECT_EQ(host.source, "available memory");
+  EXPECT_EQ(host.source, "physical memory");
   EXPECT_GT(host.total, 0);
-  EXPECT_LE(host.total, device_memory(cpu).capacity) << "available, not the physical memory";
+  EXPECT_LE(host.total, device_memory(cpu).capacity) << "the physical memory, or a cgroup's lower limit";
+  // A capacity, not what is free now: the same at every call.
+  std::vector<char> held(64 << 20, 1);
+  EXPECT_EQ(rank_memory(cpu).total, host.total) << static_cast<int>(held[12345]);
 }
 
 }  // namespace

@@ -24,8 +24,9 @@ inline constexpr const char* kProgress = "REMAT_PROGRESS";
 // kill a save in progress: from 0 to 60000 (1 minute). Unset: no pause.
 inline constexpr const char* kFaultSavePauseMs = "REMAT_FAULT_SAVE_PAUSE_MS";
 // Bytes each rank may use on this host, for remat-train's fit check and
-// remat-estimate: a whole number > 0. Unset: MemAvailable, capped by the
-// cgroup's memory.max less its memory.current, over the host's ranks.
+// "auto" micro-batch, device_memory_budget_bytes "auto" and remat-estimate:
+// a whole number > 0. Unset: the physical memory, capped by the cgroup's
+// memory.max, over the host's ranks (a GPU: its capacity over its ranks).
 inline constexpr const char* kMemoryPerRankBytes = "REMAT_MEMORY_PER_RANK_BYTES";
 // Intra-op threads per process (LibTorch's and OpenMP's own variable): a whole
 // number >= 1; more than the machine's cores is lowered to the cores, with a

@@ -4,9 +4,10 @@
 # files, LLaVA's zero2, a bf16 ZeRO-3, a Whisper fine-tune, a p-tuning config
 # and a DeepSpeed training script's fp16 file; docs/config.md, "Bringing a
 # DeepSpeed config"), at 2 ranks: remat-estimate shows every "auto" decided;
-# each trains a few steps, logging each decision once, an "auto" micro-batch
-# within the memory it was sized for; an "auto" run equals the
-# run given the decided values; offload_optimizer keeps its state on the host;
+# each trains a few steps (the wall time said), logging each decision once,
+# an "auto" micro-batch measured and within the memory it was sized for; an
+# "auto" run equals the run given the decided values (read from its save);
+# ranks with different memory decide one micro-batch; offload_optimizer keeps its state on the host;
 # offload_param the parameter shards; bf16 at stage 3 says the persistence threshold it uses; a 16-bit export
 # is bf16; fp16 on a CPU whose LibTorch cannot compute half
 # precision is refused naming fp16, the device and the LibTorch, and trains
@@ -52,8 +53,9 @@ for cfg in hf_zero1 hf_zero2 hf_zero3 llava_zero2 bf16_zero3 whisper_zero2 ptuni
       "$(cat "$tmp/$cfg.est")"
   fi
 
+  start=$(date +%s.%N)
   REMAT_LOG_LEVEL=info "$run" -np 2 -- "$train" --config "$file" --steps $steps "${small[@]}" \
-    --metrics "$tmp/$cfg.jsonl" --export "$tmp/$cfg.pt" >"$tmp/$cfg.out" 2>&1
+    --metrics "$tmp/$cfg.jsonl" --export "$tmp/$cfg.pt" --save-dir "$tmp/$cfg.saves" >"$tmp/$cfg.out" 2>&1
   rc=$?
   if [[ $(fp16_on "$file") == True ]] && grep -q "fp16.enabled is true, but the cpu device cannot compute in fp16" \
        "$tmp/$cfg.out"; then
@@ -65,8 +67,9 @@ for cfg in hf_zero1 hf_zero2 hf_zero3 llava_zero2 bf16_zero3 whisper_zero2 ptuni
     fi
     continue
   fi
+  wall=$($py -c "import time; print(round(time.time() - $start, 1))")
   if [[ $rc -eq 0 ]] && finite_losses "$tmp/$cfg.jsonl"; then
-    pass "$cfg.json trains $steps steps at 2 ranks (losses $(losses "$tmp/$cfg.jsonl" | tr '\n' ' '))"
+    pass "$cfg.json trains $steps steps at 2 ranks in $wall s (losses $(losses "$tmp/$cfg.jsonl" | tr '\n' ' '))"
   else
     fail "$cfg.json trains $steps steps at 2 ranks (exit $rc)" "$(cat "$tmp/$cfg.out")"
     continue
@@ -78,8 +81,14 @@ for cfg in hf_zero1 hf_zero2 hf_zero3 llava_zero2 bf16_zero3 whisper_zero2 ptuni
     fail "$cfg.json: remat-train logs each of its $autos \"auto\" values once ($logged lines)" \
       "$(grep -F '"auto"' "$tmp/$cfg.out")"
   fi
-  # An "auto" micro-batch fits what each rank has: the measured peak stays under it.
+  # An "auto" micro-batch: measured (the search's line, once), and it fits
+  # what each rank has: the measured peak stays under it.
   if grep -q '"train_micro_batch_size_per_gpu": "auto"' "$file"; then
+    if [[ $(grep -c "micro-batch search (forward+backward tokens/s per rank" "$tmp/$cfg.out") -eq 1 ]]; then
+      pass "$cfg.json: the \"auto\" micro-batch is measured: $(grep -o '1: [^;]*; chose [0-9]*' "$tmp/$cfg.out")"
+    else
+      fail "$cfg.json: the \"auto\" micro-batch is measured, the search logged once" "$(cat "$tmp/$cfg.out")"
+    fi
     peak=$(grep -o '"mem_peak_bytes":[0-9]*' "$tmp/$cfg.jsonl" | cut -d: -f2 | sort -n | tail -1)
     if [[ -n "$peak" && "$peak" -le $REMAT_MEMORY_PER_RANK_BYTES ]]; then
       pass "$cfg.json: the \"auto\" micro-batch's measured peak, $peak bytes, fits the $REMAT_MEMORY_PER_RANK_BYTES each rank has"
@@ -108,11 +117,12 @@ for cfg in hf_zero1 hf_zero2 hf_zero3 llava_zero2 bf16_zero3 whisper_zero2 ptuni
 done
 
 # An "auto" run is the run given what remat decided: hf_zero1.json with each
-# decided value set by hand (from remat-estimate --json) trains the same bits.
+# decided value set by hand (from the run's save, which records them with the
+# measured micro-batch) trains the same bits.
 sets=()
-while IFS= read -r s; do sets+=(--set "$s"); done < <($py - "$tmp/hf_zero1.est.json" <<'PY'
+while IFS= read -r s; do sets+=(--set "$s"); done < <($py - "$tmp/hf_zero1.saves/step_00000003/manifest.json" <<'PY'
 import json, sys
-for key, d in json.load(open(sys.argv[1]))["auto"].items():
+for key, d in json.load(open(sys.argv[1]))["decisions"]["auto"].items():
     print(f"{key}={json.dumps(d['value'])}")
 PY
 )
@@ -140,20 +150,27 @@ for key in scheduler.params.total_num_steps scheduler.params.warmup_num_steps; d
   fi
 done
 
-# Ranks with different memory decide different "auto" micro-batches: the job
-# stops before training, naming the key as decided by each rank from "auto".
-expect "ranks that decide an \"auto\" micro-batch differently are told to give it a number" \
-  'train_micro_batch_size_per_gpu ("auto", decided by each rank from its own device and memory: give it a number' \
-  "$run" -np 2 -- bash -c 'REMAT_MEMORY_PER_RANK_BYTES=$(((OMPI_COMM_WORLD_RANK + 1) << 24)) exec "$0" "$@"' \
-  "$train" --config "$ds_dir/hf_zero1.json" --steps 1 "${small[@]}"
+# Ranks with different memory measure the same candidates, up to the
+# smallest rank's fit, and decide alike (they stopped the job, each having
+# decided its own largest micro-batch).
+out=$("$run" -np 2 -- bash -c 'REMAT_MEMORY_PER_RANK_BYTES=$(((OMPI_COMM_WORLD_RANK + 1) << 24)) exec "$0" "$@"' \
+      "$train" --config "$ds_dir/hf_zero1.json" --steps 1 "${small[@]}" 2>&1 | tr -d '\000')
+if grep -q "step 1/1" <<<"$out" && grep -q "micro-batch search" <<<"$out"; then
+  pass "ranks with 16 MiB and 32 MiB decide one \"auto\" micro-batch and train"
+else
+  fail "ranks with different memory decide one \"auto\" micro-batch" "$out"
+fi
 
 # offload_param (hf_zero3.json, beside offload_optimizer): with every parameter
 # sharded (no persistence threshold), the shards live on the host, and the run
-# trains the bits of the same run with both offloads off.
+# trains the bits of the same run with both offloads off (at one micro-batch,
+# the one hf_zero3.json's run measured: each run would measure its own).
+zero3_micro=$($py -c 'import json, sys; print(json.load(open(sys.argv[1]))["decisions"]["batch"]["train_micro_batch_size_per_gpu"])' \
+  "$tmp/hf_zero3.saves/step_00000003/manifest.json" 2>/dev/null)
 for off in on off; do
-  extra=()
-  [[ $off == off ]] && extra=(--set zero_optimization.offload_param.device=none
-                              --set zero_optimization.offload_optimizer.device=none)
+  extra=(--set train_micro_batch_size_per_gpu="${zero3_micro:-4}")
+  [[ $off == off ]] && extra+=(--set zero_optimization.offload_param.device=none
+                               --set zero_optimization.offload_optimizer.device=none)
   "$run" -np 2 -- "$train" --config "$ds_dir/hf_zero3.json" --steps $steps "${small[@]}" "${extra[@]}" \
     --set zero_optimization.stage3_param_persistence_threshold=0 --metrics "$tmp/hf_zero3_p0_$off.jsonl" \
     >"$tmp/hf_zero3_p0_$off.out" 2>&1

@@ -8,7 +8,7 @@
 #   - activation_checkpointing.device_memory_budget_bytes at ZeRO-3 with 8
 #     blocks: the measured peak at most 1.05 x the budget, the plan's predicted
 #     total within 10 % of it, the losses bitwise those of no checkpointing;
-#   - device_memory_budget_bytes "auto": the share of the host's available
+#   - device_memory_budget_bytes "auto": the share of the host's physical
 #     memory less the reserve, or REMAT_MEMORY_PER_RANK_BYTES less a tenth,
 #     and the fit check's words agree with the figure it judged by;
 #   - remat-estimate follows train.device (and --device auto), and says when
@@ -339,24 +339,24 @@ else
   fail "a budget of exactly a plan's predicted total is met (measured peak <= budget)" \
     "${verdict:-$(cat "$tmp/mid.out" "$tmp/at.out" 2>/dev/null)}"
 fi
-# device_memory_budget_bytes "auto" on the CPU: the host's available memory
-# over its 2 ranks, less a tenth of that (at least 1 GiB), is the plan's budget
-# (MemAvailable moves while the run starts: within 5 %). It was the host's
-# physical memory, beyond what the fit check allows.
-available=$(( $(awk '/^MemAvailable:/ { print $2 }' /proc/meminfo) * 1024 ))
+# device_memory_budget_bytes "auto" on the CPU: the host's physical memory
+# (within a cgroup v2 limit) over its 2 ranks, less a tenth of that (at least
+# 1 GiB), is the plan's budget, to the byte: a capacity, the same at every
+# launch. It was the host's MemAvailable (issue 49), which moved between
+# launches, and the "auto" micro-batch with it (issue 50).
+physical=$(( $(getconf _PHYS_PAGES) * $(getconf PAGE_SIZE) ))
+limit=$(cat /sys/fs/cgroup/memory.max 2>/dev/null)
+[[ "$limit" =~ ^[0-9]+$ ]] && (( limit < physical )) && physical=$limit
 "$run" -np 2 -- "$train" --steps 1 "${quiet[@]}" --set activation_checkpointing.variant=auto \
   --set activation_checkpointing.device_memory_budget_bytes=auto --metrics "$tmp/device_auto.jsonl" \
   >"$tmp/device_auto.out" 2>&1
 resolved=$(python3 -c "import json, sys; print(json.loads(open(sys.argv[1]).readline())['act_plan_device_budget_bytes'])" \
   "$tmp/device_auto.jsonl" 2>/dev/null)
-if python3 -c "
-import sys
-share = $available // 2
-want = share - max(share // 10, 1 << 30)
-sys.exit(0 if abs(int(sys.argv[1]) - want) <= 0.05 * want else 1)" "${resolved:-0}"; then
-  pass "device_memory_budget_bytes \"auto\" is the share of the available memory less the reserve: $resolved bytes"
+want=$(python3 -c "share = $physical // 2; print(share - max(share // 10, 1 << 30))")
+if [[ "${resolved:-0}" == "$want" ]]; then
+  pass "device_memory_budget_bytes \"auto\" is the share of the physical memory less the reserve: $resolved bytes"
 else
-  fail "device_memory_budget_bytes \"auto\" is the share of the available memory less the reserve (MemAvailable $available)" \
+  fail "device_memory_budget_bytes \"auto\" is the share of the physical memory less the reserve ($want)" \
     "${resolved:-$(cat "$tmp/device_auto.out")}"
 fi
 # With REMAT_MEMORY_PER_RANK_BYTES, what a rank may use: a tenth kept (16 MiB:

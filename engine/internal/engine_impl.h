@@ -81,6 +81,8 @@ struct Engine::Impl {
   internal::StepMeter meter;
   // fp16's loss scaling (null: fp16 off).
   std::unique_ptr<internal::LossScaling> loss_scaling;
+  // The search that decided an "auto" micro-batch (EngineOptions::micro_batch).
+  std::optional<MicroBatchSearch> search;
 
   // The step in progress.
   internal::Phase phase = internal::Phase::kIdle;
@@ -97,8 +99,20 @@ struct Engine::Impl {
                           int64_t n_blocks);
   void wire_sharding(torch::nn::Module& model, const Config& config, const torch::nn::ModuleListImpl& blocks,
                      const std::vector<at::Tensor>& sharded);
+  // train_micro_batch_size_per_gpu "auto" by measurement, then the batch.
+  void decide_micro_batch(torch::nn::Module& model, Config& config);
+  MicroBatchSearch measure_micro_batches(torch::nn::Module& model, const Config& config, int64_t fit,
+                                         int64_t divides);
+  void check_device_budget(torch::nn::Module& model);
   void wire_identity(torch::nn::Module& model, const Config& config);
   void wire_meter(torch::nn::Module& model, const Config& config);
+
+  // One forward and backward of `fn`'s micro-batch through the sharding, the
+  // checkpointing hooks in place and activation offloading, its loss divided
+  // by `divide_by`: the planner's profiling step and the micro-batch search's
+  // pass. The gradients stay for the caller to drop (ZeroModel::zero_grad).
+  void forward_backward(torch::nn::Module& model, const Config& config, const std::function<at::Tensor()>& fn,
+                        double divide_by);
 
   // forward()'s parts.
   void check_forward_order() const;

@@ -55,6 +55,7 @@ nlohmann::json manifest_json(const TrainPosition& position, const TrainShards& s
                              {"files", nlohmann::json::array()}};
   // Only when there is one: a save without fp16 is as before.
   if (!position.loss_scaler.empty()) manifest["loss_scaler"] = nlohmann::json::parse(position.loss_scaler);
+  if (!position.decisions.empty()) manifest["decisions"] = nlohmann::json::parse(position.decisions);
   for (size_t r = 0; r < files.size(); ++r) {
     manifest["files"].push_back({{"name", str("rank_", r, ".pt")},
                                  {"bytes", files[r].bytes},
@@ -193,6 +194,10 @@ void read_run_fields(const nlohmann::json& j, const Fields& fields, Manifest& m)
   if (j.contains("loss_scaler")) {
     if (!j["loss_scaler"].is_object()) throw fields.bad("loss_scaler", "an object (fp16's loss scaler state)");
     m.loss_scaler = j["loss_scaler"].dump();
+  }
+  if (j.contains("decisions")) {
+    if (!j["decisions"].is_object()) throw fields.bad("decisions", "an object (the run's decided values)");
+    m.decisions = j["decisions"].dump();
   }
   if (m.format >= 5) {
     const auto splits = j.contains("splits") ? parse_splits(j["splits"]) : std::nullopt;

@@ -327,6 +327,7 @@ StagedLoad stage_train_state(const std::string& dir, const TrainShards& shards, 
     staged.position.step = manifest.step;
     staged.position.client_state = manifest.client_state;
     staged.position.loss_scaler = manifest.loss_scaler;
+    staged.position.decisions = manifest.decisions;
     staged.run_id = manifest.run_id;
   }
   log_reslice(folder, manifest, shards, files.size());

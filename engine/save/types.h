@@ -47,6 +47,10 @@ struct TrainPosition {
   // fp16's loss scaler state as JSON text (engine/internal/loss_scaling.h);
   // empty: none (fp16 off, or a save made before it was kept).
   std::string loss_scaler;
+  // What the run decided for itself, as JSON text (engine/engine.h,
+  // keep_saved_decisions: its "auto" values, its batch sizes, the micro-batch
+  // search); empty: none recorded (a save made before they were kept).
+  std::string decisions;
 };
 
 // What a save must agree with to be resumed.
@@ -91,6 +95,7 @@ struct Manifest {
   Splits splits;
   std::string client_state = "{}";  // JSON text (format 4)
   std::string loss_scaler;          // JSON text; empty: none saved
+  std::string decisions;            // JSON text (TrainPosition::decisions); empty: none saved
   struct File {
     std::string name;
     int64_t bytes = -1, crc32 = -1;  // -1: not recorded (an older save)
