@@ -212,14 +212,9 @@ void check_scheduler_values(const Config& c, Problems& problems) {
   }
   const int64_t total = *sc.total_num_steps, k = sc.last_batch_iteration;
   const bool decay = sc.type == "WarmupDecayLR";
-  if (total <= sc.warmup_steps()) {
-    problems.add({"scheduler.type", total_key, "scheduler.params.warmup_num_steps"},
-                 str("scheduler ", sc.type, " needs '", total_key, "' (", total, from_auto(c, total_key),
-                     ") greater than its warm-up, 'scheduler.params.warmup_num_steps' (", sc.warmup_num_steps,
-                     from_auto(c, "scheduler.params.warmup_num_steps"),
-                     sc.warmup_num_steps < 2 ? ", warmed up over 2 steps as DeepSpeed does" : "",
-                     "), which it decays from: raise total_num_steps or lower warmup_num_steps"));
-  } else if (const int64_t end = decay ? total : total - 1; k + 1 >= end) {
+  // total_num_steps at or below the warm-up is DeepSpeed's warning, not an
+  // error (ineffective_settings): the rate warms up, then ends at once.
+  if (const int64_t end = decay ? total : total - 1; total > sc.warmup_steps() && k + 1 >= end) {
     // Step 2 would train at position k + 1, where the decay has ended.
     problems.add({"scheduler.params.last_batch_iteration", total_key},
                  str("'scheduler.params.last_batch_iteration' = ", k, " starts the run past the end of ", sc.type,
@@ -393,6 +388,13 @@ std::vector<std::string> ineffective_settings(const Config& c) {
   if (const auto& sc = c.scheduler; sc.type != "none" && sc.warmup_num_steps < 2) {
     out.push_back(str("scheduler.params.warmup_num_steps = ", sc.warmup_num_steps, ": the warm-up lasts 2 steps, "
                       "as DeepSpeed raises it to at least 2 (and from 0.19.3 refuses 0); give 2 to say so"));
+  }
+  if (const auto& sc = c.scheduler; (sc.type == "WarmupDecayLR" || sc.type == "WarmupCosineLR") &&
+                                     sc.total_num_steps && *sc.total_num_steps <= sc.warmup_steps()) {
+    out.push_back(str("scheduler ", sc.type, ": 'scheduler.params.total_num_steps' (", *sc.total_num_steps,
+                      from_auto(c, "scheduler.params.total_num_steps"), ") is not above the warm-up (",
+                      sc.warmup_steps(), " steps), so the rate warms up and then ends at its minimum without "
+                      "decaying (DeepSpeed warns likewise); raise total_num_steps or lower warmup_num_steps"));
   }
   for (auto& line : deepspeed_keys::tuning_without_effect(c)) out.push_back(std::move(line));
   return out;

@@ -362,9 +362,13 @@ TEST(EngineDevice, AMeasuredAutoMicroBatchTrainsAsTheNumberGiven) {
   const at::Tensor rows = at::randint(kVocab, {10, 12}, at::kLong);
   at::manual_seed(5);
   models::Gpt model(testing::small_gpt(kVocab, kLayers, 0.1));
+  // A buffer the forward moves, as a batch norm's running statistics: the
+  // search puts it back.
+  at::Tensor calls = model->register_buffer("calls", at::zeros({1}));
   options.micro_batch.fit = [](int64_t limit) { return MicroBatchChoice{std::min<int64_t>(limit, 8), "the test's bound"}; };
   options.micro_batch.loss = [&](int64_t micro) {
     const at::Tensor x = rows.narrow(0, 0, micro).to(training_device(Config{}));
+    calls.add_(1);
     return model->loss(x, x);
   };
   options.micro_batch.tokens_per_sample = 12;
@@ -382,6 +386,7 @@ TEST(EngineDevice, AMeasuredAutoMicroBatchTrainsAsTheNumberGiven) {
     EXPECT_THAT(auto_lines(engine->config()).back(),
                 HasSubstr(str("train_micro_batch_size_per_gpu \"auto\" -> ", micro, ": the throughput knee")));
     EXPECT_THAT(auto_lines(engine->config()).back(), HasSubstr("; 8: the test's bound"));
+    EXPECT_EQ(model->named_buffers()["calls"].item<float>(), 0.0F) << "the search's passes moved a buffer";
     measured = two_steps(*engine, model, rows, micro);
   }
   at::manual_seed(5);

@@ -27,12 +27,16 @@ namespace remat {
 // hooks as a training step's do (variant auto, which plans at the first
 // step: every block checkpointed in full, the least memory a plan takes);
 // the gradients are dropped before each, and once the search ends the
-// gradients, the RNG (dropout's streams), the blocks' hooks and a CUDA
-// device's cached blocks are as they were before it.
+// gradients, the RNG (dropout's streams), the model's buffers, the blocks'
+// hooks and a CUDA device's cached blocks are as they were before it.
 MicroBatchSearch Engine::Impl::measure_micro_batches(torch::nn::Module& model, const Config& config, int64_t fit,
                                                      int64_t divides) {
   const MicroBatchProbe& probe = options.micro_batch;
   const RngSnapshot rng = capture_rng();
+  // The model's buffers (a batch norm's running statistics) as they were:
+  // the passes run in training mode and would move them.
+  std::vector<at::Tensor> buffers;
+  for (const at::Tensor& b : model.buffers()) buffers.push_back(b.clone());
   if (auto_plan) {
     PolicyOptions full;  // the policy's blocks, no budget
     full.blocks = policy.blocks;
@@ -42,6 +46,9 @@ MicroBatchSearch Engine::Impl::measure_micro_batches(torch::nn::Module& model, c
   auto put_back = [&] {
     if (auto_plan) remove_activation_checkpointing(model);
     restore_rng(rng);
+    at::NoGradGuard no_grad;
+    size_t i = 0;
+    for (at::Tensor& b : model.buffers()) b.copy_(buffers[i++]);
   };
   auto pass = [&](int64_t micro) {
     zero->zero_grad();
