@@ -92,6 +92,10 @@ bool Engine::is_gradient_accumulation_boundary() const {
 
 double Engine::get_lr() const { return impl_->lr; }
 
+double Engine::next_learning_rate() const {
+  return learning_rate(config_.optimizer, config_.scheduler, global_steps_ - skipped_steps_ + 1);
+}
+
 const MicroBatchSearch* Engine::micro_batch_search() const { return impl_->search ? &*impl_->search : nullptr; }
 
 at::Tensor Engine::forward(const std::function<at::Tensor()>& fn, const std::vector<int64_t>& plan_key) {
@@ -100,7 +104,7 @@ at::Tensor Engine::forward(const std::function<at::Tensor()>& fn, const std::vec
   s.check_forward_order();
   if (micro_steps_ == 0) {
     // The first micro-step of an optimizer step.
-    s.lr = learning_rate(config_.optimizer, config_.scheduler, global_steps_ + 1);
+    s.lr = next_learning_rate();
     set_learning_rate(*s.optimizer, s.lr);
     if (s.auto_plan) s.plan_blocks(*model_, config_, fn, plan_key);
     // Gradients set to none, as LibTorch 2.x's zero_grad does. Before the
@@ -296,7 +300,8 @@ bool Engine::step() {
   // Gradients cleared: the next step starts without them.
   s.zero->zero_grad();
   global_steps_ = step;
-  s.lr = learning_rate(config_.optimizer, config_.scheduler, global_steps_ + 1);
+  if (skipped) ++skipped_steps_;
+  s.lr = next_learning_rate();
   span.reset();
   s.meter.finish_trace(last_metrics_);
   return !skipped;
@@ -459,6 +464,7 @@ std::string Engine::save_checkpoint(const std::string& dir, const nlohmann::json
   ContextScope scope(s.context);  // its RNG tracker is saved
   TrainPosition position;
   position.step = global_steps_;
+  position.skipped_steps = skipped_steps_;
   position.client_state = client_state.dump();
   if (s.loss_scaling) position.loss_scaler = s.loss_scaling->save();
   position.decisions = internal::decisions_json(config_, s.batch, s.layout->dims().dp, s.device_budget_bytes,
@@ -488,6 +494,7 @@ nlohmann::json Engine::load_checkpoint(const std::string& dir) {
   ContextScope scope(s.context);  // its RNG tracker is restored
   const TrainPosition position = load_train_state(dir, s.shards(*model_), *s.optimizer, s.identity, *s.world);
   global_steps_ = position.step;
+  skipped_steps_ = position.skipped_steps;
   s.zero->after_load();  // the model's parameters from the loaded shards
   if (s.loss_scaling && !position.loss_scaler.empty()) {
     s.loss_scaling->load(position.loss_scaler);
@@ -500,7 +507,7 @@ nlohmann::json Engine::load_checkpoint(const std::string& dir) {
     log_rank0().warn("{}", change);
   }
   s.loaded_dir = dir;
-  s.lr = learning_rate(config_.optimizer, config_.scheduler, global_steps_ + 1);
+  s.lr = next_learning_rate();
   if (const int64_t k = config_.scheduler.last_batch_iteration; k != -1 && config_.scheduler.type != "none") {
     log_rank0().info("scheduler.params.last_batch_iteration = {}: the schedule goes on from the save's step {} "
                      "shifted by {} steps (as in the run that saved it, if it had this value: saves do not "

@@ -171,6 +171,11 @@ class Engine {
 
   bool is_gradient_accumulation_boundary() const;
   int64_t global_steps() const { return global_steps_; }
+  // Of the optimizer steps, those skipped for a non-finite gradient (an fp16
+  // overflow, or train.on_nonfinite skip). As in DeepSpeed, the learning-rate
+  // schedule does not advance over them: step s trains at the rate of step
+  // s - skipped_steps() of a run without skips.
+  int64_t skipped_steps() const { return skipped_steps_; }
   // Micro-steps since the last optimizer step.
   int64_t micro_steps() const { return micro_steps_; }
   // The learning rate of the step in progress (or the next one).
@@ -276,7 +281,9 @@ class Engine {
   std::shared_ptr<torch::nn::Module> model_;
   Config config_;
   std::unique_ptr<Impl> impl_;
-  int64_t global_steps_ = 0, micro_steps_ = 0;
+  int64_t global_steps_ = 0, micro_steps_ = 0, skipped_steps_ = 0;
+  // The rate of the next optimizer step: the schedule's position counts the steps taken.
+  double next_learning_rate() const;
   StepMetrics last_metrics_;
 };
 

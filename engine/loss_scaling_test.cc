@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -45,6 +46,7 @@ struct RunSetup {
   int64_t window = 1000;
   int hysteresis = 2;
   double min_scale = 1;
+  bool schedule = false;  // WarmupDecayLR (linear, warm-up 3, total 8) instead of a constant rate
   // Steps (1-based) whose gradients get an inf, on `inject_rank` only, in
   // the first shard that holds an element there.
   std::set<int> inject;
@@ -76,6 +78,14 @@ Config config_of(const RunSetup& s) {
   c.fp16.loss_scale_window = s.window;
   c.fp16.hysteresis = s.hysteresis;
   c.fp16.min_loss_scale = s.min_scale;
+  if (s.schedule) {
+    c.scheduler.type = "WarmupDecayLR";
+    c.scheduler.warmup_min_lr = 0;
+    c.scheduler.warmup_max_lr = 1e-2;
+    c.scheduler.warmup_num_steps = 3;
+    c.scheduler.warmup_type = "linear";
+    c.scheduler.total_num_steps = 8;
+  }
   return c;
 }
 
@@ -181,10 +191,33 @@ TEST(LossScaling, ScaledAndUnscaledTrainsAsFloat32BitForBit) {
 // skips the step and leaves its shards as they were; the first overflow is
 // tolerated (hysteresis 2), the second halves the scale; train.on_nonfinite
 // (stop, its default) does not apply with fp16.
+// The rates DeepSpeed's engine trains `skipped` (per step) at under the
+// schedule of RunSetup::schedule: its WarmupDecayLR (linear) sets
+// warmup_min_lr when built (position -1) and advances one position after each
+// step that is not an overflow.
+std::vector<double> deepspeed_rates(const std::vector<bool>& skipped) {
+  const double lo = 0, hi = 1e-2, warmup = 3, total = 8;
+  std::vector<double> out;
+  int position = -1;
+  for (bool skip : skipped) {
+    const double i = position;
+    out.push_back(i < 0         ? lo
+                  : i < warmup ? lo + (hi - lo) * i / warmup
+                               : lo + (hi - lo) * std::max(0.0, (total - i) / std::max(1.0, total - warmup)));
+    if (!skip) ++position;
+  }
+  return out;
+}
+
 TEST(LossScaling, AnOverflowInOneRanksShardSkipsOnEveryRankAndHalves) {
+  // Steps 2 and 3 overflow: the schedule stands still over them.
+  const std::vector<double> rates = deepspeed_rates({false, true, true, false, false, false});
+  const std::vector<double> expected = {0, 0, 0, 0, 1e-2 / 3, 2e-2 / 3};
+  for (size_t i = 0; i < rates.size(); ++i) EXPECT_DOUBLE_EQ(rates[i], expected[i]) << "step " << i + 1;
   for (int stage : {0, 1, 2, 3}) {
     RunSetup s;
     s.stage = stage;
+    s.schedule = true;
     s.inject = {2, 3};
     s.inject_rank = world()->size() - 1;
     const TrainRun run = train(s);
@@ -193,10 +226,12 @@ TEST(LossScaling, AnOverflowInOneRanksShardSkipsOnEveryRankAndHalves) {
     for (size_t i = 0; i < run.metrics.size(); ++i) {
       const bool skip = i == 1 || i == 2;
       EXPECT_EQ(run.metrics[i].skipped, skip) << "stage " << stage << " step " << i + 1;
-      EXPECT_EQ(run.shards_unchanged[i], skip) << "stage " << stage << " step " << i + 1;
+      // (Steps 1 and 4 train at rate 0: their shards stay too.)
+      EXPECT_EQ(run.shards_unchanged[i], skip || rates[i] == 0) << "stage " << stage << " step " << i + 1;
       EXPECT_EQ(run.metrics[i].loss_scale, scales[i]) << "stage " << stage << " step " << i + 1;
       EXPECT_EQ(run.metrics[i].overflows, overflows[i]) << "stage " << stage << " step " << i + 1;
       EXPECT_EQ(run.lines[i]["skipped"], skip);
+      EXPECT_DOUBLE_EQ(run.metrics[i].lr, rates[i]) << "stage " << stage << " step " << i + 1;
       if (skip) {
         EXPECT_EQ(run.metrics[i].grad_norm, -1);
       }
@@ -226,6 +261,7 @@ TEST(LossScaling, StateIsSavedAndResumedBitwise) {
   RunSetup s;
   s.stage = 2;
   s.window = 2;
+  s.schedule = true;
   s.inject = {2, 3};
   s.inject_rank = world()->size() - 1;
   s.steps = 7;
@@ -236,6 +272,7 @@ TEST(LossScaling, StateIsSavedAndResumedBitwise) {
   const nlohmann::json m = nlohmann::json::parse(manifest);
   ASSERT_TRUE(m.contains("loss_scaler")) << m.dump();
   EXPECT_EQ(m["loss_scaler"]["overflows"], 2);
+  EXPECT_EQ(m["skipped_steps"], 2) << "the schedule's position is step - skipped_steps";
   EXPECT_EQ(m["loss_scaler"]["scale"], 32768.0);
 
   RunSetup r = s;
@@ -249,7 +286,9 @@ TEST(LossScaling, StateIsSavedAndResumedBitwise) {
     EXPECT_EQ(a.loss, b.loss) << "step " << a.step;
     EXPECT_EQ(a.loss_scale, b.loss_scale) << "step " << a.step;
     EXPECT_EQ(a.overflows, b.overflows) << "step " << a.step;
+    EXPECT_EQ(a.lr, b.lr) << "step " << a.step;
   }
+  EXPECT_DOUBLE_EQ(whole.metrics[4].lr, deepspeed_rates({false, true, true, false, false})[4]);
   // Step 6 follows two clean steps since the overflow: it doubles the scale
   // for step 7, having used the halved one.
   EXPECT_EQ(whole.metrics[5].loss_scale, 32768);

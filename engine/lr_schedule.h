@@ -17,8 +17,9 @@
 // `s` counts the run's optimizer steps from its start, those before a resume
 // included (a save records its step), so a resumed run trains each step at
 // the rate the uninterrupted run would. Saves do not record k: a resume with
-// another k shifts the schedule. Steps skipped for a non-finite gradient count
-// (DeepSpeed does not step its scheduler after an fp16 overflow).
+// another k shifts the schedule. Steps skipped for a non-finite gradient (an
+// fp16 overflow) do not advance it, as DeepSpeed's engine does not step its
+// scheduler after one: the engine passes s - skipped steps (saved with the step).
 #pragma once
 
 #include <cstdint>

@@ -43,6 +43,7 @@ nlohmann::json manifest_json(const TrainPosition& position, const TrainShards& s
                              const SaveIdentity& identity, int world_size, const std::vector<ListedFile>& files) {
   nlohmann::json manifest = {{"format", kFormat},
                              {"step", position.step},
+                             {"skipped_steps", position.skipped_steps},
                              {"world_size", world_size},
                              {"tp_size", shards.tp_size},
                              {"dp_size", shards.dp_size},
@@ -172,6 +173,10 @@ Manifest::File read_file_entry(const nlohmann::json& f, int64_t format, const Fi
 // settings, parameters, client state and (format 5) the splits.
 void read_run_fields(const nlohmann::json& j, const Fields& fields, Manifest& m) {
   m.step = fields.integer(j, "step", "");
+  if (j.contains("skipped_steps")) {
+    m.skipped_steps = fields.integer(j, "skipped_steps", "");
+    if (m.skipped_steps < 0 || m.skipped_steps > m.step) throw fields.bad("skipped_steps", "a count from 0 to step");
+  }
   m.world_size = fields.integer(j, "world_size", "");
   if (!j.contains("model") || !j["model"].is_string()) throw fields.bad("model", "a string");
   m.model = j["model"].get<std::string>();

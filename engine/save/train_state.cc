@@ -325,6 +325,7 @@ StagedLoad stage_train_state(const std::string& dir, const TrainShards& shards, 
     stage_rng(folder, *files.at(candidates[0]), candidates[0], manifest.tp_size != shards.tp_size, shards,
               identity, staged);
     staged.position.step = manifest.step;
+    staged.position.skipped_steps = manifest.skipped_steps;
     staged.position.client_state = manifest.client_state;
     staged.position.loss_scaler = manifest.loss_scaler;
     staged.position.decisions = manifest.decisions;

@@ -41,6 +41,9 @@ struct TrainShards {
 
 struct TrainPosition {
   int64_t step = 0;  // completed optimizer steps
+  // Of them, those skipped for a non-finite gradient (an fp16 overflow):
+  // the learning-rate schedule did not advance over them.
+  int64_t skipped_steps = 0;
   // The caller's own data (data position, epoch, ...) as JSON text: rank 0's
   // is saved, every rank gets it back.
   std::string client_state = "{}";
@@ -83,6 +86,7 @@ constexpr int64_t kOldestFormat = 4;
 struct Manifest {
   int64_t format = 1;  // 2: rank files hold shards with their layout here
   int64_t step = 0;
+  int64_t skipped_steps = 0;  // 0 where not recorded (saves before it was kept)
   int64_t world_size = 0;
   int64_t tp_size = 1, dp_size = 0;
   std::string model;
