@@ -367,7 +367,16 @@ double Engine::Impl::update(torch::nn::Module& model, const Config& config, cons
   }
   {
     MemoryCategoryScope state(MemoryCategory::kOptimizerState);
-    optimizer->step();
+    try {
+      optimizer->step();
+    } catch (const std::runtime_error& e) {
+      // A rate so large that the update's scalar (AdamW's lr / (1 - beta1^t))
+      // leaves float: c10's checked conversion throws a message naming no setting.
+      const std::string what = e.what();
+      if (what.find("cannot be converted to type") == std::string::npos) throw;
+      throw ConfigError(str("the optimizer step at learning rate ", lr, " overflows the parameters' arithmetic (",
+                            what, "): lower optimizer.params.lr (and the scheduler's warmup_max_lr)"));
+    }
   }
   internal::put_back_unused(unused, *optimizer);
   // Every rank's parameters read right between steps (stages 1 and 2 gather the stepped shards).

@@ -272,6 +272,11 @@ expect "a directory as data.path is named" "is a directory; point it at a text f
   "${tiny[@]}" --set data.path="$tmp"
 expect "a device as data.path stops at the size limit" "holds more than 268435456 bytes" \
   "${tiny[@]}" --set data.path=/dev/zero
+# lr 1e38: AdamW's first update scalar (lr / (1 - beta1)) leaves float; it
+# ended as LibTorch's "unexpected error" naming no setting.
+expect "a learning rate beyond float's range in the update names the key" \
+  "overflows the parameters' arithmetic (value cannot be converted to type float without overflow): lower optimizer.params.lr" \
+  "${tiny[@]}" --steps 2 --set optimizer.params.lr=1e38 --set scheduler.type=none
 expect "1e999 through --set names the key" "'optimizer.params.lr' holds a number beyond what a double holds" \
   "${tiny[@]}" --set optimizer.params.lr=1e999
 outcome "a bad REMAT_FAULT_SAVE_PAUSE_MS is refused at start" error \
