@@ -54,6 +54,7 @@
 #include "runtime/device_memory.h"
 #include "runtime/env_knobs.h"
 #include "runtime/error.h"
+#include "runtime/process_env.h"
 #include "runtime/output_file.h"
 #include "runtime/runtime.h"
 
@@ -316,6 +317,13 @@ int estimate(int argc, char** argv) {
     app.parse(args);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  }
+  // One process estimates every rank: started by a launcher as one of
+  // several, each would print the same table for 1 rank over a divided host.
+  if (const ProcessEnv env = detect_process_env(); env.world_size > 1) {
+    throw ConfigError(str("remat-estimate runs as one process and estimates the ranks it is given with -np; it was "
+                          "started as rank ", env.rank, " of ", env.world_size, " (", env.source,
+                          " variables): run it without mpirun, as remat-estimate -np ", env.world_size, " ..."));
   }
   // Checked before the estimate, by the rule of remat-train's outputs.
   if (app.count("--json") > 0) check_output_file({"--json", json_path, "estimate.json"});
