@@ -41,9 +41,6 @@ struct TrainShards {
 
 struct TrainPosition {
   int64_t step = 0;  // completed optimizer steps
-  // Of them, those skipped for a non-finite gradient (an fp16 overflow):
-  // the learning-rate schedule did not advance over them.
-  int64_t skipped_steps = 0;
   // The caller's own data (data position, epoch, ...) as JSON text: rank 0's
   // is saved, every rank gets it back.
   std::string client_state = "{}";
@@ -54,6 +51,9 @@ struct TrainPosition {
   // keep_saved_decisions: its "auto" values, its batch sizes, the micro-batch
   // search); empty: none recorded (a save made before they were kept).
   std::string decisions;
+  // Of the steps, those skipped for a non-finite gradient (an fp16
+  // overflow): the learning-rate schedule did not advance over them.
+  int64_t skipped_steps = 0;
 };
 
 // What a save must agree with to be resumed.
