@@ -398,7 +398,9 @@ at::Tensor reduce_scatter_to_sequence_parallel_region(const at::Tensor& x, const
 
 at::Tensor linear_with_sequence_parallel_input(const at::Tensor& x, const at::Tensor& weight,
                                                const at::Tensor& bias, const Group& group, int64_t dim) {
-  if (fast_path(group)) return at::linear(x, weight, bias);
+  // One rank: the product on a contiguous input too, as the gathered one of
+  // several ranks is (a strided view's product may round differently).
+  if (fast_path(group)) return at::linear(x.contiguous(), weight, bias);
   // Function::apply takes defined tensors only.
   return LinearWithSequenceInput::apply(x, weight, bias.defined() ? bias : at::empty({0}, weight.options()), group,
                                         dim);

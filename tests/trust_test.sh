@@ -265,11 +265,11 @@ if [[ $rc -eq 2 ]] && grep -q "^Estimated memory per rank" <<<"$out" &&
 else
   fail "remat-estimate shows the table at micro-batch 1 where the \"auto\" micro-batch cannot fit (exit $rc)" "$out"
 fi
-# remat-estimate started by mpirun as several ranks printed one table per
+# remat-estimate started by a launcher as several ranks printed one table per
 # rank, each for 1 rank over the host divided by the launcher's ranks.
 expect "remat-estimate under mpirun says to give -np instead" \
   "remat-estimate runs as one process and estimates the ranks it is given with -np; it was started as rank" \
-  mpirun --allow-run-as-root --oversubscribe -np 2 "$estimate"
+  "$run" -np 2 -- "$estimate"
 # Two sizes that print alike at one digit are shown with more (the default
 # GPT at one rank needs 13.21 MiB; 13,800,000 bytes are 13.16 MiB).
 out=$(REMAT_MEMORY_PER_RANK_BYTES=13800000 "$train" --steps 1 2>&1); rc=$?
