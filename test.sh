@@ -21,7 +21,9 @@ fi
 # Compiler warnings in remat's own files (not LibTorch's or the system's):
 # Bazel names them by relative path, CMake by path under this tree.
 project_warnings() {
-  grep -aE "^(\./|$PWD/)?[a-z_]+/[A-Za-z0-9_./-]+:[0-9]+:[0-9]+: warning:" "$1" | sed "s|^$PWD/||" | grep -v '^external/' | sort -u
+  # (ccache's CCACHE_BASEDIR below turns the paths relative to the build folder: ../../engine/...)
+  grep -aE "^(\./|$PWD/|(\.\./)+)?[a-z_]+/[A-Za-z0-9_./-]+:[0-9]+:[0-9]+: warning:" "$1" |
+    sed -E "s|^$PWD/||; s|^(\.\./)+||" | grep -v '^external/' | sort -u
 }
 build_warnings=$(project_warnings "$log")
 
@@ -56,6 +58,12 @@ rm -f "$marker" "$log"
 # command (tools/install.sh: libraries and tools, no tests), then the same
 # build folder with the tests and benchmarks compiled too, then a project that
 # uses find_package(remat) and the examples, against that install.
+# Compiled objects cached across runs and checkouts of this machine (paths
+# taken relative to the tree, so a clone elsewhere hits too): the CMake builds
+# below then cost what changed, as Bazel's disk cache does for Bazel.
+if command -v ccache >/dev/null; then
+  export CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_C_COMPILER_LAUNCHER=ccache CCACHE_BASEDIR="$PWD"
+fi
 cmake_log=build/cmake.log
 examples_log=build/examples.log
 mkdir -p build

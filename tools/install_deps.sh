@@ -24,6 +24,7 @@ packages=(
   python3            # edits saved files in the whole-job tests
   python3-torch      # reads remat-train --export files with torch.load in the whole-job tests
   universal-ctags    # function lengths in tools/check_sizes.sh
+  ccache             # test.sh's CMake builds reuse what an earlier run of this machine compiled
 )
 
 missing=()
