@@ -220,88 +220,80 @@ MicroBatchProbe gpt_probe(const Config& config, const GptAutoFacts& facts, const
   return probe;
 }
 
-int train(int argc, char** argv) {
-  CLI::App app{"remat-train: train a GPT with remat's activation checkpointing"};
-  std::string config_path, metrics_path, save_dir, resume_dir, export_path, memory_trace, backend = "auto";
+// remat-train's flags as given.
+struct TrainFlags {
+  std::string config_path, metrics_path, save_dir, resume_dir, export_path, memory_trace, plan_report;
+  std::string backend = "auto";
   std::vector<std::string> overrides;
-  std::optional<std::string> steps_flag, seed_flag, device_flag, samples_flag;
+  std::optional<std::string> steps, seed, device, samples;
   bool overwrite_saves = false, print_config = false;
-  app.add_option("--config", config_path, "JSON configuration (default: the embedded one)");
-  app.add_option("--set", overrides, "override a key: --set model.n_layer=8 (repeatable)");
-  app.add_option("--steps", steps_flag, "optimizer steps (train.steps)");
-  app.add_option("--seed", seed_flag, "seed (train.seed)");
-  app.add_option("--device", device_flag, "where each rank trains: auto (its local rank's CUDA device where CUDA "
+};
+
+void add_flags(CLI::App& app, TrainFlags& f) {
+  app.add_option("--config", f.config_path, "JSON configuration (default: the embedded one)");
+  app.add_option("--set", f.overrides, "override a key: --set model.n_layer=8 (repeatable)");
+  app.add_option("--steps", f.steps, "optimizer steps (train.steps)");
+  app.add_option("--seed", f.seed, "seed (train.seed)");
+  app.add_option("--device", f.device, "where each rank trains: auto (its local rank's CUDA device where CUDA "
                  "is available, else the CPU), cpu, cuda or cuda:N (train.device)");
-  app.add_option("--metrics", metrics_path, "write one JSON object per step (rank 0)");
-  app.add_option("--save-dir", save_dir, "save the training state here (a folder holding another run's "
+  app.add_option("--metrics", f.metrics_path, "write one JSON object per step (rank 0)");
+  app.add_option("--save-dir", f.save_dir, "save the training state here (a folder holding another run's "
                  "saves is refused unless --resume continues them or --overwrite-saves is given)");
-  app.add_flag("--overwrite-saves", overwrite_saves, "let this run replace the saves in --save-dir: those "
+  app.add_flag("--overwrite-saves", f.overwrite_saves, "let this run replace the saves in --save-dir: those "
                "after the step it starts from (all of them without --resume) are removed once it has started");
-  app.add_option("--resume", resume_dir, "resume from a save (a step folder or the save root), at any "
+  app.add_option("--resume", f.resume_dir, "resume from a save (a step folder or the save root), at any "
                  "tensor-parallel size, data-parallel size and ZeRO stage");
-  app.add_option("--export", export_path, "after training (and the final save), write the whole model (full "
+  app.add_option("--export", f.export_path, "after training (and the final save), write the whole model (full "
                  "parameters by state-dict name) to this file, for torch::pickle_load or Python's torch.load; "
                  "checked at start: a regular file or a new one, in a folder with room for it");
-  app.add_option("--memory-trace", memory_trace, "write rank 0's memory timeline of one step (the run's second, "
+  app.add_option("--memory-trace", f.memory_trace, "write rank 0's memory timeline of one step (the run's second, "
                  "or its only one) to this file in Chrome's Trace Event JSON (Perfetto, chrome://tracing) and "
                  "its plot beside it (.png, with matplotlib); docs/memory.md");
-  app.add_option("--memory-trace-samples", samples_flag, "at most this many samples in --memory-trace (runs "
+  app.add_option("--memory-trace-samples", f.samples, "at most this many samples in --memory-trace (runs "
                  "of consecutive samples kept by their lowest and highest; default 4000)");
-  app.add_option("--backend", backend, "communication backend: auto, mpi or nccl");
-  app.add_flag("--print-config", print_config, "print the configuration this run would train with (every key, "
+  app.add_option("--backend", f.backend, "communication backend: auto, mpi or nccl");
+  app.add_flag("--print-config", f.print_config, "print the configuration this run would train with (every key, "
                "defaults filled in and each \"auto\" decided for this launch) as JSON that --config reads, then "
                "exit without training");
-  std::string plan_report;
-  app.add_option("--plan-report", plan_report, "variant auto: write the planner's frontier (every plan a budget "
+  app.add_option("--plan-report", f.plan_report, "variant auto: write the planner's frontier (every plan a budget "
                  "gets: predicted peak, extra time, plan) to DIR/frontier.csv, the plan in effect and the knee "
                  "marked, and draw it as DIR/frontier.png (with python3 and matplotlib)");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
-  refuse_empty_paths(app, {{"--config", &config_path}, {"--metrics", &metrics_path}, {"--save-dir", &save_dir},
-                           {"--resume", &resume_dir}, {"--export", &export_path}, {"--memory-trace", &memory_trace},
-                           {"--plan-report", &plan_report}});
+}
 
-  const int64_t trace_samples = memory_trace_samples(samples_flag, memory_trace);
-
-  // First: everything allocated from here on is counted (and, for a memory
-  // trace, kept by allocation).
-  MemoryTracker memory(MemoryTrackerOptions{!memory_trace.empty()});
-  Runtime::init();
-  // The flags are overrides like any other: validated the same way.
-  if (steps_flag) overrides.push_back("train.steps=" + *steps_flag);
-  if (seed_flag) overrides.push_back("train.seed=" + *seed_flag);
-  if (device_flag) {
+// The configuration the flags give: the file or the embedded one, with the
+// overrides and the flags that are overrides (validated the same way).
+Config load_train_config(TrainFlags& f) {
+  if (f.steps) f.overrides.push_back("train.steps=" + *f.steps);
+  if (f.seed) f.overrides.push_back("train.seed=" + *f.seed);
+  if (f.device) {
     // Named as the flag the user typed, not as the override it becomes.
-    if (const std::string why = device_spec_problem(*device_flag, "--device"); !why.empty()) throw ConfigError(why);
-    overrides.push_back("train.device=" + *device_flag);
+    if (const std::string why = device_spec_problem(*f.device, "--device"); !why.empty()) throw ConfigError(why);
+    f.overrides.push_back("train.device=" + *f.device);
   }
-  // Not const: its "auto" values are decided once the layout, data and device are known.
-  Config config = config_path.empty() ? parse_config(default_config_text(), "<embedded default>", overrides)
-                                      : load_config(config_path, overrides);
+  Config config = f.config_path.empty() ? parse_config(default_config_text(), "<embedded default>", f.overrides)
+                                        : load_config(f.config_path, f.overrides);
   knobs::fault_save_pause();  // a bad value stops the run now, not at its first save
-  if (overwrite_saves && save_dir.empty()) {
+  if (f.overwrite_saves && f.save_dir.empty()) {
     throw ConfigError("--overwrite-saves without --save-dir: give the --save-dir whose saves this run may replace");
   }
-  const auto& tc = config.train;
-  auto layout = init_distributed(config, backend);
-  auto& world = *layout->world();
-  const bool rank0 = world.rank() == 0;
-  // Every rank runs with the flags the others have (the engine compares the
-  // configs), the paths as written.
-  std::map<std::string, std::string> flags{{"--backend", backend},
-                                           {"--overwrite-saves", overwrite_saves ? "given" : "not given"}};
-  for (const auto& [flag, value] : {std::pair<const char*, const std::string*>{"--save-dir", &save_dir},
-                                    {"--resume", &resume_dir}, {"--export", &export_path},
-                                    {"--metrics", &metrics_path}, {"--memory-trace", &memory_trace},
-                                    {"--plan-report", &plan_report}}) {
+  return config;
+}
+
+// Every rank runs with the flags the others have (the engine compares the
+// configs), the paths as written; --plan-report needs the planner; what the
+// run writes is checked before anything trains.
+void check_run_flags(const TrainFlags& f, const Config& config, Communicator& world) {
+  std::map<std::string, std::string> flags{{"--backend", f.backend},
+                                           {"--overwrite-saves", f.overwrite_saves ? "given" : "not given"}};
+  for (const auto& [flag, value] : {std::pair<const char*, const std::string*>{"--save-dir", &f.save_dir},
+                                    {"--resume", &f.resume_dir}, {"--export", &f.export_path},
+                                    {"--metrics", &f.metrics_path}, {"--memory-trace", &f.memory_trace},
+                                    {"--plan-report", &f.plan_report}}) {
     flags[flag] = as_compared(*value);
   }
   require_same_settings(world, flags, "flags (paths are compared as written, so one folder spelled two ways "
                                       "differs: spell each path the same on every rank)");
-  if (!plan_report.empty() && config.activation_checkpointing.variant != CheckpointVariant::kAuto) {
+  if (!f.plan_report.empty() && config.activation_checkpointing.variant != CheckpointVariant::kAuto) {
     throw ConfigError(str("--plan-report writes the memory planner's frontier, but activation_checkpointing.variant "
                           "is \"", checkpoint_variant_name(config.activation_checkpointing.variant),
                           "\": set it to \"auto\" (with a memory_budget_fraction, \"knee\" for instance) or "
@@ -310,223 +302,353 @@ int train(int argc, char** argv) {
   // Written after training or beside it: a path one cannot be written to stops the run now.
   // The save folder may be the save root resumed (continuing it), not a folder inside its entries.
   std::error_code same_root;
-  if (!save_dir.empty() && !resume_dir.empty() && !fs::equivalent(resume_root(resume_dir), save_dir, same_root)) {
-    check_outputs_spare_inputs({{"--save-dir", save_dir}}, {{"--resume", resume_root(resume_dir), true,
-                                                            "the save this run reads", save_folder_entries()}});
+  if (!f.save_dir.empty() && !f.resume_dir.empty() &&
+      !fs::equivalent(resume_root(f.resume_dir), f.save_dir, same_root)) {
+    check_outputs_spare_inputs({{"--save-dir", f.save_dir}}, {{"--resume", resume_root(f.resume_dir), true,
+                                                              "the save this run reads", save_folder_entries()}});
   }
-  if (rank0) {
-    check_outputs(metrics_path, memory_trace, export_path, plan_report,
-                  {{"--config", config_path},
+  if (world.rank() == 0) {
+    check_outputs(f.metrics_path, f.memory_trace, f.export_path, f.plan_report,
+                  {{"--config", f.config_path},
                    {"data.path", config.data.path},
-                   {"--save-dir", save_dir, true, "which holds this run's saves and their lock",
+                   {"--save-dir", f.save_dir, true, "which holds this run's saves and their lock",
                     save_folder_entries()},
-                   {"--resume", resume_root(resume_dir), true, "the save this run reads", save_folder_entries()}});
+                   {"--resume", resume_root(f.resume_dir), true, "the save this run reads", save_folder_entries()}});
   }
-  data::Dataset data = data::Dataset::load(config.data.path, config.data.train_fraction, config.model.seq_len);
-  const at::Device device = training_device(config);
-  // A resumed run goes on with what its save's run decided.
-  if (!resume_dir.empty() && !config.auto_values.empty()) keep_saved_decisions(config, resume_dir, layout->dims().dp);
+}
+
+// What the "auto" values are decided from on this launch.
+GptAutoFacts auto_facts(const ParallelLayout& layout, const data::Dataset& data, at::Device device) {
   const bool cuda = device.is_cuda();
-  const GptAutoFacts facts{layout->dims().dp, world.size(), data.vocab_size(), data.train_size(), device,
-                           cuda && cuda_computes_bf16(device.has_index() ? device.index() : 0), memory_per_rank(device),
-                           knobs::memory_per_rank_bytes() ? "REMAT_MEMORY_PER_RANK_BYTES"
-                           : cuda ? "its GPU's capacity over the ranks sharing it"
-                                  : "this host's physical memory over its ranks"};
+  return {layout.dims().dp, layout.world()->size(), data.vocab_size(), data.train_size(), device,
+          cuda && cuda_computes_bf16(device.has_index() ? device.index() : 0), memory_per_rank(device),
+          knobs::memory_per_rank_bytes() ? "REMAT_MEMORY_PER_RANK_BYTES"
+          : cuda ? "its GPU's capacity over the ranks sharing it"
+                 : "this host's physical memory over its ranks"};
+}
+
+models::Gpt build_gpt(const Config& config, const data::Dataset& data, const ParallelLayout& layout) {
+  models::GptOptions options;
+  options.shape = config.model;
+  options.vocab_size = data.vocab_size();
+  if (layout.dims().tp_enabled()) options.tensor_parallel = layout.tp_group();
+  options.sequence_parallel = config.tensor_parallel.sequence_parallel;
+  options.sequence_parallel_dropout = config.tensor_parallel.sequence_parallel_dropout;
+  return models::Gpt(options);
+}
+
+// Everything one training run holds once it is set up.
+struct TrainRun {
+  TrainFlags flags;
+  Config config;
+  std::shared_ptr<ParallelLayout> layout;
+  std::optional<data::Dataset> data;
+  std::optional<models::Gpt> model;
+  std::unique_ptr<Engine> engine;
+  BatchSizes batch;
+  at::Device device = at::kCPU;
+  int64_t resumed = 0;  // the step the run starts after
+  int64_t window = 0;   // the next training window of this rank's data stream
+  std::optional<Progress> progress;  // rank 0's lines, from the first step on
+  bool rank0() const { return layout->world()->rank() == 0; }
+};
+
+// Builds the GPT and its engine, deciding the "auto" values (the micro-batch
+// measured at initialize); false: --print-config printed and nothing trains.
+bool set_up_engine(TrainRun& run, MemoryTracker& memory) {
+  Config& config = run.config;
+  auto& world = *run.layout->world();
+  const int dp = run.layout->dims().dp;
+  run.data.emplace(data::Dataset::load(config.data.path, config.data.train_fraction, config.model.seq_len));
+  run.device = training_device(config);
+  // A resumed run goes on with what its save's run decided.
+  if (!run.flags.resume_dir.empty() && !config.auto_values.empty()) keep_saved_decisions(config, run.flags.resume_dir, dp);
+  const GptAutoFacts facts = auto_facts(*run.layout, *run.data, run.device);
   // An "auto" micro-batch is measured at initialize; the rest is decided here.
   const bool measured = decide_gpt_autos(config, facts);
-  BatchSizes batch = measured ? BatchSizes{} : config.resolve_batch(layout->dims().dp);
-  if (print_config && !measured) return print_and_exit(config, world);
-  if (!measured) check_memory_estimate(config, batch, data.vocab_size(), world.size(), device);
+  run.batch = measured ? BatchSizes{} : config.resolve_batch(dp);
+  if (run.flags.print_config && !measured) {
+    print_and_exit(config, world);
+    return false;
+  }
+  if (!measured) check_memory_estimate(config, run.batch, run.data->vocab_size(), world.size(), run.device);
 
-  models::GptOptions model_options;
-  model_options.shape = config.model;
-  model_options.vocab_size = data.vocab_size();
-  if (layout->dims().tp_enabled()) model_options.tensor_parallel = layout->tp_group();
-  model_options.sequence_parallel = config.tensor_parallel.sequence_parallel;
-  model_options.sequence_parallel_dropout = config.tensor_parallel.sequence_parallel_dropout;
-  models::Gpt model(model_options);
+  run.model.emplace(build_gpt(config, *run.data, *run.layout));
   EngineOptions options;
-  options.layout = layout;
+  options.layout = run.layout;
   options.memory = &memory;
   options.blocks = "blocks";
-  options.model_signature = model->options().to_string();
-  options.plan_report_dir = plan_report;
-  if (measured) options.micro_batch = gpt_probe(config, facts, data, model, *layout, device);
-  auto engine = initialize(model, config, options);
+  options.model_signature = (*run.model)->options().to_string();
+  options.plan_report_dir = run.flags.plan_report;
+  if (measured) options.micro_batch = gpt_probe(config, facts, *run.data, *run.model, *run.layout, run.device);
+  run.engine = initialize(*run.model, config, options);
   if (measured) {
-    config = engine->config();  // the micro-batch decided
-    batch = config.resolve_batch(layout->dims().dp);
-    if (print_config) return print_and_exit(config, world);
-    check_memory_estimate(config, batch, data.vocab_size(), world.size(), device);
+    config = run.engine->config();  // the micro-batch decided
+    run.batch = config.resolve_batch(dp);
+    if (run.flags.print_config) {
+      print_and_exit(config, world);
+      return false;
+    }
+    check_memory_estimate(config, run.batch, run.data->vocab_size(), world.size(), run.device);
   }
-  // Checked, created and locked before anything is trained: a run must not
-  // find out at its first save that it cannot keep its work.
-  // Resuming lets a folder hold saves only when they are the ones resumed.
-  const bool resumes_here = !resume_dir.empty() && !save_dir.empty() && resumes_from(resume_dir, save_dir);
-  if (!save_dir.empty()) engine->use_save_dir(save_dir, {resumes_here, overwrite_saves});
-  if (!export_path.empty() && rank0) check_export_space(export_path, estimated_export_bytes(*model, engine->export_dtype()));
+  return true;
+}
 
-  int64_t window = 0;  // the next training window of this rank's data stream
-  if (!resume_dir.empty()) {
-    window = engine->load_checkpoint(resume_dir).value("data_window", int64_t{0});
-    log_rank0().info("resumed from '{}' at step {}", resume_dir, engine->global_steps());
+// The save folder checked, created and locked, the export's room checked,
+// and the resumed state loaded, before anything trains: a run must not find
+// out at its first save that it cannot keep its work.
+void prepare_saves_and_resume(TrainRun& run) {
+  const TrainFlags& f = run.flags;
+  Engine& engine = *run.engine;
+  // Resuming lets a folder hold saves only when they are the ones resumed.
+  const bool resumes_here = !f.resume_dir.empty() && !f.save_dir.empty() && resumes_from(f.resume_dir, f.save_dir);
+  if (!f.save_dir.empty()) engine.use_save_dir(f.save_dir, {resumes_here, f.overwrite_saves});
+  if (!f.export_path.empty() && run.rank0()) {
+    check_export_space(f.export_path, estimated_export_bytes(**run.model, engine.export_dtype()));
   }
-  const int64_t resumed = engine->global_steps();
+  if (!f.resume_dir.empty()) {
+    run.window = engine.load_checkpoint(f.resume_dir).value("data_window", int64_t{0});
+    log_rank0().info("resumed from '{}' at step {}", f.resume_dir, engine.global_steps());
+  }
+  run.resumed = engine.global_steps();
+  if (!f.save_dir.empty() && !f.overwrite_saves && run.rank0() && latest_step(f.save_dir) > run.resumed) {
+    log_rank0().warn("--save-dir '{}' holds saves up to step {} and this run starts at step {}: its saves "
+                     "replace those of the same steps, and 'latest' stays on step {} until this run passes "
+                     "it; pass --overwrite-saves to remove the later saves instead",
+                     f.save_dir, latest_step(f.save_dir), run.resumed, latest_step(f.save_dir));
+  }
+  log_rank0().info("data {} ({} bytes, vocabulary {}), model {} ({} parameters on this rank), checkpointing {}, "
+                   "batch {} = micro {} x accumulation {} x dp {}",
+                   run.data->source(), run.data->train_size() + run.data->val_size(), run.data->vocab_size(),
+                   (*run.model)->options().to_string(), (*run.model)->num_parameters(),
+                   checkpoint_variant_name(run.config.activation_checkpointing.variant), run.batch.train_batch_size,
+                   run.batch.micro_batch_per_gpu, run.batch.gradient_accumulation_steps, run.layout->dims().dp);
+}
+
+// Rank 0's --metrics file: a resumed run keeps the lines through its step.
+std::ofstream open_metrics(const TrainRun& run) {
+  std::ofstream metrics;
+  const std::string& path = run.flags.metrics_path;
+  if (!run.rank0() || path.empty()) return metrics;
+  if (run.resumed > 0) keep_metrics_through(path, run.resumed);
+  metrics.open(path, run.resumed > 0 ? std::ios::app : std::ios::trunc);
+  if (!metrics) {
+    throw ConfigError(str("cannot write --metrics file '", shown_path(path), "' (", std::strerror(errno),
+                          "): give a writable file path"));
+  }
+  return metrics;
+}
+
+// One metrics line; an auxiliary output whose failure must not cost the
+// training or its saves.
+void write_metrics_line(std::ofstream& metrics, const StepMetrics& m, double tokens_per_s, int64_t step,
+                        const std::string& path) {
+  if (!metrics.is_open()) return;
+  nlohmann::json line = m.to_json();
+  line["tokens_per_s"] = tokens_per_s;
+  metrics << line.dump() << "\n" << std::flush;
+  if (!metrics) {
+    log_rank0().warn("writing the --metrics file '{}' failed at step {} ({}; disk full?): it holds the steps "
+                     "before, no more lines are written, and training goes on",
+                     shown_path(path), step, std::strerror(errno));
+    metrics.close();
+  }
+}
+
+// What the steps leave for the run's last lines.
+struct TrainOutcome {
+  double first_loss = 0, last_loss = 0;
+  int64_t max_peak = 0, traced_peak = 0, trace_step = 0;
+  std::pair<dev_t, ino_t> trace_before{0, 0};
+};
+
+// One optimizer step: its micro-batches through the engine.
+void train_step(TrainRun& run) {
+  const int64_t seed = run.config.train.seed;
+  for (int64_t micro = 0; micro < run.batch.gradient_accumulation_steps; ++micro) {
+    auto [host_x, host_y] = run.data->train_batch(static_cast<uint64_t>(seed), run.layout->dp_rank(), run.window,
+                                                  run.batch.micro_batch_per_gpu);
+    run.window += run.batch.micro_batch_per_gpu;
+    // The batch goes where the model is (the engine placed it: train.device).
+    const at::Tensor x = run.engine->to_device(host_x), y = run.engine->to_device(host_y);
+    models::Gpt& model = *run.model;
+    at::Tensor loss = run.engine->forward([&, x = x, y = y] { return model->loss(x, y); }, x.sizes().vec());
+    run.engine->backward(loss);
+    run.engine->step();
+  }
+}
+
+double held_out_loss(TrainRun& run) {
+  double val = 0;
+  const int64_t batches = run.config.train.eval_batches;
+  for (int64_t i = 0; i < batches; ++i) {
+    auto [host_x, host_y] = run.data->val_batch(i, run.batch.micro_batch_per_gpu);
+    const at::Tensor x = run.engine->to_device(host_x), y = run.engine->to_device(host_y);
+    models::Gpt& model = *run.model;
+    val += run.engine->evaluate([&, x = x, y = y] { return model->loss(x, y).item<double>(); });
+  }
+  return val / std::max<int64_t>(batches, 1);
+}
+
+// The training steps, with their metrics, held-out losses and saves.
+TrainOutcome train_steps(TrainRun& run, int64_t trace_samples) {
+  const TrainFlags& f = run.flags;
+  const auto& tc = run.config.train;
+  TrainOutcome out;
+  std::ofstream metrics = open_metrics(run);
+  if (run.resumed >= tc.steps && run.rank0()) {
+    std::printf("nothing to train: train.steps is %lld and the run %s\n", static_cast<long long>(tc.steps),
+                run.resumed > 0 ? str("resumed at step ", run.resumed).c_str() : "starts at step 0");
+  }
+  Progress& progress = run.progress.emplace(run.resumed, tc.steps, run.config.steps_per_print, run.rank0());
+  // The memory timeline: the run's second step (the optimizer state exists then), or its only one.
+  out.trace_step = f.memory_trace.empty() || run.resumed >= tc.steps ? 0 : std::min(run.resumed + 2, tc.steps);
+  if (!f.memory_trace.empty() && out.trace_step == 0) {
+    log_rank0().warn("--memory-trace: this run trains no step, so no memory timeline is written");
+  }
   // Saves of an earlier run later than where this one starts (all of them
   // when it resumes from elsewhere): replaced when asked, once this run's
   // first save is complete; else kept (`latest` stays on them until this run
   // passes them).
-  const int64_t replace_after = resumes_here ? resumed : 0;
-  bool replaced = !overwrite_saves;
-  if (!save_dir.empty() && !overwrite_saves && rank0 && latest_step(save_dir) > resumed) {
-    log_rank0().warn("--save-dir '{}' holds saves up to step {} and this run starts at step {}: its saves "
-                     "replace those of the same steps, and 'latest' stays on step {} until this run passes "
-                     "it; pass --overwrite-saves to remove the later saves instead",
-                     save_dir, latest_step(save_dir), resumed, latest_step(save_dir));
-  }
-  log_rank0().info("data {} ({} bytes, vocabulary {}), model {} ({} parameters on this rank), checkpointing {}, "
-                   "batch {} = micro {} x accumulation {} x dp {}",
-                   data.source(), data.train_size() + data.val_size(), data.vocab_size(), options.model_signature,
-                   model->num_parameters(), checkpoint_variant_name(config.activation_checkpointing.variant), batch.train_batch_size,
-                   batch.micro_batch_per_gpu, batch.gradient_accumulation_steps, layout->dims().dp);
-
-  std::ofstream metrics;
-  if (rank0 && !metrics_path.empty()) {
-    if (resumed > 0) keep_metrics_through(metrics_path, resumed);
-    metrics.open(metrics_path, resumed > 0 ? std::ios::app : std::ios::trunc);
-    if (!metrics) {
-      throw ConfigError(str("cannot write --metrics file '", shown_path(metrics_path), "' (", std::strerror(errno),
-                            "): give a writable file path"));
-    }
-  }
-  std::pair<dev_t, ino_t> trace_before{0, 0};
-  if (resumed >= tc.steps && rank0) {
-    std::printf("nothing to train: train.steps is %lld and the run %s\n", static_cast<long long>(tc.steps),
-                resumed > 0 ? str("resumed at step ", resumed).c_str() : "starts at step 0");
-  }
-  Progress progress(resumed, tc.steps, config.steps_per_print, rank0);
-  // The memory timeline: the run's second step (the optimizer state exists then), or its only one.
-  const int64_t trace_step = memory_trace.empty() || resumed >= tc.steps ? 0 : std::min(resumed + 2, tc.steps);
-  if (!memory_trace.empty() && trace_step == 0) {
-    log_rank0().warn("--memory-trace: this run trains no step, so no memory timeline is written");
-  }
-  int64_t traced_peak = 0;
-  const int64_t tokens_per_step = batch.train_batch_size * config.model.seq_len;
-  double first_loss = 0, last_loss = 0;
-  int64_t max_peak = 0;
+  const bool resumes_here = !f.resume_dir.empty() && !f.save_dir.empty() && resumes_from(f.resume_dir, f.save_dir);
+  const int64_t replace_after = resumes_here ? run.resumed : 0;
+  bool replaced = !f.overwrite_saves;
+  const int64_t tokens_per_step = run.batch.train_batch_size * run.config.model.seq_len;
   try {
-    for (int64_t step = resumed + 1; step <= tc.steps; ++step) {
-      model->train();
-      if (step == trace_step && rank0) {
-        trace_before = identity_of(memory_trace);
-        engine->trace_memory(memory_trace, static_cast<int>(trace_samples));
+    for (int64_t step = run.resumed + 1; step <= tc.steps; ++step) {
+      (*run.model)->train();
+      if (step == out.trace_step && run.rank0()) {
+        out.trace_before = identity_of(f.memory_trace);
+        run.engine->trace_memory(f.memory_trace, static_cast<int>(trace_samples));
       }
-      for (int64_t micro = 0; micro < batch.gradient_accumulation_steps; ++micro) {
-        auto [host_x, host_y] = data.train_batch(static_cast<uint64_t>(tc.seed), layout->dp_rank(), window,
-                                                 batch.micro_batch_per_gpu);
-        window += batch.micro_batch_per_gpu;
-        // The batch goes where the model is (the engine placed it: train.device).
-        const at::Tensor x = engine->to_device(host_x), y = engine->to_device(host_y);
-        at::Tensor loss = engine->forward([&, x = x, y = y] { return model->loss(x, y); }, x.sizes().vec());
-        engine->backward(loss);
-        engine->step();
-      }
-      const StepMetrics& m = engine->last_metrics();
-      if (rank0 && !plan_report.empty() && m.plan.contains("act_plan_ms")) plot_frontier(plan_report);
+      train_step(run);
+      const StepMetrics& m = run.engine->last_metrics();
+      if (run.rank0() && !f.plan_report.empty() && m.plan.contains("act_plan_ms")) plot_frontier(f.plan_report);
       const double tokens_per_s = tokens_per_step / (m.step_ms / 1000.0);
-      max_peak = std::max(max_peak, m.mem_peak_bytes - m.mem_base_bytes);
-      if (step == trace_step) traced_peak = m.mem_peak_bytes;
-      if (step == resumed + 1) first_loss = m.loss;
-      last_loss = m.loss;
-      if (metrics.is_open()) {
-        nlohmann::json line = m.to_json();
-        line["tokens_per_s"] = tokens_per_s;
-        metrics << line.dump() << "\n" << std::flush;
-        if (!metrics) {
-          // An auxiliary output: its failure must not cost the training or its saves.
-          log_rank0().warn("writing the --metrics file '{}' failed at step {} ({}; disk full?): it holds the steps "
-                           "before, no more lines are written, and training goes on",
-                           shown_path(metrics_path), step, std::strerror(errno));
-          metrics.close();
-        }
-      }
+      out.max_peak = std::max(out.max_peak, m.mem_peak_bytes - m.mem_base_bytes);
+      if (step == out.trace_step) out.traced_peak = m.mem_peak_bytes;
+      if (step == run.resumed + 1) out.first_loss = m.loss;
+      out.last_loss = m.loss;
+      write_metrics_line(metrics, m, tokens_per_s, step, f.metrics_path);
       progress.step(step, tokens_per_s, m);
       if (tc.eval_interval > 0 && (step % tc.eval_interval == 0 || step == tc.steps)) {
-        double val = 0;
-        for (int64_t i = 0; i < tc.eval_batches; ++i) {
-          auto [host_x, host_y] = data.val_batch(i, batch.micro_batch_per_gpu);
-          const at::Tensor x = engine->to_device(host_x), y = engine->to_device(host_y);
-          val += engine->evaluate([&, x = x, y = y] { return model->loss(x, y).item<double>(); });
-        }
-        progress.line(str("step ", step, ": held-out loss ", val / std::max<int64_t>(tc.eval_batches, 1)));
+        progress.line(str("step ", step, ": held-out loss ", held_out_loss(run)));
       }
-      if (!save_dir.empty() && ((tc.save_interval > 0 && step % tc.save_interval == 0) || step == tc.steps)) {
-        save_naming_intact(*engine, save_dir, resume_dir, window);
-        progress.line(str("saved step ", step, " to ", save_dir));
+      if (!f.save_dir.empty() && ((tc.save_interval > 0 && step % tc.save_interval == 0) || step == tc.steps)) {
+        save_naming_intact(*run.engine, f.save_dir, f.resume_dir, run.window);
+        progress.line(str("saved step ", step, " to ", f.save_dir));
         if (!replaced) {
-          discard_saves_after(save_dir, replace_after, world, step);  // --overwrite-saves, now that one is complete
+          discard_saves_after(f.save_dir, replace_after, *run.layout->world(), step);  // --overwrite-saves, now that one is complete
           replaced = true;
         }
       }
     }
   } catch (const CommError& e) {
-    rethrow_naming_saves(e, save_dir, resume_dir);
+    rethrow_naming_saves(e, f.save_dir, f.resume_dir);
   }
-  if (rank0 && tc.steps > resumed) {
-    std::printf("loss: first %.4f, last %.4f; peak activation memory per step %s\n", first_loss, last_loss,
-                human_bytes(static_cast<double>(max_peak)).c_str());
+  return out;
+}
+
+// The losses, the peak and the memory timeline's plot (rank 0).
+void report_outcome(TrainRun& run, const TrainOutcome& out) {
+  if (!run.rank0()) return;
+  const std::string& trace = run.flags.memory_trace;
+  Progress& progress = *run.progress;
+  if (run.config.train.steps > run.resumed) {
+    std::printf("loss: first %.4f, last %.4f; peak activation memory per step %s\n", out.first_loss, out.last_loss,
+                human_bytes(static_cast<double>(out.max_peak)).c_str());
   }
-  if (trace_step > 0 && rank0 && identity_of(memory_trace) == trace_before) {
-    progress.line(str("no memory timeline of step ", trace_step, " was written to ", memory_trace,
+  if (out.trace_step > 0 && identity_of(trace) == out.trace_before) {
+    progress.line(str("no memory timeline of step ", out.trace_step, " was written to ", trace,
                       " (the warning above says why)"));
-  } else if (trace_step > 0 && rank0) {
-    const std::string png = memory_plot_path(memory_trace);
-    const std::string plot = plot_memory_trace(memory_trace, png);
-    progress.line(str("memory timeline of step ", trace_step, " (peak ", human_bytes(static_cast<double>(traced_peak)),
-                      ") in ", memory_trace, ": open it in https://ui.perfetto.dev or chrome://tracing; ",
-                      plot.empty() ? "its plot: " + png : plot));
+  } else if (out.trace_step > 0) {
+    const std::string png = memory_plot_path(trace);
+    const std::string plot = plot_memory_trace(trace, png);
+    progress.line(str("memory timeline of step ", out.trace_step, " (peak ",
+                      human_bytes(static_cast<double>(out.traced_peak)), ") in ", trace,
+                      ": open it in https://ui.perfetto.dev or chrome://tracing; ", plot.empty() ? "its plot: " + png : plot));
   }
-  // The export comes after the final save: a failed export loses no trained
-  // state a save could keep.
-  if (!export_path.empty()) {
-    int64_t bytes = 0;
-    try {
-      bytes = engine->export_model(export_path);
-    } catch (const Error& e) {
-      const std::string kept_in = tc.steps > resumed ? save_dir : resume_dir;
-      const int64_t at = engine->global_steps();
-      throw Error(str(e.what(), ". ",
-                      kept_in.empty()
-                          ? str("The model of step ", at, " is not kept anywhere (no --save-dir was given): run "
-                                "again with --save-dir to keep the trained state")
-                          : str("The trained state of step ", at, " is in the save in '", kept_in, "': once the "
-                                "export can be written, run again with the same settings, --resume ", kept_in,
-                                " and --export (there is nothing left to train)")));
-    }
-    const at::ScalarType dtype = engine->export_dtype();
-    progress.line(str("exported the model at step ", engine->global_steps(), " to ", export_path, " (",
-                      dtype == at::kFloat ? std::string() : str(c10::toString(dtype), ", "),
-                      human_bytes(static_cast<double>(bytes)), ")"));
+}
+
+// The export comes after the final save: a failed export loses no trained
+// state a save could keep.
+void export_after_training(TrainRun& run) {
+  const TrainFlags& f = run.flags;
+  if (f.export_path.empty()) return;
+  Engine& engine = *run.engine;
+  int64_t bytes = 0;
+  try {
+    bytes = engine.export_model(f.export_path);
+  } catch (const Error& e) {
+    const std::string kept_in = run.config.train.steps > run.resumed ? f.save_dir : f.resume_dir;
+    const int64_t at = engine.global_steps();
+    throw Error(str(e.what(), ". ",
+                    kept_in.empty()
+                        ? str("The model of step ", at, " is not kept anywhere (no --save-dir was given): run "
+                              "again with --save-dir to keep the trained state")
+                        : str("The trained state of step ", at, " is in the save in '", kept_in, "': once the "
+                              "export can be written, run again with the same settings, --resume ", kept_in,
+                              " and --export (there is nothing left to train)")));
   }
-  // Every rank samples (tensor-parallel ranks compute the logits together,
-  // sharded ones gather parameters together); rank 0 prints.
-  if (tc.sample_chars > 0) {
-    at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(tc.seed));
-    at::Tensor prompt = engine->to_device(data.encode("The ").unsqueeze(0));
-    at::Tensor text;
-    try {
-      text = engine->evaluate([&] { return model->generate(prompt, tc.sample_chars, 0.8, gen); });
-    } catch (const CommError&) {
-      throw;
-    } catch (const Error& e) {
-      throw Error(str("the end-of-run sample cannot be drawn at step ", engine->global_steps(), " (last loss ",
-                      last_loss, "): ", e.what(), ". What training wrote (saves, export, metrics) is kept; set "
-                      "train.sample_chars=0 to skip the sample"));
-    }
-    if (rank0) std::printf("--- sample ---\n%s\n--------------\n", data.decode(text.cpu()).c_str());
+  const at::ScalarType dtype = engine.export_dtype();
+  run.progress->line(str("exported the model at step ", engine.global_steps(), " to ", f.export_path, " (",
+                dtype == at::kFloat ? std::string() : str(c10::toString(dtype), ", "),
+                human_bytes(static_cast<double>(bytes)), ")"));
+}
+
+// Every rank samples (tensor-parallel ranks compute the logits together,
+// sharded ones gather parameters together); rank 0 prints.
+void print_sample(TrainRun& run, double last_loss) {
+  const auto& tc = run.config.train;
+  if (tc.sample_chars <= 0) return;
+  Engine& engine = *run.engine;
+  models::Gpt& model = *run.model;
+  at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(tc.seed));
+  at::Tensor prompt = engine.to_device(run.data->encode("The ").unsqueeze(0));
+  at::Tensor text;
+  try {
+    text = engine.evaluate([&] { return model->generate(prompt, tc.sample_chars, 0.8, gen); });
+  } catch (const CommError&) {
+    throw;
+  } catch (const Error& e) {
+    throw Error(str("the end-of-run sample cannot be drawn at step ", engine.global_steps(), " (last loss ",
+                    last_loss, "): ", e.what(), ". What training wrote (saves, export, metrics) is kept; set "
+                    "train.sample_chars=0 to skip the sample"));
   }
+  if (run.rank0()) std::printf("--- sample ---\n%s\n--------------\n", run.data->decode(text.cpu()).c_str());
+}
+
+int train(int argc, char** argv) {
+  CLI::App app{"remat-train: train a GPT with remat's activation checkpointing"};
+  TrainRun run;
+  TrainFlags& f = run.flags;
+  add_flags(app, f);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  refuse_empty_paths(app, {{"--config", &f.config_path}, {"--metrics", &f.metrics_path}, {"--save-dir", &f.save_dir},
+                           {"--resume", &f.resume_dir}, {"--export", &f.export_path},
+                           {"--memory-trace", &f.memory_trace}, {"--plan-report", &f.plan_report}});
+  const int64_t trace_samples = memory_trace_samples(f.samples, f.memory_trace);
+
+  // First: everything allocated from here on is counted (and, for a memory
+  // trace, kept by allocation).
+  MemoryTracker memory(MemoryTrackerOptions{!f.memory_trace.empty()});
+  Runtime::init();
+  // Not const: its "auto" values are decided once the layout, data and device are known.
+  run.config = load_train_config(f);
+  run.layout = init_distributed(run.config, f.backend);
+  check_run_flags(f, run.config, *run.layout->world());
+  if (!set_up_engine(run, memory)) return 0;
+  prepare_saves_and_resume(run);
+  const TrainOutcome out = train_steps(run, trace_samples);
+  report_outcome(run, out);
+  export_after_training(run);
+  print_sample(run, out.last_loss);
   std::fflush(stdout);
-  world.barrier()->wait();
+  run.layout->world()->barrier()->wait();
   return 0;
 }
 
