@@ -285,116 +285,115 @@ void check_live(const Config& config, bool cuda) {
   }
 }
 
-int estimate(int argc, char** argv) {
-  CLI::App app{"remat-estimate: the memory remat-train's configuration needs per rank, before running it"};
-  std::string config_path, json_path;
+// remat-estimate's flags as given.
+struct EstimateFlags {
+  std::string config_path, json_path, device_name;
   std::vector<std::string> overrides;
   int ranks = 1;
   bool live = false;
-  app.add_option("--config", config_path, "JSON configuration (default: the embedded one)");
-  app.add_option("--set", overrides, "override a key: --set model.n_layer=8 (repeatable)");
-  app.add_option("-n,--np,--ranks", ranks, "the number of ranks the run would have (data x tensor parallel)")
+  std::optional<std::string> steps;  // as remat-train takes it: what "auto" scheduler values follow
+  int64_t host_memory = 0;
+};
+
+void add_flags(CLI::App& app, EstimateFlags& f) {
+  app.add_option("--config", f.config_path, "JSON configuration (default: the embedded one)");
+  app.add_option("--set", f.overrides, "override a key: --set model.n_layer=8 (repeatable)");
+  app.add_option("-n,--np,--ranks", f.ranks, "the number of ranks the run would have (data x tensor parallel)")
       ->check(CLI::Range(1, 1 << 24));
-  app.add_flag("--live", live, "build the model on this process and profile one step (else: from the sizes alone)");
-  app.add_option("--json", json_path, "also write the rows as JSON to this file");
-  // As remat-train takes it: what "auto" scheduler values follow.
-  std::optional<std::string> steps_flag;
-  app.add_option("--steps", steps_flag, "optimizer steps (train.steps), as remat-train's --steps");
-  std::string device_name;
-  app.add_option("--device", device_name,
+  app.add_flag("--live", f.live, "build the model on this process and profile one step (else: from the sizes alone)");
+  app.add_option("--json", f.json_path, "also write the rows as JSON to this file");
+  app.add_option("--steps", f.steps, "optimizer steps (train.steps), as remat-train's --steps");
+  app.add_option("--device", f.device_name,
                  "where the model computes: cpu, cuda (a GPU per rank) or auto (a GPU where this process sees one, "
                  "else the CPU); default: the config's train.device")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
-  int64_t host_memory = 0;
-  app.add_option("--host-memory", host_memory,
+  app.add_option("--host-memory", f.host_memory,
                  "with --device cuda: the host memory each rank has, in bytes, for what offloading keeps there "
                  "(default: this host's physical memory over the ranks)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 60));
-  // -np N, as mpirun spells it.
-  std::vector<std::string> args;
-  for (int i = argc - 1; i > 0; --i) args.push_back(std::string(argv[i]) == "-np" ? "--np" : argv[i]);
-  try {
-    app.parse(args);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
-  // One process estimates every rank: started by a launcher as one of
-  // several, each would print the same table for 1 rank over a divided host.
+}
+
+// One process estimates every rank: started by a launcher as one of
+// several, each would print the same table for 1 rank over a divided host.
+void refuse_launcher_ranks() {
   if (const ProcessEnv env = detect_process_env(); env.world_size > 1) {
     throw ConfigError(str("remat-estimate runs as one process and estimates the ranks it is given with -np; it was "
                           "started as rank ", env.rank, " of ", env.world_size, " (", env.source,
                           " variables): run it without mpirun, as remat-estimate -np ", env.world_size, " ..."));
   }
-  // Checked before the estimate, by the rule of remat-train's outputs.
-  if (app.count("--json") > 0) check_output_file({"--json", json_path, "estimate.json"});
-  if (steps_flag) overrides.push_back("train.steps=" + *steps_flag);
-  Config config = config_path.empty() ? parse_config(default_config_text(), "<embedded default>", overrides)
-                                            : load_config(config_path, overrides);
-  if (ranks % config.tensor_parallel.size != 0) {
-    throw ConfigError(str("-np ", ranks, " is not a multiple of tensor_parallel.size ", config.tensor_parallel.size,
+}
+
+Config load_estimate_config(EstimateFlags& f) {
+  if (f.steps) f.overrides.push_back("train.steps=" + *f.steps);
+  Config config = f.config_path.empty() ? parse_config(default_config_text(), "<embedded default>", f.overrides)
+                                        : load_config(f.config_path, f.overrides);
+  if (f.ranks % config.tensor_parallel.size != 0) {
+    throw ConfigError(str("-np ", f.ranks, " is not a multiple of tensor_parallel.size ", config.tensor_parallel.size,
                           ": give a number of ranks that is"));
   }
-  const int dp = ranks / config.tensor_parallel.size;
-  data::Dataset data = data::Dataset::load(config.data.path, config.data.train_fraction, config.model.seq_len);
-  const c10::DeviceType device = estimated_device(device_name, config);
-  const bool cuda = device == c10::DeviceType::CUDA;
-  if (host_memory > 0 && !cuda) {
+  return config;
+}
+
+// What the estimate is for and judged by.
+struct EstimateTarget {
+  c10::DeviceType device = c10::DeviceType::CPU;
+  bool cuda = false;
+  bool given = false;  // REMAT_MEMORY_PER_RANK_BYTES set
+  double have = 0;     // what each rank has: given, else its GPU, else its share of this host
+};
+
+EstimateTarget estimate_target(const EstimateFlags& f, const Config& config) {
+  EstimateTarget t;
+  t.device = estimated_device(f.device_name, config);
+  t.cuda = t.device == c10::DeviceType::CUDA;
+  if (f.host_memory > 0 && !t.cuda) {
     throw ConfigError(str("--host-memory is the host's memory beside a GPU (--device cuda); the estimate is for ",
-                          device_name.empty() ? str("train.device ", config.train.device) : "--device " + device_name,
+                          f.device_name.empty() ? str("train.device ", config.train.device) : "--device " + f.device_name,
                           ", the CPU, where the host is the device: give its memory per rank as "
                           "REMAT_MEMORY_PER_RANK_BYTES"));
   }
-  // What each rank has: given, else its GPU, else its share of this host.
-  const bool given = knobs::get(knobs::kMemoryPerRankBytes).has_value();
-  const double have = given ? host_bytes_per_rank()
-                      : cuda ? static_cast<double>(device_memory(c10::Device(device, 0)).capacity)
-                             : host_bytes_per_rank() / ranks;
-  if (live) check_live(config, cuda);
-  // --live: the model, built once the precision is decided (its search and its profile).
-  std::optional<models::Gpt> model;
-  std::function<MicroBatchSearch(int64_t, int64_t)> measure;
-  if (live) {
-    measure = [&](int64_t fit, int64_t divides) {
-      model = live_model(config, data, device);
-      return search_here(*model, config, data, device, ranks, fit, divides);
-    };
-  }
-  std::string none_fits;  // not even a micro-batch of 1 fits "auto": why
-  const std::string auto_table = decide_autos(config, {dp, ranks, data.vocab_size(), data.train_size(),
-                                                       c10::Device(device), false, have,
-                                                       given ? "REMAT_MEMORY_PER_RANK_BYTES"
-                                                       : cuda ? "the first GPU's capacity"
-                                                              : str("this host's physical memory over ", ranks,
-                                                                    " ranks")},
-                                              none_fits, measure);
-  std::cout << auto_table << std::flush;  // what was decided, before a refusal as after it
-  check_fp16(config, device);
-  const BatchSizes batch = config.resolve_batch(dp);
+  t.given = knobs::get(knobs::kMemoryPerRankBytes).has_value();
+  t.have = t.given ? host_bytes_per_rank()
+           : t.cuda ? static_cast<double>(device_memory(c10::Device(t.device, 0)).capacity)
+                    : host_bytes_per_rank() / f.ranks;
+  return t;
+}
+
+// The estimator's inputs: the live model's profile of one step, or the
+// config's sizes.
+MemoryEstimateInputs estimate_inputs(const EstimateFlags& f, const Config& config, const data::Dataset& data,
+                                     const EstimateTarget& t, std::optional<models::Gpt>& model) {
+  const BatchSizes batch = config.resolve_batch(f.ranks / config.tensor_parallel.size);
   MemoryEstimateInputs inputs;
-  if (live) {
-    if (!model) model = live_model(config, data, device);
+  if (f.live) {
+    if (!model) model = live_model(config, data, t.device);
     auto [x, y] = data.train_batch(static_cast<uint64_t>(config.train.seed), 0, 0, batch.micro_batch_per_gpu);
-    x = x.to(at::Device(device)), y = y.to(at::Device(device));
+    x = x.to(at::Device(t.device)), y = y.to(at::Device(t.device));
     inputs = live_inputs(**model, "blocks", [&, x = x, y = y] { (*model)->loss(x, y).backward(); });
   } else {
-    inputs = cold_gpt_inputs(config, data.vocab_size(), batch.micro_batch_per_gpu, device);
+    inputs = cold_gpt_inputs(config, data.vocab_size(), batch.micro_batch_per_gpu, t.device);
   }
   // The capacity beside the peak on a GPU; on the CPU only for "auto" (its
   // figures otherwise as they were). Either way what each rank has, the
   // figure the fit is judged by.
-  if (cuda || config.activation_checkpointing.device_memory_budget_auto) {
-    inputs.device_capacity_bytes = static_cast<int64_t>(have);
-    inputs.device_capacity_given = given;
+  if (t.cuda || config.activation_checkpointing.device_memory_budget_auto) {
+    inputs.device_capacity_bytes = static_cast<int64_t>(t.have);
+    inputs.device_capacity_given = t.given;
   }
-  const MemoryEstimate e = estimate_memory(config, ranks, inputs);
-  std::cout << e.table() << e.line() << "\n";
+  return inputs;
+}
+
+// The fit lines under the table; false: the configuration does not fit.
+bool fit_verdicts(const EstimateFlags& f, const Config& config, const MemoryEstimate& e,
+                  const MemoryEstimateInputs& inputs, const EstimateTarget& t) {
+  const int ranks = f.ranks;
   // Beside a GPU: the host memory each rank has for what offloading keeps there (0: unknown).
-  const double host = !cuda                                         ? 0.0
-                      : host_memory > 0                             ? static_cast<double>(host_memory)
+  const double host = !t.cuda                                       ? 0.0
+                      : f.host_memory > 0                           ? static_cast<double>(f.host_memory)
                       : knobs::get(knobs::kMemoryPerRankBytes)      ? 0.0
                                                                     : host_bytes_per_rank() / ranks;
   const std::string host_source =
-      host_memory > 0 ? "--host-memory" : str("this host's physical memory over ", ranks, " ranks");
+      f.host_memory > 0 ? "--host-memory" : str("this host's physical memory over ", ranks, " ranks");
   // The same config with the optimizer or the parameter shards moved.
   auto reestimate = [&](const OffloadChange& change) {
     Config changed = config;
@@ -403,36 +402,84 @@ int estimate(int argc, char** argv) {
     return estimate_memory(changed, ranks, inputs);
   };
   bool fits = true;
-  if (have > 0) {
-    const std::string who = given ? "each rank has "
-                            : cuda ? "each rank's GPU has "
-                                   : str("with ", ranks, " ranks on this host, each has about ");
-    fits = fit_line(e, have, host, who, host_source, reestimate);
-  } else if (cuda) {
+  if (t.have > 0) {
+    const std::string who = t.given ? "each rank has "
+                            : t.cuda ? "each rank's GPU has "
+                                     : str("with ", ranks, " ranks on this host, each has about ");
+    fits = fit_line(e, t.have, host, who, host_source, reestimate);
+  } else if (t.cuda) {
     std::cout << "no GPU here to read its capacity: set REMAT_MEMORY_PER_RANK_BYTES to the bytes of a rank's GPU "
                  "to check the fit\n";
   }
-  if (cuda) {
+  if (t.cuda) {
     // The optimizer moved to the host: its row, offload_param's shards then without their state.
     std::optional<MemoryEstimate> offloaded;
     if (!e.configured().offload_optimizer && e.configured().offload_optimizer_peak_bytes > 0) {
       offloaded = reestimate({parallel::OffloadDevice::kCpu, config.zero_optimization.offload_param.device, ""});
     }
-    fits &= host_verdict(e, offloaded ? &offloaded->configured() : nullptr, inputs, have, host, host_source);
+    fits &= host_verdict(e, offloaded ? &offloaded->configured() : nullptr, inputs, t.have, host, host_source);
   }
-  if (!json_path.empty()) {
-    nlohmann::json rows = e.to_json();
-    rows["auto"] = nlohmann::json::object();  // the keys given "auto": what each became, and why
-    for (const auto& a : config.auto_values) {
-      rows["auto"][a.key] = {{"value", nlohmann::json::parse(a.value)}, {"why", a.why}};
-    }
-    std::ofstream out(json_path);
-    out << rows.dump(1) << "\n";
-    if (!out) {
-      throw ConfigError(str("cannot write --json file '", json_path, "' (", std::strerror(errno),
-                            "): give a writable path"));
-    }
+  return fits;
+}
+
+// --json: the rows, and the keys given "auto": what each became, and why.
+void write_json(const std::string& path, const MemoryEstimate& e, const Config& config) {
+  nlohmann::json rows = e.to_json();
+  rows["auto"] = nlohmann::json::object();
+  for (const auto& a : config.auto_values) {
+    rows["auto"][a.key] = {{"value", nlohmann::json::parse(a.value)}, {"why", a.why}};
   }
+  std::ofstream out(path);
+  out << rows.dump(1) << "\n";
+  if (!out) {
+    throw ConfigError(str("cannot write --json file '", path, "' (", std::strerror(errno), "): give a writable path"));
+  }
+}
+
+int estimate(int argc, char** argv) {
+  CLI::App app{"remat-estimate: the memory remat-train's configuration needs per rank, before running it"};
+  EstimateFlags f;
+  add_flags(app, f);
+  // -np N, as mpirun spells it.
+  std::vector<std::string> args;
+  for (int i = argc - 1; i > 0; --i) args.push_back(std::string(argv[i]) == "-np" ? "--np" : argv[i]);
+  try {
+    app.parse(args);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  refuse_launcher_ranks();
+  // Checked before the estimate, by the rule of remat-train's outputs.
+  if (app.count("--json") > 0) check_output_file({"--json", f.json_path, "estimate.json"});
+  Config config = load_estimate_config(f);
+  const int ranks = f.ranks, dp = ranks / config.tensor_parallel.size;
+  data::Dataset data = data::Dataset::load(config.data.path, config.data.train_fraction, config.model.seq_len);
+  const EstimateTarget t = estimate_target(f, config);
+  if (f.live) check_live(config, t.cuda);
+  // --live: the model, built once the precision is decided (its search and its profile).
+  std::optional<models::Gpt> model;
+  std::function<MicroBatchSearch(int64_t, int64_t)> measure;
+  if (f.live) {
+    measure = [&](int64_t fit, int64_t divides) {
+      model = live_model(config, data, t.device);
+      return search_here(*model, config, data, t.device, ranks, fit, divides);
+    };
+  }
+  std::string none_fits;  // not even a micro-batch of 1 fits "auto": why
+  const std::string auto_table = decide_autos(config, {dp, ranks, data.vocab_size(), data.train_size(),
+                                                       c10::Device(t.device), false, t.have,
+                                                       t.given ? "REMAT_MEMORY_PER_RANK_BYTES"
+                                                       : t.cuda ? "the first GPU's capacity"
+                                                                : str("this host's physical memory over ", ranks,
+                                                                      " ranks")},
+                                              none_fits, measure);
+  std::cout << auto_table << std::flush;  // what was decided, before a refusal as after it
+  check_fp16(config, t.device);
+  const MemoryEstimateInputs inputs = estimate_inputs(f, config, data, t, model);
+  const MemoryEstimate e = estimate_memory(config, ranks, inputs);
+  std::cout << e.table() << e.line() << "\n";
+  const bool fits = fit_verdicts(f, config, e, inputs, t);
+  if (!f.json_path.empty()) write_json(f.json_path, e, config);
   if (!none_fits.empty()) {
     // remat-train's refusal, after the table that shows what each configuration needs.
     std::cout << "remat-train refuses this config: train_micro_batch_size_per_gpu is \"auto\" and not even a "
