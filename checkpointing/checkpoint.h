@@ -46,39 +46,13 @@
 #include <utility>
 #include <vector>
 
+#include "checkpointing/region_options.h"
 #include "checkpointing/stored_inputs.h"
 #include "nn/ivalue_codec.h"
 
 namespace remat {
 
 class ParallelLayout;
-
-struct CheckpointOptions {
-  // Reentrant (a custom autograd Function) or non-reentrant (saved-tensor
-  // hooks) regions: see above. activation_checkpointing.reentrant in JSON.
-  bool reentrant = false;
-  // Replay the forward's RNG state during recompute (dropout matches bitwise).
-  bool preserve_rng_state = true;
-  // Compare the recomputed outputs' shape, dtype and device with the forward's.
-  bool determinism_check = true;
-  // Log the op sequences of forward and recompute (debug level).
-  bool debug = false;
-  // Synchronize the device at region boundaries (synchronize_checkpoint_boundary).
-  bool synchronize = false;
-  // Time forward, recompute and backward per region (see checkpoint_profile()).
-  bool profile = false;
-  // Names the region in errors, logs and the profile.
-  std::string name = "checkpoint";
-  // selective_op: these ops' outputs are kept from the forward and reused by the
-  // recompute (see selective_op.h and resolve_save_ops). Null: recompute all.
-  std::shared_ptr<const std::set<std::string>> save_ops;
-  // Also keep the outputs of the tensor-parallel collectives
-  // (collective_save_ops()) so that the recompute communicates nothing, at the
-  // cost of holding them until the backward. activation_checkpointing.save_collectives.
-  bool save_collectives = false;
-  // Partitioned, offloaded and contiguous storage of the inputs (stored_inputs.h).
-  InputStorageOptions storage;
-};
 
 // The options checkpoint() uses when given none (and that policies start from).
 CheckpointOptions& default_checkpoint_options();
@@ -103,20 +77,10 @@ void configure_checkpointing(const RegionSettings& config, const ParallelLayout*
 // inputs of other shapes.
 void reset_checkpoint_buffers();
 
-using CheckpointFn = IValueFn;
-
 // The untyped core: `fn` takes and returns IValues.
 c10::IValue checkpoint_ivalues(const CheckpointFn& fn, std::vector<c10::IValue> args,
                                const CheckpointOptions& options = default_checkpoint_options());
 
-// Per-region timings, aggregated until reset.
-struct RegionProfile {
-  int64_t calls = 0;
-  int64_t recomputes = 0;
-  double forward_ms = 0;
-  double recompute_ms = 0;
-  double backward_ms = 0;  // recompute plus the backward through it
-};
 std::map<std::string, RegionProfile> checkpoint_profile();
 
 // Bytes of tensors that live checkpoint regions hold for backward: their saved

@@ -593,5 +593,22 @@ TEST_P(Checkpoint, DebugOptionRecordsOpSequencesWithoutChangingResults) {
   EXPECT_GE(outer.count("aten::tanh"), 2);  // forward and recompute
 }
 
+TEST(Checkpoint, RegionsReportTheirSavedBytes) {
+  at::Tensor x = torch::randn({64, 32}, torch::requires_grad());
+  auto w = torch::randn({32, 32}, torch::requires_grad());
+  const int64_t before = checkpoint_saved_bytes();
+  at::Tensor y = checkpoint([&](const at::Tensor& in) { return torch::tanh(in.mm(w)); }, x);
+  EXPECT_EQ(checkpoint_saved_bytes() - before, 64 * 32 * 4);  // the input only
+  CheckpointOptions selective;
+  selective.save_ops = std::make_shared<const std::set<std::string>>(std::set<std::string>{"aten::mm"});
+  at::Tensor z = checkpoint_with(selective, [&](const at::Tensor& in) { return torch::tanh(in.mm(w)); }, y);
+  // The second region keeps its input and the saved mm output.
+  EXPECT_EQ(checkpoint_saved_bytes() - before, 64 * 32 * 4 * 3);
+  z.sum().backward();
+  y = at::Tensor();
+  z = at::Tensor();
+  EXPECT_EQ(checkpoint_saved_bytes(), before);  // released with the graph
+}
+
 }  // namespace
 }  // namespace remat

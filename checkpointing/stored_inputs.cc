@@ -59,10 +59,6 @@ int64_t covered_bytes(const at::Tensor& t) {
   return t.defined() ? bytes_of(std::min(span_numel(t), t.numel()), t.scalar_type()) : 0;
 }
 
-bool InputStorageOptions::partitioned() const {
-  return partition_group != nullptr && partition_group->size() > 1;
-}
-
 // ---------------------------------------------------------------------------
 // ContiguousBuffers
 

@@ -38,7 +38,7 @@
 #include <string>
 #include <vector>
 
-#include "checkpointing/options.h"
+#include "checkpointing/region_options.h"
 
 namespace remat {
 
@@ -48,20 +48,6 @@ class ContiguousBuffers;
 namespace internal {
 struct CheckpointingState;  // checkpointing/internal/state.h
 }
-
-// offload_min_bytes, offload_max_in_flight and offload_keep_last come from
-// OffloadSettings (checkpointing/options.h), where they are documented.
-struct InputStorageOptions : OffloadSettings {
-  // Keep 1/size of each input on each rank of this group (null or size 1: whole).
-  std::shared_ptr<Communicator> partition_group;
-  bool offload = false;
-  // Slots for the kept tensors (null: each is its own allocation).
-  std::shared_ptr<ContiguousBuffers> contiguous;
-
-  bool partitioned() const;
-  // Whether any input is stored rather than kept as it is.
-  bool active() const { return partitioned() || offload; }
-};
 
 // Preallocated storage for the kept tensors of up to `number_checkpoints`
 // live regions: one buffer per argument position (allocated at first use,

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "checkpointing/checkpoint.h"
+#include "checkpointing/region_options.h"
 #include "checkpointing/selective_op.h"
 #include "checkpointing/stored_inputs.h"
 #include "rng/rng_tracker.h"

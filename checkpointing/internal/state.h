@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "checkpointing/checkpoint.h"
+#include "checkpointing/region_options.h"
 #include "runtime/context.h"
 
 namespace remat {
