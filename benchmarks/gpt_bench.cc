@@ -106,193 +106,265 @@ ActivationCheckpointingOptions config_of(const std::string& name) {
   return c;
 }
 
-int bench(int argc, char** argv) {
-  CLI::App app{"gpt_bench: the GPT under each checkpointing variant"};
+// gpt_bench's flags as given, the model's shape among them (its depth from --layers).
+struct GptFlags {
   std::string layers = "4", variants = "none,full,every_k2,selective_op,offload", out_path = "-";
   std::string device_name = "cpu";
   int steps = 20, warmup = 3, tp = 1, plan_rounds = 2;
   bool memory_only = false;
-  models::GptOptions o;
-  o.vocab_size = 128;
-  o.shape.seq_len = 64;
-  o.shape.d_model = 128;
-  o.shape.n_head = 4;
-  o.shape.d_ff = 512;
-  o.shape.dropout = 0.1;
+  models::GptOptions model = default_model();
   int64_t batch = 4, seed = 1234;
-  app.add_option("--layers", layers, "comma-separated depths");
-  app.add_option("--variants", variants, "none, full, every_k2, selective_op, offload, partitioned (+ _reentrant)");
-  app.add_option("--steps", steps, "measured steps per variant and depth")->check(CLI::NonNegativeNumber);
-  app.add_option("--warmup", warmup)->check(CLI::NonNegativeNumber);
-  app.add_flag("--memory-only", memory_only, "one measured step per variant");
-  app.add_option("--tp", tp, "tensor-parallel size (run under remat-run with that many ranks)");
+
+  static models::GptOptions default_model() {
+    models::GptOptions o;
+    o.vocab_size = 128;
+    o.shape.seq_len = 64;
+    o.shape.d_model = 128;
+    o.shape.n_head = 4;
+    o.shape.d_ff = 512;
+    o.shape.dropout = 0.1;
+    return o;
+  }
+};
+
+void add_flags(CLI::App& app, GptFlags& f) {
+  models::GptOptions& o = f.model;
+  app.add_option("--layers", f.layers, "comma-separated depths");
+  app.add_option("--variants", f.variants, "none, full, every_k2, selective_op, offload, partitioned (+ _reentrant)");
+  app.add_option("--steps", f.steps, "measured steps per variant and depth")->check(CLI::NonNegativeNumber);
+  app.add_option("--warmup", f.warmup)->check(CLI::NonNegativeNumber);
+  app.add_flag("--memory-only", f.memory_only, "one measured step per variant");
+  app.add_option("--tp", f.tp, "tensor-parallel size (run under remat-run with that many ranks)");
   app.add_flag("--sequence-parallel", o.sequence_parallel,
                "sequence parallelism over the tensor-parallel group (tensor_parallel.sequence_parallel)");
-  app.add_option("--batch", batch)->check(CLI::PositiveNumber);
+  app.add_option("--batch", f.batch)->check(CLI::PositiveNumber);
   app.add_option("--seq", o.shape.seq_len)->check(CLI::PositiveNumber);
   app.add_option("--d-model", o.shape.d_model)->check(CLI::PositiveNumber);
   app.add_option("--heads", o.shape.n_head)->check(CLI::PositiveNumber);
   app.add_option("--d-ff", o.shape.d_ff)->check(CLI::PositiveNumber);
   app.add_option("--vocab", o.vocab_size)->check(CLI::PositiveNumber);
   app.add_option("--dropout", o.shape.dropout);
-  app.add_option("--seed", seed);
-  app.add_option("--plan-rounds", plan_rounds, "autoNN: the planner's profiling rounds per choice")
+  app.add_option("--seed", f.seed);
+  app.add_option("--plan-rounds", f.plan_rounds, "autoNN: the planner's profiling rounds per choice")
       ->check(CLI::PositiveNumber);
-  app.add_option("--device", device_name, "cpu, or cuda: the first GPU")->check(CLI::IsMember({"cpu", "cuda"}));
-  app.add_option("--out", out_path, "JSON lines (appended); - for stdout");
+  app.add_option("--device", f.device_name, "cpu, or cuda: the first GPU")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--out", f.out_path, "JSON lines (appended); - for stdout");
+}
+
+at::Device bench_device(const GptFlags& f) {
+  const at::Device device = f.device_name == "cuda" ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+  if (device.is_cuda() && !torch::cuda::is_available()) {
+    throw ConfigError("gpt_bench --device cuda: no CUDA device visible to this LibTorch (a CPU-only build, or "
+                      "no GPU); run with --device cpu");
+  }
+  return device;
+}
+
+// What every depth shares: the flags, the device, the memory counts, the
+// layout and where rank 0 writes.
+struct GptBench {
+  const GptFlags& flags;
+  at::Device device;
+  MemoryTracker& memory;
+  ParallelLayout& layout;
+  std::ostream& out;
+  bool print;  // rank 0
+
+  // Kernels run asynchronously on a GPU: every clock read waits for them.
+  void sync() const {
+    if (device.is_cuda()) torch::cuda::synchronize();
+  }
+};
+
+// One depth: its model and batch, each variant's configuration and, for
+// variant auto, one profile and one plan per budget.
+struct Depth {
+  models::GptOptions o;
+  models::Gpt model{nullptr};
+  at::Tensor idx, targets;
+  std::map<std::string, ActivationCheckpointingOptions> configs;
+  std::map<std::string, ActivationPlan> plans;
+  PlannerOptions planner;
+  std::optional<BlockCosts> costs;
+};
+
+struct Result {
+  double fwd_ms, step_ms, step_cpu_ms, loss;
+  int64_t peak, saved, held, offloaded;
+};
+
+void set_up_depth(const GptBench& b, Depth& d, const std::string& depth) {
+  const GptFlags& f = b.flags;
+  d.o = f.model;
+  d.o.shape.n_layer = std::stoi(depth);
+  if (f.tp > 1) d.o.tensor_parallel = b.layout.tp_group();
+  at::manual_seed(f.seed);
+  d.model = models::Gpt(d.o);
+  d.model->to(b.device);
+  d.model->train();
+  model_parallel_manual_seed(static_cast<uint64_t>(f.seed), b.layout);
+  at::Generator data = at::detail::createCPUGenerator(static_cast<uint64_t>(f.seed + 1));
+  d.idx = at::randint(d.o.vocab_size, {f.batch, d.o.shape.seq_len}, data, at::kLong);
+  d.targets = d.idx.roll(-1, 1).to(b.device);
+  d.idx = d.idx.to(b.device);
+  // Each step configures its own variant: the region defaults (storage,
+  // reentrant) are process-wide.
+  for (const auto& v : split(f.variants)) d.configs[v] = config_of(v);
+  d.planner.rounds = f.plan_rounds;
+}
+
+// One forward and backward under variant `v`, measured.
+Result measure_step(const GptBench& b, Depth& d, const std::string& v) {
+  models::Gpt& model = d.model;
+  MemoryTracker& memory = b.memory;
+  const at::DeviceType device = b.device.type();
+  const auto& c = v == "none" ? config_of("none") : d.configs.at(v);
+  configure_checkpointing(c, &b.layout);
+  std::unique_ptr<OffloadActivations> offload;
+  if (c.variant == CheckpointVariant::kNone) {
+    remove_activation_checkpointing(*model);
+  } else if (c.variant == CheckpointVariant::kAuto) {
+    apply_activation_plan(*model, d.plans.at(v), d.planner);
+  } else {
+    apply_activation_checkpointing(*model, PolicyOptions(c));
+  }
+  for (auto& p : model->parameters()) {
+    if (p.grad().defined()) p.mutable_grad().zero_();
+  }
+  b.sync();
+  const int64_t base = memory.current(device);
+  const int64_t offloaded0 = activation_offload_stats().offloaded_bytes;
+  memory.reset_peak();
+  const double cpu0 = thread_cpu_ms();
+  auto t0 = Clock::now();
+  if (v == "act_offload") offload = std::make_unique<OffloadActivations>(OffloadActivationsOptions{}, model.get());
+  at::Tensor loss = model->loss(d.idx, d.targets);
+  offload.reset();
+  b.sync();
+  auto t1 = Clock::now();
+  const int64_t held = memory.current(device) - base;
+  const int64_t saved = Counters::read().checkpoint_saved_bytes;
+  loss.backward();
+  b.sync();
+  auto t2 = Clock::now();
+  using ms = std::chrono::duration<double, std::milli>;
+  return Result{ms(t1 - t0).count(), ms(t2 - t0).count(), thread_cpu_ms() - cpu0, loss.item<double>(),
+                memory.peak(device) - base, saved, held, activation_offload_stats().offloaded_bytes - offloaded0};
+}
+
+// Variant auto: the choices profiled once per depth, one plan per budget
+// (rank 0 writes a row for a budget no plan fits, and that variant is not run).
+void plan_auto_variants(const GptBench& b, Depth& d) {
+  auto& world = *b.layout.world();
+  for (const auto& [v, c] : d.configs) {
+    if (c.variant != CheckpointVariant::kAuto) continue;
+    configure_checkpointing(c, &b.layout);
+    if (!d.costs) {
+      for (auto& p : d.model->parameters()) p.mutable_grad().zero_();
+      d.costs = profile_activation_choices(*d.model, [&] { d.model->loss(d.idx, d.targets).backward(); }, d.planner,
+                                           &world);
+      if (b.print) std::fprintf(stderr, "L = %d: %s", d.o.shape.n_layer, describe_costs(*d.costs).c_str());
+    }
+    const BlockCosts& costs = *d.costs;
+    const auto budget = static_cast<int64_t>(*c.memory_budget_fraction * static_cast<double>(costs.keep_peak));
+    if (budget < smallest_feasible_budget(costs)) {
+      if (b.print) {
+        b.out << nlohmann::json{{"framework", "remat"}, {"variant", v}, {"layers", d.o.shape.n_layer},
+                                {"kind", "memory"}, {"infeasible", true}, {"budget_bytes", budget},
+                                {"smallest_feasible_bytes", smallest_feasible_budget(costs)}, {"tp", b.flags.tp}}
+                     .dump()
+              << "\n";
+      }
+      continue;
+    }
+    d.plans[v] = solve_activation_plan(costs, budget);
+    if (b.print) {
+      std::fprintf(stderr, "%s at L = %d: %s", v.c_str(), d.o.shape.n_layer, d.plans[v].table(costs).c_str());
+    }
+  }
+}
+
+// Rank 0's line for variant `v`: kind "memory" (the variant's one measured
+// step, with its plan for variant auto) or "time" (measured step `s`).
+nlohmann::json result_row(const GptBench& b, const Depth& d, const std::string& v, const char* kind, int s,
+                          const Result& r) {
+  nlohmann::json j = {{"framework", "remat"}, {"variant", v},      {"layers", d.o.shape.n_layer},
+                      {"kind", kind},         {"loss", r.loss},    {"tp", b.flags.tp},
+                      {"sequence_parallel", d.o.sequence_parallel_active()}};
+  if (b.device.is_cuda()) j["device"] = "cuda";
+  if (std::string(kind) == "memory") {
+    j["peak_bytes"] = r.peak;
+    j["held_bytes"] = r.held;
+    j["offloaded_bytes"] = r.offloaded;
+    j["ckpt_saved_bytes"] = r.saved;
+    if (d.plans.count(v)) {
+      const ActivationPlan& plan = d.plans.at(v);
+      j["plan"] = plan.summary();
+      j["budget_bytes"] = plan.budget_bytes;
+      j["predicted_peak_bytes"] = plan.predicted_peak;
+      j["predicted_extra_cpu_ms"] = plan.predicted_extra_cpu_ms;
+      j["predicted_extra_wall_ms"] = plan.predicted_extra_wall_ms;
+      j["keep_peak_bytes"] = d.costs->keep_peak;
+    }
+  } else {
+    j["step"] = s;
+    j["fwd_ms"] = r.fwd_ms;
+    j["step_ms"] = r.step_ms;
+    j["step_cpu_ms"] = r.step_cpu_ms;
+  }
+  return j;
+}
+
+// One depth: the memory step of each variant, then the timed steps with the
+// variants interleaved step by step.
+void bench_depth(const GptBench& b, const std::string& depth) {
+  const GptFlags& f = b.flags;
+  Depth d;
+  set_up_depth(b, d, depth);
+  auto emit = [&](const std::string& v, const char* kind, int s, const Result& r) {
+    if (b.print) b.out << result_row(b, d, v, kind, s, r).dump() << "\n";
+  };
+  exclude_output_head(*d.model, OffloadActivationsOptions{});  // used by act_offload only
+  measure_step(b, d, "none");  // allocates the parameter gradients
+  plan_auto_variants(b, d);
+  std::vector<std::string> runnable;
+  for (const auto& v : split(f.variants)) {
+    if (d.configs.at(v).variant != CheckpointVariant::kAuto || d.plans.count(v)) runnable.push_back(v);
+  }
+  for (const auto& v : runnable) emit(v, "memory", 0, measure_step(b, d, v));
+  if (!f.memory_only) {
+    for (int s = 0; s < f.warmup + f.steps; ++s) {
+      for (const auto& v : runnable) {
+        Result r = measure_step(b, d, v);
+        if (s >= f.warmup) emit(v, "time", s - f.warmup, r);
+      }
+    }
+  }
+  b.out.flush();
+  remove_activation_checkpointing(*d.model);
+}
+
+int bench(int argc, char** argv) {
+  CLI::App app{"gpt_bench: the GPT under each checkpointing variant"};
+  GptFlags flags;
+  add_flags(app, flags);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  const at::Device device = device_name == "cuda" ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
-  if (device.is_cuda() && !torch::cuda::is_available()) {
-    throw ConfigError("gpt_bench --device cuda: no CUDA device visible to this LibTorch (a CPU-only build, or "
-                      "no GPU); run with --device cpu");
-  }
-  // Kernels run asynchronously on a GPU: every clock read waits for them.
-  auto sync = [&] {
-    if (device.is_cuda()) torch::cuda::synchronize();
-  };
+  const at::Device device = bench_device(flags);
   MemoryTracker memory;
   auto& runtime = Runtime::init();
   at::set_num_threads(1);
   auto world = runtime.world();
-  ParallelLayout layout(world, ParallelDims(world->size() / tp, tp, world->size()));
+  ParallelLayout layout(world, ParallelDims(world->size() / flags.tp, flags.tp, world->size()));
   std::ofstream file;
   const bool print = world->rank() == 0;
-  if (print && out_path != "-") file.open(out_path, std::ios::app);
-  std::ostream& out = out_path == "-" ? std::cout : file;
-
-  for (const auto& depth : split(layers)) {
-    o.shape.n_layer = std::stoi(depth);
-    if (tp > 1) o.tensor_parallel = layout.tp_group();
-    at::manual_seed(seed);
-    models::Gpt model(o);
-    model->to(device);
-    model->train();
-    model_parallel_manual_seed(static_cast<uint64_t>(seed), layout);
-    at::Generator data = at::detail::createCPUGenerator(static_cast<uint64_t>(seed + 1));
-    at::Tensor idx = at::randint(o.vocab_size, {batch, o.shape.seq_len}, data, at::kLong);
-    at::Tensor targets = idx.roll(-1, 1).to(device);
-    idx = idx.to(device);
-    // Each step configures its own variant: the region defaults (storage,
-    // reentrant) are process-wide.
-    std::map<std::string, ActivationCheckpointingOptions> configs;
-    for (const auto& v : split(variants)) configs[v] = config_of(v);
-    struct Result {
-      double fwd_ms, step_ms, step_cpu_ms, loss;
-      int64_t peak, saved, held, offloaded;
-    };
-    // variant auto: one profile per depth, one plan per budget.
-    std::map<std::string, ActivationPlan> plans;
-    PlannerOptions planner;
-    planner.rounds = plan_rounds;
-    auto step = [&](const std::string& v) {
-      const auto& c = v == "none" ? config_of("none") : configs.at(v);
-      configure_checkpointing(c, &layout);
-      std::unique_ptr<OffloadActivations> offload;
-      if (c.variant == CheckpointVariant::kNone) {
-        remove_activation_checkpointing(*model);
-      } else if (c.variant == CheckpointVariant::kAuto) {
-        apply_activation_plan(*model, plans.at(v), planner);
-      } else {
-        apply_activation_checkpointing(*model, PolicyOptions(c));
-      }
-      for (auto& p : model->parameters()) {
-        if (p.grad().defined()) p.mutable_grad().zero_();
-      }
-      sync();
-      const int64_t base = memory.current(device.type());
-      const int64_t offloaded0 = activation_offload_stats().offloaded_bytes;
-      memory.reset_peak();
-      const double cpu0 = thread_cpu_ms();
-      auto t0 = Clock::now();
-      if (v == "act_offload") offload = std::make_unique<OffloadActivations>(OffloadActivationsOptions{}, model.get());
-      at::Tensor loss = model->loss(idx, targets);
-      offload.reset();
-      sync();
-      auto t1 = Clock::now();
-      const int64_t held = memory.current(device.type()) - base;
-      const int64_t saved = Counters::read().checkpoint_saved_bytes;
-      loss.backward();
-      sync();
-      auto t2 = Clock::now();
-      using ms = std::chrono::duration<double, std::milli>;
-      return Result{ms(t1 - t0).count(), ms(t2 - t0).count(), thread_cpu_ms() - cpu0, loss.item<double>(),
-                    memory.peak(device.type()) - base, saved, held,
-                    activation_offload_stats().offloaded_bytes - offloaded0};
-    };
-    exclude_output_head(*model, OffloadActivationsOptions{});  // used by act_offload only
-    step("none");  // allocates the parameter gradients
-    std::optional<BlockCosts> costs;
-    for (const auto& [v, c] : configs) {
-      if (c.variant != CheckpointVariant::kAuto) continue;
-      configure_checkpointing(c, &layout);
-      if (!costs) {
-        for (auto& p : model->parameters()) p.mutable_grad().zero_();
-        costs = profile_activation_choices(*model, [&] { model->loss(idx, targets).backward(); }, planner,
-                                           world.get());
-        if (print) std::fprintf(stderr, "L = %d: %s", o.shape.n_layer, describe_costs(*costs).c_str());
-      }
-      const auto budget = static_cast<int64_t>(*c.memory_budget_fraction * static_cast<double>(costs->keep_peak));
-      if (budget < smallest_feasible_budget(*costs)) {
-        if (print) {
-          out << nlohmann::json{{"framework", "remat"}, {"variant", v}, {"layers", o.shape.n_layer},
-                                {"kind", "memory"}, {"infeasible", true}, {"budget_bytes", budget},
-                                {"smallest_feasible_bytes", smallest_feasible_budget(*costs)}, {"tp", tp}}
-                     .dump()
-              << "\n";
-        }
-        continue;
-      }
-      plans[v] = solve_activation_plan(*costs, budget);
-      if (print) std::fprintf(stderr, "%s at L = %d: %s", v.c_str(), o.shape.n_layer, plans[v].table(*costs).c_str());
-    }
-    auto emit = [&](const std::string& v, const char* kind, int s, const Result& r) {
-      if (!print) return;
-      nlohmann::json j = {{"framework", "remat"}, {"variant", v},     {"layers", o.shape.n_layer},
-                          {"kind", kind},         {"loss", r.loss},   {"tp", tp},
-                          {"sequence_parallel", o.sequence_parallel_active()}};
-      if (device.is_cuda()) j["device"] = "cuda";
-      if (std::string(kind) == "memory") {
-        j["peak_bytes"] = r.peak;
-        j["held_bytes"] = r.held;
-        j["offloaded_bytes"] = r.offloaded;
-        j["ckpt_saved_bytes"] = r.saved;
-        if (plans.count(v)) {
-          const ActivationPlan& plan = plans.at(v);
-          j["plan"] = plan.summary();
-          j["budget_bytes"] = plan.budget_bytes;
-          j["predicted_peak_bytes"] = plan.predicted_peak;
-          j["predicted_extra_cpu_ms"] = plan.predicted_extra_cpu_ms;
-          j["predicted_extra_wall_ms"] = plan.predicted_extra_wall_ms;
-          j["keep_peak_bytes"] = costs->keep_peak;
-        }
-      } else {
-        j["step"] = s;
-        j["fwd_ms"] = r.fwd_ms;
-        j["step_ms"] = r.step_ms;
-        j["step_cpu_ms"] = r.step_cpu_ms;
-      }
-      out << j.dump() << "\n";
-    };
-    std::vector<std::string> runnable;
-    for (const auto& v : split(variants)) {
-      if (configs.at(v).variant != CheckpointVariant::kAuto || plans.count(v)) runnable.push_back(v);
-    }
-    for (const auto& v : runnable) emit(v, "memory", 0, step(v));
-    if (!memory_only) {
-      for (int s = 0; s < warmup + steps; ++s) {
-        for (const auto& v : runnable) {
-          Result r = step(v);
-          if (s >= warmup) emit(v, "time", s - warmup, r);
-        }
-      }
-    }
-    out.flush();
-    remove_activation_checkpointing(*model);
-  }
+  if (print && flags.out_path != "-") file.open(flags.out_path, std::ios::app);
+  std::ostream& out = flags.out_path == "-" ? std::cout : file;
+  const GptBench b{flags, device, memory, layout, out, print};
+  for (const auto& depth : split(flags.layers)) bench_depth(b, depth);
   return 0;
 }
 
