@@ -10,7 +10,7 @@
 #include <chrono>
 #include <unordered_set>
 
-#include "parallel/sharding_strategy.h"
+#include "parallel/internal/sharding_strategy.h"
 #include "runtime/communicator.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"

@@ -11,8 +11,8 @@
 
 #include "nn/module_call.h"
 #include "parallel/grad_norm.h"
-#include "parallel/sharding_strategy.h"
-#include "parallel/zero_offload.h"
+#include "parallel/internal/sharding_strategy.h"
+#include "parallel/internal/zero_offload.h"
 #include "runtime/communicator.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"

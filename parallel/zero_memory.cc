@@ -4,7 +4,7 @@
 #include <iterator>
 #include <map>
 
-#include "parallel/sharding_strategy.h"
+#include "parallel/internal/sharding_strategy.h"
 
 namespace remat::parallel {
 

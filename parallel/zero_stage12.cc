@@ -9,8 +9,8 @@
 #include <deque>
 #include <unordered_set>
 
-#include "parallel/sharding_strategy.h"
-#include "parallel/zero_offload.h"
+#include "parallel/internal/sharding_strategy.h"
+#include "parallel/internal/zero_offload.h"
 #include "runtime/communicator.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"

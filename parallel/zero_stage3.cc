@@ -9,9 +9,9 @@
 
 #include "nn/autograd_state.h"
 #include "nn/module_call.h"
-#include "parallel/sharding_strategy.h"
-#include "parallel/zero_offload.h"
-#include "parallel/zero_units.h"
+#include "parallel/internal/sharding_strategy.h"
+#include "parallel/internal/zero_offload.h"
+#include "parallel/internal/zero_units.h"
 #include "runtime/communicator.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"

@@ -1,4 +1,4 @@
-#include "parallel/zero_units.h"
+#include "parallel/internal/zero_units.h"
 
 #include <c10/core/CPUAllocator.h>
 #include <torch/nn/module.h>

@@ -1,4 +1,4 @@
-#include "parallel/zero_offload.h"
+#include "parallel/internal/zero_offload.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
