@@ -147,25 +147,31 @@ struct DpBucket {
 class DataParallel final : public ShardingStrategy {
  public:
   DataParallel(torch::nn::Module& model, std::shared_ptr<Communicator> dp, const ZeroOptions& options,
-               const MixedPrecision& mixed)
-      : model_(model), dp_(std::move(dp)), params_(model.parameters()), options_(options),
-        mixed_(mixed.enabled()), compute_dtype_(mixed.compute_dtype), reduce_dtype_(mixed.reduce_dtype),
-        names_(parameter_names(model)),
+               MasterPolicy& policy)
+      : ShardingStrategy(policy), dp_(std::move(dp)), options_(options), names_(parameter_names(model)),
         hooks_([this](size_t b, size_t k) { on_gradient(b, k); }) {
-    install_compute_copies();
+    const std::vector<at::Tensor> params = model.parameters();
+    for (const auto& p : params) {
+      REMAT_CHECK(!policy.mixed() || p.scalar_type() == at::kFloat, "ZeroModel with ",
+                  dtype_name(policy.compute_dtype()), ": parameters must be float32 (",
+                  names_.at(p.unsafeGetTensorImpl()), " is ", c10::toString(p.scalar_type()), ")");
+    }
+    // Before any hook is added (a parameter's dtype is fixed from here on).
+    copies_.install(policy, params, names_);
+    const auto& masters = copies_.stepped();
     // Buckets in reverse registration order, the order a backward produces
     // gradients in (the head first, the embeddings last). A frozen parameter
     // (requires_grad false) is in none: it never gets a gradient, since one of
     // zeros would let weight decay or momentum move it.
-    for (size_t i = params_.size(); i-- > 0;) {
-      const at::Tensor& p = params_[i];
+    for (size_t i = params.size(); i-- > 0;) {
+      const at::Tensor& p = params[i];
       if (!p.requires_grad()) continue;
       if (buckets_.empty() || buckets_.back().numel + p.numel() > options_.reduce_bucket_size) {
         buckets_.emplace_back();
       }
       DpBucket& b = buckets_.back();
       b.params.push_back(p);
-      b.masters.push_back(masters_[i]);
+      b.masters.push_back(masters[i]);
       b.numel += p.numel();
     }
     for (size_t i = 0; i < buckets_.size(); ++i) {
@@ -191,7 +197,7 @@ class DataParallel final : public ShardingStrategy {
     }
   }
 
-  std::vector<at::Tensor> parameters() const override { return masters_; }
+  std::vector<at::Tensor> parameters() const override { return copies_.stepped(); }
 
   GradientHold gradient_hold(int64_t trainable, int64_t local_trainable) const override {
     return data_parallel_gradients(trainable, local_trainable);
@@ -199,33 +205,27 @@ class DataParallel final : public ShardingStrategy {
 
   std::map<std::string, at::Tensor> full_parameters() override {
     std::map<std::string, at::Tensor> out;
-    for (const auto& m : masters_) out[names_.at(m.unsafeGetTensorImpl())] = m.detach().to(at::kFloat).clone();
+    for (const auto& m : copies_.stepped()) out[names_.at(m.unsafeGetTensorImpl())] = m.detach().to(at::kFloat).clone();
     return out;
   }
 
   std::vector<ShardLayout> layout() const override {
     std::vector<ShardLayout> out;
-    for (const auto& m : masters_) out.push_back(flat_layout({m}, {0}, names_, 0, m.numel()));
+    for (const auto& m : copies_.stepped()) out.push_back(flat_layout({m}, {0}, names_, 0, m.numel()));
     return out;
   }
 
   // Mixed precision: the compute copies made again from the masters when
   // these changed (an optimizer step, a load, a write): once per step.
   void sync_parameters() override {
-    if (!mixed_ || !stale()) return;
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < params_.size(); ++i) {
-      params_[i].detach().copy_(masters_[i].detach());
-      master_versions_[i] = masters_[i]._version();
-    }
+    if (!policy().mixed() || !(stepped_ || copies_.changed())) return;
+    copies_.refresh();
     stepped_ = false;
   }
   void begin_forward() override { sync_parameters(); }
   void leave_whole() override {
     sync_parameters();
-    if (!mixed_) return;
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(masters_[i].detach());
+    copies_.leave_whole();
   }
 
   void begin_backward(bool synchronize) override {
@@ -240,7 +240,7 @@ class DataParallel final : public ShardingStrategy {
                     "synchronize flag to both");
       }
       for (auto& b : buckets_) {
-        for (size_t k = 0; k < b.params.size(); ++k) fold(b.params[k], b.masters[k]);
+        for (size_t k = 0; k < b.params.size(); ++k) policy().fold_gradient(b.params[k], b.masters[k]);
       }
       reset();
       return;
@@ -303,8 +303,9 @@ class DataParallel final : public ShardingStrategy {
     std::unordered_set<const void*> in;
     for (const auto& p : sharded_tp) in.insert(p.unsafeGetTensorImpl());
     std::vector<at::Tensor> sharded, replicated;
-    for (size_t i = 0; i < params_.size(); ++i) {
-      (in.count(params_[i].unsafeGetTensorImpl()) ? sharded : replicated).push_back(masters_[i]);
+    const auto &params = copies_.model(), &masters = copies_.stepped();
+    for (size_t i = 0; i < params.size(); ++i) {
+      (in.count(params[i].unsafeGetTensorImpl()) ? sharded : replicated).push_back(masters[i]);
     }
     return {{sharded, {tp}}, {replicated, {}}};
   }
@@ -315,9 +316,9 @@ class DataParallel final : public ShardingStrategy {
       s.param_bytes += static_cast<int64_t>(t.nbytes());
       if (t.grad().defined()) s.grad_bytes += static_cast<int64_t>(t.grad().nbytes());
     };
-    for (const auto& p : params_) add(p);
-    if (mixed_) {
-      for (const auto& m : masters_) add(m);
+    for (const auto& p : copies_.model()) add(p);
+    if (policy().mixed()) {
+      for (const auto& m : copies_.stepped()) add(m);
     }
     s.allreduce_bytes = allreduce_bytes_;
     s.peak_grad_bytes = s.grad_bytes;
@@ -368,7 +369,7 @@ class DataParallel final : public ShardingStrategy {
     DpBucket& b = buckets_[bi];
     torch::NoGradGuard no_grad;
     for (size_t k = 0; k < b.params.size(); ++k) {
-      fold(b.params[k], b.masters[k]);
+      policy().fold_gradient(b.params[k], b.masters[k]);
       at::Tensor& m = b.masters[k];
       if (!m.grad().defined()) {
         MemoryCategoryScope gradients(MemoryCategory::kGradients);
@@ -381,54 +382,12 @@ class DataParallel final : public ShardingStrategy {
     b.flat = at::cat(pieces);
     // Reduced in bf16 or fp16 (communication_data_type): the float32 sum of
     // the window's micro-steps rounded once.
-    if (reduce_dtype_ != at::kFloat && dp_->size() > 1) b.flat = b.flat.to(reduce_dtype_);
+    if (policy().reduce_dtype() != at::kFloat && dp_->size() > 1) b.flat = b.flat.to(policy().reduce_dtype());
     b.launched = true;
     if (dp_->size() > 1) {
       b.pending = dp_->allReduce(b.flat, {ReduceOp::kAvg});
       allreduce_bytes_ += 2 * static_cast<int64_t>(b.flat.nbytes());
     }
-  }
-
-  // Mixed precision: a compute copy's gradient (16-bit) added into its
-  // master's, in float32 (a no-op when the parameter is its own master).
-  void fold(at::Tensor& p, at::Tensor& m) {
-    if (!mixed_ || !p.grad().defined()) return;
-    torch::NoGradGuard no_grad;
-    MemoryCategoryScope gradients(MemoryCategory::kGradients);
-    if (m.grad().defined()) {
-      m.mutable_grad().add_(p.grad());
-    } else {
-      m.mutable_grad() = p.grad().to(at::kFloat);
-    }
-    p.mutable_grad() = at::Tensor();
-  }
-
-  // Float32 masters beside 16-bit copies installed in the model, before any
-  // hook is added (a parameter's dtype is fixed from here on).
-  void install_compute_copies() {
-    if (!mixed_) {
-      masters_ = params_;
-      return;
-    }
-    torch::NoGradGuard no_grad;
-    for (auto& p : params_) {
-      REMAT_CHECK(p.scalar_type() == at::kFloat, "ZeroModel with ", dtype_name(compute_dtype_),
-                  ": parameters must be float32 (",
-                  names_.at(p.unsafeGetTensorImpl()), " is ", c10::toString(p.scalar_type()), ")");
-      at::Tensor m = p.detach().clone().requires_grad_(p.requires_grad());
-      names_.emplace(m.unsafeGetTensorImpl(), names_.at(p.unsafeGetTensorImpl()));
-      p.set_data(p.detach().to(compute_dtype_));
-      masters_.push_back(m);
-      master_versions_.push_back(m._version());
-    }
-  }
-
-  bool stale() const {
-    if (stepped_) return true;
-    for (size_t i = 0; i < masters_.size(); ++i) {
-      if (masters_[i]._version() != master_versions_[i]) return true;
-    }
-    return false;
   }
 
   void reset() {
@@ -442,15 +401,12 @@ class DataParallel final : public ShardingStrategy {
     overlapping_ = false;
   }
 
-  torch::nn::Module& model_;
   std::shared_ptr<Communicator> dp_;
-  std::vector<at::Tensor> params_;   // the model's
-  std::vector<at::Tensor> masters_;  // what the optimizer steps: params_, or their float32 masters
-  std::vector<int64_t> master_versions_;  // mixed: the masters' versions when the copies were made
+  // The model's parameters and what the optimizer steps: themselves, or
+  // under mixed precision their float32 masters (policy's WholeCopies).
+  WholeCopies copies_;
   bool stepped_ = false;             // mixed: a step may have changed the masters since
   ZeroOptions options_;
-  bool mixed_ = false;               // 16-bit compute copies of float32 masters
-  at::ScalarType compute_dtype_ = at::kFloat, reduce_dtype_ = at::kFloat;
   std::map<const void*, std::string> names_;
   std::vector<DpBucket> buckets_;  // in the order their gradients are expected
   GradientHooks hooks_;
@@ -466,8 +422,8 @@ class DataParallel final : public ShardingStrategy {
 
 std::unique_ptr<ShardingStrategy> make_data_parallel(torch::nn::Module& model,
                                                      std::shared_ptr<Communicator> dp,
-                                                     const ZeroOptions& options, const MixedPrecision& mixed) {
-  return std::make_unique<DataParallel>(model, std::move(dp), options, mixed);
+                                                     const ZeroOptions& options, MasterPolicy& policy) {
+  return std::make_unique<DataParallel>(model, std::move(dp), options, policy);
 }
 
 }  // namespace remat::parallel

@@ -11,6 +11,7 @@
 
 #include "nn/module_call.h"
 #include "parallel/grad_norm.h"
+#include "parallel/internal/master_policy.h"
 #include "parallel/internal/sharding_strategy.h"
 #include "parallel/internal/zero_offload.h"
 #include "runtime/communicator.h"
@@ -51,7 +52,7 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
                      const std::vector<std::shared_ptr<torch::nn::Module>>& units,
                      std::shared_ptr<Communicator> dp_group, const ZeroOptions& config,
                      const MixedPrecision& mixed, std::vector<at::Tensor> sharded_tp)
-    : stage_(config.stage), mixed_(mixed.enabled()), model_(model), dp_group_(dp_group),
+    : stage_(config.stage), model_(model), dp_group_(dp_group),
       sharded_tp_(std::move(sharded_tp)) {
   if (std::string bad = check_mixed_precision(mixed); !bad.empty()) throw ConfigError(bad);
   const std::string invalid = check_zero_options(config);
@@ -86,11 +87,12 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
   }
   shard_group_ = groups.shard;
   replicate_group_ = groups.replicate;
+  policy_ = std::make_unique<MasterPolicy>(config, mixed);
   switch (config.stage) {
-    case 0: strategy_ = make_data_parallel(model, dp_group, config, mixed); break;
+    case 0: strategy_ = make_data_parallel(model, dp_group, config, *policy_); break;
     case 1:
-    case 2: strategy_ = make_stage12(model, groups, sharded_tp_, config, mixed); break;
-    default: strategy_ = make_stage3(model, units, groups, sharded_tp_, config, mixed); break;
+    case 2: strategy_ = make_stage12(model, groups, sharded_tp_, config, *policy_); break;
+    default: strategy_ = make_stage3(model, units, groups, sharded_tp_, config, *policy_); break;
   }
   if (config.offload_param.enabled()) {
     // The stage's shards: what it steps, less the model's own (persistent) parameters.
@@ -102,13 +104,10 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
     log_offload_param(config.offload_param, host_shards_);
   }
   if (config.offload_optimizer.enabled()) {
-    offload_ = std::make_unique<OptimizerOffload>(strategy_->parameters(), config.offload_optimizer, host_shards_,
-                                                  strategy_->host_masters());
-    // In the window's last micro-step, each gradient shard goes to the host as its reduction ends.
-    strategy_->set_gradient_reduced([this](const at::Tensor& shard) {
-      if (last_micro_step_) offload_->take_gradient(shard);
-    });
-    strategy_->set_before_read([this](const at::Tensor& t) { offload_->ready(t); });
+    // The policy's host mode: the strategy's reduced gradient shards go to
+    // the host, the stepped masters come back before the strategy reads them.
+    policy_->start_host_mode(strategy_->parameters(), config.offload_optimizer, host_shards_,
+                             strategy_->host_masters());
   }
   arrivals_ = std::make_unique<Arrivals>(model);
   if (mixed.enabled()) {
@@ -141,6 +140,8 @@ struct ZeroModel::Arrivals {
   GradientHooks hooks;
 };
 
+bool ZeroModel::offloads_optimizer() const { return policy_->host_mode(); }
+
 ZeroModel::~ZeroModel() {
   for (const auto& weak : cast_hooked_) {
     auto m = weak.lock();
@@ -156,9 +157,7 @@ at::Tensor ZeroModel::take_gradient_arrivals() {
 }
 
 std::vector<at::Tensor> ZeroModel::parameters() const {
-  if (!offload_) return strategy_->parameters();
-  offload_->settle();  // the caller may write them
-  return offload_->parameters();
+  return policy_->optimizer_tensors(strategy_->parameters(), /*settle=*/true);  // the caller may write them
 }
 
 std::vector<at::Tensor> ZeroModel::device_parameters() const {
@@ -172,7 +171,7 @@ std::vector<at::Tensor> ZeroModel::device_parameters() const {
 }
 
 void ZeroModel::zero_grad() {
-  const auto tensors = offload_ ? offload_->parameters() : strategy_->parameters();
+  const auto tensors = policy_->optimizer_tensors(strategy_->parameters(), /*settle=*/false);
   for (auto t : tensors) t.mutable_grad() = at::Tensor();
 }
 std::vector<ShardLayout> ZeroModel::layout() const { return strategy_->layout(); }
@@ -180,24 +179,20 @@ int ZeroModel::shard_size() const { return shard_group_->size(); }
 int ZeroModel::replicate_size() const { return replicate_group_ ? replicate_group_->size() : 1; }
 
 std::vector<std::pair<std::string, at::Tensor>> ZeroModel::full_parameters() {
-  push_offloaded(false);
-  if (offload_) offload_->settle();  // rare: every copy back ended before anything is read
+  policy_->push(false);
+  policy_->settle();  // rare: every copy back ended before anything is read
   std::map<std::string, at::Tensor> full = strategy_->full_parameters();
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& item : model_.named_parameters()) out.emplace_back(item.key(), full.at(item.key()));
   return out;
 }
 
-void ZeroModel::push_offloaded(bool force) {
-  if (offload_) offload_->push(force);
-}
-
 void ZeroModel::after_step() {
-  push_offloaded(true);
+  policy_->push(true);
   strategy_->sync_parameters();
 }
 void ZeroModel::after_load() {
-  push_offloaded(true);
+  policy_->push(true);
   strategy_->sync_parameters();
 }
 bool ZeroModel::parameters_gathered_on_use() const { return strategy_->parameters_gathered_on_use(); }
@@ -207,12 +202,12 @@ GradientHold ZeroModel::gradient_hold(int64_t trainable, int64_t local_trainable
 
 ZeroModel::WholeParameters ZeroModel::install_whole_parameters(bool as_computed, bool keep_values) {
   WholeParameters out;
-  push_offloaded(false);
+  policy_->push(false);
   if (!strategy_->parameters_gathered_on_use()) {
     strategy_->sync_parameters();  // what a push copied, gathered (and waited for) before it is read
     // Whole already. Where they are 16-bit copies of float32 masters, what
     // the scope leaves unchanged must not be written back rounded.
-    if (keep_values && mixed_) {
+    if (keep_values && policy_->mixed()) {
       for (const auto& item : model_.named_parameters()) out.values[item.key()] = item.value().detach().clone();
     }
     return out;
@@ -260,12 +255,12 @@ void ZeroModel::write_back_parameters(std::map<std::string, at::Tensor> edited,
           .copy_(it->second.reshape({-1}).narrow(0, seg.param_offset, seg.length));
     }
   }
-  push_offloaded(true);
+  policy_->push(true);
   strategy_->after_write();
 }
 
 void ZeroModel::leave_whole() {
-  push_offloaded(false);
+  policy_->push(false);
   if (strategy_->parameters_gathered_on_use()) {
     install_whole_parameters(/*as_computed=*/false, /*keep_values=*/false);
   } else {
@@ -274,35 +269,35 @@ void ZeroModel::leave_whole() {
 }
 
 void ZeroModel::begin_forward() {
-  push_offloaded(false);
+  policy_->push(false);
   strategy_->begin_forward();
 }
 at::Tensor ZeroModel::finish_forward(const at::Tensor& loss) { return strategy_->finish_forward(loss); }
 void ZeroModel::begin_backward(bool synchronize) {
-  last_micro_step_ = synchronize;
+  policy_->begin_backward(synchronize);
   strategy_->begin_backward(synchronize);
 }
 
 void ZeroModel::finish_backward(bool synchronize) {
   strategy_->finish_backward(synchronize);
-  last_micro_step_ = false;
+  policy_->end_backward();
   // The window's reduced gradient shards, complete: the rest to the host, for the step.
-  if (offload_ && synchronize) offload_->take_gradients();
+  if (synchronize) policy_->take_gradients();
 }
 void ZeroModel::end_evaluation() { strategy_->end_evaluation(); }
 
 void ZeroModel::abandon_backward() {
   strategy_->abandon_backward();
-  last_micro_step_ = false;
+  policy_->end_backward();
   for (auto& p : strategy_->parameters()) p.mutable_grad() = at::Tensor();
-  if (offload_) offload_->drop_gradients();
+  policy_->drop_gradients();
   for (auto& p : model_.parameters()) p.mutable_grad() = at::Tensor();
   take_gradient_arrivals();
 }
 
 double ZeroModel::clip_grad_norm(double max_norm, const std::shared_ptr<Communicator>& tp_group) {
   auto groups = strategy_->grad_groups(sharded_tp_, tp_group);
-  if (!offload_ && host_shards_.empty()) return parallel::clip_grad_norm(groups, max_norm);
+  if (!policy_->host_mode() && host_shards_.empty()) return parallel::clip_grad_norm(groups, max_norm);
   // The gradients are the host masters'; the norms are summed on the device
   // the shards live on (the communicator's backend takes its tensors), the
   // model's where offload_param put the shards on the host.
@@ -311,7 +306,7 @@ double ZeroModel::clip_grad_norm(double max_norm, const std::shared_ptr<Communic
   for (auto& g : groups) {
     for (auto& t : g.tensors) {
       if (!reduce_on) reduce_on = t.device();
-      if (offload_) t = offload_->host_of(t);
+      t = policy_->host_of(t);
     }
   }
   return parallel::clip_grad_norm(groups, max_norm, reduce_on);
@@ -319,7 +314,7 @@ double ZeroModel::clip_grad_norm(double max_norm, const std::shared_ptr<Communic
 
 ZeroStats ZeroModel::stats() const {
   ZeroStats s = strategy_->stats();
-  if (offload_) s.host_bytes = offload_->host_bytes();
+  if (policy_->host_mode()) s.host_bytes = policy_->host_bytes();
   for (const auto& t : host_shards_) {  // the strategy counted them as the device's
     const int64_t bytes = static_cast<int64_t>(t.nbytes());
     const int64_t grad = t.grad().defined() ? static_cast<int64_t>(t.grad().nbytes()) : 0;

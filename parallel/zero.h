@@ -60,7 +60,7 @@
 // gathered units); gradients are accumulated in float32 and reduced in
 // MixedPrecision::reduce_dtype.
 //
-// offload_optimizer (stages 1-3, zero_offload.h): parameters() are float32
+// offload_optimizer (stages 1-3, internal/zero_offload.h): parameters() are float32
 // host copies of the shards (and stage 3's persistent parameters), which the
 // optimizer steps in host memory, its state made beside them; in the last
 // micro-step (begin_backward(true)) each reduced gradient shard is copied
@@ -87,7 +87,7 @@
 // buffers of their own that are gathered for use and never reduced. They are
 // in parameters() and layout() (so saves hold them) and in full_parameters().
 //
-// Each stage is its own strategy behind ZeroModel (sharding_strategy.h):
+// Each stage is its own strategy behind ZeroModel (internal/sharding_strategy.h):
 // data_parallel.cc for stage 0, zero_stage12.cc for stages 1 and 2,
 // zero_stage3.cc for stage 3. Each answers for its stage (what follows an
 // optimizer step or a load, whether parameters are gathered on use, its
@@ -127,7 +127,7 @@ class ModuleHook;
 namespace remat::parallel {
 
 class ShardingStrategy;
-class OptimizerOffload;
+class MasterPolicy;
 
 // Per-rank bytes, now and over the collectives issued so far.
 struct ZeroStats {
@@ -195,7 +195,7 @@ class ZeroModel {
   int stage() const { return stage_; }
   // Whether parameters() are host copies the optimizer steps in host memory
   // (zero_optimization.offload_optimizer.device cpu).
-  bool offloads_optimizer() const { return offload_ != nullptr; }
+  bool offloads_optimizer() const;
   // Whether stage 3's shards live in host memory (zero_optimization.offload_param.device cpu).
   bool offloads_parameters() const { return !host_shards_.empty(); }
   // offload_param: those of parameters() that are stage 3's host shards (empty without it).
@@ -305,17 +305,14 @@ class ZeroModel {
 
  private:
   int stage_;
-  bool mixed_ = false;  // 16-bit compute copies of float32 masters
   torch::nn::Module& model_;
   std::shared_ptr<Communicator> dp_group_, shard_group_, replicate_group_;
   std::vector<at::Tensor> sharded_tp_;
+  // Masters and compute copies (internal/master_policy.h), asked by the
+  // strategy: made before it, gone after it.
+  std::unique_ptr<MasterPolicy> policy_;
   std::unique_ptr<ShardingStrategy> strategy_;
-  std::unique_ptr<OptimizerOffload> offload_;  // offload_optimizer only
   std::vector<at::Tensor> host_shards_;        // offload_param: those of parameters() in host memory
-  // offload_optimizer: the host masters into the device shards (`force`:
-  // whether or not they changed).
-  void push_offloaded(bool force);
-  bool last_micro_step_ = false;  // begin_backward(true) announced it, until finish_backward
   struct Arrivals;  // take_gradient_arrivals()'s hooks and flags
   // Mixed precision: the modules whose inputs remat::forward casts, and the hook.
   std::vector<std::weak_ptr<torch::nn::Module>> cast_hooked_;

@@ -10,7 +10,6 @@
 #include <unordered_set>
 
 #include "parallel/internal/sharding_strategy.h"
-#include "parallel/internal/zero_offload.h"
 #include "runtime/communicator.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
@@ -45,7 +44,7 @@ class Stage12 final : public ShardingStrategy {
   static constexpr size_t kMaxInFlight = 2;
 
   Stage12(torch::nn::Module& model, const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp,
-          const ZeroOptions& options, const MixedPrecision& mixed);
+          const ZeroOptions& options, MasterPolicy& policy);
   ~Stage12() override;
 
   std::vector<at::Tensor> parameters() const override;
@@ -81,8 +80,7 @@ class Stage12 final : public ShardingStrategy {
   void launch(size_t b);
   void complete(size_t b);
   int64_t grad_bytes_now() const;
-  void flatten_bucket(Bucket& b, bool pinned);
-  void install_frozen_copies(bool pinned);
+  void flatten_bucket(Bucket& b);
   // The bucket's float32 values, whole: flat, or gathered from the host masters.
   at::Tensor whole_master(const Bucket& b);
   // What the bucket's float32 gradients are made in.
@@ -91,17 +89,11 @@ class Stage12 final : public ShardingStrategy {
   }
   void track_grad_bytes() { peak_grad_bytes_ = std::max(peak_grad_bytes_, grad_bytes_now()); }
 
-  torch::nn::Module& model_;
   DpGroups groups_;
   ZeroOptions options_;
-  // 16-bit compute copies (bf16 or fp16: compute_dtype_) of float32 masters.
-  bool bf16_ = false;
-  at::ScalarType compute_dtype_ = at::kFloat, reduce_dtype_ = at::kFloat;
-  // masters_on_host (zero_options.h): the device keeps the 16-bit copies
-  // alone (no flat, frozen_ the model's 16-bit parameters); the float32
-  // masters are the buckets' `master` and frozen_masters_, in host memory.
-  bool host_masters_ = false;
-  std::vector<at::Tensor> frozen_masters_;
+  // The policy's masters_on_host (master_policy.h): the device keeps the
+  // 16-bit copies alone (no flat); the float32 masters are the buckets'
+  // `master` and frozen_'s host masters, in host memory.
   std::map<const void*, std::string> names_;
   std::vector<Bucket> buckets_;  // in the order their gradients are expected
   size_t next_launch_ = 0;       // buckets reduce in order, the same on every rank
@@ -113,11 +105,9 @@ class Stage12 final : public ShardingStrategy {
   int64_t buckets_reduced_ = 0, buckets_done_in_backward_ = 0;
   double wait_ms_ = 0;
   // Frozen parameters (requires_grad false): whole on every rank, in no
-  // bucket, never given a gradient (what the optimizer skips).
-  std::vector<at::Tensor> frozen_;
-  // bf16: the model's frozen parameters, bf16 copies of frozen_ (their float32 masters).
-  std::vector<at::Tensor> frozen_compute_;
-  std::vector<int64_t> frozen_versions_;  // bf16: frozen_'s versions at the last sync
+  // bucket, never given a gradient (what the optimizer skips); under mixed
+  // precision the model computes with 16-bit copies of their masters.
+  WholeCopies frozen_;
   // The shards received gradients (a step may follow) since the buckets were
   // last made whole. An optimizer may update a shard without bumping its
   // version counter (LibTorch 1.13's SGD writes through .data()), so the
@@ -129,10 +119,8 @@ class Stage12 final : public ShardingStrategy {
 };
 
 Stage12::Stage12(torch::nn::Module& model, const DpGroups& groups,
-                 const std::vector<at::Tensor>& sharded_tp, const ZeroOptions& options, const MixedPrecision& mixed)
-    : model_(model), groups_(groups), options_(options), bf16_(mixed.enabled()), compute_dtype_(mixed.compute_dtype),
-      reduce_dtype_(mixed.reduce_dtype), host_masters_(masters_on_host(options, mixed)),
-      names_(parameter_names(model)),
+                 const std::vector<at::Tensor>& sharded_tp, const ZeroOptions& options, MasterPolicy& policy)
+    : ShardingStrategy(policy), groups_(groups), options_(options), names_(parameter_names(model)),
       hooks_([this](size_t b, size_t k) { on_gradient(b, k); }) {
   const int n = groups_.shard->size();
   std::unordered_set<const void*> tp_sharded;
@@ -144,9 +132,10 @@ Stage12::Stage12(torch::nn::Module& model, const DpGroups& groups,
   std::vector<at::Tensor> params = model.parameters();
   std::reverse(params.begin(), params.end());
   int open[2] = {-1, -1};
+  std::vector<at::Tensor> frozen;
   for (const auto& p : params) {
     if (!p.requires_grad()) {
-      frozen_.push_back(p);
+      frozen.push_back(p);
       continue;
     }
     REMAT_CHECK(p.scalar_type() == at::kFloat, "ZeroModel: parameters must be float32 (",
@@ -163,24 +152,23 @@ Stage12::Stage12(torch::nn::Module& model, const DpGroups& groups,
     b.numel += p.numel();
   }
   torch::NoGradGuard no_grad;
-  const bool pinned = host_masters_ && options_.offload_optimizer.pin_memory && can_pin_host_memory();
   int64_t total = 0;
   for (size_t i = 0; i < buckets_.size(); ++i) {
-    flatten_bucket(buckets_[i], pinned);
+    flatten_bucket(buckets_[i]);
     total += buckets_[i].numel;
     for (size_t k = 0; k < buckets_[i].params.size(); ++k) hooks_.add(buckets_[i].params[k], i, k);
   }
-  if (bf16_) install_frozen_copies(pinned);
+  frozen_.install(policy, frozen, names_);
   overlapping_ = overlap_by_default();
-  int64_t frozen = 0;
-  for (const auto& p : frozen_) frozen += p.numel();
+  int64_t frozen_numel = 0;
+  for (const auto& p : frozen) frozen_numel += p.numel();
   log_rank0().info("zero stage {}: {} parameter elements in {} gradient buckets (reduce_bucket_size {}), "
                    "optimizer state{} sharded over {} data-parallel ranks{}{}{}",
                    options_.stage, total, buckets_.size(), options_.reduce_bucket_size,
                    options_.stage == 2 ? " and gradients" : "", n,
                    options_.overlap_comm ? "; reductions overlap the backward" : "",
-                   frozen > 0 ? str("; ", frozen, " frozen elements kept whole") : std::string(),
-                   host_masters_ ? str("; the device keeps ", dtype_name(compute_dtype_),
+                   frozen_numel > 0 ? str("; ", frozen_numel, " frozen elements kept whole") : std::string(),
+                   policy.masters_on_host() ? str("; the device keeps ", dtype_name(policy.compute_dtype()),
                                        " parameters alone, their float32 masters in host memory (offload_optimizer)")
                                  : std::string());
 }
@@ -188,7 +176,7 @@ Stage12::Stage12(torch::nn::Module& model, const DpGroups& groups,
 // The bucket's parameters copied into its flat buffer and made views of it
 // (bf16: of its 16-bit copy; masters_on_host: the copy alone stays on the
 // device, this rank's float32 shard going to the host).
-void Stage12::flatten_bucket(Bucket& b, bool pinned) {
+void Stage12::flatten_bucket(Bucket& b) {
   const int n = groups_.shard->size(), r = groups_.shard->rank();
   b.padded = std::max<int64_t>((b.numel + n - 1) / n * n, n);
   b.chunk = b.padded / n;
@@ -199,38 +187,20 @@ void Stage12::flatten_bucket(Bucket& b, bool pinned) {
   }
   // bf16: the model computes from a bf16 copy of the bucket (installed
   // before the hooks: a parameter's dtype is fixed from here on).
-  if (bf16_) b.compute = b.flat.to(compute_dtype_);
-  const at::Tensor& installed = bf16_ ? b.compute : b.flat;
+  if (policy().mixed()) b.compute = b.flat.to(policy().compute_dtype());
+  const at::Tensor& installed = policy().mixed() ? b.compute : b.flat;
   for (size_t k = 0; k < b.params.size(); ++k) {
     auto& p = b.params[k];
     p.set_data(installed.narrow(0, b.offsets[k], p.numel()).view(p.sizes()));
   }
-  if (host_masters_) {
-    b.master = host_copy(b.flat.narrow(0, r * b.chunk, b.chunk), pinned);
+  if (policy().masters_on_host()) {
+    b.master = policy().host_master(b.flat.narrow(0, r * b.chunk, b.chunk));
     b.shard = b.compute.narrow(0, r * b.chunk, b.chunk).detach().requires_grad_(true);
     b.flat = at::Tensor();
   } else {
     b.shard = b.flat.narrow(0, r * b.chunk, b.chunk).detach().requires_grad_(true);
   }
   b.shard_version = b.shard._version();
-}
-
-// bf16: the frozen parameters computed with as 16-bit copies of float32
-// masters (masters_on_host: masters in host memory, frozen_ the model's own).
-void Stage12::install_frozen_copies(bool pinned) {
-  for (auto& p : frozen_) {
-    at::Tensor m = host_masters_ ? host_copy(p, pinned) : p.detach().clone();
-    p.set_data(p.detach().to(compute_dtype_));
-    if (host_masters_) {  // a copy from the master (a load) makes the buckets stale: sync waits for it
-      frozen_masters_.push_back(m);
-      frozen_versions_.push_back(p._version());
-      continue;
-    }
-    names_.emplace(m.unsafeGetTensorImpl(), names_.at(p.unsafeGetTensorImpl()));
-    frozen_compute_.push_back(p);
-    frozen_versions_.push_back(m._version());
-    p = m;
-  }
 }
 
 Stage12::~Stage12() {
@@ -245,20 +215,20 @@ Stage12::~Stage12() {
 std::vector<at::Tensor> Stage12::parameters() const {
   std::vector<at::Tensor> out;
   for (const auto& b : buckets_) out.push_back(b.shard);
-  for (const auto& p : frozen_) out.push_back(p);
+  for (const auto& p : frozen_.stepped()) out.push_back(p);
   return out;
 }
 
 std::vector<at::Tensor> Stage12::host_masters() const {
-  if (!host_masters_) return {};
+  if (!policy().masters_on_host()) return {};
   std::vector<at::Tensor> out;
   for (const auto& b : buckets_) out.push_back(b.master);
-  for (const auto& m : frozen_masters_) out.push_back(m);
+  for (const auto& m : frozen_.host_masters()) out.push_back(m);
   return out;
 }
 
 at::Tensor Stage12::whole_master(const Bucket& b) {
-  if (!host_masters_) return b.flat;
+  if (!policy().masters_on_host()) return b.flat;
   Communicator& group = *groups_.shard;
   at::Tensor mine = b.master.to(b.compute.device(), at::kFloat, /*non_blocking=*/false, /*copy=*/true);
   if (group.size() == 1) return mine;
@@ -273,7 +243,7 @@ std::vector<ShardLayout> Stage12::layout() const {
   std::vector<ShardLayout> out;
   const int64_t r = groups_.shard->rank();
   for (const auto& b : buckets_) out.push_back(flat_layout(b.params, b.offsets, names_, r * b.chunk, b.chunk));
-  for (const auto& p : frozen_) out.push_back(flat_layout({p}, {0}, names_, 0, p.numel()));
+  for (const auto& p : frozen_.stepped()) out.push_back(flat_layout({p}, {0}, names_, 0, p.numel()));
   return out;
 }
 
@@ -288,11 +258,13 @@ std::map<std::string, at::Tensor> Stage12::full_parameters() {
       out[names_.at(p.unsafeGetTensorImpl())] = whole.narrow(0, b.offsets[k], p.numel()).view(p.sizes()).clone();
     }
   }
-  for (size_t i = 0; i < frozen_.size(); ++i) {
-    const at::Tensor& p = frozen_[i];
+  const auto& frozen = frozen_.stepped();
+  for (size_t i = 0; i < frozen.size(); ++i) {
+    const at::Tensor& p = frozen[i];
     out[names_.at(p.unsafeGetTensorImpl())] =
-        host_masters_ ? frozen_masters_[i].to(p.device(), at::kFloat, /*non_blocking=*/false, /*copy=*/true)
-                      : p.detach().clone();
+        policy().masters_on_host()
+            ? frozen_.host_masters()[i].to(p.device(), at::kFloat, /*non_blocking=*/false, /*copy=*/true)
+            : p.detach().clone();
   }
   return out;
 }
@@ -302,11 +274,8 @@ bool Stage12::stale() const {
   for (const auto& b : buckets_) {
     if (b.shard._version() != b.shard_version) return true;
   }
-  // bf16: a load or a write into a frozen parameter's master.
-  for (size_t i = 0; i < frozen_versions_.size(); ++i) {
-    if (frozen_[i]._version() != frozen_versions_[i]) return true;
-  }
-  return false;
+  // Mixed precision: a load or a write into a frozen parameter's master.
+  return frozen_.changed();
 }
 
 // Every rank stepped its shards: the buckets are made whole again, by one
@@ -318,7 +287,7 @@ void Stage12::sync_parameters() {
   const int n = group.size();
   torch::NoGradGuard no_grad;
   // Read as they are (no gather): whole already, copied into by offload_optimizer.
-  for (const auto& p : frozen_) before_read(p);
+  for (const auto& p : frozen_.stepped()) before_read(p);
   if (n == 1) {
     for (const auto& b : buckets_) before_read(b.shard);
   }
@@ -333,7 +302,7 @@ void Stage12::sync_parameters() {
       // Gathered in float32 into flat (and copied into the 16-bit copy
       // after), or under masters_on_host in 16 bits into the copy itself:
       // the same bits, as rounding is elementwise.
-      at::Tensor& whole = host_masters_ ? b.compute : b.flat;
+      at::Tensor& whole = policy().masters_on_host() ? b.compute : b.flat;
       before_read(b.shard);  // this bucket's copy from the host; the later ones' go on
       if (!options_.allgather_partitions) {
         for (int q = 0; q < n; ++q) {
@@ -363,10 +332,9 @@ void Stage12::sync_parameters() {
       if (f.target.defined()) f.target.copy_(f.output.view(f.target.sizes()));
     }
   }
-  for (size_t i = 0; i < frozen_compute_.size(); ++i) frozen_compute_[i].detach().copy_(frozen_[i]);
-  for (size_t i = 0; i < frozen_versions_.size(); ++i) frozen_versions_[i] = frozen_[i]._version();
+  frozen_.refresh();
   for (auto& b : buckets_) {
-    if (bf16_ && !host_masters_) b.compute.copy_(b.flat);  // the compute copy, once per step
+    if (policy().mixed() && !policy().masters_on_host()) b.compute.copy_(b.flat);  // the compute copy, once per step
     b.shard_version = b.shard._version();
   }
   stepped_ = false;
@@ -374,7 +342,7 @@ void Stage12::sync_parameters() {
 
 void Stage12::leave_whole() {
   sync_parameters();
-  if (!bf16_) return;
+  if (!policy().mixed()) return;
   torch::NoGradGuard no_grad;
   for (auto& b : buckets_) {
     b.flat = whole_master(b);
@@ -384,10 +352,7 @@ void Stage12::leave_whole() {
     }
     b.compute = at::Tensor();
   }
-  for (size_t i = 0; i < frozen_compute_.size(); ++i) frozen_compute_[i].set_data(frozen_[i]);
-  for (size_t i = 0; i < frozen_masters_.size(); ++i) {
-    frozen_[i].set_data(frozen_masters_[i].to(frozen_[i].device(), at::kFloat, /*non_blocking=*/false, /*copy=*/true));
-  }
+  frozen_.leave_whole();
 }
 
 at::Tensor Stage12::finish_forward(const at::Tensor& loss) {
@@ -407,7 +372,7 @@ void Stage12::on_gradient(size_t bi, size_t k) {
                     "' arrived after its bucket was reduced in this backward (a parameter used by two "
                     "separate backward passes of one micro-step); call finish_backward() between them"));
   }
-  if (bf16_ && !options_.contiguous_gradients && p.grad().defined() && p.grad().scalar_type() != at::kFloat) {
+  if (policy().mixed() && !options_.contiguous_gradients && p.grad().defined() && p.grad().scalar_type() != at::kFloat) {
     // Kept on the parameter across micro-steps: in float32, so that autograd
     // adds the next ones' bf16 gradients into float32.
     torch::NoGradGuard no_grad;
@@ -472,7 +437,8 @@ void Stage12::launch(size_t bi) {
   b.launched = true;
   // Reduced in bf16 (communication_data_type): the float32 sum rounded once.
   const bool replicated = groups_.replicate && groups_.replicate->size() > 1;
-  if (reduce_dtype_ != at::kFloat && (group.size() > 1 || replicated)) flat = flat.to(reduce_dtype_);
+  const at::ScalarType reduce_dtype = policy().reduce_dtype();
+  if (reduce_dtype != at::kFloat && (group.size() > 1 || replicated)) flat = flat.to(reduce_dtype);
   b.input = flat;
   if (group.size() == 1) {
     b.output = flat;
@@ -604,8 +570,10 @@ ZeroStats Stage12::stats() const {
     if (b.flat.defined()) s.param_bytes += static_cast<int64_t>(b.flat.nbytes());
     if (b.compute.defined()) s.param_bytes += static_cast<int64_t>(b.compute.nbytes());
   }
-  for (const auto& p : frozen_) s.param_bytes += static_cast<int64_t>(p.nbytes());
-  for (const auto& p : frozen_compute_) s.param_bytes += static_cast<int64_t>(p.nbytes());
+  for (const auto& p : frozen_.stepped()) s.param_bytes += static_cast<int64_t>(p.nbytes());
+  if (policy().mixed() && !policy().masters_on_host()) {
+    for (const auto& p : frozen_.model()) s.param_bytes += static_cast<int64_t>(p.nbytes());
+  }
   s.grad_bytes = grad_bytes_now();
   s.peak_grad_bytes = std::max(peak_grad_bytes_, s.grad_bytes);
   s.allgather_bytes = allgather_bytes_;
@@ -621,8 +589,8 @@ ZeroStats Stage12::stats() const {
 
 std::unique_ptr<ShardingStrategy> make_stage12(torch::nn::Module& model, const DpGroups& groups,
                                                const std::vector<at::Tensor>& sharded_tp,
-                                               const ZeroOptions& options, const MixedPrecision& mixed) {
-  return std::make_unique<Stage12>(model, groups, sharded_tp, options, mixed);
+                                               const ZeroOptions& options, MasterPolicy& policy) {
+  return std::make_unique<Stage12>(model, groups, sharded_tp, options, policy);
 }
 
 }  // namespace remat::parallel

@@ -10,7 +10,6 @@
 #include "nn/autograd_state.h"
 #include "nn/module_call.h"
 #include "parallel/internal/sharding_strategy.h"
-#include "parallel/internal/zero_offload.h"
 #include "parallel/internal/zero_units.h"
 #include "runtime/communicator.h"
 #include "runtime/error.h"
@@ -54,7 +53,7 @@ class Stage3 final : public ShardingStrategy {
  public:
   Stage3(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
          const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp, const ZeroOptions& options,
-         const MixedPrecision& mixed);
+         MasterPolicy& policy);
   ~Stage3() override;
 
   // The model's parameters are views of their units' flat buffers.
@@ -82,11 +81,11 @@ class Stage3 final : public ShardingStrategy {
 
  private:
   friend class ZeroUnitHook;
-  // A unit's parameters flattened by kind into buffers of `compute` type,
-  // each rank keeping its float32 shard (those below the persistence
-  // threshold kept whole in persistent_).
+  // A unit's parameters flattened by kind into buffers of the compute
+  // dtype, each rank keeping its shard as the policy says (those below the
+  // persistence threshold kept whole in persistent_).
   std::unique_ptr<Unit> flatten_unit(const UnitParameters& unit, size_t index,
-                                     const std::unordered_set<const void*>& tp_sharded, at::ScalarType compute);
+                                     const std::unordered_set<const void*>& tp_sharded);
   void gather(Unit& unit, bool wait);
   void wait_gathered(Unit& unit);
   void free(Unit& unit);
@@ -107,15 +106,13 @@ class Stage3 final : public ShardingStrategy {
   std::shared_ptr<Communicator> all_dp_;     // every data-parallel rank
   std::map<const void*, std::string> names_;
   ZeroOptions options_;
-  bool bf16_ = false;                        // gathered parameters in bf16 or fp16, shards in fp32
-  at::ScalarType compute_dtype_, reduce_dtype_;  // gathered in; gradients reduced in (communication_data_type)
   int64_t persistence_threshold_ = 0;        // elements: stage3_persistence_threshold (zero_options.h)
   std::vector<std::unique_ptr<Unit>> units_;  // blocks in order, then the root
+  // The policy says where the shards live (master_policy.h): on the device;
+  // offload_param's host tensors (persistent_ on the device); or under
+  // masters_on_host 16-bit on the device, their float32 masters
+  // (FlatGroup::master) in host memory.
   std::vector<at::Tensor> persistent_;
-  bool offload_param_ = false, pinned_ = false;  // the shards host tensors (zero.h); persistent_ on the device
-  // masters_on_host (zero_options.h): 16-bit shards on the device, their
-  // float32 masters (FlatGroup::master) in host memory, pinned where asked and possible.
-  bool host_masters_ = false, masters_pinned_ = false;
   // A root parameter's backward needs its data after the first unit's
   // backward (e.g. a LayerNorm before the first block): the root is gathered
   // again then. Decided at each forward from the graph that reaches the
@@ -207,8 +204,9 @@ c10::IValue ZeroUnitHook::run(const std::vector<c10::IValue>& args, const IValue
   if (args.size() != 1 || !args[0].isTensor()) throw signature_error();
   at::Tensor input = args[0].toTensor();
   // bf16/fp16: a floating-point input computes in that dtype (as ZeroModel's cast hook).
-  if (zero_->bf16_ && input.is_floating_point() && input.scalar_type() != zero_->compute_dtype_) {
-    input = input.to(zero_->compute_dtype_);
+  const MasterPolicy& policy = zero_->policy();
+  if (policy.mixed() && input.is_floating_point() && input.scalar_type() != policy.compute_dtype()) {
+    input = input.to(policy.compute_dtype());
   }
   return run(input, [&](const at::Tensor& x) {
     c10::IValue y = next({c10::IValue(x)});
@@ -253,22 +251,17 @@ at::Tensor ZeroUnitHook::run(const at::Tensor& x,
 Stage3::Stage3(torch::nn::Module& model,
                const std::vector<std::shared_ptr<torch::nn::Module>>& units,
                const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp,
-               const ZeroOptions& options, const MixedPrecision& mixed)
-    : dp_(groups.shard), replicate_(groups.replicate), all_dp_(groups.dp),
-      names_(parameter_names(model)), options_(options), bf16_(mixed.enabled()),
-      compute_dtype_(mixed.compute_dtype), reduce_dtype_(mixed.reduce_dtype),
-      persistence_threshold_(stage3_persistence_threshold(options, mixed)),
-      offload_param_(options.offload_param.enabled()),
-      pinned_(offload_param_ && options.offload_param.pin_memory && can_pin_host_memory()),
-      host_masters_(masters_on_host(options, mixed)),
-      masters_pinned_(host_masters_ && options.offload_optimizer.pin_memory && can_pin_host_memory()) {
+               const ZeroOptions& options, MasterPolicy& policy)
+    : ShardingStrategy(policy), dp_(groups.shard), replicate_(groups.replicate), all_dp_(groups.dp),
+      names_(parameter_names(model)), options_(options),
+      persistence_threshold_(stage3_persistence_threshold(options, policy.precision())) {
   std::unordered_set<const void*> tp_sharded;
   for (const auto& p : sharded_tp) tp_sharded.insert(p.unsafeGetTensorImpl());
-  const at::ScalarType compute = compute_dtype_;
+  const at::ScalarType compute = policy.compute_dtype();
   torch::NoGradGuard no_grad;
   const std::vector<UnitParameters> unit_params = unit_parameters(model, units);
   for (size_t i = 0; i < unit_params.size(); ++i) {
-    units_.push_back(flatten_unit(unit_params[i], i, tp_sharded, compute));
+    units_.push_back(flatten_unit(unit_params[i], i, tp_sharded));
   }
   for (auto& unit : units_) {
     if (unit->module != nullptr) {
@@ -285,13 +278,13 @@ Stage3::Stage3(torch::nn::Module& model,
                    "compute in {}, shards in {}",
                    units_.size(), sharded, total, dp_->size(), total - sharded, persistence_threshold_,
                    c10::toString(compute),
-                   host_masters_ ? str(c10::toString(compute), " (their float32 masters in host memory: offload_optimizer)")
+                   policy.masters_on_host() ? str(c10::toString(compute), " (their float32 masters in host memory: offload_optimizer)")
                                  : std::string("float32"));
 }
 
 std::unique_ptr<Unit> Stage3::flatten_unit(const UnitParameters& params, size_t index,
-                                           const std::unordered_set<const void*>& tp_sharded,
-                                           at::ScalarType compute) {
+                                           const std::unordered_set<const void*>& tp_sharded) {
+  const at::ScalarType compute = policy().compute_dtype();
   const int n = dp_->size(), r = dp_->rank();
   auto unit = std::make_unique<Unit>();
   unit->name = params.name;
@@ -325,9 +318,8 @@ std::unique_ptr<Unit> Stage3::flatten_unit(const UnitParameters& params, size_t 
       g.full.narrow(0, g.offsets[k], g.params[k].numel()).copy_(g.params[k].reshape({-1}));
     }
     const at::Tensor mine = g.full.narrow(0, r * g.shard_numel, g.shard_numel);
-    if (host_masters_) g.master = host_copy(mine, masters_pinned_);
-    g.shard = (offload_param_ ? host_copy(mine, pinned_) : host_masters_ ? mine.to(compute) : mine.clone())
-                  .requires_grad_(!g.frozen);
+    if (policy().masters_on_host()) g.master = policy().host_master(mine);
+    g.shard = policy().stage3_shard(mine).requires_grad_(!g.frozen);
     if (compute != at::kFloat) g.full = at::zeros({g.padded}, g.full.options().dtype(compute));
     for (size_t k = 0; k < g.params.size(); ++k) {
       auto& p = g.params[k];
@@ -436,7 +428,7 @@ void Stage3::reduce(Unit& unit) {
       at::Tensor input = by_rank.narrow(1, o, len).contiguous();
       // communication_data_type: the compute dtype by default.
       const bool reduced = n > 1 || (replicate_ && replicate_->size() > 1);
-      if (reduce_dtype_ != at::kFloat && reduced) input = input.to(reduce_dtype_);
+      if (policy().reduce_dtype() != at::kFloat && reduced) input = input.to(policy().reduce_dtype());
       at::Tensor out = at::empty({len}, input.options());
       dp_->reduceScatter(out, input, {ReduceOp::kAvg})->wait();
       reducescatter_bytes_ += static_cast<int64_t>(input.nbytes());
@@ -446,8 +438,8 @@ void Stage3::reduce(Unit& unit) {
       }
       shard_grad.narrow(0, o, len).copy_(out);
     }
-    if (offload_param_) track_grad_peak(static_cast<int64_t>(shard_grad.nbytes()));
-    if (offload_param_) shard_grad = shard_grad.to(g.shard.device());
+    if (policy().params_on_host()) track_grad_peak(static_cast<int64_t>(shard_grad.nbytes()));
+    if (policy().params_on_host()) shard_grad = shard_grad.to(g.shard.device());
     if (g.shard.grad().defined()) {
       g.shard.mutable_grad().add_(shard_grad);
     } else {
@@ -612,7 +604,7 @@ std::vector<GradGroup> Stage3::grad_groups(const std::vector<at::Tensor>& sharde
 }
 
 std::vector<at::Tensor> Stage3::host_masters() const {
-  if (!host_masters_) return {};
+  if (!policy().masters_on_host()) return {};
   std::vector<at::Tensor> out;
   for (const auto& u : units_) {
     for (const auto& g : u->groups) out.push_back(g.master);
@@ -640,7 +632,7 @@ std::map<std::string, at::Tensor> Stage3::full_parameters() {
     for (const auto& g : u->groups) {
       at::Tensor full = at::empty({g.padded}, g.full.options().dtype(at::kFloat));
       before_read(g.shard);
-      dp_->allGather(full, (host_masters_ ? g.master : g.shard).detach().to(full.device()))->wait();
+      dp_->allGather(full, (policy().masters_on_host() ? g.master : g.shard).detach().to(full.device()))->wait();
       for (size_t k = 0; k < g.params.size(); ++k) {
         const auto& p = g.params[k];
         out[names_.at(p.unsafeGetTensorImpl())] = full.narrow(0, g.offsets[k], p.numel()).view(p.sizes()).clone();
@@ -673,7 +665,7 @@ ZeroStats Stage3::stats() const {
 int64_t Stage3::device_grad_bytes() const {
   int64_t bytes = 0;
   auto add = [&](const at::Tensor& t) { bytes += t.grad().defined() ? static_cast<int64_t>(t.grad().nbytes()) : 0; };
-  for (size_t i = 0; !offload_param_ && i < units_.size(); ++i) {
+  for (size_t i = 0; !policy().params_on_host() && i < units_.size(); ++i) {
     for (const auto& g : units_[i]->groups) add(g.shard);
   }
   for (const auto& p : persistent_) add(p);
@@ -713,8 +705,8 @@ std::map<std::string, int64_t> Stage3::unit_padded_numels() const {
 std::unique_ptr<ShardingStrategy> make_stage3(
     torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
     const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp, const ZeroOptions& options,
-    const MixedPrecision& mixed) {
-  return std::make_unique<Stage3>(model, units, groups, sharded_tp, options, mixed);
+    MasterPolicy& policy) {
+  return std::make_unique<Stage3>(model, units, groups, sharded_tp, options, policy);
 }
 
 }  // namespace remat::parallel

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "parallel/grad_norm.h"
+#include "parallel/internal/master_policy.h"
 #include "parallel/zero.h"
 #include "parallel/zero_memory.h"
 
@@ -37,8 +38,12 @@ struct DpGroups {
   std::shared_ptr<Communicator> dp, shard, replicate;
 };
 
+// Each strategy keeps its buckets or units and their collectives; where the
+// float32 masters live and how the 16-bit compute copies are made it asks
+// the policy ZeroModel made (master_policy.h), which outlives it.
 class ShardingStrategy {
  public:
+  explicit ShardingStrategy(MasterPolicy& policy) : policy_(policy) {}
   virtual ~ShardingStrategy() = default;
 
   // For each of parameters(): the model parameter elements it holds.
@@ -51,7 +56,7 @@ class ShardingStrategy {
   virtual std::vector<at::Tensor> parameters() const = 0;
   // masters_on_host (zero_options.h): for each of parameters(), a 16-bit
   // device tensor then, the float32 host tensor holding its value (the
-  // optimizer's master, which ZeroModel's OptimizerOffload copies into it);
+  // optimizer's master, which the policy's host mode copies into it);
   // empty otherwise (parameters() hold their own values).
   virtual std::vector<at::Tensor> host_masters() const { return {}; }
 
@@ -88,16 +93,6 @@ class ShardingStrategy {
   // drops every gradient and partial reduction, ready for a new forward.
   virtual void abandon_backward() {}
 
-  // Called with one of parameters() each time its reduced gradient was
-  // updated (stages 1-3: as each bucket's or unit's reduction ends), so that
-  // a gradient complete for the window can move on at once (offload_optimizer).
-  void set_gradient_reduced(std::function<void(const at::Tensor&)> hook) { gradient_reduced_ = std::move(hook); }
-  // Called with one of parameters() just before the strategy reads it on
-  // the current stream (a gather; a forward that reads it directly), so that
-  // a copy into it still in flight is waited for (offload_optimizer's copies
-  // back, zero_offload.h).
-  void set_before_read(std::function<void(const at::Tensor&)> hook) { before_read_ = std::move(hook); }
-
   // The gradients for the global norm, each group with the communicators its
   // squares are summed over (`sharded_tp`: which tensors differ across the
   // tensor-parallel group `tp`).
@@ -112,15 +107,19 @@ class ShardingStrategy {
   virtual std::map<std::string, int64_t> unit_padded_numels() const { return {}; }
 
  protected:
-  void gradient_reduced(const at::Tensor& t) const {
-    if (gradient_reduced_) gradient_reduced_(t);
-  }
-  void before_read(const at::Tensor& t) const {
-    if (before_read_) before_read_(t);
-  }
+  const MasterPolicy& policy() const { return policy_; }
+  // With one of parameters() each time its reduced gradient was updated
+  // (stages 1-3: as each bucket's or unit's reduction ends), so that a
+  // gradient complete for the window can move on at once (offload_optimizer).
+  void gradient_reduced(const at::Tensor& t) const { policy_.gradient_reduced(t); }
+  // With one of parameters() just before the strategy reads it on the
+  // current stream (a gather; a forward that reads it directly), so that a
+  // copy into it still in flight is waited for (offload_optimizer's copies
+  // back, zero_offload.h).
+  void before_read(const at::Tensor& t) const { policy_.before_read(t); }
 
  private:
-  std::function<void(const at::Tensor&)> gradient_reduced_, before_read_;
+  MasterPolicy& policy_;
 };
 
 // Calls `arrived(bucket, index)` each time a backward has accumulated the
@@ -153,19 +152,19 @@ class GradientHooks {
 // each micro-step's 16-bit gradients are added into float32 ones.
 std::unique_ptr<ShardingStrategy> make_data_parallel(torch::nn::Module& model,
                                                      std::shared_ptr<Communicator> dp,
-                                                     const ZeroOptions& options, const MixedPrecision& mixed);
+                                                     const ZeroOptions& options, MasterPolicy& policy);
 
 // Stages 1 and 2: see zero.h.
 std::unique_ptr<ShardingStrategy> make_stage12(torch::nn::Module& model, const DpGroups& groups,
                                                const std::vector<at::Tensor>& sharded_tp,
-                                               const ZeroOptions& options, const MixedPrecision& mixed);
+                                               const ZeroOptions& options, MasterPolicy& policy);
 
 // Stage 3: see zero.h. With mixed precision the units are gathered in the compute dtype from float32
 // shards, and every parameter is sharded (none persistent).
 std::unique_ptr<ShardingStrategy> make_stage3(
     torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
     const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp, const ZeroOptions& options,
-    const MixedPrecision& mixed);
+    MasterPolicy& policy);
 
 // Each stage's memory rule (zero_memory.h; written once, in zero_memory.cc):
 // what a rank stores from the parameters' sizes, and the gradients it holds

@@ -10,26 +10,11 @@
 #include <algorithm>
 #include <set>
 
+#include "parallel/internal/master_policy.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
 
 namespace remat::parallel {
-
-// Pinning needs a CUDA build of LibTorch with a device present.
-bool can_pin_host_memory() {
-  try {
-    return at::globalContext().hasCUDA();
-  } catch (...) {
-    return false;
-  }
-}
-
-at::Tensor host_copy(const at::Tensor& t, bool pinned) {
-  c10::NoGradGuard no_grad;
-  at::Tensor h = at::empty(t.sizes(), at::TensorOptions().dtype(at::kFloat).device(at::kCPU).pinned_memory(pinned));
-  h.copy_(t.detach());
-  return h;
-}
 
 void log_offload_param(const OffloadParamOptions& options, const std::vector<at::Tensor>& shards) {
   int64_t elements = 0;
