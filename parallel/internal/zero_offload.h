@@ -1,6 +1,7 @@
 // The optimizer half of ZeRO-Offload (zero_optimization.offload_optimizer,
-// internal to parallel/): ZeroModel hands the optimizer host copies of what
-// its stage would have it step, so that the float32 master shards, their
+// internal to parallel/): the host mode of the master policy
+// (master_policy.h), which hands the optimizer host copies of what the stage
+// would have it step, so that the float32 master shards, their
 // gradients and the optimizer state (made by the optimizer beside its
 // parameters) live in host memory; the device keeps the tensors the stage
 // gathers from and reduces into.
