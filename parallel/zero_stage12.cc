@@ -27,8 +27,8 @@ struct Bucket {
   std::vector<char> arrived;  // gradient of params[k] arrived in this backward
   size_t arrivals = 0;
   int64_t numel = 0, padded = 0, chunk = 0;
-  at::Tensor flat;   // [padded] float32: the parameters are views of it (bf16: of `compute`); none under masters_on_host
-  at::Tensor compute;  // bf16: [padded] copy of flat, made when flat changed
+  at::Tensor flat;   // [padded] float32: the parameters are views of it (mixed precision: of `compute`); none under masters_on_host
+  at::Tensor compute;  // mixed precision: [padded] 16-bit copy of flat, made when flat changed
   at::Tensor shard;  // a leaf sharing flat's [r * chunk, +chunk): the optimizer's parameter (masters_on_host: compute's)
   at::Tensor master;  // masters_on_host: the shard's float32 value, in host memory
   int64_t shard_version = 0;  // shard._version() when flat was last made whole
@@ -174,7 +174,7 @@ Stage12::Stage12(torch::nn::Module& model, const DpGroups& groups,
 }
 
 // The bucket's parameters copied into its flat buffer and made views of it
-// (bf16: of its 16-bit copy; masters_on_host: the copy alone stays on the
+// (mixed precision: of its 16-bit copy; masters_on_host: the copy alone stays on the
 // device, this rank's float32 shard going to the host).
 void Stage12::flatten_bucket(Bucket& b) {
   const int n = groups_.shard->size(), r = groups_.shard->rank();
@@ -185,7 +185,7 @@ void Stage12::flatten_bucket(Bucket& b) {
   for (size_t k = 0; k < b.params.size(); ++k) {
     b.flat.narrow(0, b.offsets[k], b.params[k].numel()).copy_(b.params[k].detach().reshape({-1}));
   }
-  // bf16: the model computes from a bf16 copy of the bucket (installed
+  // Mixed precision: the model computes from a 16-bit copy of the bucket (installed
   // before the hooks: a parameter's dtype is fixed from here on).
   if (policy().mixed()) b.compute = b.flat.to(policy().compute_dtype());
   const at::Tensor& installed = policy().mixed() ? b.compute : b.flat;
@@ -374,7 +374,7 @@ void Stage12::on_gradient(size_t bi, size_t k) {
   }
   if (policy().mixed() && !options_.contiguous_gradients && p.grad().defined() && p.grad().scalar_type() != at::kFloat) {
     // Kept on the parameter across micro-steps: in float32, so that autograd
-    // adds the next ones' bf16 gradients into float32.
+    // adds the next ones' 16-bit gradients into float32.
     torch::NoGradGuard no_grad;
     MemoryCategoryScope gradients(MemoryCategory::kGradients);
     p.mutable_grad() = p.grad().to(at::kFloat);
@@ -435,7 +435,7 @@ void Stage12::launch(size_t bi) {
     }
   }
   b.launched = true;
-  // Reduced in bf16 (communication_data_type): the float32 sum rounded once.
+  // Reduced in bf16 or fp16 (communication_data_type): the float32 sum rounded once.
   const bool replicated = groups_.replicate && groups_.replicate->size() > 1;
   const at::ScalarType reduce_dtype = policy().reduce_dtype();
   if (reduce_dtype != at::kFloat && (group.size() > 1 || replicated)) flat = flat.to(reduce_dtype);

@@ -203,7 +203,7 @@ c10::IValue ZeroUnitHook::run(const std::vector<c10::IValue>& args, const IValue
   };
   if (args.size() != 1 || !args[0].isTensor()) throw signature_error();
   at::Tensor input = args[0].toTensor();
-  // bf16/fp16: a floating-point input computes in that dtype (as ZeroModel's cast hook).
+  // Mixed precision: a floating-point input computes in that dtype (as ZeroModel's cast hook).
   const MasterPolicy& policy = zero_->policy();
   if (policy.mixed() && input.is_floating_point() && input.scalar_type() != policy.compute_dtype()) {
     input = input.to(policy.compute_dtype());
