@@ -1,29 +1,12 @@
 #include "parallel/internal/master_policy.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Context.h>
 #include <c10/core/GradMode.h>
 
 #include "parallel/internal/zero_offload.h"
 #include "runtime/memory_trace.h"
 
 namespace remat::parallel {
-
-// Pinning needs a CUDA build of LibTorch with a device present.
-bool can_pin_host_memory() {
-  try {
-    return at::globalContext().hasCUDA();
-  } catch (...) {
-    return false;
-  }
-}
-
-at::Tensor host_copy(const at::Tensor& t, bool pinned) {
-  c10::NoGradGuard no_grad;
-  at::Tensor h = at::empty(t.sizes(), at::TensorOptions().dtype(at::kFloat).device(at::kCPU).pinned_memory(pinned));
-  h.copy_(t.detach());
-  return h;
-}
 
 MasterPolicy::MasterPolicy(const ZeroOptions& options, const MixedPrecision& mixed)
     : mixed_(mixed),

@@ -134,10 +134,4 @@ class WholeCopies {
   std::vector<int64_t> versions_;  // mixed precision: stepped()'s versions at the last refresh
 };
 
-// Whether this LibTorch can pin host memory (a CUDA build with a device).
-bool can_pin_host_memory();
-
-// `t` copied into a new float32 host tensor of its own, page-locked when `pinned`.
-at::Tensor host_copy(const at::Tensor& t, bool pinned);
-
 }  // namespace remat::parallel

@@ -10,16 +10,31 @@
 #include <algorithm>
 #include <set>
 
-#include "parallel/internal/master_policy.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
 
 namespace remat::parallel {
 
+// Pinning needs a CUDA build of LibTorch with a device present.
+bool can_pin_host_memory() {
+  try {
+    return at::globalContext().hasCUDA();
+  } catch (...) {
+    return false;
+  }
+}
+
+at::Tensor host_copy(const at::Tensor& t, bool pinned) {
+  c10::NoGradGuard no_grad;
+  at::Tensor h = at::empty(t.sizes(), at::TensorOptions().dtype(at::kFloat).device(at::kCPU).pinned_memory(pinned));
+  h.copy_(t.detach());
+  return h;
+}
+
 void log_offload_param(const OffloadParamOptions& options, const std::vector<at::Tensor>& shards) {
   int64_t elements = 0;
   for (const auto& t : shards) elements += t.numel();
-  const bool pinned = options.pin_memory && can_pin_host_memory();  // as zero_stage3.cc decides
+  const bool pinned = options.pin_memory && can_pin_host_memory();  // as the master policy decides
   log_rank0().info("offload_param: {} float32 parameter shard elements ({} bytes) in host memory{}, copied to the "
                    "device for each unit's gather", elements, 4 * elements,
                    pinned                 ? ", pinned"

@@ -118,6 +118,13 @@ class OptimizerOffload {
   bool adopted_ = false;  // masters made by the stage (masters_on_host)
 };
 
+// Whether this LibTorch can pin host memory (a CUDA build with a device).
+bool can_pin_host_memory();
+
+// `t` copied into a new float32 host tensor of its own, page-locked when
+// `pinned` (the policy's host masters, offload_param's shards).
+at::Tensor host_copy(const at::Tensor& t, bool pinned);
+
 // offload_param's log lines: the host shards' elements, and DeepSpeed's
 // buffer keys where set (they change nothing here).
 void log_offload_param(const OffloadParamOptions& options, const std::vector<at::Tensor>& shards);
