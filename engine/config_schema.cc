@@ -85,7 +85,7 @@ std::vector<Field> spellings(std::vector<Field> fields) {
 
 // stage3_param_persistence_threshold, ZeRO's, also recorded as given (a
 // number: "auto" stores nothing), for the line that says when stage 3 uses
-// another value (deepspeed_keys.cc: persistence_threshold_note).
+// another value (internal/config_tuning.cc: persistence_threshold_note).
 Field persistence_threshold_field() {
   Field f = stored_in(leaf("stage3_param_persistence_threshold",
                            &parallel::ZeroOptions::stage3_param_persistence_threshold),
@@ -99,7 +99,7 @@ Field persistence_threshold_field() {
 }
 
 // DeepSpeed's tuning keys of zero_optimization that remat reads (the others
-// are in deepspeed_keys.cc): stage3_max_live_parameters is ZeRO's, the rest
+// are in internal/deepspeed_keys.cc): stage3_max_live_parameters is ZeRO's, the rest
 // the engine's (config.h: DeepSpeedTuningConfig), each in every spelling.
 std::vector<Field> zero_tuning_fields() {
   using T = DeepSpeedTuningConfig;
@@ -122,7 +122,7 @@ std::vector<Field> zero_tuning_fields() {
   out.push_back(tuning(optional_leaf("memory_efficient_linear", &T::memory_efficient_linear)));
   out.push_back(tuning(optional_leaf("round_robin_gradients", &T::round_robin_gradients)));
   // DeepSpeed's old offload switches: given beside their current key's
-  // section, refused naming both (deepspeed_keys.cc: tuning_problems).
+  // section, refused naming both (internal/config_tuning.cc: tuning_problems).
   out.push_back(tuning(optional_leaf("cpu_offload", &T::cpu_offload)));
   out.push_back(tuning(optional_leaf("cpu_offload_param", &T::cpu_offload_param)));
   out.push_back(tuning(optional_leaf("cpu_offload_use_pin_memory", &T::cpu_offload_use_pin_memory)));

@@ -150,5 +150,49 @@ TEST(LearningRate, StepsCountFromOne) {
   EXPECT_THROW(learning_rate(c.optimizer, c.scheduler, 0), Error);
 }
 
+// The rules, one problem a line naming its key; "none" reads no other key.
+TEST(SchedulerOptions, EveryBrokenRuleOnALineNamingItsKey) {
+  SchedulerOptions s;
+  s.warmup_num_steps = -1;
+  EXPECT_EQ(check_scheduler_options(s), "");
+  s.type = "WarmupCosineLR";
+  s.warmup_min_lr = 0.1;
+  EXPECT_EQ(check_scheduler_options(s),
+            "'scheduler.params.warmup_min_lr' is not a parameter of WarmupCosineLR (DeepSpeed's constructor "
+            "refuses it): WarmupCosineLR's rates are optimizer.params.lr times a ratio: remove it, and give "
+            "warmup_min_ratio and cos_min_ratio (optimizer.params.lr is the peak)\n"
+            "'scheduler.params.warmup_num_steps' = -1 must be >= 0 (DeepSpeed warms up over at least 2 steps: 0 "
+            "and 1 give 2)\n"
+            "scheduler WarmupCosineLR needs 'scheduler.params.total_num_steps' (DeepSpeed's constructor requires "
+            "it): give the run's optimizer steps, or \"auto\" (train.steps)");
+  SchedulerOptions decay;
+  decay.type = "WarmupDecayLR";
+  decay.warmup_num_steps = 2;
+  decay.total_num_steps = 10;
+  decay.last_batch_iteration = 9;
+  EXPECT_THAT(check_scheduler_options(decay, " (a note)"),
+              ::testing::HasSubstr("('scheduler.params.total_num_steps' = 10 (a note)): from step 2 on"));
+  decay.last_batch_iteration = -1;
+  decay.total_num_steps = 2;
+  EXPECT_EQ(check_scheduler_options(decay), "");
+  ASSERT_EQ(scheduler_settings_without_effect(decay).size(), 1u);
+  EXPECT_THAT(scheduler_settings_without_effect(decay)[0], ::testing::HasSubstr("is not above the warm-up"));
+}
+
+// The keys the type takes get DeepSpeed's defaults; another type's stay unset.
+TEST(SchedulerOptions, WithDefaultsWritesTheTypesKeys) {
+  SchedulerOptions s;
+  s.type = "WarmupLR";
+  const SchedulerOptions w = with_defaults(s, 0.02);
+  EXPECT_EQ(w.warmup_min_lr, 0.0);
+  EXPECT_EQ(w.warmup_max_lr, 0.02);
+  EXPECT_FALSE(w.cos_min_ratio.has_value());
+  s.type = "WarmupCosineLR";
+  const SchedulerOptions c = with_defaults(s, 0.02);
+  EXPECT_EQ(c.cos_min_ratio, 1e-4);
+  EXPECT_EQ(c.warmup_min_ratio, 0.0);
+  EXPECT_FALSE(c.warmup_max_lr.has_value());
+}
+
 }  // namespace
 }  // namespace remat::optim

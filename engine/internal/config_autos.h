@@ -1,6 +1,6 @@
-// The config's own "auto" decisions (engine/config_autos.cc): those the
-// config alone decides, which parse_config makes, and what the later ones of
-// engine/auto_values.h share with them.
+// The config's own "auto" decisions: those the config alone decides, which
+// parse_config makes, and what the later ones of engine/auto_values.h share
+// with them.
 #pragma once
 
 #include <nlohmann/json.hpp>

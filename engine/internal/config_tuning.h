@@ -1,6 +1,6 @@
 // DeepSpeed's tuning keys that remat reads (config.h: DeepSpeedTuningConfig),
 // for the config's rules and warnings (engine/config_rules.cc) and its "auto"
-// decisions (engine/config_autos.cc, engine/auto_values.cc).
+// decisions (engine/internal/config_autos.cc, engine/auto_values.cc).
 #pragma once
 
 #include <string>
