@@ -35,13 +35,6 @@
 
 namespace remat {
 
-// Every key that takes "auto", dotted (the others refuse it, naming the key).
-const std::vector<std::string>& auto_keys();
-
-// parse_config's part: decides the keys the config alone decides (see above),
-// before the config's rules are checked.
-void decide_config_autos(Config& config);
-
 // bf16.enabled / fp16.enabled "auto": the fastest precision the training
 // device `device` (its name, for the reason) computes well. bf16 on a CUDA
 // device that computes it (`computes_bf16`: compute capability 8.0 or

@@ -5,8 +5,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include "engine/config.h"
+#include "optim/lr_schedule.h"
 #include "runtime/error.h"
+#include "tests/deepspeed_lr.h"
 #include "tests/error_of.h"
 
 namespace remat {
@@ -317,6 +321,79 @@ TEST(AutoValues, DeepSpeedsDefaultsForItsTilingAndPrefetchKeys) {
   EXPECT_TRUE(ineffective_settings(c).empty());
   EXPECT_EQ(parse(R"({"zero_optimization": {"max_live_parameters": "auto"}})")
                 .zero_optimization.stage3_max_live_parameters, 1000000000);
+}
+
+// The scheduler's "auto" keys, decided as Hugging Face's Trainer fills them
+// (warmup_min_lr 0, warmup_max_lr the rate, warmup_num_steps its warmup_steps,
+// 0 by default, total_num_steps the run's steps): every step of a 20-step run
+// trains at DeepSpeed's rate for the section so filled (optim/lr_schedule_test.cc
+// compares the schedules given numbers).
+nlohmann::json scheduler_section(const std::string& type, nlohmann::json params) {
+  return {{"type", type}, {"params", std::move(params)}};
+}
+
+Config scheduled(double lr, const nlohmann::json& scheduler, int steps) {
+  const nlohmann::json root = {{"optimizer", {{"type", "AdamW"}, {"params", {{"lr", lr}}}}},
+                               {"scheduler", scheduler},
+                               {"train", {{"steps", steps}}}};
+  return parse(root.dump());
+}
+
+std::vector<double> rates_of(const Config& c, int n) {
+  std::vector<double> rates;
+  for (int step = 1; step <= n; ++step) rates.push_back(optim::learning_rate(c.optimizer, c.scheduler, step));
+  return rates;
+}
+
+TEST(AutoValues, SchedulerAutosTrainAtTheRatesOfHuggingFacesValues) {
+  constexpr int kSteps = 20;
+  struct Case {
+    std::string name;
+    double lr;
+    nlohmann::json given, filled;
+  };
+  const std::vector<Case> cases = {
+      {"WarmupLR", 5e-4,
+       scheduler_section("WarmupLR", {{"warmup_min_lr", "auto"}, {"warmup_max_lr", "auto"},
+                                      {"warmup_num_steps", "auto"}}),
+       scheduler_section("WarmupLR", {{"warmup_min_lr", 0}, {"warmup_max_lr", 5e-4}, {"warmup_num_steps", 0}})},
+      {"WarmupDecayLR (a Whisper file)", 1e-3,
+       scheduler_section("WarmupDecayLR", {{"last_batch_iteration", -1}, {"total_num_steps", "auto"},
+                                           {"warmup_min_lr", "auto"}, {"warmup_max_lr", "auto"},
+                                           {"warmup_num_steps", "auto"}}),
+       scheduler_section("WarmupDecayLR", {{"warmup_min_lr", 0}, {"warmup_max_lr", 1e-3}, {"warmup_num_steps", 0},
+                                           {"total_num_steps", kSteps}})},
+      {"WarmupCosineLR", 1e-3,
+       scheduler_section("WarmupCosineLR", {{"warmup_num_steps", "auto"}, {"total_num_steps", "auto"}}),
+       scheduler_section("WarmupCosineLR", {{"warmup_num_steps", 0}, {"total_num_steps", kSteps}})},
+  };
+  for (const Case& c : cases) {
+    const std::vector<double> expected = testing::deepspeed_rates(c.lr, c.filled, kSteps);
+    const std::vector<double> got = rates_of(scheduled(c.lr, c.given, kSteps), kSteps);
+    ASSERT_EQ(got.size(), expected.size());
+    for (int s = 0; s < kSteps; ++s) EXPECT_DOUBLE_EQ(got[s], expected[s]) << c.name << ", step " << s + 1;
+  }
+}
+
+// With total_num_steps "auto" (the run's steps), the last step trains above
+// warmup_min_lr, as in DeepSpeed: at position steps - 2 of steps.
+TEST(AutoValues, TheLastStepOfAnAutoDecayTrainsAboveZero) {
+  const auto whisper = scheduler_section("WarmupDecayLR", {{"total_num_steps", "auto"}, {"warmup_min_lr", "auto"},
+                                                           {"warmup_max_lr", "auto"}, {"warmup_num_steps", "auto"}});
+  EXPECT_EQ(rates_of(scheduled(1e-3, whisper, 3), 3), (std::vector<double>{0.0, 0.0, 1e-3}));
+  for (int steps : {3, 4, 5, 10, 20, 120, 1000}) {
+    const Config c = scheduled(1e-3, whisper, steps);
+    EXPECT_EQ(c.scheduler.total_num_steps, steps);
+    EXPECT_EQ(c.scheduler.warmup_num_steps, 2);
+    EXPECT_DOUBLE_EQ(optim::learning_rate(c.optimizer, c.scheduler, steps),
+                     steps == 3 ? 1e-3 : 1e-3 * 2 / (steps - 2))
+        << steps << " steps";
+  }
+  const auto cosine = scheduler_section("WarmupCosineLR", {{"total_num_steps", "auto"}, {"warmup_num_steps", "auto"}});
+  for (int steps : {3, 4, 10, 120}) {
+    const Config c = scheduled(1e-3, cosine, steps);
+    EXPECT_GT(optim::learning_rate(c.optimizer, c.scheduler, steps), 1e-3 * 1e-4) << steps << " steps";
+  }
 }
 
 }  // namespace

@@ -22,50 +22,16 @@
 #include "checkpointing/options.h"
 #include "models/shape.h"
 #include "optim/loss_scaler.h"
+#include "optim/lr_schedule.h"
+#include "optim/options.h"
 #include "parallel/zero_options.h"
 
 namespace remat {
 
-// optimizer (engine/optim.h builds it).
-struct OptimizerConfig {
-  std::string type = "AdamW";  // AdamW | Adam | SGD
-  double lr = 1e-3;
-  std::array<double, 2> betas = {0.9, 0.999};
-  double eps = 1e-8;
-  double weight_decay = 0.0;
-  double momentum = 0.0;  // SGD
-  bool nesterov = false;  // SGD
-};
-
-// scheduler: DeepSpeed's learning-rate schedules (engine/lr_schedule.h),
-// with the parameters of DeepSpeed's constructors: each type takes its own
-// (a key of another type is refused, as DeepSpeed's constructor refuses it).
-// A key left out takes DeepSpeed's default: the accessors below hold them, and
-// parse_config writes them into the keys the type takes.
-struct SchedulerConfig {
-  std::string type = "none";  // none | WarmupLR | WarmupDecayLR | WarmupCosineLR
-  std::optional<double> warmup_min_lr;     // WarmupLR, WarmupDecayLR
-  std::optional<double> warmup_max_lr;     // WarmupLR, WarmupDecayLR
-  int64_t warmup_num_steps = 1000;         // below 2: 2 (warmup_steps())
-  std::string warmup_type = "log";         // log | linear
-  std::optional<int64_t> total_num_steps;  // WarmupDecayLR, WarmupCosineLR: required
-  std::optional<double> warmup_min_ratio;  // WarmupCosineLR: of optimizer.params.lr
-  std::optional<double> cos_min_ratio;     // WarmupCosineLR: of optimizer.params.lr
-  // DeepSpeed's index of the last batch already trained on: -1 (a fresh run)
-  // or k >= 0, which starts the schedule after it (engine/lr_schedule.h).
-  int64_t last_batch_iteration = -1;
-
-  // DeepSpeed's defaults, for a key left out. warmup_max_lr: the optimizer's
-  // rate under WarmupLR, 0.001 under WarmupDecayLR.
-  double min_lr() const { return warmup_min_lr.value_or(0.0); }
-  double max_lr(double optimizer_lr) const {
-    return warmup_max_lr.value_or(type == "WarmupLR" ? optimizer_lr : 1e-3);
-  }
-  double min_ratio() const { return warmup_min_ratio.value_or(0.0); }
-  double floor_ratio() const { return cos_min_ratio.value_or(1e-4); }
-  // The warm-up's length: DeepSpeed raises warmup_num_steps to at least 2.
-  int64_t warmup_steps() const { return warmup_num_steps < 2 ? 2 : warmup_num_steps; }
-};
+// optimizer: optim's options (optim/options.h). This name is
+// engine/internal/memory_state.cc's, until its optimizer rule is
+// optim::state_bytes_per_element.
+using OptimizerConfig = optim::OptimizerOptions;
 
 // tensor_parallel: ranks per tensor-parallel group (runtime/layout.h), and
 // sequence parallelism over that group (models/stack.h: StackOptions).
@@ -174,12 +140,12 @@ struct Config {
   // DeepSpeed's wall_clock_breakdown: the trainer logs each step's forward,
   // backward and optimizer-step times every steps_per_print steps.
   bool wall_clock_breakdown = false;
-  OptimizerConfig optimizer;
-  SchedulerConfig scheduler;
   // The sections that configure a library have that library's own options
   // struct as their type, declared (with each field's documentation and
-  // default) and validated there; config.cc binds their JSON keys onto the
-  // structs' fields.
+  // default) and validated there; config_schema.cc binds their JSON keys onto
+  // the structs' fields.
+  optim::OptimizerOptions optimizer;  // optim/options.h
+  optim::SchedulerOptions scheduler;  // optim/lr_schedule.h
   parallel::Bf16Options bf16;                               // parallel/zero_options.h
   Fp16Config fp16;  // its loss scaler's keys: optim/loss_scaler.h
   parallel::ZeroOptions zero_optimization;                  // parallel/zero_options.h
@@ -208,6 +174,10 @@ struct Config {
   // The effective configuration (defaults filled in) as pretty JSON.
   std::string to_json() const;
 };
+
+// Every key that takes "auto", dotted (the others refuse it, naming the key;
+// engine/auto_values.h decides them).
+const std::vector<std::string>& auto_keys();
 
 // Parses JSON text. `source` names it in errors (a path, "<default>").
 // `overrides` are "a.b.c=value" strings applied on top, validated the same way;

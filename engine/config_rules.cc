@@ -9,9 +9,10 @@
 #include <utility>
 #include <vector>
 
-#include "engine/auto_values.h"
 #include "engine/config.h"
-#include "engine/deepspeed_keys.h"
+#include "engine/internal/config_tuning.h"
+#include "optim/lr_schedule.h"
+#include "optim/options.h"
 #include "runtime/error.h"
 #include "runtime/json_schema.h"
 
@@ -71,13 +72,16 @@ class Problems {
   explicit Problems(const Origin& origin) : origin_(origin) {}
 
   // A rule over `keys` is broken. A library's check of a section may report
-  // several, one per line: each is traced to the keys of the section it quotes.
-  void add(const std::vector<std::string>& keys, const std::string& message) {
+  // several, one per line: each is traced to the keys of the section it
+  // quotes, and to `also` (the key every rule of the section reads).
+  void add(const std::vector<std::string>& keys, const std::string& message, const std::string& also = "") {
     std::stringstream lines(message);
     for (std::string line; std::getline(lines, line);) {
       if (line.empty()) continue;
-      const std::vector<std::string> quoted = keys.size() == 1 ? quoted_keys(line, keys[0]) : keys;
-      found_.emplace_back(origin_(quoted.empty() ? keys : quoted), line);
+      std::vector<std::string> quoted = keys.size() == 1 ? quoted_keys(line, keys[0]) : keys;
+      if (quoted.empty()) quoted = keys;
+      if (!also.empty() && std::find(quoted.begin(), quoted.end(), also) == quoted.end()) quoted.push_back(also);
+      found_.emplace_back(origin_(quoted), line);
     }
   }
 
@@ -100,8 +104,8 @@ class Problems {
   std::vector<std::pair<std::string, std::string>> found_;  // origin, problem
 };
 
-// The batch sizes and the clipping, printing and optimizer ranges.
-void check_top_level_and_optimizer(const Config& c, Problems& problems) {
+// The batch sizes and the clipping and printing ranges.
+void check_top_level(const Config& c, Problems& problems) {
   auto positive = [&](const std::string& path, std::optional<int64_t> v) {
     if (v && *v < 1) problems.add({path}, str("'", path, "' = ", *v, " must be at least 1"));
   };
@@ -115,120 +119,13 @@ void check_top_level_and_optimizer(const Config& c, Problems& problems) {
   if (c.steps_per_print < 1) {
     problems.add({"steps_per_print"}, str("'steps_per_print' = ", c.steps_per_print, " must be at least 1"));
   }
-  // The optimizer's own ranges, named by key (LibTorch would stop with a backtrace).
-  const auto& o = c.optimizer;
-  if (o.lr <= 0) problems.add({"optimizer.params.lr"}, str("'optimizer.params.lr' = ", o.lr, " must be > 0"));
-  for (int i = 0; i < 2; ++i) {
-    if (o.betas[i] < 0 || o.betas[i] >= 1) {
-      problems.add({"optimizer.params.betas"}, str("'optimizer.params.betas' [", o.betas[0], ", ", o.betas[1],
-                                                   "]: beta", i + 1, " must be in [0, 1)"));
-    }
-  }
-  if (o.eps <= 0) problems.add({"optimizer.params.eps"}, str("'optimizer.params.eps' = ", o.eps, " must be > 0"));
-  if (o.weight_decay < 0) {
-    problems.add({"optimizer.params.weight_decay"},
-                 str("'optimizer.params.weight_decay' = ", o.weight_decay, " must be >= 0"));
-  }
-  if (o.momentum < 0) {
-    problems.add({"optimizer.params.momentum"}, str("'optimizer.params.momentum' = ", o.momentum, " must be >= 0"));
-  }
-  if (o.nesterov && (o.type != "SGD" || o.momentum <= 0)) {
-    problems.add({"optimizer.params.nesterov", "optimizer.type", "optimizer.params.momentum"},
-                 o.type != "SGD" ? str("'optimizer.params.nesterov' applies to SGD only (optimizer.type is ", o.type,
-                                       "): remove it")
-                                 : std::string("'optimizer.params.nesterov' needs 'optimizer.params.momentum' > 0"));
-  }
 }
 
 // What a scheduler value decided from "auto" came from, for its errors.
-std::string from_auto(const Config& c, const std::string& key) {
+std::string total_steps_note(const Config& c) {
+  const std::string key = "scheduler.params.total_num_steps";
   if (!c.is_auto(key)) return "";
-  return key == "scheduler.params.total_num_steps"
-             ? str(" (\"auto\": train.steps, ", c.train.steps, "; raise the steps, or give total_num_steps a number)")
-             : std::string(" (decided from \"auto\"; give it a number)");
-}
-
-// The keys of scheduler.params each type takes are its DeepSpeed constructor's
-// arguments: another type's key is refused, as that constructor refuses it.
-void check_scheduler_keys(const Config& c, Problems& problems) {
-  const SchedulerConfig& sc = c.scheduler;
-  const bool cosine = sc.type == "WarmupCosineLR";
-  // `name` belongs to another type; given a value or "auto" (which stores none).
-  auto refuse = [&](const std::string& name, bool foreign, bool has_value, const std::string& instead) {
-    const std::string key = "scheduler.params." + name;
-    if (!foreign || (!has_value && !c.is_auto(key))) return;
-    problems.add({key, "scheduler.type"}, str("'", key, "' is not a parameter of ", sc.type,
-                                              " (DeepSpeed's constructor refuses it): ", instead));
-  };
-  const std::string ratios = "WarmupCosineLR's rates are optimizer.params.lr times a ratio: remove it, and give "
-                             "warmup_min_ratio and cos_min_ratio (optimizer.params.lr is the peak)";
-  refuse("warmup_min_lr", cosine, sc.warmup_min_lr.has_value(), ratios);
-  refuse("warmup_max_lr", cosine, sc.warmup_max_lr.has_value(), ratios);
-  refuse("total_num_steps", sc.type == "WarmupLR", sc.total_num_steps.has_value(),
-         "WarmupLR keeps warmup_max_lr after the warm-up; remove it, or set scheduler.type to WarmupDecayLR or "
-         "WarmupCosineLR to decay over total_num_steps");
-  const std::string cosine_only = "it is WarmupCosineLR's; remove it, or set scheduler.type to WarmupCosineLR";
-  refuse("warmup_min_ratio", !cosine, sc.warmup_min_ratio.has_value(), cosine_only);
-  refuse("cos_min_ratio", !cosine, sc.cos_min_ratio.has_value(), cosine_only);
-}
-
-// The ranges of the values, and the schedule's length against its warm-up
-// and against last_batch_iteration (engine/lr_schedule.h: step s >= 2 trains
-// at the rate of position last_batch_iteration + s - 1).
-void check_scheduler_values(const Config& c, Problems& problems) {
-  const SchedulerConfig& sc = c.scheduler;
-  auto at_least = [&](const std::string& name, std::optional<double> v, const std::string& why) {
-    if (v && *v < 0) {
-      problems.add({"scheduler.params." + name, "scheduler.type"},
-                   str("'scheduler.params.", name, "' = ", *v, " must be >= 0", why));
-    }
-  };
-  at_least("warmup_min_lr", sc.warmup_min_lr, "");
-  at_least("warmup_min_ratio", sc.warmup_min_ratio, " (the warm-up starts at that share of optimizer.params.lr)");
-  at_least("cos_min_ratio", sc.cos_min_ratio,
-           " (DeepSpeed stops the rate at 0, before total_num_steps): give 0 to decay to 0");
-  if (sc.warmup_max_lr && *sc.warmup_max_lr <= 0) {
-    problems.add({"scheduler.params.warmup_max_lr", "scheduler.type"},
-                 str("'scheduler.params.warmup_max_lr' = ", *sc.warmup_max_lr,
-                     " must be > 0 (a negative rate climbs the loss)"));
-  }
-  if (sc.warmup_num_steps < 0) {
-    problems.add({"scheduler.params.warmup_num_steps", "scheduler.type"},
-                 str("'scheduler.params.warmup_num_steps' = ", sc.warmup_num_steps,
-                     " must be >= 0 (DeepSpeed warms up over at least 2 steps: 0 and 1 give 2)"));
-  }
-  if (sc.last_batch_iteration < -1) {
-    problems.add({"scheduler.params.last_batch_iteration"},
-                 str("'scheduler.params.last_batch_iteration' = ", sc.last_batch_iteration,
-                     " must be -1 (a fresh run) or the index of the last batch trained on (>= 0)"));
-  }
-  if (sc.type != "WarmupDecayLR" && sc.type != "WarmupCosineLR") return;
-  const std::string total_key = "scheduler.params.total_num_steps";
-  if (!sc.total_num_steps) {
-    problems.add({total_key, "scheduler.type"},
-                 str("scheduler ", sc.type, " needs '", total_key, "' (DeepSpeed's constructor requires it): give "
-                     "the run's optimizer steps, or \"auto\" (train.steps)"));
-    return;
-  }
-  const int64_t total = *sc.total_num_steps, k = sc.last_batch_iteration;
-  const bool decay = sc.type == "WarmupDecayLR";
-  // total_num_steps at or below the warm-up is DeepSpeed's warning, not an
-  // error (ineffective_settings): the rate warms up, then ends at once.
-  if (const int64_t end = decay ? total : total - 1; total > sc.warmup_steps() && k + 1 >= end) {
-    // Step 2 would train at position k + 1, where the decay has ended.
-    problems.add({"scheduler.params.last_batch_iteration", total_key},
-                 str("'scheduler.params.last_batch_iteration' = ", k, " starts the run past the end of ", sc.type,
-                     "'s schedule ('", total_key, "' = ", total, from_auto(c, total_key),
-                     "): from step 2 on every step would train at ",
-                     decay ? "warmup_min_lr" : "cos_min_ratio x optimizer.params.lr", "; raise total_num_steps above ",
-                     decay ? k + 1 : k + 2, " plus the steps to train, or set last_batch_iteration to -1"));
-  }
-}
-
-void check_scheduler(const Config& c, Problems& problems) {
-  if (c.scheduler.type == "none") return;
-  check_scheduler_keys(c, problems);
-  check_scheduler_values(c, problems);
+  return str(" (\"auto\": train.steps, ", c.train.steps, "; raise the steps, or give total_num_steps a number)");
 }
 
 // fp16: the loss scaler's rules (optim/loss_scaler.h), and what remat does
@@ -296,8 +193,11 @@ void check_train_and_data(const Config& c, Problems& problems) {
 // Checks that span several keys or need ranges: every broken rule in one error.
 void check_values(const Config& c, const Origin& at) {
   Problems problems(at);
-  check_top_level_and_optimizer(c, problems);
-  check_scheduler(c, problems);
+  check_top_level(c, problems);
+  // The optimizer's and the scheduler's rules (optim/), which every rule of
+  // the scheduler reads its type for.
+  problems.add({"optimizer"}, optim::check_optimizer_options(c.optimizer));
+  problems.add({"scheduler"}, optim::check_scheduler_options(c.scheduler, total_steps_note(c)), "scheduler.type");
   for (const auto& [key, problem] : deepspeed_keys::tuning_problems(c)) problems.add({key}, problem);
   check_sections(c, problems);
   check_train_and_data(c, problems);
@@ -385,16 +285,8 @@ std::vector<std::string> ineffective_settings(const Config& c) {
     out.push_back("activation_checkpointing.partition_activations with tensor_parallel.size 1 "
                   "keeps whole inputs (there is no group to split them across)");
   }
-  if (const auto& sc = c.scheduler; sc.type != "none" && sc.warmup_num_steps < 2) {
-    out.push_back(str("scheduler.params.warmup_num_steps = ", sc.warmup_num_steps, ": the warm-up lasts 2 steps, "
-                      "as DeepSpeed raises it to at least 2 (and from 0.19.3 refuses 0); give 2 to say so"));
-  }
-  if (const auto& sc = c.scheduler; (sc.type == "WarmupDecayLR" || sc.type == "WarmupCosineLR") &&
-                                     sc.total_num_steps && *sc.total_num_steps <= sc.warmup_steps()) {
-    out.push_back(str("scheduler ", sc.type, ": 'scheduler.params.total_num_steps' (", *sc.total_num_steps,
-                      from_auto(c, "scheduler.params.total_num_steps"), ") is not above the warm-up (",
-                      sc.warmup_steps(), " steps), so the rate warms up and then ends at its minimum without "
-                      "decaying (DeepSpeed warns likewise); raise total_num_steps or lower warmup_num_steps"));
+  for (auto& line : optim::scheduler_settings_without_effect(c.scheduler, total_steps_note(c))) {
+    out.push_back(std::move(line));
   }
   for (auto& line : deepspeed_keys::tuning_without_effect(c)) out.push_back(std::move(line));
   return out;

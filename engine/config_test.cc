@@ -1037,7 +1037,7 @@ TEST(ConfigTuningKeys, Gather16BitWeightsOnSaveIsReadInEverySpelling) {
             "");
 }
 
-// scheduler.params.last_batch_iteration reaches the scheduler (engine/lr_schedule.h starts the schedule
+// scheduler.params.last_batch_iteration reaches the scheduler (optim/lr_schedule.h starts the schedule
 // after it).
 TEST(ConfigTuningKeys, LastBatchIterationReachesTheScheduler) {
   EXPECT_EQ(parse("{}").scheduler.last_batch_iteration, -1);

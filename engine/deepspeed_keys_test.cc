@@ -1,4 +1,4 @@
-// DeepSpeed's keys as copied configs carry them (engine/deepspeed_keys.h):
+// DeepSpeed's keys as copied configs carry them (engine/internal/deepspeed_keys.h):
 // a key at the value that asks for nothing is accepted, one that asks for
 // what remat does not do is refused with the reason, every problem in one
 // error; a key given in two spellings is refused naming both; and what the

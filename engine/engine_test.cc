@@ -30,7 +30,7 @@
 #include <set>
 #include <type_traits>
 
-#include "engine/optim.h"
+#include "optim/optimizer.h"
 #include "engine/save_dir.h"
 #include "nn/module_call.h"
 #include "runtime/error.h"

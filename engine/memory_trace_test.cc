@@ -15,7 +15,7 @@
 #include <set>
 
 #include "engine/engine.h"
-#include "engine/optim.h"
+#include "optim/optimizer.h"
 #include "parallel/zero.h"
 #include "runtime/error.h"
 #include "runtime/memory.h"
@@ -207,7 +207,7 @@ TEST(MemoryTrace, EveryStagesStepAddsUpToTheTrackerAtEverySample) {
     }
     const auto& first = p.samples.front().bytes;
     EXPECT_EQ(first.at("parameters"), unique_bytes(params)) << what;
-    EXPECT_EQ(first.at("optimizer state"), optimizer_state_bytes(run.engine->optimizer())) << what;
+    EXPECT_EQ(first.at("optimizer state"), optim::optimizer_state_bytes(run.engine->optimizer())) << what;
     EXPECT_EQ(first.at("gradients"), 0) << what;
     EXPECT_EQ(first.at("saved activations"), 0) << what;
     EXPECT_GT(highest(p, "gradients"), 0) << what;

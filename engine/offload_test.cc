@@ -18,7 +18,7 @@
 
 #include "engine/config.h"
 #include "engine/engine.h"
-#include "engine/optim.h"
+#include "optim/optimizer.h"
 #include "models/gpt.h"
 #include "nn/module_call.h"
 #include "optim/host_adam.h"
@@ -152,7 +152,7 @@ TEST(OffloadOptimizer, AdamAndSgdTrainBitwiseAsWithout) {
     }
   }
   Config c = config_of(OffloadSetup{});
-  auto made = make_optimizer(c.optimizer, {at::zeros({3}).requires_grad_(true)}, /*on_host=*/true);
+  auto made = optim::make_optimizer(c.optimizer, {at::zeros({3}).requires_grad_(true)});  // host float32
   EXPECT_NE(dynamic_cast<optim::HostAdamW*>(made.get()), nullptr);
 }
 
@@ -214,7 +214,7 @@ TEST(OffloadOptimizer, StateLivesInSeparateHostTensorsAndIsCounted) {
     }
     EXPECT_GT(grad_bytes, 0) << "the reduced gradients reached the host";
     engine->step();
-    const auto state = optimizer_state_tensors(engine->optimizer());
+    const auto state = optim::optimizer_state_tensors(engine->optimizer());
     ASSERT_FALSE(state.empty());
     for (const auto& t : state) {
       EXPECT_TRUE(t.device().is_cpu());

@@ -24,7 +24,7 @@
 
 #include "engine/config.h"
 #include "engine/engine.h"
-#include "engine/optim.h"
+#include "optim/optimizer.h"
 #include "engine/save/train_state.h"
 #include "models/gpt.h"
 #include "parallel/layers.h"
@@ -129,7 +129,7 @@ struct TpRun {
     const auto lay = zero.layout();
     for (size_t i = 0; i < params.size(); ++i) {
       at::Tensor values =
-          field.empty() ? params[i].detach() : optimizer_state_of(engine->optimizer(), params[i]).at(field);
+          field.empty() ? params[i].detach() : optim::optimizer_state_of(engine->optimizer(), params[i]).at(field);
       values = values.reshape({-1});
       for (const auto& s : lay[i].segments) {
         share[s.name].narrow(0, s.param_offset, s.length).copy_(values.narrow(0, s.shard_offset, s.length));
@@ -223,7 +223,7 @@ void resume_and_compare(const std::string& dir, const Saved& saved, const Layout
     expect_bitwise(run.whole("exp_avg"), saved.exp_avg, what + ": exp_avg");
     expect_bitwise(run.whole("exp_avg_sq"), saved.exp_avg_sq, what + ": exp_avg_sq");
     for (const auto& t : run.engine->sharding().parameters()) {
-      EXPECT_EQ(optimizer_state_of(run.engine->optimizer(), t).at("step").item<int64_t>(), kSaveAt) << what;
+      EXPECT_EQ(optim::optimizer_state_of(run.engine->optimizer(), t).at("step").item<int64_t>(), kSaveAt) << what;
     }
     const std::string path = str(dir, "/resumed_", world()->rank(), ".pt");
     run.engine->export_model(path);

@@ -14,7 +14,7 @@
 #include <fstream>
 
 #include "engine/export.h"
-#include "engine/optim.h"
+#include "optim/optimizer.h"
 #include "engine/save/train_state.h"
 #include "engine/save_dir.h"
 #include "models/gpt.h"
@@ -115,7 +115,7 @@ struct Trainer {
     const auto params = zero->parameters();
     const auto lay = zero->layout();
     for (size_t i = 0; i < params.size(); ++i) {
-      at::Tensor values = field.empty() ? params[i].detach() : optimizer_state_of(*optimizer, params[i]).at(field);
+      at::Tensor values = field.empty() ? params[i].detach() : optim::optimizer_state_of(*optimizer, params[i]).at(field);
       values = values.reshape({-1});
       for (const auto& s : lay[i].segments) {
         full[s.name].narrow(0, s.param_offset, s.length).copy_(values.narrow(0, s.shard_offset, s.length));
@@ -204,7 +204,7 @@ TEST(TrainState, ResumesAtAnotherDataParallelSizeAndStage) {
       expect_bitwise(t.consolidated("exp_avg"), want_avg, what + " exp_avg");
       expect_bitwise(t.consolidated("exp_avg_sq"), want_avg_sq, what + " exp_avg_sq");
       for (const auto& p : t.zero->parameters()) {
-        EXPECT_EQ(optimizer_state_of(*t.optimizer, p).at("step").item<int64_t>(), 3) << what;
+        EXPECT_EQ(optim::optimizer_state_of(*t.optimizer, p).at("step").item<int64_t>(), 3) << what;
       }
       // The model's own parameters are the loaded ones once gathered.
       std::map<std::string, at::Tensor> full;

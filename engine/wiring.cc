@@ -4,9 +4,6 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/sgd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -23,6 +20,8 @@
 #include "engine/internal/engine_impl.h"
 #include "engine/lr_schedule.h"
 #include "engine/optim.h"
+#include "optim/optimizer.h"
+#include "optim/options.h"
 #include "nn/saved_tensors_hooks.h"
 #include "parallel/layers.h"
 #include "parallel/zero.h"
@@ -122,30 +121,24 @@ std::string block_path(torch::nn::Module& model, const std::string& given) {
                         "): name the one of its blocks in EngineOptions::blocks"));
 }
 
-std::string optimizer_type(const torch::optim::Optimizer& optimizer) {
-  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer)) return "AdamW";
-  if (dynamic_cast<const torch::optim::Adam*>(&optimizer)) return "Adam";
-  if (dynamic_cast<const torch::optim::SGD*>(&optimizer)) return "SGD";
-  return typeid(optimizer).name();
-}
-
 }  // namespace
 
 namespace internal {
 
 namespace {
 
-// What `optimizer` allocates at its first step for `local_trainable` bytes of
-// float32 parameters (0 once it has), with a note on what the figure is.
-std::pair<int64_t, std::string> pending_state(const torch::optim::Optimizer& optimizer, int64_t local_trainable) {
+// What `optimizer` allocates at its first step for the parameters it steps,
+// `stepped` (0 once it has), with a note on what the figure is.
+std::pair<int64_t, std::string> pending_state(const torch::optim::Optimizer& optimizer,
+                                              const std::vector<at::Tensor>& stepped) {
   if (optimizer_state_bytes(optimizer) > 0) return {0, ""};
-  const std::string type = optimizer_type(optimizer);
-  if (type == "AdamW" || type == "Adam") return {2 * local_trainable, " (to be allocated at the first step)"};
-  if (const auto* sgd = dynamic_cast<const torch::optim::SGD*>(&optimizer)) {
-    const auto& o = static_cast<const torch::optim::SGDOptions&>(sgd->param_groups().at(0).options());
-    return {o.momentum() > 0 ? local_trainable : 0, o.momentum() > 0 ? " (to be allocated at the first step)" : ""};
+  const auto options = optim::options_of(optimizer);
+  if (!options) return {0, " (an optimizer remat does not know: its state is not counted)"};
+  int64_t bytes = 0;
+  for (const auto& p : stepped) {
+    if (p.requires_grad()) bytes += p.numel() * optim::state_bytes_per_element(*options, p.element_size());
   }
-  return {0, " (an optimizer remat does not know: its state is not counted)"};
+  return {bytes, optim::state_bytes_per_element(*options) > 0 ? " (to be allocated at the first step)" : ""};
 }
 
 std::string mib_text(int64_t b) { return str(std::round(static_cast<double>(b) / 10485.76) / 100, " MiB"); }
@@ -187,7 +180,7 @@ std::pair<int64_t, std::string> resident_state(torch::nn::Module& model, paralle
   const int64_t on_host = host ? zs.host_bytes + zs.host_param_bytes + optimizer_state_bytes(optimizer) : 0;
   int64_t state = host ? 0 : optimizer_state_bytes(optimizer);
   const int64_t other = std::max<int64_t>(0, live - params - state - on_host);
-  auto [pending, note] = pending_state(optimizer, local_trainable);
+  auto [pending, note] = pending_state(optimizer, zero.parameters());
   int64_t host_charged = 0;
   if (host && host_is_device) {
     host_charged = on_host + pending;
@@ -384,7 +377,7 @@ void Engine::Impl::wire_sharding(torch::nn::Module& model, const Config& config,
   const parallel::MixedPrecision mixed = parallel::mixed_precision(config.bf16, fp16);
   zero = std::make_unique<parallel::ZeroModel>(model, units, layout->dp_group(), zero_options, mixed, sharded);
   optimizer = options.optimizer ? options.optimizer(zero->parameters())
-                                : make_optimizer(config.optimizer, zero->parameters(), zero->offloads_optimizer());
+                                : optim::make_optimizer(config.optimizer, zero->parameters());
   REMAT_CHECK(optimizer != nullptr, "remat::initialize: EngineOptions::optimizer returned no optimizer");
 }
 
@@ -410,7 +403,7 @@ void Engine::Impl::check_device_budget(torch::nn::Module& model) {
 void Engine::Impl::wire_identity(torch::nn::Module& model, const Config& config) {
   identity.model_signature = options.model_signature;
   identity.run_id = new_run_id(*world);
-  identity.settings = {{"optimizer.type", optimizer_type(*optimizer)},
+  identity.settings = {{"optimizer.type", optim::optimizer_name(*optimizer)},
                        {"train.seed", std::to_string(config.train.seed)}};
   identity.seed = static_cast<uint64_t>(config.train.seed);
   for (const auto& item : model.named_parameters()) {

@@ -6,7 +6,7 @@
 
 #include <set>
 
-#include "engine/optim.h"
+#include "optim/optimizer.h"
 #include "runtime/error.h"
 
 namespace remat::internal {
@@ -17,7 +17,7 @@ namespace {
 std::map<std::string, at::Tensor> moments_of(const torch::optim::Optimizer& optimizer, const at::Tensor& tensor) {
   std::map<std::string, at::Tensor> out;
   try {
-    out = optimizer_state_of(optimizer, tensor);
+    out = optim::optimizer_state_of(optimizer, tensor);
   } catch (const Error&) {
   }
   out.erase("step");

@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "engine/optim.h"
+#include "optim/optimizer.h"
 #include "engine/save/manifest.h"
 #include "engine/save/storage.h"
 #include "rng/rng_state_io.h"
@@ -29,7 +29,7 @@ std::string rank_file_bytes(const TrainPosition& position, const TrainShards& sh
   // (and .cpu() of a host tensor is that tensor, not a copy).
   for (size_t i = 0; i < shards.tensors.size(); ++i) {
     tensors.write(tensor_key(i), shards.tensors[i].detach().cpu());
-    for (const auto& [field, value] : optimizer_state_of(optimizer, shards.tensors[i])) {
+    for (const auto& [field, value] : optim::optimizer_state_of(optimizer, shards.tensors[i])) {
       tensors.write(state_key(i, field), value.detach().cpu());
     }
   }

@@ -13,7 +13,7 @@
 #include <optional>
 #include <set>
 
-#include "engine/optim.h"
+#include "optim/optimizer.h"
 #include "engine/save/manifest.h"
 #include "engine/save/rank_file.h"
 #include "engine/save/reslice.h"
@@ -343,7 +343,7 @@ void apply_load(const std::string& dir, const StagedLoad& staged, const TrainSha
   for (size_t i = 0; i < shards.tensors.size(); ++i) {
     shards.tensors[i].detach().copy_(staged.tensors[i]);
     try {
-      set_optimizer_state(optimizer, shards.tensors[i], staged.states[i]);
+      optim::set_optimizer_state(optimizer, shards.tensors[i], staged.states[i]);
     } catch (const Error& e) {
       throw ConfigError(str("resume: the save in '", dir, "' does not fit this run's optimizer: ", e.what()));
     }

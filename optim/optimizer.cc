@@ -1,41 +1,101 @@
-#include "engine/optim.h"
+#include "optim/optimizer.h"
 
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
 #include <type_traits>
+#include <typeinfo>
 #include <utility>
 
-#include "runtime/compat.h"
-#include "engine/config.h"
 #include "optim/host_adam.h"
+#include "runtime/compat.h"
 #include "runtime/error.h"
 
-namespace remat {
+namespace remat::optim {
 
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerConfig& c,
-                                                        std::vector<at::Tensor> params, bool on_host) {
-  if (c.type == "AdamW") {
-    auto options = torch::optim::AdamWOptions(c.lr).betas({c.betas[0], c.betas[1]}).eps(c.eps).weight_decay(
-        c.weight_decay);
-    if (on_host) return std::make_unique<optim::HostAdamW>(params, options);
-    return std::make_unique<torch::optim::AdamW>(params, options);
+bool host_adam_fits(const std::vector<at::Tensor>& params) {
+  return !params.empty() && std::all_of(params.begin(), params.end(), [](const at::Tensor& p) {
+    return p.defined() && p.layout() == at::kStrided && p.device().is_cpu() && p.scalar_type() == at::kFloat &&
+           p.is_contiguous();
+  });
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& c, std::vector<at::Tensor> params) {
+  const bool host = host_adam_fits(params);
+  switch (optimizer_kind(c)) {
+    case OptimizerKind::kAdamW: {
+      auto options = torch::optim::AdamWOptions(c.lr).betas({c.betas[0], c.betas[1]}).eps(c.eps).weight_decay(
+          c.weight_decay);
+      if (host) return std::make_unique<HostAdamW>(params, options);
+      return std::make_unique<torch::optim::AdamW>(params, options);
+    }
+    case OptimizerKind::kAdam: {
+      auto options = torch::optim::AdamOptions(c.lr).betas({c.betas[0], c.betas[1]}).eps(c.eps).weight_decay(
+          c.weight_decay);
+      if (host) return std::make_unique<HostAdam>(params, options);
+      return std::make_unique<torch::optim::Adam>(params, options);
+    }
+    case OptimizerKind::kSGD:
+      return std::make_unique<torch::optim::SGD>(
+          params,
+          torch::optim::SGDOptions(c.lr).momentum(c.momentum).nesterov(c.nesterov).weight_decay(c.weight_decay));
   }
-  if (c.type == "Adam") {
-    auto options = torch::optim::AdamOptions(c.lr).betas({c.betas[0], c.betas[1]}).eps(c.eps).weight_decay(
-        c.weight_decay);
-    if (on_host) return std::make_unique<optim::HostAdam>(params, options);
-    return std::make_unique<torch::optim::Adam>(params, options);
+  throw Error("make_optimizer: an optimizer kind without a constructor");
+}
+
+namespace {
+
+// The kind of a built optimizer (HostAdamW is an AdamW), if remat knows it.
+std::optional<OptimizerKind> kind_of(const torch::optim::Optimizer& optimizer) {
+  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer) != nullptr) return OptimizerKind::kAdamW;
+  if (dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr) return OptimizerKind::kAdam;
+  if (dynamic_cast<const torch::optim::SGD*>(&optimizer) != nullptr) return OptimizerKind::kSGD;
+  return std::nullopt;
+}
+
+const std::string& name_of(OptimizerKind kind) { return optimizer_kind_names().at(static_cast<size_t>(kind)); }
+
+template <typename Options>
+OptimizerOptions adam_options(OptimizerKind kind, const Options& o) {
+  OptimizerOptions out;
+  out.type = name_of(kind);
+  out.lr = o.lr();
+  out.betas = {std::get<0>(o.betas()), std::get<1>(o.betas())};
+  out.eps = o.eps();
+  out.weight_decay = o.weight_decay();
+  return out;
+}
+
+}  // namespace
+
+std::optional<OptimizerOptions> options_of(const torch::optim::Optimizer& optimizer) {
+  const auto kind = kind_of(optimizer);
+  if (!kind || optimizer.param_groups().empty()) return std::nullopt;
+  const auto& group = optimizer.param_groups().at(0).options();
+  switch (*kind) {
+    case OptimizerKind::kAdamW:
+      return adam_options(*kind, static_cast<const torch::optim::AdamWOptions&>(group));
+    case OptimizerKind::kAdam:
+      return adam_options(*kind, static_cast<const torch::optim::AdamOptions&>(group));
+    case OptimizerKind::kSGD: {
+      const auto& o = static_cast<const torch::optim::SGDOptions&>(group);
+      OptimizerOptions out;
+      out.type = name_of(*kind);
+      out.lr = o.lr();
+      out.weight_decay = o.weight_decay();
+      out.momentum = o.momentum();
+      out.nesterov = o.nesterov();
+      return out;
+    }
   }
-  if (c.type == "SGD") {
-    return std::make_unique<torch::optim::SGD>(
-        params, torch::optim::SGDOptions(c.lr)
-                    .momentum(c.momentum)
-                    .nesterov(c.nesterov)
-                    .weight_decay(c.weight_decay));
-  }
-  throw ConfigError(str("optimizer.type '", c.type, "' is not one of AdamW, Adam, SGD"));
+  return std::nullopt;
+}
+
+std::string optimizer_name(const torch::optim::Optimizer& optimizer) {
+  const auto kind = kind_of(optimizer);
+  return kind ? name_of(*kind) : std::string(typeid(optimizer).name());
 }
 
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
@@ -157,4 +217,4 @@ void set_optimizer_state(torch::optim::Optimizer& optimizer, const at::Tensor& p
   states[key] = std::move(made);
 }
 
-}  // namespace remat
+}  // namespace remat::optim

@@ -1,3 +1,6 @@
+// engine/save_dir.h, the public part of the save format, on the format's
+// storage (engine/save/storage.h): save/ depends on save_dir.h, never the
+// reverse.
 #include "engine/save_dir.h"
 
 #include <ATen/ATen.h>
