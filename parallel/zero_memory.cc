@@ -7,6 +7,35 @@
 #include "parallel/sharding_strategy.h"
 
 namespace remat::parallel {
+namespace {
+
+// Stage 3 with the optimizer offloaded, in a window's last micro-step: the
+// persistent parameters' gradients, whole on every rank until the
+// backward's end, beside the largest unit's reduced shard before it goes to
+// the host.
+int64_t stage3_offloaded_peak(const ZeroOptions& options, const MixedPrecision& mixed, int shard_group,
+                              const std::vector<ParameterCount>& params) {
+  const int64_t persistence = stage3_persistence_threshold(options, mixed);
+  std::map<int, int64_t> unit_shard;
+  int64_t persistent = 0;
+  for (const ParameterCount& p : params) {
+    if (!p.trainable) continue;
+    if (p.numel < persistence) {
+      persistent += p.numel;
+    } else {
+      unit_shard[p.unit] += (p.numel + shard_group - 1) / shard_group;
+    }
+  }
+  int64_t largest = 0;
+  for (const auto& [unit, elements] : unit_shard) largest = std::max(largest, elements);
+  return persistent + largest;
+}
+
+}  // namespace
+
+bool optimizer_on_host(const ZeroOptions& options) {
+  return options.stage >= 1 && options.offload_optimizer.enabled();
+}
 
 // Every rank stores every parameter and steps every trainable one.
 StateElements data_parallel_state(const std::vector<ParameterCount>& params) {
@@ -100,7 +129,7 @@ GradientHold stage3_gradients(int64_t /*trainable*/, int64_t local_trainable) {
 }
 
 StateElements state_elements(const ZeroOptions& options, const MixedPrecision& mixed, int shard_group,
-                             const std::vector<ParameterCount>& params) {
+                             const std::vector<ParameterCount>& params, int64_t accumulation) {
   StateElements s;
   switch (options.stage) {
     case 0: s = data_parallel_state(params); break;
@@ -114,6 +143,17 @@ StateElements state_elements(const ZeroOptions& options, const MixedPrecision& m
     s.compute_copies = s.stored;
     s.host_frozen = s.stored - (options.stage < 3 ? s.trainable : s.local_trainable);
     s.stored = 0;
+  }
+  if (optimizer_on_host(options)) {
+    // The host masters: what the optimizer steps, less offload_param's shards (masters already).
+    s.optimizer_on_host = true;
+    s.host_masters = s.local_trainable - s.host_trainable;
+    // Accumulating, the shards stay on the device between micro-batches:
+    // the gradients' peak is the stage's own.
+    if (accumulation <= 1) {
+      s.gradients.peak =
+          options.stage < 3 ? s.trainable : stage3_offloaded_peak(options, mixed, shard_group, params);
+    }
   }
   return s;
 }

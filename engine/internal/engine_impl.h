@@ -49,6 +49,10 @@ std::pair<int64_t, std::string> resident_state(torch::nn::Module& model, paralle
                                                const torch::optim::Optimizer& optimizer, int64_t accumulation,
                                                bool host_is_device, int64_t live = 0);
 
+// The options `optimizer` was made with as the config names them (resident_state.cc):
+// its type (AdamW, Adam, SGD; else its C++ type's name) and SGD's momentum.
+OptimizerConfig optimizer_options_of(const torch::optim::Optimizer& optimizer);
+
 }  // namespace internal
 
 struct Engine::Impl {
