@@ -4,8 +4,11 @@
 #include <iterator>
 #include <map>
 
-#include "parallel/sharding_strategy.h"
+#include "parallel/zero_options.h"
 
+// The per-stage rules below (data_parallel_state, stage12_gradients, ...) are
+// declared for the strategies in sharding_strategy.h, which this room does
+// not include: the rule depends on no strategy (no room loop).
 namespace remat::parallel {
 namespace {
 
@@ -37,6 +40,11 @@ bool optimizer_on_host(const ZeroOptions& options) {
   return options.stage >= 1 && options.offload_optimizer.enabled();
 }
 
+// Every gradient, whole, from the backward to the step.
+GradientHold data_parallel_gradients(int64_t trainable, int64_t /*local_trainable: the same*/) {
+  return {trainable, trainable};
+}
+
 // Every rank stores every parameter and steps every trainable one.
 StateElements data_parallel_state(const std::vector<ParameterCount>& params) {
   StateElements s;
@@ -49,9 +57,11 @@ StateElements data_parallel_state(const std::vector<ParameterCount>& params) {
   return s;
 }
 
-// Every gradient, whole, from the backward to the step.
-GradientHold data_parallel_gradients(int64_t trainable, int64_t /*local_trainable: the same*/) {
-  return {trainable, trainable};
+// Each gradient is moved into its bucket's flat buffer; the rank keeps its
+// shard's. Between micro-batches stage 1 holds every gradient, stage 2 its
+// shard's.
+GradientHold stage12_gradients(const ZeroOptions& options, int64_t trainable, int64_t local_trainable) {
+  return {trainable + local_trainable, options.stage == 1 ? trainable : local_trainable};
 }
 
 // Every rank stores every parameter whole; its optimizer steps 1/N of the
@@ -68,11 +78,9 @@ StateElements stage12_state(const ZeroOptions& options, int shard_group, const s
   return s;
 }
 
-// Each gradient is moved into its bucket's flat buffer; the rank keeps its
-// shard's. Between micro-batches stage 1 holds every gradient, stage 2 its
-// shard's.
-GradientHold stage12_gradients(const ZeroOptions& options, int64_t trainable, int64_t local_trainable) {
-  return {trainable + local_trainable, options.stage == 1 ? trainable : local_trainable};
+// The shards' gradients alone, from the reduce-scatter to the step.
+GradientHold stage3_gradients(int64_t /*trainable*/, int64_t local_trainable) {
+  return {local_trainable, local_trainable};
 }
 
 // Each parameter below the persistence threshold whole (none with mixed precision),
@@ -121,11 +129,6 @@ StateElements stage3_state(const ZeroOptions& options, const MixedPrecision& mix
     s.gathered = std::max(s.gathered, it->second + (prefetched ? next->second : 0));
   }
   return s;
-}
-
-// The shards' gradients alone, from the reduce-scatter to the step.
-GradientHold stage3_gradients(int64_t /*trainable*/, int64_t local_trainable) {
-  return {local_trainable, local_trainable};
 }
 
 StateElements state_elements(const ZeroOptions& options, const MixedPrecision& mixed, int shard_group,
