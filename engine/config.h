@@ -28,11 +28,6 @@
 
 namespace remat {
 
-// optimizer: optim's options (optim/options.h). This name is
-// engine/internal/memory_state.cc's, until its optimizer rule is
-// optim::state_bytes_per_element.
-using OptimizerConfig = optim::OptimizerOptions;
-
 // tensor_parallel: ranks per tensor-parallel group (runtime/layout.h), and
 // sequence parallelism over that group (models/stack.h: StackOptions).
 struct TensorParallelConfig {

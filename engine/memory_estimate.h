@@ -23,6 +23,7 @@
 
 #include <c10/core/DeviceType.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <nlohmann/json.hpp>
@@ -141,6 +142,11 @@ struct MemoryEstimate {
   std::string line() const;
   nlohmann::json to_json() const;
 };
+
+// Past this many blocks the estimate solves no auto row: the planner's
+// exact solve grows with the square of the blocks (the configured auto row
+// is kept, unsolved, at full checkpointing's peak).
+inline constexpr size_t kMaxPlannedBlocks = 1024;
 
 // Every stage (0-3; 1-3 hybrid too when the config sets hybrid_shard_size)
 // x none, full, every_k, selective_op, auto x offloading off/on for `config`

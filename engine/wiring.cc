@@ -6,7 +6,6 @@
 #include <torch/nn/modules/container/modulelist.h>
 
 #include <algorithm>
-#include <cmath>
 #include <mutex>
 #include <set>
 
@@ -122,86 +121,6 @@ std::string block_path(torch::nn::Module& model, const std::string& given) {
 }
 
 }  // namespace
-
-namespace internal {
-
-namespace {
-
-// What `optimizer` allocates at its first step for the parameters it steps,
-// `stepped` (0 once it has), with a note on what the figure is.
-std::pair<int64_t, std::string> pending_state(const torch::optim::Optimizer& optimizer,
-                                              const std::vector<at::Tensor>& stepped) {
-  if (optimizer_state_bytes(optimizer) > 0) return {0, ""};
-  const auto options = optim::options_of(optimizer);
-  if (!options) return {0, " (an optimizer remat does not know: its state is not counted)"};
-  int64_t bytes = 0;
-  for (const auto& p : stepped) {
-    if (p.requires_grad()) bytes += p.numel() * optim::state_bytes_per_element(*options, p.element_size());
-  }
-  return {bytes, optim::state_bytes_per_element(*options) > 0 ? " (to be allocated at the first step)" : ""};
-}
-
-std::string mib_text(int64_t b) { return str(std::round(static_cast<double>(b) / 10485.76) / 100, " MiB"); }
-
-}  // namespace
-
-std::pair<int64_t, std::string> resident_state(torch::nn::Module& model, parallel::ZeroModel& zero,
-                                               const torch::optim::Optimizer& optimizer, int64_t accumulation,
-                                               bool host_is_device, int64_t live) {
-  std::set<const void*> seen;
-  int64_t params = 0, local_trainable = 0, model_trainable = 0;
-  auto count = [&](const at::Tensor& t) {
-    if (!t.defined() || !t.has_storage()) return;
-    if (seen.insert(t.storage().unsafeGetStorageImpl()).second) params += static_cast<int64_t>(t.storage().nbytes());
-  };
-  for (const auto& p : model.parameters()) {
-    count(p);
-    // Gradients accumulate in float32 whatever the compute dtype (a bf16
-    // copy's go into its float32 master's).
-    const int64_t grad_element = std::max<int64_t>(static_cast<int64_t>(p.element_size()), 4);
-    if (p.requires_grad()) model_trainable += static_cast<int64_t>(p.numel()) * grad_element;
-  }
-  for (const auto& b : model.buffers()) count(b);
-  // offload_optimizer (and offload_param, whose host shards the optimizer
-  // steps): the tensors the optimizer steps, their gradients and its state
-  // are on the host. On a GPU they are not charged to the device's budget;
-  // on a CPU the host is the device: the budget bounds them too (the
-  // measured peak holds them), so they are charged, the state the optimizer
-  // will allocate included. The device tensors the masters are copied into
-  // are charged either way: stage 3's shards apart from the model's
-  // parameters (16-bit under bf16 or fp16; stages 1-2's are views of the
-  // model's, counted above; offload_param keeps none).
-  const bool host = zero.offloads_optimizer() || zero.offloads_parameters();
-  for (const auto& t : zero.device_parameters()) count(t);
-  for (const auto& p : zero.parameters()) {
-    if (p.requires_grad()) local_trainable += static_cast<int64_t>(p.numel() * p.element_size());
-  }
-  const parallel::ZeroStats zs = zero.stats();
-  const int64_t on_host = host ? zs.host_bytes + zs.host_param_bytes + optimizer_state_bytes(optimizer) : 0;
-  int64_t state = host ? 0 : optimizer_state_bytes(optimizer);
-  const int64_t other = std::max<int64_t>(0, live - params - state - on_host);
-  auto [pending, note] = pending_state(optimizer, zero.parameters());
-  int64_t host_charged = 0;
-  if (host && host_is_device) {
-    host_charged = on_host + pending;
-    note = str(" (the optimizer on the host, which on this CPU is the device's memory: what it steps, their "
-               "gradients and its state, ", mib_text(host_charged), pending > 0 ? ", some at the first step)" : ")");
-  } else if (host) {
-    note = " (the optimizer on the host: what it steps, their gradients and its state not counted)";
-  } else {
-    state += pending;
-  }
-  // Held between micro-batches: the stage's rule (parallel/zero_memory.h).
-  const int64_t grads =
-      accumulation > 1 ? zero.gradient_hold(model_trainable, local_trainable).between_micro_batches : 0;
-  return {params + state + host_charged + grads + other,
-          str("parameters and buffers ", mib_text(params), " + optimizer state ", mib_text(state + host_charged), note,
-              grads > 0 ? str(" + gradients held between micro-batches ", mib_text(grads)) : std::string(),
-              other > 0 ? str(" + other tensors live at the step's start (the batch among them) ", mib_text(other))
-                        : std::string())};
-}
-
-}  // namespace internal
 
 std::shared_ptr<ParallelLayout> init_distributed(const Config& config, const std::string& backend) {
   auto world = Runtime::init().world(parse_backend(backend));

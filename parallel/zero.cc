@@ -52,7 +52,7 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
                      const std::vector<std::shared_ptr<torch::nn::Module>>& units,
                      std::shared_ptr<Communicator> dp_group, const ZeroOptions& config,
                      const MixedPrecision& mixed, std::vector<at::Tensor> sharded_tp)
-    : stage_(config.stage), model_(model), dp_group_(dp_group),
+    : stage_(config.stage), optimizer_on_host_(optimizer_on_host(config)), model_(model), dp_group_(dp_group),
       sharded_tp_(std::move(sharded_tp)) {
   if (std::string bad = check_mixed_precision(mixed); !bad.empty()) throw ConfigError(bad);
   const std::string invalid = check_zero_options(config);
@@ -167,6 +167,33 @@ std::vector<at::Tensor> ZeroModel::device_parameters() const {
   for (const auto& t : strategy_->parameters()) {
     if (!host.count(t.unsafeGetTensorImpl())) out.push_back(t);
   }
+  return out;
+}
+
+std::vector<HeldTensors> ZeroModel::holding() const {
+  const StatePart model_part =
+      strategy_->parameters_gathered_on_use() ? StatePart::kGatheredOnUse : StatePart::kParameters;
+  std::vector<HeldTensors> out = {{model_part, Place::kDevice, model_.parameters()}};
+  HeldTensors device{StatePart::kStepped, Place::kDevice, {}};
+  HeldTensors masters{StatePart::kStepped, Place::kHostOptimizer, {}};
+  HeldTensors shards{StatePart::kStepped, Place::kHostParameters, {}};
+  std::set<const void*> on_host;
+  for (const auto& t : host_shards_) on_host.insert(t.unsafeGetTensorImpl());
+  const std::vector<at::Tensor> stepped = parameters(), kept = strategy_->parameters();
+  for (size_t i = 0; i < stepped.size(); ++i) {
+    const at::Tensor& t = stepped[i];
+    if (on_host.count(t.unsafeGetTensorImpl())) {
+      shards.tensors.push_back(t);
+    } else if (!t.is_same(kept[i])) {
+      masters.tensors.push_back(t);  // offload_optimizer's host copy of kept[i]
+    } else {
+      device.tensors.push_back(t);
+    }
+  }
+  for (HeldTensors* part : {&device, &masters, &shards}) {
+    if (!part->tensors.empty()) out.push_back(std::move(*part));
+  }
+  out.push_back({StatePart::kOptimizerState, optimizer_on_host_ ? Place::kHostOptimizer : Place::kDevice, {}});
   return out;
 }
 

@@ -172,6 +172,16 @@ struct ShardLayout {
   std::vector<ShardSegment> segments;
 };
 
+// A part of one rank's model state (zero_memory.h): what it is, where it
+// lives, and its tensors. Their gradients are held where they are: a device
+// part's are the device's gradients, a host part's in its host account. The
+// optimizer's state is the optimizer's tensors: its part lists none.
+struct HeldTensors {
+  StatePart part = StatePart::kParameters;
+  Place place = Place::kDevice;
+  std::vector<at::Tensor> tensors;
+};
+
 class ZeroModel {
  public:
   // `units` are submodules of `model` (each transformer block); `config` is
@@ -193,6 +203,12 @@ class ZeroModel {
   ZeroModel& operator=(const ZeroModel&) = delete;
 
   int stage() const { return stage_; }
+  // What this rank holds of the model state and where, by part: the model's
+  // parameters, what the optimizer steps (by place: the device, the host
+  // masters of offload_optimizer, the host shards of offload_param) and the
+  // optimizer's state. The same places as state_elements (zero_memory.h)
+  // gives a config not yet built; the engine classifies memory by them.
+  std::vector<HeldTensors> holding() const;
   // Whether parameters() are host copies the optimizer steps in host memory
   // (zero_optimization.offload_optimizer.device cpu).
   bool offloads_optimizer() const;
@@ -305,6 +321,7 @@ class ZeroModel {
 
  private:
   int stage_;
+  bool optimizer_on_host_ = false;  // optimizer_on_host (zero_memory.h) of the options
   torch::nn::Module& model_;
   std::shared_ptr<Communicator> dp_group_, shard_group_, replicate_group_;
   std::vector<at::Tensor> sharded_tp_;

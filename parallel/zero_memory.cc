@@ -4,9 +4,46 @@
 #include <iterator>
 #include <map>
 
-#include "parallel/internal/sharding_strategy.h"
+#include "parallel/zero_options.h"
 
+// The per-stage rules below (data_parallel_state, stage12_gradients, ...) are
+// declared for the strategies in sharding_strategy.h, which this room does
+// not include: the rule depends on no strategy (no room loop).
 namespace remat::parallel {
+namespace {
+
+// Stage 3 with the optimizer offloaded, in a window's last micro-step: the
+// persistent parameters' gradients, whole on every rank until the
+// backward's end, beside the largest unit's reduced shard before it goes to
+// the host.
+int64_t stage3_offloaded_peak(const ZeroOptions& options, const MixedPrecision& mixed, int shard_group,
+                              const std::vector<ParameterCount>& params) {
+  const int64_t persistence = stage3_persistence_threshold(options, mixed);
+  std::map<int, int64_t> unit_shard;
+  int64_t persistent = 0;
+  for (const ParameterCount& p : params) {
+    if (!p.trainable) continue;
+    if (p.numel < persistence) {
+      persistent += p.numel;
+    } else {
+      unit_shard[p.unit] += (p.numel + shard_group - 1) / shard_group;
+    }
+  }
+  int64_t largest = 0;
+  for (const auto& [unit, elements] : unit_shard) largest = std::max(largest, elements);
+  return persistent + largest;
+}
+
+}  // namespace
+
+bool optimizer_on_host(const ZeroOptions& options) {
+  return options.stage >= 1 && options.offload_optimizer.enabled();
+}
+
+// Every gradient, whole, from the backward to the step.
+GradientHold data_parallel_gradients(int64_t trainable, int64_t /*local_trainable: the same*/) {
+  return {trainable, trainable};
+}
 
 // Every rank stores every parameter and steps every trainable one.
 StateElements data_parallel_state(const std::vector<ParameterCount>& params) {
@@ -20,9 +57,11 @@ StateElements data_parallel_state(const std::vector<ParameterCount>& params) {
   return s;
 }
 
-// Every gradient, whole, from the backward to the step.
-GradientHold data_parallel_gradients(int64_t trainable, int64_t /*local_trainable: the same*/) {
-  return {trainable, trainable};
+// Each gradient is moved into its bucket's flat buffer; the rank keeps its
+// shard's. Between micro-batches stage 1 holds every gradient, stage 2 its
+// shard's.
+GradientHold stage12_gradients(const ZeroOptions& options, int64_t trainable, int64_t local_trainable) {
+  return {trainable + local_trainable, options.stage == 1 ? trainable : local_trainable};
 }
 
 // Every rank stores every parameter whole; its optimizer steps 1/N of the
@@ -39,11 +78,9 @@ StateElements stage12_state(const ZeroOptions& options, int shard_group, const s
   return s;
 }
 
-// Each gradient is moved into its bucket's flat buffer; the rank keeps its
-// shard's. Between micro-batches stage 1 holds every gradient, stage 2 its
-// shard's.
-GradientHold stage12_gradients(const ZeroOptions& options, int64_t trainable, int64_t local_trainable) {
-  return {trainable + local_trainable, options.stage == 1 ? trainable : local_trainable};
+// The shards' gradients alone, from the reduce-scatter to the step.
+GradientHold stage3_gradients(int64_t /*trainable*/, int64_t local_trainable) {
+  return {local_trainable, local_trainable};
 }
 
 // Each parameter below the persistence threshold whole (none with mixed precision),
@@ -94,13 +131,8 @@ StateElements stage3_state(const ZeroOptions& options, const MixedPrecision& mix
   return s;
 }
 
-// The shards' gradients alone, from the reduce-scatter to the step.
-GradientHold stage3_gradients(int64_t /*trainable*/, int64_t local_trainable) {
-  return {local_trainable, local_trainable};
-}
-
 StateElements state_elements(const ZeroOptions& options, const MixedPrecision& mixed, int shard_group,
-                             const std::vector<ParameterCount>& params) {
+                             const std::vector<ParameterCount>& params, int64_t accumulation) {
   StateElements s;
   switch (options.stage) {
     case 0: s = data_parallel_state(params); break;
@@ -114,6 +146,17 @@ StateElements state_elements(const ZeroOptions& options, const MixedPrecision& m
     s.compute_copies = s.stored;
     s.host_frozen = s.stored - (options.stage < 3 ? s.trainable : s.local_trainable);
     s.stored = 0;
+  }
+  if (optimizer_on_host(options)) {
+    // The host masters: what the optimizer steps, less offload_param's shards (masters already).
+    s.optimizer_on_host = true;
+    s.host_masters = s.local_trainable - s.host_trainable;
+    // Accumulating, the shards stay on the device between micro-batches:
+    // the gradients' peak is the stage's own.
+    if (accumulation <= 1) {
+      s.gradients.peak =
+          options.stage < 3 ? s.trainable : stage3_offloaded_peak(options, mixed, shard_group, params);
+    }
   }
   return s;
 }

@@ -1,8 +1,10 @@
-// What one data-parallel rank keeps of the model state under each ZeRO
-// stage: the one memory rule per stage (zero_memory.cc, one function each,
-// which each strategy answers gradient_hold() by),
-// which remat::Engine applies to the tensors it holds (through
-// ZeroModel::gradient_hold) and remat::estimate_memory to parameter sizes.
+// What one data-parallel rank keeps of the model state, and where: the one
+// memory rule (zero_memory.cc, one function per stage, which each strategy
+// answers gradient_hold() by, and offload's places). A config not yet built
+// asks state_elements over its parameters' sizes (remat::estimate_memory);
+// a live ZeroModel answers holding() (zero.h) for its tensors by the same
+// places (optimizer_on_host here), which the engine's meter and budget
+// check read instead of asking the offload mode.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +13,27 @@
 #include "parallel/zero_options.h"
 
 namespace remat::parallel {
+
+// Where a part of one rank's model state lives. The host has two accounts,
+// what a run's metrics report as host_optimizer_bytes and host_parameter_bytes.
+enum class Place : uint8_t {
+  kDevice,
+  kHostOptimizer,   // offload_optimizer: the float32 masters, their gradients and the optimizer's state
+  kHostParameters,  // offload_param: stage 3's float32 shards themselves and their gradients
+};
+
+// What a part of one rank's model state is.
+enum class StatePart : uint8_t {
+  kParameters,      // the model's parameters as it computes with them (16-bit copies under bf16 or fp16)
+  kGatheredOnUse,   // stage 3: the model's parameters, views of units gathered around each use
+  kStepped,         // what the optimizer steps: shards, float32 masters, persistent parameters
+  kOptimizerState,  // the optimizer's state, made beside what it steps
+};
+
+// offload_optimizer (stages 1-3): the optimizer steps float32 masters on the
+// host, its state made beside them (Place::kHostOptimizer); else its state is
+// the device's account (offload_param's host shards are stepped where they are).
+bool optimizer_on_host(const ZeroOptions& options);
 
 // One parameter as the memory rules see it.
 struct ParameterCount {
@@ -55,12 +78,23 @@ struct StateElements {
   // shard of the largest unit before it is copied to the host.
   int64_t host_shards = 0;
   int64_t host_trainable = 0;
+  // optimizer_on_host: the optimizer's state (of local_trainable) is on the
+  // host, with `host_masters` float32 masters and their gradient buffers
+  // (offload_param's host shards are masters already: not among them), and
+  // the frozen ones of host_frozen; in an accumulation window's last
+  // micro-step each reduced gradient shard leaves the device as its
+  // reduction ends (gradients.peak: stages 1-2 the buckets' whole gradients,
+  // stage 3 the persistent parameters' and the largest unit's shard).
+  bool optimizer_on_host = false;
+  int64_t host_masters = 0;
 };
 
 // options.stage's rule over `params` sharded within groups of `shard_group`
 // ranks (stage 3's mixed precision shards every parameter: none persistent;
-// stages 0-2's keeps a 16-bit copy of every parameter).
+// stages 0-2's keeps a 16-bit copy of every parameter), offloaded as
+// `options` asks; `accumulation`: the micro-steps of an accumulation window
+// (offload_optimizer's gradients are held as without it between them).
 StateElements state_elements(const ZeroOptions& options, const MixedPrecision& mixed, int shard_group,
-                             const std::vector<ParameterCount>& params);
+                             const std::vector<ParameterCount>& params, int64_t accumulation = 1);
 
 }  // namespace remat::parallel

@@ -8,6 +8,9 @@
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
 
+#include <map>
+#include <string>
+
 #include "parallel/zero.h"
 #include "parallel/zero_test_models.h"
 #include "runtime/error.h"
@@ -89,6 +92,57 @@ TEST(Zero, TheComputeDtypeIsAnOption) {
   mixed.compute_dtype = at::kDouble;
   EXPECT_THAT(error_of<ConfigError>([&] { ZeroModel(*model, {}, l.dp_group(), ZeroOptions{}, mixed); }),
               HasSubstr("the compute dtype is Double: remat computes in float32, bf16"));
+}
+
+// What a live ZeroModel holds where (holding()) is what the cold rule
+// (state_elements) gives its parameters' sizes: the same parts on the host,
+// and at one rank (no padding) the same elements.
+TEST(Zero, HoldingIsTheColdRule) {
+  const auto& l = layout();
+  struct Case {
+    int stage;
+    bool offload_optimizer, offload_param;
+  };
+  for (const Case c : {Case{2, false, false}, Case{1, true, false}, Case{3, false, true}, Case{3, true, true},
+                       Case{3, true, false}}) {
+    RootNormNet model;
+    std::vector<std::shared_ptr<torch::nn::Module>> units;
+    std::map<const void*, int> unit_of;
+    for (const auto& b : *model->blocks) {
+      for (const auto& p : b->parameters()) unit_of[p.unsafeGetTensorImpl()] = static_cast<int>(units.size());
+      units.push_back(b);
+    }
+    std::vector<ParameterCount> params;
+    for (const auto& p : model->parameters()) {
+      auto it = unit_of.find(p.unsafeGetTensorImpl());
+      params.push_back({p.numel(), true, it == unit_of.end() ? -1 : it->second});
+    }
+    ZeroOptions zc;
+    zc.stage = c.stage;
+    zc.stage3_param_persistence_threshold = 0;
+    if (c.offload_optimizer) zc.offload_optimizer.device = OffloadDevice::kCpu;
+    if (c.offload_param) zc.offload_param.device = OffloadDevice::kCpu;
+    ZeroModel zero(*model, units, l.dp_group(), zc, Bf16Options{});
+    const StateElements e = state_elements(zc, Bf16Options{}, zero.shard_size(), params);
+    std::map<Place, int64_t> stepped;
+    Place state = Place::kDevice;
+    for (const HeldTensors& part : zero.holding()) {
+      if (part.part == StatePart::kOptimizerState) state = part.place;
+      if (part.part != StatePart::kStepped) continue;
+      for (const auto& t : part.tensors) stepped[part.place] += t.numel();
+    }
+    const std::string what = str("stage ", c.stage, c.offload_optimizer ? " offload_optimizer" : "",
+                                 c.offload_param ? " offload_param" : "");
+    EXPECT_EQ(state == Place::kHostOptimizer, e.optimizer_on_host) << what;
+    EXPECT_EQ(stepped[Place::kHostOptimizer] > 0, e.host_masters > 0) << what;
+    EXPECT_EQ(stepped[Place::kHostParameters] > 0, e.host_shards > 0) << what;
+    if (zero.shard_size() == 1) {
+      EXPECT_EQ(stepped[Place::kHostOptimizer], e.host_masters) << what;
+      EXPECT_EQ(stepped[Place::kHostParameters], e.host_shards) << what;
+      EXPECT_EQ(stepped[Place::kDevice] + stepped[Place::kHostOptimizer] + stepped[Place::kHostParameters],
+                e.local_trainable) << what;
+    }
+  }
 }
 
 TEST(Zero, HybridAndStage12MisuseIsAClearError) {

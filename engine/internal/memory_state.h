@@ -1,17 +1,19 @@
-// The model state one rank holds under a ZeRO stage, in bytes, for the
-// estimator (engine/memory_estimate.cc): the stage's memory rule
-// (parallel/zero_memory.h, which the engine's live accounting applies too)
-// over the parameters' sizes, with the optimizer offloaded as asked and
-// stage 3's parameters as the config offloads them.
+// The model state one rank holds, in bytes, for the estimator
+// (engine/memory_estimate.cc) and the engine's budget check
+// (resident_state.cc): parallel's memory rule (parallel/zero_memory.h: what
+// each rank holds and where, offload in it) over the parameters' sizes,
+// priced at the optimizer's state bytes per element.
 //
-//   const StateBytes s = state_bytes(inputs, config, /*stage=*/3, /*shard_group=*/8, /*accumulation=*/0);
+//   const StateBytes s = state_bytes(params, /*element_bytes=*/4, config, /*stage=*/3,
+//                                    /*shard_group=*/8, /*accumulation=*/1);
 //   // s.params + s.grads + s.optimizer on the device; s.host_optimizer + s.host_params on the host
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "engine/config.h"
-#include "engine/memory_estimate.h"
+#include "parallel/zero_memory.h"
 
 namespace remat::internal {
 
@@ -28,10 +30,10 @@ struct StateBytes {
 // The accumulation window's micro-steps (1 where the batch sizes do not resolve here).
 int64_t accumulation_of(const Config& config, int dp);
 
-// `stage`'s state sharded within groups of `shard_group` ranks;
-// `accumulation`: the micro-steps of a window, when the optimizer is
-// offloaded (0: it is not).
-StateBytes state_bytes(const MemoryEstimateInputs& in, const Config& config, int stage, int shard_group,
-                       int64_t accumulation);
+// `stage`'s state of `params` (`element_bytes` each: the model's) sharded
+// within groups of `shard_group` ranks, offloaded as `config` asks;
+// `accumulation`: the micro-steps of a window.
+StateBytes state_bytes(const std::vector<parallel::ParameterCount>& params, int64_t element_bytes,
+                       const Config& config, int stage, int shard_group, int64_t accumulation);
 
 }  // namespace remat::internal

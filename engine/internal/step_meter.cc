@@ -3,7 +3,6 @@
 #include <torch/nn/module.h>
 
 #include <algorithm>
-#include <set>
 #include <utility>
 #include <vector>
 
@@ -23,6 +22,22 @@ double ms_between(std::chrono::steady_clock::time_point a, std::chrono::steady_c
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
 
+// The memory category of what lives at `place`: a host account's own, else
+// the device's `on_device`.
+MemoryCategory category_at(parallel::Place place, MemoryCategory on_device) {
+  switch (place) {
+    case parallel::Place::kHostOptimizer: return MemoryCategory::kHostOptimizer;
+    case parallel::Place::kHostParameters: return MemoryCategory::kHostParameters;
+    default: return on_device;
+  }
+}
+
+// A part of the model state's own tensors (ZeroModel::holding).
+MemoryCategory category_of(const parallel::HeldTensors& part) {
+  const bool state = part.part == parallel::StatePart::kOptimizerState;
+  return category_at(part.place, state ? MemoryCategory::kOptimizerState : MemoryCategory::kParameters);
+}
+
 }  // namespace
 
 StepMeter::StepMeter() = default;
@@ -30,6 +45,9 @@ StepMeter::~StepMeter() = default;
 
 void StepMeter::attach(StepMeterTargets targets) {
   t_ = std::move(targets);
+  for (const parallel::HeldTensors& part : t_.zero->holding()) {
+    if (part.part == parallel::StatePart::kOptimizerState) state_place_ = part.place;
+  }
   device_ = c10::Device(t_.device);
   if (t_.device != c10::DeviceType::CPU && t_.model != nullptr) {
     for (const auto& p : t_.model->parameters()) {
@@ -92,8 +110,10 @@ void StepMeter::begin_optimizer() { phase_start_ = Clock::now(); }
 
 void StepMeter::end_optimizer() {
   opt_ms_ = ms_between(phase_start_, Clock::now());
-  if (trace_ && t_.zero->offloads_optimizer()) {
-    for (const auto& t : optimizer_state_tensors(*t_.optimizer)) classify_memory(t, MemoryCategory::kHostOptimizer);
+  // The state its first step allocated, where it lives apart from the device's.
+  if (trace_ && state_place_ != parallel::Place::kDevice) {
+    const MemoryCategory category = category_at(state_place_, MemoryCategory::kOptimizerState);
+    for (const auto& t : optimizer_state_tensors(*t_.optimizer)) classify_memory(t, category);
   }
 }
 
@@ -123,7 +143,7 @@ StepMetrics StepMeter::finish_step(const StepOutcome& outcome, const ActivationP
   m.act_kept_bytes = act_kept_;
   m.comm_bytes += engine_comm_bytes_;
   m.optimizer_state_bytes = optimizer_state_bytes(*t_.optimizer);
-  if (t_.zero->offloads_optimizer()) {
+  if (state_place_ == parallel::Place::kHostOptimizer) {
     // The optimizer's state lives beside its host parameters.
     m.offload_optimizer = true;
     m.host_optimizer_bytes = share_.zero.host_bytes + m.optimizer_state_bytes;
@@ -168,39 +188,33 @@ void StepMeter::record_next_step(const std::string& path, int max_samples) {
   trace_samples_ = max_samples;
 }
 
-// The memory timeline: what is live at the start is split by what holds it.
+// The memory timeline: what is live at the start is split by what holds it,
+// each part of the model state by where it lives (ZeroModel::holding): a
+// host part's gradients are held with it.
 void StepMeter::start_trace() {
   std::vector<MemoryTrace::Known> known;
-  // Parameters gathered on use (stage 3) are views of their gathered units.
-  if (!t_.zero->parameters_gathered_on_use()) {
-    for (const auto& p : t_.model->parameters()) known.push_back({p, MemoryCategory::kParameters});
-  }
-  // offload_optimizer: what the optimizer steps and its state are on the
-  // host; offload_param: the shards and their gradients are, apart.
-  const bool host = t_.zero->offloads_optimizer();
-  std::set<const void*> shards;
-  for (const auto& t : t_.zero->host_shards()) shards.insert(t.unsafeGetTensorImpl());
-  for (const auto& p : t_.zero->parameters()) {
-    MemoryCategory category = host && p.requires_grad() ? MemoryCategory::kHostOptimizer : MemoryCategory::kParameters;
-    if (shards.count(p.unsafeGetTensorImpl())) category = MemoryCategory::kHostParameters;
-    known.push_back({p, category});
-    if (category != MemoryCategory::kParameters && p.grad().defined()) known.push_back({p.grad(), category});
-  }
-  for (const auto& t : optimizer_state_tensors(*t_.optimizer)) {
-    known.push_back({t, host ? MemoryCategory::kHostOptimizer : MemoryCategory::kOptimizerState});
+  for (const parallel::HeldTensors& part : t_.zero->holding()) {
+    // Parameters gathered on use (stage 3) are views of their gathered units.
+    if (part.part == parallel::StatePart::kGatheredOnUse) continue;
+    const MemoryCategory category = category_of(part);
+    const bool state = part.part == parallel::StatePart::kOptimizerState;
+    for (const auto& t : state ? optimizer_state_tensors(*t_.optimizer) : part.tensors) {
+      known.push_back({t, category});
+      if (part.place != parallel::Place::kDevice && t.grad().defined()) known.push_back({t.grad(), category});
+    }
   }
   trace_ = std::make_unique<MemoryTrace>(*t_.memory, known);
 }
 
-// Gradients autograd allocated count as gradients over their whole life.
-// The offloaded optimizer's host gradients, and the state its first step
-// allocates (end_optimizer), count as the host optimizer's; offload_param's
-// shards' gradients as the host parameters'.
+// Gradients autograd allocated count as gradients over their whole life,
+// a host part's in its host account (the offloaded optimizer's host
+// gradients, offload_param's shards'); the state the offloaded optimizer's
+// first step allocates is classified in end_optimizer.
 void StepMeter::classify_gradients() const {
-  const MemoryCategory zero = t_.zero->offloads_optimizer() ? MemoryCategory::kHostOptimizer : MemoryCategory::kGradients;
-  for (const auto& p : t_.model->parameters()) classify_memory(p.grad(), MemoryCategory::kGradients);
-  for (const auto& p : t_.zero->parameters()) classify_memory(p.grad(), zero);
-  for (const auto& p : t_.zero->host_shards()) classify_memory(p.grad(), MemoryCategory::kHostParameters);
+  for (const parallel::HeldTensors& part : t_.zero->holding()) {
+    const MemoryCategory category = category_at(part.place, MemoryCategory::kGradients);
+    for (const auto& p : part.tensors) classify_memory(p.grad(), category);
+  }
 }
 
 void StepMeter::finish_trace(const StepMetrics& m) {

@@ -29,6 +29,7 @@
 
 #include "engine/step_counters.h"
 #include "engine/step_metrics.h"
+#include "parallel/zero_memory.h"
 
 namespace torch::nn {
 class Module;
@@ -113,6 +114,9 @@ class StepMeter {
   void read_cuda_allocator(StepMetrics& m) const;
 
   StepMeterTargets t_;
+  // Where the optimizer's state lives (ZeroModel::holding): the host's
+  // account is in the metrics (host_optimizer_bytes).
+  parallel::Place state_place_ = parallel::Place::kDevice;
   c10::Device device_{c10::DeviceType::CPU};  // t_.device with its index (the model's)
   // The step in progress.
   bool planned_ = false;
