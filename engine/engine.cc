@@ -25,8 +25,8 @@
 #include "engine/internal/engine_impl.h"
 #include "engine/internal/step_meter.h"
 #include "engine/internal/unused_parameters.h"
-#include "engine/lr_schedule.h"
-#include "engine/optim.h"
+#include "optim/lr_schedule.h"
+#include "optim/optimizer.h"
 #include "engine/step_counters.h"
 #include "engine/save/dir_lock.h"
 #include "engine/save/storage.h"
@@ -93,7 +93,7 @@ bool Engine::is_gradient_accumulation_boundary() const {
 double Engine::get_lr() const { return impl_->lr; }
 
 double Engine::next_learning_rate() const {
-  return learning_rate(config_.optimizer, config_.scheduler, global_steps_ - skipped_steps_ + 1);
+  return optim::learning_rate(config_.optimizer, config_.scheduler, global_steps_ - skipped_steps_ + 1);
 }
 
 const MicroBatchSearch* Engine::micro_batch_search() const { return impl_->search ? &*impl_->search : nullptr; }
@@ -105,7 +105,7 @@ at::Tensor Engine::forward(const std::function<at::Tensor()>& fn, const std::vec
   if (micro_steps_ == 0) {
     // The first micro-step of an optimizer step.
     s.lr = next_learning_rate();
-    set_learning_rate(*s.optimizer, s.lr);
+    optim::set_learning_rate(*s.optimizer, s.lr);
     if (s.auto_plan) s.plan_blocks(*model_, config_, fn, plan_key);
     // Gradients set to none, as LibTorch 2.x's zero_grad does. Before the
     // base is read: the last step's gradients are not this step's memory.

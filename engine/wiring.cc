@@ -17,8 +17,7 @@
 #include "engine/engine.h"
 #include "engine/internal/device.h"
 #include "engine/internal/engine_impl.h"
-#include "engine/lr_schedule.h"
-#include "engine/optim.h"
+#include "optim/lr_schedule.h"
 #include "optim/optimizer.h"
 #include "optim/options.h"
 #include "nn/saved_tensors_hooks.h"
@@ -162,7 +161,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineO
   s.check_device_budget(model);
   s.wire_identity(model, config_);
   s.wire_meter(model, config_);
-  s.lr = learning_rate(config_.optimizer, config_.scheduler, 1);
+  s.lr = optim::learning_rate(config_.optimizer, config_.scheduler, 1);
 }
 
 // The memory metrics' tracker: the caller's, or the engine's own.

@@ -23,7 +23,7 @@ namespace {
 // What `optimizer` allocates at its first step for `local_trainable` bytes of
 // float32 parameters (0 once it has), with a note on what the figure is.
 std::pair<int64_t, std::string> pending_state(const torch::optim::Optimizer& optimizer, int64_t local_trainable) {
-  if (optimizer_state_bytes(optimizer) > 0) return {0, ""};
+  if (optim::optimizer_state_bytes(optimizer) > 0) return {0, ""};
   const auto options = optim::options_of(optimizer);
   if (!options) return {0, " (an optimizer remat does not know: its state is not counted)"};
   const int64_t per_element = optim::state_bytes_per_element(*options);
@@ -72,8 +72,8 @@ std::pair<int64_t, std::string> resident_state(torch::nn::Module& model, paralle
   }
   for (const auto& t : zero.device_parameters()) count(t);
   const parallel::ZeroStats zs = zero.stats();
-  const int64_t on_host = host ? zs.host_bytes + zs.host_param_bytes + optimizer_state_bytes(optimizer) : 0;
-  int64_t state = host ? 0 : optimizer_state_bytes(optimizer);
+  const int64_t on_host = host ? zs.host_bytes + zs.host_param_bytes + optim::optimizer_state_bytes(optimizer) : 0;
+  int64_t state = host ? 0 : optim::optimizer_state_bytes(optimizer);
   const int64_t other = std::max<int64_t>(0, live - params - state - on_host);
   auto [pending, note] = pending_state(optimizer, local_trainable);
   int64_t host_charged = 0;

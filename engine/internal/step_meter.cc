@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "checkpointing/planner.h"
-#include "engine/optim.h"
+#include "optim/optimizer.h"
 #include "parallel/zero.h"
 #include "runtime/device_memory.h"
 #include "runtime/error.h"
@@ -113,7 +113,7 @@ void StepMeter::end_optimizer() {
   // The state its first step allocated, where it lives apart from the device's.
   if (trace_ && state_place_ != parallel::Place::kDevice) {
     const MemoryCategory category = category_at(state_place_, MemoryCategory::kOptimizerState);
-    for (const auto& t : optimizer_state_tensors(*t_.optimizer)) classify_memory(t, category);
+    for (const auto& t : optim::optimizer_state_tensors(*t_.optimizer)) classify_memory(t, category);
   }
 }
 
@@ -142,7 +142,7 @@ StepMetrics StepMeter::finish_step(const StepOutcome& outcome, const ActivationP
   m.act_host_bytes = act_host_;
   m.act_kept_bytes = act_kept_;
   m.comm_bytes += engine_comm_bytes_;
-  m.optimizer_state_bytes = optimizer_state_bytes(*t_.optimizer);
+  m.optimizer_state_bytes = optim::optimizer_state_bytes(*t_.optimizer);
   if (state_place_ == parallel::Place::kHostOptimizer) {
     // The optimizer's state lives beside its host parameters.
     m.offload_optimizer = true;
@@ -198,7 +198,7 @@ void StepMeter::start_trace() {
     if (part.part == parallel::StatePart::kGatheredOnUse) continue;
     const MemoryCategory category = category_of(part);
     const bool state = part.part == parallel::StatePart::kOptimizerState;
-    for (const auto& t : state ? optimizer_state_tensors(*t_.optimizer) : part.tensors) {
+    for (const auto& t : state ? optim::optimizer_state_tensors(*t_.optimizer) : part.tensors) {
       known.push_back({t, category});
       if (part.place != parallel::Place::kDevice && t.grad().defined()) known.push_back({t.grad(), category});
     }
