@@ -6,9 +6,6 @@
 
 #include "parallel/zero_options.h"
 
-// The per-stage rules below (data_parallel_state, stage12_gradients, ...) are
-// declared for the strategies in sharding_strategy.h, which this room does
-// not include: the rule depends on no strategy (no room loop).
 namespace remat::parallel {
 namespace {
 

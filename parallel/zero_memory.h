@@ -97,4 +97,17 @@ struct StateElements {
 StateElements state_elements(const ZeroOptions& options, const MixedPrecision& mixed, int shard_group,
                              const std::vector<ParameterCount>& params, int64_t accumulation = 1);
 
+// Each stage's memory rule, which state_elements applies (written once, in
+// zero_memory.cc):
+// what a rank stores from the parameters' sizes, and the gradients it holds
+// from the model's trainable amount and its own part of it. Each strategy's
+// gradient_hold() is its stage's (parallel/internal/sharding_strategy.h).
+StateElements data_parallel_state(const std::vector<ParameterCount>& params);
+GradientHold data_parallel_gradients(int64_t trainable, int64_t local_trainable);
+StateElements stage12_state(const ZeroOptions& options, int shard_group, const std::vector<ParameterCount>& params);
+GradientHold stage12_gradients(const ZeroOptions& options, int64_t trainable, int64_t local_trainable);
+StateElements stage3_state(const ZeroOptions& options, const MixedPrecision& mixed, int shard_group,
+                           const std::vector<ParameterCount>& params);
+GradientHold stage3_gradients(int64_t trainable, int64_t local_trainable);
+
 }  // namespace remat::parallel

@@ -166,18 +166,6 @@ std::unique_ptr<ShardingStrategy> make_stage3(
     const DpGroups& groups, const std::vector<at::Tensor>& sharded_tp, const ZeroOptions& options,
     MasterPolicy& policy);
 
-// Each stage's memory rule (zero_memory.h; written once, in zero_memory.cc):
-// what a rank stores from the parameters' sizes, and the gradients it holds
-// from the model's trainable amount and its own part of it. Each strategy's
-// gradient_hold() is its stage's.
-StateElements data_parallel_state(const std::vector<ParameterCount>& params);
-GradientHold data_parallel_gradients(int64_t trainable, int64_t local_trainable);
-StateElements stage12_state(const ZeroOptions& options, int shard_group, const std::vector<ParameterCount>& params);
-GradientHold stage12_gradients(const ZeroOptions& options, int64_t trainable, int64_t local_trainable);
-StateElements stage3_state(const ZeroOptions& options, const MixedPrecision& mixed, int shard_group,
-                           const std::vector<ParameterCount>& params);
-GradientHold stage3_gradients(int64_t trainable, int64_t local_trainable);
-
 // Averages the gradients of `params` over `dp` in buckets of at most
 // `bucket_size` elements (a parameter without a gradient takes part with
 // zeros; a frozen one, requires_grad false, is left out and keeps no
