@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
 #include <c10/core/ScalarType.h>
+#include <c10/util/TypeCast.h>
 
 #include <cmath>
 #include <memory>
@@ -125,6 +126,11 @@ State& state_of(torch::optim::Optimizer& optimizer, const at::Tensor& p) {
   return static_cast<State&>(*slot);
 }
 
+// A double Scalar for a float tensor, converted as ATen converts it: a value
+// beyond float's range (a learning rate of 1e39) is the same error, naming no
+// setting, that LibTorch's AdamW throws; the engine names the key.
+float as_float(double value) { return c10::checked_convert<float, double>(value, "float"); }
+
 // LibTorch's scalars for step number `step`, in double, cast to float as ATen
 // casts a double Scalar for a float tensor.
 template <typename Options>
@@ -135,15 +141,15 @@ AdamScalars step_scalars(const Options& options, int64_t step, DecayMode decay) 
   const double bias_correction2 = 1 - std::pow(beta2, static_cast<double>(step));
   AdamScalars s;
   s.decay = options.weight_decay() != 0 ? decay : DecayMode::kNone;
-  s.weight_decay = static_cast<float>(options.weight_decay());
-  s.decay_factor = static_cast<float>(1 - options.lr() * options.weight_decay());
-  s.beta1 = static_cast<float>(beta1);
-  s.one_minus_beta1 = static_cast<float>(1 - beta1);
-  s.beta2 = static_cast<float>(beta2);
-  s.one_minus_beta2 = static_cast<float>(1 - beta2);
-  s.sqrt_bias_correction2 = static_cast<float>(std::sqrt(bias_correction2));
-  s.eps = static_cast<float>(options.eps());
-  s.neg_step_size = static_cast<float>(-(options.lr() / bias_correction1));
+  s.weight_decay = as_float(options.weight_decay());
+  s.decay_factor = as_float(1 - options.lr() * options.weight_decay());
+  s.beta1 = as_float(beta1);
+  s.one_minus_beta1 = as_float(1 - beta1);
+  s.beta2 = as_float(beta2);
+  s.one_minus_beta2 = as_float(1 - beta2);
+  s.sqrt_bias_correction2 = as_float(std::sqrt(bias_correction2));
+  s.eps = as_float(options.eps());
+  s.neg_step_size = as_float(-(options.lr() / bias_correction1));
   return s;
 }
 

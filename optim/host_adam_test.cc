@@ -268,6 +268,31 @@ TEST(HostAdam, UnfusableTensorsAreRefusedWithWhatToChange) {
                  "HostAdamW: parameter 1 of group 0: its gradient has another size ([5] vs [4])");
 }
 
+// A rate beyond float's range: the update's scalars are converted as ATen
+// converts them, so the step throws LibTorch's error (which the engine turns
+// into one naming optimizer.params.lr) instead of writing infinities.
+TEST(HostAdam, ARateBeyondFloatThrowsAsLibTorchDoes) {
+  auto step_error = [](auto&& make) {
+    auto p = torch::ones({8});
+    p.mutable_grad() = torch::ones({8});
+    auto optimizer = make(std::vector<at::Tensor>{p});
+    std::string what;
+    try {
+      optimizer.step();
+    } catch (const std::runtime_error& e) {
+      what = e.what();
+    }
+    return std::make_pair(what, p.clone());
+  };
+  const auto options = torch::optim::AdamWOptions(1e39);
+  const auto [torch_error, torch_p] =
+      step_error([&](std::vector<at::Tensor> ps) { return torch::optim::AdamW(ps, options); });
+  const auto [host_error, host_p] = step_error([&](std::vector<at::Tensor> ps) { return HostAdamW(ps, options); });
+  EXPECT_THAT(torch_error, HasSubstr("value cannot be converted to type float without overflow"));
+  EXPECT_EQ(host_error, torch_error);
+  EXPECT_TRUE(torch::equal(host_p, torch::ones({8})));  // nothing written before the throw
+}
+
 TEST(HostAdam, StateOfAnotherSizeIsRefused) {
   auto p = torch::zeros({4});
   p.mutable_grad() = torch::ones({4});
