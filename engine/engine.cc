@@ -294,7 +294,7 @@ bool Engine::step() {
   const StepMetrics& m = last_metrics_;
   if (config_.wall_clock_breakdown && (step % config_.steps_per_print == 0 || step == 1)) {
     log_rank0().info("step {} wall clock: forward {:.1f} ms, backward {:.1f} ms (recompute {:.1f}), "
-                     "optimizer {:.1f} ms, whole step {:.1f} ms", step, m.fwd_ms, m.bwd_ms, m.recompute_ms,
+                     "optimizer {:.1f} ms, whole step {:.1f} ms", step, m.fwd_ms, m.bwd_ms, m.counters.value("recompute_ms", 0.0),
                      m.opt_ms, m.step_ms);
   }
   // Gradients cleared: the next step starts without them.
