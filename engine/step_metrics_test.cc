@@ -147,36 +147,42 @@ TEST(StepMetrics, JsonHasEveryFieldInItsOwnType) {
 // readers (Counters::since's subtraction, Counters::metrics' listing and the
 // JSON writer) take it up with no edit of theirs.
 struct DemoStats {
-  int64_t copies = 0;           // total: the field (edit 1)
-  int64_t held_bytes = 0;       // now
-  double peak_ms = 0;           // peak
+  int64_t copies = 0;      // total: the field (edit 1)
+  int64_t held_bytes = 0;  // now
+  int peak_units = 0;      // peak
+  double wait_ms = 0;      // total
   static const FieldTable<DemoStats>& fields();
 };
 const FieldTable<DemoStats>& DemoStats::fields() {
   static const FieldTable<DemoStats> table = {
       {"copies", FieldKind::kTotal, &DemoStats::copies, "demo_copies"},  // its row (edit 2)
       {"held_bytes", FieldKind::kNow, &DemoStats::held_bytes},
-      {"peak_ms", FieldKind::kPeak, &DemoStats::peak_ms, "demo_peak_ms"},
+      {"peak_units", FieldKind::kPeak, &DemoStats::peak_units, "demo_peak_units"},
+      {"wait_ms", FieldKind::kTotal, &DemoStats::wait_ms, "demo_wait_ms"},
   };
   return table;
 }
 
 TEST(CounterRecipe, AFieldAndItsRowReachTheStepAndItsMetrics) {
   DemoStats before, now;
-  ++before.copies;                            // its increment (edit 3), where the library counts
-  now.copies = 5, now.held_bytes = 64, now.peak_ms = 2.5;
+  ++before.copies;  // its increment (edit 3), where the library counts
+  before.held_bytes = 32, before.peak_units = 3, before.wait_ms = 0.25;
+  now.copies = 5, now.held_bytes = 64, now.peak_units = 2, now.wait_ms = 1.0;
   subtract_totals(DemoStats::fields(), now, before);
   EXPECT_EQ(now.copies, 4) << "a total: the step's share";
   EXPECT_EQ(now.held_bytes, 64) << "now: as read";
-  EXPECT_EQ(now.peak_ms, 2.5) << "a peak: as read";
+  EXPECT_EQ(now.peak_units, 2) << "a peak: as read";
+  EXPECT_EQ(now.wait_ms, 0.75);
 
   MetricValues metrics;
   append_metrics(DemoStats::fields(), now, metrics);
   nlohmann::json j = nlohmann::json::object();
   internal::write_values(metrics, j);
-  EXPECT_EQ(j, nlohmann::json({{"demo_copies", 4}, {"demo_peak_ms", 2.5}})) << "held_bytes names no metric";
+  EXPECT_EQ(j, nlohmann::json({{"demo_copies", 4}, {"demo_peak_units", 2}, {"demo_wait_ms", 0.75}}))
+      << "held_bytes names no metric";
   EXPECT_TRUE(j["demo_copies"].is_number_integer());
-  EXPECT_TRUE(j["demo_peak_ms"].is_number_float());
+  EXPECT_TRUE(j["demo_peak_units"].is_number_integer());
+  EXPECT_TRUE(j["demo_wait_ms"].is_number_float());
 }
 
 // The real stats types: every row that names a metric reaches a step's
