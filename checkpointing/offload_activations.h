@@ -45,6 +45,7 @@
 #include <string>
 
 #include "checkpointing/options.h"
+#include "runtime/field_table.h"
 
 namespace remat {
 
@@ -64,8 +65,26 @@ struct ActivationOffloadStats {
   int64_t kept_tensors = 0;       // total: saved tensors left on the device (small; not parameters)
   int64_t kept_bytes = 0;         // now: bytes of such tensors that live graphs hold
   int64_t host_bytes = 0;         // now: host copies that live graphs hold
+  static const FieldTable<ActivationOffloadStats>& fields();
 };
 ActivationOffloadStats activation_offload_stats();
+
+// Each field once (runtime/field_table.h): its kind, and its key in a step's
+// metrics if it has one (kept_bytes and host_bytes are the engine's meter's,
+// read at the forward's end). A new counter is its field, its row and its increment.
+inline const FieldTable<ActivationOffloadStats>& ActivationOffloadStats::fields() {
+  using S = ActivationOffloadStats;
+  static const FieldTable<S> table = {
+      {"offloaded_tensors", FieldKind::kTotal, &S::offloaded_tensors},
+      {"offloaded_bytes", FieldKind::kTotal, &S::offloaded_bytes, "act_offloaded_bytes"},
+      {"restored_tensors", FieldKind::kTotal, &S::restored_tensors},
+      {"restored_bytes", FieldKind::kTotal, &S::restored_bytes, "act_restored_bytes"},
+      {"kept_tensors", FieldKind::kTotal, &S::kept_tensors},
+      {"kept_bytes", FieldKind::kNow, &S::kept_bytes},
+      {"host_bytes", FieldKind::kNow, &S::host_bytes},
+  };
+  return table;
+}
 
 class OffloadActivations {
  public:

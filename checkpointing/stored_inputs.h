@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "checkpointing/region_options.h"
+#include "runtime/field_table.h"
 
 namespace remat {
 
@@ -98,8 +99,26 @@ struct StoredInputStats {
   int64_t offload_copies = 0;      // total: tensors copied to host
   int64_t fetch_copies = 0;        // total: tensors copied back
   int64_t left_small_bytes = 0;    // total: bytes left on the device under offload_min_bytes
+  static const FieldTable<StoredInputStats>& fields();
 };
 StoredInputStats stored_input_stats();
+
+// Each field once (runtime/field_table.h): its kind, and its key in a step's
+// metrics if it has one. A new counter is its field, its row and its increment.
+inline const FieldTable<StoredInputStats>& StoredInputStats::fields() {
+  using S = StoredInputStats;
+  static const FieldTable<S> table = {
+      {"kept_bytes", FieldKind::kNow, &S::kept_bytes},
+      {"kept_padding_bytes", FieldKind::kNow, &S::kept_padding_bytes},
+      {"gathered_bytes", FieldKind::kTotal, &S::gathered_bytes, "ckpt_gathered_bytes"},
+      {"offloaded_bytes", FieldKind::kTotal, &S::offloaded_bytes, "ckpt_offloaded_bytes"},
+      {"fetched_bytes", FieldKind::kTotal, &S::fetched_bytes},
+      {"offload_copies", FieldKind::kTotal, &S::offload_copies},
+      {"fetch_copies", FieldKind::kTotal, &S::fetch_copies},
+      {"left_small_bytes", FieldKind::kTotal, &S::left_small_bytes},
+  };
+  return table;
+}
 
 // Bytes a stored input takes: the storage span its elements cover when that
 // is no larger than its elements (dense, or expanded with stride 0), else its

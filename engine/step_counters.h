@@ -14,6 +14,7 @@
 #include "checkpointing/offload_activations.h"
 #include "checkpointing/stored_inputs.h"
 #include "parallel/zero.h"
+#include "runtime/field_table.h"
 
 namespace remat {
 
@@ -39,8 +40,15 @@ struct Counters {
   // This snapshot's share since `before`: totals as differences, values that
   // describe "now" (kept bytes, parameter and gradient bytes, gathered bytes
   // and their peaks) as they are in this snapshot. Each field's kind is its
-  // row in step_counters.cc's field tables: a new counter is its field and its row.
+  // row in its type's field table (runtime/field_table.h), which ships with the
+  // type: ZeroStats::fields() in parallel/zero.h, StoredInputStats::fields() in
+  // checkpointing/stored_inputs.h, and so on; this struct's own fields are in
+  // step_counters.cc.
   Counters since(const Counters& before) const;
+
+  // The metrics these counters give, by their keys: every row of the tables
+  // above that names one (a step's share of them is what remat-train writes).
+  MetricValues metrics() const;
 
   // Bytes through every collective: stored-input all-gathers, tensor-parallel
   // mappings and ZeRO.

@@ -7,8 +7,12 @@
 
 #include <set>
 #include <string>
+#include <type_traits>
+#include <variant>
 
+#include "engine/internal/field_table.h"
 #include "engine/step_counters.h"
+#include "runtime/field_table.h"
 
 namespace remat {
 namespace {
@@ -65,21 +69,22 @@ TEST(StepMetrics, FromCountersReadsEachMetricWhereItComesFrom) {
   c.zero.reduce_wait_ms = 0.5, c.zero.buckets_reduced = 20, c.zero.buckets_done_in_backward = 21;
   c.checkpoint_saved_bytes = 999;  // the meter's peak over forwards, not this
   const StepMetrics m = StepMetrics::from_counters(c);
-  EXPECT_EQ(m.recompute_ms, 3.25);
-  EXPECT_EQ(m.ckpt_offloaded_bytes, 11);
-  EXPECT_EQ(m.ckpt_gathered_bytes, 12);
-  EXPECT_EQ(m.act_offloaded_bytes, 13);
-  EXPECT_EQ(m.act_restored_bytes, 14);
-  EXPECT_EQ(m.tp_comm_bytes, 15);
+  EXPECT_EQ(m.counter<double>("recompute_ms"), 3.25);
+  EXPECT_EQ(m.counter("ckpt_offloaded_bytes"), 11);
+  EXPECT_EQ(m.counter("ckpt_gathered_bytes"), 12);
+  EXPECT_EQ(m.counter("act_offloaded_bytes"), 13);
+  EXPECT_EQ(m.counter("act_restored_bytes"), 14);
+  EXPECT_EQ(m.counter("tp_comm_bytes"), 15);
   EXPECT_EQ(m.zero_comm_bytes, 600);
   EXPECT_EQ(m.comm_bytes, 12 + 15 + 600);
-  EXPECT_EQ(m.param_bytes, 16);
-  EXPECT_EQ(m.grad_bytes, 17);
-  EXPECT_EQ(m.grad_peak_bytes, 18);
-  EXPECT_EQ(m.peak_gathered_param_bytes, 19);
-  EXPECT_EQ(m.reduce_wait_ms, 0.5);
-  EXPECT_EQ(m.buckets_reduced, 20);
-  EXPECT_EQ(m.buckets_done_in_backward, 21);
+  EXPECT_EQ(m.counter("param_bytes"), 16);
+  EXPECT_EQ(m.counter("grad_bytes"), 17);
+  EXPECT_EQ(m.counter("grad_peak_bytes"), 18);
+  EXPECT_EQ(m.counter("peak_gathered_param_bytes"), 19);
+  EXPECT_EQ(m.counter<double>("reduce_wait_ms"), 0.5);
+  EXPECT_EQ(m.counter("buckets_reduced"), 20);
+  EXPECT_EQ(m.counter("buckets_done_in_backward"), 21);
+  EXPECT_EQ(m.counters.size(), 13u) << "the counters' metrics: no more, no fewer";
   EXPECT_EQ(m.ckpt_saved_bytes, 0);
   EXPECT_EQ(m.step, 0);
   EXPECT_EQ(m.mem_peak_bytes, 0);
@@ -89,8 +94,7 @@ TEST(StepMetrics, JsonHasEveryFieldInItsOwnType) {
   StepMetrics m;
   m.step = 7;
   m.loss = 2.5;
-  m.act_offloaded_bytes = 1 << 20;
-  m.reduce_wait_ms = 0;
+  m.counters["act_offloaded_bytes"] = 1 << 20;
   nlohmann::json j = m.to_json();
   const std::set<std::string> doubles = {"loss", "lr", "step_ms", "fwd_ms", "bwd_ms", "opt_ms", "recompute_ms",
                                          "reduce_wait_ms"};
@@ -136,6 +140,81 @@ TEST(StepMetrics, JsonHasEveryFieldInItsOwnType) {
   EXPECT_EQ(j["skipped"], false);
   scaled.skipped = true;
   EXPECT_EQ(scaled.to_json()["skipped"], true);
+}
+
+// The recipe for a counter (docs/architecture.md), on a stats type of the
+// test's own: its field, its row, its increment. The engine's generic
+// readers (Counters::since's subtraction, Counters::metrics' listing and the
+// JSON writer) take it up with no edit of theirs.
+struct DemoStats {
+  int64_t copies = 0;      // total: the field (edit 1)
+  int64_t held_bytes = 0;  // now
+  int peak_units = 0;      // peak
+  double wait_ms = 0;      // total
+  static const FieldTable<DemoStats>& fields();
+};
+const FieldTable<DemoStats>& DemoStats::fields() {
+  static const FieldTable<DemoStats> table = {
+      {"copies", FieldKind::kTotal, &DemoStats::copies, "demo_copies"},  // its row (edit 2)
+      {"held_bytes", FieldKind::kNow, &DemoStats::held_bytes},
+      {"peak_units", FieldKind::kPeak, &DemoStats::peak_units, "demo_peak_units"},
+      {"wait_ms", FieldKind::kTotal, &DemoStats::wait_ms, "demo_wait_ms"},
+  };
+  return table;
+}
+
+TEST(CounterRecipe, AFieldAndItsRowReachTheStepAndItsMetrics) {
+  DemoStats before, now;
+  ++before.copies;  // its increment (edit 3), where the library counts
+  before.held_bytes = 32, before.peak_units = 3, before.wait_ms = 0.25;
+  now.copies = 5, now.held_bytes = 64, now.peak_units = 2, now.wait_ms = 1.0;
+  subtract_totals(DemoStats::fields(), now, before);
+  EXPECT_EQ(now.copies, 4) << "a total: the step's share";
+  EXPECT_EQ(now.held_bytes, 64) << "now: as read";
+  EXPECT_EQ(now.peak_units, 2) << "a peak: as read";
+  EXPECT_EQ(now.wait_ms, 0.75);
+
+  MetricValues metrics;
+  append_metrics(DemoStats::fields(), now, metrics);
+  nlohmann::json j = nlohmann::json::object();
+  internal::write_values(metrics, j);
+  EXPECT_EQ(j, nlohmann::json({{"demo_copies", 4}, {"demo_peak_units", 2}, {"demo_wait_ms", 0.75}}))
+      << "held_bytes names no metric";
+  EXPECT_TRUE(j["demo_copies"].is_number_integer());
+  EXPECT_TRUE(j["demo_peak_units"].is_number_integer());
+  EXPECT_TRUE(j["demo_wait_ms"].is_number_float());
+}
+
+// The real stats types: every row that names a metric reaches a step's
+// metrics JSON under that key with the value counted, so a row added to
+// ZeroStats, StoredInputStats or ActivationOffloadStats needs no engine edit.
+template <class S>
+void number_fields(const FieldTable<S>& table, S& s, int64_t& next) {
+  for (const auto& field : table) {
+    std::visit([&](auto m) { s.*m = static_cast<std::decay_t<decltype(s.*m)>>(next++); }, field.member());
+  }
+}
+template <class S>
+void expect_metrics(const FieldTable<S>& table, const S& s, const nlohmann::json& j, int& named) {
+  for (const auto& field : table) {
+    if (field.metric() == nullptr) continue;
+    ++named;
+    std::visit([&](auto v) { EXPECT_EQ(j.at(field.metric()), v) << field.name(); }, field.value(s));
+  }
+}
+
+TEST(CounterRecipe, EveryRowThatNamesAMetricReachesTheMetricsJson) {
+  Counters c;
+  int64_t next = 1;
+  number_fields(StoredInputStats::fields(), c.stored, next);
+  number_fields(ActivationOffloadStats::fields(), c.offload, next);
+  number_fields(parallel::ZeroStats::fields(), c.zero, next);
+  const nlohmann::json j = StepMetrics::from_counters(c).to_json();
+  int named = 0;
+  expect_metrics(StoredInputStats::fields(), c.stored, j, named);
+  expect_metrics(ActivationOffloadStats::fields(), c.offload, j, named);
+  expect_metrics(parallel::ZeroStats::fields(), c.zero, j, named);
+  EXPECT_EQ(named, 11);
 }
 
 // The caching allocator's keys are written on a CUDA device only: a CPU run's

@@ -270,7 +270,7 @@ class DataParallel final : public ShardingStrategy {
     torch::NoGradGuard no_grad;
     for (auto& b : buckets_) {
       if (b.pending) {
-        timed_wait(*b.pending, wait_ms_);
+        timed_wait(*b.pending, stats_.reduce_wait_ms);
         b.pending = nullptr;
       }
       int64_t offset = 0;
@@ -278,8 +278,8 @@ class DataParallel final : public ShardingStrategy {
         m.mutable_grad().copy_(b.flat.narrow(0, offset, m.numel()).view_as(m));
         offset += m.numel();
       }
-      ++buckets_reduced_;
-      if (b.done_in_backward) ++buckets_done_in_backward_;
+      ++stats_.buckets_reduced;
+      if (b.done_in_backward) ++stats_.buckets_done_in_backward;
       b.flat = at::Tensor();
     }
     reset();
@@ -311,7 +311,7 @@ class DataParallel final : public ShardingStrategy {
   }
 
   ZeroStats stats() const override {
-    ZeroStats s;
+    ZeroStats s = stats_;
     auto add = [&s](const at::Tensor& t) {
       s.param_bytes += static_cast<int64_t>(t.nbytes());
       if (t.grad().defined()) s.grad_bytes += static_cast<int64_t>(t.grad().nbytes());
@@ -320,11 +320,7 @@ class DataParallel final : public ShardingStrategy {
     if (policy().mixed()) {
       for (const auto& m : copies_.stepped()) add(m);
     }
-    s.allreduce_bytes = allreduce_bytes_;
     s.peak_grad_bytes = s.grad_bytes;
-    s.buckets_reduced = buckets_reduced_;
-    s.buckets_done_in_backward = buckets_done_in_backward_;
-    s.reduce_wait_ms = wait_ms_;
     return s;
   }
 
@@ -386,7 +382,7 @@ class DataParallel final : public ShardingStrategy {
     b.launched = true;
     if (dp_->size() > 1) {
       b.pending = dp_->allReduce(b.flat, {ReduceOp::kAvg});
-      allreduce_bytes_ += 2 * static_cast<int64_t>(b.flat.nbytes());
+      stats_.allreduce_bytes += 2 * static_cast<int64_t>(b.flat.nbytes());
     }
   }
 
@@ -414,8 +410,8 @@ class DataParallel final : public ShardingStrategy {
   bool unused_reported_ = false;
   size_t next_launch_ = 0;         // buckets launch in order, the same on every rank
   size_t first_in_flight_ = 0;     // buckets before it were seen complete in the backward
-  int64_t allreduce_bytes_ = 0, buckets_reduced_ = 0, buckets_done_in_backward_ = 0;
-  double wait_ms_ = 0;
+  // Totals and peaks, counted in place; stats() adds the bytes held now.
+  ZeroStats stats_;
 };
 
 }  // namespace

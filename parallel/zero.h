@@ -114,6 +114,7 @@
 
 #include "parallel/zero_memory.h"
 #include "parallel/zero_options.h"
+#include "runtime/field_table.h"
 
 namespace torch::nn {
 class Module;
@@ -159,7 +160,33 @@ struct ZeroStats {
   double reduce_wait_ms = 0;
   int64_t buckets_reduced = 0, buckets_done_in_backward = 0;
   int64_t collective_bytes() const { return allgather_bytes + reducescatter_bytes + allreduce_bytes; }
+  static const FieldTable<ZeroStats>& fields();
 };
+
+// Each field once (runtime/field_table.h): its kind, and its key in a step's
+// metrics if it has one. A new counter is its field, its row and its increment
+// where a strategy counts (each keeps one ZeroStats and returns it whole).
+inline const FieldTable<ZeroStats>& ZeroStats::fields() {
+  using S = ZeroStats;
+  constexpr FieldKind kTotal = FieldKind::kTotal, kNow = FieldKind::kNow, kPeak = FieldKind::kPeak;
+  static const FieldTable<S> table = {
+      {"param_bytes", kNow, &S::param_bytes, "param_bytes"},
+      {"grad_bytes", kNow, &S::grad_bytes, "grad_bytes"},
+      {"gathered_bytes", kNow, &S::gathered_bytes},
+      {"host_bytes", kNow, &S::host_bytes},
+      {"host_param_bytes", kNow, &S::host_param_bytes},
+      {"peak_gathered_bytes", kPeak, &S::peak_gathered_bytes, "peak_gathered_param_bytes"},
+      {"peak_gathered_units", kPeak, &S::peak_gathered_units},
+      {"allgather_bytes", kTotal, &S::allgather_bytes},
+      {"reducescatter_bytes", kTotal, &S::reducescatter_bytes},
+      {"allreduce_bytes", kTotal, &S::allreduce_bytes},
+      {"peak_grad_bytes", kPeak, &S::peak_grad_bytes, "grad_peak_bytes"},
+      {"reduce_wait_ms", kTotal, &S::reduce_wait_ms, "reduce_wait_ms"},
+      {"buckets_reduced", kTotal, &S::buckets_reduced, "buckets_reduced"},
+      {"buckets_done_in_backward", kTotal, &S::buckets_done_in_backward, "buckets_done_in_backward"},
+  };
+  return table;
+}
 
 // Which elements of the model's parameters one of ZeroModel::parameters()
 // holds: `length` elements from `param_offset` of the flattened parameter

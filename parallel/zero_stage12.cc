@@ -70,7 +70,7 @@ class Stage12 final : public ShardingStrategy {
   std::vector<GradGroup> grad_groups(const std::vector<at::Tensor>& sharded_tp,
                                      const std::shared_ptr<Communicator>& tp) const override;
   ZeroStats stats() const override;
-  void reset_peak() override { peak_grad_bytes_ = grad_bytes_now(); }
+  void reset_peak() override { stats_.peak_grad_bytes = grad_bytes_now(); }
 
  private:
   // A parameter's gradient was accumulated (AccumulateGrad's post hook).
@@ -87,7 +87,7 @@ class Stage12 final : public ShardingStrategy {
   at::TensorOptions grad_options(const Bucket& b) const {
     return b.compute.defined() ? b.compute.options().dtype(at::kFloat) : b.flat.options();
   }
-  void track_grad_bytes() { peak_grad_bytes_ = std::max(peak_grad_bytes_, grad_bytes_now()); }
+  void track_grad_bytes() { stats_.peak_grad_bytes = std::max(stats_.peak_grad_bytes, grad_bytes_now()); }
 
   DpGroups groups_;
   ZeroOptions options_;
@@ -102,8 +102,6 @@ class Stage12 final : public ShardingStrategy {
   // the one announced as the last micro-step (begin_backward(true)).
   bool overlapping_ = false;
   bool overlap_by_default() const { return options_.overlap_comm && options_.stage == 2; }
-  int64_t buckets_reduced_ = 0, buckets_done_in_backward_ = 0;
-  double wait_ms_ = 0;
   // Frozen parameters (requires_grad false): whole on every rank, in no
   // bucket, never given a gradient (what the optimizer skips); under mixed
   // precision the model computes with 16-bit copies of their masters.
@@ -113,9 +111,9 @@ class Stage12 final : public ShardingStrategy {
   // version counter (LibTorch 1.13's SGD writes through .data()), so the
   // version counter alone cannot tell that a step happened.
   bool stepped_ = false;
-  int64_t peak_grad_bytes_ = 0;
+  // Totals and peaks, counted in place; stats() adds the bytes held now.
+  ZeroStats stats_;
   GradientHooks hooks_;  // last: its hooks stop before the buckets go
-  int64_t allgather_bytes_ = 0, reducescatter_bytes_ = 0, allreduce_bytes_ = 0;
 };
 
 Stage12::Stage12(torch::nn::Module& model, const DpGroups& groups,
@@ -235,7 +233,7 @@ at::Tensor Stage12::whole_master(const Bucket& b) {
   MemoryCategoryScope buffers(MemoryCategory::kCommunication);
   at::Tensor whole = at::empty({b.padded}, mine.options());
   group.allGather(whole, mine)->wait();
-  allgather_bytes_ += static_cast<int64_t>(whole.nbytes());
+  stats_.allgather_bytes += static_cast<int64_t>(whole.nbytes());
   return whole;
 }
 
@@ -309,7 +307,7 @@ void Stage12::sync_parameters() {
           at::Tensor part = whole.narrow(0, q * b.chunk, b.chunk);
           flights.push_back({group.broadcast(part, {q}), part, at::Tensor(), at::Tensor()});
         }
-        allgather_bytes_ += static_cast<int64_t>(whole.nbytes());
+        stats_.allgather_bytes += static_cast<int64_t>(whole.nbytes());
         continue;
       }
       const int64_t piece = std::max<int64_t>(options_.allgather_bucket_size / n, 1);
@@ -325,7 +323,7 @@ void Stage12::sync_parameters() {
           flights.push_back({group.allGather(output, input), input, output, by_rank.narrow(1, o, len)});
         }
       }
-      allgather_bytes_ += static_cast<int64_t>(whole.nbytes());
+      stats_.allgather_bytes += static_cast<int64_t>(whole.nbytes());
     }
     for (auto& f : flights) {
       f.work->wait();
@@ -445,11 +443,11 @@ void Stage12::launch(size_t bi) {
   } else if (options_.reduce_scatter) {
     b.output = at::empty({b.chunk}, flat.options());
     b.pending = group.reduceScatter(b.output, flat, {ReduceOp::kAvg});
-    reducescatter_bytes_ += static_cast<int64_t>(flat.nbytes());
+    stats_.reducescatter_bytes += static_cast<int64_t>(flat.nbytes());
   } else {
     b.output = flat.narrow(0, group.rank() * b.chunk, b.chunk);
     b.pending = group.allReduce(b.input, {ReduceOp::kAvg});
-    allreduce_bytes_ += 2 * static_cast<int64_t>(flat.nbytes());
+    stats_.allreduce_bytes += 2 * static_cast<int64_t>(flat.nbytes());
   }
   track_grad_bytes();
   // Without overlap (or stage 1 reducing after the backward) each bucket's
@@ -472,19 +470,19 @@ void Stage12::complete(size_t bi) {
   Bucket& b = buckets_[bi];
   if (!b.input.defined()) return;
   if (b.pending) {
-    timed_wait(*b.pending, wait_ms_);
+    timed_wait(*b.pending, stats_.reduce_wait_ms);
     b.pending = nullptr;
   }
-  ++buckets_reduced_;
-  if (b.done_in_backward) ++buckets_done_in_backward_;
+  ++stats_.buckets_reduced;
+  if (b.done_in_backward) ++stats_.buckets_done_in_backward;
   b.done_in_backward = false;
   torch::NoGradGuard no_grad;
   MemoryCategoryScope gradients(MemoryCategory::kGradients);
   at::Tensor g = b.output;  // this rank's [chunk] of the averaged bucket
   if (groups_.replicate && groups_.replicate->size() > 1) {
     g = g.contiguous();
-    timed_wait(*groups_.replicate->allReduce(g, {ReduceOp::kAvg}), wait_ms_);
-    allreduce_bytes_ += 2 * static_cast<int64_t>(g.nbytes());
+    timed_wait(*groups_.replicate->allReduce(g, {ReduceOp::kAvg}), stats_.reduce_wait_ms);
+    stats_.allreduce_bytes += 2 * static_cast<int64_t>(g.nbytes());
   }
   if (b.shard.grad().defined()) {
     b.shard.mutable_grad().add_(g);
@@ -565,7 +563,7 @@ int64_t Stage12::grad_bytes_now() const {
 }
 
 ZeroStats Stage12::stats() const {
-  ZeroStats s;
+  ZeroStats s = stats_;
   for (const auto& b : buckets_) {
     if (b.flat.defined()) s.param_bytes += static_cast<int64_t>(b.flat.nbytes());
     if (b.compute.defined()) s.param_bytes += static_cast<int64_t>(b.compute.nbytes());
@@ -575,13 +573,7 @@ ZeroStats Stage12::stats() const {
     for (const auto& p : frozen_.model()) s.param_bytes += static_cast<int64_t>(p.nbytes());
   }
   s.grad_bytes = grad_bytes_now();
-  s.peak_grad_bytes = std::max(peak_grad_bytes_, s.grad_bytes);
-  s.allgather_bytes = allgather_bytes_;
-  s.reducescatter_bytes = reducescatter_bytes_;
-  s.allreduce_bytes = allreduce_bytes_;
-  s.buckets_reduced = buckets_reduced_;
-  s.buckets_done_in_backward = buckets_done_in_backward_;
-  s.reduce_wait_ms = wait_ms_;
+  s.peak_grad_bytes = std::max(s.peak_grad_bytes, s.grad_bytes);
   return s;
 }
 

@@ -98,7 +98,7 @@ class Stage3 final : public ShardingStrategy {
   // peak since reset_peak(), `in_flight` bytes of a shard on its way to the host beside them.
   int64_t device_grad_bytes() const;
   void track_grad_peak(int64_t in_flight = 0) {
-    peak_grad_bytes_ = std::max(peak_grad_bytes_, device_grad_bytes() + in_flight);
+    stats_.peak_grad_bytes = std::max(stats_.peak_grad_bytes, device_grad_bytes() + in_flight);
   }
 
   std::shared_ptr<Communicator> dp_;         // the shard group
@@ -122,10 +122,9 @@ class Stage3 final : public ShardingStrategy {
   // through a unit then is refused (refuse_backward_inside_forward).
   bool in_forward_ = false;
   void refuse_backward_inside_forward(const Unit& unit) const;
-  int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
-  int gathered_units_ = 0, peak_gathered_units_ = 0;
-  int64_t allgather_bytes_ = 0, reducescatter_bytes_ = 0, allreduce_bytes_ = 0;
-  int64_t peak_grad_bytes_ = 0;
+  int gathered_units_ = 0;  // units gathered now (stats_ keeps their peak)
+  // Totals and peaks, counted in place; stats() adds the bytes held now.
+  ZeroStats stats_;
 };
 
 // ---------------------------------------------------------------------------
@@ -353,13 +352,13 @@ std::vector<at::Tensor> Stage3::parameters() const {
 }
 
 void Stage3::track_gathered(int64_t delta) {
-  gathered_bytes_ += delta;
-  peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
+  stats_.gathered_bytes += delta;
+  stats_.peak_gathered_bytes = std::max(stats_.peak_gathered_bytes, stats_.gathered_bytes);
 }
 
 void Stage3::track_gathered_units(int delta) {
   gathered_units_ += delta;
-  peak_gathered_units_ = std::max(peak_gathered_units_, gathered_units_);
+  stats_.peak_gathered_units = std::max(stats_.peak_gathered_units, gathered_units_);
 }
 
 void Stage3::gather(Unit& unit, bool wait) {
@@ -376,7 +375,7 @@ void Stage3::gather(Unit& unit, bool wait) {
       before_read(g.shard);  // offload_optimizer: its copy from the host master ended
       at::Tensor input = g.shard.detach().to(g.full.device(), g.full.scalar_type());  // offload_param: to the device
       g.pending = dp_->allGather(g.full, input);
-      allgather_bytes_ += g.bytes();
+      stats_.allgather_bytes += g.bytes();
       track_gathered(g.bytes());
     }
   }
@@ -431,10 +430,10 @@ void Stage3::reduce(Unit& unit) {
       if (policy().reduce_dtype() != at::kFloat && reduced) input = input.to(policy().reduce_dtype());
       at::Tensor out = at::empty({len}, input.options());
       dp_->reduceScatter(out, input, {ReduceOp::kAvg})->wait();
-      reducescatter_bytes_ += static_cast<int64_t>(input.nbytes());
+      stats_.reducescatter_bytes += static_cast<int64_t>(input.nbytes());
       if (replicate_ && replicate_->size() > 1) {
         replicate_->allReduce(out, {ReduceOp::kAvg})->wait();
-        allreduce_bytes_ += 2 * static_cast<int64_t>(out.nbytes());
+        stats_.allreduce_bytes += 2 * static_cast<int64_t>(out.nbytes());
       }
       shard_grad.narrow(0, o, len).copy_(out);
     }
@@ -547,7 +546,7 @@ void Stage3::finish_backward(bool synchronize) {
       }
     }
   }
-  if (synchronize) all_reduce_gradients(persistent_, *all_dp_, options_.reduce_bucket_size, allreduce_bytes_);
+  if (synchronize) all_reduce_gradients(persistent_, *all_dp_, options_.reduce_bucket_size, stats_.allreduce_bytes);
   track_grad_peak();
   for (auto& u : units_) {
     if (u->ran && !u->reduced) {
@@ -647,18 +646,12 @@ std::map<std::string, at::Tensor> Stage3::full_parameters() {
 }
 
 ZeroStats Stage3::stats() const {
-  ZeroStats s;
+  ZeroStats s = stats_;
   for (const auto& p : parameters()) {
     s.param_bytes += static_cast<int64_t>(p.nbytes());
     if (p.grad().defined()) s.grad_bytes += static_cast<int64_t>(p.grad().nbytes());
   }
-  s.gathered_bytes = gathered_bytes_;
-  s.peak_gathered_bytes = peak_gathered_bytes_;
-  s.peak_gathered_units = peak_gathered_units_;
-  s.allgather_bytes = allgather_bytes_;
-  s.reducescatter_bytes = reducescatter_bytes_;
-  s.allreduce_bytes = allreduce_bytes_;
-  s.peak_grad_bytes = std::max(peak_grad_bytes_, device_grad_bytes());
+  s.peak_grad_bytes = std::max(s.peak_grad_bytes, device_grad_bytes());
   return s;
 }
 
@@ -673,9 +666,9 @@ int64_t Stage3::device_grad_bytes() const {
 }
 
 void Stage3::reset_peak() {
-  peak_gathered_bytes_ = gathered_bytes_;
-  peak_gathered_units_ = gathered_units_;
-  peak_grad_bytes_ = device_grad_bytes();
+  stats_.peak_gathered_bytes = stats_.gathered_bytes;
+  stats_.peak_gathered_units = gathered_units_;
+  stats_.peak_grad_bytes = device_grad_bytes();
 }
 
 std::map<std::string, int64_t> Stage3::gather_counts() const {

@@ -1,6 +1,7 @@
-// Engine::Impl: what an engine keeps between its calls, shared by engine.cc
-// (the calls of a step, saves, evaluation) and wiring.cc (initialize() and
-// the constructor's wiring, the destructor). The engine's own: not installed.
+// Engine::Impl: what an engine keeps between its calls, shared by the calls
+// (engine.cc: the forward; engine_step.cc: backward and step; engine_state.cc:
+// saves, export, evaluation) and wiring.cc (initialize() and the
+// constructor's wiring, the destructor). The engine's own: not installed.
 #pragma once
 
 #include <ATen/core/Tensor.h>

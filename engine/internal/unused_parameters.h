@@ -1,5 +1,5 @@
 // Leaving parameters that got no gradient alone in an optimizer step: the
-// engine's own (engine.cc's step()), so that a parameter no forward used on
+// engine's own (engine_step.cc's step()), so that a parameter no forward used on
 // any rank keeps its values and optimizer state, as a plain LibTorch loop
 // leaves a parameter without .grad.
 #pragma once
