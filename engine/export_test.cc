@@ -8,8 +8,12 @@
 // other files is refused before anything is gathered, a previous export's is
 // replaced whole.
 #include <ATen/ATen.h>
+#include <ATen/core/Dict.h>
+#include <caffe2/serialize/inline_container.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/jit/serialization/export.h>
+#include <torch/csrc/jit/serialization/pickler.h>
 
 #include <sys/resource.h>
 #include <unistd.h>
@@ -263,6 +267,42 @@ TEST(Export, AForeignFolderIsRefusedAndAPreviousExportReplaced) {
                 HasSubstr("does not exist: create it"));
     EXPECT_THAT(error_of<ConfigError>([&] { check_export_path(dir + "/out/"); }), HasSubstr("is not a directory"));
   }
+  done(dir);
+}
+
+// The streamed pickle is byte for byte the archive LibTorch writes at once
+// (Pickler + writeArchiveAndTensors, each tensor held by the caller too):
+// views, bf16 and zero-size tensors alike.
+TEST(Export, TheStreamedPickleIsTheArchiveWrittenAtOnce) {
+  const std::string dir = job_dir("pickle");
+  at::manual_seed(3);
+  const at::Tensor base = at::randn({6, 5});
+  const std::vector<std::pair<std::string, at::Tensor>> params = {
+      {"a.weight", base.narrow(0, 2, 3)}, {"b", at::randn({4}).to(at::kBFloat16)}, {"empty", at::zeros({0, 3})},
+      {"c.bias", base.t().contiguous()}};
+  c10::Dict<std::string, at::Tensor> dict;
+  std::vector<at::Tensor> held;
+  for (const auto& [name, value] : params) {
+    held.push_back(value.contiguous().clone());
+    dict.insert(name, held.back());
+  }
+  std::vector<char> pickled;
+  torch::jit::Pickler pickler([&](const char* data, size_t size) { pickled.insert(pickled.end(), data, data + size); },
+                              nullptr, nullptr, nullptr, nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(c10::IValue(dict));
+  pickler.stop();
+  std::string at_once;
+  {
+    caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t size) {
+      at_once.append(static_cast<const char*>(data), size);
+      return size;
+    });
+    torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(), pickler.tensorData(), writer);
+  }
+  const std::string path = str(dir, "/", world()->rank(), ".pt");
+  EXPECT_EQ(write_model_file(path, params), static_cast<int64_t>(at_once.size()));
+  EXPECT_TRUE(read_bytes(path) == at_once);
   done(dir);
 }
 

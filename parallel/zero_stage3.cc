@@ -38,6 +38,7 @@ struct Unit {
   const torch::nn::Module* module = nullptr;  // null: the root unit
   size_t index = 0;
   std::vector<FlatGroup> groups;
+  std::vector<at::Tensor> persistent;  // its parameters kept whole (in Stage3::persistent_ too)
   bool gathered = false;
   bool ran = false;      // ran forward since the last finish_backward
   bool reduced = false;  // reduced since the last finish_backward
@@ -299,6 +300,7 @@ std::unique_ptr<Unit> Stage3::flatten_unit(const UnitParameters& params, size_t 
   for (const auto& p : params.params) {
     if (p.numel() < persistence_threshold_) {
       persistent_.push_back(p);
+      unit->persistent.push_back(p);
       continue;
     }
     REMAT_CHECK(p.scalar_type() == at::kFloat, "ZeroModel: parameters must be float32 (",
@@ -626,13 +628,16 @@ std::vector<ShardLayout> Stage3::layout() const {
 
 std::vector<ShardingStrategy::FullUnitSource> Stage3::full_units() {
   std::vector<FullUnitSource> out;
-  // A unit at a time, its groups gathered from the float32 shards (whatever
-  // the compute type), each parameter a view of them.
+  // A unit at a time with its persistent parameters (so that a unit's
+  // parameters come together, in their order), its groups gathered from the
+  // float32 shards (whatever the compute type), each parameter a view of them.
   for (const auto& u : units_) {
     FullUnitSource source;
     for (const auto& g : u->groups) {
       for (const auto& p : g.params) source.names.push_back(names_.at(p.unsafeGetTensorImpl()));
     }
+    for (const auto& p : u->persistent) source.names.push_back(names_.at(p.unsafeGetTensorImpl()));
+    if (source.names.empty()) continue;
     source.gather = [this, unit = u.get()] {
       ZeroModel::FullUnit out;
       for (const auto& g : unit->groups) {
@@ -644,17 +649,13 @@ std::vector<ShardingStrategy::FullUnitSource> Stage3::full_units() {
           out.emplace_back(names_.at(p.unsafeGetTensorImpl()), full.narrow(0, g.offsets[k], p.numel()).view(p.sizes()));
         }
       }
+      for (const auto& p : unit->persistent) {
+        before_read(p);  // offload_optimizer: its copy from the host master ended
+        out.emplace_back(names_.at(p.unsafeGetTensorImpl()), p.detach().to(at::kFloat));
+      }
       return out;
     };
     out.push_back(std::move(source));
-  }
-  // Persistent parameters: whole on every rank, one at a time.
-  for (const auto& p : persistent_) {
-    const std::string& name = names_.at(p.unsafeGetTensorImpl());
-    out.push_back({{name}, [this, p, name] {
-                     before_read(p);  // offload_optimizer: its copy from the host master ended
-                     return ZeroModel::FullUnit{{name, p.detach().to(at::kFloat)}};
-                   }});
   }
   return out;
 }

@@ -91,8 +91,14 @@ int64_t TemporaryFile::commit() {
 }
 
 std::string pickle_of(const std::vector<SafetensorsPlanned>& plan) {
+  // Each tensor held here too, as the exports before streaming held theirs:
+  // the pickler memoizes a tensor held twice, and the bytes stay those.
+  std::vector<at::Tensor> held;
   c10::Dict<std::string, at::Tensor> dict;
-  for (const auto& t : plan) dict.insert(t.name, placeholder(t.dtype, t.shape));
+  for (const auto& t : plan) {
+    held.push_back(placeholder(t.dtype, t.shape));
+    dict.insert(t.name, held.back());
+  }
   // torch::pickle_save's format, without the type tag it adds to a typed
   // dictionary (torch.jit._pickle.restore_type_tag): Python's torch.load with
   // weights_only (the default from PyTorch 2.6 on) refuses that global, and a
