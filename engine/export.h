@@ -42,9 +42,11 @@ ExportFormat export_format(const std::string& path);
 
 struct ExportOptions {
   // A folder's shards: at most this many bytes of tensor data each (a tensor
-  // larger than that alone in its shard). 5 GB (5 x 10^9 bytes): Hugging
-  // Face save_pretrained's default max_shard_size, "5GB".
-  int64_t max_shard_bytes = 5'000'000'000;
+  // larger than that alone in its shard). 50 GB (50 x 10^9 bytes): Hugging
+  // Face transformers' save_pretrained default max_shard_size, "50GB", since
+  // its v5 (huggingface/transformers#42734; "5GB" before, and still
+  // huggingface_hub's save_torch_state_dict default).
+  int64_t max_shard_bytes = 50'000'000'000;
   // Added to a safetensors export's __metadata__, beside {"format": "pt"}
   // and remat's own ("remat_dtype"; the engine adds "remat_step").
   std::map<std::string, std::string> metadata;

@@ -317,7 +317,7 @@ TEST(Export, ShardSizesAreReadAsSavePretrainedWritesThem) {
   EXPECT_EQ(parse_byte_size("100kb", "--x"), 100'000);
   EXPECT_EQ(parse_byte_size("1.5GB", "--x"), 1'500'000'000);
   EXPECT_EQ(parse_byte_size("123456", "--x"), 123456);
-  EXPECT_EQ(ExportOptions{}.max_shard_bytes, 5'000'000'000);
+  EXPECT_EQ(ExportOptions{}.max_shard_bytes, 50'000'000'000);
   for (const char* bad : {"", "5XB", "-1", "0", "GB", "5 G B", "1e3"}) {
     EXPECT_THAT(error_of<ConfigError>([&] { parse_byte_size(bad, "--export-max-shard-size"); }),
                 HasSubstr(str("--export-max-shard-size '", bad, "' is not a size")))

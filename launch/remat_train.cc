@@ -224,7 +224,7 @@ MicroBatchProbe gpt_probe(const Config& config, const GptAutoFacts& facts, const
 // remat-train's flags as given.
 struct TrainFlags {
   std::string config_path, metrics_path, save_dir, resume_dir, export_path, memory_trace, plan_report;
-  std::string export_shard_size = "5GB";
+  std::string export_shard_size = "50GB";
   std::string backend = "auto";
   std::vector<std::string> overrides;
   std::optional<std::string> steps, seed, device, samples;
@@ -251,8 +251,8 @@ void add_flags(CLI::App& app, TrainFlags& f) {
                  "path a file for torch.load and torch::pickle_load. Checked at start: a regular file or a new "
                  "one (a folder: new, empty or a previous export's), with room for it");
   app.add_option("--export-max-shard-size", f.export_shard_size, "a folder --export's shards hold at most this "
-                 "much each: bytes, or e.g. 500MB, 5GB (powers of 1000), 2GiB (powers of 1024); default 5GB, "
-                 "as save_pretrained's max_shard_size");
+                 "much each: bytes, or e.g. 500MB, 5GB (powers of 1000), 2GiB (powers of 1024); default 50GB, "
+                 "as transformers' save_pretrained max_shard_size");
   app.add_option("--memory-trace", f.memory_trace, "write rank 0's memory timeline of one step (the run's second, "
                  "or its only one) to this file in Chrome's Trace Event JSON (Perfetto, chrome://tracing) and "
                  "its plot beside it (.png, with matplotlib); docs/memory.md");
