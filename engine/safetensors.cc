@@ -50,7 +50,8 @@ constexpr const char* kRemedy =
 // The JSON of a header or an index, with every object checked for a key given
 // twice (the parser would keep the last one silently) and nesting held to
 // `max_depth` (a header is at most 3 deep: file, tensor, shape). Returns the
-// fault in `fault` and a null value when the text is not acceptable.
+// fault in `fault` ("does not parse as JSON (...)") and a null value when the
+// text is not acceptable.
 nlohmann::json parse_strict(const std::string& text, int max_depth, std::string& fault) {
   struct Refused {
     std::string why;
@@ -59,13 +60,13 @@ nlohmann::json parse_strict(const std::string& text, int max_depth, std::string&
   auto check = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
     using Event = nlohmann::json::parse_event_t;
     if ((event == Event::object_start || event == Event::array_start) && depth >= max_depth) {
-      throw Refused{str("the JSON nests deeper than ", max_depth, " levels")};
+      throw Refused{str("nests deeper than ", max_depth, " levels")};
     }
     if (event == Event::object_start) open_objects.emplace_back();
     if (event == Event::object_end && !open_objects.empty()) open_objects.pop_back();
     if (event == Event::key && !open_objects.empty() &&
         !open_objects.back().insert(parsed.get<std::string>()).second) {
-      throw Refused{str("the key '", parsed.get<std::string>(), "' appears twice in one object")};
+      throw Refused{str("has the key '", parsed.get<std::string>(), "' twice in one object")};
     }
     return true;
   };
@@ -75,7 +76,7 @@ nlohmann::json parse_strict(const std::string& text, int max_depth, std::string&
     fault = r.why;
   } catch (const nlohmann::json::exception& e) {
     // Ill-formed UTF-8 is one of these: the parser checks every string.
-    fault = str("its JSON does not parse (", e.what(), ")");
+    fault = str("does not parse as JSON (", e.what(), ")");
   }
   return nullptr;
 }
@@ -109,14 +110,18 @@ SafetensorsEntry parse_entry(const std::string& path, const std::string& name, c
            ": convert the file's tensors to one of those dtypes (in Python: safetensors.torch with tensor.to(...))");
   }
   if (!e.contains("shape") || !e["shape"].is_array()) refuse(path, str(who, " has no shape array"));
-  int64_t bytes = static_cast<int64_t>(c10::elementSize(entry.dtype));
+  // The bytes, and their bound with each 0 taken as 1: a tensor's strides are
+  // products of its sizes so taken, and must fit 64 bits too.
+  const int64_t item = static_cast<int64_t>(c10::elementSize(entry.dtype));
+  int64_t bytes = item, bound = item;
   for (const auto& d : e["shape"]) {
     const int64_t size = non_negative(d);
     if (size < 0) refuse(path, str(who, " has the shape ", e["shape"].dump(), ": each size must be an integer >= 0"));
     entry.shape.push_back(size);
-    if (__builtin_mul_overflow(bytes, size, &bytes)) {
-      refuse(path, str(who, " has the shape ", e["shape"].dump(), ", more bytes than a 64-bit size holds"));
+    if (__builtin_mul_overflow(bound, std::max<int64_t>(size, 1), &bound)) {
+      refuse(path, str(who, " has the shape ", e["shape"].dump(), ", more elements than a 64-bit size holds"));
     }
+    bytes *= size;  // <= bound: no overflow
   }
   const nlohmann::json* offsets = e.contains("data_offsets") ? &e["data_offsets"] : nullptr;
   if (!offsets || !offsets->is_array() || offsets->size() != 2 || non_negative((*offsets)[0]) < 0 ||
@@ -192,7 +197,7 @@ Header read_header(const std::string& path, const char* bytes, int64_t size) {
   header.data_start = 8 + static_cast<int64_t>(n);
   std::string fault;
   const nlohmann::json json = parse_strict(std::string(bytes + 8, n), 3, fault);
-  if (!fault.empty()) refuse(path, str("its header: ", fault));
+  if (!fault.empty()) refuse(path, str("its header ", fault));
   if (!json.is_object()) refuse(path, str("its header is a JSON ", json.type_name(), ", not an object"));
   for (const auto& item : json.items()) {
     if (item.key() != "__metadata__") {
@@ -357,7 +362,7 @@ std::map<std::string, std::string> read_index(const std::string& path) {
   };
   std::string fault;
   const nlohmann::json json = parse_strict(text.str(), 8, fault);
-  if (!fault.empty()) throw bad(fault);
+  if (!fault.empty()) throw bad(str("it ", fault));
   if (!json.is_object() || !json.contains("weight_map") || !json["weight_map"].is_object()) {
     throw bad("it has no weight_map object");
   }
@@ -392,7 +397,11 @@ SafetensorsSet SafetensorsSet::open(const std::string& path) {
     auto it = file_index.find(file);
     if (it == file_index.end()) {
       it = file_index.emplace(file, set.files_.size()).first;
-      set.files_.push_back(SafetensorsFile::open((folder / file).string()));
+      try {
+        set.files_.push_back(SafetensorsFile::open((folder / file).string()));
+      } catch (const ConfigError& e) {
+        throw ConfigError(str(e.what(), " (named by the index '", target, "')"));
+      }
     }
     if (!set.files_[it->second]->find(name)) {
       throw ConfigError(str("safetensors index '", target, "' puts tensor '", name, "' in '", file,
