@@ -352,8 +352,17 @@ std::string resolve_set_path(const std::string& path) {
 
 // The weight_map of the index at `path`: {tensor: file name in its folder}.
 std::map<std::string, std::string> read_index(const std::string& path) {
+  std::error_code ec;
+  const auto size = fs::file_size(path, ec);
+  if (!ec && size > static_cast<uintmax_t>(kMaxSafetensorsHeaderBytes)) {
+    throw ConfigError(str("safetensors index '", path, "' is ", size, " bytes, more than the ",
+                          kMaxSafetensorsHeaderBytes, " an index may be: give the index of a model"));
+  }
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw ConfigError(str("safetensors index '", path, "': cannot read it (", std::strerror(errno), ")"));
+  if (!in) {
+    throw ConfigError(str("safetensors index '", path, "': cannot read it (", std::strerror(errno),
+                          "): check the path and its permissions"));
+  }
   std::stringstream text;
   text << in.rdbuf();
   auto bad = [&](const std::string& what) {

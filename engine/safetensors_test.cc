@@ -9,7 +9,10 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <cctype>
+#include <chrono>
 #include <csignal>
+#include <cstdio>
 #include <functional>
 
 #include <filesystem>
@@ -74,7 +77,7 @@ std::vector<SafetensorsPlanned> plan_of(const std::vector<std::pair<std::string,
 bool same_bits(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
   const at::Tensor x = a.contiguous(), y = b.contiguous();
-  return std::memcmp(x.data_ptr(), y.data_ptr(), x.numel() * x.element_size()) == 0;
+  return x.numel() == 0 || std::memcmp(x.data_ptr(), y.data_ptr(), x.numel() * x.element_size()) == 0;
 }
 
 TEST_F(SafetensorsTest, EveryDtypeRoundTripsBitwise) {
@@ -457,6 +460,199 @@ TEST_F(SafetensorsTest, AFileIsReplacedWhole) {
   }
   EXPECT_EQ(SafetensorsFile::open(at("m.safetensors"))->tensor("w")[1].item<float>(), 2.0f);
   EXPECT_EQ(listing(), std::vector<std::string>{"m.safetensors"});
+}
+
+
+// ---- The reader fuzzed: seeded mutations of valid files and indexes. ----
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// Mutates a safetensors file's bytes: edits aimed at its header (bytes,
+// tokens, numbers), its length field, its size.
+class Mutator {
+ public:
+  explicit Mutator(uint32_t seed) : rng_(seed) {}
+  uint32_t next(uint32_t n) { return n == 0 ? 0 : rng_() % n; }
+
+  std::string text_edit(std::string text) {
+    static const std::vector<std::string> tokens = {
+        "{", "}", "[", "]", ",", ":", "\"", " ", "-1", "0", "1", "7", "1e30", "0.5", "18446744073709551615",
+        "9223372036854775807", "4294967296", "\"F32\"", "\"BOOL\"", "\"BF16\"", "\"I64\"", "\"U16\"", "\"dtype\"",
+        "\"shape\"", "\"data_offsets\"", "\"__metadata__\"", "[0,0]", "[]", "{}", "null", "\xff", "\xc3", "\xed\xa0\x80",
+        "\"w\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]},"};
+    const size_t at = next(text.size() + 1);
+    switch (next(5)) {
+      case 0:
+        if (!text.empty()) text[at % text.size()] = static_cast<char>(next(256));
+        break;
+      case 1: text.insert(at, tokens[next(tokens.size())]); break;
+      case 2:
+        if (at < text.size()) text.erase(at, 1 + next(12));
+        break;
+      default: {  // a number of the text replaced: offsets and sizes off by a little or a lot
+        std::vector<std::pair<size_t, size_t>> numbers;
+        for (size_t i = 0; i < text.size();) {
+          size_t j = i;
+          while (j < text.size() && std::isdigit(static_cast<unsigned char>(text[j]))) ++j;
+          if (j > i) numbers.emplace_back(i, j - i);
+          i = j + 1;
+        }
+        if (numbers.empty()) break;
+        const auto [begin, length] = numbers[next(numbers.size())];
+        const uint64_t old = std::strtoull(text.substr(begin, length).c_str(), nullptr, 10);  // wraps: fine
+        const std::vector<std::string> values = {std::to_string(old + 1), std::to_string(old - 1),
+                                                 std::to_string(old * 2), "0", std::to_string(next(100)),
+                                                 "9223372036854775807", "99999999999999999999"};
+        text.replace(begin, length, values[next(values.size())]);
+      }
+    }
+    return text;
+  }
+
+  std::string file_edit(const std::string& bytes) {
+    uint64_t n = 0;
+    for (int i = 7; i >= 0 && bytes.size() >= 8; --i) n = (n << 8) | static_cast<unsigned char>(bytes[i]);
+    const bool framed = bytes.size() >= 8 && n <= bytes.size() - 8;
+    switch (next(6)) {
+      case 0:
+      case 1:
+      case 2:
+        if (framed) {  // the header edited; its length kept right, or not
+          const std::string header = text_edit(bytes.substr(8, n));
+          return le64(next(4) ? header.size() : n) + header + bytes.substr(8 + n);
+        }
+        return text_edit(bytes);
+      case 3: return bytes.substr(0, next(bytes.size() + 1));  // truncated
+      case 4: {                                                // the length spliced
+        const std::vector<uint64_t> lengths = {0, 1, n - 1, n + 1, n + 8, bytes.size() - 8, bytes.size() - 7,
+                                               uint64_t(kMaxSafetensorsHeaderBytes), uint64_t(kMaxSafetensorsHeaderBytes) + 1,
+                                               uint64_t(1) << 63, ~uint64_t(0), next(1 << 20)};
+        return le64(lengths[next(lengths.size())]) + (bytes.size() > 8 ? bytes.substr(8) : std::string());
+      }
+      default: {  // bytes of the data flipped or added
+        std::string out = bytes;
+        if (next(2) && !out.empty()) out[next(out.size())] ^= static_cast<char>(1 + next(255));
+        else out.append(1 + next(9), static_cast<char>(next(256)));
+        return out;
+      }
+    }
+  }
+
+ private:
+  std::mt19937 rng_;
+};
+
+// A file open() accepted: every entry within the data, its size its shape's,
+// and every tensor readable to its last byte (a bad BOOL a ConfigError).
+void check_accepted(const SafetensorsFile& file, int64_t* sum) {
+  for (const auto& e : file.entries()) {
+    ASSERT_LE(0, e.begin);
+    ASSERT_LE(e.begin, e.end);
+    ASSERT_LE(e.end, file.file_bytes() - 8);
+    try {
+      const at::Tensor t = file.tensor(e.name);
+      ASSERT_EQ(t.numel() * t.element_size(), e.end - e.begin) << e.name;
+      const auto* p = static_cast<const unsigned char*>(t.data_ptr());
+      for (int64_t i = 0; i < e.end - e.begin; ++i) *sum += p[i];
+    } catch (const ConfigError&) {
+    }
+  }
+}
+
+// Mutated files and indexes through SafetensorsFile::open and
+// SafetensorsSet::open: each ends in a ConfigError or in a file whose every
+// tensor lies within it, never a crash, an out-of-bounds read (ASan:
+// tools/sanitize.sh --quick runs this) or another exception. A fixed seed, so
+// a failure names a case that reproduces; bounded by count and by time.
+TEST_F(SafetensorsTest, FuzzEveryMutationEndsInAFileOrAConfigError) {
+  auto tensors = every_dtype();
+  {
+    SafetensorsWriter out(at("seed.safetensors"), plan_of(tensors));
+    for (const auto& [name, value] : tensors) out.write(name, value);
+    out.finish();
+  }
+  const std::vector<std::string> seeds = {
+      read_bytes(at("seed.safetensors")), raw_file("{}"),
+      raw_file(R"({"b":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"m":{"dtype":"F32","shape":[2],"data_offsets":[1,9]},)"
+               R"("t":{"dtype":"BOOL","shape":[2],"data_offsets":[9,11]}})",
+               std::string("\x07\0\0\x80?\0\0\0@\1\0", 11))};
+  Mutator mutate(20261129);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+  int accepted = 0, refused = 0, n = 0;
+  int64_t sum = 0;
+  const std::string path = at("case.safetensors");
+  for (; n < 20000 && std::chrono::steady_clock::now() < deadline; ++n) {
+    std::string bytes = seeds[mutate.next(seeds.size())];
+    for (uint32_t e = 1 + mutate.next(3); e > 0; --e) bytes = mutate.file_edit(bytes);
+    put(path, bytes);
+    try {
+      auto file = SafetensorsFile::open(path);
+      check_accepted(*file, &sum);
+      ++accepted;
+    } catch (const ConfigError&) {
+      ++refused;
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "case " << n << " threw " << typeid(e).name() << ": " << e.what();
+      break;
+    }
+    if (::testing::Test::HasFatalFailure()) {
+      ADD_FAILURE() << "case " << n << ": " << nlohmann::json(bytes.substr(0, 400)).dump(-1, ' ', true);
+      break;
+    }
+  }
+  std::printf("safetensors fuzz: %d files, %d accepted, %d ConfigError (checksum %lld)\n", n, accepted, refused,
+              static_cast<long long>(sum));
+  EXPECT_GE(n, 1000) << "too few cases ran in the time allowed";
+  EXPECT_GT(accepted, 0);
+  EXPECT_GT(refused, 0);
+}
+
+TEST_F(SafetensorsTest, FuzzShardedSetsEndInASetOrAConfigError) {
+  auto tensors = every_dtype();
+  {
+    SafetensorsWriter out(at("set"), plan_of(tensors), {64});
+    for (const auto& [name, value] : tensors) out.write(name, value);
+    out.finish();
+  }
+  std::vector<std::pair<std::string, std::string>> files;  // name, bytes
+  for (const auto& e : fs::directory_iterator(at("set"))) files.emplace_back(e.path().filename(), read_bytes(e.path()));
+  std::sort(files.begin(), files.end());
+  ASSERT_GE(files.size(), 4u);
+  const size_t index = files.size() - 1;  // model.safetensors.index.json sorts last
+  Mutator mutate(52);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(6);
+  int accepted = 0, refused = 0, n = 0;
+  int64_t sum = 0;
+  for (; n < 4000 && std::chrono::steady_clock::now() < deadline; ++n) {
+    auto mutated = files;
+    const size_t which = mutate.next(3) ? index : mutate.next(files.size());
+    for (uint32_t e = 1 + mutate.next(3); e > 0; --e) {
+      std::string& bytes = mutated[which].second;
+      bytes = which == index ? mutate.text_edit(bytes) : mutate.file_edit(bytes);
+    }
+    for (const auto& [name, bytes] : mutated) put(at("set/" + name), bytes);
+    try {
+      const SafetensorsSet set = SafetensorsSet::open(at("set"));
+      for (const auto& file : set.files()) check_accepted(*file, &sum);
+      for (const auto& name : set.names()) ASSERT_NE(set.find(name), nullptr);
+      ++accepted;
+    } catch (const ConfigError&) {
+      ++refused;
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "case " << n << " threw " << typeid(e).name() << ": " << e.what() << "\n"
+                    << mutated[which].first << ": " << nlohmann::json(mutated[which].second.substr(0, 400)).dump(-1, ' ', true);
+      break;
+    }
+    if (::testing::Test::HasFatalFailure()) break;
+  }
+  std::printf("safetensors set fuzz: %d sets, %d accepted, %d ConfigError (checksum %lld)\n", n, accepted, refused,
+              static_cast<long long>(sum));
+  EXPECT_GE(n, 300) << "too few cases ran in the time allowed";
+  EXPECT_GT(accepted, 0);
+  EXPECT_GT(refused, 0);
 }
 
 }  // namespace
