@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -75,8 +76,21 @@ nlohmann::json parse_strict(const std::string& text, int max_depth, std::string&
   } catch (const Refused& r) {
     fault = r.why;
   } catch (const nlohmann::json::exception& e) {
-    // Ill-formed UTF-8 is one of these: the parser checks every string.
-    fault = str("does not parse as JSON (", e.what(), ")");
+    // Ill-formed UTF-8 is one of these: the parser checks every string. Its
+    // message quotes the bytes last read: any not printable ASCII is shown
+    // as \xNN, so that the error is valid UTF-8 wherever it goes.
+    std::string shown;
+    for (const char c : std::string(e.what())) {
+      const auto u = static_cast<unsigned char>(c);
+      if (u >= 0x20 && u < 0x7F) {
+        shown += c;
+      } else {
+        char hex[8];
+        std::snprintf(hex, sizeof hex, "\\x%02x", u);
+        shown += hex;
+      }
+    }
+    fault = str("does not parse as JSON (", shown, ")");
   }
   return nullptr;
 }
@@ -246,7 +260,8 @@ std::unique_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
   refuse_big_endian(str("safetensors file '", path, "'"));
   std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
   file->path_ = path;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a fifo given by mistake is refused below instead of waiting for a writer.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     const int err = errno;
     refuse(path, str("cannot open it (", std::strerror(err), ")"),

@@ -7,6 +7,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cctype>
@@ -213,6 +214,11 @@ TEST_F(SafetensorsTest, EveryFaultOfAFileIsAConfigErrorNamingIt) {
   }
   EXPECT_THAT(file_error(at("missing.safetensors")), HasSubstr("cannot open it (No such file or directory): check the path"));
   EXPECT_THAT(file_error(dir_.string()), HasSubstr("it is a directory"));
+  ASSERT_EQ(::mkfifo(at("fifo").c_str(), 0600), 0);
+  EXPECT_THAT(file_error(at("fifo")), HasSubstr("it is not a regular file")) << "refused, not waited on";
+  // The parser's message quotes the bytes it read: shown escaped, the error valid UTF-8.
+  put(at("u.safetensors"), raw_file("{\"w\xff\": 1}"));
+  EXPECT_THAT(file_error(at("u.safetensors")), HasSubstr("ill-formed UTF-8 byte; last read: '\"w\\xff'"));
 }
 
 // Data offsets need not be aligned: a misaligned tensor comes back as an
