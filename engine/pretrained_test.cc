@@ -151,7 +151,7 @@ Tensors pretrained_values(const std::map<std::string, at::ScalarType>& dtypes = 
   return out;
 }
 
-struct Setup {
+struct Sharding {
   int stage = 0, tp = 1;
   bool bf16 = false, offload = false, frozen = false;
   std::string label() const {
@@ -160,7 +160,7 @@ struct Setup {
   }
 };
 
-Config config_of(const Setup& s) {
+Config config_of(const Sharding& s) {
   Config c;
   c.train_micro_batch_size_per_gpu = 2;
   c.train.seed = 3;
@@ -175,17 +175,17 @@ Config config_of(const Setup& s) {
   return c;
 }
 
-struct Run {
+struct Built {
   Net model{nullptr};
   std::unique_ptr<Engine> engine;
 };
 
 // Net under `s`'s engine; `install`: these whole values put into the model
 // before initialize (the reference a load must match).
-Run make(const Setup& s, const Tensors* install = nullptr) {
+Built make(const Sharding& s, const Tensors* install = nullptr) {
   const auto& layout = testing::layout_ptr(s.tp);
   at::manual_seed(1);
-  Run r;
+  Built r;
   r.model = Net(layout->tp_group());
   if (install) {
     at::NoGradGuard no_grad;
@@ -213,7 +213,7 @@ std::pair<at::Tensor, at::Tensor> batch(int64_t step) {
 }
 
 // The evaluated loss, then the losses of three training steps.
-std::vector<double> losses(Run& r) {
+std::vector<double> losses(Built& r) {
   std::vector<double> out;
   auto [x, y] = batch(0);
   out.push_back(r.engine->evaluate([&] { return r.model->loss(x, y); }).item<double>());
@@ -245,12 +245,12 @@ TEST(LoadPretrained, EveryShardingHoldsTheFilesValuesAndTrainsAsIfInitialisedWit
   const std::string path = dir + "/model.safetensors";
   if (world()->rank() == 0) write_safetensors(path, values);
   world()->barrier();
-  std::vector<Setup> setups = {{0}, {1}, {2}, {3}, {3, 1, true}, {2, 1, true, true}, {3, 1, false, true},
+  std::vector<Sharding> setups = {{0}, {1}, {2}, {3}, {3, 1, true}, {2, 1, true, true}, {3, 1, false, true},
                                {1, 1, false, false, true}, {3, 1, true, false, true}};
   if (world()->size() == 2) setups.insert(setups.end(), {{0, 2}, {3, 2}, {1, 2, true}});
-  for (const Setup& s : setups) {
+  for (const Sharding& s : setups) {
     SCOPED_TRACE(s.label());
-    Run loaded = make(s);
+    Built loaded = make(s);
     const PretrainedReport report = loaded.engine->load_pretrained(path);
     EXPECT_EQ(report.loaded, static_cast<int64_t>(values.size()));
     EXPECT_EQ(report.kept, 0);
@@ -271,7 +271,7 @@ TEST(LoadPretrained, EveryShardingHoldsTheFilesValuesAndTrainsAsIfInitialisedWit
     // The model computes with them (16-bit copies, offloaded masters, stage
     // 3's shards): the same losses, evaluated and trained, as a model that
     // held them at initialize.
-    Run reference = make(s, &values);
+    Built reference = make(s, &values);
     EXPECT_EQ(losses(loaded), losses(reference));
     for (const auto& [name, value] : masters(*reference.engine)) {
       EXPECT_TRUE(bitwise_equal(masters(*loaded.engine).at(name), value)) << name << " after training";
@@ -291,7 +291,7 @@ TEST(LoadPretrained, EachRankReadsOnlyWhatItHolds) {
   int64_t data = 0, buffer = 0;
   for (const auto& [name, value] : values) (name == "scale" ? buffer : data) += value.numel() * 4;
   {
-    Run r = make({3});
+    Built r = make({3});
     const int64_t mine = r.engine->load_pretrained(path).bytes_read - buffer;  // the buffer: whole, every rank
     at::Tensor all = at::empty({2}, at::kLong);
     world()->allGather(all, at::tensor({mine}, at::kLong))->wait();
@@ -299,7 +299,7 @@ TEST(LoadPretrained, EachRankReadsOnlyWhatItHolds) {
     EXPECT_LE(mine, data / 2 + 4 * kWidth) << "stage 3: this rank's shard (padding aside)";
   }
   {
-    Run r = make({0, 2});
+    Built r = make({0, 2});
     const int64_t mine = r.engine->load_pretrained(path).bytes_read - buffer;
     int64_t replicated = 0;  // norm, head, embedding and the row-parallel biases: whole on both ranks
     for (const auto& [name, split] : parallel::parameter_splits(*r.model)) {
@@ -330,7 +330,7 @@ TEST(LoadPretrained, EveryMismatchInOneErrorAndNothingWritten) {
   const std::string path = dir + "/bad.safetensors";
   if (world()->rank() == 0) write_safetensors(path, bad);
   world()->barrier();
-  Run r = make({3});
+  Built r = make({3});
   const auto before = masters(*r.engine);
   PretrainedOptions options;
   options.rename = {{"old\\.embed", "embed.weight"}};
@@ -376,7 +376,7 @@ TEST(LoadPretrained, RenameAllowMissingAndIgnore) {
   const std::string path = dir + "/named.safetensors";
   if (world()->rank() == 0) write_safetensors(path, file);
   world()->barrier();
-  Run r = make({1});
+  Built r = make({1});
   const auto before = masters(*r.engine);
   PretrainedOptions options;
   options.rename = {{"model\\.layers\\.(\\d+)\\.(.*)", "blocks.$1.$2"}, {"model\\.layers\\.(.*)", "never.$1"}};
@@ -400,6 +400,30 @@ TEST(LoadPretrained, RenameAllowMissingAndIgnore) {
               HasSubstr("PretrainedOptions::allow_missing 'head\\.(' is not a regular expression"));
 }
 
+// A sharded set written by remat's SafetensorsWriter (several files and an
+// index) loads from its folder and from its index, the same values.
+TEST(LoadPretrained, LoadsAShardedSetByItsFolderOrIndex) {
+  const std::string dir = shared_dir("sharded");
+  const Tensors values = pretrained_values({{"head.weight", at::kBFloat16}});
+  if (world()->rank() == 0) {
+    std::vector<SafetensorsPlanned> plan;
+    for (const auto& [name, value] : values) plan.push_back({name, value.scalar_type(), value.sizes().vec()});
+    SafetensorsWriter out(dir + "/set", plan, {/*max_shard_bytes=*/600});
+    for (auto it = values.rbegin(); it != values.rend(); ++it) out.write(it->first, it->second);
+    out.finish();
+    ASSERT_GT(out.paths().size(), 3u) << "several shards and the index";
+  }
+  world()->barrier();
+  for (const std::string path : {dir + "/set", dir + "/set/model.safetensors.index.json"}) {
+    Built r = make({3});
+    EXPECT_EQ(r.engine->load_pretrained(path).loaded, static_cast<int64_t>(values.size())) << path;
+    const auto held = masters(*r.engine);
+    for (const auto& [name, value] : values) {
+      if (name != "scale") EXPECT_TRUE(bitwise_equal(held.at(name), value.to(at::kFloat))) << path << ": " << name;
+    }
+  }
+}
+
 // After an optimizer step the optimizer's state belongs to the weights it
 // stepped: a load is refused, the weights untouched.
 TEST(LoadPretrained, RefusedAfterTheFirstStep) {
@@ -407,7 +431,7 @@ TEST(LoadPretrained, RefusedAfterTheFirstStep) {
   const std::string path = dir + "/model.safetensors";
   if (world()->rank() == 0) write_safetensors(path, pretrained_values());
   world()->barrier();
-  Run r = make({2});
+  Built r = make({2});
   auto [x, y] = batch(1);
   r.engine->backward(r.engine->forward([&] { return r.model->loss(x, y); }));
   EXPECT_THAT(error_of<Error>([&] { r.engine->load_pretrained(path); }), HasSubstr("inside a step"));
