@@ -158,8 +158,8 @@ void add_flags(CLI::App& app, ExampleArgs& a, const std::string& default_config)
   app.add_option("--pretrained", a.pretrained, "start from the weights of this safetensors file, sharded set's "
                  "index or folder: a Hugging Face LLaMA checkpoint of this shape (hf_llama_names) or the "
                  "example's own safetensors --export; loaded after initialize, each rank reading its share");
-  app.add_flag("--eval", a.eval, "before training, print 'eval loss L' (%.17g): the loss of a fixed batch, the "
-               "same on every rank, in eval mode (no dropout)");
+  app.add_flag("--eval", a.eval, "print 'eval loss L' before training and 'final eval loss L' after it (%.17g): "
+               "the loss of a fixed batch, the same on every rank, in eval mode (no dropout)");
   app.add_option("--params", a.params, "write 'name d0,d1,...' per model parameter here (rank 0)");
   app.add_option("--estimate-memory", a.estimate_memory, "before training, write remat's memory estimate per rank "
                  "(every ZeRO stage x policy; cold from the sizes, live from one profiled step) here as JSON");
@@ -246,8 +246,9 @@ int train(const ExampleArgs& args, const std::function<void(LlamaImpl&)>& prepar
   if (!args.pretrained.empty()) {
     const remat::PretrainedReport r = engine->load_pretrained(args.pretrained, hf_llama_names(args.lora_rank > 0));
     if (rank0) {
-      std::printf("loaded '%s': %lld tensors, %lld kept as initialised; rank 0 read %lld of %lld bytes in %.3f s\n",
-                  args.pretrained.c_str(), static_cast<long long>(r.loaded), static_cast<long long>(r.kept),
+      std::printf("loaded '%s': %lld tensors, %lld kept as initialised, %lld ignored; rank 0 read %lld of %lld "
+                  "bytes in %.3f s\n", args.pretrained.c_str(), static_cast<long long>(r.loaded),
+                  static_cast<long long>(r.kept), static_cast<long long>(r.ignored),
                   static_cast<long long>(r.bytes_read), static_cast<long long>(r.file_bytes), r.seconds);
     }
   }
@@ -256,14 +257,17 @@ int train(const ExampleArgs& args, const std::function<void(LlamaImpl&)>& prepar
     if (rank0) std::printf("resumed from '%s' at step %lld\n", args.resume.c_str(),
                            static_cast<long long>(engine->global_steps()));
   }
-  if (args.eval) {
+  // --eval: a fixed batch (the same on every rank, whatever the layout), in eval mode.
+  auto evaluate = [&](const char* label) {
+    if (!args.eval) return;
     at::Tensor x, y;
     std::tie(x, y) = corpus.batch(config.train.seed, 0, 0, 0, 4, options.seq_len);
     x = engine->to_device(x);
     y = engine->to_device(y);
     const double loss = engine->evaluate([&] { return model->loss(x, y); }).item<double>();
-    if (rank0) std::printf("eval loss %.17g\n", loss);
-  }
+    if (rank0) std::printf("%s %.17g\n", label, loss);
+  };
+  evaluate("eval loss");
   if (args.perturb_rng) at::randn({1});
   if (!args.export_initial.empty()) engine->export_model(args.export_initial);
   if (rank0) {
@@ -315,6 +319,7 @@ int train(const ExampleArgs& args, const std::function<void(LlamaImpl&)>& prepar
     // What the last step did (recompute time, offloaded bytes, ...): one JSON object.
     std::printf("last step metrics: %s\n", engine->last_metrics().to_json().dump().c_str());
   }
+  evaluate("final eval loss");
   if (!args.save_dir.empty()) {
     const std::string folder = engine->save_checkpoint(args.save_dir);
     if (rank0) std::printf("saved %s\n", folder.c_str());

@@ -34,7 +34,7 @@ struct ExampleArgs {
   std::string params;               // "name d0,d1,..." per parameter (rank 0)
   std::string base;                 // start from these weights (an --export of the same shape)
   std::string pretrained;           // start from a safetensors file or set (hf_llama_names)
-  bool eval = false;                // print the loss of a fixed batch, in eval mode, before training
+  bool eval = false;                // print the loss of a fixed batch, in eval mode, before and after training
   std::string estimate_memory;       // remat's memory estimate (cold and live) as JSON (rank 0)
   int64_t kv_heads = 2;
   int64_t lora_rank = 0;
