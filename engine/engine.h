@@ -42,6 +42,7 @@
 
 #include "engine/auto_values.h"
 #include "engine/config.h"
+#include "engine/export.h"
 #include "engine/micro_batch_search.h"
 #include "engine/save_dir.h"
 #include "engine/step_metrics.h"
@@ -262,10 +263,14 @@ class Engine {
   // before anything is written. Between steps before the first optimizer
   // step (the optimizer's state would not match the weights): else an Error.
   PretrainedReport load_pretrained(const std::string& path, const PretrainedOptions& options = {});
-  // Writes every parameter whole, by state-dict name, to one file that
-  // torch.load and torch::pickle_load read (written by rank 0). Returns the
-  // bytes written on rank 0.
-  int64_t export_model(const std::string& path);
+  // Writes every parameter whole, by state-dict name (written by rank 0,
+  // streamed one unit at a time: engine/export.h): `*.safetensors` one
+  // safetensors file, a folder (an existing directory or a path ending in
+  // '/') safetensors shards of at most options.max_shard_bytes with
+  // model.safetensors.index.json, anything else a file torch.load and
+  // torch::pickle_load read. The safetensors metadata holds "remat_step".
+  // Returns the bytes written on rank 0.
+  int64_t export_model(const std::string& path, const ExportOptions& options = {});
   // The dtype export_model writes: the training dtype (bf16 or fp16) when
   // zero_optimization.stage3_gather_16bit_weights_on_model_save is true, else float32.
   at::ScalarType export_dtype() const;

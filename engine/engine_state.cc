@@ -164,13 +164,15 @@ nlohmann::json Engine::load_checkpoint(const std::string& dir) {
   return nlohmann::json::parse(position.client_state);
 }
 
-int64_t Engine::export_model(const std::string& path) {
+int64_t Engine::export_model(const std::string& path, const ExportOptions& options) {
   if (impl_->phase != Phase::kIdle) {
     throw Error("remat::Engine::export_model: called between forward() and step(): export between steps");
   }
   check_spares_saves("remat::Engine::export_model", path, impl_->save_lock_dir, impl_->loaded_dir);
   ContextScope scope(impl_->context);
-  return remat::export_model(path, *impl_->zero, *model_, *impl_->world, export_dtype());
+  ExportOptions with_step = options;
+  with_step.metadata.emplace("remat_step", std::to_string(global_steps_));
+  return remat::export_model(path, *impl_->zero, *model_, *impl_->world, export_dtype(), with_step);
 }
 
 at::ScalarType Engine::export_dtype() const {

@@ -1,14 +1,26 @@
-// The trained model as one file: every parameter whole, by the model's
-// state-dict name, as a {name: tensor} dictionary that torch::pickle_load
-// (LibTorch) and torch.load (Python) read.
+// The trained model exported whole: every parameter by the model's
+// state-dict name, in one of the formats the ecosystem moves weights in,
+// chosen by the path:
 //
-//   remat::export_model("model.pt", zero, *model, *world);   // collective
-//   c10::IValue dict = torch::pickle_load(bytes);            // elsewhere
+//   model.safetensors   one safetensors file (engine/safetensors.h)
+//   export/             a folder (an existing directory or a path ending in
+//                       '/'): safetensors shards and model.safetensors.index.json
+//   model.pt            anything else: a {name: tensor} dictionary that
+//                       torch::pickle_load (LibTorch) and torch.load (Python) read
+//
+//   remat::export_model("model.safetensors", zero, *model, *world);   // collective
+//
+// Streamed: the parameters are gathered one unit at a time
+// (ZeroModel::for_each_full_unit; tensor-parallel shards whole per parameter
+// by their layer), converted, written and released, so that the writing rank
+// holds one unit beside its own state, not the model. Every format's bytes
+// depend on the values alone, not on the layout that trained them.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -24,43 +36,73 @@ namespace parallel {
 class ZeroModel;
 }
 
-// The model's parameters, whole and in float32: gathered over the
-// data-parallel group (ZeroModel::full_parameters()) and, for tensor-parallel
-// layers, over the tensor-parallel group. Collective over every rank.
+enum class ExportFormat { kPickle, kSafetensors, kSafetensorsShards };
+// The format `path` gets (above).
+ExportFormat export_format(const std::string& path);
+
+struct ExportOptions {
+  // A folder's shards: at most this many bytes of tensor data each (a tensor
+  // larger than that alone in its shard). 5 GB (5 x 10^9 bytes): Hugging
+  // Face save_pretrained's default max_shard_size, "5GB".
+  int64_t max_shard_bytes = 5'000'000'000;
+  // Added to a safetensors export's __metadata__, beside {"format": "pt"}
+  // and remat's own ("remat_dtype"; the engine adds "remat_step").
+  std::map<std::string, std::string> metadata;
+};
+
+// A byte size as save_pretrained's max_shard_size takes it: plain bytes, or
+// a number with KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB
+// (powers of 1024), e.g. "5GB", "500MB", "2GiB". Anything else, or a size
+// that is not positive, is a ConfigError naming `flag`.
+int64_t parse_byte_size(const std::string& text, const std::string& flag);
+
+// The model's parameters whole, in float32, written by rank 0 of `world` in
+// `dtype`: float32, or bf16 or fp16 (each value the float32 one rounded to
+// it: the export of DeepSpeed's stage3_gather_16bit_weights_on_model_save).
+// Streamed (above); the files appear whole or not at all (temporary names,
+// fsynced, renamed). Returns the bytes written on rank 0, 0 elsewhere. A
+// path check_export_path refuses is a ConfigError on every rank before
+// anything is gathered; a failed write is an Error on every rank (rank 0
+// stops writing and gathers on with the others, so nobody waits for it).
+int64_t export_model(const std::string& path, parallel::ZeroModel& zero, const torch::nn::Module& model,
+                     Communicator& world, at::ScalarType dtype = at::kFloat, const ExportOptions& options = {});
+
+// The export gathered whole first (what export_model did before it
+// streamed; kept for comparison: docs/benchmarks.md measures both). The
+// model's parameters whole and in float32 (ZeroModel::full_parameters(),
+// tensor-parallel layers gathered too; collective over every rank), and the
+// pickle written from them at once.
 std::vector<std::pair<std::string, at::Tensor>> consolidated_parameters(parallel::ZeroModel& zero,
                                                                         const torch::nn::Module& model);
 
-// Writes `parameters` as one {name: tensor} dictionary file: to a temporary
-// file of a unique name beside it (PATH.remat-tmp.XXXXXX), flushed, fsynced and
-// renamed over `path`. Returns the bytes written. A failure removes the
-// temporary file and is an Error (a path that is not a regular file too: the
-// rename would replace a device, fifo or symbolic link).
+// Writes `parameters` as one {name: tensor} dictionary file, the bytes
+// export_model's pickle has: to a temporary file of a unique name beside it
+// (PATH.remat-tmp.XXXXXX), flushed, fsynced and renamed over `path`. Returns
+// the bytes written. A failure removes the temporary file and is an Error (a
+// path that is not a regular file too: the rename would replace a device,
+// fifo or symbolic link).
 int64_t write_model_file(const std::string& path,
                          const std::vector<std::pair<std::string, at::Tensor>>& parameters);
-
-// consolidated_parameters(), written by rank 0 of `world` in `dtype`: float32,
-// or bf16 or fp16 (each value the float32 one rounded to it: the export of
-// DeepSpeed's stage3_gather_16bit_weights_on_model_save). Returns the bytes
-// written on rank 0, 0 elsewhere. A path check_export_path refuses is a
-// ConfigError on every rank before anything is gathered; a failed write is an
-// Error on every rank.
-int64_t export_model(const std::string& path, parallel::ZeroModel& zero, const torch::nn::Module& model,
-                     Communicator& world, at::ScalarType dtype = at::kFloat);
 
 // Start-up checks, so that an export which cannot be written stops a run
 // before it trains (call on the rank that writes). Each is a ConfigError
 // saying what to change.
 //
-// `path` follows runtime/output_file.h's rule: where it exists, a regular
-// file (not a directory, symbolic link, device or fifo), in a folder that
-// takes a new file (a probe of a unique name). `flag` names it in the message.
+// A file `path` follows runtime/output_file.h's rule: where it exists, a
+// regular file (not a directory, symbolic link, device or fifo), in a folder
+// that takes a new file (a probe of a unique name). A folder `path` (a
+// sharded export): a folder that takes new files, or a new one in a folder
+// that does; where it exists, empty or holding a previous remat safetensors
+// export alone (its shards, index and temporaries: the export replaces them),
+// never anything else. `flag` names it in the message.
 void check_export_path(const std::string& path, const std::string& flag = "--export");
-// The folder of `path` has `bytes` free (statvfs).
+// The folder `path` is written in has `bytes` free (statvfs).
 void check_export_space(const std::string& path, int64_t bytes);
 
 // What the export of `model` takes on disk, estimated from shapes alone with
 // a margin: every parameter whole in `dtype` (a tensor-parallel shard counted
-// at its full size) plus the archive's records and the pickled names.
+// at its full size) plus, per tensor, the pickle's records and names (more
+// than a safetensors header and index need).
 int64_t estimated_export_bytes(const torch::nn::Module& model, at::ScalarType dtype = at::kFloat);
 
 }  // namespace remat

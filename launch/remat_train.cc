@@ -4,7 +4,8 @@
 //
 //   remat-run -np 2 -- remat-train --config configs/default.json [--set key=value ...]
 //       [--steps N] [--seed S] [--device D] [--backend B] [--metrics FILE]
-//       [--save-dir DIR [--overwrite-saves]] [--resume DIR | --pretrained PATH] [--export FILE] [--plan-report DIR]
+//       [--save-dir DIR [--overwrite-saves]] [--resume DIR | --pretrained PATH]
+//       [--export PATH [--export-max-shard-size SIZE]] [--plan-report DIR]
 //       [--memory-trace FILE [--memory-trace-samples N]] [--print-config]
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
@@ -224,6 +225,7 @@ MicroBatchProbe gpt_probe(const Config& config, const GptAutoFacts& facts, const
 struct TrainFlags {
   std::string config_path, metrics_path, save_dir, resume_dir, export_path, memory_trace, plan_report;
   std::string pretrained;  // safetensors weights to fine-tune from
+  std::string export_shard_size = "5GB";
   std::string backend = "auto";
   std::vector<std::string> overrides;
   std::optional<std::string> steps, seed, device, samples;
@@ -248,8 +250,13 @@ void add_flags(CLI::App& app, TrainFlags& f) {
                  "set's model.safetensors.index.json or its folder, with the GPT's parameter names (a safetensors "
                  "--export); loaded after initialize, each rank reading its share, and its held-out loss logged");
   app.add_option("--export", f.export_path, "after training (and the final save), write the whole model (full "
-                 "parameters by state-dict name) to this file, for torch::pickle_load or Python's torch.load; "
-                 "checked at start: a regular file or a new one, in a folder with room for it");
+                 "parameters by state-dict name), streamed: PATH.safetensors one safetensors file; a folder (an "
+                 "existing directory or PATH/) safetensors shards and model.safetensors.index.json; any other "
+                 "path a file for torch.load and torch::pickle_load. Checked at start: a regular file or a new "
+                 "one (a folder: new, empty or a previous export's), with room for it");
+  app.add_option("--export-max-shard-size", f.export_shard_size, "a folder --export's shards hold at most this "
+                 "much each: bytes, or e.g. 500MB, 5GB (powers of 1000), 2GiB (powers of 1024); default 5GB, "
+                 "as save_pretrained's max_shard_size");
   app.add_option("--memory-trace", f.memory_trace, "write rank 0's memory timeline of one step (the run's second, "
                  "or its only one) to this file in Chrome's Trace Event JSON (Perfetto, chrome://tracing) and "
                  "its plot beside it (.png, with matplotlib); docs/memory.md");
@@ -288,7 +295,8 @@ Config load_train_config(TrainFlags& f) {
 // run writes is checked before anything trains.
 void check_run_flags(const TrainFlags& f, const Config& config, Communicator& world) {
   std::map<std::string, std::string> flags{{"--backend", f.backend},
-                                           {"--overwrite-saves", f.overwrite_saves ? "given" : "not given"}};
+                                           {"--overwrite-saves", f.overwrite_saves ? "given" : "not given"},
+                                           {"--export-max-shard-size", f.export_shard_size}};
   for (const auto& [flag, value] : {std::pair<const char*, const std::string*>{"--save-dir", &f.save_dir},
                                     {"--resume", &f.resume_dir}, {"--export", &f.export_path},
                                     {"--pretrained", &f.pretrained},
@@ -302,6 +310,7 @@ void check_run_flags(const TrainFlags& f, const Config& config, Communicator& wo
     throw ConfigError("--pretrained with --resume: a save holds its weights already. Fine-tune from --pretrained "
                       "once, then --resume that run's saves");
   }
+  parse_byte_size(f.export_shard_size, "--export-max-shard-size");
   if (!f.plan_report.empty() && config.activation_checkpointing.variant != CheckpointVariant::kAuto) {
     throw ConfigError(str("--plan-report writes the memory planner's frontier, but activation_checkpointing.variant "
                           "is \"", checkpoint_variant_name(config.activation_checkpointing.variant),
@@ -597,7 +606,9 @@ void export_after_training(TrainRun& run) {
   Engine& engine = *run.engine;
   int64_t bytes = 0;
   try {
-    bytes = engine.export_model(f.export_path);
+    ExportOptions options;
+    options.max_shard_bytes = parse_byte_size(f.export_shard_size, "--export-max-shard-size");
+    bytes = engine.export_model(f.export_path, options);
   } catch (const Error& e) {
     const std::string kept_in = run.config.train.steps > run.resumed ? f.save_dir : f.resume_dir;
     const int64_t at = engine.global_steps();

@@ -203,9 +203,13 @@ class DataParallel final : public ShardingStrategy {
     return data_parallel_gradients(trainable, local_trainable);
   }
 
-  std::map<std::string, at::Tensor> full_parameters() override {
-    std::map<std::string, at::Tensor> out;
-    for (const auto& m : copies_.stepped()) out[names_.at(m.unsafeGetTensorImpl())] = m.detach().to(at::kFloat).clone();
+  // One parameter at a time: every rank holds them whole.
+  std::vector<FullUnitSource> full_units() override {
+    std::vector<FullUnitSource> out;
+    for (const auto& m : copies_.stepped()) {
+      const std::string& name = names_.at(m.unsafeGetTensorImpl());
+      out.push_back({{name}, [name, m] { return ZeroModel::FullUnit{{name, m.detach().to(at::kFloat)}}; }});
+    }
     return out;
   }
 

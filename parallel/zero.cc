@@ -206,12 +206,34 @@ int ZeroModel::shard_size() const { return shard_group_->size(); }
 int ZeroModel::replicate_size() const { return replicate_group_ ? replicate_group_->size() : 1; }
 
 std::vector<std::pair<std::string, at::Tensor>> ZeroModel::full_parameters() {
-  policy_->push(false);
-  policy_->settle();  // rare: every copy back ended before anything is read
-  std::map<std::string, at::Tensor> full = strategy_->full_parameters();
+  std::map<std::string, at::Tensor> full;
+  for_each_full_unit([&](FullUnit& unit) {
+    for (auto& [name, value] : unit) full[name] = value.clone();
+  });
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& item : model_.named_parameters()) out.emplace_back(item.key(), full.at(item.key()));
   return out;
+}
+
+void ZeroModel::for_each_full_unit(const std::function<void(FullUnit&)>& fn) {
+  policy_->push(false);
+  policy_->settle();  // rare: every copy back ended before anything is read
+  std::map<std::string, size_t> order;
+  for (const auto& item : model_.named_parameters()) order.emplace(item.key(), order.size());
+  auto first = [&](const ShardingStrategy::FullUnitSource& s) {
+    size_t i = order.size();
+    for (const auto& name : s.names) i = std::min(i, order.at(name));
+    return i;
+  };
+  // The same order on every rank: each source's first parameter.
+  auto sources = strategy_->full_units();
+  std::stable_sort(sources.begin(), sources.end(), [&](const auto& a, const auto& b) { return first(a) < first(b); });
+  c10::NoGradGuard no_grad;
+  for (auto& source : sources) {
+    FullUnit unit = source.gather();
+    std::sort(unit.begin(), unit.end(), [&](const auto& a, const auto& b) { return order.at(a.first) < order.at(b.first); });
+    fn(unit);
+  }
 }
 
 void ZeroModel::after_step() {

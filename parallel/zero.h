@@ -107,6 +107,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -258,8 +259,20 @@ class ZeroModel {
   // For each of parameters(): the model parameter elements it holds.
   std::vector<ShardLayout> layout() const;
   // The model's parameters, whole (gathered where sharded), by state-dict
-  // name: copies, made between steps (collective over the data-parallel group).
+  // name: copies, made between steps (collective over the data-parallel
+  // group). for_each_full_unit collected.
   std::vector<std::pair<std::string, at::Tensor>> full_parameters();
+  // The same values one unit at a time, so that no rank holds more than one
+  // unit whole (collective over the data-parallel group; between steps):
+  // `fn` gets each unit's parameters, float32 and whole, by state-dict name
+  // in registration order; stage 3 a unit (its groups gathered), stages 1
+  // and 2 a gradient bucket, stage 0 and the parameters kept whole on every
+  // rank (frozen, persistent) one parameter. Every parameter comes once;
+  // units come in the order of their first parameter's registration, the
+  // same on every rank. The tensors are views valid until `fn` returns
+  // (gathered buffers, or the live parameters): copy what you keep.
+  using FullUnit = std::vector<std::pair<std::string, at::Tensor>>;
+  void for_each_full_unit(const std::function<void(FullUnit&)>& fn);
   // Ranks a parameter is sharded over, and ranks holding the same shard.
   int shard_size() const;
   int replicate_size() const;

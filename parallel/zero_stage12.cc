@@ -50,7 +50,7 @@ class Stage12 final : public ShardingStrategy {
   std::vector<at::Tensor> parameters() const override;
   std::vector<at::Tensor> host_masters() const override;
   std::vector<ShardLayout> layout() const override;
-  std::map<std::string, at::Tensor> full_parameters() override;
+  std::vector<FullUnitSource> full_units() override;
   // The buckets made whole again from the stepped shards (when they changed).
   void sync_parameters() override;
   GradientHold gradient_hold(int64_t trainable, int64_t local_trainable) const override {
@@ -245,24 +245,35 @@ std::vector<ShardLayout> Stage12::layout() const {
   return out;
 }
 
-std::map<std::string, at::Tensor> Stage12::full_parameters() {
+std::vector<ShardingStrategy::FullUnitSource> Stage12::full_units() {
   sync_parameters();
-  torch::NoGradGuard no_grad;
-  std::map<std::string, at::Tensor> out;
+  std::vector<FullUnitSource> out;
+  // A bucket at a time: its float32 values whole (gathered where only the
+  // host masters hold them), each parameter a view of them.
   for (const auto& b : buckets_) {
-    const at::Tensor whole = whole_master(b);
-    for (size_t k = 0; k < b.params.size(); ++k) {
-      const at::Tensor& p = b.params[k];
-      out[names_.at(p.unsafeGetTensorImpl())] = whole.narrow(0, b.offsets[k], p.numel()).view(p.sizes()).clone();
-    }
+    FullUnitSource source;
+    for (const auto& p : b.params) source.names.push_back(names_.at(p.unsafeGetTensorImpl()));
+    source.gather = [this, &b, names = source.names] {
+      const at::Tensor whole = whole_master(b);
+      ZeroModel::FullUnit unit;
+      for (size_t k = 0; k < b.params.size(); ++k) {
+        const at::Tensor& p = b.params[k];
+        unit.emplace_back(names[k], whole.narrow(0, b.offsets[k], p.numel()).view(p.sizes()));
+      }
+      return unit;
+    };
+    out.push_back(std::move(source));
   }
+  // Frozen parameters: whole on every rank, one at a time.
   const auto& frozen = frozen_.stepped();
   for (size_t i = 0; i < frozen.size(); ++i) {
-    const at::Tensor& p = frozen[i];
-    out[names_.at(p.unsafeGetTensorImpl())] =
-        policy().masters_on_host()
-            ? frozen_.host_masters()[i].to(p.device(), at::kFloat, /*non_blocking=*/false, /*copy=*/true)
-            : p.detach().clone();
+    const std::string& name = names_.at(frozen[i].unsafeGetTensorImpl());
+    out.push_back({{name}, [this, i, name] {
+                     const at::Tensor& p = frozen_.stepped()[i];
+                     return ZeroModel::FullUnit{
+                         {name, policy().masters_on_host() ? frozen_.host_masters()[i].to(p.device(), at::kFloat)
+                                                           : p.detach()}};
+                   }});
   }
   return out;
 }

@@ -65,7 +65,7 @@ class Stage3 final : public ShardingStrategy {
   std::vector<at::Tensor> parameters() const override;
   std::vector<at::Tensor> host_masters() const override;
   std::vector<ShardLayout> layout() const override;
-  std::map<std::string, at::Tensor> full_parameters() override;
+  std::vector<FullUnitSource> full_units() override;
   void begin_forward() override;
   at::Tensor finish_forward(const at::Tensor& loss) override;
   void finish_backward(bool synchronize) override;
@@ -624,23 +624,37 @@ std::vector<ShardLayout> Stage3::layout() const {
   return out;
 }
 
-std::map<std::string, at::Tensor> Stage3::full_parameters() {
-  // From the float32 shards (whatever the compute type), one group at a time.
-  std::map<std::string, at::Tensor> out;
+std::vector<ShardingStrategy::FullUnitSource> Stage3::full_units() {
+  std::vector<FullUnitSource> out;
+  // A unit at a time, its groups gathered from the float32 shards (whatever
+  // the compute type), each parameter a view of them.
   for (const auto& u : units_) {
+    FullUnitSource source;
     for (const auto& g : u->groups) {
-      at::Tensor full = at::empty({g.padded}, g.full.options().dtype(at::kFloat));
-      before_read(g.shard);
-      dp_->allGather(full, (policy().masters_on_host() ? g.master : g.shard).detach().to(full.device()))->wait();
-      for (size_t k = 0; k < g.params.size(); ++k) {
-        const auto& p = g.params[k];
-        out[names_.at(p.unsafeGetTensorImpl())] = full.narrow(0, g.offsets[k], p.numel()).view(p.sizes()).clone();
-      }
+      for (const auto& p : g.params) source.names.push_back(names_.at(p.unsafeGetTensorImpl()));
     }
+    source.gather = [this, unit = u.get()] {
+      ZeroModel::FullUnit out;
+      for (const auto& g : unit->groups) {
+        at::Tensor full = at::empty({g.padded}, g.full.options().dtype(at::kFloat));
+        before_read(g.shard);
+        dp_->allGather(full, (policy().masters_on_host() ? g.master : g.shard).detach().to(full.device()))->wait();
+        for (size_t k = 0; k < g.params.size(); ++k) {
+          const auto& p = g.params[k];
+          out.emplace_back(names_.at(p.unsafeGetTensorImpl()), full.narrow(0, g.offsets[k], p.numel()).view(p.sizes()));
+        }
+      }
+      return out;
+    };
+    out.push_back(std::move(source));
   }
+  // Persistent parameters: whole on every rank, one at a time.
   for (const auto& p : persistent_) {
-    before_read(p);  // offload_optimizer: its copy from the host master ended
-    out[names_.at(p.unsafeGetTensorImpl())] = p.detach().to(at::kFloat).clone();
+    const std::string& name = names_.at(p.unsafeGetTensorImpl());
+    out.push_back({{name}, [this, p, name] {
+                     before_read(p);  // offload_optimizer: its copy from the host master ended
+                     return ZeroModel::FullUnit{{name, p.detach().to(at::kFloat)}};
+                   }});
   }
   return out;
 }

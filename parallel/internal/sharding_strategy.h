@@ -48,9 +48,15 @@ class ShardingStrategy {
 
   // For each of parameters(): the model parameter elements it holds.
   virtual std::vector<ShardLayout> layout() const = 0;
-  // Copies of the model's parameters, whole and current, in float32, by
-  // state-dict name (collective over the data-parallel group; between steps).
-  virtual std::map<std::string, at::Tensor> full_parameters() = 0;
+  // The model's parameters, whole and current, in float32, one unit at a
+  // time (ZeroModel::for_each_full_unit): each source names its parameters
+  // (known without gathering) and gathers them when called (collective over
+  // the data-parallel group; between steps). Every parameter in one source.
+  struct FullUnitSource {
+    std::vector<std::string> names;
+    std::function<ZeroModel::FullUnit()> gather;
+  };
+  virtual std::vector<FullUnitSource> full_units() = 0;
 
   // What the optimizer steps.
   virtual std::vector<at::Tensor> parameters() const = 0;
