@@ -246,7 +246,8 @@ TEST(LoadPretrained, EveryShardingHoldsTheFilesValuesAndTrainsAsIfInitialisedWit
   if (world()->rank() == 0) write_safetensors(path, values);
   world()->barrier();
   std::vector<Sharding> setups = {{0}, {1}, {2}, {3}, {3, 1, true}, {2, 1, true, true}, {3, 1, false, true},
-                               {1, 1, false, false, true}, {3, 1, true, false, true}};
+                               {0, 1, false, false, true}, {1, 1, false, false, true},
+                               {3, 1, true, false, true}, {1, 1, true, true}};
   if (world()->size() == 2) setups.insert(setups.end(), {{0, 2}, {3, 2}, {1, 2, true}});
   for (const Sharding& s : setups) {
     SCOPED_TRACE(s.label());
