@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -50,7 +51,8 @@ constexpr const char* kRemedy =
 // The JSON of a header or an index, with every object checked for a key given
 // twice (the parser would keep the last one silently) and nesting held to
 // `max_depth` (a header is at most 3 deep: file, tensor, shape). Returns the
-// fault in `fault` and a null value when the text is not acceptable.
+// fault in `fault` ("does not parse as JSON (...)") and a null value when the
+// text is not acceptable.
 nlohmann::json parse_strict(const std::string& text, int max_depth, std::string& fault) {
   struct Refused {
     std::string why;
@@ -59,13 +61,13 @@ nlohmann::json parse_strict(const std::string& text, int max_depth, std::string&
   auto check = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
     using Event = nlohmann::json::parse_event_t;
     if ((event == Event::object_start || event == Event::array_start) && depth >= max_depth) {
-      throw Refused{str("the JSON nests deeper than ", max_depth, " levels")};
+      throw Refused{str("nests deeper than ", max_depth, " levels")};
     }
     if (event == Event::object_start) open_objects.emplace_back();
     if (event == Event::object_end && !open_objects.empty()) open_objects.pop_back();
     if (event == Event::key && !open_objects.empty() &&
         !open_objects.back().insert(parsed.get<std::string>()).second) {
-      throw Refused{str("the key '", parsed.get<std::string>(), "' appears twice in one object")};
+      throw Refused{str("has the key '", parsed.get<std::string>(), "' twice in one object")};
     }
     return true;
   };
@@ -74,8 +76,21 @@ nlohmann::json parse_strict(const std::string& text, int max_depth, std::string&
   } catch (const Refused& r) {
     fault = r.why;
   } catch (const nlohmann::json::exception& e) {
-    // Ill-formed UTF-8 is one of these: the parser checks every string.
-    fault = str("its JSON does not parse (", e.what(), ")");
+    // Ill-formed UTF-8 is one of these: the parser checks every string. Its
+    // message quotes the bytes last read: any not printable ASCII is shown
+    // as \xNN, so that the error is valid UTF-8 wherever it goes.
+    std::string shown;
+    for (const char c : std::string(e.what())) {
+      const auto u = static_cast<unsigned char>(c);
+      if (u >= 0x20 && u < 0x7F) {
+        shown += c;
+      } else {
+        char hex[8];
+        std::snprintf(hex, sizeof hex, "\\x%02x", u);
+        shown += hex;
+      }
+    }
+    fault = str("does not parse as JSON (", shown, ")");
   }
   return nullptr;
 }
@@ -109,14 +124,18 @@ SafetensorsEntry parse_entry(const std::string& path, const std::string& name, c
            ": convert the file's tensors to one of those dtypes (in Python: safetensors.torch with tensor.to(...))");
   }
   if (!e.contains("shape") || !e["shape"].is_array()) refuse(path, str(who, " has no shape array"));
-  int64_t bytes = static_cast<int64_t>(c10::elementSize(entry.dtype));
+  // The bytes, and their bound with each 0 taken as 1: a tensor's strides are
+  // products of its sizes so taken, and must fit 64 bits too.
+  const int64_t item = static_cast<int64_t>(c10::elementSize(entry.dtype));
+  int64_t bytes = item, bound = item;
   for (const auto& d : e["shape"]) {
     const int64_t size = non_negative(d);
     if (size < 0) refuse(path, str(who, " has the shape ", e["shape"].dump(), ": each size must be an integer >= 0"));
     entry.shape.push_back(size);
-    if (__builtin_mul_overflow(bytes, size, &bytes)) {
-      refuse(path, str(who, " has the shape ", e["shape"].dump(), ", more bytes than a 64-bit size holds"));
+    if (__builtin_mul_overflow(bound, std::max<int64_t>(size, 1), &bound)) {
+      refuse(path, str(who, " has the shape ", e["shape"].dump(), ", more elements than a 64-bit size holds"));
     }
+    bytes *= size;  // <= bound: no overflow
   }
   const nlohmann::json* offsets = e.contains("data_offsets") ? &e["data_offsets"] : nullptr;
   if (!offsets || !offsets->is_array() || offsets->size() != 2 || non_negative((*offsets)[0]) < 0 ||
@@ -192,7 +211,7 @@ Header read_header(const std::string& path, const char* bytes, int64_t size) {
   header.data_start = 8 + static_cast<int64_t>(n);
   std::string fault;
   const nlohmann::json json = parse_strict(std::string(bytes + 8, n), 3, fault);
-  if (!fault.empty()) refuse(path, str("its header: ", fault));
+  if (!fault.empty()) refuse(path, str("its header ", fault));
   if (!json.is_object()) refuse(path, str("its header is a JSON ", json.type_name(), ", not an object"));
   for (const auto& item : json.items()) {
     if (item.key() != "__metadata__") {
@@ -241,7 +260,8 @@ std::unique_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
   refuse_big_endian(str("safetensors file '", path, "'"));
   std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
   file->path_ = path;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a fifo given by mistake is refused below instead of waiting for a writer.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     const int err = errno;
     refuse(path, str("cannot open it (", std::strerror(err), ")"),
@@ -347,8 +367,17 @@ std::string resolve_set_path(const std::string& path) {
 
 // The weight_map of the index at `path`: {tensor: file name in its folder}.
 std::map<std::string, std::string> read_index(const std::string& path) {
+  std::error_code ec;
+  const auto size = fs::file_size(path, ec);
+  if (!ec && size > static_cast<uintmax_t>(kMaxSafetensorsHeaderBytes)) {
+    throw ConfigError(str("safetensors index '", path, "' is ", size, " bytes, more than the ",
+                          kMaxSafetensorsHeaderBytes, " an index may be: give the index of a model"));
+  }
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw ConfigError(str("safetensors index '", path, "': cannot read it (", std::strerror(errno), ")"));
+  if (!in) {
+    throw ConfigError(str("safetensors index '", path, "': cannot read it (", std::strerror(errno),
+                          "): check the path and its permissions"));
+  }
   std::stringstream text;
   text << in.rdbuf();
   auto bad = [&](const std::string& what) {
@@ -357,7 +386,7 @@ std::map<std::string, std::string> read_index(const std::string& path) {
   };
   std::string fault;
   const nlohmann::json json = parse_strict(text.str(), 8, fault);
-  if (!fault.empty()) throw bad(fault);
+  if (!fault.empty()) throw bad(str("it ", fault));
   if (!json.is_object() || !json.contains("weight_map") || !json["weight_map"].is_object()) {
     throw bad("it has no weight_map object");
   }
@@ -392,7 +421,11 @@ SafetensorsSet SafetensorsSet::open(const std::string& path) {
     auto it = file_index.find(file);
     if (it == file_index.end()) {
       it = file_index.emplace(file, set.files_.size()).first;
-      set.files_.push_back(SafetensorsFile::open((folder / file).string()));
+      try {
+        set.files_.push_back(SafetensorsFile::open((folder / file).string()));
+      } catch (const ConfigError& e) {
+        throw ConfigError(str(e.what(), " (named by the index '", target, "')"));
+      }
     }
     if (!set.files_[it->second]->find(name)) {
       throw ConfigError(str("safetensors index '", target, "' puts tensor '", name, "' in '", file,

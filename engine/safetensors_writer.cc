@@ -127,7 +127,11 @@ void SafetensorsWriter::Impl::check_plan(const std::vector<SafetensorsPlanned>& 
     Tensor t;
     t.planned = p;
     t.bytes = static_cast<int64_t>(c10::elementSize(p.dtype));
-    safetensors_dtype_name(p.dtype);  // a dtype the format has no name for: a ConfigError
+    try {
+      safetensors_dtype_name(p.dtype);
+    } catch (const ConfigError& e) {
+      fail("", str(who, ": ", e.what()));
+    }
     for (int64_t d : p.shape) {
       if (d < 0 || __builtin_mul_overflow(t.bytes, d, &t.bytes)) {
         fail("", str(who, " has the shape ", shape_text(p.shape), ": sizes must be >= 0 and the bytes fit 64 bits"));

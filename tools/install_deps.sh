@@ -26,6 +26,11 @@ packages=(
   universal-ctags    # function lengths in tools/check_sizes.sh
   ccache             # test.sh's CMake builds reuse what an earlier run of this machine compiled
 )
+# Python's safetensors package, which tests/safetensors_test.sh checks remat's
+# files against: in Debian 13 (0.5.2), not in Debian 12.
+if (. /etc/os-release && [[ ${ID:-} == debian && ${VERSION_ID%%.*} -ge 13 ]]) 2>/dev/null; then
+  packages+=(python3-safetensors)
+fi
 
 missing=()
 for pkg in "${packages[@]}"; do

@@ -4,8 +4,9 @@
 #   tools/sanitize.sh          the full run (about 20 CPU-minutes to build here):
 #                              every unit test, the multi-rank tests at 2 and 4
 #                              ranks, and a short training run that saves and resumes
-#   tools/sanitize.sh --quick  the config parser and its fuzz test only (a few
-#                              minutes; ./test.sh runs this one)
+#   tools/sanitize.sh --quick  the config parser and the safetensors reader with
+#                              their fuzz tests only (a few minutes; ./test.sh
+#                              runs this one)
 #
 # UBSan includes float-cast-overflow (not part of GCC's -fsanitize=undefined)
 # and every report is fatal. LibTorch and Open MPI are not instrumented, so
@@ -30,7 +31,7 @@ export REMAT_LOG_LEVEL=warn REMAT_COMM_TIMEOUT_S=120
 bazel_s() { bazel --output_base="$HOME/.cache/remat-bazel-sanitize" "$1" --symlink_prefix=/ "${@:2}"; }
 
 if [[ $mode == quick ]]; then
-  targets=(//engine:config_test)
+  targets=(//engine:config_test //engine:safetensors_test)
 else
   # Every package by name: //... would walk into the normal build's bazel-* links.
   targets=(//runtime/... //nn/... //rng/... //data/... //optim/... //checkpointing/... //parallel/...
@@ -60,6 +61,7 @@ run() {
 
 bin=$(bazel_s info "${flags[@]}" bazel-bin 2>/dev/null)
 run "config_test (fuzz included) under ASan + UBSan" "$bin/engine/config_test"
+run "safetensors_test (fuzz included) under ASan + UBSan" "$bin/engine/safetensors_test"
 if [[ $mode == full ]]; then
   for t in runtime/runtime_unit_test runtime/memory_test rng/rng_tracker_test \
            checkpointing/checkpoint_test tests/policy_test checkpointing/checkpoint_contract_test \
