@@ -245,15 +245,17 @@ TEST(TrainState, SameLayoutContinuesBitwise) {
 // A path the export cannot be written to is refused before the parameters are
 // gathered, as the same ConfigError kind on every rank (it used to fail on
 // rank 0 only after gathering and writing: "it is a directory now").
-TEST(Export, APathThatIsADirectoryIsRefusedOnEveryRankBeforeGathering) {
+TEST(Export, AFolderHoldingOtherFilesIsRefusedOnEveryRankBeforeGathering) {
   const std::string dir = job_dir("export_dir");
+  if (world()->rank() == 0) std::ofstream(dir + "/notes.txt") << "the user's";
   Trainer t(world(), 3);
   t.step();
   const std::string message = remat::testing::error_of<ConfigError>(
       [&] { export_model(dir, *t.zero, *t.model, *world()); });
   // Rank 0 checks; every rank raises its message.
   EXPECT_THAT(message, ::testing::HasSubstr(str("remat::Engine::export_model '", dir,
-                                                "' is a directory: give a file path (e.g. ", dir, "/model.pt)")));
+                                                "' is a folder holding 'notes.txt', which is not a remat "
+                                                "safetensors export's")));
   EXPECT_THAT(message, ::testing::HasSubstr(str("(the export's path check failed on rank 0 of ", world()->size(),
                                                 "; every rank stops with this error)")));
   world()->barrier()->wait();
@@ -368,7 +370,7 @@ TEST(Export, WritesBesideThePathAndRefusesWhatItWouldReplace) {
   EXPECT_THAT(remat::testing::error_of<ConfigError>([&] { check_export_path("/dev/full"); }),
               ::testing::HasSubstr("'/dev/full' is a character device"));
   EXPECT_THAT(remat::testing::error_of<ConfigError>([&] { check_export_path(dir); }),
-              ::testing::HasSubstr("is a directory"));
+              ::testing::HasSubstr("which is not a remat safetensors export's"));
   EXPECT_THAT(remat::testing::error_of<ConfigError>([&] { check_export_space(path, int64_t{1} << 60); }),
               ::testing::HasSubstr("KiB) free: free space there"));
 
