@@ -6,7 +6,8 @@
 #      published format out of a llama --export, loads through hf_llama_names:
 #      llama --pretrained trains at 2 ranks, at ZeRO stage 3 and at tensor
 #      parallel size 2, exactly as --base from the same weights (losses
-#      bitwise); so does lora, its adapters kept as initialised.
+#      bitwise; the control, from the initial weights, differs); so does lora,
+#      its adapters kept as initialised.
 #   b. Its --export X.safetensors, read by python3 from the published format,
 #      equals the trained parameters (the --base run's pickle export) bitwise,
 #      and read back by the loader at another size and stage (--pretrained,
@@ -74,6 +75,10 @@ def read_safetensors(path):
     return out
 EOF
 
+# The control: from the example's own initial weights the losses differ.
+run pt_init llama --steps $pt_steps "${pt_noclip[@]}" --set zero_optimization.stage=3 --losses "$tmp/pt_init.txt" ||
+  fail "llama from its initial weights" "$(cat "$tmp/pt_init.out")"
+
 # a. and b. at ZeRO stage 3 and at tensor-parallel size 2 (both 2 ranks).
 for layout in stage3 tp2; do
   set_layout=(--set zero_optimization.stage=3)
@@ -113,6 +118,8 @@ EOF
     fail "llama ($layout): the safetensors export equals the trained parameters bitwise, and read back by the loader" "$out"
   fi
 done
+
+differs "llama control: from the initial weights instead of the file" "$tmp/pt_init.txt" "$tmp/pt_stage3.txt"
 
 # c. The stage-3 export, reloaded at data-parallel size 1 (stage 0) and 2
 #    (stage 1), and at tensor-parallel size 2: the loss the trained engine evaluated.
