@@ -94,7 +94,8 @@ std::string Match::message(const std::string& path) const {
   list(out, twice, "model names more than one file tensor maps to", "make the rename rules tell them apart");
   list(out, shape, "shapes that differ from the parameter's whole shape",
        "the file is of another model size, or a name maps onto the wrong parameter");
-  list(out, dtype, "dtypes that do not convert", "an integer or bool tensor cannot become a float parameter");
+  list(out, dtype, "dtypes that do not convert",
+       "an integer or bool tensor cannot become a float parameter, nor a buffer take another integer dtype");
   return out;
 }
 
@@ -109,6 +110,8 @@ Match match_names(const SafetensorsSet& set, const PretrainedOptions& options, t
   const auto ignore = compile("ignore", options.ignore);
   std::map<std::string, at::Tensor> buffers;
   for (const auto& b : model.named_buffers()) buffers.emplace(b.key(), b.value());
+  std::set<std::string> parameter_names;
+  for (const auto& item : splits) parameter_names.insert(item.first);
   Match m;
   std::map<std::string, Source> mapped;
   for (const std::string& name : set.names()) {
@@ -126,8 +129,7 @@ Match match_names(const SafetensorsSet& set, const PretrainedOptions& options, t
     const std::string shown = to == name ? str("'", name, "'") : str("'", name, "' (as '", to, "')");
     if (!mapped.emplace(to, Source{name, set.find(name)}).second) {
       m.twice.push_back(str("'", to, "' (from '", mapped.at(to).file_name, "' and '", name, "')"));
-    } else if (std::none_of(splits.begin(), splits.end(), [&](const auto& s) { return s.first == to; }) &&
-               !buffers.count(to)) {
+    } else if (!parameter_names.count(to) && !buffers.count(to)) {
       m.unexpected.push_back(shown);
     }
   }

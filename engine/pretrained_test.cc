@@ -153,10 +153,10 @@ Tensors pretrained_values(const std::map<std::string, at::ScalarType>& dtypes = 
 
 struct Sharding {
   int stage = 0, tp = 1;
-  bool bf16 = false, offload = false, frozen = false;
+  bool bf16 = false, offload = false, frozen = false, offload_param = false;
   std::string label() const {
     return str("stage ", stage, ", tp ", tp, bf16 ? ", bf16" : "", offload ? ", offload_optimizer" : "",
-               frozen ? ", frozen embedding" : "");
+               frozen ? ", frozen embedding" : "", offload_param ? ", offload_param" : "");
   }
 };
 
@@ -172,6 +172,7 @@ Config config_of(const Sharding& s) {
   c.zero_optimization.reduce_bucket_size = 100;  // several buckets
   c.zero_optimization.stage3_param_persistence_threshold = 0;
   c.zero_optimization.offload_optimizer.device = s.offload ? parallel::OffloadDevice::kCpu : parallel::OffloadDevice::kNone;
+  c.zero_optimization.offload_param.device = s.offload_param ? parallel::OffloadDevice::kCpu : parallel::OffloadDevice::kNone;
   return c;
 }
 
@@ -247,7 +248,8 @@ TEST(LoadPretrained, EveryShardingHoldsTheFilesValuesAndTrainsAsIfInitialisedWit
   world()->barrier();
   std::vector<Sharding> setups = {{0}, {1}, {2}, {3}, {3, 1, true}, {2, 1, true, true}, {3, 1, false, true},
                                {0, 1, false, false, true}, {1, 1, false, false, true},
-                               {3, 1, true, false, true}, {1, 1, true, true}};
+                               {3, 1, true, false, true}, {1, 1, true, true}, {3, 1, false, false, false, true},
+                               {3, 1, true, true, true, true}};
   if (world()->size() == 2) setups.insert(setups.end(), {{0, 2}, {3, 2}, {1, 2, true}});
   for (const Sharding& s : setups) {
     SCOPED_TRACE(s.label());
