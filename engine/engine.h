@@ -66,6 +66,33 @@ class ZeroModel;
 
 using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
 
+// How Engine::load_pretrained matches a safetensors file's tensors to the
+// model's parameters and buffers (state-dict names). Patterns are ECMAScript
+// regular expressions matched against the whole name.
+struct PretrainedOptions {
+  // {pattern, replacement} rules from the file's names to the model's, in
+  // order: the first rule whose pattern matches a name renames it
+  // (replacement with $1, $2, ... for its groups); a name no rule matches
+  // stays as it is. examples/llama's hf_llama_names() maps Hugging Face's.
+  std::vector<std::pair<std::string, std::string>> rename;
+  // Model parameters the file need not hold, kept as initialised (LoRA's
+  // adapters: ".*\\.lora_[ab]"). Empty: every parameter must be in the file.
+  std::string allow_missing;
+  // File tensors (by the file's own name) left unread (rotary tables some
+  // files carry). Empty: none.
+  std::string ignore;
+};
+
+// What a load_pretrained did on this rank.
+struct PretrainedReport {
+  int64_t loaded = 0;      // parameters and buffers written from the file
+  int64_t kept = 0;        // parameters kept as initialised (allow_missing)
+  int64_t ignored = 0;     // file tensors left unread (ignore)
+  int64_t bytes_read = 0;  // of the file's tensor data, the bytes this rank read
+  int64_t file_bytes = 0;  // every file of the set, headers included
+  double seconds = 0;      // opening, checking, reading and installing
+};
+
 // train_micro_batch_size_per_gpu "auto" by measurement (docs/config.md,
 // "auto"): what initialize() needs to decide it for a model. Without `loss`
 // an "auto" micro-batch is a ConfigError asking for a number (unless
@@ -223,6 +250,19 @@ class Engine {
   // with is a warning on rank 0 saying it changes from what to what (the
   // save's "auto" values are taken before initialize: keep_saved_decisions).
   nlohmann::json load_checkpoint(const std::string& dir);
+  // Fine-tuning from pretrained weights: the model's parameters (and the
+  // buffers the file holds) from a safetensors file, a sharded set's
+  // model.safetensors.index.json, or a folder holding either
+  // (engine/safetensors.h), named as `options` maps them. Each rank reads,
+  // from the memory-mapped files, only the elements it holds (its ZeRO
+  // shard of its tensor-parallel share), converted to the parameter's dtype
+  // (bf16, fp16, fp32, f64 into each other). Every mismatch (a parameter the
+  // file lacks, a file tensor the model lacks, a shape other than the
+  // parameter's whole shape, an integer or bool tensor for a float
+  // parameter) is one ConfigError naming each, the same on every rank,
+  // before anything is written. Between steps before the first optimizer
+  // step (the optimizer's state would not match the weights): else an Error.
+  PretrainedReport load_pretrained(const std::string& path, const PretrainedOptions& options = {});
   // Writes every parameter whole, by state-dict name (written by rank 0,
   // streamed one unit at a time: engine/export.h): `*.safetensors` one
   // safetensors file, a folder (an existing directory or a path ending in

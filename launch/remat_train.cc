@@ -4,8 +4,8 @@
 //
 //   remat-run -np 2 -- remat-train --config configs/default.json [--set key=value ...]
 //       [--steps N] [--seed S] [--device D] [--backend B] [--metrics FILE]
-//       [--save-dir DIR [--overwrite-saves]] [--resume DIR] [--export PATH [--export-max-shard-size SIZE]]
-//       [--plan-report DIR]
+//       [--save-dir DIR [--overwrite-saves]] [--resume DIR | --pretrained PATH]
+//       [--export PATH [--export-max-shard-size SIZE]] [--plan-report DIR]
 //       [--memory-trace FILE [--memory-trace-samples N]] [--print-config]
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
@@ -224,6 +224,7 @@ MicroBatchProbe gpt_probe(const Config& config, const GptAutoFacts& facts, const
 // remat-train's flags as given.
 struct TrainFlags {
   std::string config_path, metrics_path, save_dir, resume_dir, export_path, memory_trace, plan_report;
+  std::string pretrained;  // safetensors weights to fine-tune from
   std::string export_shard_size = "50GB";
   std::string backend = "auto";
   std::vector<std::string> overrides;
@@ -245,6 +246,9 @@ void add_flags(CLI::App& app, TrainFlags& f) {
                "after the step it starts from (all of them without --resume) are removed once it has started");
   app.add_option("--resume", f.resume_dir, "resume from a save (a step folder or the save root), at any "
                  "tensor-parallel size, data-parallel size and ZeRO stage");
+  app.add_option("--pretrained", f.pretrained, "fine-tune from these weights: a safetensors file, a sharded "
+                 "set's model.safetensors.index.json or its folder, with the GPT's parameter names (a safetensors "
+                 "--export); loaded after initialize, each rank reading its share, and its held-out loss logged");
   app.add_option("--export", f.export_path, "after training (and the final save), write the whole model (full "
                  "parameters by state-dict name), streamed: PATH.safetensors one safetensors file; a folder (an "
                  "existing directory or PATH/) safetensors shards and model.safetensors.index.json; any other "
@@ -295,12 +299,17 @@ void check_run_flags(const TrainFlags& f, const Config& config, Communicator& wo
                                            {"--export-max-shard-size", f.export_shard_size}};
   for (const auto& [flag, value] : {std::pair<const char*, const std::string*>{"--save-dir", &f.save_dir},
                                     {"--resume", &f.resume_dir}, {"--export", &f.export_path},
+                                    {"--pretrained", &f.pretrained},
                                     {"--metrics", &f.metrics_path}, {"--memory-trace", &f.memory_trace},
                                     {"--plan-report", &f.plan_report}}) {
     flags[flag] = as_compared(*value);
   }
   require_same_settings(world, flags, "flags (paths are compared as written, so one folder spelled two ways "
                                       "differs: spell each path the same on every rank)");
+  if (!f.pretrained.empty() && !f.resume_dir.empty()) {
+    throw ConfigError("--pretrained with --resume: a save holds its weights already. Fine-tune from --pretrained "
+                      "once, then --resume that run's saves");
+  }
   parse_byte_size(f.export_shard_size, "--export-max-shard-size");
   if (!f.plan_report.empty() && config.activation_checkpointing.variant != CheckpointVariant::kAuto) {
     throw ConfigError(str("--plan-report writes the memory planner's frontier, but activation_checkpointing.variant "
@@ -499,6 +508,16 @@ double held_out_loss(TrainRun& run) {
   return val / std::max<int64_t>(batches, 1);
 }
 
+// --pretrained: the weights loaded before the first step, and the held-out
+// loss they give (%.17g: runs at other sizes compare it).
+void load_pretrained_weights(TrainRun& run) {
+  if (run.flags.pretrained.empty()) return;
+  run.engine->load_pretrained(run.flags.pretrained);
+  if (run.config.train.eval_batches == 0) return;
+  const double loss = held_out_loss(run);
+  if (run.rank0()) std::printf("pretrained '%s': held-out loss %.17g\n", run.flags.pretrained.c_str(), loss);
+}
+
 // The training steps, with their metrics, held-out losses and saves.
 TrainOutcome train_steps(TrainRun& run, int64_t trace_samples) {
   const TrainFlags& f = run.flags;
@@ -654,6 +673,7 @@ int train(int argc, char** argv) {
   check_run_flags(f, run.config, *run.layout->world());
   if (!set_up_engine(run, memory)) return 0;
   prepare_saves_and_resume(run);
+  load_pretrained_weights(run);
   const TrainOutcome out = train_steps(run, trace_samples);
   report_outcome(run, out);
   export_after_training(run);

@@ -14,7 +14,10 @@
 #   both at tensor_parallel.size 2 (section 7), with sequence parallelism off
 #     and on: losses within 1e-6 relative of tp 1 (dropout 0), full
 #     checkpointing equal to none bitwise (dropout on), LoRA's frozen weights
-#     bitwise unchanged, --kv-heads not a multiple of the size refused.
+#     bitwise unchanged, --kv-heads not a multiple of the size refused;
+#   both fine-tuned from a Hugging Face-named safetensors file (--pretrained,
+#     tests/pretrained_examples.sh): trained as from the same weights by --base,
+#     the safetensors export read back bitwise, reloaded at other sizes.
 # The bitwise checks have controls that must differ (regions recomputed without
 # the forward's random state, one extra random draw before a resumed run).
 #
@@ -431,5 +434,8 @@ EOF
     fi
   done
 done
+
+# --- Fine-tuning from safetensors (Engine::load_pretrained).
+source tests/pretrained_examples.sh
 
 summary

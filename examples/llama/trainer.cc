@@ -121,6 +121,27 @@ void load_weights(const std::string& path, LlamaImpl& model, const remat::Parall
 
 }  // namespace
 
+remat::PretrainedOptions hf_llama_names(bool lora) {
+  remat::PretrainedOptions o;
+  const std::string layer = "model\\.layers\\.(\\d+)\\.";
+  o.rename = {
+      {"model\\.embed_tokens\\.weight", "tok_emb.weight"},
+      {layer + "self_attn\\.q_proj\\.weight", "blocks.$1.wq.weight"},
+      {layer + "self_attn\\.k_proj\\.weight", "blocks.$1.wk.weight"},
+      {layer + "self_attn\\.v_proj\\.weight", "blocks.$1.wv.weight"},
+      {layer + "self_attn\\.o_proj\\.weight", "blocks.$1.wo.weight"},
+      {layer + "mlp\\.gate_proj\\.weight", "blocks.$1.w1.weight"},
+      {layer + "mlp\\.up_proj\\.weight", "blocks.$1.w3.weight"},
+      {layer + "mlp\\.down_proj\\.weight", "blocks.$1.w2.weight"},
+      {layer + "input_layernorm\\.weight", "blocks.$1.attn_norm.weight"},
+      {layer + "post_attention_layernorm\\.weight", "blocks.$1.mlp_norm.weight"},
+      {"model\\.norm\\.weight", "norm.weight"},
+  };
+  o.ignore = ".*\\.rotary_emb\\.inv_freq";
+  if (lora) o.allow_missing = ".*\\.lora_[ab]";
+  return o;
+}
+
 void add_flags(CLI::App& app, ExampleArgs& a, const std::string& default_config) {
   a.config = default_config;
   app.add_option("--config", a.config, "DeepSpeed-style JSON config")->capture_default_str();
@@ -134,6 +155,11 @@ void add_flags(CLI::App& app, ExampleArgs& a, const std::string& default_config)
   app.add_option("--export-initial", a.export_initial, "the same, before the first step");
   app.add_option("--losses", a.losses, "write 'step loss' per optimizer step here (rank 0, %.17g)");
   app.add_option("--base", a.base, "start from the weights of this export (e.g. the llama example's --export)");
+  app.add_option("--pretrained", a.pretrained, "start from the weights of this safetensors file, sharded set's "
+                 "index or folder: a Hugging Face LLaMA checkpoint of this shape (hf_llama_names) or the "
+                 "example's own safetensors --export; loaded after initialize, each rank reading its share");
+  app.add_flag("--eval", a.eval, "print 'eval loss L' before training and 'final eval loss L' after it (%.17g): "
+               "the loss of a fixed batch, the same on every rank, in eval mode (no dropout)");
   app.add_option("--params", a.params, "write 'name d0,d1,...' per model parameter here (rank 0)");
   app.add_option("--estimate-memory", a.estimate_memory, "before training, write remat's memory estimate per rank "
                  "(every ZeRO stage x policy; cold from the sizes, live from one profiled step) here as JSON");
@@ -145,6 +171,11 @@ void add_flags(CLI::App& app, ExampleArgs& a, const std::string& default_config)
 }
 
 int train(const ExampleArgs& args, const std::function<void(LlamaImpl&)>& prepare) {
+  if (!args.pretrained.empty() && (!args.resume.empty() || !args.base.empty())) {
+    throw remat::ConfigError(std::string("--pretrained and ") + (args.resume.empty() ? "--base" : "--resume") +
+                             " both give the starting weights: pass one (a save holds its weights already: "
+                             "fine-tune from --pretrained, then --resume its saves)");
+  }
   std::vector<std::string> overrides = args.sets;
   if (args.steps) overrides.push_back("train.steps=" + std::to_string(*args.steps));
   if (args.seed) overrides.push_back("train.seed=" + std::to_string(*args.seed));
@@ -212,11 +243,31 @@ int train(const ExampleArgs& args, const std::function<void(LlamaImpl&)>& prepar
   }
 
   const remat::BatchSizes batch = config.resolve_batch(layout->dims().dp);
+  if (!args.pretrained.empty()) {
+    const remat::PretrainedReport r = engine->load_pretrained(args.pretrained, hf_llama_names(args.lora_rank > 0));
+    if (rank0) {
+      std::printf("loaded '%s': %lld tensors, %lld kept as initialised, %lld ignored; rank 0 read %lld of %lld "
+                  "bytes in %.3f s\n", args.pretrained.c_str(), static_cast<long long>(r.loaded),
+                  static_cast<long long>(r.kept), static_cast<long long>(r.ignored),
+                  static_cast<long long>(r.bytes_read), static_cast<long long>(r.file_bytes), r.seconds);
+    }
+  }
   if (!args.resume.empty()) {
     engine->load_checkpoint(args.resume);
     if (rank0) std::printf("resumed from '%s' at step %lld\n", args.resume.c_str(),
                            static_cast<long long>(engine->global_steps()));
   }
+  // --eval: a fixed batch (the same on every rank, whatever the layout), in eval mode.
+  auto evaluate = [&](const char* label) {
+    if (!args.eval) return;
+    at::Tensor x, y;
+    std::tie(x, y) = corpus.batch(config.train.seed, 0, 0, 0, 4, options.seq_len);
+    x = engine->to_device(x);
+    y = engine->to_device(y);
+    const double loss = engine->evaluate([&] { return model->loss(x, y); }).item<double>();
+    if (rank0) std::printf("%s %.17g\n", label, loss);
+  };
+  evaluate("eval loss");
   if (args.perturb_rng) at::randn({1});
   if (!args.export_initial.empty()) engine->export_model(args.export_initial);
   if (rank0) {
@@ -268,6 +319,7 @@ int train(const ExampleArgs& args, const std::function<void(LlamaImpl&)>& prepar
     // What the last step did (recompute time, offloaded bytes, ...): one JSON object.
     std::printf("last step metrics: %s\n", engine->last_metrics().to_json().dump().c_str());
   }
+  evaluate("final eval loss");
   if (!args.save_dir.empty()) {
     const std::string folder = engine->save_checkpoint(args.save_dir);
     if (rank0) std::printf("saved %s\n", folder.c_str());
