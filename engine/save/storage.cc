@@ -5,6 +5,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -155,5 +156,17 @@ void fault_pause(const std::string& what) {
   std::fflush(stderr);
   std::this_thread::sleep_for(*pause);
 }
+
+bool fault_fail(int rank) {
+  const auto failing = knobs::fault_save_fail();
+  return failing && *failing == rank;
+}
+
+namespace {
+std::atomic<int64_t> snapshot_bytes{0};
+}  // namespace
+
+int64_t snapshot_host_bytes() { return snapshot_bytes.load(); }
+void count_snapshot_host_bytes(int64_t delta) { snapshot_bytes.fetch_add(delta); }
 
 }  // namespace remat::save

@@ -61,4 +61,15 @@ std::vector<std::string> remove_save_leftovers(const std::string& root);
 // saying so on stderr, so a test can kill a save at each of its steps.
 void fault_pause(const std::string& what);
 
+// REMAT_FAULT_SAVE_FAIL=<rank>: whether rank `rank`'s write of its file is
+// to fail, as a write that failed, so a test can check that every rank stops
+// with the same error. Read in the caller's thread when the save starts (the
+// environment is not read from a background thread).
+bool fault_fail(int rank);
+
+// The host bytes background saves' snapshots hold now in this process (the
+// save_snapshot_bytes metric), counted as a snapshot is taken and released.
+int64_t snapshot_host_bytes();
+void count_snapshot_host_bytes(int64_t delta);
+
 }  // namespace remat::save
