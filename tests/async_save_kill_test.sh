@@ -80,12 +80,16 @@ for k in 1 2 3 4 5; do
   fi
 done
 
-# The kill landed while training went on: the first pause of the rank files
-# came before the step after the save was reported.
-if grep -qE '^step 5|step 5/' "$tmp/kill_3.log"; then
-  pass "training went on past the save while its files were written"
+# Training went on while the files of step 4 were written: the last step
+# (6) was reported after the rank files' pauses began and before the
+# manifest's (written once they are done).
+order=$(grep -nE '^step 6/6|pausing .*(rank_0\.pt|manifest\.json)' "$tmp/kill_3.log" | cut -d: -f1 | tr '\n' ' ')
+if grep -qE '^step 6/6' "$tmp/kill_3.log" &&
+   [[ $(grep -nE 'pausing .*rank_0\.pt' "$tmp/kill_3.log" | cut -d: -f1) -lt $(grep -nE '^step 6/6' "$tmp/kill_3.log" | cut -d: -f1) &&
+      $(grep -nE '^step 6/6' "$tmp/kill_3.log" | cut -d: -f1) -lt $(grep -nE 'pausing .*manifest\.json' "$tmp/kill_3.log" | cut -d: -f1) ]]; then
+  pass "training went on to step 6 while the files of step 4 were written"
 else
-  fail "training went on past the save while its files were written" "$(cat "$tmp/kill_3.log")"
+  fail "training went on to step 6 while the files of step 4 were written (lines: $order)" "$(cat "$tmp/kill_3.log")"
 fi
 
 # A background write that fails on rank 1: every rank stops with the same

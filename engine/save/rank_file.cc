@@ -71,7 +71,7 @@ RankSnapshot snapshot_rank(const TrainPosition& position, const TrainShards& sha
   return s;
 }
 
-std::string rank_file_bytes(const RankSnapshot& snapshot, std::string& layout) {
+void write_rank_file_bytes(const RankSnapshot& snapshot, std::string& layout, const Sink& sink) {
   torch::serialize::OutputArchive archive, tensors, rng_archive;
   // Host tensors only: a save from a CUDA run loads on a machine without one.
   for (size_t i = 0; i < snapshot.tensors.size(); ++i) {
@@ -92,9 +92,10 @@ std::string rank_file_bytes(const RankSnapshot& snapshot, std::string& layout) {
   archive.write("dp_rank", c10::IValue(static_cast<int64_t>(snapshot.dp_rank)));
   archive.write("layout", c10::IValue(layout));
   archive.write("splits", c10::IValue(splits_json(snapshot.splits).dump()));
-  std::ostringstream out;
-  archive.save_to(out);
-  return out.str();
+  archive.save_to([&](const void* data, size_t size) -> size_t {
+    sink(data, size);
+    return size;
+  });
 }
 
 namespace {

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/save/storage.h"
 #include "engine/save/types.h"
 #include "rng/rng_tracker.h"
 
@@ -56,9 +57,11 @@ RankSnapshot snapshot_rank(const TrainPosition& position, const TrainShards& sha
                            torch::optim::Optimizer& optimizer, const SaveIdentity& identity, int rank,
                            int world_size, bool copy);
 
-// The bytes of the rank file of `snapshot`; `layout` gets its layout's JSON
+// The bytes of the rank file of `snapshot`, handed to `sink` piece by piece
+// as they are made (a tensor's bytes straight from the snapshot, without a
+// copy of the whole file in memory); `layout` gets its layout's JSON
 // (layout_json). Touches nothing but the snapshot (any thread may call it).
-std::string rank_file_bytes(const RankSnapshot& snapshot, std::string& layout);
+void write_rank_file_bytes(const RankSnapshot& snapshot, std::string& layout, const Sink& sink);
 
 // One rank file, read, verified against the manifest and parsed.
 struct RankFile {

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -16,6 +17,19 @@ namespace remat::save {
 // Writes `bytes` to `path` atomically: temporary file, flush, fsync, rename,
 // then the folder fsynced; a crash leaves either the old or the new file.
 void write_atomically(const std::string& path, const std::string& bytes);
+
+// Takes the pieces of a file's bytes in order.
+using Sink = std::function<void(const void* data, size_t size)>;
+
+// A file written from pieces: its size and CRC-32.
+struct WrittenBytes {
+  int64_t bytes = 0, crc32 = 0;
+};
+
+// write_atomically for bytes made in pieces: `produce` hands each piece to
+// the sink it is given, in order; they go to the file as they come (the
+// whole is never held in memory), and its CRC-32 is computed on the way.
+WrittenBytes write_atomically_streamed(const std::string& path, const std::function<void(const Sink&)>& produce);
 
 // The whole of `path`; a file that cannot be read is a ConfigError ("resume: ...").
 std::string read_file(const std::string& path);

@@ -127,15 +127,16 @@ WrittenFile write_rank_file(const std::string& staging, const save::RankSnapshot
     throw Error(str("save: rank ", snapshot.rank, " does not see the folder '", staging, "' rank 0 created: the "
                     "save folder must be one folder every rank shares"));
   }
-  WrittenFile written;
-  const std::string bytes = save::rank_file_bytes(snapshot, written.layout);
   if (fail) {
     throw Error(str("save: writing the rank file of step ", snapshot.position.step, " failed on rank ",
                     snapshot.rank, " (", knobs::kFaultSaveFail, " injected this failure)"));
   }
-  save::write_atomically((fs::path(staging) / str("rank_", snapshot.rank, ".pt")).string(), bytes);
-  written.bytes = static_cast<int64_t>(bytes.size());
-  written.crc32 = save::crc32_of(bytes);
+  WrittenFile written;
+  const save::WrittenBytes file = save::write_atomically_streamed(
+      (fs::path(staging) / str("rank_", snapshot.rank, ".pt")).string(),
+      [&](const save::Sink& sink) { save::write_rank_file_bytes(snapshot, written.layout, sink); });
+  written.bytes = file.bytes;
+  written.crc32 = file.crc32;
   return written;
 }
 
