@@ -12,6 +12,8 @@
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 
+#include <time.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -19,6 +21,7 @@
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <utility>
 #include <vector>
 
 #include "engine/config.h"
@@ -58,12 +61,28 @@ struct Bench {
     return t.item<double>();
   }
 
+  // `fn`'s wall time (the slowest rank's); `cpu_ms` gets this process's CPU
+  // time over it, every thread's (the background writer's included), the
+  // ranks' mean.
   template <class F>
-  double timed(F&& fn) {
+  double timed(F&& fn, double* cpu_ms = nullptr) {
     world().barrier()->wait();
+    const double cpu = process_cpu_ms();
     const auto start = Clock::now();
     fn();
-    return slowest(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+    const double wall = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    if (cpu_ms != nullptr) {
+      at::Tensor t = at::full({1}, process_cpu_ms() - cpu, at::kDouble);
+      if (world().size() > 1) world().allReduce(t, {ReduceOp::kAvg})->wait();
+      *cpu_ms = t.item<double>();
+    }
+    return slowest(wall);
+  }
+
+  static double process_cpu_ms() {
+    timespec ts{};
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) / 1e6;
   }
 
   void step() {
@@ -74,9 +93,14 @@ struct Bench {
     ++steps;
   }
 
-  double median_quiet_step() {
-    std::vector<double> ms;
-    for (int i = 0; i < f.quiet_steps; ++i) ms.push_back(timed([&] { step(); }));
+  // The median step without a save: wall and CPU time.
+  std::pair<double, double> median_quiet_step() {
+    std::vector<std::pair<double, double>> ms;
+    for (int i = 0; i < f.quiet_steps; ++i) {
+      double cpu = 0;
+      const double wall = timed([&] { step(); }, &cpu);
+      ms.emplace_back(wall, cpu);
+    }
     std::sort(ms.begin(), ms.end());
     return ms[ms.size() / 2];
   }
@@ -95,18 +119,28 @@ struct Bench {
   nlohmann::json round(bool async) {
     nlohmann::json r;
     r["mode"] = async ? "async" : "blocking";
-    r["quiet_step_ms"] = median_quiet_step();
-    r["save_call_ms"] = timed([&] { engine->save_checkpoint(f.dir, {}, SaveOptions{async}); });
+    const auto quiet = median_quiet_step();
+    r["quiet_step_ms"] = quiet.first;
+    r["quiet_step_cpu_ms"] = quiet.second;
+    double cpu = 0;
+    r["save_call_ms"] = timed([&] { engine->save_checkpoint(f.dir, {}, SaveOptions{async}); }, &cpu);
+    r["save_call_cpu_ms"] = cpu;
     r["snapshot_bytes"] = Counters::read().save_snapshot_bytes;
-    std::vector<double> during;
+    std::vector<double> during, during_cpu;
     int guard = 0;
-    while (engine->save_pending() && guard++ < 1000) during.push_back(timed([&] { step(); }));
+    while (engine->save_pending() && guard++ < 1000) {
+      during.push_back(timed([&] { step(); }, &cpu));
+      during_cpu.push_back(cpu);
+    }
     r["steps_during_write_ms"] = during;
+    r["steps_during_write_cpu_ms"] = during_cpu;
     r["wait_ms"] = timed([&] { engine->wait_for_saves(); });
     prune();
     return r;
   }
 };
+
+int measure(const Flags& f);
 
 int run(int argc, char** argv) {
   CLI::App app{"async_save_bench: the time a save blocks training, blocking vs in the background"};
@@ -125,7 +159,10 @@ int run(int argc, char** argv) {
   app.add_option("--out", f.out, "JSON lines ('-': stdout)");
   CLI11_PARSE(app, argc, argv);
   if (f.d_ff == 0) f.d_ff = 4 * f.d_model;
+  return measure(f);
+}
 
+int measure(const Flags& f) {
   Bench b;
   b.f = f;
   const Config config = parse_config(
