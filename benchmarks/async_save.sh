@@ -3,14 +3,14 @@
 # (train.async_save), side by side in one run (benchmarks/async_save_bench.cc),
 # on the default GPT widened until a blocking save takes seconds here: prints
 # each save and the summary docs/benchmarks.md quotes ("Asynchronous saves").
-#   benchmarks/async_save.sh [--d-model 1280 --layers 8 --rounds 3 ...]
+#   [NP=2] benchmarks/async_save.sh [--d-model 1280 --layers 8 --rounds 3 ...]   (NP: ranks)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bazel build //benchmarks:async_save_bench //launch:remat-run >/dev/null 2>&1 ||
   bazel build //benchmarks:async_save_bench //launch:remat-run
 out=build/bench/async_save.jsonl
 mkdir -p build/bench
-bazel-bin/launch/remat-run -np 2 -- bazel-bin/benchmarks/async_save_bench --d-model 1280 --layers 8 --rounds 3 \
+bazel-bin/launch/remat-run -np "${NP:-2}" -- bazel-bin/benchmarks/async_save_bench --d-model 1280 --layers 8 --rounds 3 \
   --out "$out" "$@" 2>&1 | grep -vE '^W[0-9]{8}|^WARNING: Logging before'
 python3 - "$out" <<'PY'
 import json, statistics, sys

@@ -145,6 +145,7 @@ int measure(const Flags& f);
 int run(int argc, char** argv) {
   CLI::App app{"async_save_bench: the time a save blocks training, blocking vs in the background"};
   Flags f;
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);  // the script's defaults, then the caller's
   app.add_option("--d-model", f.d_model);
   app.add_option("--layers", f.layers);
   app.add_option("--d-ff", f.d_ff, "0: 4 x d_model");
