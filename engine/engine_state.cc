@@ -161,6 +161,7 @@ void Engine::Impl::complete_saves(bool wait) {
 void Engine::use_save_dir(const std::string& dir, SaveDirOptions options) {
   Impl& s = *impl_;
   if (s.save_lock && s.save_lock_dir == dir) return;
+  s.complete_saves(/*wait=*/true);  // a save being written keeps its folder's lock until complete
   // Continuing the saves it loaded from (a step folder in `dir`, or `dir`).
   if (!s.loaded_dir.empty() && s.loaded_dir.rfind(dir, 0) == 0) options.resuming = true;
   s.save_lock.reset();
