@@ -64,6 +64,11 @@ struct TrainConfig {
   // is available, else the CPU), "cpu", "cuda" (the local rank's CUDA device)
   // or "cuda:N". The engine places the model there at initialize.
   std::string device = "auto";
+  // Saves written by a background thread while training goes on
+  // (Engine::save_checkpoint): the state is copied to host memory at the
+  // step boundary, the write completes at a later step or save
+  // (docs/engine.md, "Asynchronous saves").
+  bool async_save = false;
 };
 
 // fp16: DeepSpeed's section. The loss scaler's keys are its options

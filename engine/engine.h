@@ -64,6 +64,16 @@ namespace parallel {
 class ZeroModel;
 }
 
+// How Engine::save_checkpoint writes a save.
+struct SaveOptions {
+  // Written in the background (train.async_save's meaning): the call
+  // returns once this rank's state is copied to host memory; a background
+  // thread writes its file while training goes on, and the save completes
+  // (manifest, `latest`) at a later step(), save, load, export or
+  // wait_for_saves(), on every rank together. See docs/engine.md.
+  bool async = false;
+};
+
 using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
 
 // How Engine::load_pretrained matches a safetensors file's tensors to the
@@ -232,7 +242,21 @@ class Engine {
   // `client_state` (rank 0's) to DIR/step_NNNNNNNN (atomic, CRC-checked,
   // locked against a second job, `latest` updated). Refused inside an
   // accumulation window. Returns the step folder.
+  // With train.async_save (or SaveOptions::async), the save is written in
+  // the background: the returned folder exists once it completes. A save
+  // still being written is completed first (waiting for it).
   std::string save_checkpoint(const std::string& dir, const nlohmann::json& client_state = nlohmann::json::object());
+  std::string save_checkpoint(const std::string& dir, const nlohmann::json& client_state, SaveOptions options);
+  // Completes a save still being written in the background (waiting for
+  // each rank's file), so the folder save_checkpoint returned is complete
+  // and `latest` names it; nothing when none is. A background write that
+  // failed on any rank is the same Error on every rank, here or at the
+  // step() or save that completes it. Every save, load and export does this
+  // first; call it before the program ends (an engine destroyed with a save
+  // pending leaves it incomplete: the previous save stays the latest).
+  void wait_for_saves();
+  // Whether a background save is still being written or waits to complete.
+  bool save_pending() const;
   // Takes `dir` for this engine's saves now (save_checkpoint does so at its
   // first save): created, checked writable on every rank and locked against
   // a second job. Saves of another run there are refused unless

@@ -101,6 +101,11 @@ Engine::EvaluationScope::~EvaluationScope() {
 }
 
 std::string Engine::save_checkpoint(const std::string& dir, const nlohmann::json& client_state) {
+  return save_checkpoint(dir, client_state, SaveOptions{config_.train.async_save});
+}
+
+std::string Engine::save_checkpoint(const std::string& dir, const nlohmann::json& client_state,
+                                    SaveOptions options) {
   Impl& s = *impl_;
   if (micro_steps_ != 0 || s.phase != Phase::kIdle) {
     throw Error(str("remat::Engine::save_checkpoint: called inside a gradient accumulation window (micro-step ",
@@ -108,6 +113,7 @@ std::string Engine::save_checkpoint(const std::string& dir, const nlohmann::json
                     "): the gradients of this window are not part of a save. Save after the step() that ends "
                     "the window (is_gradient_accumulation_boundary())"));
   }
+  s.complete_saves(/*wait=*/true);  // one save in the background at a time
   use_save_dir(dir, {});
   ContextScope scope(s.context);  // its RNG tracker is saved
   TrainPosition position;
@@ -117,15 +123,45 @@ std::string Engine::save_checkpoint(const std::string& dir, const nlohmann::json
   if (s.loss_scaling) position.loss_scaler = s.loss_scaling->save();
   position.decisions = internal::decisions_json(config_, s.batch, s.layout->dims().dp, s.device_budget_bytes,
                                                 s.search ? &*s.search : nullptr);
-  save_train_state(dir, position, s.shards(*model_), *s.optimizer, s.identity, *s.world);
+  if (options.async) {
+    s.pending_save =
+        std::make_unique<BackgroundSave>(dir, position, s.shards(*model_), *s.optimizer, s.identity, *s.world);
+  } else {
+    save_train_state(dir, position, s.shards(*model_), *s.optimizer, s.identity, *s.world);
+  }
   char folder[32];
   std::snprintf(folder, sizeof folder, "step_%08lld", static_cast<long long>(global_steps_));
   return dir + "/" + folder;
 }
 
+void Engine::wait_for_saves() {
+  ContextScope scope(impl_->context);
+  impl_->complete_saves(/*wait=*/true);
+}
+
+bool Engine::save_pending() const { return impl_->pending_save != nullptr; }
+
+void Engine::Impl::complete_saves(bool wait) {
+  if (!pending_save) return;
+  bool complete = false;
+  try {
+    if (wait) {
+      pending_save->finish(*world);
+      complete = true;
+    } else {
+      complete = pending_save->poll(*world);
+    }
+  } catch (...) {
+    pending_save.reset();  // failed on every rank alike: nothing left to complete
+    throw;
+  }
+  if (complete) pending_save.reset();
+}
+
 void Engine::use_save_dir(const std::string& dir, SaveDirOptions options) {
   Impl& s = *impl_;
   if (s.save_lock && s.save_lock_dir == dir) return;
+  s.complete_saves(/*wait=*/true);  // a save being written keeps its folder's lock until complete
   // Continuing the saves it loaded from (a step folder in `dir`, or `dir`).
   if (!s.loaded_dir.empty() && s.loaded_dir.rfind(dir, 0) == 0) options.resuming = true;
   s.save_lock.reset();
@@ -140,6 +176,7 @@ nlohmann::json Engine::load_checkpoint(const std::string& dir) {
                 "the first forward of a step");
   }
   ContextScope scope(s.context);  // its RNG tracker is restored
+  s.complete_saves(/*wait=*/true);  // a save being written completes first
   const TrainPosition position = load_train_state(dir, s.shards(*model_), *s.optimizer, s.identity, *s.world);
   global_steps_ = position.step;
   skipped_steps_ = position.skipped_steps;
@@ -170,6 +207,7 @@ int64_t Engine::export_model(const std::string& path, const ExportOptions& optio
   }
   check_spares_saves("remat::Engine::export_model", path, impl_->save_lock_dir, impl_->loaded_dir);
   ContextScope scope(impl_->context);
+  impl_->complete_saves(/*wait=*/true);  // a save being written completes first
   ExportOptions with_step = options;
   with_step.metadata.emplace("remat_step", std::to_string(global_steps_));
   return remat::export_model(path, *impl_->zero, *model_, *impl_->world, export_dtype(), with_step);

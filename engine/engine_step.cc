@@ -127,6 +127,9 @@ bool Engine::step() {
   s.lr = next_learning_rate();
   span.reset();
   s.meter.finish_trace(last_metrics_);
+  // A save written in the background completes once every rank's file is
+  // (one all-reduce while one is pending); a failed write stops every rank here.
+  s.complete_saves(/*wait=*/false);
   return !skipped;
 }
 

@@ -103,6 +103,8 @@ struct StageTerms {
   // through the step in the same memory (in the peak, and charged against a
   // whole-device budget as the engine's planner charges them).
   int64_t host_held = 0;
+  // train.async_save: a background save's snapshot on the host.
+  int64_t snapshot = 0;
 };
 
 // The planner's columns for the auto row: the configured budget when the
@@ -184,8 +186,10 @@ void fill_row(MemoryEstimateRow& r, const StageTerms& t, const MemoryEstimateInp
   // (cpu_checkpointing's copies) is in the activations already. The
   // offloaded optimizer's and parameters' are too, but on a CPU model they
   // are in the same memory, held through the step.
-  r.peak_bytes =
-      std::max(t.fixed + r.activation_bytes + t.grads_term, st.params + st.optimizer + st.grads) + t.host_held;
+  r.save_snapshot_bytes = t.snapshot;
+  // A snapshot is held through the steps after a save: on a CPU model in the same memory.
+  r.peak_bytes = std::max(t.fixed + r.activation_bytes + t.grads_term, st.params + st.optimizer + st.grads) +
+                 t.host_held + (in.host_is_device ? t.snapshot : 0);
 }
 
 StageTerms stage_terms(const MemoryEstimateInputs& in, const Config& config, int stage, int group,
@@ -198,6 +202,12 @@ StageTerms stage_terms(const MemoryEstimateInputs& in, const Config& config, int
   t.grads_term = in.gradients_in_activations ? t.state.grads - t.state.full_trainable : t.state.grads;
   t.fixed = t.state.params + t.state.optimizer + in.other_bytes + t.state.gathered;
   t.host_held = in.host_is_device ? t.state.host_optimizer + t.state.host_params : 0;
+  if (config.train.async_save) {
+    // The tensors the optimizer steps (whole at stage 0, this rank's shard
+    // after), copied in float32, and their optimizer state wherever it is.
+    const int64_t trained = t.state.full_trainable / std::max<int64_t>(in.element_bytes, 1) * 4;
+    t.snapshot = (stage == 0 ? trained : (trained + group - 1) / group) + t.state.optimizer + t.state.host_optimizer;
+  }
   return t;
 }
 
@@ -295,6 +305,7 @@ MemoryEstimate estimate_memory(const Config& config, int world_size, const Memor
   e.dp = world_size / tp;
   e.offload_optimizer = config.zero_optimization.offload_optimizer.enabled();
   e.offload_param = config.zero_optimization.offload_param.enabled();
+  e.async_save = config.train.async_save;
   // The trainer's rules that need the number of ranks (ZeroModel's), so that
   // the estimate refuses what the run would.
   if (std::string bad = parallel::check_hybrid_shard_size(config.zero_optimization, e.dp); !bad.empty()) {

@@ -119,6 +119,11 @@ struct MemoryEstimateRow {
   // then). On a CPU model, where the host copies share the memory, it is
   // lower than peak_bytes.
   int64_t no_offload_peak_bytes = 0;
+  // train.async_save: the host bytes a background save's snapshot holds
+  // until its files are written (the float32 tensors the optimizer steps and
+  // their state), through the steps after a save; in the peak on a CPU
+  // model, apart on a GPU. 0 without train.async_save.
+  int64_t save_snapshot_bytes = 0;
 };
 
 struct MemoryEstimate {
@@ -128,6 +133,7 @@ struct MemoryEstimate {
   int world_size = 1, dp = 1, tp = 1, shard_group = 1;
   bool offload_optimizer = false;    // the config's (zero_optimization.offload_optimizer)
   bool offload_param = false;        // the config's (zero_optimization.offload_param, stage 3's rows)
+  bool async_save = false;           // the config's (train.async_save)
   std::vector<MemoryEstimateRow> rows;
 
   // The configured row (an Error when the configuration has none: variant

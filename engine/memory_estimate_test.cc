@@ -97,6 +97,27 @@ TEST(MemoryEstimate, EachStageShardsWhatItShould) {
   EXPECT_EQ(estimate_memory(momentum, 2, in).row(0, "none").optimizer_bytes, params);
 }
 
+// train.async_save: a background save's snapshot (the float32 tensors the
+// optimizer steps and their state) is a host row, in a CPU model's peak;
+// without it nothing changes.
+TEST(MemoryEstimate, AsyncSaveCountsTheSnapshotOnTheHost) {
+  const Config plain = config_of({"optimizer.type=\"Adam\""});
+  const Config async = config_of({"optimizer.type=\"Adam\"", "train.async_save=true"});
+  const MemoryEstimateInputs in = cold_gpt_inputs(plain, kVocab, 4);
+  int64_t params = 0;
+  for (const auto& p : in.parameters) params += p.numel * 4;
+  const MemoryEstimate without = estimate_memory(plain, 2, in), with = estimate_memory(async, 2, in);
+  EXPECT_EQ(without.row(0, "none").save_snapshot_bytes, 0);
+  EXPECT_FALSE(without.to_json()["rows"][0].contains("save_snapshot_bytes"));
+  EXPECT_EQ(without.line().find("snapshot"), std::string::npos);
+  // Stage 0: every parameter and its two moments; stage 2: this rank's half.
+  EXPECT_EQ(with.row(0, "none").save_snapshot_bytes, 3 * params);
+  EXPECT_NEAR(static_cast<double>(with.row(2, "none").save_snapshot_bytes), 3.0 * params / 2, 64.0);
+  EXPECT_EQ(with.row(0, "none").peak_bytes, without.row(0, "none").peak_bytes + 3 * params);
+  EXPECT_TRUE(with.to_json()["rows"][0].contains("save_snapshot_bytes"));
+  EXPECT_NE(with.table().find("train.async_save: a background save's snapshot holds"), std::string::npos);
+}
+
 TEST(MemoryEstimate, PoliciesOrderTheActivations) {
   const Config c = config_of({});
   for (const MemoryEstimateInputs& in : {cold_gpt_inputs(c, kVocab, 8)}) {

@@ -93,6 +93,12 @@ std::string MemoryEstimate::table() const {
                             "in grads, a unit's gradient shard until it reaches the host")
                       : std::string())
     << "\n";
+  for (const MemoryEstimateRow& r : rows) {
+    if (!async_save || !r.configured) continue;
+    o << "  train.async_save: a background save's snapshot holds " << mib(r.save_snapshot_bytes)
+      << " MiB of host memory per rank (the configured row) until its files are written, "
+      << (host_is_device ? "in the peaks (the host is the device)" : "apart from the peaks") << "\n";
+  }
   if (device_capacity_bytes > 0 && !rows.empty()) o << "  " << capacity_text(*this) << "\n";
   return o.str();
 }
@@ -107,6 +113,8 @@ std::string MemoryEstimate::line() const {
                                  : std::string(),
              r.host_parameter_bytes > 0 ? str("; the parameter shards on the host: ", mib(r.host_parameter_bytes), " MiB")
                                         : std::string(),
+             async_save ? str("; a background save's snapshot on the host: ", mib(r.save_snapshot_bytes), " MiB")
+                        : std::string(),
              " (ZeRO stage ", r.stage, r.hybrid ? " hybrid" : "", ", ", r.policy, r.plan.empty() ? "" : " ", r.plan,
              ")", device_capacity_bytes > 0 ? "; " + capacity_text(*this) : std::string());
 }
@@ -126,6 +134,7 @@ nlohmann::json MemoryEstimate::to_json() const {
     // Written only when the config offloads: other estimates' keys stay as they are.
     if (offload_param) rows_json.back()["host_parameter_bytes"] = r.host_parameter_bytes;
     if (offload_param || offload_optimizer) rows_json.back()["no_offload_peak_bytes"] = r.no_offload_peak_bytes;
+    if (async_save) rows_json.back()["save_snapshot_bytes"] = r.save_snapshot_bytes;
   }
   nlohmann::json out = {{"mode", mode}, {"world_size", world_size}, {"dp", dp}, {"tp", tp},
                         {"shard_group", shard_group}, {"rows", rows_json}};

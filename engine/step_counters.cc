@@ -1,6 +1,7 @@
 #include "engine/step_counters.h"
 
 #include "checkpointing/checkpoint.h"
+#include "engine/save/storage.h"
 #include "parallel/mappings.h"
 #include "runtime/field_table.h"
 
@@ -15,6 +16,7 @@ const FieldTable<Counters>& counter_fields() {
       {"checkpoint_saved_bytes", FieldKind::kNow, &Counters::checkpoint_saved_bytes},
       {"recompute_ms", FieldKind::kTotal, &Counters::recompute_ms, "recompute_ms"},
       {"tensor_parallel_comm_bytes", FieldKind::kTotal, &Counters::tensor_parallel_comm_bytes, "tp_comm_bytes"},
+      {"save_snapshot_bytes", FieldKind::kNow, &Counters::save_snapshot_bytes, "save_snapshot_bytes"},
   };
   return table;
 }
@@ -29,6 +31,7 @@ Counters Counters::read(const parallel::ZeroModel* zero) {
   c.stored = stored_input_stats();
   c.offload = activation_offload_stats();
   c.tensor_parallel_comm_bytes = parallel::tensor_parallel_comm_bytes();
+  c.save_snapshot_bytes = save::snapshot_host_bytes();
   if (zero != nullptr) c.zero = zero->stats();
   return c;
 }

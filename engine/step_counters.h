@@ -30,6 +30,9 @@ struct Counters {
   ActivationOffloadStats offload;
   // Tensor-parallel mappings: total bytes through collectives.
   int64_t tensor_parallel_comm_bytes = 0;
+  // Background saves (engine/save/): host bytes their snapshots hold now,
+  // until each rank file is written (train.async_save).
+  int64_t save_snapshot_bytes = 0;
   // ZeRO (zero.h): bytes now and totals; zero when read without a ZeroModel.
   parallel::ZeroStats zero;
 

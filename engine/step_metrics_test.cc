@@ -68,6 +68,7 @@ TEST(StepMetrics, FromCountersReadsEachMetricWhereItComesFrom) {
   c.zero.param_bytes = 16, c.zero.grad_bytes = 17, c.zero.peak_grad_bytes = 18, c.zero.peak_gathered_bytes = 19;
   c.zero.reduce_wait_ms = 0.5, c.zero.buckets_reduced = 20, c.zero.buckets_done_in_backward = 21;
   c.checkpoint_saved_bytes = 999;  // the meter's peak over forwards, not this
+  c.save_snapshot_bytes = 22;
   const StepMetrics m = StepMetrics::from_counters(c);
   EXPECT_EQ(m.counter<double>("recompute_ms"), 3.25);
   EXPECT_EQ(m.counter("ckpt_offloaded_bytes"), 11);
@@ -84,7 +85,8 @@ TEST(StepMetrics, FromCountersReadsEachMetricWhereItComesFrom) {
   EXPECT_EQ(m.counter<double>("reduce_wait_ms"), 0.5);
   EXPECT_EQ(m.counter("buckets_reduced"), 20);
   EXPECT_EQ(m.counter("buckets_done_in_backward"), 21);
-  EXPECT_EQ(m.counters.size(), 13u) << "the counters' metrics: no more, no fewer";
+  EXPECT_EQ(m.counter("save_snapshot_bytes"), 22);
+  EXPECT_EQ(m.counters.size(), 14u) << "the counters' metrics: no more, no fewer";
   EXPECT_EQ(m.ckpt_saved_bytes, 0);
   EXPECT_EQ(m.step, 0);
   EXPECT_EQ(m.mem_peak_bytes, 0);
@@ -103,7 +105,7 @@ TEST(StepMetrics, JsonHasEveryFieldInItsOwnType) {
       "ckpt_offloaded_bytes", "ckpt_gathered_bytes", "act_offloaded_bytes", "act_restored_bytes", "act_host_bytes",
       "act_kept_bytes", "comm_bytes", "zero_comm_bytes", "tp_comm_bytes", "param_bytes", "grad_bytes",
       "grad_peak_bytes", "optimizer_state_bytes", "peak_gathered_param_bytes", "buckets_reduced",
-      "buckets_done_in_backward"};
+      "buckets_done_in_backward", "save_snapshot_bytes"};
   ASSERT_EQ(j.size(), doubles.size() + ints.size()) << j.dump();
   for (const auto& [key, value] : j.items()) {
     if (doubles.count(key)) {

@@ -124,6 +124,20 @@ void save_naming_intact(Engine& engine, const std::string& save_dir, const std::
   }
 }
 
+// Engine::wait_for_saves: a background save's failure names what is left
+// to resume from, as save_naming_intact does.
+void wait_naming_intact(Engine& engine, const std::string& save_dir, const std::string& resume_dir) {
+  try {
+    engine.wait_for_saves();
+  } catch (const CommError&) {
+    throw;
+  } catch (const ConfigError& e) {
+    throw ConfigError(str(e.what(), ". ", intact_save_note(save_dir, resume_dir)));
+  } catch (const Error& e) {
+    throw Error(str(e.what(), ". ", intact_save_note(save_dir, resume_dir)));
+  }
+}
+
 // The files of this run's outputs (and those written beside them), for
 // check_distinct_outputs.
 std::vector<std::pair<std::string, std::string>> output_files(const std::string& metrics, const std::string& trace,
@@ -564,13 +578,18 @@ TrainOutcome train_steps(TrainRun& run, int64_t trace_samples) {
       }
       if (!f.save_dir.empty() && ((tc.save_interval > 0 && step % tc.save_interval == 0) || step == tc.steps)) {
         save_naming_intact(*run.engine, f.save_dir, f.resume_dir, run.window);
-        progress.line(str("saved step ", step, " to ", f.save_dir));
+        progress.line(str(run.engine->save_pending() ? "saving step " : "saved step ", step, " to ", f.save_dir,
+                          run.engine->save_pending() ? " in the background" : ""));
         if (!replaced) {
+          // The later saves go only once this one is complete.
+          wait_naming_intact(*run.engine, f.save_dir, f.resume_dir);
           discard_saves_after(f.save_dir, replace_after, *run.layout->world(), step);  // --overwrite-saves, now that one is complete
           replaced = true;
         }
       }
     }
+    // The last background save completes before the run reports and exports.
+    if (!f.save_dir.empty()) wait_naming_intact(*run.engine, f.save_dir, f.resume_dir);
   } catch (const CommError& e) {
     rethrow_naming_saves(e, f.save_dir, f.resume_dir);
   }

@@ -92,6 +92,14 @@ std::optional<std::chrono::milliseconds> fault_save_pause() {
        "tests"}));
 }
 
+std::optional<int64_t> fault_save_fail() {
+  auto value = get(kFaultSaveFail);
+  if (!value) return std::nullopt;
+  return parse_whole(kFaultSaveFail, *value, 0, 65535,
+                     {"a rank, a whole number from 0 to 65535",
+                      "it makes that rank's save fail, for tests; unset it outside tests"});
+}
+
 std::optional<int64_t> memory_per_rank_bytes() {
   auto value = get(kMemoryPerRankBytes);
   if (!value) return std::nullopt;

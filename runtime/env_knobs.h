@@ -23,6 +23,7 @@ inline constexpr const char* kProgress = "REMAT_PROGRESS";
 // writing each temporary file and before renaming it into place, so a test can
 // kill a save in progress: from 0 to 60000 (1 minute). Unset: no pause.
 inline constexpr const char* kFaultSavePauseMs = "REMAT_FAULT_SAVE_PAUSE_MS";
+inline constexpr const char* kFaultSaveFail = "REMAT_FAULT_SAVE_FAIL";
 // Bytes each rank may use on this host, for remat-train's fit check and
 // "auto" micro-batch, device_memory_budget_bytes "auto" and remat-estimate:
 // a whole number > 0. Unset: the physical memory, capped by the cgroup's
@@ -73,6 +74,10 @@ std::chrono::milliseconds comm_timeout();
 // would only stall the save past any collective timeout). remat-train reads
 // it at start.
 std::optional<std::chrono::milliseconds> fault_save_pause();
+
+// REMAT_FAULT_SAVE_FAIL as the rank whose rank file write fails (nullopt when
+// unset); anything but a whole number from 0 to 65535 is an error.
+std::optional<int64_t> fault_save_fail();
 
 // REMAT_MEMORY_PER_RANK_BYTES (nullopt when unset): a whole number > 0.
 std::optional<int64_t> memory_per_rank_bytes();

@@ -119,7 +119,9 @@ std::vector<Field> deepspeed_only_top_level() {
       deepspeed_only("quantize_training", no_quantization),
       deepspeed_only("weight_quantization", no_quantization),
       aio_key(),
-      deepspeed_only("nebula", "remat has no Nebula checkpoint service"),
+      deepspeed_only("nebula", "remat has no Nebula checkpoint service",
+                     "set train.async_save to true: saves are then written in the background while training "
+                     "goes on"),
       deepspeed_only("sparse_attention", "remat's attention is dense"),
       deepspeed_only("pipeline", "remat has no pipeline parallelism",
                      "split the model with tensor_parallel.size and zero_optimization.stage"),

@@ -85,6 +85,12 @@ struct Engine::Impl {
   // The search that decided an "auto" micro-batch (EngineOptions::micro_batch).
   std::optional<MicroBatchSearch> search;
 
+  // A save written in the background (train.async_save), until it completes.
+  std::unique_ptr<BackgroundSave> pending_save;
+  // Completes the pending save if every rank's file is written (`wait`:
+  // waiting for them); collective while one is pending.
+  void complete_saves(bool wait);
+
   // The step in progress.
   internal::Phase phase = internal::Phase::kIdle;
   double lr = 0;

@@ -1,6 +1,7 @@
 #include "engine/save/rank_file.h"
 
 #include <ATen/ATen.h>
+#include <torch/cuda.h>
 #include <torch/serialize/output-archive.h>
 
 #include <algorithm>
@@ -21,35 +22,80 @@ namespace fs = std::filesystem;
 std::string tensor_key(size_t i) { return str("t", i); }
 std::string state_key(size_t i, const std::string& field) { return str("t", i, "__", field); }
 
-std::string rank_file_bytes(const TrainPosition& position, const TrainShards& shards,
-                            torch::optim::Optimizer& optimizer, const SaveIdentity& identity, int rank,
-                            int world_size, std::string& layout) {
-  torch::serialize::OutputArchive archive, tensors, rng_archive;
-  // Host tensors only: a save from a CUDA run loads on a machine without one
-  // (and .cpu() of a host tensor is that tensor, not a copy).
-  for (size_t i = 0; i < shards.tensors.size(); ++i) {
-    tensors.write(tensor_key(i), shards.tensors[i].detach().cpu());
-    for (const auto& [field, value] : optim::optimizer_state_of(optimizer, shards.tensors[i])) {
-      tensors.write(state_key(i, field), value.detach().cpu());
+namespace {
+
+// `t` on the host, as the snapshot keeps it: copied (`copy`), or the tensor
+// itself where it is on the host already. A device tensor's copy goes into
+// pinned memory without blocking (`copied` says one is in flight).
+at::Tensor host_tensor(const at::Tensor& t, bool copy, bool& copied) {
+  const at::Tensor v = t.detach();
+  if (!v.is_cuda()) return copy ? v.clone() : v.cpu();
+  at::Tensor host = at::empty(v.sizes(), v.options().device(at::kCPU).pinned_memory(true));
+  host.copy_(v, /*non_blocking=*/true);
+  copied = true;
+  return host;
+}
+
+}  // namespace
+
+RankSnapshot snapshot_rank(const TrainPosition& position, const TrainShards& shards,
+                           torch::optim::Optimizer& optimizer, const SaveIdentity& identity, int rank,
+                           int world_size, bool copy) {
+  RankSnapshot s;
+  s.position = position;
+  s.model_signature = identity.model_signature;
+  s.run_id = identity.run_id;
+  s.layout = shards.layout;
+  s.splits = shards.splits;
+  s.rank = rank;
+  s.world_size = world_size;
+  s.tp_rank = shards.tp_rank;
+  s.dp_rank = shards.dp_rank;
+  bool copied = false;
+  for (const at::Tensor& t : shards.tensors) {
+    s.tensors.push_back(host_tensor(t, copy, copied));
+    std::map<std::string, at::Tensor> state;
+    for (const auto& [field, value] : optim::optimizer_state_of(optimizer, t)) {
+      state[field] = host_tensor(value, copy, copied);
+    }
+    s.states.push_back(std::move(state));
+  }
+  if (copied) torch::cuda::synchronize();  // the copies into pinned memory are complete
+  s.rng = capture_rng();
+  if (copy) {
+    for (size_t i = 0; i < s.tensors.size(); ++i) {
+      s.host_bytes += static_cast<int64_t>(s.tensors[i].nbytes());
+      for (const auto& [field, value] : s.states[i]) s.host_bytes += static_cast<int64_t>(value.nbytes());
     }
   }
-  write_rng_snapshot(rng_archive, capture_rng());
-  layout = layout_json(shards.layout).dump();
+  return s;
+}
+
+void write_rank_file_bytes(const RankSnapshot& snapshot, std::string& layout, const Sink& sink) {
+  torch::serialize::OutputArchive archive, tensors, rng_archive;
+  // Host tensors only: a save from a CUDA run loads on a machine without one.
+  for (size_t i = 0; i < snapshot.tensors.size(); ++i) {
+    tensors.write(tensor_key(i), snapshot.tensors[i]);
+    for (const auto& [field, value] : snapshot.states[i]) tensors.write(state_key(i, field), value);
+  }
+  write_rng_snapshot(rng_archive, snapshot.rng);
+  layout = layout_json(snapshot.layout).dump();
   archive.write("format", c10::IValue(kFormat));
   archive.write("tensors", tensors);
   archive.write("rng", rng_archive);
-  archive.write("step", c10::IValue(position.step));
-  archive.write("rank", c10::IValue(static_cast<int64_t>(rank)));
-  archive.write("world_size", c10::IValue(static_cast<int64_t>(world_size)));
-  archive.write("model_signature", c10::IValue(identity.model_signature));
-  archive.write("run_id", c10::IValue(identity.run_id));
-  archive.write("tp_rank", c10::IValue(static_cast<int64_t>(shards.tp_rank)));
-  archive.write("dp_rank", c10::IValue(static_cast<int64_t>(shards.dp_rank)));
+  archive.write("step", c10::IValue(snapshot.position.step));
+  archive.write("rank", c10::IValue(static_cast<int64_t>(snapshot.rank)));
+  archive.write("world_size", c10::IValue(static_cast<int64_t>(snapshot.world_size)));
+  archive.write("model_signature", c10::IValue(snapshot.model_signature));
+  archive.write("run_id", c10::IValue(snapshot.run_id));
+  archive.write("tp_rank", c10::IValue(static_cast<int64_t>(snapshot.tp_rank)));
+  archive.write("dp_rank", c10::IValue(static_cast<int64_t>(snapshot.dp_rank)));
   archive.write("layout", c10::IValue(layout));
-  archive.write("splits", c10::IValue(splits_json(shards.splits).dump()));
-  std::ostringstream out;
-  archive.save_to(out);
-  return out.str();
+  archive.write("splits", c10::IValue(splits_json(snapshot.splits).dump()));
+  archive.save_to([&](const void* data, size_t size) -> size_t {
+    sink(data, size);
+    return size;
+  });
 }
 
 namespace {

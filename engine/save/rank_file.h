@@ -15,7 +15,9 @@
 #include <string>
 #include <vector>
 
+#include "engine/save/storage.h"
 #include "engine/save/types.h"
+#include "rng/rng_tracker.h"
 
 namespace torch::optim {
 class Optimizer;
@@ -27,12 +29,39 @@ namespace remat::save {
 std::string tensor_key(size_t i);
 std::string state_key(size_t i, const std::string& field);
 
-// This rank's file of a save (rank `rank` of `world_size`): its tensors with
-// their optimizer state, its random state, and what identifies it; `layout`
-// gets its layout's JSON (layout_json).
-std::string rank_file_bytes(const TrainPosition& position, const TrainShards& shards,
-                            torch::optim::Optimizer& optimizer, const SaveIdentity& identity, int rank,
-                            int world_size, std::string& layout);
+// Everything a rank file holds, taken at a step boundary: this rank's
+// tensors and their optimizer state on the host, its random state, the
+// position and what identifies the file. The file's bytes are made from it
+// alone, so a background thread can write them while training goes on and
+// changes the live state.
+struct RankSnapshot {
+  TrainPosition position;
+  std::string model_signature, run_id;
+  std::vector<parallel::ShardLayout> layout;
+  Splits splits;
+  int rank = 0, world_size = 1, tp_rank = 0, dp_rank = 0;
+  std::vector<at::Tensor> tensors;                         // on the host
+  std::vector<std::map<std::string, at::Tensor>> states;  // each tensor's optimizer state, on the host
+  RngSnapshot rng;
+  // Host bytes copied for it: 0 where it refers to the live host tensors
+  // (copy false), else what it holds until it is written.
+  int64_t host_bytes = 0;
+};
+
+// This rank's snapshot (rank `rank` of `world_size`). With `copy`, every
+// tensor is copied (a device tensor into pinned host memory, copied without
+// blocking and synchronized once; a host tensor cloned), so the snapshot
+// stays as it is while the optimizer steps on; without, host tensors are
+// referred to, not copied (a save written before the next step).
+RankSnapshot snapshot_rank(const TrainPosition& position, const TrainShards& shards,
+                           torch::optim::Optimizer& optimizer, const SaveIdentity& identity, int rank,
+                           int world_size, bool copy);
+
+// The bytes of the rank file of `snapshot`, handed to `sink` piece by piece
+// as they are made (a tensor's bytes straight from the snapshot, without a
+// copy of the whole file in memory); `layout` gets its layout's JSON
+// (layout_json). Touches nothing but the snapshot (any thread may call it).
+void write_rank_file_bytes(const RankSnapshot& snapshot, std::string& layout, const Sink& sink);
 
 // One rank file, read, verified against the manifest and parsed.
 struct RankFile {

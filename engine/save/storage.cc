@@ -5,6 +5,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -28,6 +29,92 @@ void fsync_path(const std::string& path, bool directory) {
 }
 
 }  // namespace
+
+namespace {
+
+// An open file taking pieces through a buffer (small pieces are gathered,
+// large ones written directly), with the CRC-32 of all it took. A failed
+// write is kept and raised by close(), never from take(): the producer (a
+// LibTorch writer) may call again while it unwinds.
+class FileSink {
+ public:
+  explicit FileSink(const std::string& path) : path_(path) {
+    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0) throw Error(str("save: cannot write '", path, "': check that the save directory is writable"));
+  }
+  ~FileSink() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  FileSink(const FileSink&) = delete;
+  FileSink& operator=(const FileSink&) = delete;
+
+  void take(const void* data, size_t size) {
+    written_.crc32 = static_cast<int64_t>(
+        ::crc32_z(static_cast<uLong>(written_.crc32), static_cast<const Bytef*>(data), size));
+    written_.bytes += static_cast<int64_t>(size);
+    if (buffer_.size() + size > kBuffer) flush();
+    if (size >= kBuffer) {
+      put(static_cast<const char*>(data), size);
+    } else {
+      buffer_.append(static_cast<const char*>(data), size);
+    }
+  }
+
+  // Everything on disk (fsync), the file closed.
+  WrittenBytes close() {
+    flush();
+    if (error_ == 0 && ::fsync(fd_) != 0 && errno != EINVAL) error_ = errno;
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0 && error_ == 0) error_ = errno;
+    if (error_ != 0) {
+      throw Error(str("save: writing '", path_, "' failed (", std::strerror(error_), "; disk full?)"));
+    }
+    return written_;
+  }
+
+ private:
+  static constexpr size_t kBuffer = size_t{1} << 20;
+
+  void flush() {
+    put(buffer_.data(), buffer_.size());
+    buffer_.clear();
+  }
+  void put(const char* data, size_t size) {
+    while (size > 0 && error_ == 0) {
+      const ssize_t n = ::write(fd_, data, size);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        error_ = n < 0 ? errno : ENOSPC;
+        return;
+      }
+      data += n;
+      size -= static_cast<size_t>(n);
+    }
+  }
+
+  std::string path_;
+  int fd_ = -1;
+  int error_ = 0;  // the first failed write's errno
+  std::string buffer_;
+  WrittenBytes written_;
+};
+
+}  // namespace
+
+WrittenBytes write_atomically_streamed(const std::string& path, const std::function<void(const Sink&)>& produce) {
+  const std::string tmp = path + ".tmp";
+  WrittenBytes written;
+  {
+    FileSink file(tmp);
+    produce([&](const void* data, size_t size) { file.take(data, size); });
+    written = file.close();
+  }
+  fault_pause(path);
+  fs::rename(tmp, path);
+  fsync_path(fs::path(path).parent_path().string(), true);
+  return written;
+}
 
 void write_atomically(const std::string& path, const std::string& bytes) {
   std::string tmp = path + ".tmp";
@@ -155,5 +242,17 @@ void fault_pause(const std::string& what) {
   std::fflush(stderr);
   std::this_thread::sleep_for(*pause);
 }
+
+bool fault_fail(int rank) {
+  const auto failing = knobs::fault_save_fail();
+  return failing && *failing == rank;
+}
+
+namespace {
+std::atomic<int64_t> snapshot_bytes{0};
+}  // namespace
+
+int64_t snapshot_host_bytes() { return snapshot_bytes.load(); }
+void count_snapshot_host_bytes(int64_t delta) { snapshot_bytes.fetch_add(delta); }
 
 }  // namespace remat::save

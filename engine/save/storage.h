@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -16,6 +17,19 @@ namespace remat::save {
 // Writes `bytes` to `path` atomically: temporary file, flush, fsync, rename,
 // then the folder fsynced; a crash leaves either the old or the new file.
 void write_atomically(const std::string& path, const std::string& bytes);
+
+// Takes the pieces of a file's bytes in order.
+using Sink = std::function<void(const void* data, size_t size)>;
+
+// A file written from pieces: its size and CRC-32.
+struct WrittenBytes {
+  int64_t bytes = 0, crc32 = 0;
+};
+
+// write_atomically for bytes made in pieces: `produce` hands each piece to
+// the sink it is given, in order; they go to the file as they come (the
+// whole is never held in memory), and its CRC-32 is computed on the way.
+WrittenBytes write_atomically_streamed(const std::string& path, const std::function<void(const Sink&)>& produce);
 
 // The whole of `path`; a file that cannot be read is a ConfigError ("resume: ...").
 std::string read_file(const std::string& path);
@@ -60,5 +74,16 @@ std::vector<std::string> remove_save_leftovers(const std::string& root);
 // REMAT_FAULT_SAVE_PAUSE_MS: pauses before `what` is renamed into place,
 // saying so on stderr, so a test can kill a save at each of its steps.
 void fault_pause(const std::string& what);
+
+// REMAT_FAULT_SAVE_FAIL=<rank>: whether rank `rank`'s write of its file is
+// to fail, as a write that failed, so a test can check that every rank stops
+// with the same error. Read in the caller's thread when the save starts (the
+// environment is not read from a background thread).
+bool fault_fail(int rank);
+
+// The host bytes background saves' snapshots hold now in this process (the
+// save_snapshot_bytes metric), counted as a snapshot is taken and released.
+int64_t snapshot_host_bytes();
+void count_snapshot_host_bytes(int64_t delta);
 
 }  // namespace remat::save

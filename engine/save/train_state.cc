@@ -5,13 +5,16 @@
 #include <ATen/ATen.h>
 #include <torch/serialize/input-archive.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <exception>
 #include <memory>
 #include <optional>
 #include <set>
+#include <thread>
 
 #include "optim/optimizer.h"
 #include "engine/save/manifest.h"
@@ -23,6 +26,7 @@
 #include "rng/rng_state_io.h"
 #include "rng/rng_tracker.h"
 #include "runtime/communicator.h"
+#include "runtime/env_knobs.h"
 #include "runtime/error.h"
 #include "runtime/layout.h"
 #include "runtime/logging.h"
@@ -110,33 +114,64 @@ void write_manifest(const std::string& dir, const std::string& staging, const Tr
   if (replaced) fs::remove_all(staging);  // the save this one replaced, now that `latest` is written
 }
 
-// The rank files into `staging`, then (rank 0) the manifest, the save put in
-// place and `latest`.
-void write_staged_save(const std::string& dir, const std::string& staging, const TrainPosition& position,
-                       const TrainShards& shards, torch::optim::Optimizer& optimizer, const SaveIdentity& identity,
-                       Communicator& world) {
-  std::string bytes, layout;
-  // Each rank's file; a rank that cannot write it stops every rank here.
-  agree_on_outcome(world, str("the save of step ", position.step), [&] {
-    if (!fs::is_directory(staging)) {
-      throw Error(str("save: rank ", world.rank(), " does not see the folder '", staging, "' rank 0 created: the "
-                      "save folder must be one folder every rank shares"));
-    }
-    bytes = save::rank_file_bytes(position, shards, optimizer, identity, world.rank(), world.size(), layout);
-    save::write_atomically((fs::path(staging) / str("rank_", world.rank(), ".pt")).string(), bytes);
-  });
+// What one rank wrote of a save: its file's size, CRC-32 and layout's JSON.
+struct WrittenFile {
+  int64_t bytes = 0, crc32 = 0;
+  std::string layout;
+};
 
-  // Every rank's file is in place (and its size, checksum and layout known)
-  // before the manifest.
-  at::Tensor mine = at::tensor({static_cast<int64_t>(bytes.size()), save::crc32_of(bytes),
-                                static_cast<int64_t>(shards.tp_rank), static_cast<int64_t>(shards.dp_rank)},
+// This rank's file of `snapshot`, written into `staging` (any thread: no
+// collective). `fail` (REMAT_FAULT_SAVE_FAIL) makes it fail as a write does.
+WrittenFile write_rank_file(const std::string& staging, const save::RankSnapshot& snapshot, bool fail) {
+  if (!fs::is_directory(staging)) {
+    throw Error(str("save: rank ", snapshot.rank, " does not see the folder '", staging, "' rank 0 created: the "
+                    "save folder must be one folder every rank shares"));
+  }
+  if (fail) {
+    throw Error(str("save: writing the rank file of step ", snapshot.position.step, " failed on rank ",
+                    snapshot.rank, " (", knobs::kFaultSaveFail, " injected this failure)"));
+  }
+  WrittenFile written;
+  const save::WrittenBytes file = save::write_atomically_streamed(
+      (fs::path(staging) / str("rank_", snapshot.rank, ".pt")).string(),
+      [&](const save::Sink& sink) { save::write_rank_file_bytes(snapshot, written.layout, sink); });
+  written.bytes = file.bytes;
+  written.crc32 = file.crc32;
+  return written;
+}
+
+// Once every rank's file is in place: each rank's size, checksum and layout
+// gathered, then (rank 0) the manifest, the save put in place and `latest`.
+void finish_staged_save(const std::string& dir, const std::string& staging, const TrainPosition& position,
+                        const TrainShards& shards, const SaveIdentity& identity, Communicator& world,
+                        const WrittenFile& written) {
+  at::Tensor mine = at::tensor({written.bytes, written.crc32, static_cast<int64_t>(shards.tp_rank),
+                                static_cast<int64_t>(shards.dp_rank)},
                                at::kLong);
   at::Tensor all = at::empty({4 * world.size()}, at::kLong);
   world.allGather(all, mine)->wait();
-  const std::vector<std::string> layouts = gather_text(layout, world);
+  const std::vector<std::string> layouts = gather_text(written.layout, world);
   agree_on_outcome(world, str("the save of step ", position.step), [&] {
     if (world.rank() == 0) write_manifest(dir, staging, position, shards, identity, world, all, layouts);
   });
+}
+
+// The staging folder of a save of `position.step`, made afresh by rank 0
+// (collective: a rank 0 that cannot make it stops every rank).
+std::string make_staging(const std::string& dir, int64_t step, Communicator& world) {
+  const std::string staging = (fs::path(dir) / save::staging_folder(step)).string();
+  agree_on_outcome(world, str("the save of step ", step), [&] {
+    if (world.rank() != 0) return;
+    fs::remove_all(staging);  // what a failed save of this step left
+    fs::create_directories(staging);
+  });
+  return staging;
+}
+
+// A save that failed leaves nothing of itself (a full disk keeps no partial rank file).
+void remove_failed(const std::string& staging, Communicator& world) {
+  std::error_code ec;
+  if (world.rank() == 0) fs::remove_all(staging, ec);
 }
 
 }  // namespace
@@ -147,18 +182,103 @@ void save_train_state(const std::string& dir, const TrainPosition& position, con
   REMAT_CHECK(shards.tensors.size() == shards.layout.size(),
               "save_train_state: one layout per tensor (ZeroModel::parameters() and layout())");
   // Written in a staging folder of its own, put in place once complete.
-  const std::string staging = (fs::path(dir) / save::staging_folder(position.step)).string();
-  agree_on_outcome(world, str("the save of step ", position.step), [&] {
-    if (world.rank() != 0) return;
-    fs::remove_all(staging);  // what a failed save of this step left
-    fs::create_directories(staging);
-  });
-  // A save that fails leaves nothing of itself (a full disk keeps no partial rank file).
+  const std::string staging = make_staging(dir, position.step, world);
   try {
-    write_staged_save(dir, staging, position, shards, optimizer, identity, world);
+    // The same path as a background save: the snapshot (here referring to
+    // the host tensors, not copying them), then the file from it. A rank
+    // that cannot write its file stops every rank here.
+    WrittenFile written;
+    agree_on_outcome(world, str("the save of step ", position.step), [&] {
+      const save::RankSnapshot snapshot =
+          save::snapshot_rank(position, shards, optimizer, identity, world.rank(), world.size(), /*copy=*/false);
+      written = write_rank_file(staging, snapshot, save::fault_fail(world.rank()));
+    });
+    finish_staged_save(dir, staging, position, shards, identity, world, written);
   } catch (...) {
-    std::error_code ec;
-    if (world.rank() == 0) fs::remove_all(staging, ec);
+    remove_failed(staging, world);
+    throw;
+  }
+}
+
+struct BackgroundSave::Writer {
+  std::thread thread;
+  std::atomic<bool> done{false};
+  WrittenFile written;
+  std::exception_ptr error;
+};
+
+BackgroundSave::BackgroundSave(const std::string& dir, const TrainPosition& position, const TrainShards& shards,
+                               torch::optim::Optimizer& optimizer, const SaveIdentity& identity,
+                               Communicator& world)
+    : dir_(dir), position_(position), shards_(shards), identity_(identity), writer_(std::make_unique<Writer>()) {
+  REMAT_CHECK(shards.tensors.size() == shards.layout.size(),
+              "BackgroundSave: one layout per tensor (ZeroModel::parameters() and layout())");
+  shards_.tensors.clear();  // the snapshot holds the values; the live tensors train on
+  staging_ = make_staging(dir, position.step, world);
+  std::shared_ptr<save::RankSnapshot> snapshot;
+  try {
+    agree_on_outcome(world, str("the save of step ", position.step), [&] {
+      snapshot = std::make_shared<save::RankSnapshot>(
+          save::snapshot_rank(position, shards, optimizer, identity, world.rank(), world.size(), /*copy=*/true));
+    });
+  } catch (...) {
+    remove_failed(staging_, world);
+    throw;
+  }
+  host_bytes_ = snapshot->host_bytes;
+  save::count_snapshot_host_bytes(host_bytes_);
+  Writer* writer = writer_.get();
+  const std::string staging = staging_;
+  const int64_t held = host_bytes_;
+  const bool fail = save::fault_fail(world.rank());
+  writer_->thread = std::thread([writer, staging, snapshot, held, fail]() mutable {
+    try {
+      writer->written = write_rank_file(staging, *snapshot, fail);
+    } catch (...) {
+      writer->error = std::current_exception();
+    }
+    snapshot.reset();  // its host memory goes as soon as it is written
+    save::count_snapshot_host_bytes(-held);
+    writer->done.store(true);
+  });
+}
+
+BackgroundSave::~BackgroundSave() {
+  if (writer_->thread.joinable()) writer_->thread.join();
+  if (!finished_) {
+    log().warn("the save of step {} to '{}' was not completed (the engine went away before its next step or "
+               "save): the previous save stays the latest; its staging folder '{}' is removed by the next run "
+               "in that folder", position_.step, dir_, staging_);
+  }
+}
+
+bool BackgroundSave::poll(Communicator& world) {
+  if (finished_) return true;
+  at::Tensor done = at::tensor({writer_->done.load() ? int64_t{1} : int64_t{0}}, at::kLong);
+  if (world.size() > 1) world.allReduce(done, {ReduceOp::kMin})->wait();
+  if (done.item<int64_t>() == 0) return false;
+  complete(world);
+  return true;
+}
+
+void BackgroundSave::finish(Communicator& world) {
+  if (finished_) return;
+  if (writer_->thread.joinable()) writer_->thread.join();
+  const bool all = poll(world);
+  REMAT_CHECK(all, "BackgroundSave::finish: every rank's writer is joined");
+}
+
+void BackgroundSave::complete(Communicator& world) {
+  if (writer_->thread.joinable()) writer_->thread.join();
+  finished_ = true;  // done or failed: never completed twice
+  try {
+    // A rank whose background write failed stops every rank here, with the same error.
+    agree_on_outcome(world, str("the background save of step ", position_.step), [&] {
+      if (writer_->error) std::rethrow_exception(writer_->error);
+    });
+    finish_staged_save(dir_, staging_, position_, shards_, identity_, world, writer_->written);
+  } catch (...) {
+    remove_failed(staging_, world);
     throw;
   }
 }

@@ -37,6 +37,8 @@
 // Internal to engine/: only the engine's sources and their tests include it.
 #pragma once
 
+#include <cstdint>
+#include <memory>
 #include <string>
 
 #include "engine/save/types.h"
@@ -68,6 +70,53 @@ std::string new_run_id(Communicator& world);
 void save_train_state(const std::string& dir, const TrainPosition& position, const TrainShards& shards,
                       torch::optim::Optimizer& optimizer, const SaveIdentity& identity,
                       Communicator& world);
+
+// A save written by a background thread while training goes on (Engine's
+// train.async_save). The constructor (collective) has rank 0 make the
+// staging folder, takes this rank's snapshot (its tensors and optimizer
+// state copied to host memory, its random state) and starts a thread that
+// writes and fsyncs this rank's file into the staging folder: nothing else
+// of the save is written from that thread. Completing it is collective and
+// in the caller's thread: poll() (one all-reduce of "my file is written")
+// completes it once every rank's file is written, exactly as
+// save_train_state ends (the manifest, the folder put in place, `latest`);
+// finish() waits for it. A rank whose write failed stops every rank there
+// with the same error, naming the rank and the step; the staging folder is
+// then removed. Until it completes, the previous save stays the latest and
+// resumable: a kill leaves only the staging folder, which the next run's
+// remove_save_leftovers removes.
+class BackgroundSave {
+ public:
+  BackgroundSave(const std::string& dir, const TrainPosition& position, const TrainShards& shards,
+                 torch::optim::Optimizer& optimizer, const SaveIdentity& identity, Communicator& world);
+  // Waits for this rank's thread; not collective, so a save not completed
+  // stays incomplete (a warning names its step).
+  ~BackgroundSave();
+  BackgroundSave(const BackgroundSave&) = delete;
+  BackgroundSave& operator=(const BackgroundSave&) = delete;
+
+  // Collective: true once the save is complete (completing it when every
+  // rank's file is written); false while some rank still writes.
+  bool poll(Communicator& world);
+  // Collective: waits for this rank's file, then completes the save.
+  void finish(Communicator& world);
+
+  int64_t step() const { return position_.step; }
+  // The host bytes this rank's snapshot copied.
+  int64_t host_bytes() const { return host_bytes_; }
+
+ private:
+  void complete(Communicator& world);
+
+  std::string dir_, staging_;
+  TrainPosition position_;
+  TrainShards shards_;  // without its tensors: what the manifest records
+  SaveIdentity identity_;
+  int64_t host_bytes_ = 0;
+  bool finished_ = false;
+  struct Writer;
+  std::unique_ptr<Writer> writer_;
+};
 
 // Loads a save made by save_train_state into `shards.tensors` and their
 // optimizer state: `dir` is a step folder or the save root (then DIR/latest).
