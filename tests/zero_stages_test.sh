@@ -138,7 +138,9 @@ EOF
 else
   fail "torch.load reads the export; every tensor equals the save's shards bitwise" "$out"
 fi
-expect "an --export path that is a directory stops the run before training" "--export '$tmp' is a directory" \
+# A directory is a sharded safetensors export's folder: one holding files of
+# another kind (here the test's own) is refused before training.
+expect "an --export folder holding other files stops the run before training" "--export '$tmp' is a folder holding '" \
   "$train" --config "$configs_dir/zero1.json" --steps 1 "${small[@]}" --export "$tmp"
 expect "an --export path that cannot be written stops the run before training" "--export '$tmp/no/such/dir/m.pt': its folder '$tmp/no/such/dir' does not exist" \
   "$train" --config "$configs_dir/zero1.json" --steps 1 "${small[@]}" --export "$tmp/no/such/dir/m.pt"
