@@ -16,6 +16,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <optional>
 #include <random>
@@ -30,12 +31,36 @@ namespace {
 using ::testing::HasSubstr;
 using testing::error_of;
 
-// A fresh folder under the test's own TEST_TMPDIR.
+namespace fs = std::filesystem;
+
+// This process's folder: under the test's own TEST_TMPDIR (Bazel), else the
+// system's temporary folder (ctest); removed when the tests end.
+const fs::path& test_root() {
+  static const fs::path root = [] {
+    const char* base = std::getenv("TEST_TMPDIR");
+    fs::path dir = (base ? fs::path(base) : fs::temp_directory_path()) /
+                   ("remat_async_io_" + std::to_string(::getpid()));
+    fs::create_directories(dir);
+    return dir;
+  }();
+  return root;
+}
+
+class RemoveTestRoot : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    std::error_code ignored;
+    fs::remove_all(test_root(), ignored);
+  }
+};
+const auto* const kRemoveTestRoot = ::testing::AddGlobalTestEnvironment(new RemoveTestRoot);
+
+// A fresh folder of this test's.
 std::string temp_folder(const std::string& name) {
-  const char* root = std::getenv("TEST_TMPDIR");
-  std::string dir = std::string(root ? root : ".") + "/async_io_" + name + "." + std::to_string(::getpid());
-  ::mkdir(dir.c_str(), 0700);
-  return dir;
+  static int count = 0;
+  const fs::path dir = test_root() / (name + "." + std::to_string(++count));
+  fs::create_directories(dir);
+  return dir.string();
 }
 
 void fill_random(void* data, size_t bytes, unsigned seed) {

@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "runtime/async_io.h"
+#include "runtime/async_io_options.h"
 #include "runtime/internal/io_queue.h"
 
 namespace remat {
