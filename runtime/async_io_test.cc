@@ -133,6 +133,30 @@ TEST(AsyncFile, AutoNamesTheBackendItChoseAndWhy) {
   }
 }
 
+// A container that forbids io_uring (simulated: REMAT_FAULT_NO_IO_URING):
+// auto takes libaio and says why; io_uring asked for by name is refused.
+TEST(AsyncFile, AutoFallsBackWhereIoUringCannotStart) {
+  ::setenv("REMAT_FAULT_NO_IO_URING", "1", 1);
+  const std::string dir = temp_folder("fallback");
+  AsyncIoOptions options;
+  options.backend = IoBackend::kIoUring;
+  const std::string refused = error_of<Error>([&] { AsyncFile(dir + "/f", 4096, options); });
+  options.backend = IoBackend::kAuto;
+  std::unique_ptr<AsyncFile> file = std::make_unique<AsyncFile>(dir + "/f", 1 << 20, options);
+  AlignedBuffer out(1 << 20), in(1 << 20);
+  fill_random(out.data(), out.size(), 5);
+  file->write(0, out.data(), out.size()).wait();
+  file->read(0, in.data(), in.size()).wait();
+  ::unsetenv("REMAT_FAULT_NO_IO_URING");
+  EXPECT_THAT(refused, HasSubstr("the io_uring backend was asked for but cannot start: io_uring_queue_init: "
+                                 "Operation not permitted (EPERM)"));
+  EXPECT_THAT(refused, HasSubstr("ask for libaio, threads or auto"));
+  EXPECT_NE(file->backend(), IoBackend::kIoUring);
+  EXPECT_THAT(file->backend_reason(), HasSubstr("(auto: io_uring cannot start: io_uring_queue_init: "
+                                                "Operation not permitted (EPERM)"));
+  EXPECT_EQ(std::memcmp(out.data(), in.data(), in.size()), 0);
+}
+
 // Many more requests than the queue holds, each its own region, waited for in
 // reverse order: every one lands where it belongs. Under each submission style.
 TEST(AsyncFile, ManyRequestsInFlightCompleteWithTheRightData) {

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "runtime/env_knobs.h"
 #include "runtime/error.h"
 
 namespace remat {
@@ -179,7 +180,7 @@ class ThreadQueue : public IoQueue {
 
 std::unique_ptr<IoQueue> make_uring_queue(int depth, std::string& reason) {
   auto queue = std::make_unique<UringQueue>();
-  const int rc = queue->init(depth);
+  const int rc = knobs::get_bool(knobs::kFaultNoIoUring) ? -EPERM : queue->init(depth);
   if (rc < 0) {
     reason = str("io_uring_queue_init: ", errno_text(-rc));
     return nullptr;
