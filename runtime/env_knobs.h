@@ -41,6 +41,10 @@ inline constexpr const char* kOmpNumThreads = "OMP_NUM_THREADS";
 inline constexpr const char* kReduceProgress = "REMAT_REDUCE_PROGRESS";
 // 0: build-time CUDA detection is skipped (read by Bazel's configure step).
 inline constexpr const char* kCuda = "REMAT_CUDA";
+// Fault-injection seam for tests: 1 makes io_uring_queue_init fail with EPERM
+// in runtime/async_io.h, as in a container that forbids io_uring, so that the
+// fallback to libaio (and a refusal where io_uring is asked for) can be tested.
+inline constexpr const char* kFaultNoIoUring = "REMAT_FAULT_NO_IO_URING";
 
 // The variable's value, or nullopt when unset or empty.
 std::optional<std::string> get(const char* name);

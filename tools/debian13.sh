@@ -25,7 +25,7 @@ ready="$root/.remat-ready"
 packages=(g++ cmake ninja-build bazel-bootstrap bazel-platforms libtorch-dev libopenmpi-dev
           openmpi-bin libspdlog-dev nlohmann-json3-dev libgtest-dev libgmock-dev libcli11-dev
           zlib1g-dev procps python3 python3-torch universal-ctags ca-certificates git
-          libopenblas0-openmp libblas3 ccache)
+          libopenblas0-openmp libblas3 ccache liburing-dev libaio-dev fio)
 
 say() { echo "debian13: $*" >&2; }
 fail() {

@@ -20,6 +20,9 @@ packages=(
   libgmock-dev
   libcli11-dev
   zlib1g-dev         # CRC-32 of saved training state
+  liburing-dev       # io_uring backend of runtime/async_io.h (NVMe offload)
+  libaio-dev         # Linux AIO backend of runtime/async_io.h
+  fio                # the disk's bandwidth beside remat's (benchmarks/disk_bandwidth.sh)
   procps             # pgrep in the whole-job tests
   python3            # edits saved files in the whole-job tests
   python3-torch      # reads remat-train --export files with torch.load in the whole-job tests
