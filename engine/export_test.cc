@@ -215,7 +215,9 @@ TEST(Export, AFailedWriteLeavesNothingAndFailsOnEveryRank) {
     options.max_shard_bytes = 12000;
     const std::string message = error_of<Error>([&] { run.engine->export_model(dir + "/" + name, options); });
     if (world()->rank() == 0) ::setrlimit(RLIMIT_FSIZE, &old);
-    if (world()->size() > 1) EXPECT_THAT(message, HasSubstr("failed on rank 0 of")) << name;
+    if (world()->size() > 1) {
+      EXPECT_THAT(message, HasSubstr("failed on rank 0 of")) << name;
+    }
     EXPECT_THAT(message, HasSubstr("File too large")) << name;
     world()->barrier()->wait();
     if (world()->rank() == 0) {
@@ -246,7 +248,9 @@ TEST(Export, AForeignFolderIsRefusedAndAPreviousExportReplaced) {
   const std::string message = error_of<ConfigError>([&] { run.engine->export_model(dir + "/hf"); });
   EXPECT_THAT(message, HasSubstr(str("remat::Engine::export_model '", dir, "/hf' is a folder holding 'config.json', "
                                      "which is not a remat safetensors export's")));
-  if (world()->size() > 1) EXPECT_THAT(message, HasSubstr("(the export's path check failed on rank 0 of"));
+  if (world()->size() > 1) {
+    EXPECT_THAT(message, HasSubstr("(the export's path check failed on rank 0 of"));
+  }
   ExportOptions small, large;
   small.max_shard_bytes = 4000;
   large.max_shard_bytes = 1 << 20;

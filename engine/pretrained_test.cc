@@ -417,12 +417,14 @@ TEST(LoadPretrained, LoadsAShardedSetByItsFolderOrIndex) {
     ASSERT_GT(out.paths().size(), 3u) << "several shards and the index";
   }
   world()->barrier();
-  for (const std::string path : {dir + "/set", dir + "/set/model.safetensors.index.json"}) {
+  for (const std::string& path : {dir + "/set", dir + "/set/model.safetensors.index.json"}) {
     Built r = make({3});
     EXPECT_EQ(r.engine->load_pretrained(path).loaded, static_cast<int64_t>(values.size())) << path;
     const auto held = masters(*r.engine);
     for (const auto& [name, value] : values) {
-      if (name != "scale") EXPECT_TRUE(bitwise_equal(held.at(name), value.to(at::kFloat))) << path << ": " << name;
+      if (name != "scale") {
+        EXPECT_TRUE(bitwise_equal(held.at(name), value.to(at::kFloat))) << path << ": " << name;
+      }
     }
   }
 }
