@@ -236,8 +236,9 @@ if [[ $rc -ne 0 ]] && [[ $(grep -c 'to NVMe is being built (remat issue 53) and 
 else
   fail "infinity_zero3.json: device \"nvme\" refused naming issue 53 and \"cpu\" (exit $rc)" "$(cat "$tmp/inf.est")"
 fi
-REMAT_LOG_LEVEL=info "$run" -np 2 -- "$train" --config "$inf" --steps $steps "${small[@]}" \
-  --set zero_optimization.offload_optimizer.device=cpu --set zero_optimization.offload_param.device=cpu \
+# The file is read alone before any --set: the devices are changed in a copy.
+sed 's/"device": "nvme"/"device": "cpu"/' "$inf" >"$tmp/infinity_cpu.json"
+REMAT_LOG_LEVEL=info "$run" -np 2 -- "$train" --config "$tmp/infinity_cpu.json" --steps $steps "${small[@]}" \
   --metrics "$tmp/inf.jsonl" >"$tmp/inf.out" 2>&1
 rc=$?
 aio_lines=$(grep -c "aio (block_size 262144, queue_depth 32, thread_count 1, single_submit false, overlap_events true) has no effect in this run" "$tmp/inf.out")
