@@ -231,7 +231,7 @@ TEST(DeepSpeedKeys, AioSectionIsReadAndChecked) {
 }
 
 // Item 12: offload to NVMe stays refused, and every NVMe problem (the
-// devices, nvme_path, the pipeline keys, aio) is in one error, not one a run.
+// devices, nvme_path, the pipeline keys) is in one error, not one a run.
 TEST(DeepSpeedKeys, EveryNvmeProblemIsInOneError) {
   const std::string msg = config_error([] {
     parse(R"({"aio": {"block_size": 1048576},
