@@ -77,4 +77,14 @@ BatchSizes Config::resolve_batch(int dp) const {
   return out;
 }
 
+AsyncIoOptions AioConfig::options() const {
+  AsyncIoOptions o;
+  o.block_size = block_size > 0 ? static_cast<size_t>(block_size) : 0;
+  o.queue_depth = queue_depth;
+  o.thread_count = thread_count;
+  o.single_submit = single_submit;
+  o.overlap_events = overlap_events;
+  return o;
+}
+
 }  // namespace remat

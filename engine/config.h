@@ -25,6 +25,7 @@
 #include "optim/lr_schedule.h"
 #include "optim/options.h"
 #include "parallel/zero_options.h"
+#include "runtime/async_io_options.h"
 
 namespace remat {
 
@@ -116,6 +117,21 @@ struct DeepSpeedTuningConfig {
   std::optional<int64_t> param_persistence_threshold;
 };
 
+// DeepSpeed's `aio` section: the asynchronous I/O of offload to NVMe
+// (runtime/async_io_options.h says what each key means for each backend).
+// Read and checked now, DeepSpeed's defaults as its own; offload to NVMe,
+// being built (issue 53), steps its files with options() (ineffective_settings
+// says so while no offload device is "nvme").
+struct AioConfig {
+  int64_t block_size = 1048576;  // bytes of one request piece
+  int queue_depth = 8;           // pieces in flight per lane
+  int thread_count = 1;          // lanes (DeepSpeed's later spelling: intra_op_parallelism)
+  bool single_submit = false;    // one submission call per piece
+  bool overlap_events = true;    // refill the queue as pieces complete
+  // These values in runtime's options (backend auto, direct I/O preferred).
+  AsyncIoOptions options() const;
+};
+
 // Resolved batch sizes: train = micro × accumulation × data-parallel size.
 struct BatchSizes {
   int64_t train_batch_size = 0;
@@ -153,6 +169,7 @@ struct Config {
   ActivationCheckpointingOptions activation_checkpointing;  // checkpointing/options.h
   OffloadActivationsOptions activation_offloading;          // checkpointing/options.h
   TensorParallelConfig tensor_parallel;
+  AioConfig aio;  // DeepSpeed's aio section
   models::ModelShape model;  // models/shape.h
   DataConfig data;
   TrainConfig train;

@@ -163,6 +163,12 @@ void check_sections(const Config& c, Problems& problems) {
                  str("'tensor_parallel.size' = ", c.tensor_parallel.size, " must be at least 1"));
   }
   problems.add({"model"}, models::check_model_shape(c.model));
+  if (c.aio.block_size < 1) {
+    problems.add({"aio.block_size"}, str("'aio.block_size' = ", c.aio.block_size, " must be at least 1: give the "
+                                         "bytes of one request piece (DeepSpeed's default 1048576)"));
+  } else {
+    problems.add({"aio"}, check_async_io_options(c.aio.options()));
+  }
   if (const int tp = c.tensor_parallel.size;
       c.tensor_parallel.sequence_parallel_active() && c.model.seq_len >= 1 && c.model.seq_len % tp != 0) {
     const int below = c.model.seq_len / tp * tp;

@@ -305,6 +305,16 @@ const std::vector<Field>& base_schema() {
                              "remat's tensor parallelism is built into its model's layers, not applied to "
                              "any model automatically",
                              "set tensor_parallel.size")}),
+      object("aio", &Config::aio,
+             with({leaf("block_size", &AioConfig::block_size),
+                   leaf("queue_depth", &AioConfig::queue_depth)},
+                  with(spellings({leaf("thread_count", &AioConfig::thread_count),
+                                  leaf("intra_op_parallelism", &AioConfig::thread_count)}),
+                       {leaf("single_submit", &AioConfig::single_submit),
+                        leaf("overlap_events", &AioConfig::overlap_events),
+                        deepspeed_keys::deepspeed_only_unless(
+                            "use_gds", {false}, "remat reads and writes NVMe through host memory, without "
+                            "GPUDirect Storage")}))),
       object("model", &Config::model,
              {leaf("n_layer", &models::ModelShape::n_layer),
               leaf("n_head", &models::ModelShape::n_head),

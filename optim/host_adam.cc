@@ -133,24 +133,28 @@ float as_float(double value) { return c10::checked_convert<float, double>(value,
 
 // LibTorch's scalars for step number `step`, in double, cast to float as ATen
 // casts a double Scalar for a float tensor.
-template <typename Options>
-AdamScalars step_scalars(const Options& options, int64_t step, DecayMode decay) {
-  const double beta1 = std::get<0>(options.betas());
-  const double beta2 = std::get<1>(options.betas());
+AdamScalars scalars(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                    DecayMode decay) {
   const double bias_correction1 = 1 - std::pow(beta1, static_cast<double>(step));
   const double bias_correction2 = 1 - std::pow(beta2, static_cast<double>(step));
   AdamScalars s;
-  s.decay = options.weight_decay() != 0 ? decay : DecayMode::kNone;
-  s.weight_decay = as_float(options.weight_decay());
-  s.decay_factor = as_float(1 - options.lr() * options.weight_decay());
+  s.decay = weight_decay != 0 ? decay : DecayMode::kNone;
+  s.weight_decay = as_float(weight_decay);
+  s.decay_factor = as_float(1 - lr * weight_decay);
   s.beta1 = as_float(beta1);
   s.one_minus_beta1 = as_float(1 - beta1);
   s.beta2 = as_float(beta2);
   s.one_minus_beta2 = as_float(1 - beta2);
   s.sqrt_bias_correction2 = as_float(std::sqrt(bias_correction2));
-  s.eps = as_float(options.eps());
-  s.neg_step_size = as_float(-(options.lr() / bias_correction1));
+  s.eps = as_float(eps);
+  s.neg_step_size = as_float(-(lr / bias_correction1));
   return s;
+}
+
+template <typename Options>
+AdamScalars step_scalars(const Options& options, int64_t step, DecayMode decay) {
+  return scalars(options.lr(), std::get<0>(options.betas()), std::get<1>(options.betas()), options.eps(),
+                 options.weight_decay(), step, decay);
 }
 
 // Every parameter that steps is checked before any is updated: a refused one
@@ -224,6 +228,17 @@ const char* kernel_name(HostAdamKernel kernel) {
 }
 
 HostAdamKernel auto_kernel() { return resolve(HostAdamKernel::kAuto); }
+
+void host_adam_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n,
+                      const HostAdamStep& step, HostAdamKernel kernel) {
+  check_kernel_available(kernel, "host_adam_update");
+  REMAT_CHECK_GE(step.step, 1, "host_adam_update: step number");
+  const AdamScalars s = scalars(step.lr, step.beta1, step.beta2, step.eps, step.weight_decay, step.step,
+                                step.decoupled ? DecayMode::kDecoupled : DecayMode::kL2);
+  const AdamArrays arrays{param, grad, exp_avg, exp_avg_sq};
+  const AdamKernelFn fn = kernel_fn(kernel);
+  at::parallel_for(0, n, kGrainSize, [&](int64_t begin, int64_t end) { fn(arrays, s, begin, end); });
+}
 
 HostAdamW::HostAdamW(std::vector<torch::optim::OptimizerParamGroup> param_groups,
                      torch::optim::AdamWOptions defaults)

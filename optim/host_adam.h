@@ -50,6 +50,21 @@ const char* kernel_name(HostAdamKernel kernel);
 // What kAuto runs in this process (never kAuto).
 HostAdamKernel auto_kernel();
 
+// One step of Adam or AdamW over raw float32 arrays of `n` elements: the
+// update HostAdam / HostAdamW apply to a parameter at step number `step` (1
+// for the first), bit for bit, for callers that keep the arrays themselves
+// (the NVMe optimizer store steps its sub-groups in I/O buffers with it).
+struct HostAdamStep {
+  double lr = 1e-3;
+  double beta1 = 0.9, beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0;
+  bool decoupled = true;  // AdamW's decay; false: Adam's L2 term
+  int64_t step = 1;
+};
+void host_adam_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n,
+                      const HostAdamStep& step, HostAdamKernel kernel = HostAdamKernel::kAuto);
+
 class HostAdamW : public torch::optim::AdamW {
  public:
   explicit HostAdamW(std::vector<torch::optim::OptimizerParamGroup> param_groups,

@@ -68,9 +68,11 @@ std::string check_zero_options(const ZeroOptions& z) {
 
 std::string offload_device_problem(const std::string& section, OffloadDevice device) {
   if (device != OffloadDevice::kNvme) return "";
-  return str("'zero_optimization.", section, ".device' = \"nvme\": remat offloads ",
-             section == "offload_param" ? "parameters" : "the optimizer", " to host memory only, not to NVMe: set it "
-             "to \"cpu\" (or \"none\")");
+  return str("'zero_optimization.", section, ".device' = \"nvme\": offload of ",
+             section == "offload_param" ? "parameters" : "the optimizer", " to NVMe is being built (remat issue "
+             "53) and not yet available; set it to \"cpu\", which keeps ",
+             section == "offload_param" ? "the parameter shards" : "the masters and the optimizer state",
+             " in host memory and works now (or \"none\")");
 }
 
 int64_t stage3_persistence_threshold(const ZeroOptions& options, const MixedPrecision& mixed) {

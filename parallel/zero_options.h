@@ -178,7 +178,8 @@ bool masters_on_host(const ZeroOptions& options, const MixedPrecision& mixed);
 int64_t stage3_persistence_threshold(const ZeroOptions& options, const MixedPrecision& mixed);
 
 // The problem with offloading to `device` in `section` ("offload_optimizer"
-// or "offload_param"): "nvme" is refused, since remat offloads to host memory
+// or "offload_param"): "nvme" is refused while offload to NVMe is being built
+// (issue 53), naming "cpu" as what works now; remat offloads to host memory
 // only; "" for "cpu" and "none". check_zero_options and the config's schema
 // (which refuses "nvme" beside DeepSpeed's other NVMe keys) say it.
 std::string offload_device_problem(const std::string& section, OffloadDevice device);

@@ -66,6 +66,18 @@ void tuning_lines(const Config& c, std::vector<std::string>& out) {
                         "; write ", key.current, " to ask for ", key.asks));
     }
   }
+  // The aio section away from DeepSpeed's defaults: read for offload to NVMe,
+  // which no offload section can ask for yet (its device "nvme" is refused).
+  const AioConfig& aio = c.aio;
+  const AioConfig defaults;
+  if (aio.block_size != defaults.block_size || aio.queue_depth != defaults.queue_depth ||
+      aio.thread_count != defaults.thread_count || aio.single_submit != defaults.single_submit ||
+      aio.overlap_events != defaults.overlap_events) {
+    out.push_back(str("aio (block_size ", aio.block_size, ", queue_depth ", aio.queue_depth, ", thread_count ",
+                      aio.thread_count, ", single_submit ", yes_no(aio.single_submit), ", overlap_events ",
+                      yes_no(aio.overlap_events), ") has no effect in this run: it tunes the I/O of offload to "
+                      "NVMe, and no offload device is \"nvme\" (offload to NVMe is being built: remat issue 53)"));
+  }
   if (t.prescale_gradients && !*t.prescale_gradients) {
     out.push_back("prescale_gradients = false has no effect in remat: remat averages gradients as it asks, one sum "
                   "across the data-parallel ranks, then one division");

@@ -28,29 +28,6 @@ bool asks_nvme(const json& section) {
   return device != section.end() && *device == "nvme";
 }
 
-// Whether `root` offloads anything to NVMe (an offload section's device "nvme").
-bool nvme_anywhere(const json& root) {
-  auto zero = root.find("zero_optimization");
-  if (zero == root.end() || !zero->is_object()) return false;
-  for (const char* section : {"offload_optimizer", "offload_param"}) {
-    auto s = zero->find(section);
-    if (s != zero->end() && s->is_object() && asks_nvme(*s)) return true;
-  }
-  return false;
-}
-
-// DeepSpeed's aio section tunes the I/O of offload to NVMe: read only when
-// an offload device is "nvme" (then refused with it, in one error).
-Field aio_key() {
-  return json_schema::refused(
-      "aio",
-      [](const std::string& path, const json& value) {
-        return refusal_text(path, value, "it configures the I/O of offload to NVMe, and remat offloads to host "
-                            "memory only", "", "set the offload devices to \"cpu\", with which it is ignored");
-      },
-      [](const json&, const json& root) { return !nvme_anywhere(root); });
-}
-
 }  // namespace
 
 // A DeepSpeed key remat recognises but does not implement: named with the
@@ -118,7 +95,6 @@ std::vector<Field> deepspeed_only_top_level() {
       deepspeed_only("compression_training", no_quantization),
       deepspeed_only("quantize_training", no_quantization),
       deepspeed_only("weight_quantization", no_quantization),
-      aio_key(),
       deepspeed_only("nebula", "remat has no Nebula checkpoint service",
                      "set train.async_save to true: saves are then written in the background while training "
                      "goes on"),
