@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,7 @@ namespace remat {
 namespace {
 
 namespace fs = std::filesystem;
+using remat::testing::error_of;
 using remat::testing::world;
 using ::testing::HasSubstr;
 using Clock = std::chrono::steady_clock;
@@ -76,10 +78,15 @@ struct Trainer {
     engine = initialize(model, config, options);
   }
 
-  double step() {
+  // `nan_on_rank0`: rank 0's loss is NaN (the verdict is every rank's).
+  double step(bool nan_on_rank0 = false) {
     at::Tensor idx =
         at::arange(2 * 12, at::kLong).view({2, 12}).mul(world()->rank() + 1).add(steps * 5).remainder(29);
-    at::Tensor loss = engine->forward([&] { return model->loss(idx, idx.roll(-1, 1)); });
+    const bool nan = nan_on_rank0 && world()->rank() == 0;
+    at::Tensor loss = engine->forward([&] {
+      at::Tensor l = model->loss(idx, idx.roll(-1, 1));
+      return nan ? l * std::numeric_limits<double>::quiet_NaN() : l;
+    });
     engine->backward(loss);
     engine->step();
     ++steps;
@@ -182,6 +189,9 @@ TEST(AsyncSave, AFailedWriteIsTheSameErrorOnEveryRankAtTheNextStep) {
   EXPECT_THAT(message, HasSubstr(str("failed on rank ", failing)));
   EXPECT_THAT(message, HasSubstr("of step 2"));
   EXPECT_THAT(message, HasSubstr("REMAT_FAULT_SAVE_FAIL"));
+  // At one rank too, the suffix docs/engine.md promises.
+  EXPECT_THAT(message, HasSubstr(str("(the background save of step 2 failed on rank ", failing, " of ",
+                                     world()->size())));
   at::Tensor crc = at::full({1}, save::crc32_of(message), at::kLong), crcs = at::empty({world()->size()}, at::kLong);
   world()->allGather(crcs, crc)->wait();
   EXPECT_TRUE(crcs.eq(crc).all().item<bool>()) << "the ranks stopped with different errors";
@@ -192,6 +202,31 @@ TEST(AsyncSave, AFailedWriteIsTheSameErrorOnEveryRankAtTheNextStep) {
   t.engine->save_checkpoint(dir);
   t.engine->wait_for_saves();
   EXPECT_EQ(latest_step(dir), t.engine->global_steps());
+}
+
+// A step that stops on a non-finite loss (every rank alike) completes the
+// background save of the step before it first, as a blocking save would
+// have been complete: it stays the latest, and nothing of it is left staged.
+TEST(AsyncSave, AStepStoppedOnANonFiniteLossKeepsTheSaveBeforeIt) {
+  const std::string dir = job_dir("nonfinite");
+  Trainer t(1, /*async=*/true);
+  t.step();
+  t.engine->save_checkpoint(dir);
+  t.engine->wait_for_saves();
+  t.step();
+  std::string message;
+  {
+    // Still being written when the step stops (kept until no write is in flight).
+    ScopedEnv pause(knobs::kFaultSavePauseMs, "300");
+    t.engine->save_checkpoint(dir);
+    message = error_of<Error>([&] { t.step(/*nan_on_rank0=*/true); });
+  }
+  EXPECT_THAT(message, HasSubstr("went non-finite"));
+  EXPECT_FALSE(t.engine->save_pending()) << "the stopped step left the save pending";
+  world()->barrier()->wait();
+  EXPECT_EQ(latest_step(dir), 2);
+  EXPECT_TRUE(fs::exists(fs::path(dir) / save::step_folder(2) / "manifest.json"));
+  EXPECT_FALSE(fs::exists(fs::path(dir) / save::staging_folder(2)));
 }
 
 // A second save waits for the first; a load and an export right after a

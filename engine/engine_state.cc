@@ -158,6 +158,16 @@ void Engine::Impl::complete_saves(bool wait) {
   if (complete) pending_save.reset();
 }
 
+void Engine::Impl::throw_agreed(std::exception_ptr error) {
+  try {
+    complete_saves(/*wait=*/true);
+  } catch (const std::exception& e) {
+    // The save failed too (on every rank alike): said here, the step's error is the one thrown.
+    log_rank0().error("{}", e.what());
+  }
+  std::rethrow_exception(error);
+}
+
 void Engine::use_save_dir(const std::string& dir, SaveDirOptions options) {
   Impl& s = *impl_;
   if (s.save_lock && s.save_lock_dir == dir) return;

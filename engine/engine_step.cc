@@ -5,6 +5,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <cmath>
+#include <exception>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -104,9 +105,11 @@ bool Engine::step() {
   const double loss = s.mean_loss();
   const Counters& counters = s.meter.read_counters();
   if (global_steps_ == 0 && s.regions > 0 && counters.recomputes == 0) {
-    throw Error(str("remat::Engine: the checkpointing policy marks ", s.regions, " blocks but none ran as a "
-                    "checkpoint region in this step's backward: the model calls its blocks directly. Call each "
-                    "block through remat::forward(block, ...) (docs/engine.md, the model contract)"));
+    // Every rank runs the same model: every rank stops here alike.
+    s.throw_agreed(std::make_exception_ptr(Error(
+        str("remat::Engine: the checkpointing policy marks ", s.regions, " blocks but none ran as a "
+            "checkpoint region in this step's backward: the model calls its blocks directly. Call each "
+            "block through remat::forward(block, ...) (docs/engine.md, the model contract)"))));
   }
   const auto& plan = s.planner->plan();
   last_metrics_ = s.meter.finish_step({step, loss, s.lr, grad_norm, skipped}, plan ? &*plan : nullptr);
@@ -129,6 +132,10 @@ bool Engine::step() {
   s.meter.finish_trace(last_metrics_);
   // A save written in the background completes once every rank's file is
   // (one all-reduce while one is pending); a failed write stops every rank here.
+  // The other errors step() throws: those every rank raises alike complete
+  // the pending save first (Impl::throw_agreed); one a rank raises alone (a
+  // communication failure, an exception out of the backend) leaves it
+  // pending, as a collective the other ranks do not reach would hang.
   s.complete_saves(/*wait=*/false);
   return !skipped;
 }
@@ -171,10 +178,13 @@ bool Engine::Impl::skip_step(int64_t step, const Verdict& verdict, const Config&
   const std::string what = str(bad_loss ? "the loss" : "", bad_loss && bad_grads ? " and " : "",
                                bad_grads ? "the gradients" : "");
   if (config.train.on_nonfinite == "stop") {
-    throw Error(str("step ", step, ": ", what, " went non-finite (nan or inf; local loss ", loss_sum,
-                    "). Stopped before updating or saving anything of this step. "
-                    "Lower optimizer.params.lr, set gradient_clipping, or set "
-                    "train.on_nonfinite=skip to drop such steps"));
+    // The verdict is every rank's (check_gradients' all-reduce): a save
+    // pending in the background completes first, as a blocking one would have.
+    throw_agreed(std::make_exception_ptr(Error(
+        str("step ", step, ": ", what, " went non-finite (nan or inf; local loss ", loss_sum,
+            "). Stopped before updating or saving anything of this step. "
+            "Lower optimizer.params.lr, set gradient_clipping, or set "
+            "train.on_nonfinite=skip to drop such steps"))));
   }
   log_rank0().warn("step {}: {} went non-finite: this step's update is skipped "
                    "(train.on_nonfinite=skip)", step, what);
@@ -200,6 +210,8 @@ double Engine::Impl::update(torch::nn::Module& model, const Config& config, cons
       // leaves float: c10's checked conversion throws a message naming no setting.
       const std::string what = e.what();
       if (what.find("cannot be converted to type") == std::string::npos) throw;
+      // Not agreed: a rank whose shard holds no parameter never computes the
+      // scalar, so no save completion (a collective) runs before this error.
       throw ConfigError(str("the optimizer step at learning rate ", lr, " overflows the parameters' arithmetic (",
                             what, "): lower optimizer.params.lr (and the scheduler's warmup_max_lr)"));
     }

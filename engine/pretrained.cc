@@ -11,6 +11,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <optional>
 #include <regex>
@@ -229,6 +232,28 @@ Counts install(const SafetensorsSet& set, const Match& m, const TrainShards& sha
   return counts;
 }
 
+// What is not safetensors at all, said before the reader sees it: a zip
+// archive (a PyTorch pickle, remat's own pickle export among them) or a path
+// that is neither a file nor a folder (/dev/null, a pipe).
+void check_is_safetensors(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status status = fs::status(path, ec);
+  if (!fs::exists(status) || fs::is_directory(status)) return;  // the reader's own messages
+  if (!fs::is_regular_file(status)) {
+    throw ConfigError(str(kWhere, ": '", path, "' is not a file nor a folder: give a .safetensors file, a "
+                          "model.safetensors.index.json or the folder holding them"));
+  }
+  char magic[4] = {};
+  std::ifstream in(path, std::ios::binary);
+  if (in.read(magic, sizeof magic) && std::memcmp(magic, "PK\x03\x04", 4) == 0) {
+    throw ConfigError(str(kWhere, ": '", path, "' is a zip archive (a PyTorch pickle such as torch.save's, or "
+                          "remat's own export to a path not ending in .safetensors), not safetensors: pretrained "
+                          "weights are read from safetensors only. export_model writes one to a path ending in "
+                          ".safetensors (remat-train --export model.safetensors)"));
+  }
+}
+
 }  // namespace
 
 PretrainedReport Engine::load_pretrained(const std::string& path, const PretrainedOptions& options) {
@@ -250,6 +275,7 @@ PretrainedReport Engine::load_pretrained(const std::string& path, const Pretrain
   // Every rank opens and checks the files and matches the names; a fault on
   // any rank stops every rank, with the same error, before anything is written.
   agree_on_outcome(*s.world, str("loading pretrained weights from '", path, "'"), [&] {
+    check_is_safetensors(path);
     set.emplace(SafetensorsSet::open(path));
     m = match_names(*set, options, *model_, shards.splits);
     if (m.faults() > 0) throw ConfigError(m.message(path));
@@ -266,11 +292,17 @@ PretrainedReport Engine::load_pretrained(const std::string& path, const Pretrain
   report.file_bytes = set->total_bytes();
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::string conversions;
-  for (const auto& [what, n] : counts.conversions) conversions += str(conversions.empty() ? "" : ", ", what, " (", n, ")");
+  for (const auto& [what, n] : counts.conversions) {
+    conversions += str(conversions.empty() ? "" : ", ", n, n == 1 ? " tensor " : " tensors ", what);
+  }
+  // The names are every rank's; the bytes and conversions are rank 0's own
+  // share (its shards, its tensor-parallel split), said as such.
   log_rank0().info("loaded pretrained weights from '{}' ({} files, {} bytes): {} parameters and {} buffers, {} kept "
-                   "as initialised, {} file tensors ignored; rank 0 read {} bytes in {:.3f} s; converted: {}",
+                   "as initialised, {} file tensors ignored; rank 0 of {}, for its own share, read {} bytes in "
+                   "{:.3f} s and converted {}",
                    path, set->files().size(), report.file_bytes, m.parameters.size(), m.buffers.size(), m.kept,
-                   m.ignored, report.bytes_read, report.seconds, conversions.empty() ? "none" : conversions);
+                   m.ignored, s.world->size(), report.bytes_read, report.seconds,
+                   conversions.empty() ? "no tensor" : conversions);
   return report;
 }
 

@@ -360,6 +360,17 @@ TEST(LoadPretrained, EveryMismatchInOneErrorAndNothingWritten) {
               HasSubstr("11 file tensors the model has no parameter or buffer for: 'stray.0', 'stray.1'"));
   EXPECT_THAT(error_of<ConfigError>([&] { r.engine->load_pretrained(dir + "/absent.safetensors"); }),
               HasSubstr("absent.safetensors"));
+  // Not safetensors at all: a zip archive (a pickle export) and a device are said as such.
+  if (world()->rank() == 0) {
+    std::ofstream zip(dir + "/model.pt", std::ios::binary);
+    zip << std::string("PK\x03\x04", 4) << std::string(60, '\0');
+  }
+  world()->barrier();
+  EXPECT_THAT(error_of<ConfigError>([&] { r.engine->load_pretrained(dir + "/model.pt"); }),
+              HasSubstr("is a zip archive (a PyTorch pickle"));
+  const std::string device = error_of<ConfigError>([&] { r.engine->load_pretrained("/dev/null"); });
+  EXPECT_THAT(device, HasSubstr("'/dev/null' is not a file nor a folder"));
+  EXPECT_THAT(device, ::testing::Not(HasSubstr("SafetensorsSet")));
   // A load that fits still works after the refused ones.
   EXPECT_EQ(r.engine->load_pretrained(dir + "/many.safetensors", {{}, "", "stray\\..*"}).ignored, 11);
 }

@@ -20,6 +20,7 @@
 #include <functional>
 #include <optional>
 #include <regex>
+#include <set>
 
 #include "data/dataset.h"
 #include "engine/engine.h"
@@ -239,7 +240,7 @@ MicroBatchProbe gpt_probe(const Config& config, const GptAutoFacts& facts, const
 struct TrainFlags {
   std::string config_path, metrics_path, save_dir, resume_dir, export_path, memory_trace, plan_report;
   std::string pretrained;  // safetensors weights to fine-tune from
-  std::string export_shard_size = "50GB";
+  std::optional<std::string> export_shard_size;  // default 50GB (ExportOptions::max_shard_bytes)
   std::string backend = "auto";
   std::vector<std::string> overrides;
   std::optional<std::string> steps, seed, device, samples;
@@ -304,13 +305,35 @@ Config load_train_config(TrainFlags& f) {
   return config;
 }
 
+// The files --pretrained reads, which no output may be: the file; an index
+// and the shard files its weight_map names (beside it); or the whole folder.
+std::vector<RunInput> pretrained_inputs(const std::string& path) {
+  if (path.empty()) return {};
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) return {{"--pretrained", path, true, "which holds the weights this run loads"}};
+  std::vector<RunInput> inputs{{"--pretrained", path}};
+  if (fs::path(path).extension() != ".json") return inputs;
+  std::ifstream in(path);
+  const nlohmann::json index = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) return inputs;
+  std::set<std::string> shards;
+  for (const auto& item : index["weight_map"].items()) {
+    if (item.value().is_string()) shards.insert(item.value().get<std::string>());
+  }
+  // An unreadable index is the loader's to refuse; here only its shards are named.
+  for (const std::string& shard : shards) {
+    inputs.push_back({"--pretrained", (fs::path(path).parent_path() / shard).string()});
+  }
+  return inputs;
+}
+
 // Every rank runs with the flags the others have (the engine compares the
 // configs), the paths as written; --plan-report needs the planner; what the
 // run writes is checked before anything trains.
 void check_run_flags(const TrainFlags& f, const Config& config, Communicator& world) {
   std::map<std::string, std::string> flags{{"--backend", f.backend},
                                            {"--overwrite-saves", f.overwrite_saves ? "given" : "not given"},
-                                           {"--export-max-shard-size", f.export_shard_size}};
+                                           {"--export-max-shard-size", f.export_shard_size.value_or("not given")}};
   for (const auto& [flag, value] : {std::pair<const char*, const std::string*>{"--save-dir", &f.save_dir},
                                     {"--resume", &f.resume_dir}, {"--export", &f.export_path},
                                     {"--pretrained", &f.pretrained},
@@ -324,7 +347,21 @@ void check_run_flags(const TrainFlags& f, const Config& config, Communicator& wo
     throw ConfigError("--pretrained with --resume: a save holds its weights already. Fine-tune from --pretrained "
                       "once, then --resume that run's saves");
   }
-  parse_byte_size(f.export_shard_size, "--export-max-shard-size");
+  if (f.export_shard_size) {
+    parse_byte_size(*f.export_shard_size, "--export-max-shard-size");
+    if (f.export_path.empty() || export_format(f.export_path) != ExportFormat::kSafetensorsShards) {
+      throw ConfigError(str("--export-max-shard-size bounds the shards of a folder --export, but ",
+                            f.export_path.empty() ? str("--export is not given")
+                                                  : str("--export '", shown_path(f.export_path),
+                                                        "' is one file, not a folder"),
+                            ": give --export a folder (an existing directory, or a path ending in '/'), or "
+                            "leave --export-max-shard-size out"));
+    }
+  }
+  if (config.train.async_save && f.save_dir.empty() && world.rank() == 0) {
+    log_rank0().warn("train.async_save is true but no --save-dir is given: this run saves nothing, so it has "
+                     "no effect");
+  }
   if (!f.plan_report.empty() && config.activation_checkpointing.variant != CheckpointVariant::kAuto) {
     throw ConfigError(str("--plan-report writes the memory planner's frontier, but activation_checkpointing.variant "
                           "is \"", checkpoint_variant_name(config.activation_checkpointing.variant),
@@ -340,12 +377,13 @@ void check_run_flags(const TrainFlags& f, const Config& config, Communicator& wo
                                                               "the save this run reads", save_folder_entries()}});
   }
   if (world.rank() == 0) {
-    check_outputs(f.metrics_path, f.memory_trace, f.export_path, f.plan_report,
-                  {{"--config", f.config_path},
-                   {"data.path", config.data.path},
-                   {"--save-dir", f.save_dir, true, "which holds this run's saves and their lock",
-                    save_folder_entries()},
-                   {"--resume", resume_root(f.resume_dir), true, "the save this run reads", save_folder_entries()}});
+    std::vector<RunInput> inputs{
+        {"--config", f.config_path},
+        {"data.path", config.data.path},
+        {"--save-dir", f.save_dir, true, "which holds this run's saves and their lock", save_folder_entries()},
+        {"--resume", resume_root(f.resume_dir), true, "the save this run reads", save_folder_entries()}};
+    for (RunInput& in : pretrained_inputs(f.pretrained)) inputs.push_back(std::move(in));
+    check_outputs(f.metrics_path, f.memory_trace, f.export_path, f.plan_report, inputs);
   }
 }
 
@@ -494,6 +532,25 @@ struct TrainOutcome {
   std::pair<dev_t, ino_t> trace_before{0, 0};
 };
 
+void train_step(TrainRun& run);
+
+// train_step, where a background save's failure (raised by the step that
+// completes it) names what is left to resume from, as save_naming_intact does.
+void step_naming_intact(TrainRun& run) {
+  const bool pending = run.engine->save_pending();
+  try {
+    train_step(run);
+  } catch (const CommError&) {
+    throw;
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    if (!pending || what.find("(the background save of step ") == std::string::npos) throw;
+    const std::string note = intact_save_note(run.flags.save_dir, run.flags.resume_dir);
+    if (dynamic_cast<const ConfigError*>(&e) != nullptr) throw ConfigError(str(what, ". ", note));
+    throw Error(str(what, ". ", note));
+  }
+}
+
 // One optimizer step: its micro-batches through the engine.
 void train_step(TrainRun& run) {
   const int64_t seed = run.config.train.seed;
@@ -526,7 +583,21 @@ double held_out_loss(TrainRun& run) {
 // loss they give (%.17g: runs at other sizes compare it).
 void load_pretrained_weights(TrainRun& run) {
   if (run.flags.pretrained.empty()) return;
-  run.engine->load_pretrained(run.flags.pretrained);
+  try {
+    run.engine->load_pretrained(run.flags.pretrained);
+  } catch (const ConfigError& e) {
+    // The engine speaks of its options; remat-train's users have flags only.
+    const std::string what = e.what();
+    const bool mismatch = what.find("does not fit the model") != std::string::npos;
+    throw ConfigError(str("--pretrained '", shown_path(run.flags.pretrained), "': ", what,
+                          mismatch ? str("\nremat-train loads files with the GPT's own parameter names, as its "
+                                         "--export x.safetensors writes them (from a run of the same model "
+                                         "settings): it has no name map. A file of another model needs a program "
+                                         "of one's own calling Engine::load_pretrained with PretrainedOptions "
+                                         "(docs/engine.md, \"load_pretrained(path, options): fine-tuning from "
+                                         "safetensors\")")
+                                   : std::string()));
+  }
   if (run.config.train.eval_batches == 0) return;
   const double loss = held_out_loss(run);
   if (run.rank0()) std::printf("pretrained '%s': held-out loss %.17g\n", run.flags.pretrained.c_str(), loss);
@@ -563,7 +634,7 @@ TrainOutcome train_steps(TrainRun& run, int64_t trace_samples) {
         out.trace_before = identity_of(f.memory_trace);
         run.engine->trace_memory(f.memory_trace, static_cast<int>(trace_samples));
       }
-      train_step(run);
+      step_naming_intact(run);
       const StepMetrics& m = run.engine->last_metrics();
       if (run.rank0() && !f.plan_report.empty() && m.plan.contains("act_plan_ms")) plot_frontier(f.plan_report);
       const double tokens_per_s = tokens_per_step / (m.step_ms / 1000.0);
@@ -626,7 +697,7 @@ void export_after_training(TrainRun& run) {
   int64_t bytes = 0;
   try {
     ExportOptions options;
-    options.max_shard_bytes = parse_byte_size(f.export_shard_size, "--export-max-shard-size");
+    if (f.export_shard_size) options.max_shard_bytes = parse_byte_size(*f.export_shard_size, "--export-max-shard-size");
     bytes = engine.export_model(f.export_path, options);
   } catch (const Error& e) {
     const std::string kept_in = run.config.train.steps > run.resumed ? f.save_dir : f.resume_dir;

@@ -6,7 +6,10 @@
 # next run resumes it and trains the same losses, bitwise, as a run resumed
 # from it without a kill, and removes what the killed save left. A failure
 # injected into one rank's background write (REMAT_FAULT_SAVE_FAIL) stops
-# every rank with the same error and keeps the previous save the latest.
+# every rank with the same error (at 1 rank too), naming the save to resume,
+# and keeps the previous save the latest. A step stopped on a non-finite loss
+# keeps the background save before it. Completion and a useless
+# train.async_save are logged.
 # Prints "[remat-test] N passed, M failed".
 set -uo pipefail
 train="$(realpath "$1")"
@@ -100,11 +103,63 @@ rm -rf "$dir" && cp -a "$tmp/base" "$dir"
 out=$(REMAT_FAULT_SAVE_FAIL=1 timeout 120 "$run" -np 2 -- "${tiny[@]}" "${async[@]}" --steps 6 --resume "$dir" \
       --save-dir "$dir" 2>&1); rc=$?
 left=$(ls -A "$dir" | grep -E '^\.(staging|replaced)_|\.tmp|step_00000004' | tr '\n' ' ')
+guidance="The newest complete save is step 2 in '$dir' (its 'latest'): free space there, then run again with the same settings and --resume $dir"
 if [[ $rc -ne 0 && $rc -lt 124 && "$(cat "$dir/latest")" == step_00000002 && -z "$left" ]] &&
-   grep -qF "failed on rank 1" <<<"$out" && grep -qF "the background save of step 4" <<<"$out"; then
-  pass "a failed background write is the same error on every rank; step 2 stays the latest (exit $rc)"
+   grep -qF "failed on rank 1" <<<"$out" && grep -qF "the background save of step 4" <<<"$out" &&
+   grep -qF "$guidance" <<<"$out"; then
+  pass "a failed background write is the same error on every rank, naming the save to resume; step 2 stays the latest (exit $rc)"
 else
-  fail "a failed background write is the same error on every rank (exit $rc, left: $left)" "$out"
+  fail "a failed background write is the same error on every rank, naming the save to resume (exit $rc, left: $left)" "$out"
+fi
+# At one rank: the same suffix and guidance.
+dir="$tmp/fail1"
+rm -rf "$dir"
+"$run" -np 1 -- "${tiny[@]}" --steps 2 --save-dir "$dir" >/dev/null 2>&1
+out=$(REMAT_FAULT_SAVE_FAIL=0 timeout 120 "$run" -np 1 -- "${tiny[@]}" "${async[@]}" --steps 6 --resume "$dir" \
+      --save-dir "$dir" 2>&1); rc=$?
+guidance="The newest complete save is step 2 in '$dir' (its 'latest'): free space there, then run again with the same settings and --resume $dir"
+if [[ $rc -ne 0 && $rc -lt 124 && "$(cat "$dir/latest" 2>/dev/null)" == step_00000002 ]] &&
+   grep -qF "(the background save of step 4 failed on rank 0 of 1)" <<<"$out" && grep -qF "$guidance" <<<"$out"; then
+  pass "at one rank a failed background write names the rank, the step and the save to resume (exit $rc)"
+else
+  fail "at one rank a failed background write names the rank, the step and the save to resume (exit $rc)" "$out"
+fi
+
+# A step that stops on a non-finite loss first completes the background save
+# of the step before it, as a blocking save is complete by then: that save is
+# the latest and nothing of it is left staged (at 1 and 2 ranks).
+for np in 1 2; do
+  dir="$tmp/nonfinite_$np"
+  rm -rf "$dir"
+  out=$(timeout 120 "$run" -np $np -- "${tiny[@]}" --set train.async_save=true --set train.save_interval=1 \
+        --set optimizer.params.lr=1e38 --set scheduler.params.warmup_max_lr=1e38 \
+        --set scheduler.params.warmup_num_steps=1 --set gradient_clipping=0 --steps 40 --save-dir "$dir" 2>&1); rc=$?
+  bad=$(sed -nE 's/.*step ([0-9]+): the loss.* went non-finite.*/\1/p' <<<"$out" | head -1)
+  want_latest=$(printf 'step_%08d' $(( ${bad:-1} - 1 )))
+  left=$(ls -A "$dir" 2>/dev/null | grep -E '^\.(staging|replaced)_' | tr '\n' ' ')
+  if [[ $rc -ne 0 && $rc -lt 124 && -n "$bad" && "$(cat "$dir/latest" 2>/dev/null)" == "$want_latest" && -z "$left" ]] &&
+     ! grep -qF "was not completed" <<<"$out"; then
+    pass "np $np: a step stopped on a non-finite loss keeps the background save before it ($want_latest; exit $rc)"
+  else
+    fail "np $np: a step stopped on a non-finite loss keeps the background save before it (step $bad, latest $(cat "$dir/latest" 2>/dev/null), left: $left)" "$out"
+  fi
+done
+
+# A background save says when it is complete; train.async_save without a
+# save folder says it has no effect.
+dir="$tmp/logged"
+rm -rf "$dir"
+out=$(REMAT_LOG_LEVEL=info timeout 120 "$run" -np 2 -- "${tiny[@]}" "${async[@]}" --steps 2 --save-dir "$dir" 2>&1)
+if grep -qE "saved step 2 to '$dir' \(written in the background; [0-9]+ ms after the step\)" <<<"$out"; then
+  pass "a background save logs its completion"
+else
+  fail "a background save logs its completion" "$out"
+fi
+out=$(timeout 120 "$run" -np 2 -- "${tiny[@]}" "${async[@]}" --steps 1 2>&1)
+if [[ $(grep -c "train.async_save is true but no --save-dir is given" <<<"$out") -eq 1 ]]; then
+  pass "train.async_save without --save-dir is said once to have no effect"
+else
+  fail "train.async_save without --save-dir is said once to have no effect" "$out"
 fi
 
 summary

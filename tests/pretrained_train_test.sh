@@ -5,7 +5,10 @@
 # the same at every size (bitwise where every rank computes the same batches
 # in the same order; within 1e-6 relative at tensor-parallel size 2, whose
 # row-parallel sums may add in another order); and
-# the misuses fail clearly: with --resume, a file of another model, no file.
+# the misuses fail clearly: with --resume, a file of another model (saying what
+# remat-train can do), no file, /dev/null, a pickle; no output may overwrite
+# the weights (file, folder, index and shards); --export-max-shard-size needs
+# a folder --export; the load report says it is rank 0's share.
 # Prints "[remat-test] N passed, M failed".
 set -uo pipefail
 train="$1"
@@ -62,4 +65,57 @@ expect "--pretrained of another model names the parameters the file lacks" \
   "$run" -np 2 -- "$train" "${small[@]}" --set model.n_layer=3 --steps 1 --pretrained "$tmp/gpt.safetensors"
 expect "--pretrained of a missing file names it" "$tmp/absent.safetensors" \
   "$run" -np 2 -- "$train" "${small[@]}" --steps 1 --pretrained "$tmp/absent.safetensors"
+expect_all "--pretrained of another model says what remat-train can do" "--pretrained '$tmp/gpt.safetensors'" \
+  "it has no name map" "load_pretrained(path, options): fine-tuning from safetensors" -- \
+  "$run" -np 1 -- "$train" "${small[@]}" --set model.n_layer=3 --steps 1 --pretrained "$tmp/gpt.safetensors"
+expect_all "--pretrained /dev/null names the flag and the path, not the reader" "--pretrained '/dev/null'" \
+  "is not a file nor a folder" -- "$run" -np 1 -- "$train" "${small[@]}" --steps 1 --pretrained /dev/null
+out=$("$run" -np 1 -- "$train" "${small[@]}" --steps 1 --pretrained /dev/null 2>&1)
+if grep -q "SafetensorsSet" <<<"$out"; then fail "--pretrained /dev/null does not name the reader's class" "$out"; else
+  pass "--pretrained /dev/null does not name the reader's class"; fi
+
+# A pickle export (a zip archive) is not safetensors: said as such.
+if "$run" -np 1 -- "$train" "${small[@]}" --steps 1 --export "$tmp/gpt.pt" >/dev/null 2>&1; then
+  expect_all "--pretrained of a pickle export says it is not safetensors" "is a zip archive" \
+    "read from safetensors only" "--export model.safetensors" -- \
+    "$run" -np 1 -- "$train" "${small[@]}" --steps 1 --pretrained "$tmp/gpt.pt"
+else
+  fail "remat-train exports a pickle"
+fi
+
+# The weights are an input: no output of the run may overwrite them (a file,
+# a sharded folder, an index and its shards), and they are left as they were.
+sum_before=$(cat "$tmp/gpt.safetensors" | cksum)
+for flag in --metrics --memory-trace --export; do
+  expect "$flag onto the --pretrained file is refused" "is the --pretrained file" \
+    "$run" -np 1 -- "$train" "${small[@]}" --steps 1 --pretrained "$tmp/gpt.safetensors" $flag "$tmp/gpt.safetensors"
+done
+[[ $(cat "$tmp/gpt.safetensors" | cksum) == "$sum_before" ]] && pass "the --pretrained file is unchanged" ||
+  fail "the --pretrained file is unchanged"
+if "$run" -np 1 -- "$train" "${small[@]}" --steps 1 --export "$tmp/shards/" --export-max-shard-size 40KB \
+     >/dev/null 2>&1; then
+  expect "--export into the --pretrained folder is refused" "which holds the weights this run loads" \
+    "$run" -np 1 -- "$train" "${small[@]}" --steps 1 --pretrained "$tmp/shards" --export "$tmp/shards"
+  shard=$(ls "$tmp/shards" | grep -m1 '^model-0')
+  expect "--metrics onto a shard the --pretrained index names is refused" "is the --pretrained file" \
+    "$run" -np 1 -- "$train" "${small[@]}" --steps 1 --pretrained "$tmp/shards/model.safetensors.index.json" \
+    --metrics "$tmp/shards/$shard"
+else
+  fail "remat-train exports a sharded folder"
+fi
+
+# --export-max-shard-size only bounds a folder's shards.
+expect "--export-max-shard-size with a file --export is refused" "is one file, not a folder" \
+  "$run" -np 1 -- "$train" "${small[@]}" --steps 1 --export "$tmp/one.safetensors" --export-max-shard-size 1MB
+expect "--export-max-shard-size without --export is refused" "--export is not given" \
+  "$run" -np 1 -- "$train" "${small[@]}" --steps 1 --export-max-shard-size 1MB
+
+# The load report is rank 0's share, said as such.
+out=$(REMAT_LOG_LEVEL=info "$run" -np 2 -- "$train" "${small[@]}" --steps 1 --set zero_optimization.stage=3 \
+        --pretrained "$tmp/gpt.safetensors" 2>&1)
+if grep -q "rank 0 of 2, for its own share, read" <<<"$out"; then
+  pass "the load report says its bytes are rank 0's share"
+else
+  fail "the load report says its bytes are rank 0's share" "$out"
+fi
 summary

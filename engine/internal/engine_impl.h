@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -90,6 +91,13 @@ struct Engine::Impl {
   // Completes the pending save if every rank's file is written (`wait`:
   // waiting for them); collective while one is pending.
   void complete_saves(bool wait);
+  // Throws `error`, one every rank raises alike at the same point (an agreed
+  // verdict), after completing the pending save: it is a collective every
+  // rank reaches, so a save whose files are written is kept as a blocking
+  // save would be. An error one rank raises alone must not come here (the
+  // other ranks would not join the completion: a hang); those leave the
+  // pending save incomplete, its staging folder removed by the next run.
+  [[noreturn]] void throw_agreed(std::exception_ptr error);
 
   // The step in progress.
   internal::Phase phase = internal::Phase::kIdle;

@@ -210,7 +210,12 @@ struct BackgroundSave::Writer {
 BackgroundSave::BackgroundSave(const std::string& dir, const TrainPosition& position, const TrainShards& shards,
                                torch::optim::Optimizer& optimizer, const SaveIdentity& identity,
                                Communicator& world)
-    : dir_(dir), position_(position), shards_(shards), identity_(identity), writer_(std::make_unique<Writer>()) {
+    : dir_(dir),
+      position_(position),
+      shards_(shards),
+      identity_(identity),
+      started_(std::chrono::steady_clock::now()),
+      writer_(std::make_unique<Writer>()) {
   REMAT_CHECK(shards.tensors.size() == shards.layout.size(),
               "BackgroundSave: one layout per tensor (ZeroModel::parameters() and layout())");
   shards_.tensors.clear();  // the snapshot holds the values; the live tensors train on
@@ -273,10 +278,23 @@ void BackgroundSave::complete(Communicator& world) {
   finished_ = true;  // done or failed: never completed twice
   try {
     // A rank whose background write failed stops every rank here, with the same error.
-    agree_on_outcome(world, str("the background save of step ", position_.step), [&] {
+    const std::string what = str("the background save of step ", position_.step);
+    if (world.size() == 1 && writer_->error) {
+      // One rank: no agreement to make, but the same message as at more ranks.
+      try {
+        std::rethrow_exception(writer_->error);
+      } catch (const std::exception& e) {
+        throw Error(str(e.what(), " (", what, " failed on rank 0 of 1)"));
+      }
+    }
+    agree_on_outcome(world, what, [&] {
       if (writer_->error) std::rethrow_exception(writer_->error);
     });
     finish_staged_save(dir_, staging_, position_, shards_, identity_, world, writer_->written);
+    const auto after = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
+                                                                             started_);
+    log_rank0().info("saved step {} to '{}' (written in the background; {} ms after the step)", position_.step,
+                     dir_, after.count());
   } catch (...) {
     remove_failed(staging_, world);
     throw;

@@ -37,6 +37,7 @@
 // Internal to engine/: only the engine's sources and their tests include it.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -112,6 +113,7 @@ class BackgroundSave {
   TrainPosition position_;
   TrainShards shards_;  // without its tensors: what the manifest records
   SaveIdentity identity_;
+  std::chrono::steady_clock::time_point started_;  // the step boundary it snapshot
   int64_t host_bytes_ = 0;
   bool finished_ = false;
   struct Writer;
