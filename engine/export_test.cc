@@ -6,7 +6,10 @@
 // rounded; a write that fails (a file size limit standing in for a full
 // disk) leaves nothing and is the same Error on every rank; a folder holding
 // other files is refused before anything is gathered, a previous export's is
-// replaced whole.
+// replaced whole, and a re-export failing half-way leaves a folder readers
+// refuse; paths that would lose or hide a file (an index, a file of another
+// kind, a file in a sharded export's folder) are refused, stale temporaries
+// removed; --export-max-shard-size's faults each named.
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
 #include <caffe2/serialize/inline_container.h>

@@ -1,6 +1,9 @@
 // engine/safetensors.h: files written and read back bitwise (every dtype,
 // zero-size, scalars, views, shards with an index), every fault of a file
-// refused at open with its own message, and the writer's misuse refused.
+// refused at open with its own message, and the writer's misuse refused; a
+// sharded set replaced half-way (a failed rename, a SIGKILL) refused, never
+// read as a mix, a shard of another set refused by its export id, and a
+// folder holding a file and an index read through the file.
 #include "engine/safetensors.h"
 
 #include <ATen/ATen.h>
