@@ -450,7 +450,9 @@ TEST(Export, AReExportThatFailsHalfWayLeavesAFolderNoReaderTakes) {
   ::unsetenv(knobs::kFaultExportRenameFail);
   EXPECT_THAT(message, HasSubstr("cannot put the file in place (Input/output error)"));
   EXPECT_THAT(message, HasSubstr("the folder has no index now, so readers refuse it: export again"));
-  if (world()->size() > 1) EXPECT_THAT(message, HasSubstr("failed on rank 0 of"));
+  if (world()->size() > 1) {
+    EXPECT_THAT(message, HasSubstr("failed on rank 0 of"));
+  }
   if (world()->rank() == 0) {
     EXPECT_FALSE(fs::exists(dir + "/sd/model.safetensors.index.json"));
     EXPECT_THAT(error_of<ConfigError>([&] { SafetensorsSet::open(dir + "/sd"); }),
@@ -458,7 +460,9 @@ TEST(Export, AReExportThatFailsHalfWayLeavesAFolderNoReaderTakes) {
   }
   world()->barrier()->wait();
   run.engine->export_model(dir + "/sd", tiny);
-  if (world()->rank() == 0) EXPECT_GT(SafetensorsSet::open(dir + "/sd").files().size(), 3u);
+  if (world()->rank() == 0) {
+    EXPECT_GT(SafetensorsSet::open(dir + "/sd").files().size(), 3u);
+  }
   done(dir);
 }
 
