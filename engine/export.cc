@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <fstream>
 #include <map>
 #include <regex>
@@ -34,6 +35,14 @@ namespace remat {
 namespace fs = std::filesystem;
 
 namespace {
+
+// Whether `path` ends in `tail`, letters compared in any case.
+bool ends_with_nocase(const std::string& path, const std::string& tail) {
+  if (path.size() <= tail.size()) return false;
+  return std::equal(tail.begin(), tail.end(), path.end() - static_cast<std::ptrdiff_t>(tail.size()),
+                    [](char a, char b) { return std::tolower(static_cast<unsigned char>(a)) ==
+                                                std::tolower(static_cast<unsigned char>(b)); });
+}
 
 // The folder a file path lies in ("." for a bare name).
 std::string folder_of(const std::string& path) {
@@ -65,6 +74,8 @@ at::Tensor whole_of(const std::map<std::string, const parallel::TensorParallelMo
   auto layer = layers.find(dot == std::string::npos ? std::string() : name.substr(0, dot));
   return layer == layers.end() ? value : layer->second->gather_full(name.substr(dot + 1), value);
 }
+
+void remove_stale_export_temporaries(const std::string& path);  // below
 
 // What rank 0 writes tensors into, whatever the format.
 class ExportSink {
@@ -145,11 +156,7 @@ ExportFormat export_format(const std::string& path) {
   if (!path.empty() && path.back() == '/') return ExportFormat::kSafetensorsShards;
   std::error_code ec;
   if (fs::is_directory(path, ec)) return ExportFormat::kSafetensorsShards;
-  const std::string ext = ".safetensors";
-  if (path.size() > ext.size() && path.compare(path.size() - ext.size(), ext.size(), ext) == 0) {
-    return ExportFormat::kSafetensors;
-  }
-  return ExportFormat::kPickle;
+  return ends_with_nocase(path, ".safetensors") ? ExportFormat::kSafetensors : ExportFormat::kPickle;
 }
 
 std::vector<std::pair<std::string, at::Tensor>> consolidated_parameters(parallel::ZeroModel& zero,
@@ -184,7 +191,9 @@ int64_t export_model(const std::string& path, parallel::ZeroModel& zero, const t
   for (const auto& t : plan) index.emplace(t.name, index.size());
   std::unique_ptr<ExportSink> sink;
   agree_on_outcome(world, "the export's start", [&] {
-    if (writes) sink = open_sink(path, plan, dtype, options);
+    if (!writes) return;
+    remove_stale_export_temporaries(path);
+    sink = open_sink(path, plan, dtype, options);
   });
   // Rank 0 keeps its first failure and gathers on with the others (it must
   // not leave them waiting in a collective); every rank raises it below.
@@ -214,22 +223,50 @@ int64_t export_model(const std::string& path, parallel::ZeroModel& zero, const t
 
 namespace {
 
-// Whether `file` is a shard a remat export wrote: a safetensors header
-// (bounded, parsed, never trusted) whose __metadata__ has remat's "remat_dtype".
-bool is_remat_shard(const fs::path& file) {
+// What kind of safetensors file `file` is, from its header (bounded, parsed,
+// never trusted): kRemat where its __metadata__ has remat's "remat_dtype".
+enum class SafetensorsKind { kNone, kOther, kRemat };
+SafetensorsKind safetensors_kind(const fs::path& file) {
   std::ifstream in(file, std::ios::binary);
   unsigned char length[8] = {};
-  if (!in.read(reinterpret_cast<char*>(length), 8)) return false;
+  if (!in.read(reinterpret_cast<char*>(length), 8)) return SafetensorsKind::kNone;
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | length[i];
   std::error_code ec;
   const uint64_t size = fs::file_size(file, ec);
-  if (ec || n > static_cast<uint64_t>(kMaxSafetensorsHeaderBytes) || n + 8 > size) return false;
+  if (ec || n > static_cast<uint64_t>(kMaxSafetensorsHeaderBytes) || n + 8 > size) return SafetensorsKind::kNone;
   std::string header(n, '\0');
-  if (!in.read(header.data(), static_cast<std::streamsize>(n))) return false;
+  if (!in.read(header.data(), static_cast<std::streamsize>(n))) return SafetensorsKind::kNone;
   const auto json = nlohmann::json::parse(header, nullptr, /*allow_exceptions=*/false);
-  return json.is_object() && json.contains("__metadata__") && json["__metadata__"].is_object() &&
-         json["__metadata__"].contains("remat_dtype");
+  if (!json.is_object()) return SafetensorsKind::kNone;
+  const bool remat = json.contains("__metadata__") && json["__metadata__"].is_object() &&
+                     json["__metadata__"].contains("remat_dtype");
+  return remat ? SafetensorsKind::kRemat : SafetensorsKind::kOther;
+}
+
+bool is_remat_shard(const fs::path& file) { return safetensors_kind(file) == SafetensorsKind::kRemat; }
+
+// What an existing file at an export's path is when the export may not
+// replace it ("" when it may: empty, a pickle archive, which is a zip, or a
+// safetensors file of remat's export), so that nothing else is overwritten
+// by a file of another format.
+std::string unreplaceable_file(const std::string& path) {
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec) || fs::file_size(path, ec) == 0 || ec) return "";
+  char magic[4] = {};
+  std::ifstream(path, std::ios::binary).read(magic, 4);
+  if (std::string(magic, 4) == std::string("PK\x03\x04", 4)) return "";
+  switch (safetensors_kind(path)) {
+    case SafetensorsKind::kRemat:
+      return "";
+    case SafetensorsKind::kOther:
+      return "a safetensors file that remat's export did not write (its __metadata__ has no remat_dtype)";
+    default:
+      break;
+  }
+  if (magic[0] == '{' || magic[0] == '[') return "a JSON file";
+  return str("a file of ", fs::file_size(path, ec), " bytes that is neither a pickle archive (a zip, which starts "
+             "'PK\\x03\\x04') nor a safetensors file of remat's export");
 }
 
 // Whether `file` is a remat export's index: its weight_map names shards alone.
@@ -243,10 +280,50 @@ bool is_remat_index(const fs::path& file) {
   return true;
 }
 
+// A sharded export's temporary files (the writer's PATH.remat-tmp.XXXXXX
+// beside its shards and index): the name it will have in group 1.
+const std::regex& folder_temporary() {
+  static const std::regex re(R"((model-[0-9]{5}-of-[0-9]{5}\.safetensors|model\.safetensors\.index\.json))"
+                             R"(\.remat-tmp\.[A-Za-z0-9]{6})");
+  return re;
+}
+
+// The temporary files an export at `path` would leave if stopped: beside a
+// file path its PATH.remat-tmp.XXXXXX, in a folder those of its shards and
+// index; each with its size.
+std::vector<std::pair<fs::path, int64_t>> export_temporaries(const std::string& path) {
+  std::vector<std::pair<fs::path, int64_t>> found;
+  const bool folder = export_format(path) == ExportFormat::kSafetensorsShards;
+  const fs::path where = folder ? fs::path(path) : fs::path(folder_of(path));
+  const std::string prefix = fs::path(path).filename().string() + ".remat-tmp.";
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(where, ec)) {
+    const std::string name = entry.path().filename().string();
+    const bool mine = folder ? std::regex_match(name, folder_temporary())
+                             : name.size() == prefix.size() + 6 && name.compare(0, prefix.size(), prefix) == 0;
+    std::error_code size_ec;
+    const auto size = entry.file_size(size_ec);
+    if (mine && entry.is_regular_file(size_ec) && !entry.is_symlink(size_ec)) {
+      found.emplace_back(entry.path(), size_ec ? 0 : static_cast<int64_t>(size));
+    }
+  }
+  return found;
+}
+
+// Removes the temporaries of an earlier export at `path` that no writer
+// holds (runtime/output_file.h's rule; each removal logged with its bytes).
+void remove_stale_export_temporaries(const std::string& path) {
+  std::set<std::string> finals;
+  for (const auto& [file, bytes] : export_temporaries(path)) {
+    const std::string name = file.filename().string();
+    finals.insert((file.parent_path() / name.substr(0, name.size() - std::string(".remat-tmp.XXXXXX").size())).string());
+  }
+  for (const auto& final_path : finals) remove_stale_temporaries(final_path);
+}
+
 // What in `folder` is not a previous remat export's ("" when nothing is).
 std::string foreign_entry(const fs::path& folder) {
-  static const std::regex temporary(R"((model-[0-9]{5}-of-[0-9]{5}\.safetensors|model\.safetensors\.index\.json))"
-                                    R"(\.remat-tmp\.[A-Za-z0-9]{6})");
+  const std::regex& temporary = folder_temporary();
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(folder, ec)) {
     const std::string name = entry.path().filename().string();
@@ -272,6 +349,12 @@ void check_export_folder(const std::string& path, const std::string& flag) {
                             "directory: give a folder path, or a file path (model.safetensors, model.pt)"));
     }
     const std::string other = foreign_entry(folder);
+    if (other == "model.safetensors" && is_remat_shard(folder / other)) {
+      throw ConfigError(str(flag, " '", shown, "' is a folder holding 'model.safetensors', a single-file export of "
+                            "remat's: readers (Hugging Face's from_pretrained, remat's) take it before a sharded "
+                            "export's index, so the new shards would not be read. Move it away, or give another "
+                            "folder"));
+    }
     if (!other.empty()) {
       throw ConfigError(str(flag, " '", shown, "' is a folder holding '", other, "', which is not a remat "
                             "safetensors export's: the export would mix its shards with other files. Give a new "
@@ -311,39 +394,90 @@ std::string written_in(const std::string& path) {
 
 void check_export_path(const std::string& path, const std::string& flag) {
   if (!path.empty() && export_format(path) == ExportFormat::kSafetensorsShards) return check_export_folder(path, flag);
+  const std::string shown = shown_path(path);
+  if (ends_with_nocase(path, ".json")) {
+    throw ConfigError(str(flag, " '", shown, "' ends in .json: an export writes weights, never an index alone. "
+                          "For a sharded safetensors export give its folder (e.g. '", shown_path(folder_of(path)),
+                          "/'); for one file, a *.safetensors path or a pickle's (model.pt)"));
+  }
   check_output_file({flag, path, "model.safetensors"});
+  const std::string what = unreplaceable_file(path);
+  if (!what.empty()) {
+    throw ConfigError(str(flag, " '", shown, "' exists and is ", what, ": the export would overwrite it with ",
+                          export_format(path) == ExportFormat::kPickle ? "a pickle archive" : "a safetensors file",
+                          ". Move it away, or give another path"));
+  }
+  // A file in a sharded export's folder: readers (from_pretrained, remat's)
+  // take a model.safetensors there before the index, and the next export of
+  // the folder would refuse the file as not its own.
+  std::error_code ec;
+  const fs::path folder(folder_of(path));
+  if (fs::exists(folder / kIndexName, ec)) {
+    throw ConfigError(str(flag, " '", shown, "' is in '", shown_path(folder.string()), "', which holds ", kIndexName,
+                          ", a sharded export: a file there would be read instead of its shards (model.safetensors "
+                          "comes first for Hugging Face's from_pretrained and remat) or make the folder refused by "
+                          "its next export. Give a path outside that folder, or the folder itself for shards"));
+  }
 }
 
 int64_t parse_byte_size(const std::string& text, const std::string& flag) {
-  static const std::regex form(R"(\s*([0-9]+(\.[0-9]+)?)\s*([KMGT]i?B)?\s*)", std::regex::icase);
+  static const std::regex form(R"(\s*([0-9]+)(\.([0-9]+))?\s*(([KMGTPE])(i?)B)?\s*)", std::regex::icase);
+  const std::string forms = "give bytes (e.g. 1000000000) or a number with KB, MB, GB, TB (powers of 1000) or KiB, "
+                            "MiB, GiB, TiB (powers of 1024), e.g. 5GB, 1.5GB or 2GiB";
   std::smatch m;
-  double value = 0;
-  if (std::regex_match(text, m, form)) {
-    value = std::stod(m[1].str());
-    std::string unit = m[3].str();
-    for (auto& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-    if (!unit.empty()) {
-      const bool binary = unit.size() == 3;
-      const int power = std::string("KMGT").find(unit[0]) + 1;
-      value *= std::pow(binary ? 1024.0 : 1000.0, power);
-    }
+  if (!std::regex_match(text, m, form)) throw ConfigError(str(flag, " '", text, "' is not a size: ", forms));
+  // Exactly: digits * unit / 10^(fraction digits), in 128 bits.
+  const std::string digits = m[1].str() + m[3].str();
+  const size_t fraction = m[3].length();
+  const __int128 kMax = std::numeric_limits<int64_t>::max();
+  const std::string too_large = str(flag, " '", text, "' is too large: a size is at most ", static_cast<int64_t>(kMax),
+                                    " bytes (8 EiB less one); give a smaller size");
+  if (fraction > 18) throw ConfigError(str(flag, " '", text, "' has more than 18 decimals; ", forms));
+  __int128 value = 0, unit = 1, scale = 1;
+  for (char c : digits) {
+    value = value * 10 + (c - '0');
+    if (value > kMax * 1'000'000'000'000'000'000) throw ConfigError(too_large);  // past any scale's reach
   }
-  if (!(value >= 1) || value > 9.0e18) {
-    throw ConfigError(str(flag, " '", text, "' is not a size: give bytes (e.g. 1000000000) or a number with KB, MB, "
-                          "GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. 5GB or 2GiB"));
+  for (size_t i = 0; i < fraction; ++i) scale *= 10;
+  if (m[5].matched) {
+    const int power = static_cast<int>(std::string("KMGTPE").find(static_cast<char>(std::toupper(m[5].str()[0])))) + 1;
+    for (int i = 0; i < power; ++i) unit *= m[6].length() ? 1024 : 1000;
   }
-  return static_cast<int64_t>(value);
+  if (value == 0) throw ConfigError(str(flag, " '", text, "' is zero: a size must be positive; ", forms));
+  if (value > kMax * scale / unit + 1) throw ConfigError(too_large);
+  const __int128 bytes = value * unit;  // <= (kMax * scale + unit) : fits
+  if (bytes % scale != 0) {
+    throw ConfigError(str(flag, " '", text, "' is not a whole number of bytes (it is ",
+                          static_cast<double>(bytes) / static_cast<double>(scale),
+                          "): give a size that is, e.g. 1.5KB (1500 bytes)"));
+  }
+  if (bytes / scale > kMax) throw ConfigError(too_large);
+  return static_cast<int64_t>(bytes / scale);
 }
 
 void check_export_space(const std::string& path, int64_t bytes) {
+  // An earlier export stopped half-way left its temporaries (their whole size
+  // reserved): they are not counted against this one.
+  remove_stale_export_temporaries(path);
   struct statvfs fsinfo {};
   const std::string folder = written_in(path);
   if (::statvfs(folder.c_str(), &fsinfo) != 0) return;  // unknown: the write will tell
   const int64_t free_bytes = static_cast<int64_t>(fsinfo.f_bavail) * static_cast<int64_t>(fsinfo.f_frsize);
   if (free_bytes < bytes) {
+    std::string held;
+    int64_t held_bytes = 0;
+    const auto left = export_temporaries(path);
+    for (const auto& [file, size] : left) {
+      held_bytes += size;
+      if (held.size() < 400) held += str(held.empty() ? "" : ", ", "'", shown_path(file.string()), "'");
+    }
+    if (!left.empty()) {
+      held = str(" (and ", left.size(), " temporary files of an export there, which remat did not remove because a "
+                 "process holds them or they have other names, take ", held_bytes, " bytes: ", held, ")");
+    }
     throw ConfigError(str("export file '", path, "' needs about ", bytes, " bytes (", (bytes + 1023) / 1024,
-                          " KiB) but '", folder, "' has ", free_bytes, " bytes (", free_bytes / 1024,
-                          " KiB) free: free space there, or export to a disk with room"));
+                          " KiB) but '", folder, "' has ", free_bytes, " bytes (", free_bytes / 1024, " KiB) free",
+                          held, ": free space there, or export to a disk with room"));
   }
 }
 

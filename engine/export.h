@@ -2,11 +2,13 @@
 // state-dict name, in one of the formats the ecosystem moves weights in,
 // chosen by the path:
 //
-//   model.safetensors   one safetensors file (engine/safetensors.h)
+//   model.safetensors   one safetensors file (engine/safetensors.h); the
+//                       extension in any case (X.SAFETENSORS)
 //   export/             a folder (an existing directory or a path ending in
 //                       '/'): safetensors shards and model.safetensors.index.json
 //   model.pt            anything else: a {name: tensor} dictionary that
 //                       torch::pickle_load (LibTorch) and torch.load (Python) read
+//   *.json              refused (an index is never written alone: give the folder)
 //
 //   remat::export_model("model.safetensors", zero, *model, *world);   // collective
 //
@@ -53,9 +55,11 @@ struct ExportOptions {
 };
 
 // A byte size as save_pretrained's max_shard_size takes it: plain bytes, or
-// a number with KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB
-// (powers of 1024), e.g. "5GB", "500MB", "2GiB". Anything else, or a size
-// that is not positive, is a ConfigError naming `flag`.
+// a number with KB, MB, GB, TB, PB, EB (powers of 1000) or KiB, MiB, GiB,
+// TiB, PiB, EiB (powers of 1024), units in any case, e.g. "5GB", "500MB",
+// "2GiB", "1.5GB"; a fraction where it gives a whole number of bytes. A
+// ConfigError naming `flag` says which fault it is: not a size, zero, not a
+// whole number of bytes, or more than int64 holds (8 EiB less one byte).
 int64_t parse_byte_size(const std::string& text, const std::string& flag);
 
 // The model's parameters whole, in float32, written by rank 0 of `world` in
@@ -96,9 +100,17 @@ int64_t write_model_file(const std::string& path,
 // sharded export): a folder that takes new files, or a new one in a folder
 // that does; where it exists, empty or holding a previous remat safetensors
 // export alone (its shards, index and temporaries: the export replaces them),
-// never anything else. `flag` names it in the message.
+// never anything else. A file that exists must be empty, a pickle archive
+// (a zip) or a safetensors file of remat's export: anything else is not
+// overwritten. A file is refused in a folder holding a sharded export's
+// index (readers would take a model.safetensors there instead of the
+// shards), and a *.json path always. `flag` names it in the message.
 void check_export_path(const std::string& path, const std::string& flag = "--export");
-// The folder `path` is written in has `bytes` free (statvfs).
+// The folder `path` is written in has `bytes` free (statvfs), once the
+// temporaries an earlier export stopped half-way left there (its names'
+// PATH.remat-tmp.XXXXXX, their size reserved) are removed, each in a log
+// line with its bytes; the error names those a process still holds.
+// export_model removes them too before it writes.
 void check_export_space(const std::string& path, int64_t bytes);
 
 // What the export of `model` takes on disk, estimated from shapes alone with

@@ -6,7 +6,10 @@
 // rounded; a write that fails (a file size limit standing in for a full
 // disk) leaves nothing and is the same Error on every rank; a folder holding
 // other files is refused before anything is gathered, a previous export's is
-// replaced whole.
+// replaced whole, and a re-export failing half-way leaves a folder readers
+// refuse; paths that would lose or hide a file (an index, a file of another
+// kind, a file in a sharded export's folder) are refused, stale temporaries
+// removed; --export-max-shard-size's faults each named.
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
 #include <caffe2/serialize/inline_container.h>
@@ -15,6 +18,7 @@
 #include <torch/csrc/jit/serialization/export.h>
 #include <torch/csrc/jit/serialization/pickler.h>
 
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -29,6 +33,7 @@
 #include "models/gpt.h"
 #include "parallel/zero.h"
 #include "runtime/communicator.h"
+#include "runtime/env_knobs.h"
 #include "runtime/error.h"
 #include "runtime/layout.h"
 #include "tests/error_of.h"
@@ -312,6 +317,8 @@ TEST(Export, TheStreamedPickleIsTheArchiveWrittenAtOnce) {
 
 TEST(Export, ShardSizesAreReadAsSavePretrainedWritesThem) {
   EXPECT_EQ(export_format("a/model.safetensors"), ExportFormat::kSafetensors);
+  EXPECT_EQ(export_format("a/X.SAFETENSORS"), ExportFormat::kSafetensors);
+  EXPECT_EQ(export_format("a/m.SafeTensors"), ExportFormat::kSafetensors);
   EXPECT_EQ(export_format("a/export/"), ExportFormat::kSafetensorsShards);
   EXPECT_EQ(export_format("model.pt"), ExportFormat::kPickle);
   EXPECT_EQ(export_format("model.bin"), ExportFormat::kPickle);
@@ -320,13 +327,147 @@ TEST(Export, ShardSizesAreReadAsSavePretrainedWritesThem) {
   EXPECT_EQ(parse_byte_size("2GiB", "--x"), int64_t{2} << 30);
   EXPECT_EQ(parse_byte_size("100kb", "--x"), 100'000);
   EXPECT_EQ(parse_byte_size("1.5GB", "--x"), 1'500'000'000);
+  EXPECT_EQ(parse_byte_size("1.5KiB", "--x"), 1536);
+  EXPECT_EQ(parse_byte_size("0.001KB", "--x"), 1);
+  EXPECT_EQ(parse_byte_size("2.000", "--x"), 2);
   EXPECT_EQ(parse_byte_size("123456", "--x"), 123456);
+  EXPECT_EQ(parse_byte_size("9223372036854775807", "--x"), INT64_MAX);
+  EXPECT_EQ(parse_byte_size("1EB", "--x"), 1'000'000'000'000'000'000);
   EXPECT_EQ(ExportOptions{}.max_shard_bytes, 50'000'000'000);
-  for (const char* bad : {"", "5XB", "-1", "0", "GB", "5 G B", "1e3"}) {
-    EXPECT_THAT(error_of<ConfigError>([&] { parse_byte_size(bad, "--export-max-shard-size"); }),
-                HasSubstr(str("--export-max-shard-size '", bad, "' is not a size")))
-        << bad;
+  const auto refusal = [](const std::string& text) {
+    return error_of<ConfigError>([&] { parse_byte_size(text, "--export-max-shard-size"); });
+  };
+  for (const char* bad : {"", "5XB", "-1", "GB", "5 G B", "1e3", ".5", "1."}) {
+    EXPECT_THAT(refusal(bad), HasSubstr(str("--export-max-shard-size '", bad, "' is not a size"))) << bad;
   }
+  for (const char* zero : {"0", "0.0", "0GB"}) {
+    EXPECT_THAT(refusal(zero), HasSubstr(str("'", zero, "' is zero: a size must be positive"))) << zero;
+  }
+  for (const char* large : {"9223372036854775808", "8EiB", "9.3EB", "99999999999999999999999999999999999999999TB"}) {
+    EXPECT_THAT(refusal(large), HasSubstr(str("'", large, "' is too large: a size is at most 9223372036854775807 bytes")))
+        << large;
+  }
+  EXPECT_THAT(refusal("0.5"), HasSubstr("'0.5' is not a whole number of bytes (it is 0.5)"));
+  EXPECT_THAT(refusal("1.0000001"), HasSubstr("'1.0000001' is not a whole number of bytes"));
+  EXPECT_THAT(refusal("0.0001KB"), HasSubstr("is not a whole number of bytes (it is 0.1)"));
+}
+
+// The path's rule beyond its format: no index alone, no file of another
+// kind overwritten, no file in a sharded export's folder (nor a remat
+// model.safetensors in a folder exported into), and the temporaries of an
+// export stopped half-way removed (logged) before the room is checked, or
+// named where a process holds them.
+TEST(Export, PathsThatWouldLoseOrHideFilesAreRefused) {
+  const std::string dir = job_dir("paths");
+  Trained run(1, 2);
+  ExportOptions small;
+  small.max_shard_bytes = 4000;
+  run.engine->export_model(dir + "/sd/", small);
+  run.engine->export_model(dir + "/model.pt");
+  run.engine->export_model(dir + "/single.safetensors");
+  if (world()->rank() == 0) {
+    const auto refused = [](const std::string& path) {
+      return error_of<ConfigError>([&] { check_export_path(path, "--export"); });
+    };
+    EXPECT_THAT(refused(dir + "/sd/model.safetensors.index.json"),
+                HasSubstr("ends in .json: an export writes weights, never an index alone. For a sharded safetensors "
+                          "export give its folder (e.g. '" + dir + "/sd/')"));
+    EXPECT_THAT(refused(dir + "/new.JSON"), HasSubstr("ends in .json"));
+    EXPECT_THAT(refused(dir + "/sd/model.safetensors"),
+                HasSubstr("which holds model.safetensors.index.json, a sharded export: a file there would be read "
+                          "instead of its shards"));
+    // A pickle over a safetensors export and back: both are remat's.
+    EXPECT_NO_THROW(check_export_path(dir + "/model.pt"));
+    fs::copy_file(dir + "/model.pt", dir + "/other.safetensors");
+    EXPECT_NO_THROW(check_export_path(dir + "/other.safetensors"));
+    EXPECT_NO_THROW(check_export_path(dir + "/single.safetensors"));
+    fs::copy_file(dir + "/single.safetensors", dir + "/single.pt");
+    EXPECT_NO_THROW(check_export_path(dir + "/single.pt"));
+    std::ofstream(dir + "/notes.pt") << "mine!";
+    EXPECT_THAT(refused(dir + "/notes.pt"),
+                HasSubstr("'" + dir + "/notes.pt' exists and is a file of 5 bytes that is neither a pickle archive "
+                          "(a zip, which starts 'PK\\x03\\x04') nor a safetensors file of remat's export: the export "
+                          "would overwrite it with a pickle archive. Move it away, or give another path"));
+    std::ofstream(dir + "/config.SAFETENSORS") << "{\"a\": 1}";
+    EXPECT_THAT(refused(dir + "/config.SAFETENSORS"), HasSubstr("exists and is a JSON file: the export would "
+                                                                "overwrite it with a safetensors file"));
+    {
+      SafetensorsWriter out(dir + "/theirs.safetensors", {{"w", at::kFloat, {2}}});
+      out.write("w", at::ones({2}));
+      out.finish();
+    }
+    EXPECT_THAT(refused(dir + "/theirs.safetensors"),
+                HasSubstr("exists and is a safetensors file that remat's export did not write"));
+    std::ofstream(dir + "/empty.pt");
+    EXPECT_NO_THROW(check_export_path(dir + "/empty.pt"));
+    fs::create_directories(dir + "/one");
+    fs::copy_file(dir + "/single.safetensors", dir + "/one/model.safetensors");
+    EXPECT_THAT(refused(dir + "/one"), HasSubstr("is a folder holding 'model.safetensors', a single-file export of "
+                                                 "remat's: readers (Hugging Face's from_pretrained, remat's) take it "
+                                                 "before a sharded export's index"));
+
+    // Temporaries: two a killed export left (one of a shard count this
+    // export will not write, so no writer of its own would meet it), one a
+    // process holds, a look-alike of another name and a user's file.
+    const auto put = [](const std::string& path, size_t bytes) { std::ofstream(path) << std::string(bytes, 'x'); };
+    put(dir + "/sd/model-00001-of-00099.safetensors.remat-tmp.Ab12Cd", 3000);
+    put(dir + "/sd/model.safetensors.index.json.remat-tmp.zzzzzz", 10);
+    put(dir + "/sd/model-00002-of-00099.safetensors.remat-tmp.HELD00", 700);
+    put(dir + "/model.pt.remat-tmp.q1w2e3", 500);
+    put(dir + "/model.ptx.remat-tmp.q1w2e3", 400);
+    put(dir + "/model.pt.remat-tmp.mine", 300);
+    const int held = ::open((dir + "/sd/model-00002-of-00099.safetensors.remat-tmp.HELD00").c_str(), O_RDONLY);
+    ASSERT_EQ(::flock(held, LOCK_EX | LOCK_NB), 0);
+    const std::string message = error_of<ConfigError>([&] { check_export_space(dir + "/sd", int64_t{1} << 60); });
+    EXPECT_THAT(message, HasSubstr(" free (and 1 temporary files of an export there, which remat did not remove "
+                                   "because a process holds them or they have other names, take 700 bytes: '" +
+                                   dir + "/sd/model-00002-of-00099.safetensors.remat-tmp.HELD00'): free space"));
+    EXPECT_FALSE(fs::exists(dir + "/sd/model-00001-of-00099.safetensors.remat-tmp.Ab12Cd"));
+    EXPECT_FALSE(fs::exists(dir + "/sd/model.safetensors.index.json.remat-tmp.zzzzzz"));
+    check_export_space(dir + "/model.pt", 1);
+    EXPECT_FALSE(fs::exists(dir + "/model.pt.remat-tmp.q1w2e3"));
+    EXPECT_TRUE(fs::exists(dir + "/model.ptx.remat-tmp.q1w2e3"));
+    EXPECT_TRUE(fs::exists(dir + "/model.pt.remat-tmp.mine"));
+    ::close(held);
+  }
+  world()->barrier()->wait();
+  // The held one is stale now: the export into the folder removes it.
+  run.engine->export_model(dir + "/sd/", small);
+  if (world()->rank() == 0) {
+    EXPECT_FALSE(fs::exists(dir + "/sd/model-00002-of-00099.safetensors.remat-tmp.HELD00"));
+    EXPECT_NO_THROW(SafetensorsSet::open(dir + "/sd"));
+  }
+  done(dir);
+}
+
+// An export into an earlier export's folder that fails half-way through its
+// renames is the same Error on every rank and leaves a folder that readers
+// refuse (its index removed first), never a mix of both exports.
+TEST(Export, AReExportThatFailsHalfWayLeavesAFolderNoReaderTakes) {
+  const std::string dir = job_dir("mix");
+  Trained run(1, 3);
+  ExportOptions tiny;
+  tiny.max_shard_bytes = 2000;
+  run.engine->export_model(dir + "/sd/", tiny);
+  ::setenv(knobs::kFaultExportRenameFail, "3", 1);
+  const std::string message = error_of<Error>([&] { run.engine->export_model(dir + "/sd", tiny); });
+  ::unsetenv(knobs::kFaultExportRenameFail);
+  EXPECT_THAT(message, HasSubstr("cannot put the file in place (Input/output error)"));
+  EXPECT_THAT(message, HasSubstr("the folder has no index now, so readers refuse it: export again"));
+  if (world()->size() > 1) {
+    EXPECT_THAT(message, HasSubstr("failed on rank 0 of"));
+  }
+  if (world()->rank() == 0) {
+    EXPECT_FALSE(fs::exists(dir + "/sd/model.safetensors.index.json"));
+    EXPECT_THAT(error_of<ConfigError>([&] { SafetensorsSet::open(dir + "/sd"); }),
+                HasSubstr("an export into it was interrupted or failed before writing its index"));
+  }
+  world()->barrier()->wait();
+  run.engine->export_model(dir + "/sd", tiny);
+  if (world()->rank() == 0) {
+    EXPECT_GT(SafetensorsSet::open(dir + "/sd").files().size(), 3u);
+  }
+  done(dir);
 }
 
 }  // namespace

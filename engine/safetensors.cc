@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -19,6 +20,7 @@
 #include <sstream>
 
 #include "runtime/error.h"
+#include "runtime/logging.h"
 
 namespace remat {
 namespace fs = std::filesystem;
@@ -344,20 +346,51 @@ bool ends_with(const std::string& s, const std::string& tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
 
-// What `path` names: an index, a file, or the one of them a folder holds.
+// Whether `name` is a sharded set's shard name, model-00001-of-00003.safetensors.
+bool is_shard_name(const std::string& name) {
+  const std::string form = "model-#####-of-#####.safetensors";
+  if (name.size() != form.size()) return false;
+  for (size_t i = 0; i < form.size(); ++i) {
+    if (form[i] == '#' ? !std::isdigit(static_cast<unsigned char>(name[i])) : name[i] != form[i]) return false;
+  }
+  return true;
+}
+
+// What `path` names: an index, a file, or the one of them a folder holds, in
+// from_pretrained's order: model.safetensors, else the index (else the
+// folder's one .safetensors file).
 std::string resolve_set_path(const std::string& path) {
   std::error_code ec;
   if (!fs::is_directory(path, ec)) return path;
-  if (fs::exists(fs::path(path) / kIndexName, ec)) return (fs::path(path) / kIndexName).string();
+  const fs::path single = fs::path(path) / "model.safetensors", index = fs::path(path) / kIndexName;
+  if (fs::exists(single, ec)) {
+    if (fs::exists(index, ec)) {
+      log().warn("safetensors folder '{}' holds both model.safetensors and {}: reading model.safetensors (as "
+                 "Hugging Face's from_pretrained does) and ignoring the index and its shards; give the index's "
+                 "path to read the shards",
+                 path, kIndexName);
+    }
+    return single.string();
+  }
+  if (fs::exists(index, ec)) return index.string();
   std::vector<std::string> files;
+  int shards = 0;
   for (const auto& entry : fs::directory_iterator(path, ec)) {
-    if (ends_with(entry.path().filename().string(), ".safetensors")) files.push_back(entry.path().string());
+    const std::string name = entry.path().filename().string();
+    if (ends_with(name, ".safetensors")) files.push_back(entry.path().string());
+    shards += is_shard_name(name);
   }
   std::sort(files.begin(), files.end());
-  if (files.size() == 1) return files[0];
+  if (files.size() == 1 && shards == 0) return files[0];
   if (files.empty()) {
     throw ConfigError(str("safetensors folder '", path, "' holds neither ", kIndexName,
                           " nor a .safetensors file: give the folder of a model, or a file's path"));
+  }
+  if (shards > 0) {
+    throw ConfigError(str("safetensors folder '", path, "' holds ", shards, " shards (model-0000i-of-0000K."
+                          "safetensors) and no ", kIndexName, ": an export into it was interrupted or failed before "
+                          "writing its index (remat removes the index before replacing shards, so that a half-"
+                          "replaced folder is never read), and its shards may be of two exports: export again"));
   }
   std::string listed;
   for (const auto& f : files) listed += str(listed.empty() ? "" : ", ", fs::path(f).filename().string());
@@ -365,8 +398,9 @@ std::string resolve_set_path(const std::string& path) {
                         ") and no ", kIndexName, " saying which tensor is where: give one file's path, or add the index"));
 }
 
-// The weight_map of the index at `path`: {tensor: file name in its folder}.
-std::map<std::string, std::string> read_index(const std::string& path) {
+// The weight_map of the index at `path`: {tensor: file name in its folder};
+// its metadata's kSafetensorsExportIdKey in `export_id` ("" when none).
+std::map<std::string, std::string> read_index(const std::string& path, std::string& export_id) {
   std::error_code ec;
   const auto size = fs::file_size(path, ec);
   if (!ec && size > static_cast<uintmax_t>(kMaxSafetensorsHeaderBytes)) {
@@ -389,6 +423,11 @@ std::map<std::string, std::string> read_index(const std::string& path) {
   if (!fault.empty()) throw bad(str("it ", fault));
   if (!json.is_object() || !json.contains("weight_map") || !json["weight_map"].is_object()) {
     throw bad("it has no weight_map object");
+  }
+  if (json.contains("metadata") && json["metadata"].is_object() && json["metadata"].contains(kSafetensorsExportIdKey)) {
+    const auto& id = json["metadata"][kSafetensorsExportIdKey];
+    if (!id.is_string()) throw bad(str("its metadata's ", kSafetensorsExportIdKey, " is not a string"));
+    export_id = id.get<std::string>();
   }
   std::map<std::string, std::string> map;
   for (const auto& item : json["weight_map"].items()) {
@@ -414,7 +453,8 @@ SafetensorsSet SafetensorsSet::open(const std::string& path) {
     for (const auto& e : set.files_[0]->entries()) set.file_by_name_[e.name] = 0;
     return set;
   }
-  const auto weight_map = read_index(target);
+  std::string export_id;
+  const auto weight_map = read_index(target, export_id);
   const fs::path folder = fs::path(target).parent_path();
   std::map<std::string, size_t> file_index;  // each file opened once
   for (const auto& [name, file] : weight_map) {
@@ -426,6 +466,13 @@ SafetensorsSet SafetensorsSet::open(const std::string& path) {
       } catch (const ConfigError& e) {
         throw ConfigError(str(e.what(), " (named by the index '", target, "')"));
       }
+    }
+    const auto& meta = set.files_[it->second]->metadata();
+    const auto id = meta.find(kSafetensorsExportIdKey);
+    if (!export_id.empty() && id != meta.end() && id->second != export_id) {
+      throw ConfigError(str("safetensors index '", target, "' is of the export ", export_id, " but its file '", file,
+                            "' is of the export ", id->second, ": the folder mixes two exports (one stopped half-"
+                            "way); export again"));
     }
     if (!set.files_[it->second]->find(name)) {
       throw ConfigError(str("safetensors index '", target, "' puts tensor '", name, "' in '", file,

@@ -37,6 +37,12 @@ namespace remat {
 // The largest header read (100 MB, as the format's reference reader).
 constexpr int64_t kMaxSafetensorsHeaderBytes = 100'000'000;
 
+// The __metadata__ key (in every shard) and index "metadata" key of a
+// sharded set's id: the writer draws a new one per set, and a set whose
+// files and index name different ids (a folder left half-replaced by an
+// export that stopped) is refused.
+constexpr const char* kSafetensorsExportIdKey = "remat_export_id";
+
 // "F32", "F16", "BF16", "F64", "I64", "I32", "I16", "I8", "U8", "BOOL"; and
 // back (a ConfigError for a dtype remat cannot hold, naming it).
 std::string safetensors_dtype_name(at::ScalarType dtype);
@@ -82,9 +88,14 @@ class SafetensorsFile {
 };
 
 // A model's weights in one file or a sharded set: `path` is a .safetensors
-// file, a model.safetensors.index.json, or a folder holding either (the index
-// preferred). An index naming a file that is missing or does not hold the
-// tensors it maps there, or a name in two shards, is a ConfigError.
+// file, a model.safetensors.index.json, or a folder holding either. A folder
+// is read as Hugging Face's from_pretrained reads one: its model.safetensors
+// where there is one (a log line says so when an index beside it is
+// ignored), else its index, else its one .safetensors file. An index naming a
+// file that is missing or does not hold the tensors it maps there, a name in
+// two shards, or a shard whose remat_export_id is not the index's is a
+// ConfigError; so is a folder of shards without an index (an export stopped
+// before writing it).
 class SafetensorsSet {
  public:
   static SafetensorsSet open(const std::string& path);
@@ -114,7 +125,9 @@ struct SafetensorsWriteOptions {
   // 0: one file at the writer's path. Else the path is a folder that gets
   // model-00001-of-0000K.safetensors shards, each at most this many bytes of
   // tensor data (a tensor larger than it alone in its shard), and
-  // model.safetensors.index.json, written last.
+  // model.safetensors.index.json, written last. The earlier set's index in
+  // the folder is removed before the first shard is renamed, and each shard
+  // and the index carry a new kSafetensorsExportIdKey.
   int64_t max_shard_bytes = 0;
   std::map<std::string, std::string> metadata = {{"format", "pt"}};
 };

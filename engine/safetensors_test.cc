@@ -1,6 +1,9 @@
 // engine/safetensors.h: files written and read back bitwise (every dtype,
 // zero-size, scalars, views, shards with an index), every fault of a file
-// refused at open with its own message, and the writer's misuse refused.
+// refused at open with its own message, and the writer's misuse refused; a
+// sharded set replaced half-way (a failed rename, a SIGKILL) refused, never
+// read as a mix, a shard of another set refused by its export id, and a
+// folder holding a file and an index read through the file.
 #include "engine/safetensors.h"
 
 #include <ATen/ATen.h>
@@ -8,6 +11,7 @@
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cctype>
@@ -22,6 +26,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "runtime/env_knobs.h"
 #include "runtime/error.h"
 #include "tests/error_of.h"
 
@@ -455,6 +460,109 @@ TEST_F(SafetensorsTest, ADiskWithoutRoomIsAnErrorAndLeavesNothing) {
   EXPECT_THAT(message, HasSubstr("cannot reserve its"));
   EXPECT_THAT(message, HasSubstr("free space there, or write elsewhere"));
   EXPECT_TRUE(listing().empty());
+}
+
+// An environment variable set for the scope.
+struct ScopedEnv {
+  ScopedEnv(const char* name, const std::string& value) : name_(name) { ::setenv(name, value.c_str(), 1); }
+  ~ScopedEnv() { ::unsetenv(name_); }
+  const char* name_;
+};
+
+// Six tensors of 32 bytes, each `v` everywhere: six shards at 32 bytes a shard.
+std::vector<std::pair<std::string, at::Tensor>> six_of(float v) {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (int i = 0; i < 6; ++i) tensors.emplace_back(str("t", i), at::full({8}, v));
+  return tensors;
+}
+
+void write_set(const std::string& folder, float v) {
+  const auto tensors = six_of(v);
+  SafetensorsWriter out(folder, plan_of(tensors), {32});
+  for (const auto& [name, value] : tensors) out.write(name, value);
+  out.finish();
+}
+
+// A sharded set written over an earlier one and stopped half-way (the third
+// rename fails; or the process is killed before its fourth) leaves a folder
+// with no index, which is refused, never read as the mix of both sets its
+// shards are; the next write over it is whole again.
+TEST_F(SafetensorsTest, AReplacementStoppedHalfWayIsRefusedNeverReadAsAMix) {
+  const std::string folder = at("set");
+  write_set(folder, 1.0f);
+  const auto refused = [&] { return error_of<ConfigError>([&] { SafetensorsSet::open(folder); }); };
+  {
+    ScopedEnv fault(knobs::kFaultExportRenameFail, "3");
+    EXPECT_THAT(writer_error([&] { write_set(folder, 2.0f); }),
+                HasSubstr("cannot put the file in place (Input/output error); its temporary file is removed; the "
+                          "folder has no index now, so readers refuse it: export again"));
+  }
+  EXPECT_FALSE(fs::exists(folder + "/model.safetensors.index.json"));
+  EXPECT_EQ(SafetensorsFile::open(folder + "/model-00001-of-00006.safetensors")->tensor("t0")[0].item<float>(), 2.0f);
+  EXPECT_EQ(SafetensorsFile::open(folder + "/model-00006-of-00006.safetensors")->tensor("t5")[0].item<float>(), 1.0f);
+  EXPECT_THAT(refused(), HasSubstr("holds 6 shards (model-0000i-of-0000K.safetensors) and no "
+                                   "model.safetensors.index.json: an export into it was interrupted or failed"));
+  EXPECT_THAT(refused(), HasSubstr("export again"));
+  EXPECT_EQ(listing().size(), 7u) << "the folder and its 6 shards: no temporary file";
+
+  // Killed (SIGKILL) just before the fourth rename, in a child process.
+  const auto tensors = six_of(3.0f);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::setenv(knobs::kFaultExportRenameKill, "4", 1);
+    SafetensorsWriter out(folder, plan_of(tensors), {32});
+    for (const auto& [name, value] : tensors) out.write(name, value);
+    out.finish();
+    ::_exit(0);  // not reached: the seam kills it
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << status;
+  EXPECT_THAT(refused(), HasSubstr("an export into it was interrupted or failed before writing its index"));
+  EXPECT_EQ(SafetensorsFile::open(folder + "/model-00003-of-00006.safetensors")->tensor("t2")[0].item<float>(), 3.0f);
+  EXPECT_EQ(SafetensorsFile::open(folder + "/model-00004-of-00006.safetensors")->tensor("t3")[0].item<float>(), 1.0f);
+
+  write_set(folder, 4.0f);  // the killed writer's temporaries are removed, the set whole
+  const SafetensorsSet set = SafetensorsSet::open(folder);
+  for (const auto& name : set.names()) EXPECT_EQ(set.tensor(name)[0].item<float>(), 4.0f) << name;
+  EXPECT_EQ(listing().size(), 8u) << "the folder, 6 shards and the index";
+}
+
+// Each set has its own id, in every shard and its index: a shard of another
+// set is refused, naming both.
+TEST_F(SafetensorsTest, AShardOfAnotherSetIsRefusedByItsExportId) {
+  write_set(at("a"), 1.0f);
+  write_set(at("b"), 2.0f);
+  const auto id_of = [&](const std::string& folder) {
+    return SafetensorsFile::open(at(folder + "/model-00002-of-00006.safetensors"))->metadata().at(kSafetensorsExportIdKey);
+  };
+  const std::string a = id_of("a"), b = id_of("b");
+  std::ifstream index(at("a/model.safetensors.index.json"));
+  EXPECT_EQ(nlohmann::json::parse(index)["metadata"][kSafetensorsExportIdKey], a);
+  EXPECT_EQ(SafetensorsFile::open(at("a/model-00005-of-00006.safetensors"))->metadata().at(kSafetensorsExportIdKey), a);
+  EXPECT_EQ(a.size(), 32u);
+  EXPECT_NE(a, b);
+  fs::copy_file(at("b/model-00002-of-00006.safetensors"), at("a/model-00002-of-00006.safetensors"),
+                fs::copy_options::overwrite_existing);
+  EXPECT_THAT(error_of<ConfigError>([&] { SafetensorsSet::open(at("a")); }),
+              HasSubstr("model.safetensors.index.json' is of the export " + a +
+                        " but its file 'model-00002-of-00006.safetensors' is of the export " + b +
+                        ": the folder mixes two exports (one stopped half-way); export again"));
+}
+
+// A folder holding model.safetensors and an index is read as from_pretrained
+// reads it: model.safetensors, the index ignored.
+TEST_F(SafetensorsTest, AFolderWithAFileAndAnIndexIsReadThroughTheFile) {
+  write_set(at("both"), 1.0f);
+  {
+    SafetensorsWriter out(at("both/model.safetensors"), {{"t0", at::kFloat, {8}}});
+    out.write("t0", at::full({8}, 7.0f));
+    out.finish();
+  }
+  const SafetensorsSet set = SafetensorsSet::open(at("both"));
+  EXPECT_EQ(set.names(), std::vector<std::string>{"t0"});
+  EXPECT_EQ(set.tensor("t0")[0].item<float>(), 7.0f);
+  EXPECT_EQ(SafetensorsSet::open(at("both/model.safetensors.index.json")).names().size(), 6u) << "the index by name";
 }
 
 TEST_F(SafetensorsTest, AFileIsReplacedWhole) {

@@ -7,13 +7,17 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <random>
 
 #include "engine/safetensors.h"
+#include "runtime/env_knobs.h"
 #include "runtime/error.h"
 #include "runtime/output_file.h"
 
@@ -48,6 +52,30 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += str(i ? ", " : "", shape[i]);
   return s + "]";
+}
+
+// A new sharded export's id: 128 random bits in hex, so that a shard of
+// another export (left by one that stopped half-way) is told apart.
+std::string new_export_id() {
+  std::random_device device;
+  std::mt19937_64 mix((static_cast<uint64_t>(device()) << 32) ^ device() ^
+                      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+                      (static_cast<uint64_t>(::getpid()) << 17));
+  char id[33];
+  std::snprintf(id, sizeof id, "%016llx%016llx", static_cast<unsigned long long>(mix()),
+                static_cast<unsigned long long>(mix()));
+  return id;
+}
+
+// The k-th rename of a sharded finish() (from 1) under the test seams of
+// runtime/env_knobs.h: killed before it, or failed with EIO.
+int rename_under_seams(const char* from, const char* to, int64_t k) {
+  if (knobs::fault_export_rename(knobs::kFaultExportRenameKill) == k) ::raise(SIGKILL);
+  if (knobs::fault_export_rename(knobs::kFaultExportRenameFail) == k) {
+    errno = EIO;
+    return -1;
+  }
+  return ::rename(from, to);
 }
 
 void fsync_folder(const std::string& folder) {
@@ -109,6 +137,7 @@ struct SafetensorsWriter::Impl {
   void lay_out();
   void open_shards();
   std::string header(size_t shard) const;
+  void remove_old_index();
   int64_t write_index() const;
 };
 
@@ -219,6 +248,7 @@ SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<SafetensorsPl
   }
   impl_->path = std::move(path);
   impl_->options = std::move(options);
+  if (impl_->options.max_shard_bytes > 0) impl_->options.metadata.emplace(kSafetensorsExportIdKey, new_export_id());
   impl_->check_plan(plan);
   if (impl_->options.max_shard_bytes > 0) {
     std::error_code ec;
@@ -279,7 +309,7 @@ int64_t SafetensorsWriter::Impl::write_index() const {
     total += t.bytes;
     json["weight_map"][t.planned.name] = fs::path(shards[t.shard].path).filename().string();
   }
-  json["metadata"] = {{"total_size", total}};
+  json["metadata"] = {{"total_size", total}, {kSafetensorsExportIdKey, options.metadata.at(kSafetensorsExportIdKey)}};
   const std::string text = json.dump(2) + "\n";
   std::string tmp;
   const int fd = open_temporary_beside(index, tmp);
@@ -292,7 +322,8 @@ int64_t SafetensorsWriter::Impl::write_index() const {
     const std::string why = std::strerror(errno);
     ::close(fd);
     ::unlink(tmp.c_str());
-    fail(index, str("writing it failed (", why, "); the shards are in place, the index is not: write again"));
+    fail(index, str("writing it failed (", why, "); the shards are in place, the index is not, so the folder is "
+                    "refused by readers: write again"));
   }
   ::close(fd);
   return static_cast<int64_t>(text.size());
@@ -312,20 +343,34 @@ int64_t SafetensorsWriter::finish() {
     w.fail("", str(n_missing, " of ", w.tensors.size(), " planned tensors were not written (", missing,
                    n_missing > 8 ? ", ..." : "", "): write every planned tensor before finish()"));
   }
-  int64_t bytes = 0;
+  const bool sharded = w.options.max_shard_bytes > 0;
+  for (auto& shard : w.shards) {
+    if (::fsync(shard.fd) != 0) {
+      const std::string why = std::strerror(errno);
+      w.failed = why;
+      w.fail(shard.path, str("cannot flush the file (", why, "); its temporary file is removed"));
+    }
+  }
+  // A sharded set replacing another: the old index goes first (and its
+  // removal reaches the disk) before any shard is renamed over an old one,
+  // so that a folder left half-replaced (a failure or a kill below) has no
+  // index and is refused by readers, never read as a mix of two exports.
+  if (sharded) w.remove_old_index();
+  int64_t bytes = 0, k = 0;
   for (auto& shard : w.shards) {
     // Renamed while open (and so locked): a writer at work is never taken for a stale one.
     const std::string what = not_a_regular_file(shard.path);
-    if (::fsync(shard.fd) != 0 || !what.empty() || ::rename(shard.tmp.c_str(), shard.path.c_str()) != 0) {
+    if (!what.empty() || rename_under_seams(shard.tmp.c_str(), shard.path.c_str(), ++k) != 0) {
       const std::string why = what.empty() ? std::string(std::strerror(errno)) : "it is " + what + " now";
       w.failed = why;
-      w.fail(shard.path, str("cannot put the file in place (", why, "); its temporary file is removed"));
+      w.fail(shard.path, str("cannot put the file in place (", why, "); its temporary file is removed",
+                             sharded ? "; the folder has no index now, so readers refuse it: export again" : ""));
     }
     shard.renamed = true;
     bytes += shard.bytes;
   }
   w.finished = true;
-  if (w.options.max_shard_bytes > 0) {
+  if (sharded) {
     fsync_folder(w.path);  // the shards' names on disk before the index names them
     bytes += w.write_index();
     fsync_folder(w.path);
@@ -334,6 +379,18 @@ int64_t SafetensorsWriter::finish() {
     fsync_folder(parent.empty() ? "." : parent.string());
   }
   return bytes;
+}
+
+// An earlier set's index in the folder, removed and the removal fsynced.
+void SafetensorsWriter::Impl::remove_old_index() {
+  const std::string index = (fs::path(path) / kIndexName).string();
+  if (::unlink(index.c_str()) != 0 && errno != ENOENT) {
+    const std::string why = std::strerror(errno);
+    failed = why;
+    fail(index, str("cannot remove the earlier export's index before replacing its shards (", why,
+                    "); nothing was replaced: check the folder's permissions"));
+  }
+  fsync_folder(path);
 }
 
 std::vector<std::string> SafetensorsWriter::paths() const {

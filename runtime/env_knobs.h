@@ -45,6 +45,13 @@ inline constexpr const char* kCuda = "REMAT_CUDA";
 // in runtime/async_io.h, as in a container that forbids io_uring, so that the
 // fallback to libaio (and a refusal where io_uring is asked for) can be tested.
 inline constexpr const char* kFaultNoIoUring = "REMAT_FAULT_NO_IO_URING";
+// Fault-injection seams for tests of a sharded safetensors export
+// (engine/safetensors.h's writer): K, a whole number from 1, makes the K-th
+// rename of finish() fail with EIO (..._FAIL), or kills the process with
+// SIGKILL just before it (..._KILL), so that a test can see what an export
+// stopped half-way through replacing a folder leaves. Unset: no fault.
+inline constexpr const char* kFaultExportRenameFail = "REMAT_FAULT_EXPORT_RENAME_FAIL";
+inline constexpr const char* kFaultExportRenameKill = "REMAT_FAULT_EXPORT_RENAME_KILL";
 
 // The variable's value, or nullopt when unset or empty.
 std::optional<std::string> get(const char* name);
@@ -82,6 +89,11 @@ std::optional<std::chrono::milliseconds> fault_save_pause();
 // REMAT_FAULT_SAVE_FAIL as the rank whose rank file write fails (nullopt when
 // unset); anything but a whole number from 0 to 65535 is an error.
 std::optional<int64_t> fault_save_fail();
+
+// REMAT_FAULT_EXPORT_RENAME_FAIL or REMAT_FAULT_EXPORT_RENAME_KILL (`name`)
+// as the rename it hits, from 1 (nullopt when unset); anything but a whole
+// number from 1 to 1000000 is an error.
+std::optional<int64_t> fault_export_rename(const char* name);
 
 // REMAT_MEMORY_PER_RANK_BYTES (nullopt when unset): a whole number > 0.
 std::optional<int64_t> memory_per_rank_bytes();

@@ -4,7 +4,10 @@
 # (read by a reader of the published format written here: an 8-byte little-endian
 # header length, the JSON header, the data), the same tensors bitwise in all three;
 # --export-max-shard-size as save_pretrained's max_shard_size; a bad size and a
-# folder holding other files stop the run at start, before it trains.
+# folder holding other files stop the run at start, before it trains; X.SAFETENSORS
+# is safetensors, an index path or a file of another kind is refused; a re-export
+# killed half-way through replacing a folder's shards leaves a folder that
+# --pretrained refuses, never a mix of both exports.
 # Prints "[remat-test] N passed, M failed".
 set -uo pipefail
 train="$1"
@@ -87,5 +90,53 @@ expect "--export-max-shard-size that is not a size" "--export-max-shard-size '5X
 mkdir -p "$tmp/hf" && echo '{}' >"$tmp/hf/config.json"
 expect "--export into a folder holding other files" "--export '$tmp/hf' is a folder holding 'config.json'" \
   "$run" -np 2 -- "$train" "${small[@]}" --export "$tmp/hf"
+
+# The format by the path, letters in any case; a path that would lose a file is refused.
+if log=$("$run" -np 2 -- "$train" "${small[@]}" --export "$tmp/X.SAFETENSORS" 2>&1) &&
+    [[ "$(head -c 8 "$tmp/X.SAFETENSORS" | od -An -tu8 | tr -d ' ')" -lt 100000 ]] &&
+    [[ "$(head -c 2 "$tmp/X.SAFETENSORS")" != "PK" ]]; then
+  pass "--export X.SAFETENSORS writes a safetensors file"
+else
+  fail "--export X.SAFETENSORS writes a safetensors file" "$log"
+fi
+expect "--export of a sharded export's index is refused" \
+  "ends in .json: an export writes weights, never an index alone. For a sharded safetensors export give its folder" \
+  "$run" -np 2 -- "$train" "${small[@]}" --export "$tmp/shards/model.safetensors.index.json"
+echo "my notes" >"$tmp/notes.pt"
+expect "--export over a file of another kind is refused" \
+  "exists and is a file of 9 bytes that is neither a pickle archive" \
+  "$run" -np 2 -- "$train" "${small[@]}" --export "$tmp/notes.pt"
+[[ "$(cat "$tmp/notes.pt")" == "my notes" ]] && pass "the file refused is kept" || fail "the file refused is kept"
+expect "--export-max-shard-size 0" "--export-max-shard-size '0' is zero: a size must be positive" \
+  "$run" -np 2 -- "$train" "${small[@]}" --export "$tmp/x/" --export-max-shard-size 0
+expect "--export-max-shard-size 8EiB" "--export-max-shard-size '8EiB' is too large: a size is at most 9223372036854775807" \
+  "$run" -np 2 -- "$train" "${small[@]}" --export "$tmp/x/" --export-max-shard-size 8EiB
+expect "--export-max-shard-size 0.5" "--export-max-shard-size '0.5' is not a whole number of bytes" \
+  "$run" -np 2 -- "$train" "${small[@]}" --export "$tmp/x/" --export-max-shard-size 0.5
+
+# A re-export into the shards' folder killed (SIGKILL) before its third rename:
+# the old index went first, so --pretrained refuses the folder; the next export
+# into it removes the killed one's temporaries and is whole.
+small=("${small[@]:0:${#small[@]}-2}")  # without "--steps 3": each run gives its own
+"$run" -np 2 -- "$train" "${small[@]}" --steps 2 --export "$tmp/mix/" --export-max-shard-size 20KB >/dev/null 2>&1
+log=$(REMAT_FAULT_EXPORT_RENAME_KILL=3 timeout 120 "$run" -np 2 -- "$train" "${small[@]}" --steps 4 \
+        --export "$tmp/mix" --export-max-shard-size 20KB 2>&1)
+rc=$?
+if [[ $rc -ne 0 && ! -e "$tmp/mix/model.safetensors.index.json" ]] && ls "$tmp/mix" | grep -q 'remat-tmp'; then
+  pass "an export killed half-way through its renames leaves no index (exit $rc)"
+else
+  fail "an export killed half-way through its renames leaves no index (exit $rc)" "$log" "$(ls "$tmp/mix")"
+fi
+expect "--pretrained of a folder an export left half-replaced is refused" \
+  "and no model.safetensors.index.json: an export into it was interrupted or failed before writing its index" \
+  "$run" -np 2 -- "$train" "${small[@]}" --steps 1 --pretrained "$tmp/mix"
+if log=$(REMAT_LOG_LEVEL=info "$run" -np 2 -- "$train" "${small[@]}" --steps 3 --export "$tmp/mix" \
+           --export-max-shard-size 20KB 2>&1) && grep -q "the temporary file of an earlier write" <<<"$log" &&
+    ! ls "$tmp/mix" | grep -q 'remat-tmp' &&
+    "$run" -np 2 -- "$train" "${small[@]}" --steps 1 --pretrained "$tmp/mix" >/dev/null 2>&1; then
+  pass "the next export removes the killed one's temporaries (logged) and --pretrained reads it"
+else
+  fail "the next export removes the killed one's temporaries (logged) and --pretrained reads it" "$log" "$(ls "$tmp/mix")"
+fi
 
 summary
