@@ -16,7 +16,8 @@
 #   4. benchmarks/gpu_bench.sh: remat beside PyTorch on the same kernels, and
 #      remat's bf16 beside torch.autocast with MFU (docs/benchmarks-gpu.md).
 # The machine needs a compiler, CMake, ninja, nvcc and a CUDA PyTorch; the build
-# dependencies it may lack (spdlog, fmt, nlohmann-json, CLI11, GoogleTest, zlib)
+# dependencies it may lack (spdlog, fmt, nlohmann-json, CLI11, GoogleTest, zlib,
+# liburing, libaio)
 # travel from this Debian machine:
 #
 #   tools/gpu_checks.sh pack          # here: those dependencies -> .gpu-deps/ (ignored by git)
@@ -40,8 +41,11 @@ pack() {
   rm -rf .gpu-deps
   mkdir -p "$deps/include" "$deps/lib/$arch/cmake" "$deps/share/cmake"
   local h
-  for h in spdlog fmt CLI nlohmann gtest gmock zlib.h zconf.h; do cp -a "/usr/include/$h" "$deps/include/"; done
+  for h in spdlog fmt CLI nlohmann gtest gmock zlib.h zconf.h liburing liburing.h libaio.h; do
+    cp -a "/usr/include/$h" "$deps/include/"
+  done
   cp -a /usr/lib/$arch/libspdlog.so* /usr/lib/$arch/libfmt.so* /usr/lib/$arch/libgtest*.a /usr/lib/$arch/libgmock*.a \
+    /usr/lib/$arch/liburing.so* /usr/lib/$arch/libaio.so* \
     "$deps/lib/$arch/"
   cp "$(readlink -f /usr/lib/$arch/libz.so)" "$deps/lib/$arch/libz.so"
   cp -a /usr/lib/$arch/cmake/{spdlog,fmt,GTest} "$deps/lib/$arch/cmake/"
