@@ -258,4 +258,17 @@ void check_output_folder_spares_inputs(const std::string& flag, const std::strin
   }
 }
 
+void check_outputs_outside_folder(const std::string& flag, const std::string& folder,
+                                  const std::vector<std::pair<std::string, std::string>>& outputs) {
+  if (folder.empty()) return;
+  const fs::path out = resolved(folder);
+  for (const auto& [other, path] : outputs) {
+    if (path.empty() || other == flag || !within(resolved(path), out, {})) continue;
+    throw ConfigError(str(other, " '", shown_path(path), "' lies inside ", flag, " '", shown_path(folder),
+                          "', a folder that holds the export's shards and index alone, so the export would refuse "
+                          "it after training: give ", other, " a path outside that folder, or ", flag,
+                          " another folder"));
+  }
+}
+
 }  // namespace remat

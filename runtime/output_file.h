@@ -96,4 +96,11 @@ void check_outputs_spare_inputs(const std::vector<std::pair<std::string, std::st
 void check_output_folder_spares_inputs(const std::string& flag, const std::string& folder,
                                        const std::vector<RunInput>& inputs);
 
+// A ConfigError naming both flags when one of `outputs` (flag, path) lies
+// inside `folder`, the folder a sharded `flag` (--export) fills with its
+// shards and index alone: a file written there during the run would make the
+// export refuse the folder after training. Empty paths are skipped.
+void check_outputs_outside_folder(const std::string& flag, const std::string& folder,
+                                  const std::vector<std::pair<std::string, std::string>>& outputs);
+
 }  // namespace remat

@@ -165,6 +165,23 @@ TEST_F(OutputFileTest, AFolderOutputHoldingAnInputIsRefused) {
   EXPECT_NO_THROW(check_output_folder_spares_inputs("--export", "", inputs));
 }
 
+// The other outputs inside a sharded --export's folder: written during the
+// run, they made the export refuse the folder after training.
+TEST_F(OutputFileTest, OutputsInsideAFolderExportAreRefused) {
+  const std::vector<std::pair<std::string, std::string>> outputs{
+      {"--export", at("out/")}, {"--metrics", at("out/m.jsonl")}, {"the plot of --memory-trace", at("t.png")}};
+  EXPECT_THAT(error_of<ConfigError>([&] { check_outputs_outside_folder("--export", at("out/"), outputs); }),
+              HasSubstr("--metrics '" + at("out/m.jsonl") + "' lies inside --export '" + at("out/") +
+                        "', a folder that holds the export's shards and index alone, so the export would refuse it "
+                        "after training: give --metrics a path outside that folder, or --export another folder"));
+  EXPECT_THAT(error_of<ConfigError>([&] {
+                check_outputs_outside_folder("--export", at("."), {{"the plot of --memory-trace", at("t.png")}});
+              }),
+              HasSubstr("the plot of --memory-trace '" + at("t.png") + "' lies inside --export"));
+  EXPECT_NO_THROW(check_outputs_outside_folder("--export", at("other/"), outputs));
+  EXPECT_NO_THROW(check_outputs_outside_folder("--export", "", outputs));
+}
+
 TEST_F(OutputFileTest, TheNextWriterRemovesTemporariesNoWriterHolds) {
   const std::string out = at("model.pt");
   std::ofstream(out + ".remat-tmp.Ab12Cd") << "left by a killed export";

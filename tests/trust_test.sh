@@ -2,7 +2,8 @@
 # remat-train and remat-run against a hostile user's fifth round: a save
 # killed at each of its write steps while it replaces another run's save of
 # the same step, outputs named on the run's own inputs or inside its save
-# folder, one --save-dir spelling that names a different folder per rank,
+# folder (or, for a folder --export, inside the export's folder), one
+# --save-dir spelling that names a different folder per rank,
 # stale temporary files, a frozen rank, NaN weights at the sample, and the
 # messages of bad flags. Each case ends as stated: nothing lost, a clear
 # error and a nonzero exit, never a hang.
@@ -182,6 +183,17 @@ expect "a --save-dir inside a folder --export is refused at start" \
   "${tiny[@]}" --steps 2 --save-dir "$tmp/outdir/sv" --export "$tmp/outdir/"
 [[ ! -e "$tmp/outdir/sv/step_00000002" ]] && pass "nothing was trained or saved for the refused run" ||
   fail "nothing was trained or saved for the refused run" "$(ls -R "$tmp/outdir")"
+# Another output inside a folder --export: written during the run, it made
+# the export refuse the folder after training, the model kept nowhere.
+mkdir -p "$tmp/expdir"
+expect "--metrics inside a folder --export is refused at start" \
+  "--metrics '$tmp/expdir/m.jsonl' lies inside --export '$tmp/expdir/', a folder that holds the export's shards and index alone" \
+  "${tiny[@]}" --steps 2 --metrics "$tmp/expdir/m.jsonl" --export "$tmp/expdir/"
+expect "--memory-trace inside a folder --export is refused at start" \
+  "--memory-trace '$tmp/expdir/t.json' lies inside --export '$tmp/expdir/'" \
+  "${tiny[@]}" --steps 2 --memory-trace "$tmp/expdir/t.json" --export "$tmp/expdir/"
+[[ -z "$(ls -A "$tmp/expdir")" ]] && pass "nothing was written into the export's folder" ||
+  fail "nothing was written into the export's folder" "$(ls -A "$tmp/expdir")"
 
 # 3. One --save-dir spelling that is a different folder on each rank (a
 #    working directory per rank, as with node-local disks) is refused at start.
