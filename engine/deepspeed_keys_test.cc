@@ -181,6 +181,12 @@ TEST(DeepSpeedKeys, ValuesThatAskForSomethingAreRefusedInOneError) {
   EXPECT_THAT(config_error([] { parse("{}", {"zero_optimization.zero_quantized_gradients=true"}); }),
               HasSubstr("config error in --set zero_optimization.zero_quantized_gradients=true: recognised DeepSpeed "
                         "key, not supported by remat: 'zero_optimization.zero_quantized_gradients' = true, because"));
+  // Issue 49, item 15: dump_state's refusal pointed at an effective
+  // configuration remat-train did not print; it names --print-config, which does.
+  EXPECT_THAT(config_error([] { parse(R"({"dump_state": true})"); }),
+              HasSubstr("'dump_state' = true, because remat does not print its engine's state; remove it or set it "
+                        "to false, which asks for nothing (or remat-train --print-config prints the configuration a "
+                        "run trains with, every \"auto\" decided)"));
 }
 
 // Issue 53: DeepSpeed's aio section is read into Config::aio with DeepSpeed's

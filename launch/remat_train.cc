@@ -167,6 +167,10 @@ void check_outputs(const std::string& metrics, const std::string& trace, const s
   std::vector<std::pair<std::string, std::string>> named = files;
   named.push_back({"--plan-report", plan_report});
   check_outputs_spare_inputs(named, inputs);
+  if (!export_path.empty() && export_format(export_path) == ExportFormat::kSafetensorsShards) {
+    check_output_folder_spares_inputs("--export", export_path, inputs);
+    check_outputs_outside_folder("--export", export_path, named);
+  }
   if (!metrics.empty()) check_output_file({"--metrics", metrics, "metrics.jsonl"});
   if (!export_path.empty()) check_export_path(export_path);
   if (!trace.empty()) {

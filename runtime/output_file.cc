@@ -245,4 +245,30 @@ void check_outputs_spare_inputs(const std::vector<std::pair<std::string, std::st
   }
 }
 
+void check_output_folder_spares_inputs(const std::string& flag, const std::string& folder,
+                                       const std::vector<RunInput>& inputs) {
+  if (folder.empty()) return;
+  const fs::path out = resolved(folder);
+  for (const RunInput& in : inputs) {
+    if (in.path.empty() || !within(resolved(in.path), out, {})) continue;
+    throw ConfigError(str(flag, " '", shown_path(folder), "' is a folder whose files the export replaces, and ",
+                          in.what, " '", shown_path(in.path), "' lies inside it, so writing it would ",
+                          in.folder ? "damage" : "destroy", " an input: give ", flag,
+                          " a folder that holds none of this run's inputs"));
+  }
+}
+
+void check_outputs_outside_folder(const std::string& flag, const std::string& folder,
+                                  const std::vector<std::pair<std::string, std::string>>& outputs) {
+  if (folder.empty()) return;
+  const fs::path out = resolved(folder);
+  for (const auto& [other, path] : outputs) {
+    if (path.empty() || other == flag || !within(resolved(path), out, {})) continue;
+    throw ConfigError(str(other, " '", shown_path(path), "' lies inside ", flag, " '", shown_path(folder),
+                          "', a folder that holds the export's shards and index alone, so the export would refuse "
+                          "it after training: give ", other, " a path outside that folder, or ", flag,
+                          " another folder"));
+  }
+}
+
 }  // namespace remat

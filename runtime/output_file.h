@@ -87,4 +87,20 @@ const std::vector<std::string>& save_folder_entries();
 void check_outputs_spare_inputs(const std::vector<std::pair<std::string, std::string>>& outputs,
                                 const std::vector<RunInput>& inputs);
 
+// A ConfigError naming `flag` and the input when `folder` is an output folder
+// whose files the output replaces (a sharded --export: the shards and the
+// index of an earlier export there) and one of `inputs` lies inside it: a
+// --pretrained index and its shards, a --save-dir, a --config. The check
+// above compares each output with the inputs; this one compares the inputs
+// with a folder output. An empty `folder` is skipped.
+void check_output_folder_spares_inputs(const std::string& flag, const std::string& folder,
+                                       const std::vector<RunInput>& inputs);
+
+// A ConfigError naming both flags when one of `outputs` (flag, path) lies
+// inside `folder`, the folder a sharded `flag` (--export) fills with its
+// shards and index alone: a file written there during the run would make the
+// export refuse the folder after training. Empty paths are skipped.
+void check_outputs_outside_folder(const std::string& flag, const std::string& folder,
+                                  const std::vector<std::pair<std::string, std::string>>& outputs);
+
 }  // namespace remat

@@ -143,6 +143,45 @@ TEST_F(OutputFileTest, OutputsOnTheRunsInputsOrInsideItsFoldersAreRefused) {
   EXPECT_NO_THROW(check_outputs_spare_inputs({{"--metrics", at("saves/latest_metrics.jsonl")}}, saves));
 }
 
+// A folder output (a sharded --export, which replaces an earlier export's
+// shards and index there) that holds an input: the --pretrained index given
+// as a file (its folder is the export's), a --save-dir made inside it.
+TEST_F(OutputFileTest, AFolderOutputHoldingAnInputIsRefused) {
+  fs::create_directories(dir_ / "weights");
+  std::ofstream(at("weights/model.safetensors.index.json")) << "{}";
+  std::ofstream(at("weights/model-00001-of-00001.safetensors")) << "shard";
+  const std::vector<RunInput> inputs{{"--pretrained", at("weights/model.safetensors.index.json")},
+                                     {"--pretrained", at("weights/model-00001-of-00001.safetensors")},
+                                     {"--save-dir", at("out/saves"), true, "which holds saves"}};
+  EXPECT_THAT(error_of<ConfigError>([&] { check_output_folder_spares_inputs("--export", at("weights/"), inputs); }),
+              HasSubstr("--export '" + at("weights/") + "' is a folder whose files the export replaces, and "
+                        "--pretrained '" + at("weights/model.safetensors.index.json") + "' lies inside it, so "
+                        "writing it would destroy an input: give --export a folder that holds none of this run's "
+                        "inputs"));
+  EXPECT_THAT(error_of<ConfigError>([&] { check_output_folder_spares_inputs("--export", at("out"), inputs); }),
+              HasSubstr("--save-dir '" + at("out/saves") + "' lies inside it, so writing it would damage an input"));
+  EXPECT_NO_THROW(check_output_folder_spares_inputs("--export", at("export/"), inputs));
+  EXPECT_NO_THROW(check_output_folder_spares_inputs("--export", at("out/saves/model/"), inputs));
+  EXPECT_NO_THROW(check_output_folder_spares_inputs("--export", "", inputs));
+}
+
+// The other outputs inside a sharded --export's folder: written during the
+// run, they made the export refuse the folder after training.
+TEST_F(OutputFileTest, OutputsInsideAFolderExportAreRefused) {
+  const std::vector<std::pair<std::string, std::string>> outputs{
+      {"--export", at("out/")}, {"--metrics", at("out/m.jsonl")}, {"the plot of --memory-trace", at("t.png")}};
+  EXPECT_THAT(error_of<ConfigError>([&] { check_outputs_outside_folder("--export", at("out/"), outputs); }),
+              HasSubstr("--metrics '" + at("out/m.jsonl") + "' lies inside --export '" + at("out/") +
+                        "', a folder that holds the export's shards and index alone, so the export would refuse it "
+                        "after training: give --metrics a path outside that folder, or --export another folder"));
+  EXPECT_THAT(error_of<ConfigError>([&] {
+                check_outputs_outside_folder("--export", at("."), {{"the plot of --memory-trace", at("t.png")}});
+              }),
+              HasSubstr("the plot of --memory-trace '" + at("t.png") + "' lies inside --export"));
+  EXPECT_NO_THROW(check_outputs_outside_folder("--export", at("other/"), outputs));
+  EXPECT_NO_THROW(check_outputs_outside_folder("--export", "", outputs));
+}
+
 TEST_F(OutputFileTest, TheNextWriterRemovesTemporariesNoWriterHolds) {
   const std::string out = at("model.pt");
   std::ofstream(out + ".remat-tmp.Ab12Cd") << "left by a killed export";

@@ -2,7 +2,8 @@
 # remat-train and remat-run against a hostile user's fifth round: a save
 # killed at each of its write steps while it replaces another run's save of
 # the same step, outputs named on the run's own inputs or inside its save
-# folder, one --save-dir spelling that names a different folder per rank,
+# folder (or, for a folder --export, inside the export's folder), one
+# --save-dir spelling that names a different folder per rank,
 # stale temporary files, a frozen rank, NaN weights at the sample, and the
 # messages of bad flags. Each case ends as stated: nothing lost, a clear
 # error and a nonzero exit, never a hang.
@@ -152,6 +153,47 @@ expect "a file of the user's where the plot script goes is refused at start" \
   "${tiny[@]}" --steps 1 --memory-trace "$tmp/io/t.json"
 [[ "$(cat "$tmp/io/t.plot.py")" == "print('mine')" ]] && pass "the user's t.plot.py is left as it was" ||
   fail "the user's t.plot.py is left as it was" "$(head -3 "$tmp/io/t.plot.py")"
+
+# Where the plot cannot be drawn and its script cannot be written beside the
+# trace (here a python3 that fails and leaves a folder where the script goes),
+# the message reads as one sentence with the true reason and what to run.
+mkdir -p "$tmp/fakebin"
+printf '%s\n' '#!/bin/sh' '[ "$1" = -c ] && exit 0' 'mkdir -p "${2%.json}.plot.py"' 'echo "cannot draw here"' 'exit 1' \
+  >"$tmp/fakebin/python3"
+chmod +x "$tmp/fakebin/python3"
+out=$(PATH="$tmp/fakebin:$PATH" "${tiny[@]}" --steps 2 --memory-trace "$tmp/io/p.json" 2>&1); rc=$?
+if [[ $rc -eq 0 ]] && grep -qF "drawing its plot failed (cannot draw here); to see why, its plotting script could not be written to '$tmp/io/p.plot.py' (it is a directory now): draw the plot with tools/plot_memory_trace.py of remat's source, given the trace and the plot's path" <<<"$out"; then
+  pass "a plot script that cannot be written is said in one sentence with its reason"
+else
+  fail "a plot script that cannot be written is said in one sentence with its reason (exit $rc)" "$out"
+fi
+
+# A sharded --export (a folder whose earlier export's files it replaces) that
+# holds an input: the --pretrained index's folder, a --save-dir made inside it.
+"${tiny[@]}" --steps 1 --export "$tmp/shards/" --export-max-shard-size 20000 >/dev/null 2>&1
+cp -a "$tmp/shards" "$tmp/shards.orig"
+expect "a folder --export holding the --pretrained index and shards is refused" \
+  "--export '$tmp/shards/' is a folder whose files the export replaces, and --pretrained '$tmp/shards/model.safetensors.index.json' lies inside it" \
+  "${tiny[@]}" --steps 1 --pretrained "$tmp/shards/model.safetensors.index.json" --export "$tmp/shards/"
+diff -r "$tmp/shards" "$tmp/shards.orig" >/dev/null && pass "the --pretrained shards are left as they were" ||
+  fail "the --pretrained shards are left as they were" "$(ls "$tmp/shards")"
+rm -rf "$tmp/outdir"
+expect "a --save-dir inside a folder --export is refused at start" \
+  "--export '$tmp/outdir/' is a folder whose files the export replaces, and --save-dir '$tmp/outdir/sv' lies inside it" \
+  "${tiny[@]}" --steps 2 --save-dir "$tmp/outdir/sv" --export "$tmp/outdir/"
+[[ ! -e "$tmp/outdir/sv/step_00000002" ]] && pass "nothing was trained or saved for the refused run" ||
+  fail "nothing was trained or saved for the refused run" "$(ls -R "$tmp/outdir")"
+# Another output inside a folder --export: written during the run, it made
+# the export refuse the folder after training, the model kept nowhere.
+mkdir -p "$tmp/expdir"
+expect "--metrics inside a folder --export is refused at start" \
+  "--metrics '$tmp/expdir/m.jsonl' lies inside --export '$tmp/expdir/', a folder that holds the export's shards and index alone" \
+  "${tiny[@]}" --steps 2 --metrics "$tmp/expdir/m.jsonl" --export "$tmp/expdir/"
+expect "--memory-trace inside a folder --export is refused at start" \
+  "--memory-trace '$tmp/expdir/t.json' lies inside --export '$tmp/expdir/'" \
+  "${tiny[@]}" --steps 2 --memory-trace "$tmp/expdir/t.json" --export "$tmp/expdir/"
+[[ -z "$(ls -A "$tmp/expdir")" ]] && pass "nothing was written into the export's folder" ||
+  fail "nothing was written into the export's folder" "$(ls -A "$tmp/expdir")"
 
 # 3. One --save-dir spelling that is a different folder on each rank (a
 #    working directory per rank, as with node-local disks) is refused at start.
