@@ -139,15 +139,27 @@ TEST(NvmeOptimizer, AdamTrainsBitwiseAsCpuAndSgdIsRefused) {
             std::string::npos) << e;
 }
 
-// The metrics count no optimizer state in memory; the state file holds the
-// moments (8 bytes an element, padded) and goes with the engine.
+// The metrics count no optimizer state in memory and the state file's bytes
+// on disk, each step reading and writing all of it once; the host holds less
+// than with "cpu" (the moments, less the buffers); the file goes with the engine.
 TEST(NvmeOptimizer, StateIsOnDiskNotInMemoryAndRemovedAtTheEnd) {
   const std::string path = nvme_dir("files");
   NvmeSetup s;
   s.nvme_path = path;
   s.steps = 2;
   const TrainedRun run = train(s);
-  EXPECT_EQ(run.metrics.back().at("optimizer_state_bytes").get<int64_t>(), 0);
+  s.device = parallel::OffloadDevice::kCpu;
+  const TrainedRun cpu = train(s);
+  const nlohmann::json& m = run.metrics.back();
+  EXPECT_EQ(m.at("optimizer_state_bytes").get<int64_t>(), 0);
+  const int64_t on_disk = m.at("nvme_state_bytes").get<int64_t>();
+  const int64_t moments = cpu.metrics.back().at("optimizer_state_bytes").get<int64_t>();
+  EXPECT_GE(on_disk, moments - 8 * 64) << "the moments (less LibTorch's step counts) on disk, padded";
+  EXPECT_EQ(m.at("nvme_read_bytes").get<int64_t>(), on_disk);
+  EXPECT_EQ(m.at("nvme_written_bytes").get<int64_t>(), on_disk);
+  EXPECT_GT(m.at("nvme_step_ms").get<double>(), 0);
+  EXPECT_LT(m.at("host_optimizer_bytes").get<int64_t>(), cpu.metrics.back().at("host_optimizer_bytes").get<int64_t>());
+  EXPECT_EQ(cpu.metrics.back().count("nvme_state_bytes"), 0u) << "a run without nvme keeps its keys";
   const fs::path mine = fs::path(path) / "remat-optimizer" / str("rank", world()->rank());
   EXPECT_TRUE(fs::exists(mine / "lock"));
   EXPECT_FALSE(fs::exists(mine / str("rank", world()->rank(), ".optimizer"))) << "the state file is removed";
