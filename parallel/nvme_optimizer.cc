@@ -16,6 +16,7 @@
 
 #include "optim/optimizer.h"
 #include "parallel/internal/nvme_optimizer_store.h"
+#include "runtime/env_knobs.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
 
@@ -84,6 +85,8 @@ class NvmeState : public optim::ExternalState {
     options.sub_group_size = nvme.sub_group_size;
     options.buffer_count = nvme.buffer_count;
     options.io = nvme.io;
+    options.kill_at_step = knobs::fault_nvme_step(knobs::kFaultNvmeKill).value_or(0);
+    options.fail_at_step = knobs::fault_nvme_step(knobs::kFaultNvmeFail).value_or(0);
     for (const at::Tensor& p : params) {
       if (!p.requires_grad()) continue;  // frozen: never stepped
       if (!(p.device().is_cpu() && p.scalar_type() == at::kFloat && p.is_contiguous() && p.layout() == at::kStrided)) {

@@ -1,6 +1,7 @@
 #include "parallel/internal/nvme_optimizer_store.h"
 
 #include <ATen/ATen.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -114,7 +115,10 @@ void NvmeOptimizerStore::stream(size_t first, size_t last, const std::function<v
     const size_t at = std::min(k, groups_.size() - 1);
     throw Error(str("NVMe optimizer state, ", what, ", sub-group ", at, " of ", groups_.size(), " (elements [",
                     groups_[at].begin, ", ", groups_[at].begin + groups_[at].numel, ")) in '", path_,
-                    "': ", e.what()));
+                    "': ", e.what(),
+                    write_back ? "; the optimizer state on disk is no longer whole: check the disk under "
+                                 "nvme_path, then resume from the last save"
+                               : ""));
   }
 }
 
@@ -141,7 +145,10 @@ void NvmeOptimizerStore::step(const std::vector<at::Tensor>& params, optim::Host
   const auto start = std::chrono::steady_clock::now();
   const int64_t taken = steps_.empty() ? 0 : *std::max_element(steps_.begin(), steps_.end());
   const std::string what = str("step ", taken + 1);
+  const bool kill = options_.kill_at_step == taken + 1, fail = options_.fail_at_step == taken + 1;
   stream(0, groups_.size(), [&](size_t b, const Group& group) {
+    if (fail) throw Error("EIO: input/output error (REMAT_FAULT_NVME_FAIL)");
+    if (kill && group.begin > 0) ::raise(SIGKILL);  // the earlier sub-groups' writes issued, the rest not
     const int64_t end = group.begin + group.numel;
     // The tensors overlapping [group.begin, end), each stepped where it overlaps.
     size_t i = std::upper_bound(offsets_.begin(), offsets_.end(), group.begin) - offsets_.begin() - 1;

@@ -48,6 +48,10 @@ struct NvmeStoreOptions {
   int64_t sub_group_size = 1000000000;  // elements stepped at once (DeepSpeed's default 1e9)
   int buffer_count = 4;        // records in host memory at once (DeepSpeed's default 4)
   AsyncIoOptions io;           // the aio section (engine/config.h: AioConfig::options)
+  // Test seams (runtime/env_knobs.h, REMAT_FAULT_NVME_*): the step (from 1)
+  // killed with SIGKILL after its first sub-group's write, or whose I/O fails
+  // with EIO; 0: none.
+  int64_t kill_at_step = 0, fail_at_step = 0;
 };
 
 // What the last step moved and how long it took.
