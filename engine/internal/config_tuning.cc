@@ -32,7 +32,8 @@ constexpr OldOffloadKey kOldOffloadKeys[] = {
 
 const char* const kSubGroupSizeWhy =
     "remat steps each optimizer shard in one piece (DeepSpeed tiles its optimizer step into groups of that many "
-    "elements); what is computed does not depend on it";
+    "elements); what is computed does not depend on it. It sizes the sub-groups of offload_optimizer.device "
+    "\"nvme\", where it is used";
 const char* const kMaxReuseDistanceWhy =
     "remat's stage 3 frees a unit's parameters when its call returns and gathers them again for its backward, "
     "keeping none for reuse; zero_optimization.stage3_max_live_parameters bounds what is gathered at once";
