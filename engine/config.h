@@ -94,7 +94,7 @@ struct DeepSpeedTuningConfig {
   // export (Engine::export_model) writes the weights in the training dtype,
   // bf16 or fp16, instead of float32.
   bool gather_16bit_weights_on_model_save = false;
-  std::optional<int64_t> sub_group_size;           // no effect
+  std::optional<int64_t> sub_group_size;           // offload_optimizer nvme's sub-groups; no effect elsewhere
   std::optional<int64_t> max_reuse_distance;       // stage3_max_reuse_distance: no effect
   std::optional<bool> allow_untested_optimizer;    // zero_allow_untested_optimizer: no effect
   // DeepSpeed's old offload switches: false asks for nothing (true is refused,

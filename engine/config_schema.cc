@@ -165,20 +165,18 @@ Field offload_device(const char* section) {
 }
 
 // zero_optimization.offload_optimizer: DeepSpeed's pipeline tuning accepted,
-// its NVMe keys asking for nothing while the device is not "nvme".
+// nvme_path and the pipeline switches read (they matter with device "nvme").
 std::vector<Field> offload_optimizer_fields() {
   using O = parallel::OffloadOptimizerOptions;
-  using deepspeed_keys::nvme_key;
-  const std::string nvme = "it configures offload to NVMe, and remat offloads the optimizer to host memory only";
   return {offload_device<O>("offload_optimizer"),
           leaf("pin_memory", &O::pin_memory),
           leaf("buffer_count", &O::buffer_count),
           leaf("fast_init", &O::fast_init),
           leaf("ratio", &O::ratio),
-          nvme_key("nvme_path", nullptr, nvme),
-          nvme_key("pipeline", false, nvme),
-          nvme_key("pipeline_read", false, nvme),
-          nvme_key("pipeline_write", false, nvme)};
+          optional_leaf("nvme_path", &O::nvme_path),
+          leaf("pipeline", &O::pipeline),
+          leaf("pipeline_read", &O::pipeline_read),
+          leaf("pipeline_write", &O::pipeline_write)};
 }
 
 // zero_optimization.offload_param (stage 3): DeepSpeed's buffer tuning

@@ -542,7 +542,8 @@ TEST(OffloadOptimizer, GradientShardsMoveAsTheirReductionEnds) {
 }
 
 // The keys: device "cpu" from JSON with DeepSpeed's pipeline tuning accepted,
-// "nvme" and stage 0 refused saying what to change, NVMe's keys refused beside "nvme".
+// stage 0 refused saying what to change; "nvme" read with its folder and
+// refused without it, at stage 0 or with fewer than 2 buffers.
 TEST(OffloadOptimizer, ConfigKeys) {
   const Config c = parse_config(
       R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": true,
@@ -559,23 +560,32 @@ TEST(OffloadOptimizer, ConfigKeys) {
   const Config none = parse_config(R"({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "none"}}})",
                                    "<offload_test>");
   EXPECT_FALSE(none.zero_optimization.offload_optimizer.enabled());
+  // "nvme" without its folder: the error names the key to give.
   const std::string nvme = remat::testing::error_of<ConfigError>([] {
     parse_config(R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}})", "<offload_test>");
   });
-  EXPECT_NE(nvme.find("offload_optimizer.device' = \"nvme\""), std::string::npos) << nvme;
-  EXPECT_NE(nvme.find("set it to \"cpu\""), std::string::npos) << nvme;
+  EXPECT_NE(nvme.find("offload_optimizer.device' = \"nvme\" needs 'zero_optimization.offload_optimizer.nvme_path'"),
+            std::string::npos) << nvme;
   const std::string stage0 = remat::testing::error_of<ConfigError>([] {
     parse_config(R"({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}})", "<offload_test>");
   });
   EXPECT_NE(stage0.find("set zero_optimization.stage to 1, 2 or 3"), std::string::npos) << stage0;
-  // NVMe's keys: refused beside the device "nvme", in the same error; with
-  // "cpu" they ask for nothing (DeepSpeed reads them only for NVMe).
-  const std::string path = remat::testing::error_of<ConfigError>([] {
-    parse_config(R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}})",
-                 "<offload_test>");
+  // NVMe's keys: read beside the device "nvme" (the pipeline switches either
+  // way: remat always overlaps); with "cpu" they ask for nothing.
+  const Config on_disk = parse_config(R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
+      "nvme_path": "/x", "pipeline_read": true, "pipeline_write": false, "buffer_count": 2}}})", "<offload_test>");
+  EXPECT_TRUE(on_disk.zero_optimization.offload_optimizer.on_nvme());
+  EXPECT_TRUE(on_disk.zero_optimization.offload_optimizer.enabled());
+  EXPECT_EQ(*on_disk.zero_optimization.offload_optimizer.nvme_path, "/x");
+  const std::string few = remat::testing::error_of<ConfigError>([] {
+    parse_config(R"({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "nvme", "nvme_path": "/x",
+        "buffer_count": 1}}})", "<offload_test>");
   });
-  EXPECT_NE(path.find("offload_optimizer.nvme_path"), std::string::npos) << path;
-  EXPECT_NE(path.find("offload_optimizer.device' = \"nvme\""), std::string::npos) << path;
+  EXPECT_NE(few.find("2 problems"), std::string::npos) << few;
+  EXPECT_NE(few.find("'zero_optimization.offload_optimizer.device' = \"nvme\" needs a sharded optimizer"),
+            std::string::npos) << few;
+  EXPECT_NE(few.find("'zero_optimization.offload_optimizer.buffer_count' = 1 with device \"nvme\""),
+            std::string::npos) << few;
   EXPECT_EQ(parse_config(R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "nvme_path": "/x"}}})",
                          "<offload_test>").zero_optimization.offload_optimizer.device,
             parallel::OffloadDevice::kCpu);

@@ -42,6 +42,12 @@ struct StepMetrics {
   // gradients held in host memory. Written only when `offload_param`.
   bool offload_param = false;
   int64_t host_parameter_bytes = 0;
+  // offload_optimizer.device "nvme": the state file's bytes on disk, and the
+  // bytes the step read and wrote there and how long it took (the host
+  // buffers are in host_optimizer_bytes). Written only when `nvme_optimizer`.
+  bool nvme_optimizer = false;
+  int64_t nvme_state_bytes = 0, nvme_read_bytes = 0, nvme_written_bytes = 0;
+  double nvme_step_ms = 0;
   // On a CUDA device, LibTorch's caching allocator (runtime/device_memory.h):
   // the bytes in tensors and those it holds from the driver (reserved, the
   // cached blocks included), at the step's end and their peaks over the

@@ -22,6 +22,7 @@
 #include "optim/options.h"
 #include "nn/saved_tensors_hooks.h"
 #include "parallel/layers.h"
+#include "parallel/nvme_optimizer.h"
 #include "parallel/zero.h"
 #include "rng/rng_tracker.h"
 #include "runtime/agreement.h"
@@ -294,8 +295,25 @@ void Engine::Impl::wire_sharding(torch::nn::Module& model, const Config& config,
   const bool fp16 = config.fp16.enabled && !options.fp16_scaler_at_float32;
   const parallel::MixedPrecision mixed = parallel::mixed_precision(config.bf16, fp16);
   zero = std::make_unique<parallel::ZeroModel>(model, units, layout->dp_group(), zero_options, mixed, sharded);
-  optimizer = options.optimizer ? options.optimizer(zero->parameters())
-                                : optim::make_optimizer(config.optimizer, zero->parameters());
+  if (zero_options.offload_optimizer.on_nvme()) {
+    if (options.optimizer) {
+      throw ConfigError("zero_optimization.offload_optimizer.device \"nvme\" keeps remat's Adam state on disk, and "
+                        "EngineOptions::optimizer gives an optimizer of its own: leave EngineOptions::optimizer "
+                        "unset (optimizer.type chooses AdamW or Adam), or use offload_optimizer.device \"cpu\"");
+    }
+    agree_on_outcome(*world, "opening the NVMe optimizer state", [&] {
+      parallel::NvmeOptimizerOptions nvme;
+      nvme.nvme_path = config.zero_optimization.offload_optimizer.nvme_path.value_or("");
+      nvme.rank = world->rank();
+      nvme.sub_group_size = config.deepspeed_tuning.sub_group_size.value_or(nvme.sub_group_size);
+      nvme.buffer_count = config.zero_optimization.offload_optimizer.buffer_count;
+      nvme.io = config.aio.options();
+      optimizer = parallel::make_nvme_optimizer(config.optimizer, zero->parameters(), nvme);
+    });
+  } else {
+    optimizer = options.optimizer ? options.optimizer(zero->parameters())
+                                  : optim::make_optimizer(config.optimizer, zero->parameters());
+  }
   REMAT_CHECK(optimizer != nullptr, "remat::initialize: EngineOptions::optimizer returned no optimizer");
 }
 

@@ -143,6 +143,9 @@ at::Tensor step_tensor(int64_t step) { return at::scalar_tensor(step, at::kLong)
 
 std::map<std::string, at::Tensor> optimizer_state_of(const torch::optim::Optimizer& optimizer,
                                                      const at::Tensor& param) {
+  if (const auto* external = dynamic_cast<const ExternalState*>(&optimizer)) {
+    return external->external_state_of(param);
+  }
   std::map<std::string, at::Tensor> out;
   auto it = optimizer.state().find(state_key(param));
   if (it == optimizer.state().end()) return out;
@@ -169,6 +172,10 @@ std::map<std::string, at::Tensor> optimizer_state_of(const torch::optim::Optimiz
 
 void set_optimizer_state(torch::optim::Optimizer& optimizer, const at::Tensor& param,
                          const std::map<std::string, at::Tensor>& state) {
+  if (auto* external = dynamic_cast<ExternalState*>(&optimizer)) {
+    external->set_external_state(param, state);
+    return;
+  }
   auto& states = optimizer.state();
   const auto key = state_key(param);
   states.erase(key);

@@ -40,8 +40,24 @@ std::string optimizer_name(const torch::optim::Optimizer& optimizer);
 // Sets every parameter group's rate (optim/lr_schedule.h says which).
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr);
 
-// The optimizer's per-parameter state tensors (Adam's moments, SGD's momentum
-// buffers), and their bytes.
+// An optimizer that keeps its per-parameter state outside state(), where
+// memory does not hold it (offload_optimizer.device "nvme": a file per rank,
+// parallel/nvme_optimizer.h). optimizer_state_of and set_optimizer_state ask
+// it; optimizer_state_tensors and optimizer_state_bytes count none of it.
+class ExternalState {
+ public:
+  virtual ~ExternalState() = default;
+  // As optimizer_state_of: "step", "exp_avg", "exp_avg_sq", read into new
+  // host tensors; empty before the parameter's first step.
+  virtual std::map<std::string, at::Tensor> external_state_of(const at::Tensor& param) const = 0;
+  // As set_optimizer_state (an empty map clears it).
+  virtual void set_external_state(const at::Tensor& param, const std::map<std::string, at::Tensor>& state) = 0;
+  // Bytes the state takes where it is kept.
+  virtual int64_t external_state_bytes() const = 0;
+};
+
+// The optimizer's per-parameter state tensors in memory (Adam's moments,
+// SGD's momentum buffers), and their bytes.
 std::vector<at::Tensor> optimizer_state_tensors(const torch::optim::Optimizer& optimizer);
 int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer);
 

@@ -1,6 +1,7 @@
 // The NVMe optimizer state store (parallel/internal/nvme_optimizer_store.h):
 // k steps of AdamW and Adam through the file equal, bit for bit, the host Adam
-// stepping the same range in memory, on every backend this machine runs; a
+// stepping the same tensors in memory, on every backend this machine runs; a
+// state written is read back and stepped from; a
 // disk too small and a file cut short behind its back are Errors naming the
 // file (and the step); the file is gone after the store.
 #include "parallel/internal/nvme_optimizer_store.h"
@@ -18,6 +19,7 @@
 #include <filesystem>
 
 #include "optim/host_adam.h"
+#include "optim/optimizer.h"
 #include "runtime/error.h"
 #include "tests/error_of.h"
 
@@ -59,34 +61,38 @@ struct Case {
 
 class Store : public ::testing::TestWithParam<Case> {};
 
-// N not a multiple of the sub-group size, the sub-group's bytes (5000 x 4) not
-// a multiple of the 4096-byte block: each array padded on disk.
+// Tensors of 7000, 0, 9000 and 1234 elements laid end to end in sub-groups of
+// 5000 (one tensor spans three of them, one lies inside one), the sub-group's
+// bytes (5000 x 4) not a multiple of the 4096-byte alignment: each array padded on
+// disk. The third tensor has no gradient at step 2 (not stepped, its step
+// count behind the others'), as LibTorch's Adam skips it.
 TEST_P(Store, StepsEqualTheInMemoryHostAdamBitwise) {
   const Case c = GetParam();
   if (!starts(c.backend)) GTEST_SKIP() << io_backend_name(c.backend) << " does not start here";
-  constexpr int64_t kSubGroup = 5000, kNumel = 3 * kSubGroup + 1234;
+  const std::vector<int64_t> sizes = {7000, 0, 9000, 1234};
+  constexpr int64_t kSubGroup = 5000;
   struct Run {
     bool decoupled;
     double beta1, beta2, weight_decay;
   };
   for (const Run run : {Run{true, 0.9, 0.999, 0.01}, Run{false, 0.8, 0.95, 0.1}}) {
     torch::manual_seed(3);
-    const at::Tensor init = torch::randn({kNumel});
-    at::Tensor reference = init.clone();
-    reference.mutable_grad() = torch::zeros({kNumel});
+    std::vector<at::Tensor> reference, masters;
+    for (int64_t n : sizes) {
+      reference.push_back(torch::randn({n}).requires_grad_(true));
+      masters.push_back(reference.back().detach().clone().requires_grad_(true));
+    }
     std::unique_ptr<torch::optim::Optimizer> host;
     if (run.decoupled) {
       host = std::make_unique<optim::HostAdamW>(
-          std::vector<at::Tensor>{reference},
-          torch::optim::AdamWOptions(1e-3).betas({run.beta1, run.beta2}).weight_decay(run.weight_decay));
+          reference, torch::optim::AdamWOptions(1e-3).betas({run.beta1, run.beta2}).weight_decay(run.weight_decay));
     } else {
       host = std::make_unique<optim::HostAdam>(
-          std::vector<at::Tensor>{reference},
-          torch::optim::AdamOptions(1e-3).betas({run.beta1, run.beta2}).weight_decay(run.weight_decay));
+          reference, torch::optim::AdamOptions(1e-3).betas({run.beta1, run.beta2}).weight_decay(run.weight_decay));
     }
     NvmeStoreOptions options;
     options.folder = temp_folder("bitwise");
-    options.numel = kNumel;
+    options.sizes = sizes;
     options.sub_group_size = kSubGroup;
     options.buffer_count = c.buffer_count;
     options.io.backend = c.backend;
@@ -96,51 +102,82 @@ TEST_P(Store, StepsEqualTheInMemoryHostAdamBitwise) {
       NvmeOptimizerStore store(options);
       path = store.path();
       EXPECT_TRUE(fs::exists(path));
-      EXPECT_EQ(store.file_bytes(), 3u * (3 * 20480 + 8192));  // 20000 -> 20480, 4936 -> 8192 bytes
-      store.initialize(init);
-      at::Tensor device_copy = torch::zeros({kNumel});  // what the callback writes, as the params would be
+      // 17234 elements: sub-groups of 5000, 5000, 5000, 2234; each array padded
+      // to the 4096-byte alignment: 20000 -> 20480, 8936 -> 12288 bytes.
+      EXPECT_EQ(store.file_bytes(), 2u * (3 * 20480 + 12288));
+      store.initialize();
       for (int k = 1; k <= 4; ++k) {
         const double lr = 1e-3 * k;  // a schedule: the rate changes every step
-        const at::Tensor grad = torch::randn({kNumel}) * 0.1;
-        reference.mutable_grad().copy_(grad);
-        for (auto& group : host->param_groups()) {
-          if (run.decoupled) {
-            static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-          } else {
-            static_cast<torch::optim::AdamOptions&>(group.options()).lr(lr);
-          }
+        for (size_t i = 0; i < sizes.size(); ++i) {
+          const bool skipped = i == 2 && k == 2;
+          const at::Tensor grad = torch::randn({sizes[i]}) * 0.1;
+          reference[i].mutable_grad() = skipped ? at::Tensor() : grad.clone();
+          masters[i].mutable_grad() = skipped ? at::Tensor() : grad.clone();
         }
+        for (auto& group : host->param_groups()) group.options().set_lr(lr);
         host->step();
-        optim::HostAdamStep adam{lr, run.beta1, run.beta2, 1e-8, run.weight_decay, run.decoupled};
-        int64_t seen = 0;
-        store.step(grad, adam, [&](int64_t begin, const float* masters, int64_t n) {
-          EXPECT_EQ(begin, seen);
-          std::memcpy(device_copy.data_ptr<float>() + begin, masters, n * sizeof(float));
-          seen += n;
-        });
-        EXPECT_EQ(seen, kNumel);
-        EXPECT_EQ(store.steps(), k);
-        EXPECT_TRUE(equal_bits(device_copy, reference)) << "step " << k;
+        store.step(masters, {lr, run.beta1, run.beta2, 1e-8, run.weight_decay, run.decoupled});
+        for (size_t i = 0; i < sizes.size(); ++i) {
+          EXPECT_TRUE(equal_bits(masters[i], reference[i])) << "step " << k << ", tensor " << i;
+        }
+        EXPECT_EQ(store.steps(2), k >= 2 ? k - 1 : k);
+        EXPECT_EQ(store.steps(0), k);
         EXPECT_EQ(store.last_step().bytes_read, store.file_bytes());
         EXPECT_EQ(store.last_step().bytes_written, store.file_bytes());
       }
-      at::Tensor masters = torch::empty({kNumel}), m = torch::empty({kNumel}), v = torch::empty({kNumel});
-      store.read(masters, m, v);
-      EXPECT_TRUE(equal_bits(masters, reference));
-      ASSERT_EQ(host->state().size(), 1u);
-      const auto& state = *host->state().begin()->second;
-      const at::Tensor ref_m = run.decoupled
-                                   ? static_cast<const torch::optim::AdamWParamState&>(state).exp_avg()
-                                   : static_cast<const torch::optim::AdamParamState&>(state).exp_avg();
-      const at::Tensor ref_v = run.decoupled
-                                   ? static_cast<const torch::optim::AdamWParamState&>(state).exp_avg_sq()
-                                   : static_cast<const torch::optim::AdamParamState&>(state).exp_avg_sq();
-      EXPECT_TRUE(equal_bits(m, ref_m));
-      EXPECT_TRUE(equal_bits(v, ref_v));
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        at::Tensor m = torch::empty({sizes[i]}), v = torch::empty({sizes[i]});
+        store.read_state(i, m, v);
+        if (sizes[i] == 0) continue;  // LibTorch keeps a state for it too; nothing to compare
+        const auto state = optim::optimizer_state_of(*host, reference[i]);
+        EXPECT_TRUE(equal_bits(m, state.at("exp_avg"))) << "tensor " << i;
+        EXPECT_TRUE(equal_bits(v, state.at("exp_avg_sq"))) << "tensor " << i;
+        EXPECT_EQ(state.at("step").item<int64_t>(), store.steps(i)) << "tensor " << i;
+      }
       EXPECT_EQ(store.backend(), c.backend);
     }
     EXPECT_FALSE(fs::exists(path)) << "the file is removed with the store";
   }
+}
+
+// A state written (a load) is what the next read returns and what the next
+// step continues from; a cleared one starts again from zero moments.
+TEST(StoreState, WrittenStateIsReadBackAndSteppedFrom) {
+  NvmeStoreOptions options;
+  options.folder = temp_folder("state");
+  options.sizes = {3000, 5000};
+  options.sub_group_size = 2048;
+  options.io.backend = IoBackend::kThreads;
+  NvmeOptimizerStore store(options);
+  store.initialize();
+  torch::manual_seed(5);
+  const at::Tensor m = torch::randn({5000}), v = torch::rand({5000});
+  store.write_state(1, m, v, 7);
+  EXPECT_EQ(store.steps(1), 7);
+  EXPECT_EQ(store.steps(0), 0);
+  at::Tensor m2 = torch::empty({5000}), v2 = torch::empty({5000}), z = torch::empty({3000}), z2 = torch::empty({3000});
+  store.read_state(1, m2, v2);
+  EXPECT_TRUE(equal_bits(m, m2));
+  EXPECT_TRUE(equal_bits(v, v2));
+  store.read_state(0, z, z2);
+  EXPECT_EQ(z.abs().sum().item<float>(), 0.0f) << "writing tensor 1 left tensor 0's moments (sharing a sub-group)";
+  // The next step continues from step 8 with those moments, as LibTorch's Adam would.
+  at::Tensor p = torch::randn({5000}).requires_grad_(true), q = p.detach().clone().requires_grad_(true);
+  at::Tensor p0 = torch::randn({3000}).requires_grad_(true);
+  const at::Tensor g = torch::randn({5000});
+  q.mutable_grad() = g.clone();
+  at::Tensor mm = m.clone(), vv = v.clone();
+  optim::HostAdamStep adam;
+  adam.step = 8;
+  optim::host_adam_update(p.data_ptr<float>(), g.data_ptr<float>(), mm.data_ptr<float>(), vv.data_ptr<float>(), 5000,
+                          adam);
+  store.step({p0, q}, adam);
+  EXPECT_TRUE(equal_bits(p, q));
+  EXPECT_EQ(store.steps(1), 8);
+  store.write_state(1, at::Tensor(), at::Tensor(), 0);
+  store.read_state(1, m2, v2);
+  EXPECT_EQ(m2.abs().sum().item<float>(), 0.0f);
+  EXPECT_EQ(store.steps(1), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, Store,
@@ -166,7 +203,7 @@ TEST(StoreFaults, ADiskTooSmallIsRefusedAtStartNamingTheFile) {
     ::setrlimit(RLIMIT_FSIZE, &cap);
     NvmeStoreOptions options;
     options.folder = folder;
-    options.numel = 1 << 20;  // 12 MiB of state
+    options.sizes = {1 << 20};  // 8 MiB of state
     const std::string out = error_of<Error>([&] { NvmeOptimizerStore store(options); });
     (void)!::write(fds[1], out.data(), out.size());
     ::_exit(0);
@@ -187,30 +224,34 @@ TEST(StoreFaults, ADiskTooSmallIsRefusedAtStartNamingTheFile) {
 TEST(StoreFaults, AFileCutShortMidRunNamesTheStepAndTheFile) {
   NvmeStoreOptions options;
   options.folder = temp_folder("cut");
-  options.numel = 4 * 2048;
-  options.sub_group_size = 2048;  // four sub-groups of 24 KiB records
+  options.sizes = {4 * 2048};
+  options.sub_group_size = 2048;  // four sub-groups of 16 KiB records
   options.io.backend = IoBackend::kThreads;
   NvmeOptimizerStore store(options);
-  store.initialize(torch::ones({options.numel}));
-  const at::Tensor grad = torch::ones({options.numel});
-  store.step(grad, {});
-  ASSERT_EQ(::truncate(store.path().c_str(), 2 * 3 * 8192), 0);
-  const std::string e = error_of<Error>([&] { store.step(grad, {}); });
+  store.initialize();
+  at::Tensor master = torch::ones({4 * 2048}).requires_grad_(true);
+  master.mutable_grad() = torch::ones({4 * 2048});
+  store.step({master}, {});
+  ASSERT_EQ(::truncate(store.path().c_str(), 2 * 2 * 8192), 0);
+  const std::string e = error_of<Error>([&] { store.step({master}, {}); });
   EXPECT_THAT(e, HasSubstr("NVMe optimizer state, step 2, sub-group "));
   EXPECT_THAT(e, HasSubstr("in '" + store.path() + "'"));
-  EXPECT_THAT(error_of<Error>([&] { store.step(grad, {}); }), HasSubstr("the optimizer state is lost"));
+  EXPECT_THAT(error_of<Error>([&] { store.step({master}, {}); }), HasSubstr("the optimizer state is lost"));
 }
 
 TEST(StoreFaults, WrongInputsAreNamed) {
   NvmeStoreOptions options;
   options.folder = temp_folder("inputs");
-  options.numel = 100;
+  options.sizes = {100};
   options.buffer_count = 1;
   EXPECT_THAT(error_of<Error>([&] { NvmeOptimizerStore store(options); }), HasSubstr("buffer_count 1 must be at least 2"));
   options.buffer_count = 2;
   NvmeOptimizerStore store(options);
-  EXPECT_THAT(error_of<Error>([&] { store.step(torch::ones({99}), {}); }),
-              HasSubstr("the gradients must be a contiguous float32 host tensor of 100 elements"));
+  at::Tensor master = torch::ones({100}).requires_grad_(true);
+  master.mutable_grad() = torch::ones({99});
+  EXPECT_THAT(error_of<Error>([&] { store.step({master}, {}); }),
+              HasSubstr("the gradient of tensor 0 must be a contiguous float32 host tensor of 100 elements"));
+  EXPECT_THAT(error_of<Error>([&] { store.step({master, master}, {}); }), HasSubstr("2 tensors to step, made for 1"));
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // The NVMe optimizer store's step bandwidth (parallel/internal/
 // nvme_optimizer_store.h): bytes read and written per second of an AdamW
-// step over STATE_MIB of float32 masters and moments, beside the host Adam
+// step over STATE_MIB of Adam moments on disk (the masters in memory), beside the host Adam
 // alone over the same elements in memory (the compute the I/O overlaps).
 // docs/benchmarks.md, "Disk: fio and remat's asynchronous I/O".
 //
@@ -28,7 +28,8 @@ int main(int argc, char** argv) {
   const int64_t state_mib = argc > 2 ? std::atoll(argv[2]) : 384;
   remat::parallel::internal::NvmeStoreOptions options;
   options.folder = argv[1];
-  options.numel = state_mib * (1 << 20) / 12;  // 12 bytes per element: master, exp_avg, exp_avg_sq
+  const int64_t numel = state_mib * (1 << 20) / 8;  // 8 bytes per element on disk: exp_avg, exp_avg_sq
+  options.sizes = {numel};
   options.sub_group_size = argc > 3 ? std::atoll(argv[3]) : 4194304;
   options.buffer_count = argc > 4 ? std::atoi(argv[4]) : 4;
   const int steps = argc > 5 ? std::atoi(argv[5]) : 5;
@@ -37,18 +38,20 @@ int main(int argc, char** argv) {
                  remat::IoBackend::kThreads}) {
     if (backend == remat::io_backend_name(b)) options.io.backend = b;
   }
-  const at::Tensor masters = at::randn({options.numel});
-  const at::Tensor grads = at::randn({options.numel});
+  at::Tensor masters = at::randn({numel});
+  const at::Tensor grads = at::randn({numel});
+  masters.mutable_grad() = grads;
+  const at::Tensor start_masters = masters.clone();
   NvmeOptimizerStore store(options);
-  store.initialize(masters);
+  store.initialize();
   std::printf("state %lld MiB (%lld elements, file %llu bytes), sub-group %lld, %zu buffers (%llu bytes), %s\n",
-              static_cast<long long>(state_mib), static_cast<long long>(options.numel),
+              static_cast<long long>(state_mib), static_cast<long long>(numel),
               static_cast<unsigned long long>(store.file_bytes()), static_cast<long long>(options.sub_group_size),
               static_cast<size_t>(options.buffer_count), static_cast<unsigned long long>(store.host_buffer_bytes()),
               remat::io_backend_name(store.backend()));
   std::vector<double> rates;
   for (int k = 0; k < steps; ++k) {
-    store.step(grads, {});
+    store.step({masters}, {});
     const auto& s = store.last_step();
     rates.push_back(s.bytes_per_second() / 1e6);
     std::printf("step %d: %.3f s, %llu B read + %llu B written, %.0f MB/s\n", k + 1, s.seconds,
@@ -56,7 +59,7 @@ int main(int argc, char** argv) {
                 rates.back());
   }
   // The compute alone: the fused host Adam over the same elements in memory.
-  at::Tensor p = masters.clone(), m = at::zeros_like(p), v = at::zeros_like(p);
+  at::Tensor p = start_masters.clone(), m = at::zeros_like(p), v = at::zeros_like(p);
   const auto start = std::chrono::steady_clock::now();
   for (int k = 0; k < steps; ++k) {
     remat::optim::HostAdamStep adam;

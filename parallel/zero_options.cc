@@ -41,9 +41,19 @@ std::string check_zero_options(const ZeroOptions& z) {
   }
   const OffloadOptimizerOptions& off = z.offload_optimizer;
   if (const std::string p = offload_device_problem("offload_optimizer", off.device); !p.empty()) add(p);
+  const char* off_device = off.on_nvme() ? "nvme" : "cpu";
   if (off.enabled() && z.stage == 0) {
-    add("'zero_optimization.offload_optimizer.device' = \"cpu\" needs a sharded optimizer: set "
-        "zero_optimization.stage to 1, 2 or 3, or offload_optimizer.device to \"none\"");
+    add(str("'zero_optimization.offload_optimizer.device' = \"", off_device, "\" needs a sharded optimizer: set "
+            "zero_optimization.stage to 1, 2 or 3, or offload_optimizer.device to \"none\""));
+  }
+  if (off.on_nvme() && (!off.nvme_path || off.nvme_path->empty())) {
+    add("'zero_optimization.offload_optimizer.device' = \"nvme\" needs 'zero_optimization.offload_optimizer."
+        "nvme_path': a folder on a fast local disk where each rank keeps its optimizer state");
+  }
+  if (off.on_nvme() && off.buffer_count < 2) {
+    add(str("'zero_optimization.offload_optimizer.buffer_count' = ", off.buffer_count, " with device \"nvme\": "
+            "the state streams through at least 2 host buffers (one stepped while the next is read); set 2 or "
+            "more (DeepSpeed's default is 4)"));
   }
   // DeepSpeed's ranges for its own tuning (which changes nothing here): 0 included.
   if (off.buffer_count < 0) {
@@ -67,7 +77,7 @@ std::string check_zero_options(const ZeroOptions& z) {
 }
 
 std::string offload_device_problem(const std::string& section, OffloadDevice device) {
-  if (device != OffloadDevice::kNvme) return "";
+  if (device != OffloadDevice::kNvme || section == "offload_optimizer") return "";
   return str("'zero_optimization.", section, ".device' = \"nvme\": offload of ",
              section == "offload_param" ? "parameters" : "the optimizer", " to NVMe is being built (remat issue "
              "53) and not yet available; set it to \"cpu\", which keeps ",

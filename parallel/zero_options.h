@@ -8,6 +8,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -16,7 +17,9 @@ namespace remat::parallel {
 // Where the optimizer's float32 master shards, their gradients and the
 // optimizer state live (DeepSpeed's zero_optimization.offload_optimizer):
 // kNone on the model's device; kCpu in host memory, the optimizer stepping
-// there (ZeroModel, zero.h). kNvme is named only to be refused.
+// there (ZeroModel, zero.h); kNvme the same, but the optimizer's state in a
+// file under nvme_path (parallel/nvme_optimizer.h). For offload_param kNvme
+// is named only to be refused.
 enum class OffloadDevice { kNone, kCpu, kNvme };
 // The JSON names of OffloadDevice, by value.
 const std::vector<std::string>& offload_device_names();
@@ -30,10 +33,19 @@ struct OffloadOptimizerOptions {
   // copied config loads: none of them changes what is computed here
   // (ZeroModel logs the ones set). ratio: the share DeepSpeed offloads
   // (remat offloads the whole optimizer state).
+  // With kNvme: the host buffers the state streams through (at least 2).
   int buffer_count = 4;
   bool fast_init = false;
   double ratio = 1.0;
-  bool enabled() const { return device == OffloadDevice::kCpu; }
+  // With kNvme: the folder (on a fast local disk) under which each rank
+  // keeps its file; DeepSpeed's null elsewhere.
+  std::optional<std::string> nvme_path;
+  // DeepSpeed's switches for overlapping its swaps with the step: remat's
+  // NVMe step always overlaps them (accepted either way, said when set).
+  bool pipeline = false, pipeline_read = false, pipeline_write = false;
+  // The masters and their gradients in host memory (kCpu and kNvme).
+  bool enabled() const { return device != OffloadDevice::kNone; }
+  bool on_nvme() const { return device == OffloadDevice::kNvme; }
 };
 
 // Stage 3's parameter shards in host memory (DeepSpeed's
@@ -178,10 +190,9 @@ bool masters_on_host(const ZeroOptions& options, const MixedPrecision& mixed);
 int64_t stage3_persistence_threshold(const ZeroOptions& options, const MixedPrecision& mixed);
 
 // The problem with offloading to `device` in `section` ("offload_optimizer"
-// or "offload_param"): "nvme" is refused while offload to NVMe is being built
-// (issue 53), naming "cpu" as what works now; remat offloads to host memory
-// only; "" for "cpu" and "none". check_zero_options and the config's schema
-// (which refuses "nvme" beside DeepSpeed's other NVMe keys) say it.
+// or "offload_param"): offload_param's "nvme" is refused while it is being
+// built (issue 53), saying what works now; "" where there is none. The
+// config's schema and ZeroOptions' checks say it.
 std::string offload_device_problem(const std::string& section, OffloadDevice device);
 
 // The rules of ZeroOptions alone, written once: an empty string when valid,

@@ -108,6 +108,14 @@ std::optional<int64_t> fault_export_rename(const char* name) {
                       "it makes a sharded export's rename fail, for tests; unset it outside tests"});
 }
 
+std::optional<int64_t> fault_nvme_step(const char* name) {
+  auto value = get(name);
+  if (!value) return std::nullopt;
+  return parse_whole(name, *value, 1, 1000000,
+                     {"a whole number from 1 (the optimizer step it hits)",
+                      "it makes offload_optimizer nvme's step fail, for tests; unset it outside tests"});
+}
+
 std::optional<int64_t> memory_per_rank_bytes() {
   auto value = get(kMemoryPerRankBytes);
   if (!value) return std::nullopt;

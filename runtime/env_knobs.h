@@ -52,6 +52,14 @@ inline constexpr const char* kFaultNoIoUring = "REMAT_FAULT_NO_IO_URING";
 // stopped half-way through replacing a folder leaves. Unset: no fault.
 inline constexpr const char* kFaultExportRenameFail = "REMAT_FAULT_EXPORT_RENAME_FAIL";
 inline constexpr const char* kFaultExportRenameKill = "REMAT_FAULT_EXPORT_RENAME_KILL";
+// Fault-injection seams for tests of offload_optimizer.device "nvme"
+// (parallel/nvme_optimizer.h): K, a whole number from 1, kills the process
+// with SIGKILL in the K-th optimizer step after its first sub-group is
+// written back (..._KILL: the file holds some sub-groups stepped and others
+// not), or makes that step's I/O fail with EIO (..._FAIL, as a failing
+// disk). Unset: no fault.
+inline constexpr const char* kFaultNvmeKill = "REMAT_FAULT_NVME_KILL";
+inline constexpr const char* kFaultNvmeFail = "REMAT_FAULT_NVME_FAIL";
 
 // The variable's value, or nullopt when unset or empty.
 std::optional<std::string> get(const char* name);
@@ -94,6 +102,11 @@ std::optional<int64_t> fault_save_fail();
 // as the rename it hits, from 1 (nullopt when unset); anything but a whole
 // number from 1 to 1000000 is an error.
 std::optional<int64_t> fault_export_rename(const char* name);
+
+// REMAT_FAULT_NVME_KILL or REMAT_FAULT_NVME_FAIL (`name`) as the optimizer
+// step it hits, from 1 (nullopt when unset); anything but a whole number from
+// 1 to 1000000 is an error.
+std::optional<int64_t> fault_nvme_step(const char* name);
 
 // REMAT_MEMORY_PER_RANK_BYTES (nullopt when unset): a whole number > 0.
 std::optional<int64_t> memory_per_rank_bytes();

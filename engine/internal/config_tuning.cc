@@ -32,7 +32,8 @@ constexpr OldOffloadKey kOldOffloadKeys[] = {
 
 const char* const kSubGroupSizeWhy =
     "remat steps each optimizer shard in one piece (DeepSpeed tiles its optimizer step into groups of that many "
-    "elements); what is computed does not depend on it";
+    "elements); what is computed does not depend on it. It sizes the sub-groups of offload_optimizer.device "
+    "\"nvme\", where it is used";
 const char* const kMaxReuseDistanceWhy =
     "remat's stage 3 frees a unit's parameters when its call returns and gathers them again for its backward, "
     "keeping none for reuse; zero_optimization.stage3_max_live_parameters bounds what is gathered at once";
@@ -46,7 +47,7 @@ const char* yes_no(bool b) { return b ? "true" : "false"; }
 // averaging remat always does), in the order of the lines they log.
 void tuning_lines(const Config& c, std::vector<std::string>& out) {
   const DeepSpeedTuningConfig& t = c.deepspeed_tuning;
-  if (t.sub_group_size) {
+  if (t.sub_group_size && !c.zero_optimization.offload_optimizer.on_nvme()) {
     out.push_back(str("zero_optimization.sub_group_size = ", *t.sub_group_size, " has no effect in remat: ",
                       kSubGroupSizeWhy));
   }
@@ -67,16 +68,17 @@ void tuning_lines(const Config& c, std::vector<std::string>& out) {
     }
   }
   // The aio section away from DeepSpeed's defaults: read for offload to NVMe,
-  // which no offload section can ask for yet (its device "nvme" is refused).
+  // said where no offload device is "nvme".
   const AioConfig& aio = c.aio;
   const AioConfig defaults;
-  if (aio.block_size != defaults.block_size || aio.queue_depth != defaults.queue_depth ||
-      aio.thread_count != defaults.thread_count || aio.single_submit != defaults.single_submit ||
-      aio.overlap_events != defaults.overlap_events) {
+  const bool tuned = aio.block_size != defaults.block_size || aio.queue_depth != defaults.queue_depth ||
+                     aio.thread_count != defaults.thread_count || aio.single_submit != defaults.single_submit ||
+                     aio.overlap_events != defaults.overlap_events;
+  if (tuned && !c.zero_optimization.offload_optimizer.on_nvme()) {
     out.push_back(str("aio (block_size ", aio.block_size, ", queue_depth ", aio.queue_depth, ", thread_count ",
                       aio.thread_count, ", single_submit ", yes_no(aio.single_submit), ", overlap_events ",
                       yes_no(aio.overlap_events), ") has no effect in this run: it tunes the I/O of offload to "
-                      "NVMe, and no offload device is \"nvme\" (offload to NVMe is being built: remat issue 53)"));
+                      "NVMe, and no offload device is \"nvme\""));
   }
   if (t.prescale_gradients && !*t.prescale_gradients) {
     out.push_back("prescale_gradients = false has no effect in remat: remat averages gradients as it asks, one sum "

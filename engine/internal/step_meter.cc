@@ -8,6 +8,7 @@
 
 #include "checkpointing/planner.h"
 #include "optim/optimizer.h"
+#include "parallel/nvme_optimizer.h"
 #include "parallel/zero.h"
 #include "runtime/device_memory.h"
 #include "runtime/error.h"
@@ -148,6 +149,15 @@ StepMetrics StepMeter::finish_step(const StepOutcome& outcome, const ActivationP
     m.offload_optimizer = true;
     m.host_optimizer_bytes = share_.zero.host_bytes + m.optimizer_state_bytes;
   }
+  if (const auto nvme = parallel::nvme_optimizer_stats(*t_.optimizer)) {
+    // The state on disk; the host holds the buffers it streams through.
+    m.nvme_optimizer = true;
+    m.host_optimizer_bytes += nvme->buffer_bytes;
+    m.nvme_state_bytes = nvme->file_bytes;
+    m.nvme_read_bytes = nvme->bytes_read;
+    m.nvme_written_bytes = nvme->bytes_written;
+    m.nvme_step_ms = 1e3 * nvme->seconds;
+  }
   if (t_.offload_param) {
     m.offload_param = true;
     m.host_parameter_bytes = share_.zero.host_param_bytes;
@@ -229,6 +239,11 @@ void StepMeter::finish_trace(const StepMetrics& m) {
   other["mem_peak_bytes"] = m.mem_peak_bytes;
   if (m.offload_optimizer) other["host_optimizer_bytes"] = m.host_optimizer_bytes;
   if (m.offload_param) other["host_parameter_bytes"] = m.host_parameter_bytes;
+  if (m.nvme_optimizer) {
+    other["nvme_state_bytes"] = m.nvme_state_bytes;
+    other["nvme_read_bytes"] = m.nvme_read_bytes;
+    other["nvme_written_bytes"] = m.nvme_written_bytes;
+  }
   ChromeTraceOptions chrome;
   chrome.max_samples = trace_samples_;
   chrome.pid = t_.rank;

@@ -1,25 +1,27 @@
-// One rank's float32 masters and Adam moments in a file on NVMe, stepped in
-// sub-groups through a few aligned host buffers: the optimizer state of
-// offload_optimizer.device "nvme" (issue 53; not yet wired into ZeroModel).
+// One rank's Adam moments in a file on NVMe, stepped in sub-groups through a
+// few aligned host buffers: the optimizer state of offload_optimizer.device
+// "nvme" (parallel/nvme_optimizer.h's optimizers step their parameters with it).
 //
-//   NvmeOptimizerStore store({"/nvme/job", 0, numel, sub_group, buffers, aio});
-//   store.initialize(masters);                        // moments zero
-//   store.step(grads, {lr, b1, b2, eps, wd, true}, [&](int64_t begin, const float* p, int64_t n) {
-//     ...copy p[0, n) to the device's params at `begin`...
-//   });
+//   NvmeOptimizerStore store({"/nvme/job/rank0", 0, {4096, 64}, sub_group, buffers, aio});
+//   store.initialize();                                // moments zero, no step taken
+//   store.step(masters, {lr, b1, b2, eps, wd, true});  // masters[i].grad() read, masters[i] written
 //
-// The file (`folder`/rank<R>.optimizer) holds, for each sub-group of
-// `sub_group_size` elements in turn, its masters, exp_avg and exp_avg_sq,
-// each padded to the I/O alignment: one record per sub-group, read and written
-// with one request each. It is created at its full size at construction (its
-// blocks reserved, so that a disk too small fails then, not mid-run) and
-// removed at destruction.
+// The store steps a list of float32 host tensors (the masters the stage hands
+// the optimizer, which stay in host memory: the stage copies them to the
+// device and saves, loads and GatheredParameters read and write them there),
+// laid end to end as one range. The file (`folder`/rank<R>.optimizer) holds,
+// for each sub-group of `sub_group_size` elements of that range in turn, its
+// exp_avg and exp_avg_sq, each padded to the I/O alignment: one record per
+// sub-group, read and written with one request each. It is created at its
+// full size at construction (its blocks reserved, so that a disk too small
+// fails then, not mid-run) and removed at destruction.
 //
 // A step streams the records through `buffer_count` (>= 2) buffers of one
 // record each: while the host Adam (optim/host_adam.h, the fused loop the cpu
 // offload runs) steps sub-group i in its buffer, sub-group i+1 is being read
-// into the next and the earlier ones written back. The result is bitwise the
-// in-memory host Adam's over the whole range.
+// into the next and the earlier ones written back. Each tensor keeps its own
+// step count, and one without a gradient is not stepped, as LibTorch's Adam
+// skips it: the result is bitwise the in-memory host Adam's.
 //
 // An I/O error (a full disk, EIO, a timeout) is a remat::Error naming the
 // step, the sub-group and the file; the store then refuses further steps (its
@@ -40,12 +42,16 @@
 namespace remat::parallel::internal {
 
 struct NvmeStoreOptions {
-  std::string folder;        // nvme_path's folder for this job
-  int rank = 0;              // names the file
-  int64_t numel = 0;         // elements of this rank's flat range
+  std::string folder;          // this rank's folder under nvme_path
+  int rank = 0;                // names the file
+  std::vector<int64_t> sizes;  // elements of each tensor stepped, in order
   int64_t sub_group_size = 1000000000;  // elements stepped at once (DeepSpeed's default 1e9)
-  int buffer_count = 4;      // records in host memory at once (DeepSpeed's default 4)
-  AsyncIoOptions io;         // the aio section (engine/config.h: AioConfig::options)
+  int buffer_count = 4;        // records in host memory at once (DeepSpeed's default 4)
+  AsyncIoOptions io;           // the aio section (engine/config.h: AioConfig::options)
+  // Test seams (runtime/env_knobs.h, REMAT_FAULT_NVME_*): the step (from 1)
+  // killed with SIGKILL after its first sub-group's write, or whose I/O fails
+  // with EIO; 0: none.
+  int64_t kill_at_step = 0, fail_at_step = 0;
 };
 
 // What the last step moved and how long it took.
@@ -58,53 +64,65 @@ struct NvmeStepStats {
 
 class NvmeOptimizerStore {
  public:
-  // Receives each sub-group's updated masters: `n` floats for elements
-  // [begin, begin + n) of the range, valid for the call only.
-  using UpdatedMasters = std::function<void(int64_t begin, const float* masters, int64_t n)>;
-
   explicit NvmeOptimizerStore(NvmeStoreOptions options);
   ~NvmeOptimizerStore();  // waits for its I/O, removes the file
   NvmeOptimizerStore(const NvmeOptimizerStore&) = delete;
   NvmeOptimizerStore& operator=(const NvmeOptimizerStore&) = delete;
 
-  // Writes `masters` (float32, contiguous, on the host, numel elements) with
-  // zero moments, and sets the step count to 0.
-  void initialize(const at::Tensor& masters);
-  // One Adam step over the range with `grads` (float32, contiguous, on the
-  // host, numel elements); `adam.step` is ignored (the store counts its own).
-  void step(const at::Tensor& grads, optim::HostAdamStep adam, const UpdatedMasters& updated = nullptr);
-  // The state as it is on disk, into float32 host tensors of numel elements.
-  void read(at::Tensor masters, at::Tensor exp_avg, at::Tensor exp_avg_sq);
+  // Zero moments on disk, every tensor's step count 0.
+  void initialize();
+  // One Adam step over `params` (float32, contiguous, on the host, of
+  // `sizes`): each with a gradient (the same) is stepped at its own step
+  // number + 1; `adam.step` is ignored.
+  void step(const std::vector<at::Tensor>& params, optim::HostAdamStep adam);
+
+  // Tensor i's moments as they are on disk, into float32 host tensors of its
+  // elements, and its step count (0: not stepped yet, the moments zero).
+  void read_state(size_t i, at::Tensor exp_avg, at::Tensor exp_avg_sq) const;
+  int64_t steps(size_t i) const { return steps_.at(i); }
+  // Sets tensor i's moments and step count (a load); undefined moments and
+  // step 0 clear it.
+  void write_state(size_t i, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, int64_t step);
 
   const std::string& path() const { return path_; }
-  int64_t steps() const { return steps_; }
+  size_t tensors() const { return options_.sizes.size(); }
   uint64_t file_bytes() const;
+  // The moments' bytes (8 per element), without the alignment's padding.
+  uint64_t state_bytes() const { return 8 * static_cast<uint64_t>(numel_); }
   uint64_t host_buffer_bytes() const { return buffers_.size() * record_bytes_; }
+  size_t buffer_count() const { return buffers_.size(); }
   IoBackend backend() const { return file_->backend(); }
+  bool direct() const { return file_->direct(); }
   const NvmeStepStats& last_step() const { return last_; }
+  // Bytes read and written since the store was made.
+  AsyncIoStats io_stats() const { return file_->stats(); }
   void set_kernel(optim::HostAdamKernel kernel) { kernel_ = kernel; }
 
  private:
   struct Group {
     int64_t begin = 0, numel = 0;
     uint64_t offset = 0;  // of its record in the file
-    size_t piece = 0;     // bytes of each of its three arrays, padded
+    size_t piece = 0;     // bytes of each of its two arrays, padded
   };
   float* array(size_t buffer, const Group& g, int which) const;
-  void check_host(const at::Tensor& t, const char* what) const;
-  // Runs `body` for each sub-group in its buffer, its record read first when
-  // `read`, written back after body when `write_back`.
-  void stream(const std::function<void(size_t buffer, const Group& g)>& body, bool read, bool write_back,
-              const char* what);
+  void check_tensor(const at::Tensor& t, size_t i, const char* what) const;
+  // Runs `body` for sub-groups [first, last) each in its buffer, its record
+  // read first when `read`, written back after body when `write_back`.
+  void stream(size_t first, size_t last, const std::function<void(size_t buffer, const Group& g)>& body, bool read,
+              bool write_back, const char* what) const;
+  // The sub-groups tensor i's elements lie in: [first, last).
+  std::pair<size_t, size_t> groups_of(size_t i) const;
 
   NvmeStoreOptions options_;
   std::string path_;
+  std::vector<int64_t> offsets_;  // of each tensor in the range; offsets_.back() = numel_
+  int64_t numel_ = 0;
   std::vector<Group> groups_;
   size_t record_bytes_ = 0;
   std::vector<AlignedBuffer> buffers_;
   std::unique_ptr<AsyncFile> file_;  // after buffers_: destroyed first, its I/O waited for
-  int64_t steps_ = 0;
-  bool failed_ = false;
+  std::vector<int64_t> steps_;
+  mutable bool failed_ = false;
   optim::HostAdamKernel kernel_ = optim::HostAdamKernel::kAuto;
   NvmeStepStats last_;
 };

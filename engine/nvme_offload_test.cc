@@ -1,0 +1,265 @@
+// zero_optimization.offload_optimizer.device "nvme" through the engine (issue
+// 53, item 1), under mpirun at 1 and 2 ranks: the Adam moments in a file per
+// rank under nvme_path, stepped in sub-groups through host buffers. Losses
+// and final weights bitwise those of device "cpu" at stages 1-3 and hybrid,
+// float32 and bf16, accumulation, clipping, AdamW and Adam; saves read the
+// state from the files and resume across nvme, cpu and none, at another
+// data-parallel size too; the folder's faults (missing, not a folder,
+// unwritable, in use by another job) are ConfigErrors naming it, a crashed
+// run's leftovers are removed, and the state file goes with the engine.
+#include <ATen/ATen.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "engine/config.h"
+#include "engine/engine.h"
+#include "models/gpt.h"
+#include "optim/optimizer.h"
+#include "parallel/nvme_optimizer.h"
+#include "parallel/zero.h"
+#include "runtime/communicator.h"
+#include "runtime/error.h"
+#include "runtime/layout.h"
+#include "tests/error_of.h"
+#include "tests/offload_runs.h"
+#include "tests/parallel_setup.h"
+
+namespace remat {
+namespace {
+
+namespace fs = std::filesystem;
+using remat::testing::expect_same;
+using remat::testing::job_dir;
+using remat::testing::TrainedRun;
+using remat::testing::world;
+
+struct NvmeSetup {
+  int stage = 2;
+  parallel::OffloadDevice device = parallel::OffloadDevice::kNvme;
+  std::string nvme_path;
+  bool bf16 = false;
+  std::string optimizer = "AdamW";
+  int steps = 4;
+  int micro_steps = 1;
+  int hybrid = 0;
+  int ranks = 0;  // the first `ranks` ranks train (0: all)
+};
+
+Config config_of(const NvmeSetup& s) {
+  Config c;
+  c.train_micro_batch_size_per_gpu = 2;
+  c.gradient_accumulation_steps = s.micro_steps;
+  c.gradient_clipping = 1.0;
+  c.train.seed = 9;
+  c.optimizer.type = s.optimizer;
+  c.optimizer.lr = 1e-2;
+  c.optimizer.weight_decay = 0.01;
+  c.bf16.enabled = s.bf16;
+  c.zero_optimization.stage = s.stage;
+  c.zero_optimization.reduce_bucket_size = 900;  // several buckets
+  c.zero_optimization.stage3_param_persistence_threshold = 40;
+  c.zero_optimization.hybrid_shard_size = s.hybrid;
+  c.zero_optimization.offload_optimizer.device = s.device;
+  c.zero_optimization.offload_optimizer.nvme_path = s.nvme_path;
+  c.zero_optimization.offload_optimizer.buffer_count = 3;
+  c.deepspeed_tuning.sub_group_size = 1000;  // many sub-groups, each across parameters' ends
+  return c;
+}
+
+TrainedRun train(const NvmeSetup& s, const std::string& from = "", const std::string& save_to = "", int save_at = -1) {
+  const int n = s.ranks > 0 ? s.ranks : world()->size();
+  auto group = world()->split(world()->rank() < n ? 0 : -1, world()->rank());
+  if (world()->rank() >= n) return {};
+  auto layout = std::make_shared<ParallelLayout>(group, ParallelDims::from_world(group->size(), 1));
+  models::GptOptions o = remat::testing::small_gpt(29, 3, /*dropout=*/0.1);
+  at::manual_seed(9);
+  models::Gpt model(o);
+  EngineOptions options;
+  options.layout = layout;
+  auto engine = initialize(model, config_of(s), options);
+  if (!from.empty()) engine->load_checkpoint(from);
+  const bool nvme = s.device == parallel::OffloadDevice::kNvme;
+  EXPECT_EQ(parallel::nvme_optimizer_stats(engine->optimizer()).has_value(), nvme);
+  if (nvme) EXPECT_TRUE(optim::optimizer_state_tensors(engine->optimizer()).empty()) << "no state in memory";
+  return remat::testing::train_to(*engine, model, *layout, o.vocab_size, s.steps, s.micro_steps, {save_to, save_at});
+}
+
+std::string nvme_dir(const std::string& name) { return job_dir("remat_nvme_", name); }
+
+TEST(NvmeOptimizer, EveryStageTrainsBitwiseAsCpu) {
+  const std::string path = nvme_dir("stages");
+  for (int stage : {1, 2, 3}) {
+    for (bool bf16 : {false, true}) {
+      for (int micro : {1, 2}) {
+        NvmeSetup s;
+        s.stage = stage;
+        s.bf16 = bf16;
+        s.micro_steps = micro;
+        s.nvme_path = path;
+        s.device = parallel::OffloadDevice::kCpu;
+        const TrainedRun cpu = train(s);
+        s.device = parallel::OffloadDevice::kNvme;
+        const TrainedRun nvme = train(s);
+        expect_same(cpu, nvme, str("stage ", stage, bf16 ? " bf16" : " float32", ", micro-steps ", micro));
+        EXPECT_LT(nvme.losses.back(), nvme.losses.front()) << "trains";
+      }
+    }
+  }
+  if (world()->size() > 1) {
+    for (int stage : {1, 3}) {
+      NvmeSetup s;
+      s.stage = stage;
+      s.hybrid = 1;
+      s.nvme_path = path;
+      s.device = parallel::OffloadDevice::kCpu;
+      const TrainedRun cpu = train(s);
+      s.device = parallel::OffloadDevice::kNvme;
+      expect_same(cpu, train(s), str("stage ", stage, " hybrid"));
+    }
+  }
+}
+
+TEST(NvmeOptimizer, AdamTrainsBitwiseAsCpuAndSgdIsRefused) {
+  const std::string path = nvme_dir("adam");
+  NvmeSetup s;
+  s.optimizer = "Adam";
+  s.nvme_path = path;
+  s.device = parallel::OffloadDevice::kCpu;
+  const TrainedRun cpu = train(s);
+  s.device = parallel::OffloadDevice::kNvme;
+  expect_same(cpu, train(s), "Adam");
+  s.optimizer = "SGD";
+  const std::string e = testing::error_of<ConfigError>([&] { train(s); });
+  EXPECT_NE(e.find("optimizer.type is \"SGD\": use AdamW or Adam with it, or offload_optimizer.device \"cpu\""),
+            std::string::npos) << e;
+}
+
+// The metrics count no optimizer state in memory and the state file's bytes
+// on disk, each step reading and writing all of it once; the host holds less
+// than with "cpu" (the moments, less the buffers); the file goes with the engine.
+TEST(NvmeOptimizer, StateIsOnDiskNotInMemoryAndRemovedAtTheEnd) {
+  const std::string path = nvme_dir("files");
+  NvmeSetup s;
+  s.nvme_path = path;
+  s.steps = 2;
+  const TrainedRun run = train(s);
+  s.device = parallel::OffloadDevice::kCpu;
+  const TrainedRun cpu = train(s);
+  const nlohmann::json& m = run.metrics.back();
+  EXPECT_EQ(m.at("optimizer_state_bytes").get<int64_t>(), 0);
+  const int64_t on_disk = m.at("nvme_state_bytes").get<int64_t>();
+  const int64_t moments = cpu.metrics.back().at("optimizer_state_bytes").get<int64_t>();
+  EXPECT_GE(on_disk, moments - 8 * 64) << "the moments (less LibTorch's step counts) on disk, padded";
+  EXPECT_EQ(m.at("nvme_read_bytes").get<int64_t>(), on_disk);
+  EXPECT_EQ(m.at("nvme_written_bytes").get<int64_t>(), on_disk);
+  EXPECT_GT(m.at("nvme_step_ms").get<double>(), 0);
+  EXPECT_LT(m.at("host_optimizer_bytes").get<int64_t>(), cpu.metrics.back().at("host_optimizer_bytes").get<int64_t>());
+  EXPECT_EQ(cpu.metrics.back().count("nvme_state_bytes"), 0u) << "a run without nvme keeps its keys";
+  const fs::path mine = fs::path(path) / "remat-optimizer" / str("rank", world()->rank());
+  EXPECT_TRUE(fs::exists(mine / "lock"));
+  EXPECT_FALSE(fs::exists(mine / str("rank", world()->rank(), ".optimizer"))) << "the state file is removed";
+}
+
+// A save reads the moments from the files; a resume writes them back: the
+// run resumed at step 2 of 4 equals the one that never stopped, whichever of
+// nvme, cpu and none saved and resumed, and at 1 rank of 2.
+TEST(NvmeOptimizer, SavesResumeAcrossNvmeCpuAndNone) {
+  const std::string path = nvme_dir("saves");
+  using D = parallel::OffloadDevice;
+  NvmeSetup whole;
+  whole.nvme_path = path;
+  whole.device = D::kCpu;
+  const TrainedRun reference = train(whole);
+  const std::pair<D, D> pairs[] = {{D::kNvme, D::kNvme}, {D::kNvme, D::kCpu}, {D::kNvme, D::kNone},
+                                   {D::kCpu, D::kNvme}, {D::kNone, D::kNvme}};
+  for (const auto& [saved, resumed] : pairs) {
+    const std::string what = str(parallel::offload_device_names()[static_cast<int>(saved)], " -> ",
+                                 parallel::offload_device_names()[static_cast<int>(resumed)]);
+    const std::string dir = job_dir("remat_nvme_save_", "s");
+    NvmeSetup first = whole;
+    first.device = saved;
+    first.steps = 2;
+    train(first, "", dir, 2);
+    NvmeSetup second = whole;
+    second.device = resumed;
+    const TrainedRun rest = train(second, dir);
+    ASSERT_EQ(rest.losses.size(), 2u) << what;
+    for (size_t i = 0; i < 2; ++i) EXPECT_EQ(rest.losses[i], reference.losses[i + 2]) << what << ", step " << i + 3;
+    for (const auto& [name, value] : reference.final_params) {
+      EXPECT_TRUE(at::equal(value, rest.final_params.at(name))) << what << ": " << name;
+    }
+  }
+  if (world()->size() > 1) {
+    // Saved by 2 ranks with the state on disk, resumed by 1: the step after
+    // equals the one-rank resume of the cpu save.
+    const std::string nvme_save = job_dir("remat_nvme_save_", "dp_nvme"), cpu_save = job_dir("remat_nvme_save_", "dp_cpu");
+    NvmeSetup first = whole;
+    first.steps = 2;
+    first.device = D::kNvme;
+    train(first, "", nvme_save, 2);
+    first.device = D::kCpu;
+    train(first, "", cpu_save, 2);
+    NvmeSetup one = whole;
+    one.ranks = 1;
+    one.device = D::kNvme;
+    const TrainedRun from_nvme = train(one, nvme_save);
+    one.device = D::kCpu;
+    const TrainedRun from_cpu = train(one, cpu_save);
+    if (world()->rank() == 0) expect_same(from_cpu, from_nvme, "2 ranks -> 1");
+  }
+}
+
+// The folder's faults, each a ConfigError naming it and what to change; the
+// lock of another job is refused; a crashed run's file is removed.
+TEST(NvmeOptimizer, FolderFaultsAreClearAndLeftoversRemoved) {
+  const std::string path = nvme_dir("faults");
+  NvmeSetup s;
+  s.steps = 1;
+  s.nvme_path = path + "/missing";
+  std::string e = testing::error_of<ConfigError>([&] { train(s); });
+  EXPECT_NE(e.find("nvme_path '" + path + "/missing' does not exist"), std::string::npos) << e;
+  const std::string file = path + "/a_file";
+  if (world()->rank() == 0) std::ofstream(file) << "x";
+  world()->barrier()->wait();
+  s.nvme_path = file;
+  e = testing::error_of<ConfigError>([&] { train(s); });
+  EXPECT_NE(e.find("is not a folder"), std::string::npos) << e;
+  s.nvme_path = "/proc/self";  // a folder where nothing can be made, even as root
+  e = testing::error_of<ConfigError>([&] { train(s); });
+  EXPECT_NE(e.find("cannot write its folder '/proc/self/remat-optimizer/rank"), std::string::npos) << e;
+  s.nvme_path = "";
+  e = testing::error_of<ConfigError>([&] { train(s); });
+  EXPECT_NE(e.find("needs 'zero_optimization.offload_optimizer.nvme_path'"), std::string::npos) << e;
+
+  // Another job's lock on rank 0's folder (held here by this process).
+  s.nvme_path = path;
+  const fs::path rank0 = fs::path(path) / "remat-optimizer" / "rank0";
+  int fd = -1;
+  if (world()->rank() == 0) {
+    fs::create_directories(rank0);
+    fd = ::open((rank0 / "lock").c_str(), O_RDWR | O_CREAT, 0644);
+    ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);
+  }
+  world()->barrier()->wait();
+  // flock locks per open file description: the engine's own open is another,
+  // so it is refused as another process's would be.
+  e = testing::error_of<ConfigError>([&] { train(s); });
+  EXPECT_NE(e.find("is in use by another job: rank 0's folder '" + rank0.string() + "' is locked"),
+            std::string::npos) << e;
+  if (fd >= 0) ::close(fd);
+
+  // What a killed run left: removed under the lock, and the run trains.
+  if (world()->rank() == 0) std::ofstream(rank0 / "rank0.optimizer.crashed") << "stale state";
+  world()->barrier()->wait();
+  const TrainedRun run = train(s);
+  EXPECT_EQ(run.losses.size(), 1u);
+  EXPECT_FALSE(fs::exists(rank0 / "rank0.optimizer.crashed"));
+}
+
+}  // namespace
+}  // namespace remat

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# offload_optimizer.device "nvme" as remat-train runs it, at 2 ranks:
+# - a rank killed with kill -9 in the middle of an optimizer step (some
+#   sub-groups of its state file stepped, others not): the save before is
+#   intact, the next run resumes it, removes the files the killed run left
+#   (saying so) and trains the same losses, bitwise, as a run never stopped;
+# - the disk failing in a step (EIO, REMAT_FAULT_NVME_FAIL): the job stops
+#   with exit 1 naming the step and the file, and the last save resumes;
+# - nvme_path on tmpfs (memory, O_DIRECT or not by kernel version; a
+#   filesystem refusing it is runtime's async_io_test's, on a ramfs): the I/O
+#   mode said, losses bitwise as on a disk;
+# - a job's files are gone at its end.
+# Prints "[remat-test] N passed, M failed".
+set -uo pipefail
+train="$(realpath "$1")"
+run="$(realpath "$2")"
+tmp="${TEST_TMPDIR:-$(mktemp -d)}"
+export REMAT_COMM_TIMEOUT_S=60 REMAT_LOG_LEVEL=warn
+source "$(dirname "$0")/testlib.sh"
+
+small=(--set model.n_layer=2 --set model.seq_len=32 --set model.d_model=32 --set model.d_ff=64
+       --set train_micro_batch_size_per_gpu=4 --set train.eval_interval=0 --set train.sample_chars=0
+       --set zero_optimization.stage=2 --set zero_optimization.sub_group_size=8000
+       --set zero_optimization.offload_optimizer.device=nvme --set train.save_interval=2)
+nvme="$tmp/nvme"
+mkdir -p "$nvme"
+job() { "$run" -np 2 -- "$train" "${small[@]}" --steps 5 --set zero_optimization.offload_optimizer.nvme_path="$1" "${@:2}"; }
+losses() { python3 -c 'import json,sys; [print(json.loads(l)["step"], repr(json.loads(l)["loss"])) for l in open(sys.argv[1])]' "$1"; }
+state_files() { find "$nvme" -name '*.optimizer' | wc -l; }
+
+job "$nvme" --metrics "$tmp/ref.jsonl" >"$tmp/ref.log" 2>&1
+rc=$?
+if [[ $rc -eq 0 && $(state_files) -eq 0 && -f "$nvme/remat-optimizer/rank1/lock" ]]; then
+  pass "a run with the state on disk trains 5 steps and removes its files"
+else
+  fail "a run with the state on disk (exit $rc, $(state_files) files left)" "$(tail -20 "$tmp/ref.log")"
+fi
+
+# kill -9 in step 4, after the first sub-group of rank 1's file was written back.
+REMAT_FAULT_NVME_KILL=4 job "$nvme" --save-dir "$tmp/sv" >"$tmp/kill.log" 2>&1
+rc=$?
+left=$(state_files)
+job "$nvme" --save-dir "$tmp/sv" --resume "$tmp/sv" --metrics "$tmp/resumed.jsonl" >"$tmp/resumed.log" 2>&1
+rc2=$?
+removed=$(grep -c "offload_optimizer nvme: removed '.*\.optimizer' ([0-9]* bytes), left by a run that ended without cleaning up" "$tmp/resumed.log")
+if [[ $rc -ne 0 && $left -eq 2 && $rc2 -eq 0 && $removed -eq 2 && $(state_files) -eq 0 ]] &&
+    cmp -s <(losses "$tmp/ref.jsonl" | tail -3) <(losses "$tmp/resumed.jsonl"); then
+  pass "kill -9 mid-step: the step-2 save resumes, steps 3-5 bitwise as never stopped, the 2 killed files removed"
+else
+  fail "kill -9 mid-step (exit $rc, $left files left; resume exit $rc2, $removed removals said)" \
+    "$(tail -12 "$tmp/kill.log"; tail -12 "$tmp/resumed.log"; losses "$tmp/ref.jsonl"; losses "$tmp/resumed.jsonl")"
+fi
+
+# The disk fails in step 4: exit 1 naming the step and the file; the save of step 2 resumes.
+REMAT_FAULT_NVME_FAIL=4 job "$nvme" --save-dir "$tmp/sv2" >"$tmp/fail.log" 2>&1
+rc=$?
+job "$nvme" --save-dir "$tmp/sv2" --resume "$tmp/sv2" --metrics "$tmp/after_fail.jsonl" >"$tmp/after_fail.log" 2>&1
+rc2=$?
+if [[ $rc -eq 1 ]] && grep -q "NVMe optimizer state, step 4, sub-group 0 of [0-9]* (elements \[0, 8000)) in '$nvme/remat-optimizer/rank[01]/rank[01].optimizer': EIO" "$tmp/fail.log" &&
+    grep -q "the optimizer state on disk is no longer whole: check the disk under nvme_path, then resume from the last save" "$tmp/fail.log" &&
+    [[ $rc2 -eq 0 ]] && cmp -s <(losses "$tmp/ref.jsonl" | tail -3) <(losses "$tmp/after_fail.jsonl"); then
+  pass "the disk failing in step 4: exit 1 naming the step and the file; the step-2 save resumes bitwise"
+else
+  fail "the disk failing in step 4 (exit $rc, resume exit $rc2)" "$(grep -i "error" "$tmp/fail.log" | head -5; tail -5 "$tmp/after_fail.log")"
+fi
+
+# tmpfs: direct I/O where the kernel gives it (Linux 6.6 on), else buffered; said either way.
+shm=$(mktemp -d /dev/shm/remat_nvme_XXXXXX)
+REMAT_LOG_LEVEL=info job "$shm" --metrics "$tmp/shm.jsonl" >"$tmp/shm.log" 2>&1
+rc=$?
+mode=$(grep -oE "\((io_uring|libaio|threads), (direct|buffered) I/O\)" "$tmp/shm.log" | head -1)
+if [[ $rc -eq 0 && -n $mode ]] && cmp -s <(losses "$tmp/ref.jsonl") <(losses "$tmp/shm.jsonl"); then
+  pass "nvme_path on tmpfs: $mode said, 5 losses bitwise as on a disk"
+else
+  fail "nvme_path on tmpfs (exit $rc)" "$(grep -i "nvme\|direct\|error" "$tmp/shm.log" | head -8)"
+fi
+rm -rf "$shm"
+
+summary
