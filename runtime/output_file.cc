@@ -215,8 +215,8 @@ bool linked_inside(const std::string& out, const fs::path& folder, const std::ve
 }  // namespace
 
 const std::vector<std::string>& save_folder_entries() {
-  static const std::vector<std::string> entries{".lock",       "latest",      "latest.tmp",  "step_*",
-                                                ".staging_*",  ".replaced_*", ".probe_rank_*"};
+  static const std::vector<std::string> entries{".lock",       "latest",      "latest.tmp", "step_*",
+                                                ".staging_*",  ".replaced_*", ".removed_*", ".probe_rank_*"};
   return entries;
 }
 

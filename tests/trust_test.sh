@@ -102,6 +102,32 @@ else
     "$(cat "$tmp/later.log")"
 fi
 
+# 1d. --overwrite-saves killed while it removes the later saves: each goes
+#     out of sight in one rename before its files are removed, so a kill never
+#     leaves a step folder missing some of its files, and the next run removes
+#     the hidden rest (a folder half removed stands in for a kill inside one).
+rm -rf "$tmp/gone" && "${tiny[@]}" --steps 4 --set train.save_interval=1 --save-dir "$tmp/gone" >/dev/null 2>&1
+REMAT_FAULT_SAVE_PAUSE_MS=3000 "${tiny[@]}" --steps 1 --save-dir "$tmp/gone" --overwrite-saves >"$tmp/gone.log" 2>&1 &
+job=$!
+for _ in $(seq 1 900); do
+  grep -q "before '$tmp/gone/.removed_step_00000003'" "$tmp/gone.log" 2>/dev/null && break
+  kill -0 "$job" 2>/dev/null || break
+  sleep 0.1
+done
+kill -9 "$job" 2>/dev/null
+wait "$job" 2>/dev/null
+mkdir -p "$tmp/gone/.removed_step_00000009" && echo half >"$tmp/gone/.removed_step_00000009/rank_1.pt"
+whole=$(for d in "$tmp/gone"/step_*; do [[ -f $d/manifest.json && -f $d/rank_0.pt ]] || echo "${d##*/}"; done)
+out=$("${tiny[@]}" --steps 2 --resume "$tmp/gone" --save-dir "$tmp/gone" 2>&1); rc=$?
+left=$(ls -A "$tmp/gone" | grep -E '^\.(removed|staging|replaced)_' | tr '\n' ' ')
+if grep -q "before '$tmp/gone/.removed_step_00000003'" "$tmp/gone.log" && [[ -z "$whole" && $rc -eq 0 && -z "$left" &&
+   ! -e "$tmp/gone/step_00000004" && -e "$tmp/gone/step_00000003" ]]; then
+  pass "--overwrite-saves killed between two removals leaves whole step folders; the next run removes the hidden rest"
+else
+  fail "--overwrite-saves killed between two removals leaves whole step folders; the next run removes the hidden rest" \
+    "(partial: $whole; left: $left; exit $rc)" "$out" "$(ls -A "$tmp/gone")" "$(tail -3 "$tmp/gone.log")"
+fi
+
 # 2. Outputs on the run's inputs or inside its save folder are refused at
 #    start, and the inputs are left as they were.
 mkdir -p "$tmp/io"
