@@ -11,6 +11,7 @@
 #include <CLI/CLI.hpp>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -327,6 +328,18 @@ std::vector<RunInput> pretrained_inputs(const std::string& path) {
   return inputs;
 }
 
+// The folders the run writes in (--save-dir, a sharded --export) against
+// what it reads (`read`) lying in them.
+void check_output_folders(const TrainFlags& f, const std::vector<RunInput>& read) {
+  check_inputs_outside({"--save-dir", f.save_dir, save_folder_entries(),
+                        "where remat writes its lock, 'latest' and step folders, replacing or removing them as it "
+                        "saves"},
+                       read);
+  if (f.export_path.empty() || export_format(f.export_path) != ExportFormat::kSafetensorsShards) return;
+  check_inputs_outside({"--export", f.export_path, {}, "the folder the sharded export fills with its own files"},
+                       read);
+}
+
 // Every rank runs with the flags the others have (the engine compares the
 // configs), the paths as written; --plan-report needs the planner; what the
 // run writes is checked before anything trains.
@@ -384,6 +397,10 @@ void check_run_flags(const TrainFlags& f, const Config& config, Communicator& wo
         {"--resume", resume_root(f.resume_dir), true, "the save this run reads", save_folder_entries()}};
     for (RunInput& in : pretrained_inputs(f.pretrained)) inputs.push_back(std::move(in));
     check_outputs(f.metrics_path, f.memory_trace, f.export_path, f.plan_report, inputs);
+    std::vector<RunInput> read = inputs;  // what the run reads, not writes
+    read.erase(std::remove_if(read.begin(), read.end(), [](const RunInput& in) { return in.what == "--save-dir"; }),
+               read.end());
+    check_output_folders(f, read);
   }
 }
 

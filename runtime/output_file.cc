@@ -245,4 +245,20 @@ void check_outputs_spare_inputs(const std::vector<std::pair<std::string, std::st
   }
 }
 
+void check_inputs_outside(const OutputFolder& out, const std::vector<RunInput>& inputs) {
+  if (out.path.empty()) return;
+  const fs::path folder = resolved(out.path);
+  for (const RunInput& in : inputs) {
+    if (in.path.empty()) continue;
+    const fs::path path = resolved(in.path);
+    const bool inside = path != folder && within(path, folder, out.owned);
+    if (!inside && (in.folder || !linked_inside(in.path, folder, out.owned))) continue;
+    const std::string what = in.folder ? "folder" : "file";
+    throw ConfigError(str(in.what, " '", shown_path(in.path), "' ",
+                          inside ? "lies inside " : "is a hard link to a file inside ", out.flag, " '",
+                          shown_path(out.path), "', ", out.does, ", so the run would destroy the ", what,
+                          " it reads: move it out of that folder, or give ", out.flag, " another one"));
+  }
+}
+
 }  // namespace remat

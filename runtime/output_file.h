@@ -87,4 +87,20 @@ const std::vector<std::string>& save_folder_entries();
 void check_outputs_spare_inputs(const std::vector<std::pair<std::string, std::string>>& outputs,
                                 const std::vector<RunInput>& inputs);
 
+// A folder an output writes in (--save-dir, a sharded --export) and the
+// entries in it that its writer replaces or removes.
+struct OutputFolder {
+  std::string flag;                // "--save-dir"
+  std::string path;
+  std::vector<std::string> owned;  // as RunInput::owned; empty: every entry
+  std::string does;                // what it does to them, for the message
+};
+
+// The converse of check_outputs_spare_inputs: a ConfigError naming the
+// input, the output folder and what to change when one of `inputs` lies
+// strictly inside `out` in an entry it owns, or (a file) has a hard link
+// there, through `..` and symbolic links: writing the output would replace or
+// remove what the run reads. Empty paths are skipped.
+void check_inputs_outside(const OutputFolder& out, const std::vector<RunInput>& inputs);
+
 }  // namespace remat

@@ -143,6 +143,39 @@ TEST_F(OutputFileTest, OutputsOnTheRunsInputsOrInsideItsFoldersAreRefused) {
   EXPECT_NO_THROW(check_outputs_spare_inputs({{"--metrics", at("saves/latest_metrics.jsonl")}}, saves));
 }
 
+// What the run reads lying where an output folder writes: in the entries it
+// owns (or, a file, hard-linked there), through symbolic links; beside them,
+// or the folder itself, is left to the other checks.
+TEST_F(OutputFileTest, InputsInsideAnOutputFoldersEntriesAreRefused) {
+  fs::create_directories(dir_ / "saves" / "step_00000002");
+  fs::create_directory_symlink(dir_ / "saves", at("saves_link"));
+  std::ofstream(at("saves/.lock")) << "{}";
+  std::ofstream(at("saves/step_00000002/cfg.json")) << "{}";
+  std::ofstream(at("saves/corpus.txt")) << "text";
+  std::ofstream(at("mine.json")) << "{}";
+  const OutputFolder saves{"--save-dir", at("saves"), save_folder_entries(), "where remat writes its saves"};
+  auto refusal_of = [&](const RunInput& in) { return error_of<ConfigError>([&] { check_inputs_outside(saves, {in}); }); };
+  EXPECT_THAT(refusal_of({"--config", at("saves/.lock")}),
+              HasSubstr("--config '" + at("saves/.lock") + "' lies inside --save-dir '" + at("saves") +
+                        "', where remat writes its saves, so the run would destroy the file it reads: move it out "
+                        "of that folder, or give --save-dir another one"));
+  EXPECT_THAT(refusal_of({"data.path", at("saves_link/step_00000002/cfg.json")}), HasSubstr("lies inside --save-dir"));
+  EXPECT_THAT(refusal_of({"--resume", at("saves/step_00000002/inner"), true}), HasSubstr("the folder it reads"));
+  fs::create_hard_link(at("mine.json"), at("saves/latest"));
+  EXPECT_THAT(refusal_of({"--config", at("mine.json")}),
+              HasSubstr("--config '" + at("mine.json") + "' is a hard link to a file inside --save-dir"));
+  EXPECT_NO_THROW(check_inputs_outside(saves, {{"data.path", at("saves/corpus.txt")},
+                                               {"--resume", at("saves"), true},
+                                               {"--pretrained", ""}}));
+  EXPECT_NO_THROW(check_inputs_outside({"--save-dir", "", {}, ""}, {{"--config", at("saves/.lock")}}));
+  // Every entry of a folder that owns them all (a sharded export's).
+  EXPECT_THAT(error_of<ConfigError>([&] {
+                check_inputs_outside({"--export", at("saves/"), {}, "the export's folder"},
+                                     {{"data.path", at("saves/corpus.txt")}});
+              }),
+              HasSubstr("data.path '" + at("saves/corpus.txt") + "' lies inside --export"));
+}
+
 TEST_F(OutputFileTest, TheNextWriterRemovesTemporariesNoWriterHolds) {
   const std::string out = at("model.pt");
   std::ofstream(out + ".remat-tmp.Ab12Cd") << "left by a killed export";

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # remat-train and remat-run against a hostile user's fifth round: a save
 # killed at each of its write steps while it replaces another run's save of
-# the same step, outputs named on the run's own inputs or inside its save
-# folder, one --save-dir spelling that names a different folder per rank,
+# the same step, --overwrite-saves killed while it removes saves, outputs
+# named on the run's own inputs or inside its save folder, inputs lying where
+# the save folder or a sharded export writes, one --save-dir spelling that names a different folder per rank,
 # stale temporary files, a frozen rank, NaN weights at the sample, and the
 # messages of bad flags. Each case ends as stated: nothing lost, a clear
 # error and a nonzero exit, never a hang.
@@ -170,6 +171,39 @@ if cmp -s "$tmp/io/cfg.json" "$tmp/io/cfg.orig" && cmp -s "$tmp/io/corpus.txt" "
   pass "the inputs and the save are as they were, and no folder was made for the refused run"
 else
   fail "the inputs and the save are as they were, and no folder was made for the refused run" "$(ls -A "$tmp/sv" "$tmp")"
+fi
+# 2b. What the run reads lying where its output folders write: the save
+#     folder's lock, `latest` and step folders (the lock is rewritten in place,
+#     `latest` and step folders replaced or removed), and a sharded export's
+#     folder (its index and shards replaced). Refused at start, the input kept.
+rm -rf "$tmp/in_sv" && mkdir -p "$tmp/in_sv" && cp "$tmp/io/cfg.json" "$tmp/in_sv/.lock"
+expect "--config on the lock file of --save-dir is refused" \
+  "--config '$tmp/in_sv/.lock' lies inside --save-dir '$tmp/in_sv', where remat writes its lock" \
+  "${tiny[@]}" --steps 1 --config "$tmp/in_sv/.lock" --save-dir "$tmp/in_sv"
+rm -rf "$tmp/in_sv2" && mkdir -p "$tmp/in_sv2" && cp "$tmp/io/corpus.txt" "$tmp/in_sv2/latest"
+expect "data.path on --save-dir's latest is refused (--overwrite-saves)" \
+  "data.path '$tmp/in_sv2/latest' lies inside --save-dir '$tmp/in_sv2'" \
+  "${tiny[@]}" --steps 1 --set data.path="$tmp/in_sv2/latest" --save-dir "$tmp/in_sv2" --overwrite-saves
+rm -rf "$tmp/in_sv3" && cp -a "$tmp/sv" "$tmp/in_sv3" && cp "$tmp/io/cfg.json" "$tmp/in_sv3/step_00000002/my.json"
+expect "--config inside a step folder --overwrite-saves removes is refused" \
+  "--config '$tmp/in_sv3/step_00000002/my.json' lies inside --save-dir '$tmp/in_sv3'" \
+  "${tiny[@]}" --steps 1 --config "$tmp/in_sv3/step_00000002/my.json" --save-dir "$tmp/in_sv3" --overwrite-saves
+rm -rf "$tmp/in_sv4" && mkdir -p "$tmp/in_sv4" && ln -f "$tmp/io/cfg.json" "$tmp/in_sv4/.lock"
+expect "--config hard-linked as --save-dir's lock is refused" \
+  "--config '$tmp/io/cfg.json' is a hard link to a file inside --save-dir '$tmp/in_sv4'" \
+  "${tiny[@]}" --steps 1 --config "$tmp/io/cfg.json" --save-dir "$tmp/in_sv4"
+rm -f "$tmp/in_sv4/.lock"
+rm -rf "$tmp/in_ex" && "${tiny[@]}" --steps 1 --export "$tmp/in_ex/" >/dev/null 2>&1
+cp -a "$tmp/in_ex" "$tmp/in_ex.orig"
+expect "--pretrained's index inside the sharded --export folder is refused" \
+  "--pretrained '$tmp/in_ex/model.safetensors.index.json' lies inside --export '$tmp/in_ex/', the folder the sharded export fills" \
+  "${tiny[@]}" --steps 1 --pretrained "$tmp/in_ex/model.safetensors.index.json" --export "$tmp/in_ex/"
+if cmp -s "$tmp/in_sv/.lock" "$tmp/io/cfg.json" && cmp -s "$tmp/in_sv2/latest" "$tmp/io/corpus.txt" &&
+   cmp -s "$tmp/in_sv3/step_00000002/my.json" "$tmp/io/cfg.json" && cmp -s "$tmp/io/cfg.json" "$tmp/io/cfg.orig" &&
+   diff -r "$tmp/in_ex" "$tmp/in_ex.orig" >/dev/null && [[ -e "$tmp/in_sv3/step_00000005" ]]; then
+  pass "the inputs in the output folders are as they were"
+else
+  fail "the inputs in the output folders are as they were" "$(ls -AR "$tmp/in_sv" "$tmp/in_sv2" "$tmp/in_sv3" "$tmp/in_ex")"
 fi
 # The plot script beside the trace: the user's file of that name is refused, remat's own replaced.
 echo "print('mine')" >"$tmp/io/t.plot.py"
