@@ -329,7 +329,8 @@ std::vector<RunInput> pretrained_inputs(const std::string& path) {
 }
 
 // The folders the run writes in (--save-dir, a sharded --export) against
-// what it reads (`read`) lying in them.
+// what it reads (`read`) lying in them, and a sharded export's folder
+// against the run's other outputs: the export takes only its own files there.
 void check_output_folders(const TrainFlags& f, const std::vector<RunInput>& read) {
   check_inputs_outside({"--save-dir", f.save_dir, save_folder_entries(),
                         "where remat writes its lock, 'latest' and step folders, replacing or removing them as it "
@@ -338,6 +339,11 @@ void check_output_folders(const TrainFlags& f, const std::vector<RunInput>& read
   if (f.export_path.empty() || export_format(f.export_path) != ExportFormat::kSafetensorsShards) return;
   check_inputs_outside({"--export", f.export_path, {}, "the folder the sharded export fills with its own files"},
                        read);
+  auto others = output_files(f.metrics_path, f.memory_trace, "", f.plan_report);
+  others.push_back({"--save-dir", f.save_dir});
+  check_outputs_spare_inputs(others, {{"--export", f.export_path, true, "the sharded export's folder", {},
+                                       "where the export, finding a file not its own, would be refused after "
+                                       "training"}});
 }
 
 // Every rank runs with the flags the others have (the engine compares the

@@ -239,7 +239,7 @@ void check_outputs_spare_inputs(const std::vector<std::pair<std::string, std::st
       }
       throw ConfigError(str(shown, same ? " is " : linked ? " is a hard link to a file inside " : " lies inside ",
                             in.what, " '", shown_path(in.path), "', ",
-                            in.role, ", so writing it would damage them: give ", flag,
+                            in.role, ", ", in.harm, ": give ", flag,
                             " a path outside that folder"));
     }
   }

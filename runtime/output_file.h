@@ -73,6 +73,8 @@ struct RunInput {
   bool folder = false;
   std::string role = "which this run reads";  // of a folder: what it holds, for the message
   std::vector<std::string> owned;             // of a folder: its protected entries; empty: every one
+  // What writing into it would do, for the message.
+  std::string harm = "so writing it would damage them";
 };
 
 // The entries of a save folder remat owns (its lock, `latest`, step folders

@@ -141,6 +141,13 @@ TEST_F(OutputFileTest, OutputsOnTheRunsInputsOrInsideItsFoldersAreRefused) {
   EXPECT_THAT(error_of<ConfigError>([&] { check_outputs_spare_inputs({{"--metrics", at("linked_rank.pt")}}, saves); }),
               HasSubstr("--metrics '" + at("linked_rank.pt") + "' is a hard link to a file inside --save-dir"));
   EXPECT_NO_THROW(check_outputs_spare_inputs({{"--metrics", at("saves/latest_metrics.jsonl")}}, saves));
+  // A folder's own consequence in the message.
+  EXPECT_THAT(error_of<ConfigError>([&] {
+                check_outputs_spare_inputs({{"--metrics", at("ex/m.jsonl")}},
+                                           {{"--export", at("ex/"), true, "the export's folder", {}, "so it fails"}});
+              }),
+              HasSubstr("--metrics '" + at("ex/m.jsonl") + "' lies inside --export '" + at("ex/") +
+                        "', the export's folder, so it fails: give --metrics a path outside that folder"));
 }
 
 // What the run reads lying where an output folder writes: in the entries it

@@ -198,9 +198,13 @@ cp -a "$tmp/in_ex" "$tmp/in_ex.orig"
 expect "--pretrained's index inside the sharded --export folder is refused" \
   "--pretrained '$tmp/in_ex/model.safetensors.index.json' lies inside --export '$tmp/in_ex/', the folder the sharded export fills" \
   "${tiny[@]}" --steps 1 --pretrained "$tmp/in_ex/model.safetensors.index.json" --export "$tmp/in_ex/"
+rm -rf "$tmp/ex_m" && mkdir "$tmp/ex_m"
+expect "--metrics inside the sharded --export folder is refused at start, not after training" \
+  "--metrics '$tmp/ex_m/m.jsonl' lies inside --export '$tmp/ex_m/', the sharded export's folder" \
+  "${tiny[@]}" --steps 1 --metrics "$tmp/ex_m/m.jsonl" --export "$tmp/ex_m/"
 if cmp -s "$tmp/in_sv/.lock" "$tmp/io/cfg.json" && cmp -s "$tmp/in_sv2/latest" "$tmp/io/corpus.txt" &&
    cmp -s "$tmp/in_sv3/step_00000002/my.json" "$tmp/io/cfg.json" && cmp -s "$tmp/io/cfg.json" "$tmp/io/cfg.orig" &&
-   diff -r "$tmp/in_ex" "$tmp/in_ex.orig" >/dev/null && [[ -e "$tmp/in_sv3/step_00000005" ]]; then
+   diff -r "$tmp/in_ex" "$tmp/in_ex.orig" >/dev/null && [[ -e "$tmp/in_sv3/step_00000005" && -z "$(ls -A "$tmp/ex_m")" ]]; then
   pass "the inputs in the output folders are as they were"
 else
   fail "the inputs in the output folders are as they were" "$(ls -AR "$tmp/in_sv" "$tmp/in_sv2" "$tmp/in_sv3" "$tmp/in_ex")"
