@@ -3,7 +3,8 @@
 # killed at each of its write steps while it replaces another run's save of
 # the same step, --overwrite-saves killed while it removes saves, outputs
 # named on the run's own inputs or inside its save folder, inputs lying where
-# the save folder or a sharded export writes, one --save-dir spelling that names a different folder per rank,
+# the save folder or a sharded export writes, a key set twice on the command
+# line, one --save-dir spelling that names a different folder per rank,
 # stale temporary files, a frozen rank, NaN weights at the sample, and the
 # messages of bad flags. Each case ends as stated: nothing lost, a clear
 # error and a nonzero exit, never a hang.
@@ -268,6 +269,16 @@ for spec in CPU:cpu gpu:cuda Cuda:cuda; do
     "${tiny[@]}" --steps 1 --device "${spec%%:*}"
 done
 
+# 5b. One key set twice on the command line with different values: the last
+#     is used and said to be (the flag --steps comes after every --set).
+out=$(REMAT_LOG_LEVEL=warn "${tiny[@]}" --set train.steps=3 --steps 1 --set train.steps=2 --seed 5 --set train.seed=5 2>&1); rc=$?
+if [[ $rc -eq 0 ]] && grep -qF "train.steps is given 3 times with different values (--set train.steps=3, --set train.steps=2, --steps 1): the last, --steps 1, is used" <<<"$out" &&
+   ! grep -qF "train.seed is given" <<<"$out"; then
+  pass "a key set twice with different values says which is used (and the same value twice says nothing)"
+else
+  fail "a key set twice with different values says which is used (and the same value twice says nothing) (exit $rc)" "$out"
+fi
+
 # 6. A value of megabytes is cut in the error, its ends kept: a data.path of
 #    1 MB in a config file, and a 100 kB --save-dir (an argument's limit).
 python3 -c 'import json; print(json.dumps({"data": {"path": "/nowhere/" + "x" * 1000000}}))' >"$tmp/io/long.json"
@@ -311,7 +322,7 @@ grep -qF "removed 1 save(s) of an earlier run from '$tmp/ow'" <<<"$out" &&
 # 9. A model whose weights are not finite: the sample at the end is a clear
 #    error naming why, with no stack trace.
 expect_all "a sample from NaN weights is a clear error" "the end-of-run sample cannot be drawn" \
-  "train.sample_chars=0" -- "${tiny[@]}" --steps 2 --set train.sample_chars=20 \
+  "set train.sample_chars=0 to skip the sample" -- "${tiny[@]}" --steps 2 --set train.sample_chars=20 \
   --set optimizer.params.lr=1e30 --set scheduler.type=none --set gradient_clipping=0 --set train.on_nonfinite=skip
 out=$(timeout 120 "${tiny[@]}" --steps 2 --set train.sample_chars=20 --set optimizer.params.lr=1e30 \
       --set scheduler.type=none --set gradient_clipping=0 --set train.on_nonfinite=skip 2>&1)
