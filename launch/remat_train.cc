@@ -11,6 +11,7 @@
 #include <CLI/CLI.hpp>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -18,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <optional>
 #include <regex>
 #include <set>
@@ -167,10 +169,6 @@ void check_outputs(const std::string& metrics, const std::string& trace, const s
   std::vector<std::pair<std::string, std::string>> named = files;
   named.push_back({"--plan-report", plan_report});
   check_outputs_spare_inputs(named, inputs);
-  if (!export_path.empty() && export_format(export_path) == ExportFormat::kSafetensorsShards) {
-    check_output_folder_spares_inputs("--export", export_path, inputs);
-    check_outputs_outside_folder("--export", export_path, named);
-  }
   if (!metrics.empty()) check_output_file({"--metrics", metrics, "metrics.jsonl"});
   if (!export_path.empty()) check_export_path(export_path);
   if (!trace.empty()) {
@@ -247,6 +245,7 @@ struct TrainFlags {
   std::optional<std::string> export_shard_size;  // default 50GB (ExportOptions::max_shard_bytes)
   std::string backend = "auto";
   std::vector<std::string> overrides;
+  size_t typed_overrides = 0;  // the --set ones, before those --steps, --seed and --device add
   std::optional<std::string> steps, seed, device, samples;
   bool overwrite_saves = false, print_config = false;
 };
@@ -293,6 +292,7 @@ void add_flags(CLI::App& app, TrainFlags& f) {
 // The configuration the flags give: the file or the embedded one, with the
 // overrides and the flags that are overrides (validated the same way).
 Config load_train_config(TrainFlags& f) {
+  f.typed_overrides = f.overrides.size();
   if (f.steps) f.overrides.push_back("train.steps=" + *f.steps);
   if (f.seed) f.overrides.push_back("train.seed=" + *f.seed);
   if (f.device) {
@@ -307,6 +307,37 @@ Config load_train_config(TrainFlags& f) {
     throw ConfigError("--overwrite-saves without --save-dir: give the --save-dir whose saves this run may replace");
   }
   return config;
+}
+
+// One line for each key the command line sets more than once with different
+// values (--set twice, or --set and the flag that is its override): the last
+// is used, and said to be, so that no value changes without a word.
+std::vector<std::string> repeated_settings(const TrainFlags& f) {
+  std::map<std::string, std::vector<size_t>> by_key;  // key -> the overrides setting it, in order
+  std::vector<std::string> keys;
+  for (size_t i = 0; i < f.overrides.size(); ++i) {
+    const std::string key = f.overrides[i].substr(0, f.overrides[i].find('='));
+    if (by_key[key].empty()) keys.push_back(key);
+    by_key[key].push_back(i);
+  }
+  auto value_of = [&](size_t i) { return f.overrides[i].substr(f.overrides[i].find('=') + 1); };
+  auto source = [&](size_t i) {
+    if (i < f.typed_overrides) return "--set " + shown_path(f.overrides[i]);
+    const std::string key = f.overrides[i].substr(0, f.overrides[i].find('='));  // train.steps -> --steps
+    return str("--", key.substr(key.find('.') + 1), " ", shown_path(value_of(i)));
+  };
+  std::vector<std::string> lines;
+  for (const std::string& key : keys) {
+    const std::vector<size_t>& given = by_key[key];
+    std::set<std::string> values;
+    for (size_t i : given) values.insert(value_of(i));
+    if (values.size() < 2) continue;
+    std::string listed;
+    for (size_t j = 0; j < given.size(); ++j) listed += (j == 0 ? "" : ", ") + source(given[j]);
+    lines.push_back(str(shown_path(key), " is given ", given.size(), " times with different values (", listed,
+                        "): the last, ", source(given.back()), ", is used"));
+  }
+  return lines;
 }
 
 // The files --pretrained reads, which no output may be: the file; an index
@@ -331,6 +362,24 @@ std::vector<RunInput> pretrained_inputs(const std::string& path) {
   return inputs;
 }
 
+// The folders the run writes in (--save-dir, a sharded --export) against
+// what it reads (`read`) lying in them, and a sharded export's folder
+// against the run's other outputs: the export takes only its own files there.
+void check_output_folders(const TrainFlags& f, const std::vector<RunInput>& read) {
+  check_inputs_outside({"--save-dir", f.save_dir, save_folder_entries(),
+                        "where remat writes its lock, 'latest' and step folders, replacing or removing them as it "
+                        "saves"},
+                       read);
+  if (f.export_path.empty() || export_format(f.export_path) != ExportFormat::kSafetensorsShards) return;
+  check_inputs_outside({"--export", f.export_path, {}, "the folder the sharded export fills with its own files"},
+                       read);
+  auto others = output_files(f.metrics_path, f.memory_trace, "", f.plan_report);
+  others.push_back({"--save-dir", f.save_dir});
+  check_outputs_spare_inputs(others, {{"--export", f.export_path, true, "the sharded export's folder", {},
+                                       "where the export, finding a file not its own, would be refused after "
+                                       "training"}});
+}
+
 // Every rank runs with the flags the others have (the engine compares the
 // configs), the paths as written; --plan-report needs the planner; what the
 // run writes is checked before anything trains.
@@ -347,6 +396,7 @@ void check_run_flags(const TrainFlags& f, const Config& config, Communicator& wo
   }
   require_same_settings(world, flags, "flags (paths are compared as written, so one folder spelled two ways "
                                       "differs: spell each path the same on every rank)");
+  for (const std::string& line : repeated_settings(f)) log_rank0().warn("{}", line);
   if (!f.pretrained.empty() && !f.resume_dir.empty()) {
     throw ConfigError("--pretrained with --resume: a save holds its weights already. Fine-tune from --pretrained "
                       "once, then --resume that run's saves");
@@ -388,6 +438,10 @@ void check_run_flags(const TrainFlags& f, const Config& config, Communicator& wo
         {"--resume", resume_root(f.resume_dir), true, "the save this run reads", save_folder_entries()}};
     for (RunInput& in : pretrained_inputs(f.pretrained)) inputs.push_back(std::move(in));
     check_outputs(f.metrics_path, f.memory_trace, f.export_path, f.plan_report, inputs);
+    std::vector<RunInput> read = inputs;  // what the run reads, not writes
+    read.erase(std::remove_if(read.begin(), read.end(), [](const RunInput& in) { return in.what == "--save-dir"; }),
+               read.end());
+    check_output_folders(f, read);
   }
 }
 

@@ -215,8 +215,8 @@ bool linked_inside(const std::string& out, const fs::path& folder, const std::ve
 }  // namespace
 
 const std::vector<std::string>& save_folder_entries() {
-  static const std::vector<std::string> entries{".lock",       "latest",      "latest.tmp",  "step_*",
-                                                ".staging_*",  ".replaced_*", ".probe_rank_*"};
+  static const std::vector<std::string> entries{".lock",       "latest",      "latest.tmp", "step_*",
+                                                ".staging_*",  ".replaced_*", ".removed_*", ".probe_rank_*"};
   return entries;
 }
 
@@ -239,35 +239,25 @@ void check_outputs_spare_inputs(const std::vector<std::pair<std::string, std::st
       }
       throw ConfigError(str(shown, same ? " is " : linked ? " is a hard link to a file inside " : " lies inside ",
                             in.what, " '", shown_path(in.path), "', ",
-                            in.role, ", so writing it would damage them: give ", flag,
+                            in.role, ", ", in.harm, ": give ", flag,
                             " a path outside that folder"));
     }
   }
 }
 
-void check_output_folder_spares_inputs(const std::string& flag, const std::string& folder,
-                                       const std::vector<RunInput>& inputs) {
-  if (folder.empty()) return;
-  const fs::path out = resolved(folder);
+void check_inputs_outside(const OutputFolder& out, const std::vector<RunInput>& inputs) {
+  if (out.path.empty()) return;
+  const fs::path folder = resolved(out.path);
   for (const RunInput& in : inputs) {
-    if (in.path.empty() || !within(resolved(in.path), out, {})) continue;
-    throw ConfigError(str(flag, " '", shown_path(folder), "' is a folder whose files the export replaces, and ",
-                          in.what, " '", shown_path(in.path), "' lies inside it, so writing it would ",
-                          in.folder ? "damage" : "destroy", " an input: give ", flag,
-                          " a folder that holds none of this run's inputs"));
-  }
-}
-
-void check_outputs_outside_folder(const std::string& flag, const std::string& folder,
-                                  const std::vector<std::pair<std::string, std::string>>& outputs) {
-  if (folder.empty()) return;
-  const fs::path out = resolved(folder);
-  for (const auto& [other, path] : outputs) {
-    if (path.empty() || other == flag || !within(resolved(path), out, {})) continue;
-    throw ConfigError(str(other, " '", shown_path(path), "' lies inside ", flag, " '", shown_path(folder),
-                          "', a folder that holds the export's shards and index alone, so the export would refuse "
-                          "it after training: give ", other, " a path outside that folder, or ", flag,
-                          " another folder"));
+    if (in.path.empty()) continue;
+    const fs::path path = resolved(in.path);
+    const bool inside = path != folder && within(path, folder, out.owned);
+    if (!inside && (in.folder || !linked_inside(in.path, folder, out.owned))) continue;
+    const std::string what = in.folder ? "folder" : "file";
+    throw ConfigError(str(in.what, " '", shown_path(in.path), "' ",
+                          inside ? "lies inside " : "is a hard link to a file inside ", out.flag, " '",
+                          shown_path(out.path), "', ", out.does, ", so the run would destroy the ", what,
+                          " it reads: move it out of that folder, or give ", out.flag, " another one"));
   }
 }
 

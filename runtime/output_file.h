@@ -73,6 +73,8 @@ struct RunInput {
   bool folder = false;
   std::string role = "which this run reads";  // of a folder: what it holds, for the message
   std::vector<std::string> owned;             // of a folder: its protected entries; empty: every one
+  // What writing into it would do, for the message.
+  std::string harm = "so writing it would damage them";
 };
 
 // The entries of a save folder remat owns (its lock, `latest`, step folders
@@ -87,20 +89,20 @@ const std::vector<std::string>& save_folder_entries();
 void check_outputs_spare_inputs(const std::vector<std::pair<std::string, std::string>>& outputs,
                                 const std::vector<RunInput>& inputs);
 
-// A ConfigError naming `flag` and the input when `folder` is an output folder
-// whose files the output replaces (a sharded --export: the shards and the
-// index of an earlier export there) and one of `inputs` lies inside it: a
-// --pretrained index and its shards, a --save-dir, a --config. The check
-// above compares each output with the inputs; this one compares the inputs
-// with a folder output. An empty `folder` is skipped.
-void check_output_folder_spares_inputs(const std::string& flag, const std::string& folder,
-                                       const std::vector<RunInput>& inputs);
+// A folder an output writes in (--save-dir, a sharded --export) and the
+// entries in it that its writer replaces or removes.
+struct OutputFolder {
+  std::string flag;                // "--save-dir"
+  std::string path;
+  std::vector<std::string> owned;  // as RunInput::owned; empty: every entry
+  std::string does;                // what it does to them, for the message
+};
 
-// A ConfigError naming both flags when one of `outputs` (flag, path) lies
-// inside `folder`, the folder a sharded `flag` (--export) fills with its
-// shards and index alone: a file written there during the run would make the
-// export refuse the folder after training. Empty paths are skipped.
-void check_outputs_outside_folder(const std::string& flag, const std::string& folder,
-                                  const std::vector<std::pair<std::string, std::string>>& outputs);
+// The converse of check_outputs_spare_inputs: a ConfigError naming the
+// input, the output folder and what to change when one of `inputs` lies
+// strictly inside `out` in an entry it owns, or (a file) has a hard link
+// there, through `..` and symbolic links: writing the output would replace or
+// remove what the run reads. Empty paths are skipped.
+void check_inputs_outside(const OutputFolder& out, const std::vector<RunInput>& inputs);
 
 }  // namespace remat

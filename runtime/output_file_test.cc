@@ -141,45 +141,46 @@ TEST_F(OutputFileTest, OutputsOnTheRunsInputsOrInsideItsFoldersAreRefused) {
   EXPECT_THAT(error_of<ConfigError>([&] { check_outputs_spare_inputs({{"--metrics", at("linked_rank.pt")}}, saves); }),
               HasSubstr("--metrics '" + at("linked_rank.pt") + "' is a hard link to a file inside --save-dir"));
   EXPECT_NO_THROW(check_outputs_spare_inputs({{"--metrics", at("saves/latest_metrics.jsonl")}}, saves));
-}
-
-// A folder output (a sharded --export, which replaces an earlier export's
-// shards and index there) that holds an input: the --pretrained index given
-// as a file (its folder is the export's), a --save-dir made inside it.
-TEST_F(OutputFileTest, AFolderOutputHoldingAnInputIsRefused) {
-  fs::create_directories(dir_ / "weights");
-  std::ofstream(at("weights/model.safetensors.index.json")) << "{}";
-  std::ofstream(at("weights/model-00001-of-00001.safetensors")) << "shard";
-  const std::vector<RunInput> inputs{{"--pretrained", at("weights/model.safetensors.index.json")},
-                                     {"--pretrained", at("weights/model-00001-of-00001.safetensors")},
-                                     {"--save-dir", at("out/saves"), true, "which holds saves"}};
-  EXPECT_THAT(error_of<ConfigError>([&] { check_output_folder_spares_inputs("--export", at("weights/"), inputs); }),
-              HasSubstr("--export '" + at("weights/") + "' is a folder whose files the export replaces, and "
-                        "--pretrained '" + at("weights/model.safetensors.index.json") + "' lies inside it, so "
-                        "writing it would destroy an input: give --export a folder that holds none of this run's "
-                        "inputs"));
-  EXPECT_THAT(error_of<ConfigError>([&] { check_output_folder_spares_inputs("--export", at("out"), inputs); }),
-              HasSubstr("--save-dir '" + at("out/saves") + "' lies inside it, so writing it would damage an input"));
-  EXPECT_NO_THROW(check_output_folder_spares_inputs("--export", at("export/"), inputs));
-  EXPECT_NO_THROW(check_output_folder_spares_inputs("--export", at("out/saves/model/"), inputs));
-  EXPECT_NO_THROW(check_output_folder_spares_inputs("--export", "", inputs));
-}
-
-// The other outputs inside a sharded --export's folder: written during the
-// run, they made the export refuse the folder after training.
-TEST_F(OutputFileTest, OutputsInsideAFolderExportAreRefused) {
-  const std::vector<std::pair<std::string, std::string>> outputs{
-      {"--export", at("out/")}, {"--metrics", at("out/m.jsonl")}, {"the plot of --memory-trace", at("t.png")}};
-  EXPECT_THAT(error_of<ConfigError>([&] { check_outputs_outside_folder("--export", at("out/"), outputs); }),
-              HasSubstr("--metrics '" + at("out/m.jsonl") + "' lies inside --export '" + at("out/") +
-                        "', a folder that holds the export's shards and index alone, so the export would refuse it "
-                        "after training: give --metrics a path outside that folder, or --export another folder"));
+  // A folder's own consequence in the message.
   EXPECT_THAT(error_of<ConfigError>([&] {
-                check_outputs_outside_folder("--export", at("."), {{"the plot of --memory-trace", at("t.png")}});
+                check_outputs_spare_inputs({{"--metrics", at("ex/m.jsonl")}},
+                                           {{"--export", at("ex/"), true, "the export's folder", {}, "so it fails"}});
               }),
-              HasSubstr("the plot of --memory-trace '" + at("t.png") + "' lies inside --export"));
-  EXPECT_NO_THROW(check_outputs_outside_folder("--export", at("other/"), outputs));
-  EXPECT_NO_THROW(check_outputs_outside_folder("--export", "", outputs));
+              HasSubstr("--metrics '" + at("ex/m.jsonl") + "' lies inside --export '" + at("ex/") +
+                        "', the export's folder, so it fails: give --metrics a path outside that folder"));
+}
+
+// What the run reads lying where an output folder writes: in the entries it
+// owns (or, a file, hard-linked there), through symbolic links; beside them,
+// or the folder itself, is left to the other checks.
+TEST_F(OutputFileTest, InputsInsideAnOutputFoldersEntriesAreRefused) {
+  fs::create_directories(dir_ / "saves" / "step_00000002");
+  fs::create_directory_symlink(dir_ / "saves", at("saves_link"));
+  std::ofstream(at("saves/.lock")) << "{}";
+  std::ofstream(at("saves/step_00000002/cfg.json")) << "{}";
+  std::ofstream(at("saves/corpus.txt")) << "text";
+  std::ofstream(at("mine.json")) << "{}";
+  const OutputFolder saves{"--save-dir", at("saves"), save_folder_entries(), "where remat writes its saves"};
+  auto refusal_of = [&](const RunInput& in) { return error_of<ConfigError>([&] { check_inputs_outside(saves, {in}); }); };
+  EXPECT_THAT(refusal_of({"--config", at("saves/.lock")}),
+              HasSubstr("--config '" + at("saves/.lock") + "' lies inside --save-dir '" + at("saves") +
+                        "', where remat writes its saves, so the run would destroy the file it reads: move it out "
+                        "of that folder, or give --save-dir another one"));
+  EXPECT_THAT(refusal_of({"data.path", at("saves_link/step_00000002/cfg.json")}), HasSubstr("lies inside --save-dir"));
+  EXPECT_THAT(refusal_of({"--resume", at("saves/step_00000002/inner"), true}), HasSubstr("the folder it reads"));
+  fs::create_hard_link(at("mine.json"), at("saves/latest"));
+  EXPECT_THAT(refusal_of({"--config", at("mine.json")}),
+              HasSubstr("--config '" + at("mine.json") + "' is a hard link to a file inside --save-dir"));
+  EXPECT_NO_THROW(check_inputs_outside(saves, {{"data.path", at("saves/corpus.txt")},
+                                               {"--resume", at("saves"), true},
+                                               {"--pretrained", ""}}));
+  EXPECT_NO_THROW(check_inputs_outside({"--save-dir", "", {}, ""}, {{"--config", at("saves/.lock")}}));
+  // Every entry of a folder that owns them all (a sharded export's).
+  EXPECT_THAT(error_of<ConfigError>([&] {
+                check_inputs_outside({"--export", at("saves/"), {}, "the export's folder"},
+                                     {{"data.path", at("saves/corpus.txt")}});
+              }),
+              HasSubstr("data.path '" + at("saves/corpus.txt") + "' lies inside --export"));
 }
 
 TEST_F(OutputFileTest, TheNextWriterRemovesTemporariesNoWriterHolds) {

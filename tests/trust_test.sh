@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # remat-train and remat-run against a hostile user's fifth round: a save
 # killed at each of its write steps while it replaces another run's save of
-# the same step, outputs named on the run's own inputs or inside its save
-# folder (or, for a folder --export, inside the export's folder), one
-# --save-dir spelling that names a different folder per rank,
+# the same step, --overwrite-saves killed while it removes saves, outputs
+# named on the run's own inputs or inside its save folder, inputs lying where
+# the save folder or a sharded export writes, a key set twice on the command
+# line, one --save-dir spelling that names a different folder per rank,
 # stale temporary files, a frozen rank, NaN weights at the sample, and the
 # messages of bad flags. Each case ends as stated: nothing lost, a clear
 # error and a nonzero exit, never a hang.
@@ -103,6 +104,32 @@ else
     "$(cat "$tmp/later.log")"
 fi
 
+# 1d. --overwrite-saves killed while it removes the later saves: each goes
+#     out of sight in one rename before its files are removed, so a kill never
+#     leaves a step folder missing some of its files, and the next run removes
+#     the hidden rest (a folder half removed stands in for a kill inside one).
+rm -rf "$tmp/gone" && "${tiny[@]}" --steps 4 --set train.save_interval=1 --save-dir "$tmp/gone" >/dev/null 2>&1
+REMAT_FAULT_SAVE_PAUSE_MS=3000 "${tiny[@]}" --steps 1 --save-dir "$tmp/gone" --overwrite-saves >"$tmp/gone.log" 2>&1 &
+job=$!
+for _ in $(seq 1 900); do
+  grep -q "before '$tmp/gone/.removed_step_00000003'" "$tmp/gone.log" 2>/dev/null && break
+  kill -0 "$job" 2>/dev/null || break
+  sleep 0.1
+done
+kill -9 "$job" 2>/dev/null
+wait "$job" 2>/dev/null
+mkdir -p "$tmp/gone/.removed_step_00000009" && echo half >"$tmp/gone/.removed_step_00000009/rank_1.pt"
+whole=$(for d in "$tmp/gone"/step_*; do [[ -f $d/manifest.json && -f $d/rank_0.pt ]] || echo "${d##*/}"; done)
+out=$("${tiny[@]}" --steps 2 --resume "$tmp/gone" --save-dir "$tmp/gone" 2>&1); rc=$?
+left=$(ls -A "$tmp/gone" | grep -E '^\.(removed|staging|replaced)_' | tr '\n' ' ')
+if grep -q "before '$tmp/gone/.removed_step_00000003'" "$tmp/gone.log" && [[ -z "$whole" && $rc -eq 0 && -z "$left" &&
+   ! -e "$tmp/gone/step_00000004" && -e "$tmp/gone/step_00000003" ]]; then
+  pass "--overwrite-saves killed between two removals leaves whole step folders; the next run removes the hidden rest"
+else
+  fail "--overwrite-saves killed between two removals leaves whole step folders; the next run removes the hidden rest" \
+    "(partial: $whole; left: $left; exit $rc)" "$out" "$(ls -A "$tmp/gone")" "$(tail -3 "$tmp/gone.log")"
+fi
+
 # 2. Outputs on the run's inputs or inside its save folder are refused at
 #    start, and the inputs are left as they were.
 mkdir -p "$tmp/io"
@@ -146,6 +173,43 @@ if cmp -s "$tmp/io/cfg.json" "$tmp/io/cfg.orig" && cmp -s "$tmp/io/corpus.txt" "
 else
   fail "the inputs and the save are as they were, and no folder was made for the refused run" "$(ls -A "$tmp/sv" "$tmp")"
 fi
+# 2b. What the run reads lying where its output folders write: the save
+#     folder's lock, `latest` and step folders (the lock is rewritten in place,
+#     `latest` and step folders replaced or removed), and a sharded export's
+#     folder (its index and shards replaced). Refused at start, the input kept.
+rm -rf "$tmp/in_sv" && mkdir -p "$tmp/in_sv" && cp "$tmp/io/cfg.json" "$tmp/in_sv/.lock"
+expect "--config on the lock file of --save-dir is refused" \
+  "--config '$tmp/in_sv/.lock' lies inside --save-dir '$tmp/in_sv', where remat writes its lock" \
+  "${tiny[@]}" --steps 1 --config "$tmp/in_sv/.lock" --save-dir "$tmp/in_sv"
+rm -rf "$tmp/in_sv2" && mkdir -p "$tmp/in_sv2" && cp "$tmp/io/corpus.txt" "$tmp/in_sv2/latest"
+expect "data.path on --save-dir's latest is refused (--overwrite-saves)" \
+  "data.path '$tmp/in_sv2/latest' lies inside --save-dir '$tmp/in_sv2'" \
+  "${tiny[@]}" --steps 1 --set data.path="$tmp/in_sv2/latest" --save-dir "$tmp/in_sv2" --overwrite-saves
+rm -rf "$tmp/in_sv3" && cp -a "$tmp/sv" "$tmp/in_sv3" && cp "$tmp/io/cfg.json" "$tmp/in_sv3/step_00000002/my.json"
+expect "--config inside a step folder --overwrite-saves removes is refused" \
+  "--config '$tmp/in_sv3/step_00000002/my.json' lies inside --save-dir '$tmp/in_sv3'" \
+  "${tiny[@]}" --steps 1 --config "$tmp/in_sv3/step_00000002/my.json" --save-dir "$tmp/in_sv3" --overwrite-saves
+rm -rf "$tmp/in_sv4" && mkdir -p "$tmp/in_sv4" && ln -f "$tmp/io/cfg.json" "$tmp/in_sv4/.lock"
+expect "--config hard-linked as --save-dir's lock is refused" \
+  "--config '$tmp/io/cfg.json' is a hard link to a file inside --save-dir '$tmp/in_sv4'" \
+  "${tiny[@]}" --steps 1 --config "$tmp/io/cfg.json" --save-dir "$tmp/in_sv4"
+rm -f "$tmp/in_sv4/.lock"
+rm -rf "$tmp/in_ex" && "${tiny[@]}" --steps 1 --export "$tmp/in_ex/" >/dev/null 2>&1
+cp -a "$tmp/in_ex" "$tmp/in_ex.orig"
+expect "--pretrained's index inside the sharded --export folder is refused" \
+  "--pretrained '$tmp/in_ex/model.safetensors.index.json' lies inside --export '$tmp/in_ex/', the folder the sharded export fills" \
+  "${tiny[@]}" --steps 1 --pretrained "$tmp/in_ex/model.safetensors.index.json" --export "$tmp/in_ex/"
+rm -rf "$tmp/ex_m" && mkdir "$tmp/ex_m"
+expect "--metrics inside the sharded --export folder is refused at start, not after training" \
+  "--metrics '$tmp/ex_m/m.jsonl' lies inside --export '$tmp/ex_m/', the sharded export's folder" \
+  "${tiny[@]}" --steps 1 --metrics "$tmp/ex_m/m.jsonl" --export "$tmp/ex_m/"
+if cmp -s "$tmp/in_sv/.lock" "$tmp/io/cfg.json" && cmp -s "$tmp/in_sv2/latest" "$tmp/io/corpus.txt" &&
+   cmp -s "$tmp/in_sv3/step_00000002/my.json" "$tmp/io/cfg.json" && cmp -s "$tmp/io/cfg.json" "$tmp/io/cfg.orig" &&
+   diff -r "$tmp/in_ex" "$tmp/in_ex.orig" >/dev/null && [[ -e "$tmp/in_sv3/step_00000005" && -z "$(ls -A "$tmp/ex_m")" ]]; then
+  pass "the inputs in the output folders are as they were"
+else
+  fail "the inputs in the output folders are as they were" "$(ls -AR "$tmp/in_sv" "$tmp/in_sv2" "$tmp/in_sv3" "$tmp/in_ex")"
+fi
 # The plot script beside the trace: the user's file of that name is refused, remat's own replaced.
 echo "print('mine')" >"$tmp/io/t.plot.py"
 expect "a file of the user's where the plot script goes is refused at start" \
@@ -173,13 +237,13 @@ fi
 "${tiny[@]}" --steps 1 --export "$tmp/shards/" --export-max-shard-size 20000 >/dev/null 2>&1
 cp -a "$tmp/shards" "$tmp/shards.orig"
 expect "a folder --export holding the --pretrained index and shards is refused" \
-  "--export '$tmp/shards/' is a folder whose files the export replaces, and --pretrained '$tmp/shards/model.safetensors.index.json' lies inside it" \
+  "--pretrained '$tmp/shards/model.safetensors.index.json' lies inside --export '$tmp/shards/', the folder the sharded export fills" \
   "${tiny[@]}" --steps 1 --pretrained "$tmp/shards/model.safetensors.index.json" --export "$tmp/shards/"
 diff -r "$tmp/shards" "$tmp/shards.orig" >/dev/null && pass "the --pretrained shards are left as they were" ||
   fail "the --pretrained shards are left as they were" "$(ls "$tmp/shards")"
 rm -rf "$tmp/outdir"
 expect "a --save-dir inside a folder --export is refused at start" \
-  "--export '$tmp/outdir/' is a folder whose files the export replaces, and --save-dir '$tmp/outdir/sv' lies inside it" \
+  "--save-dir '$tmp/outdir/sv' lies inside --export '$tmp/outdir/', the sharded export's folder" \
   "${tiny[@]}" --steps 2 --save-dir "$tmp/outdir/sv" --export "$tmp/outdir/"
 [[ ! -e "$tmp/outdir/sv/step_00000002" ]] && pass "nothing was trained or saved for the refused run" ||
   fail "nothing was trained or saved for the refused run" "$(ls -R "$tmp/outdir")"
@@ -187,7 +251,7 @@ expect "a --save-dir inside a folder --export is refused at start" \
 # the export refuse the folder after training, the model kept nowhere.
 mkdir -p "$tmp/expdir"
 expect "--metrics inside a folder --export is refused at start" \
-  "--metrics '$tmp/expdir/m.jsonl' lies inside --export '$tmp/expdir/', a folder that holds the export's shards and index alone" \
+  "--metrics '$tmp/expdir/m.jsonl' lies inside --export '$tmp/expdir/', the sharded export's folder" \
   "${tiny[@]}" --steps 2 --metrics "$tmp/expdir/m.jsonl" --export "$tmp/expdir/"
 expect "--memory-trace inside a folder --export is refused at start" \
   "--memory-trace '$tmp/expdir/t.json' lies inside --export '$tmp/expdir/'" \
@@ -246,6 +310,16 @@ for spec in CPU:cpu gpu:cuda Cuda:cuda; do
     "${tiny[@]}" --steps 1 --device "${spec%%:*}"
 done
 
+# 5b. One key set twice on the command line with different values: the last
+#     is used and said to be (the flag --steps comes after every --set).
+out=$(REMAT_LOG_LEVEL=warn "${tiny[@]}" --set train.steps=3 --steps 1 --set train.steps=2 --seed 5 --set train.seed=5 2>&1); rc=$?
+if [[ $rc -eq 0 ]] && grep -qF "train.steps is given 3 times with different values (--set train.steps=3, --set train.steps=2, --steps 1): the last, --steps 1, is used" <<<"$out" &&
+   ! grep -qF "train.seed is given" <<<"$out"; then
+  pass "a key set twice with different values says which is used (and the same value twice says nothing)"
+else
+  fail "a key set twice with different values says which is used (and the same value twice says nothing) (exit $rc)" "$out"
+fi
+
 # 6. A value of megabytes is cut in the error, its ends kept: a data.path of
 #    1 MB in a config file, and a 100 kB --save-dir (an argument's limit).
 python3 -c 'import json; print(json.dumps({"data": {"path": "/nowhere/" + "x" * 1000000}}))' >"$tmp/io/long.json"
@@ -289,7 +363,7 @@ grep -qF "removed 1 save(s) of an earlier run from '$tmp/ow'" <<<"$out" &&
 # 9. A model whose weights are not finite: the sample at the end is a clear
 #    error naming why, with no stack trace.
 expect_all "a sample from NaN weights is a clear error" "the end-of-run sample cannot be drawn" \
-  "train.sample_chars=0" -- "${tiny[@]}" --steps 2 --set train.sample_chars=20 \
+  "set train.sample_chars=0 to skip the sample" -- "${tiny[@]}" --steps 2 --set train.sample_chars=20 \
   --set optimizer.params.lr=1e30 --set scheduler.type=none --set gradient_clipping=0 --set train.on_nonfinite=skip
 out=$(timeout 120 "${tiny[@]}" --steps 2 --set train.sample_chars=20 --set optimizer.params.lr=1e30 \
       --set scheduler.type=none --set gradient_clipping=0 --set train.on_nonfinite=skip 2>&1)

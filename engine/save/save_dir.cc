@@ -51,7 +51,16 @@ int discard_saves_after(const std::string& dir, int64_t step, Communicator& worl
         save::write_atomically(latest.string(), keep + "\n");
       }
     }
-    for (const fs::path& folder : doomed) fs::remove_all(folder);
+    // Each out of sight in one rename, then removed: a kill half-way through a
+    // removal leaves a hidden folder the next run removes, never a step
+    // folder with some of its files.
+    for (const fs::path& folder : doomed) {
+      const std::string hidden = save::removed_folder(folder.string());
+      fs::remove_all(hidden, ec);
+      save::fault_pause(hidden);
+      fs::rename(folder, hidden);
+      fs::remove_all(hidden);
+    }
     removed = static_cast<int64_t>(doomed.size());
     if (removed > 0) {
       // Step 0: the run did not resume from this folder, and every save there was another run's.

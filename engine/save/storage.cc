@@ -181,6 +181,12 @@ std::string root_of(const std::string& folder) {
 
 std::string staging_folder(int64_t step) { return ".staging_" + step_folder(step); }
 
+std::string removed_folder(const std::string& step_folder) {
+  fs::path p(step_folder);
+  if (p.filename().empty()) p = p.parent_path();
+  return (p.parent_path() / (".removed_" + p.filename().string())).string();
+}
+
 namespace {
 
 // The hidden name an old save waits under while a new one takes its place
@@ -225,7 +231,8 @@ std::vector<std::string> remove_save_leftovers(const std::string& root) {
         fs::rename(path, final, ec);  // the new save never took its place: the old one is it
         if (!ec) continue;
       }
-    } else if (!(name.rfind(".staging_", 0) == 0 && step_of(name.substr(9)) >= 0) && name != "latest.tmp") {
+    } else if (!(name.rfind(".staging_", 0) == 0 && step_of(name.substr(9)) >= 0) &&
+               !(name.rfind(".removed_", 0) == 0 && step_of(name.substr(9)) >= 0) && name != "latest.tmp") {
       continue;
     }
     fs::remove_all(path, ec);

@@ -65,10 +65,15 @@ std::string staging_folder(int64_t step);
 // Returns whether an old save was replaced.
 bool install_save(const std::string& staging, const std::string& final);
 
+// The hidden name a step folder is renamed to before it is removed
+// ("root/.removed_step_00000010"), so that no step folder is ever seen half
+// removed.
+std::string removed_folder(const std::string& step_folder);
+
 // What killed saves left in `root`, removed at the start of a run (rank 0,
 // under the save folder's lock): staging folders, replaced saves (put back
-// where their step folder is missing) and `latest`'s temporary file. Returns
-// what was removed, for one log line.
+// where their step folder is missing), folders being removed and `latest`'s
+// temporary file. Returns what was removed, for one log line.
 std::vector<std::string> remove_save_leftovers(const std::string& root);
 
 // REMAT_FAULT_SAVE_PAUSE_MS: pauses before `what` is renamed into place,
