@@ -179,6 +179,7 @@ void fill_row(MemoryEstimateRow& r, const StageTerms& t, const MemoryEstimateInp
   r.activation_bytes = predict_peak(in.activations, cols);
   r.host_bytes = host;
   r.host_optimizer_bytes = st.host_optimizer;
+  r.disk_bytes = st.disk;
   r.host_parameter_bytes = st.host_params;
   // The activation phase, or the optimizer's step (the state, the
   // gradients and one parameter's update temporaries).
@@ -236,9 +237,12 @@ void add_stage_rows(MemoryEstimate& e, const Config& config, const MemoryEstimat
   const int64_t accumulation = internal::accumulation_of(config, e.dp);
   const bool opt = stage > 0 && e.offload_optimizer;
   const StageTerms t = stage_terms(in, config, stage, group, accumulation);
-  // The optimizer on the host, the parameters as configured.
+  // The optimizer on the host (its state on disk where the config says
+  // "nvme"), the parameters as configured.
   Config on_host = config;
-  on_host.zero_optimization.offload_optimizer.device = parallel::OffloadDevice::kCpu;
+  if (!on_host.zero_optimization.offload_optimizer.enabled()) {
+    on_host.zero_optimization.offload_optimizer.device = parallel::OffloadDevice::kCpu;
+  }
   const StageTerms host = stage_terms(in, on_host, stage, group, accumulation);
   // Neither the optimizer nor the parameters offloaded.
   Config plain = config;

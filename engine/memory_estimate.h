@@ -105,6 +105,10 @@ struct MemoryEstimateRow {
   // device: the peaks include host_optimizer_bytes.
   bool offload_optimizer = false;
   int64_t host_optimizer_bytes = 0, offload_optimizer_peak_bytes = 0;
+  // offload_optimizer.device "nvme": the state file's bytes on disk (what a
+  // run's metrics report as nvme_state_bytes); host_optimizer_bytes then
+  // counts the buffers in place of the moments.
+  int64_t disk_bytes = 0;
   // zero_optimization.offload_param.device cpu, stage 3's rows: the float32
   // parameter shards (trained and frozen) and their gradients on the host
   // (a run's host_parameter_bytes) and, with the optimizer not offloaded,

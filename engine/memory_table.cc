@@ -111,6 +111,8 @@ std::string MemoryEstimate::line() const {
              mib(r.activation_bytes), r.host_bytes > 0 ? str(" (host ", mib(r.host_bytes), ")") : std::string(),
              r.offload_optimizer ? str("; the optimizer on the host: ", mib(r.host_optimizer_bytes), " MiB")
                                  : std::string(),
+             r.disk_bytes > 0 ? str("; its Adam moments on disk (nvme_path): ", mib(r.disk_bytes), " MiB")
+                              : std::string(),
              r.host_parameter_bytes > 0 ? str("; the parameter shards on the host: ", mib(r.host_parameter_bytes), " MiB")
                                         : std::string(),
              async_save ? str("; a background save's snapshot on the host: ", mib(r.save_snapshot_bytes), " MiB")
@@ -131,6 +133,7 @@ nlohmann::json MemoryEstimate::to_json() const {
                          {"peak_bytes", r.peak_bytes}, {"offload_optimizer", r.offload_optimizer},
                          {"host_optimizer_bytes", r.host_optimizer_bytes},
                          {"offload_optimizer_peak_bytes", r.offload_optimizer_peak_bytes}});
+    if (r.disk_bytes > 0) rows_json.back()["disk_bytes"] = r.disk_bytes;
     // Written only when the config offloads: other estimates' keys stay as they are.
     if (offload_param) rows_json.back()["host_parameter_bytes"] = r.host_parameter_bytes;
     if (offload_param || offload_optimizer) rows_json.back()["no_offload_peak_bytes"] = r.no_offload_peak_bytes;

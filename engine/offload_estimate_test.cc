@@ -5,6 +5,9 @@
 // device; and on this CPU the planner's whole-device budget charges the
 // host copies, which share the memory.
 #include <ATen/ATen.h>
+
+#include <cstdlib>
+#include <filesystem>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -35,7 +38,19 @@ struct Case {
   int64_t device_budget = 0;  // activation_checkpointing.device_memory_budget_bytes (variant auto), 0: none
   int64_t accumulation = 1;   // gradient_accumulation_steps
   int64_t persistence = 40;   // zero_optimization.stage3_param_persistence_threshold
+  bool nvme = false;          // offload_optimizer.device "nvme" (with `offload`)
 };
+
+// One folder for every rank of this test (the config must be the same on
+// each), apart from other tests' runs: Bazel's TEST_TMPDIR, else by world size.
+std::string nvme_path() {
+  const char* base = std::getenv("TEST_TMPDIR");
+  const std::filesystem::path dir = base != nullptr ? std::filesystem::path(base) / "nvme"
+                                                    : std::filesystem::temp_directory_path() /
+                                                          str("remat_offload_estimate_nvme_np", world()->size());
+  std::filesystem::create_directories(dir);
+  return dir.string();
+}
 
 Config config_of(const Case& s) {
   Config c;
@@ -50,6 +65,12 @@ Config config_of(const Case& s) {
   c.zero_optimization.stage3_param_persistence_threshold = s.persistence;
   c.zero_optimization.offload_optimizer.device = s.offload ? parallel::OffloadDevice::kCpu : parallel::OffloadDevice::kNone;
   c.zero_optimization.offload_param.device = s.offload_param ? parallel::OffloadDevice::kCpu : parallel::OffloadDevice::kNone;
+  if (s.offload && s.nvme) {
+    c.zero_optimization.offload_optimizer.device = parallel::OffloadDevice::kNvme;
+    c.zero_optimization.offload_optimizer.nvme_path = nvme_path();
+    c.zero_optimization.offload_optimizer.buffer_count = 3;
+    c.deepspeed_tuning.sub_group_size = 1000;  // several sub-groups, the last one short
+  }
   if (s.device_budget > 0) {
     c.activation_checkpointing.variant = CheckpointVariant::kAuto;
     c.activation_checkpointing.device_memory_budget_bytes = s.device_budget;
@@ -165,6 +186,35 @@ int64_t largest_unit_shard(const Case& s) {
   int64_t largest = 0;
   for (const auto& [unit, elements] : units) largest = std::max(largest, elements);
   return largest;
+}
+
+// offload_optimizer.device "nvme": the host holds the masters (4 bytes), their
+// gradients (4) and the buffers, the disk the moments (8, each sub-group's
+// arrays padded to 4096): the estimate's host_optimizer_bytes and disk_bytes
+// are the run's host_optimizer_bytes and nvme_state_bytes, at 1 rank to the
+// byte (at 2, the stage's shards may differ from an even split by a few
+// elements, and the padding with them).
+TEST(OffloadEstimate, NvmeHostAndDiskBytesAreTheRuns) {
+  for (int stage : {1, 2, 3}) {
+    Case s;
+    s.stage = stage;
+    s.nvme = true;
+    const std::string what = str("stage ", stage, " nvme");
+    const Trained run = train(s, 2);
+    const MemoryEstimate estimate = estimate_of(s);
+    const MemoryEstimateRow& row = estimate.configured();
+    const double slack = world()->size() == 1 ? 0.0 : 3 * 8192.0;
+    EXPECT_NEAR(static_cast<double>(row.disk_bytes), static_cast<double>(run.metrics.at("nvme_state_bytes").get<int64_t>()),
+                slack) << what;
+    EXPECT_NEAR(static_cast<double>(row.host_optimizer_bytes),
+                static_cast<double>(run.metrics.at("host_optimizer_bytes").get<int64_t>()), slack) << what;
+    EXPECT_GT(row.disk_bytes, 8 * run.local_elements - 1) << what;
+    Case cpu = s;
+    cpu.nvme = false;
+    const MemoryEstimate on_host = estimate_of(cpu);
+    EXPECT_EQ(on_host.configured().disk_bytes, 0) << what;
+    EXPECT_LT(row.host_optimizer_bytes, on_host.configured().host_optimizer_bytes) << what;
+  }
 }
 
 // zero_optimization.offload_param at stage 3, alone and with

@@ -2,6 +2,9 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <utility>
+
 #include "optim/options.h"
 #include "parallel/zero_options.h"
 #include "runtime/error.h"
@@ -25,6 +28,27 @@ int64_t accumulation_of(const Config& config, int dp) {
 // the frozen parameters' float32 values (masters_on_host); LibTorch's
 // optimizer otherwise makes its state beside what it steps: offload_param's
 // host shards' on the host.
+namespace {
+
+int64_t aligned(int64_t bytes) { return (bytes + 4095) / 4096 * 4096; }
+
+// offload_optimizer.device "nvme" (parallel/internal/nvme_optimizer_store.h):
+// the file of `elements` elements' moments in sub-groups, and the buffers
+// they stream through (no more than the sub-groups).
+std::pair<int64_t, int64_t> nvme_file_and_buffers(const Config& config, int64_t elements) {
+  const int64_t group = std::max<int64_t>(1, config.deepspeed_tuning.sub_group_size.value_or(1000000000));
+  const int64_t groups = (elements + group - 1) / group;
+  if (groups == 0) return {0, 0};
+  const int64_t last = elements - (groups - 1) * group;
+  const int64_t file = 2 * ((groups - 1) * aligned(4 * group) + aligned(4 * last));
+  const int64_t record = 2 * aligned(4 * std::min(group, elements));
+  const int64_t buffers = std::max<int64_t>(1, std::min<int64_t>(config.zero_optimization.offload_optimizer.buffer_count,
+                                                                 groups));
+  return {file, buffers * record};
+}
+
+}  // namespace
+
 StateBytes state_bytes(const std::vector<parallel::ParameterCount>& params, int64_t element_bytes,
                        const Config& config, int stage, int n, int64_t accumulation) {
   parallel::ZeroOptions z = config.zero_optimization;
@@ -46,7 +70,12 @@ StateBytes state_bytes(const std::vector<parallel::ParameterCount>& params, int6
   // offload_param: float32 shards and gradients on the host (4 bytes each).
   s.host_params = (e.host_shards + e.host_trainable) * 4;
   const int64_t state = e.local_trainable * per_opt;
-  if (e.optimizer_on_host) {
+  if (e.optimizer_on_host && config.zero_optimization.offload_optimizer.on_nvme() && per_opt == 8) {
+    // The moments on disk, in the buffers on the host.
+    const auto [file, buffers] = nvme_file_and_buffers(config, e.local_trainable);
+    s.disk = file;
+    s.host_optimizer = e.host_masters * (4 + 4) + buffers + e.host_frozen * 4;
+  } else if (e.optimizer_on_host) {
     s.host_optimizer = e.host_masters * (4 + 4) + state + e.host_frozen * 4;
   } else {
     s.optimizer = state - e.host_trainable * per_opt;

@@ -21,6 +21,10 @@ namespace remat::internal {
 struct StateBytes {
   int64_t params = 0, grads = 0, optimizer = 0, gathered = 0, comm = 0;
   int64_t host_optimizer = 0;  // offload_optimizer: what the host holds
+  // offload_optimizer.device "nvme": the state file's bytes under nvme_path
+  // (the moments, each sub-group's arrays padded to 4096); host_optimizer
+  // then holds the masters, their gradients and the buffers, not the moments.
+  int64_t disk = 0;
   // offload_param (stage 3): the float32 shards and their gradients on the
   // host, and without offload_optimizer the optimizer's state of them.
   int64_t host_params = 0;
