@@ -15,11 +15,7 @@
 // table row: mode, format, model and largest-unit bytes, the extra and the
 // export's time.
 #include <ATen/ATen.h>
-#include <ATen/core/Dict.h>
 #include <CLI/CLI.hpp>
-#include <caffe2/serialize/inline_container.h>
-#include <torch/csrc/jit/serialization/export.h>
-#include <torch/csrc/jit/serialization/pickler.h>
 
 #include <malloc.h>
 
@@ -37,6 +33,7 @@
 #include "runtime/error.h"
 #include "runtime/layout.h"
 #include "runtime/runtime.h"
+#include "tests/pickle_at_once.h"
 
 namespace remat {
 namespace {
@@ -54,22 +51,7 @@ int64_t status_bytes(const std::string& field) {
 // The export before it streamed: the parameters gathered whole, then the
 // archive made in memory and written at once (what write_model_file did).
 void write_archive_at_once(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& params) {
-  c10::Dict<std::string, at::Tensor> dict;
-  for (const auto& [name, value] : params) dict.insert(name, value);
-  std::vector<char> pickled;
-  torch::jit::Pickler pickler([&](const char* data, size_t size) { pickled.insert(pickled.end(), data, data + size); },
-                              nullptr, nullptr, nullptr, nullptr, /*tag_aggregates=*/false);
-  pickler.protocol();
-  pickler.pushIValue(c10::IValue(dict));
-  pickler.stop();
-  std::string bytes;
-  {
-    caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t size) {
-      bytes.append(static_cast<const char*>(data), size);
-      return size;
-    });
-    torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(), pickler.tensorData(), writer);
-  }
+  const std::string bytes = remat::testing::pickle_archive_at_once(params, /*copy=*/false);
   std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
 

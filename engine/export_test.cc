@@ -11,12 +11,8 @@
 // kind, a file in a sharded export's folder) are refused, stale temporaries
 // removed; --export-max-shard-size's faults each named.
 #include <ATen/ATen.h>
-#include <ATen/core/Dict.h>
-#include <caffe2/serialize/inline_container.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <torch/csrc/jit/serialization/export.h>
-#include <torch/csrc/jit/serialization/pickler.h>
 
 #include <sys/file.h>
 #include <sys/resource.h>
@@ -37,6 +33,7 @@
 #include "runtime/error.h"
 #include "runtime/layout.h"
 #include "tests/error_of.h"
+#include "tests/pickle_at_once.h"
 #include "tests/parallel_setup.h"
 
 namespace remat {
@@ -280,7 +277,7 @@ TEST(Export, AForeignFolderIsRefusedAndAPreviousExportReplaced) {
 }
 
 // The streamed pickle is byte for byte the archive LibTorch writes at once
-// (Pickler + writeArchiveAndTensors, each tensor held by the caller too):
+// (Pickler + writeArchiveAndTensors: tests/pickle_at_once.h):
 // views, bf16 and zero-size tensors alike.
 TEST(Export, TheStreamedPickleIsTheArchiveWrittenAtOnce) {
   const std::string dir = job_dir("pickle");
@@ -289,26 +286,7 @@ TEST(Export, TheStreamedPickleIsTheArchiveWrittenAtOnce) {
   const std::vector<std::pair<std::string, at::Tensor>> params = {
       {"a.weight", base.narrow(0, 2, 3)}, {"b", at::randn({4}).to(at::kBFloat16)}, {"empty", at::zeros({0, 3})},
       {"c.bias", base.t().contiguous()}};
-  c10::Dict<std::string, at::Tensor> dict;
-  std::vector<at::Tensor> held;
-  for (const auto& [name, value] : params) {
-    held.push_back(value.contiguous().clone());
-    dict.insert(name, held.back());
-  }
-  std::vector<char> pickled;
-  torch::jit::Pickler pickler([&](const char* data, size_t size) { pickled.insert(pickled.end(), data, data + size); },
-                              nullptr, nullptr, nullptr, nullptr, /*tag_aggregates=*/false);
-  pickler.protocol();
-  pickler.pushIValue(c10::IValue(dict));
-  pickler.stop();
-  std::string at_once;
-  {
-    caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t size) {
-      at_once.append(static_cast<const char*>(data), size);
-      return size;
-    });
-    torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(), pickler.tensorData(), writer);
-  }
+  const std::string at_once = remat::testing::pickle_archive_at_once(params, /*copy=*/true);
   const std::string path = str(dir, "/", world()->rank(), ".pt");
   EXPECT_EQ(write_model_file(path, params), static_cast<int64_t>(at_once.size()));
   EXPECT_TRUE(read_bytes(path) == at_once);
