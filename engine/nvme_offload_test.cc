@@ -232,6 +232,18 @@ TEST(NvmeOptimizer, FolderFaultsAreClearAndLeftoversRemoved) {
   s.nvme_path = "/proc/self";  // a folder where nothing can be made, even as root
   e = testing::error_of<ConfigError>([&] { train(s); });
   EXPECT_NE(e.find("cannot write its folder '/proc/self/remat-optimizer/rank"), std::string::npos) << e;
+  // A symlink loop is not said to be missing; '~' is not expanded, and said.
+  const std::string loop = path + "/loop";
+  if (world()->rank() == 0) fs::create_symlink(loop, loop);
+  world()->barrier()->wait();
+  s.nvme_path = loop;
+  e = testing::error_of<ConfigError>([&] { train(s); });
+  EXPECT_NE(e.find("nvme_path '" + loop + "' cannot be opened (Too many levels of symbolic links)"),
+            std::string::npos) << e;
+  s.nvme_path = "~/remat_nvme_no_such_folder";
+  e = testing::error_of<ConfigError>([&] { train(s); });
+  EXPECT_NE(e.find("does not exist on rank 0: give a folder on a fast local disk (each rank keeps its optimizer state "
+                   "under it); remat does not expand '~': write the home folder out"), std::string::npos) << e;
   s.nvme_path = "";
   e = testing::error_of<ConfigError>([&] { train(s); });
   EXPECT_NE(e.find("needs 'zero_optimization.offload_optimizer.nvme_path'"), std::string::npos) << e;
@@ -254,11 +266,21 @@ TEST(NvmeOptimizer, FolderFaultsAreClearAndLeftoversRemoved) {
   if (fd >= 0) ::close(fd);
 
   // What a killed run left: removed under the lock, and the run trains.
-  if (world()->rank() == 0) std::ofstream(rank0 / "rank0.optimizer.crashed") << "stale state";
+  // What remat did not write there (a user's saves) stays, folders and files.
+  if (world()->rank() == 0) {
+    std::ofstream(rank0 / "rank0.optimizer.crashed") << "stale state";
+    fs::create_directories(rank0 / "saves" / "step_00000002");
+    std::ofstream(rank0 / "saves" / "step_00000002" / "manifest.json") << "{}";
+    std::ofstream(rank0 / "notes.txt") << "mine";
+  }
   world()->barrier()->wait();
   const TrainedRun run = train(s);
   EXPECT_EQ(run.losses.size(), 1u);
   EXPECT_FALSE(fs::exists(rank0 / "rank0.optimizer.crashed"));
+  if (world()->rank() == 0) {
+    EXPECT_TRUE(fs::exists(rank0 / "saves" / "step_00000002" / "manifest.json")) << "a user's folder is not removed";
+    EXPECT_TRUE(fs::exists(rank0 / "notes.txt")) << "a file remat did not write is not removed";
+  }
 }
 
 }  // namespace

@@ -32,10 +32,15 @@ class NvmeFolder {
  public:
   NvmeFolder(const std::string& nvme_path, int rank) {
     std::error_code ec;
-    if (!fs::is_directory(nvme_path, ec)) {
-      throw ConfigError(str("zero_optimization.offload_optimizer.nvme_path '", nvme_path, "' ",
-                            fs::exists(nvme_path, ec) ? "is not a folder" : "does not exist", " on rank ", rank,
-                            ": give a folder on a fast local disk (each rank keeps its optimizer state under it)"));
+    const fs::file_status status = fs::status(nvme_path, ec);
+    if (!fs::is_directory(status)) {
+      const std::string what = status.type() == fs::file_type::not_found ? "does not exist"
+                               : fs::exists(status)                       ? "is not a folder"
+                                                                          : "cannot be opened (" + ec.message() + ")";
+      const bool tilde = !nvme_path.empty() && nvme_path[0] == '~';
+      throw ConfigError(str("zero_optimization.offload_optimizer.nvme_path '", nvme_path, "' ", what, " on rank ",
+                            rank, ": give a folder on a fast local disk (each rank keeps its optimizer state under it)",
+                            tilde ? "; remat does not expand '~': write the home folder out" : ""));
     }
     path_ = (fs::path(nvme_path) / "remat-optimizer" / ("rank" + std::to_string(rank))).string();
     fs::create_directories(path_, ec);
@@ -53,11 +58,15 @@ class NvmeFolder {
                             "job: rank ", rank, "'s folder '", path_, "' is locked by it. Give each job its own "
                             "nvme_path (two jobs sharing one would overwrite each other's optimizer state)"));
     }
+    // Only what a run of this rank writes here (rank<R>.optimizer, and names
+    // it begins): anything else in the folder is the user's and stays.
+    const std::string mine = "rank" + std::to_string(rank) + ".optimizer";
     for (const auto& entry : fs::directory_iterator(path_, ec)) {
-      if (entry.path().filename() == "lock") continue;
+      if (entry.path().filename().string().rfind(mine, 0) != 0) continue;
       std::error_code size_ec;
+      if (fs::is_directory(entry.symlink_status(size_ec))) continue;  // never made by remat
       const auto bytes = entry.is_regular_file(size_ec) ? entry.file_size(size_ec) : 0;
-      fs::remove_all(entry.path(), size_ec);
+      fs::remove(entry.path(), size_ec);
       log().warn("offload_optimizer nvme: removed '{}' ({} bytes), left by a run that ended without cleaning up",
                  entry.path().string(), bytes);
     }
