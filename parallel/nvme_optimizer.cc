@@ -114,6 +114,7 @@ class NvmeState : public optim::ExternalState {
                      "stay in host memory", options_elements(), store_->state_bytes(), folder_.path(),
                      store_->buffer_count(), store_->host_buffer_bytes() / store_->buffer_count(),
                      io_backend_name(store_->backend()), store_->direct() ? "direct" : "buffered");
+    warn_of_padding(nvme);
   }
 
   void step_all(const optim::HostAdamStep& adam) {
@@ -175,6 +176,18 @@ class NvmeState : public optim::ExternalState {
 
  private:
   int64_t options_elements() const { return static_cast<int64_t>(store_->state_bytes() / 8); }
+
+  // Each sub-group's two arrays are padded to the I/O alignment: sub-groups
+  // smaller than that make the file (and each step's I/O) many times the state.
+  void warn_of_padding(const NvmeOptimizerOptions& nvme) const {
+    const int64_t floats = static_cast<int64_t>(nvme.io.alignment / sizeof(float));
+    if (nvme.sub_group_size >= floats || options_elements() <= nvme.sub_group_size) return;
+    log_rank0().warn("zero_optimization.sub_group_size {} is below {} elements (the I/O alignment, {} bytes, of "
+                     "float32): each sub-group's moments are padded to it, and the state file is {} bytes for {} "
+                     "bytes of moments, all of it read and written each step. Give sub_group_size {} or more "
+                     "(a multiple of {} pads nothing but the last)", nvme.sub_group_size, floats, nvme.io.alignment,
+                     store_->file_bytes(), store_->state_bytes(), floats, floats);
+  }
 
   NvmeFolder folder_;
   std::vector<at::Tensor> trained_;
