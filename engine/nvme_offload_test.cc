@@ -10,7 +10,9 @@
 #include <ATen/ATen.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -281,6 +283,19 @@ TEST(NvmeOptimizer, FolderFaultsAreClearAndLeftoversRemoved) {
     EXPECT_TRUE(fs::exists(rank0 / "saves" / "step_00000002" / "manifest.json")) << "a user's folder is not removed";
     EXPECT_TRUE(fs::exists(rank0 / "notes.txt")) << "a file remat did not write is not removed";
   }
+
+  // A disk too small for the state file (a file-size limit here: EFBIG, as
+  // ENOSPC would be): refused at start, and the file made for it removed.
+  ::signal(SIGXFSZ, SIG_IGN);
+  rlimit cap{4096, RLIM_INFINITY};
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &cap), 0);
+  e = testing::error_of<Error>([&] { train(s); });
+  rlimit none{RLIM_INFINITY, RLIM_INFINITY};
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &none), 0);
+  EXPECT_NE(e.find("cannot size and reserve '" + rank0.string() + "/rank0.optimizer': File too large (EFBIG)"),
+            std::string::npos) << e;
+  const fs::path mine = fs::path(path) / "remat-optimizer" / str("rank", world()->rank());
+  EXPECT_FALSE(fs::exists(mine / str("rank", world()->rank(), ".optimizer"))) << "the unsized file is removed";
 }
 
 }  // namespace
