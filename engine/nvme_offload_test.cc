@@ -298,5 +298,22 @@ TEST(NvmeOptimizer, FolderFaultsAreClearAndLeftoversRemoved) {
   EXPECT_FALSE(fs::exists(mine / str("rank", world()->rank(), ".optimizer"))) << "the unsized file is removed";
 }
 
+// sub_group_size 0 or below with "nvme": a configuration error naming the key
+// and what to give (it was an internal check of the store's, at initialize).
+TEST(NvmeOptimizer, SubGroupSizeBelowOneIsAConfigError) {
+  for (const char* size : {"0", "-5"}) {
+    const std::string e = testing::error_of<ConfigError>([&] {
+      parse_config(str(R"({"zero_optimization": {"stage": 2, "sub_group_size": )", size,
+                       R"(, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}})"),
+                   "<nvme_offload_test>");
+    });
+    EXPECT_NE(e.find(str("'zero_optimization.sub_group_size' = ", size, " with offload_optimizer device \"nvme\": "
+                         "the optimizer state is stepped in sub-groups of that many elements; set 1024 or more")),
+              std::string::npos) << e;
+  }
+  EXPECT_EQ(*parse_config(R"({"zero_optimization": {"stage": 2, "sub_group_size": 0}})", "<nvme_offload_test>")
+                 .deepspeed_tuning.sub_group_size, 0) << "without nvme it changes nothing, and is taken";
+}
+
 }  // namespace
 }  // namespace remat
