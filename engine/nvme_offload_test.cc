@@ -10,7 +10,9 @@
 #include <ATen/ATen.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -232,6 +234,18 @@ TEST(NvmeOptimizer, FolderFaultsAreClearAndLeftoversRemoved) {
   s.nvme_path = "/proc/self";  // a folder where nothing can be made, even as root
   e = testing::error_of<ConfigError>([&] { train(s); });
   EXPECT_NE(e.find("cannot write its folder '/proc/self/remat-optimizer/rank"), std::string::npos) << e;
+  // A symlink loop is not said to be missing; '~' is not expanded, and said.
+  const std::string loop = path + "/loop";
+  if (world()->rank() == 0) fs::create_symlink(loop, loop);
+  world()->barrier()->wait();
+  s.nvme_path = loop;
+  e = testing::error_of<ConfigError>([&] { train(s); });
+  EXPECT_NE(e.find("nvme_path '" + loop + "' cannot be opened (Too many levels of symbolic links)"),
+            std::string::npos) << e;
+  s.nvme_path = "~/remat_nvme_no_such_folder";
+  e = testing::error_of<ConfigError>([&] { train(s); });
+  EXPECT_NE(e.find("does not exist on rank 0: give a folder on a fast local disk (each rank keeps its optimizer state "
+                   "under it); remat does not expand '~': write the home folder out"), std::string::npos) << e;
   s.nvme_path = "";
   e = testing::error_of<ConfigError>([&] { train(s); });
   EXPECT_NE(e.find("needs 'zero_optimization.offload_optimizer.nvme_path'"), std::string::npos) << e;
@@ -254,11 +268,51 @@ TEST(NvmeOptimizer, FolderFaultsAreClearAndLeftoversRemoved) {
   if (fd >= 0) ::close(fd);
 
   // What a killed run left: removed under the lock, and the run trains.
-  if (world()->rank() == 0) std::ofstream(rank0 / "rank0.optimizer.crashed") << "stale state";
+  // What remat did not write there (a user's saves) stays, folders and files.
+  if (world()->rank() == 0) {
+    std::ofstream(rank0 / "rank0.optimizer.crashed") << "stale state";
+    fs::create_directories(rank0 / "saves" / "step_00000002");
+    std::ofstream(rank0 / "saves" / "step_00000002" / "manifest.json") << "{}";
+    std::ofstream(rank0 / "notes.txt") << "mine";
+  }
   world()->barrier()->wait();
   const TrainedRun run = train(s);
   EXPECT_EQ(run.losses.size(), 1u);
   EXPECT_FALSE(fs::exists(rank0 / "rank0.optimizer.crashed"));
+  if (world()->rank() == 0) {
+    EXPECT_TRUE(fs::exists(rank0 / "saves" / "step_00000002" / "manifest.json")) << "a user's folder is not removed";
+    EXPECT_TRUE(fs::exists(rank0 / "notes.txt")) << "a file remat did not write is not removed";
+  }
+
+  // A disk too small for the state file (a file-size limit here: EFBIG, as
+  // ENOSPC would be): refused at start, and the file made for it removed.
+  ::signal(SIGXFSZ, SIG_IGN);
+  rlimit cap{4096, RLIM_INFINITY};
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &cap), 0);
+  e = testing::error_of<Error>([&] { train(s); });
+  rlimit none{RLIM_INFINITY, RLIM_INFINITY};
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &none), 0);
+  EXPECT_NE(e.find("cannot size and reserve '" + rank0.string() + "/rank0.optimizer': File too large (EFBIG)"),
+            std::string::npos) << e;
+  const fs::path mine = fs::path(path) / "remat-optimizer" / str("rank", world()->rank());
+  EXPECT_FALSE(fs::exists(mine / str("rank", world()->rank(), ".optimizer"))) << "the unsized file is removed";
+}
+
+// sub_group_size 0 or below with "nvme": a configuration error naming the key
+// and what to give (it was an internal check of the store's, at initialize).
+TEST(NvmeOptimizer, SubGroupSizeBelowOneIsAConfigError) {
+  for (const char* size : {"0", "-5"}) {
+    const std::string e = testing::error_of<ConfigError>([&] {
+      parse_config(str(R"({"zero_optimization": {"stage": 2, "sub_group_size": )", size,
+                       R"(, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}})"),
+                   "<nvme_offload_test>");
+    });
+    EXPECT_NE(e.find(str("'zero_optimization.sub_group_size' = ", size, " with offload_optimizer device \"nvme\": "
+                         "the optimizer state is stepped in sub-groups of that many elements; set 1024 or more")),
+              std::string::npos) << e;
+  }
+  EXPECT_EQ(*parse_config(R"({"zero_optimization": {"stage": 2, "sub_group_size": 0}})", "<nvme_offload_test>")
+                 .deepspeed_tuning.sub_group_size, 0) << "without nvme it changes nothing, and is taken";
 }
 
 }  // namespace

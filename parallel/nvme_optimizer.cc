@@ -32,10 +32,15 @@ class NvmeFolder {
  public:
   NvmeFolder(const std::string& nvme_path, int rank) {
     std::error_code ec;
-    if (!fs::is_directory(nvme_path, ec)) {
-      throw ConfigError(str("zero_optimization.offload_optimizer.nvme_path '", nvme_path, "' ",
-                            fs::exists(nvme_path, ec) ? "is not a folder" : "does not exist", " on rank ", rank,
-                            ": give a folder on a fast local disk (each rank keeps its optimizer state under it)"));
+    const fs::file_status status = fs::status(nvme_path, ec);
+    if (!fs::is_directory(status)) {
+      const std::string what = status.type() == fs::file_type::not_found ? "does not exist"
+                               : fs::exists(status)                       ? "is not a folder"
+                                                                          : "cannot be opened (" + ec.message() + ")";
+      const bool tilde = !nvme_path.empty() && nvme_path[0] == '~';
+      throw ConfigError(str("zero_optimization.offload_optimizer.nvme_path '", nvme_path, "' ", what, " on rank ",
+                            rank, ": give a folder on a fast local disk (each rank keeps its optimizer state under it)",
+                            tilde ? "; remat does not expand '~': write the home folder out" : ""));
     }
     path_ = (fs::path(nvme_path) / "remat-optimizer" / ("rank" + std::to_string(rank))).string();
     fs::create_directories(path_, ec);
@@ -53,11 +58,15 @@ class NvmeFolder {
                             "job: rank ", rank, "'s folder '", path_, "' is locked by it. Give each job its own "
                             "nvme_path (two jobs sharing one would overwrite each other's optimizer state)"));
     }
+    // Only what a run of this rank writes here (rank<R>.optimizer, and names
+    // it begins): anything else in the folder is the user's and stays.
+    const std::string mine = "rank" + std::to_string(rank) + ".optimizer";
     for (const auto& entry : fs::directory_iterator(path_, ec)) {
-      if (entry.path().filename() == "lock") continue;
+      if (entry.path().filename().string().rfind(mine, 0) != 0) continue;
       std::error_code size_ec;
+      if (fs::is_directory(entry.symlink_status(size_ec))) continue;  // never made by remat
       const auto bytes = entry.is_regular_file(size_ec) ? entry.file_size(size_ec) : 0;
-      fs::remove_all(entry.path(), size_ec);
+      fs::remove(entry.path(), size_ec);
       log().warn("offload_optimizer nvme: removed '{}' ({} bytes), left by a run that ended without cleaning up",
                  entry.path().string(), bytes);
     }
@@ -105,6 +114,7 @@ class NvmeState : public optim::ExternalState {
                      "stay in host memory", options_elements(), store_->state_bytes(), folder_.path(),
                      store_->buffer_count(), store_->host_buffer_bytes() / store_->buffer_count(),
                      io_backend_name(store_->backend()), store_->direct() ? "direct" : "buffered");
+    warn_of_padding(nvme);
   }
 
   void step_all(const optim::HostAdamStep& adam) {
@@ -166,6 +176,18 @@ class NvmeState : public optim::ExternalState {
 
  private:
   int64_t options_elements() const { return static_cast<int64_t>(store_->state_bytes() / 8); }
+
+  // Each sub-group's two arrays are padded to the I/O alignment: sub-groups
+  // smaller than that make the file (and each step's I/O) many times the state.
+  void warn_of_padding(const NvmeOptimizerOptions& nvme) const {
+    const int64_t floats = static_cast<int64_t>(nvme.io.alignment / sizeof(float));
+    if (nvme.sub_group_size >= floats || options_elements() <= nvme.sub_group_size) return;
+    log_rank0().warn("zero_optimization.sub_group_size {} is below {} elements (the I/O alignment, {} bytes, of "
+                     "float32): each sub-group's moments are padded to it, and the state file is {} bytes for {} "
+                     "bytes of moments, all of it read and written each step. Give sub_group_size {} or more "
+                     "(a multiple of {} pads nothing but the last)", nvme.sub_group_size, floats, nvme.io.alignment,
+                     store_->file_bytes(), store_->state_bytes(), floats, floats);
+  }
 
   NvmeFolder folder_;
   std::vector<at::Tensor> trained_;

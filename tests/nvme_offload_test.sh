@@ -76,4 +76,15 @@ else
 fi
 rm -rf "$shm"
 
+# sub_group_size below the alignment's 1024 floats: each record padded to
+# 4096 bytes, the file many times the state: said at start, and trains bitwise.
+REMAT_LOG_LEVEL=warn job "$nvme" --set zero_optimization.sub_group_size=100 --metrics "$tmp/sg100.jsonl" >"$tmp/sg100.log" 2>&1
+rc=$?
+if [[ $rc -eq 0 ]] && grep -q "zero_optimization.sub_group_size 100 is below 1024 elements (the I/O alignment, 4096 bytes, of float32): each sub-group's moments are padded to it, and the state file is [0-9]* bytes for [0-9]* bytes of moments" "$tmp/sg100.log" &&
+    grep -q "Give sub_group_size 1024 or more" "$tmp/sg100.log" && cmp -s <(losses "$tmp/ref.jsonl") <(losses "$tmp/sg100.jsonl"); then
+  pass "sub_group_size 100: the padding of each record said with the file's and the state's bytes; 5 losses bitwise"
+else
+  fail "sub_group_size 100 (exit $rc)" "$(grep -i "sub_group\|error" "$tmp/sg100.log" | head -5)"
+fi
+
 summary

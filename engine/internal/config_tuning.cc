@@ -181,6 +181,12 @@ std::vector<std::pair<std::string, std::string>> tuning_problems(const Config& c
                          "before their sum: remat sums them, then divides once by the data-parallel size; set it to "
                          "1.0 or remove it"));
   }
+  if (t.sub_group_size && *t.sub_group_size < 1 && c.zero_optimization.offload_optimizer.on_nvme()) {
+    out.emplace_back("zero_optimization.sub_group_size",
+                     str("'zero_optimization.sub_group_size' = ", *t.sub_group_size, " with offload_optimizer "
+                         "device \"nvme\": the optimizer state is stepped in sub-groups of that many elements; set "
+                         "1024 or more (e.g. 1e6; DeepSpeed's default 1e9), or remove it"));
+  }
   for (const auto& key : kOldOffloadKeys) {
     const auto& value = t.*key.value;
     if (!value) continue;

@@ -50,7 +50,12 @@ NvmeOptimizerStore::NvmeOptimizerStore(NvmeStoreOptions options) : options_(std:
   path_ = (std::filesystem::path(options_.folder) / ("rank" + std::to_string(options_.rank) + ".optimizer")).string();
   AsyncIoOptions io = options_.io;
   io.preallocate = true;  // a disk too small fails here, not in a step
-  file_ = std::make_unique<AsyncFile>(path_, std::max<uint64_t>(offset, align), io);
+  try {
+    file_ = std::make_unique<AsyncFile>(path_, std::max<uint64_t>(offset, align), io);
+  } catch (...) {
+    ::unlink(path_.c_str());  // made, but not sized (a disk too small): the destructor will not run
+    throw;
+  }
 }
 
 NvmeOptimizerStore::~NvmeOptimizerStore() {
