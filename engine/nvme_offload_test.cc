@@ -87,7 +87,9 @@ TrainedRun train(const NvmeSetup& s, const std::string& from = "", const std::st
   if (!from.empty()) engine->load_checkpoint(from);
   const bool nvme = s.device == parallel::OffloadDevice::kNvme;
   EXPECT_EQ(parallel::nvme_optimizer_stats(engine->optimizer()).has_value(), nvme);
-  if (nvme) EXPECT_TRUE(optim::optimizer_state_tensors(engine->optimizer()).empty()) << "no state in memory";
+  if (nvme) {
+    EXPECT_TRUE(optim::optimizer_state_tensors(engine->optimizer()).empty()) << "no state in memory";
+  }
   return remat::testing::train_to(*engine, model, *layout, o.vocab_size, s.steps, s.micro_steps, {save_to, save_at});
 }
 
