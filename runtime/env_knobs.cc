@@ -22,6 +22,13 @@ bool all_digits(const std::string& s, size_t from, size_t to) {
                         ": ", rule.advice));
 }
 
+// `name`'s whole number within [min, max], or nullopt when it is unset or empty.
+std::optional<int64_t> optional_whole(const char* name, int64_t min, int64_t max, const NumberRule& rule) {
+  auto value = get(name);
+  if (!value) return std::nullopt;
+  return parse_whole(name, *value, min, max, rule);
+}
+
 }  // namespace
 
 std::optional<std::string> get(const char* name) {
@@ -93,43 +100,33 @@ std::optional<std::chrono::milliseconds> fault_save_pause() {
 }
 
 std::optional<int64_t> fault_save_fail() {
-  auto value = get(kFaultSaveFail);
-  if (!value) return std::nullopt;
-  return parse_whole(kFaultSaveFail, *value, 0, 65535,
-                     {"a rank, a whole number from 0 to 65535",
-                      "it makes that rank's save fail, for tests; unset it outside tests"});
+  return optional_whole(kFaultSaveFail, 0, 65535,
+                        {"a rank, a whole number from 0 to 65535",
+                         "it makes that rank's save fail, for tests; unset it outside tests"});
 }
 
 std::optional<int64_t> fault_export_rename(const char* name) {
-  auto value = get(name);
-  if (!value) return std::nullopt;
-  return parse_whole(name, *value, 1, 1000000,
-                     {"a whole number from 1 (the rename it hits)",
-                      "it makes a sharded export's rename fail, for tests; unset it outside tests"});
+  return optional_whole(name, 1, 1000000,
+                        {"a whole number from 1 (the rename it hits)",
+                         "it makes a sharded export's rename fail, for tests; unset it outside tests"});
 }
 
 std::optional<int64_t> fault_nvme_step(const char* name) {
-  auto value = get(name);
-  if (!value) return std::nullopt;
-  return parse_whole(name, *value, 1, 1000000,
-                     {"a whole number from 1 (the optimizer step it hits)",
-                      "it makes offload_optimizer nvme's step fail, for tests; unset it outside tests"});
+  return optional_whole(name, 1, 1000000,
+                        {"a whole number from 1 (the optimizer step it hits)",
+                         "it makes offload_optimizer nvme's step fail, for tests; unset it outside tests"});
 }
 
 std::optional<int64_t> memory_per_rank_bytes() {
-  auto value = get(kMemoryPerRankBytes);
-  if (!value) return std::nullopt;
-  return parse_whole(kMemoryPerRankBytes, *value, 1, std::numeric_limits<int64_t>::max(),
-                     {"a whole number of bytes > 0",
-                      "give the bytes each rank may use, or unset it to read them from the host"});
+  return optional_whole(kMemoryPerRankBytes, 1, std::numeric_limits<int64_t>::max(),
+                        {"a whole number of bytes > 0",
+                         "give the bytes each rank may use, or unset it to read them from the host"});
 }
 
 std::optional<int64_t> omp_num_threads() {
-  auto value = get(kOmpNumThreads);
-  if (!value) return std::nullopt;
-  return parse_whole(kOmpNumThreads, *value, 1, std::numeric_limits<int64_t>::max(),
-                     {"a whole number of threads >= 1",
-                      "give the intra-op threads each rank may run, or unset it to share the cores out"});
+  return optional_whole(kOmpNumThreads, 1, std::numeric_limits<int64_t>::max(),
+                        {"a whole number of threads >= 1",
+                         "give the intra-op threads each rank may run, or unset it to share the cores out"});
 }
 
 bool reduce_progress_in_hooks() {
