@@ -50,6 +50,7 @@ struct NvmeSetup {
   int micro_steps = 1;
   int hybrid = 0;
   int ranks = 0;  // the first `ranks` ranks train (0: all)
+  std::vector<std::string> frozen;  // parameters made requires_grad false before initialize
 };
 
 Config config_of(const NvmeSetup& s) {
@@ -81,6 +82,7 @@ TrainedRun train(const NvmeSetup& s, const std::string& from = "", const std::st
   models::GptOptions o = remat::testing::small_gpt(29, 3, /*dropout=*/0.1);
   at::manual_seed(9);
   models::Gpt model(o);
+  for (const auto& name : s.frozen) model->named_parameters()[name].requires_grad_(false);
   EngineOptions options;
   options.layout = layout;
   auto engine = initialize(model, config_of(s), options);
@@ -141,6 +143,33 @@ TEST(NvmeOptimizer, AdamTrainsBitwiseAsCpuAndSgdIsRefused) {
   const std::string e = testing::error_of<ConfigError>([&] { train(s); });
   EXPECT_NE(e.find("optimizer.type is \"SGD\": use AdamW or Adam with it, or offload_optimizer.device \"cpu\""),
             std::string::npos) << e;
+}
+
+// Frozen parameters are handed through and never stepped (no state on disk
+// for them), the others bitwise as with "cpu"; the frozen ones unchanged.
+TEST(NvmeOptimizer, FrozenParametersAreNotSteppedAndTheRestAsCpu) {
+  const std::string path = nvme_dir("frozen");
+  for (int stage : {1, 3}) {
+    for (bool bf16 : {false, true}) {
+      NvmeSetup s;
+      s.stage = stage;
+      s.bf16 = bf16;
+      s.nvme_path = path;
+      s.frozen = {"pos_emb.weight", "blocks.1.ln1.weight"};
+      s.device = parallel::OffloadDevice::kCpu;
+      const TrainedRun cpu = train(s);
+      s.device = parallel::OffloadDevice::kNvme;
+      const TrainedRun nvme = train(s);
+      const std::string what = str("stage ", stage, bf16 ? " bf16" : " float32", ", frozen");
+      expect_same(cpu, nvme, what);
+      at::manual_seed(9);
+      models::Gpt fresh(remat::testing::small_gpt(29, 3, /*dropout=*/0.1));
+      for (const auto& name : s.frozen) {
+        EXPECT_TRUE(at::equal(nvme.final_params.at(name).to(at::kFloat), fresh->named_parameters()[name].detach()))
+            << what << ": " << name << " was stepped";
+      }
+    }
+  }
 }
 
 // The metrics count no optimizer state in memory and the state file's bytes
