@@ -153,22 +153,11 @@ std::vector<Field> bf16_fields() {
 // recognises but refuses.
 using AC = ActivationCheckpointingOptions;
 
-// An offload section's device: "nvme" refused with DeepSpeed's other NVMe
-// keys (nvme_key), so that every NVMe problem is in one error.
-template <typename O>
-Field offload_device(const char* section) {
-  Field device = enum_leaf("device", &O::device, parallel::offload_device_names());
-  device.value_refusal = [section = std::string(section)](const std::string&, const json& value) {
-    return value == "nvme" ? parallel::offload_device_problem(section, parallel::OffloadDevice::kNvme) : "";
-  };
-  return device;
-}
-
 // zero_optimization.offload_optimizer: DeepSpeed's pipeline tuning accepted,
 // nvme_path and the pipeline switches read (they matter with device "nvme").
 std::vector<Field> offload_optimizer_fields() {
   using O = parallel::OffloadOptimizerOptions;
-  return {offload_device<O>("offload_optimizer"),
+  return {enum_leaf("device", &O::device, parallel::offload_device_names()),
           leaf("pin_memory", &O::pin_memory),
           leaf("buffer_count", &O::buffer_count),
           leaf("fast_init", &O::fast_init),
@@ -180,16 +169,15 @@ std::vector<Field> offload_optimizer_fields() {
 }
 
 // zero_optimization.offload_param (stage 3): DeepSpeed's buffer tuning
-// accepted (logged), nvme_path asking for nothing while the device is not "nvme".
+// accepted (logged), max_in_cpu and nvme_path read (they matter with device "nvme").
 std::vector<Field> offload_param_fields() {
   using O = parallel::OffloadParamOptions;
-  return {offload_device<O>("offload_param"),
+  return {enum_leaf("device", &O::device, parallel::offload_device_names()),
           leaf("pin_memory", &O::pin_memory),
           leaf("buffer_count", &O::buffer_count),
           leaf("buffer_size", &O::buffer_size),
           leaf("max_in_cpu", &O::max_in_cpu),
-          deepspeed_keys::nvme_key("nvme_path", nullptr, "it configures offload to NVMe, and remat offloads "
-                                                          "parameters to host memory only")};
+          optional_leaf("nvme_path", &O::nvme_path)};
 }
 
 const std::vector<Field>& base_schema() {

@@ -236,37 +236,48 @@ TEST(DeepSpeedKeys, AioSectionIsReadAndChecked) {
               HasSubstr("config error in --set aio.queue_depth=0: aio.queue_depth 0 is not in [1, 4096]"));
 }
 
-// Item 12 and issue 53: the optimizer's offload to NVMe is read with its
-// folder and pipeline switches; offload_param's stays refused, and every
-// NVMe problem (its device, its nvme_path) is in one error, not one a run.
+// Item 12 and issue 53: both offloads to NVMe are read with their folders,
+// max_in_cpu and the pipeline switches; every NVMe problem (a device without
+// its nvme_path, too few buffers, a stage that cannot take it) is in one
+// error, not one a run.
 TEST(DeepSpeedKeys, EveryNvmeProblemIsInOneError) {
   const std::string msg = config_error([] {
     parse(R"({"aio": {"block_size": 1048576},
               "zero_optimization": {"stage": 3,
-                "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pipeline_read": true},
-                "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}}})");
+                "offload_optimizer": {"device": "nvme", "buffer_count": 1, "pipeline_read": true},
+                "offload_param": {"device": "nvme"}}})");
   });
-  EXPECT_THAT(msg, HasSubstr("config error in test.json: 2 problems (nothing was applied):"));
+  EXPECT_THAT(msg, HasSubstr("config error in test.json: 3 problems (nothing was applied):"));
   for (const char* want : {
-           "'zero_optimization.offload_param.device' = \"nvme\": offload of parameters to NVMe is being built "
-           "(remat issue 53) and not yet available; set it to \"cpu\", which keeps the parameter shards",
-           "'zero_optimization.offload_param.nvme_path' = \"/local_nvme\"",
+           "'zero_optimization.offload_optimizer.device' = \"nvme\" needs 'zero_optimization.offload_optimizer."
+           "nvme_path'",
+           "'zero_optimization.offload_optimizer.buffer_count' = 1 with device \"nvme\"",
+           "'zero_optimization.offload_param.device' = \"nvme\" needs 'zero_optimization.offload_param.nvme_path': "
+           "a folder on a fast local disk where each rank keeps its parameter shards",
        }) {
     EXPECT_THAT(msg, HasSubstr(want)) << msg;
   }
-  EXPECT_THAT(msg, Not(HasSubstr("offload_optimizer"))) << msg;
   // The aio section is read whatever the devices say: not among the problems.
   EXPECT_THAT(msg, Not(HasSubstr("'aio")));
   const Config c = parse(R"({"aio": {"queue_depth": 16}, "zero_optimization": {"stage": 3, "sub_group_size": 4096,
-      "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pipeline_read": true}}})");
+      "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pipeline_read": true},
+      "offload_param": {"device": "nvme", "nvme_path": "/other_nvme", "max_in_cpu": 1e6}}})");
   EXPECT_EQ(*c.zero_optimization.offload_optimizer.nvme_path, "/local_nvme");
+  EXPECT_EQ(*c.zero_optimization.offload_param.nvme_path, "/other_nvme");
+  EXPECT_EQ(c.zero_optimization.offload_param.max_in_cpu, 1000000);
+  EXPECT_TRUE(c.zero_optimization.offload_param.on_nvme());
   // With device "nvme" the aio section and sub_group_size take effect: not said to have none.
   EXPECT_THAT(warnings_of(c), Not(HasSubstr("aio (")));
   EXPECT_THAT(warnings_of(c), Not(HasSubstr("sub_group_size = 4096 has no effect")));
-  // Through --set: offload_param's device "nvme" is named with the override.
-  EXPECT_THAT(config_error([] { parse("{}", {"zero_optimization.offload_param.device=nvme"}); }),
-              HasSubstr("config error in --set zero_optimization.offload_param.device=nvme: "
-                        "'zero_optimization.offload_param.device' = \"nvme\""));
+  // offload_param's "nvme" at stage 2 is named with the override that set it.
+  EXPECT_THAT(config_error([] {
+                parse(R"({"zero_optimization": {"stage": 2}})",
+                      {"zero_optimization.offload_param.device=nvme", "zero_optimization.offload_param.nvme_path=/x"});
+              }),
+              HasSubstr("'zero_optimization.offload_param.device' = \"nvme\" needs stage 3"));
+  // nvme_path beside device "cpu" or "none" asks for nothing (DeepSpeed reads it only with "nvme").
+  EXPECT_NO_THROW(parse(R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu",
+      "nvme_path": "/local_nvme"}}})"));
 }
 
 // Item 12: keys whose "true" asks for nothing remat's results depend on are

@@ -109,6 +109,10 @@ struct MemoryEstimateRow {
   // run's metrics report as nvme_state_bytes); host_optimizer_bytes then
   // counts the buffers in place of the moments.
   int64_t disk_bytes = 0;
+  // offload_param.device "nvme", stage 3's rows: the parameter shards' bytes
+  // in its file (a run's nvme_parameter_bytes), past the max_in_cpu elements
+  // kept in host memory (host_parameter_bytes then counts those alone).
+  int64_t disk_parameter_bytes = 0;
   // zero_optimization.offload_param.device cpu, stage 3's rows: the float32
   // parameter shards (trained and frozen) and their gradients on the host
   // (a run's host_parameter_bytes) and, with the optimizer not offloaded,

@@ -115,6 +115,9 @@ std::string MemoryEstimate::line() const {
                               : std::string(),
              r.host_parameter_bytes > 0 ? str("; the parameter shards on the host: ", mib(r.host_parameter_bytes), " MiB")
                                         : std::string(),
+             r.disk_parameter_bytes > 0
+                 ? str("; the parameter shards on disk (offload_param.nvme_path): ", mib(r.disk_parameter_bytes), " MiB")
+                 : std::string(),
              async_save ? str("; a background save's snapshot on the host: ", mib(r.save_snapshot_bytes), " MiB")
                         : std::string(),
              " (ZeRO stage ", r.stage, r.hybrid ? " hybrid" : "", ", ", r.policy, r.plan.empty() ? "" : " ", r.plan,
@@ -134,6 +137,7 @@ nlohmann::json MemoryEstimate::to_json() const {
                          {"host_optimizer_bytes", r.host_optimizer_bytes},
                          {"offload_optimizer_peak_bytes", r.offload_optimizer_peak_bytes}});
     if (r.disk_bytes > 0) rows_json.back()["disk_bytes"] = r.disk_bytes;
+    if (r.disk_parameter_bytes > 0) rows_json.back()["disk_parameter_bytes"] = r.disk_parameter_bytes;
     // Written only when the config offloads: other estimates' keys stay as they are.
     if (offload_param) rows_json.back()["host_parameter_bytes"] = r.host_parameter_bytes;
     if (offload_param || offload_optimizer) rows_json.back()["no_offload_peak_bytes"] = r.no_offload_peak_bytes;

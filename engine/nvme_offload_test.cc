@@ -1,5 +1,7 @@
 // zero_optimization.offload_optimizer.device "nvme" through the engine (issue
-// 53, item 1), under mpirun at 1 and 2 ranks: the Adam moments in a file per
+// 53, item 1), and offload_param.device "nvme" (item 2: stage 3's shards
+// mapped from a file per rank; at the end of this file), under mpirun at 1
+// and 2 ranks: the Adam moments in a file per
 // rank under nvme_path, stepped in sub-groups through host buffers. Losses
 // and final weights bitwise those of device "cpu" at stages 1-3 and hybrid,
 // float32 and bf16, accumulation, clipping, AdamW and Adam; saves read the
@@ -51,6 +53,11 @@ struct NvmeSetup {
   int hybrid = 0;
   int ranks = 0;  // the first `ranks` ranks train (0: all)
   std::vector<std::string> frozen;  // parameters made requires_grad false before initialize
+  // offload_param (stage 3): the shards' device, and with "nvme" its folder
+  // and the elements kept in memory.
+  parallel::OffloadDevice param_device = parallel::OffloadDevice::kNone;
+  std::string param_path;
+  int64_t max_in_cpu = 0;
 };
 
 Config config_of(const NvmeSetup& s) {
@@ -68,6 +75,9 @@ Config config_of(const NvmeSetup& s) {
   c.zero_optimization.stage3_param_persistence_threshold = 40;
   c.zero_optimization.hybrid_shard_size = s.hybrid;
   c.zero_optimization.offload_optimizer.device = s.device;
+  c.zero_optimization.offload_param.device = s.param_device;
+  if (!s.param_path.empty()) c.zero_optimization.offload_param.nvme_path = s.param_path;
+  c.zero_optimization.offload_param.max_in_cpu = s.max_in_cpu;
   c.zero_optimization.offload_optimizer.nvme_path = s.nvme_path;
   c.zero_optimization.offload_optimizer.buffer_count = 3;
   c.deepspeed_tuning.sub_group_size = 1000;  // many sub-groups, each across parameters' ends
@@ -87,7 +97,7 @@ TrainedRun train(const NvmeSetup& s, const std::string& from = "", const std::st
   options.layout = layout;
   auto engine = initialize(model, config_of(s), options);
   if (!from.empty()) engine->load_checkpoint(from);
-  const bool nvme = s.device == parallel::OffloadDevice::kNvme;
+  const bool nvme = s.device == parallel::OffloadDevice::kNvme && s.stage > 0;
   EXPECT_EQ(parallel::nvme_optimizer_stats(engine->optimizer()).has_value(), nvme);
   if (nvme) {
     EXPECT_TRUE(optim::optimizer_state_tensors(engine->optimizer()).empty()) << "no state in memory";
@@ -344,6 +354,175 @@ TEST(NvmeOptimizer, SubGroupSizeBelowOneIsAConfigError) {
   }
   EXPECT_EQ(*parse_config(R"({"zero_optimization": {"stage": 2, "sub_group_size": 0}})", "<nvme_offload_test>")
                  .deepspeed_tuning.sub_group_size, 0) << "without nvme it changes nothing, and is taken";
+}
+
+// ---------------------------------------------------------------------------
+// offload_param.device "nvme": the shards mapped from a file under nvme_path.
+
+NvmeSetup param_setup(const std::string& path, parallel::OffloadDevice params) {
+  NvmeSetup s;
+  s.stage = 3;
+  s.device = parallel::OffloadDevice::kNone;
+  s.nvme_path = path;
+  s.param_device = params;
+  s.param_path = path;
+  return s;
+}
+
+// Bitwise as "cpu": float32 and bf16, accumulation, the optimizer on the
+// device, the host or the disk beside, frozen parameters, and max_in_cpu
+// keeping the first units' shards in memory; the shards' bytes are on disk,
+// not in host memory, and the file goes with the engine.
+TEST(NvmeParameters, Stage3TrainsBitwiseAsCpu) {
+  using D = parallel::OffloadDevice;
+  const std::string path = nvme_dir("params");
+  struct Case {
+    bool bf16;
+    int micro;
+    D optimizer;
+    int64_t max_in_cpu;
+    bool frozen;
+  };
+  const Case cases[] = {{false, 1, D::kNone, 0, false}, {true, 2, D::kNone, 0, false},
+                        {false, 2, D::kCpu, 0, false},  {true, 1, D::kNvme, 0, false},
+                        {false, 1, D::kNvme, 700, true}};
+  for (const Case& c : cases) {
+    NvmeSetup s = param_setup(path, D::kCpu);
+    s.bf16 = c.bf16;
+    s.micro_steps = c.micro;
+    s.device = c.optimizer;
+    s.max_in_cpu = c.max_in_cpu;
+    if (c.frozen) s.frozen = {"pos_emb.weight", "blocks.1.ln1.weight"};
+    const std::string what = str(c.bf16 ? "bf16" : "float32", ", micro-steps ", c.micro, ", optimizer on ",
+                                 parallel::offload_device_names()[static_cast<int>(c.optimizer)], ", max_in_cpu ",
+                                 c.max_in_cpu, c.frozen ? ", frozen" : "");
+    const TrainedRun cpu = train(s);
+    s.param_device = D::kNvme;
+    const TrainedRun nvme = train(s);
+    expect_same(cpu, nvme, what);
+    EXPECT_LT(nvme.losses.back(), nvme.losses.front()) << what << ": trains";
+    const nlohmann::json& m = nvme.metrics.back();
+    const int64_t on_disk = m.at("nvme_parameter_bytes").get<int64_t>();
+    const int64_t held = cpu.metrics.back().at("host_parameter_bytes").get<int64_t>();
+    EXPECT_GT(on_disk, 0) << what;
+    // The shards left host memory (each page-padded on disk); what stays is
+    // their gradients and the shards within max_in_cpu.
+    EXPECT_LT(m.at("host_parameter_bytes").get<int64_t>(), held) << what;
+    EXPECT_GE(on_disk + m.at("host_parameter_bytes").get<int64_t>(), held) << what;
+    EXPECT_EQ(cpu.metrics.back().count("nvme_parameter_bytes"), 0u) << "a run without it keeps its keys";
+    const fs::path mine = fs::path(path) / "remat-parameters" / str("rank", world()->rank());
+    EXPECT_TRUE(fs::exists(mine / "lock")) << what;
+    EXPECT_FALSE(fs::exists(mine / str("rank", world()->rank(), ".parameters"))) << what << ": the file is removed";
+  }
+}
+
+// Saves read the shards from the file and a resume writes them back: resumed
+// at step 2 of 4 equals the run that never stopped, across nvme, cpu and
+// none, and a 2-rank nvme save resumed at 1 rank equals the cpu save's.
+TEST(NvmeParameters, SavesResumeAcrossNvmeCpuAndNone) {
+  using D = parallel::OffloadDevice;
+  const std::string path = nvme_dir("param_saves");
+  const NvmeSetup whole = param_setup(path, D::kCpu);
+  const TrainedRun reference = train(whole);
+  const std::pair<D, D> pairs[] = {{D::kNvme, D::kNvme}, {D::kNvme, D::kNone}, {D::kNone, D::kNvme},
+                                   {D::kCpu, D::kNvme}};
+  for (const auto& [saved, resumed] : pairs) {
+    const std::string what = str(parallel::offload_device_names()[static_cast<int>(saved)], " -> ",
+                                 parallel::offload_device_names()[static_cast<int>(resumed)]);
+    const std::string dir = job_dir("remat_nvme_param_save_", "s");
+    NvmeSetup first = whole;
+    first.param_device = saved;
+    first.steps = 2;
+    train(first, "", dir, 2);
+    NvmeSetup second = whole;
+    second.param_device = resumed;
+    const TrainedRun rest = train(second, dir);
+    ASSERT_EQ(rest.losses.size(), 2u) << what;
+    for (size_t i = 0; i < 2; ++i) EXPECT_EQ(rest.losses[i], reference.losses[i + 2]) << what << ", step " << i + 3;
+    for (const auto& [name, value] : reference.final_params) {
+      EXPECT_TRUE(at::equal(value, rest.final_params.at(name))) << what << ": " << name;
+    }
+  }
+  if (world()->size() > 1) {
+    const std::string nvme_save = job_dir("remat_nvme_param_save_", "dp_nvme");
+    const std::string cpu_save = job_dir("remat_nvme_param_save_", "dp_cpu");
+    NvmeSetup first = whole;
+    first.steps = 2;
+    first.param_device = D::kNvme;
+    train(first, "", nvme_save, 2);
+    first.param_device = D::kCpu;
+    train(first, "", cpu_save, 2);
+    NvmeSetup one = whole;
+    one.ranks = 1;
+    one.param_device = D::kNvme;
+    const TrainedRun from_nvme = train(one, nvme_save);
+    one.param_device = D::kCpu;
+    const TrainedRun from_cpu = train(one, cpu_save);
+    if (world()->rank() == 0) expect_same(from_cpu, from_nvme, "2 ranks -> 1");
+  }
+}
+
+// The folder's faults name offload_param's key; a crashed run's file is
+// removed; a disk too small for the shards stops every rank at start.
+TEST(NvmeParameters, FolderFaultsAreClearAndLeftoversRemoved) {
+  using D = parallel::OffloadDevice;
+  const std::string path = nvme_dir("param_faults");
+  NvmeSetup s = param_setup(path + "/missing", D::kNvme);
+  s.steps = 1;
+  std::string e = testing::error_of<ConfigError>([&] { train(s); });
+  EXPECT_NE(e.find("zero_optimization.offload_param.nvme_path '" + path + "/missing' does not exist on rank"),
+            std::string::npos) << e;
+  EXPECT_NE(e.find("each rank keeps its parameter shards under it"), std::string::npos) << e;
+  s.param_path = "";
+  e = testing::error_of<ConfigError>([&] { train(s); });
+  EXPECT_NE(e.find("needs 'zero_optimization.offload_param.nvme_path'"), std::string::npos) << e;
+  s.param_path = path;
+  s.stage = 2;
+  e = testing::error_of<ConfigError>([&] { train(s); });
+  EXPECT_NE(e.find("'zero_optimization.offload_param.device' = \"nvme\" needs stage 3"), std::string::npos) << e;
+  s.stage = 3;
+
+  const fs::path rank0 = fs::path(path) / "remat-parameters" / "rank0";
+  int fd = -1;
+  if (world()->rank() == 0) {
+    fs::create_directories(rank0);
+    fd = ::open((rank0 / "lock").c_str(), O_RDWR | O_CREAT, 0644);
+    ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);
+  }
+  world()->barrier()->wait();
+  e = testing::error_of<ConfigError>([&] { train(s); });
+  EXPECT_NE(e.find("zero_optimization.offload_param.nvme_path '" + path + "' is in use by another job: rank 0's "
+                   "folder '" + rank0.string() + "' is locked"), std::string::npos) << e;
+  if (fd >= 0) ::close(fd);
+
+  if (world()->rank() == 0) {
+    std::ofstream(rank0 / "rank0.parameters") << "stale shards";
+    std::ofstream(rank0 / "notes.txt") << "mine";
+  }
+  world()->barrier()->wait();
+  EXPECT_EQ(train(s).losses.size(), 1u);
+  if (world()->rank() == 0) {
+    EXPECT_FALSE(fs::exists(rank0 / "rank0.parameters")) << "the crashed run's file is removed, and the run's own";
+    EXPECT_TRUE(fs::exists(rank0 / "notes.txt")) << "a file remat did not write is not removed";
+  }
+
+  // Rank 0's disk cannot hold the shards (a file-size limit: EFBIG, as ENOSPC
+  // would be): every rank stops at start with rank 0's reason.
+  ::signal(SIGXFSZ, SIG_IGN);
+  rlimit cap{4096, RLIM_INFINITY};
+  if (world()->rank() == 0) {
+    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &cap), 0);
+  }
+  e = testing::error_of<ConfigError>([&] { train(s); });
+  rlimit none{RLIM_INFINITY, RLIM_INFINITY};
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &none), 0);
+  EXPECT_NE(e.find("rank 0 cannot reserve"), std::string::npos) << e;
+  EXPECT_NE(e.find("for its parameter shards in '" + rank0.string() + "/rank0.parameters' (File too large)"),
+            std::string::npos) << e;
+  if (world()->size() > 1) {
+    EXPECT_NE(e.find("(placing the parameter shards on NVMe failed on rank 0 of 2; every rank stops with this "
+                     "error)"), std::string::npos) << e;
+  }
 }
 
 }  // namespace

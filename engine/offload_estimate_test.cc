@@ -39,6 +39,9 @@ struct Case {
   int64_t accumulation = 1;   // gradient_accumulation_steps
   int64_t persistence = 40;   // zero_optimization.stage3_param_persistence_threshold
   bool nvme = false;          // offload_optimizer.device "nvme" (with `offload`)
+  // offload_param.device "nvme" (with `offload_param`), max_in_cpu elements in memory.
+  bool nvme_param = false;
+  int64_t max_in_cpu = 0;
 };
 
 // One folder for every rank of this test (the config must be the same on
@@ -70,6 +73,11 @@ Config config_of(const Case& s) {
     c.zero_optimization.offload_optimizer.nvme_path = nvme_path();
     c.zero_optimization.offload_optimizer.buffer_count = 3;
     c.deepspeed_tuning.sub_group_size = 1000;  // several sub-groups, the last one short
+  }
+  if (s.offload_param && s.nvme_param) {
+    c.zero_optimization.offload_param.device = parallel::OffloadDevice::kNvme;
+    c.zero_optimization.offload_param.nvme_path = nvme_path();
+    c.zero_optimization.offload_param.max_in_cpu = s.max_in_cpu;
   }
   if (s.device_budget > 0) {
     c.activation_checkpointing.variant = CheckpointVariant::kAuto;
@@ -278,6 +286,45 @@ TEST(OffloadEstimate, ParameterShardsOnTheHostAreTheRuns) {
       EXPECT_GT(on_device.parameter_bytes, row.parameter_bytes) << what;
       EXPECT_FALSE(p.to_json().at("rows").at(0).contains("host_parameter_bytes")) << what;
     }
+  }
+}
+
+// offload_param.device "nvme": the shards past max_in_cpu on disk, each
+// unit's page-padded: the estimate's disk_parameter_bytes and
+// host_parameter_bytes are the run's nvme_parameter_bytes and
+// host_parameter_bytes (the shards kept in memory and every gradient), with
+// the optimizer on the host or on disk beside (its host_optimizer_bytes the
+// run's too). At 1 rank to the byte; at 2 the run pads each unit's flat
+// buffer, the estimate each parameter: a page a shard apart at most.
+TEST(OffloadEstimate, ParameterShardsOnDiskAreTheRuns) {
+  const bool one = world()->size() == 1;
+  for (const auto& [max_in_cpu, nvme] : {std::pair<int64_t, bool>{0, false}, {1500, true}}) {
+    Case s;
+    s.stage = 3;
+    s.offload_param = true;
+    s.nvme_param = true;
+    s.max_in_cpu = max_in_cpu;
+    s.nvme = nvme;
+    const std::string what = str("max_in_cpu ", max_in_cpu, nvme ? ", the optimizer on disk" : ", on the host");
+    const Trained run = train(s, 2);
+    const MemoryEstimate estimate = estimate_of(s);
+    const MemoryEstimateRow& row = estimate.configured();
+    const double page_slack = one ? 0.0 : 4096.0 * 8;
+    EXPECT_NEAR(static_cast<double>(row.disk_parameter_bytes),
+                static_cast<double>(run.metrics.at("nvme_parameter_bytes").get<int64_t>()), page_slack) << what;
+    EXPECT_NEAR(static_cast<double>(row.host_parameter_bytes),
+                static_cast<double>(run.metrics.at("host_parameter_bytes").get<int64_t>()), one ? 0.0 : 16.0 * 64)
+        << what;
+    EXPECT_NEAR(static_cast<double>(row.host_optimizer_bytes),
+                static_cast<double>(run.metrics.at("host_optimizer_bytes").get<int64_t>()), one ? 0.0 : 3 * 8192.0)
+        << what;
+    EXPECT_GT(row.disk_parameter_bytes, 0) << what;
+    Case on_host = s;
+    on_host.nvme_param = false;
+    const MemoryEstimate held = estimate_of(on_host);
+    const MemoryEstimateRow& cpu = held.configured();
+    EXPECT_EQ(cpu.disk_parameter_bytes, 0) << what;
+    EXPECT_LT(row.host_parameter_bytes, cpu.host_parameter_bytes) << what << ": the shards left the host";
   }
 }
 

@@ -42,6 +42,11 @@ struct StepMetrics {
   // gradients held in host memory. Written only when `offload_param`.
   bool offload_param = false;
   int64_t host_parameter_bytes = 0;
+  // offload_param.device "nvme": the shards' bytes in the file on disk (those
+  // within max_in_cpu, and the gradients, are in host_parameter_bytes).
+  // Written only when `nvme_parameters`.
+  bool nvme_parameters = false;
+  int64_t nvme_parameter_bytes = 0;
   // offload_optimizer.device "nvme": the state file's bytes on disk, and the
   // bytes the step read and wrote there and how long it took (the host
   // buffers are in host_optimizer_bytes). Written only when `nvme_optimizer`.

@@ -23,6 +23,7 @@
 #include "nn/saved_tensors_hooks.h"
 #include "parallel/layers.h"
 #include "parallel/nvme_optimizer.h"
+#include "parallel/nvme_parameters.h"
 #include "parallel/zero.h"
 #include "rng/rng_tracker.h"
 #include "runtime/agreement.h"
@@ -294,7 +295,19 @@ void Engine::Impl::wire_sharding(torch::nn::Module& model, const Config& config,
   // wire_loss_scaling; its test seam keeps float32 compute).
   const bool fp16 = config.fp16.enabled && !options.fp16_scaler_at_float32;
   const parallel::MixedPrecision mixed = parallel::mixed_precision(config.bf16, fp16);
-  zero = std::make_unique<parallel::ZeroModel>(model, units, layout->dp_group(), zero_options, mixed, sharded);
+  // offload_param "nvme": each rank's folder opened (and locked) before any
+  // collective, so that a problem on one rank stops every rank here.
+  std::shared_ptr<parallel::NvmeParameterFile> nvme_parameters;
+  // (Without nvme_path, ZeroModel's check of its options says what is missing.)
+  if (zero_options.stage == 3 && zero_options.offload_param.on_nvme() &&
+      !zero_options.offload_param.nvme_path.value_or("").empty()) {
+    agree_on_outcome(*world, "opening the NVMe parameter file", [&] {
+      nvme_parameters = std::make_shared<parallel::NvmeParameterFile>(parallel::NvmeParameterOptions{
+          zero_options.offload_param.nvme_path.value_or(""), world->rank(), zero_options.offload_param.max_in_cpu});
+    });
+  }
+  zero = std::make_unique<parallel::ZeroModel>(model, units, layout->dp_group(), zero_options, mixed, sharded,
+                                               nvme_parameters);
   if (zero_options.offload_optimizer.on_nvme()) {
     if (options.optimizer) {
       throw ConfigError("zero_optimization.offload_optimizer.device \"nvme\" keeps remat's Adam state on disk, and "
@@ -355,6 +368,7 @@ void Engine::Impl::wire_meter(torch::nn::Module& model, const Config& config) {
   targets.zero = zero.get();
   targets.optimizer = optimizer.get();
   targets.offload_param = config.zero_optimization.offload_param.enabled();
+  targets.nvme_parameters = config.zero_optimization.stage == 3 && config.zero_optimization.offload_param.on_nvme();
   targets.rank = world->rank();
   targets.trace_labels = {{"rank", world->rank()},
                           {"device", c10::DeviceTypeName(device, /*lower_case=*/true)},

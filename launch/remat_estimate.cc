@@ -28,10 +28,15 @@
 // zero_optimization.offload_optimizer, stage 3's parameter shards under
 // offload_param, offloaded activations) against
 // --host-memory (bytes per rank; default this host's physical memory over
-// the ranks); it exits 2 too when the host part does not fit.
+// the ranks); it exits 2 too when the host part does not fit. With
+// offload_optimizer or offload_param on "nvme", a disk line per nvme_path:
+// the bytes the ranks keep there against its free space here (exit 2 when
+// they do not fit; a path not on this machine is said and not checked).
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <torch/cuda.h>
+
+#include <sys/statvfs.h>
 
 #include <cerrno>
 #include <chrono>
@@ -40,6 +45,7 @@
 #include <fstream>
 #include <iostream>
 #include <functional>
+#include <map>
 #include <optional>
 #include <thread>
 
@@ -383,6 +389,41 @@ MemoryEstimateInputs estimate_inputs(const EstimateFlags& f, const Config& confi
   return inputs;
 }
 
+// The disk line of each nvme_path the configured row writes to: what this
+// machine's `ranks` ranks keep there against the free space it has (a path
+// not on this machine is said, not checked). Whether each fits.
+bool disk_verdicts(const Config& config, const MemoryEstimateRow& r, int ranks) {
+  std::map<std::string, std::pair<int64_t, std::string>> needs;  // path -> bytes per rank, what
+  const auto& z = config.zero_optimization;
+  if (r.disk_bytes > 0) {
+    auto& [bytes, what] = needs[z.offload_optimizer.nvme_path.value_or("")];
+    bytes += r.disk_bytes;
+    what = str("the Adam moments ", human_bytes(static_cast<double>(r.disk_bytes)));
+  }
+  if (r.disk_parameter_bytes > 0) {
+    auto& [bytes, what] = needs[z.offload_param.nvme_path.value_or("")];
+    bytes += r.disk_parameter_bytes;
+    what += str(what.empty() ? "" : " + ", "the parameter shards ", human_bytes(static_cast<double>(r.disk_parameter_bytes)));
+  }
+  bool fits = true;
+  for (const auto& [path, need] : needs) {
+    const double total = static_cast<double>(need.first) * ranks;
+    std::cout << "disk: nvme_path '" << path << "' holds " << need.second << " per rank, "
+              << human_bytes(total) << " for " << ranks << (ranks == 1 ? " rank" : " ranks");
+    struct statvfs fs {};
+    if (::statvfs(path.c_str(), &fs) != 0) {
+      std::cout << "; it is not on this machine (" << std::strerror(errno) << "), so its free space is not checked\n";
+      continue;
+    }
+    const double free = static_cast<double>(fs.f_bavail) * static_cast<double>(fs.f_frsize);
+    const bool here = total <= free;
+    fits &= here;
+    std::cout << "; it has " << human_bytes(free) << " free: "
+              << (here ? "fits" : "does not fit: free space there, or give nvme_path a larger disk") << "\n";
+  }
+  return fits;
+}
+
 // The fit lines under the table; false: the configuration does not fit.
 bool fit_verdicts(const EstimateFlags& f, const Config& config, const MemoryEstimate& e,
                   const MemoryEstimateInputs& inputs, const EstimateTarget& t) {
@@ -419,6 +460,7 @@ bool fit_verdicts(const EstimateFlags& f, const Config& config, const MemoryEsti
     }
     fits &= host_verdict(e, offloaded ? &offloaded->configured() : nullptr, inputs, t.have, host, host_source);
   }
+  fits &= disk_verdicts(config, e.configured(), ranks);
   return fits;
 }
 

@@ -2,19 +2,14 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
-#include <fcntl.h>
-#include <sys/file.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
-#include <unistd.h>
 
-#include <cerrno>
-#include <cstring>
-#include <filesystem>
 #include <map>
 #include <optional>
 
 #include "optim/optimizer.h"
+#include "parallel/internal/nvme_folder.h"
 #include "parallel/internal/nvme_optimizer_store.h"
 #include "runtime/env_knobs.h"
 #include "runtime/error.h"
@@ -24,70 +19,11 @@ namespace remat::parallel {
 
 namespace {
 
-namespace fs = std::filesystem;
-
-// This rank's folder under nvme_path, locked while the optimizer lives; what
-// a crashed run left in it is removed under the lock.
-class NvmeFolder {
- public:
-  NvmeFolder(const std::string& nvme_path, int rank) {
-    std::error_code ec;
-    const fs::file_status status = fs::status(nvme_path, ec);
-    if (!fs::is_directory(status)) {
-      const std::string what = status.type() == fs::file_type::not_found ? "does not exist"
-                               : fs::exists(status)                       ? "is not a folder"
-                                                                          : "cannot be opened (" + ec.message() + ")";
-      const bool tilde = !nvme_path.empty() && nvme_path[0] == '~';
-      throw ConfigError(str("zero_optimization.offload_optimizer.nvme_path '", nvme_path, "' ", what, " on rank ",
-                            rank, ": give a folder on a fast local disk (each rank keeps its optimizer state under it)",
-                            tilde ? "; remat does not expand '~': write the home folder out" : ""));
-    }
-    path_ = (fs::path(nvme_path) / "remat-optimizer" / ("rank" + std::to_string(rank))).string();
-    fs::create_directories(path_, ec);
-    const std::string lock = (fs::path(path_) / "lock").string();
-    fd_ = ec ? -1 : ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
-    if (fd_ < 0) {
-      const std::string why = ec ? ec.message() : std::strerror(errno);
-      throw ConfigError(str("zero_optimization.offload_optimizer.nvme_path '", nvme_path, "': rank ", rank,
-                            " cannot write its folder '", path_, "' (", why, "): give a folder this job can write"));
-    }
-    if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
-      ::close(fd_);
-      fd_ = -1;
-      throw ConfigError(str("zero_optimization.offload_optimizer.nvme_path '", nvme_path, "' is in use by another "
-                            "job: rank ", rank, "'s folder '", path_, "' is locked by it. Give each job its own "
-                            "nvme_path (two jobs sharing one would overwrite each other's optimizer state)"));
-    }
-    // Only what a run of this rank writes here (rank<R>.optimizer, and names
-    // it begins): anything else in the folder is the user's and stays.
-    const std::string mine = "rank" + std::to_string(rank) + ".optimizer";
-    for (const auto& entry : fs::directory_iterator(path_, ec)) {
-      if (entry.path().filename().string().rfind(mine, 0) != 0) continue;
-      std::error_code size_ec;
-      if (fs::is_directory(entry.symlink_status(size_ec))) continue;  // never made by remat
-      const auto bytes = entry.is_regular_file(size_ec) ? entry.file_size(size_ec) : 0;
-      fs::remove(entry.path(), size_ec);
-      log().warn("offload_optimizer nvme: removed '{}' ({} bytes), left by a run that ended without cleaning up",
-                 entry.path().string(), bytes);
-    }
-  }
-  ~NvmeFolder() {
-    if (fd_ >= 0) ::close(fd_);  // releases the lock
-  }
-  NvmeFolder(const NvmeFolder&) = delete;
-  NvmeFolder& operator=(const NvmeFolder&) = delete;
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-  int fd_ = -1;
-};
-
 // The state on disk, for AdamW and Adam alike.
 class NvmeState : public optim::ExternalState {
  public:
   NvmeState(const std::vector<at::Tensor>& params, const NvmeOptimizerOptions& nvme)
-      : folder_(nvme.nvme_path, nvme.rank) {
+      : folder_(nvme.nvme_path, nvme.rank, "offload_optimizer", "optimizer", "its optimizer state") {
     internal::NvmeStoreOptions options;
     options.folder = folder_.path();
     options.rank = nvme.rank;
@@ -189,7 +125,7 @@ class NvmeState : public optim::ExternalState {
                      store_->file_bytes(), store_->state_bytes(), floats, floats);
   }
 
-  NvmeFolder folder_;
+  internal::NvmeFolder folder_;
   std::vector<at::Tensor> trained_;
   std::map<const void*, size_t> index_;
   std::unique_ptr<internal::NvmeOptimizerStore> store_;  // after folder_: removed while the lock is held

@@ -14,9 +14,11 @@
 #include "parallel/internal/master_policy.h"
 #include "parallel/internal/sharding_strategy.h"
 #include "parallel/internal/zero_offload.h"
+#include "parallel/nvme_parameters.h"
 #include "runtime/communicator.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
+#include "runtime/outcome.h"
 
 namespace remat::parallel {
 
@@ -46,12 +48,40 @@ class CastInputsHook final : public ModuleHook {
   at::ScalarType dtype_;
 };
 
+// Every replica starts from data-parallel rank 0's weights, whatever each
+// rank initialised (another seed, another file): a rank that built its
+// model differently would otherwise train its own model.
+void start_from_rank0(torch::nn::Module& model, Communicator& dp) {
+  c10::NoGradGuard no_grad;
+  std::vector<std::shared_ptr<Work>> pending;
+  std::vector<at::Tensor> tensors;
+  for (const auto& p : model.parameters()) tensors.push_back(p.detach());
+  for (const auto& b : model.buffers()) tensors.push_back(b.detach());
+  for (auto& t : tensors) {
+    REMAT_CHECK(t.is_contiguous(), "ZeroModel: a parameter or buffer is not contiguous");
+    pending.push_back(dp.broadcast(t, {0}));
+  }
+  for (auto& w : pending) w->wait();
+}
+
+// offload_param "nvme" at stage 3 comes with its file, and nothing else does.
+void check_nvme_parameters(const ZeroOptions& config, const NvmeParameterFile* file) {
+  const bool params_on_nvme = config.stage == 3 && config.offload_param.on_nvme();
+  if (params_on_nvme == (file != nullptr)) return;
+  throw ConfigError(params_on_nvme ? "ZeroModel: zero_optimization.offload_param.device \"nvme\" keeps the shards "
+                                     "in a file the caller opens: pass a parallel::NvmeParameterFile (made with "
+                                     "this rank's nvme_path) as nvme_parameters"
+                                   : "ZeroModel: nvme_parameters given, but the shards are not on NVMe (stage 3 "
+                                     "with zero_optimization.offload_param.device \"nvme\"): leave it out");
+}
+
 }  // namespace
 
 ZeroModel::ZeroModel(torch::nn::Module& model,
                      const std::vector<std::shared_ptr<torch::nn::Module>>& units,
                      std::shared_ptr<Communicator> dp_group, const ZeroOptions& config,
-                     const MixedPrecision& mixed, std::vector<at::Tensor> sharded_tp)
+                     const MixedPrecision& mixed, std::vector<at::Tensor> sharded_tp,
+                     std::shared_ptr<NvmeParameterFile> nvme_parameters)
     : stage_(config.stage), optimizer_on_host_(optimizer_on_host(config)), model_(model), dp_group_(dp_group),
       sharded_tp_(std::move(sharded_tp)) {
   if (std::string bad = check_mixed_precision(mixed); !bad.empty()) throw ConfigError(bad);
@@ -70,24 +100,12 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
                      "(sharded within consecutive ranks, replicated across groups)",
                      config.stage, dp, hybrid, dp / hybrid);
   }
-  // Every replica starts from data-parallel rank 0's weights, whatever each
-  // rank initialised (another seed, another file): a rank that built its
-  // model differently would otherwise train its own model.
-  if (dp > 1) {
-    c10::NoGradGuard no_grad;
-    std::vector<std::shared_ptr<Work>> pending;
-    std::vector<at::Tensor> tensors;
-    for (const auto& p : model.parameters()) tensors.push_back(p.detach());
-    for (const auto& b : model.buffers()) tensors.push_back(b.detach());
-    for (auto& t : tensors) {
-      REMAT_CHECK(t.is_contiguous(), "ZeroModel: a parameter or buffer is not contiguous");
-      pending.push_back(dp_group->broadcast(t, {0}));
-    }
-    for (auto& w : pending) w->wait();
-  }
+  if (dp > 1) start_from_rank0(model, *dp_group);
   shard_group_ = groups.shard;
   replicate_group_ = groups.replicate;
-  policy_ = std::make_unique<MasterPolicy>(config, mixed);
+  check_nvme_parameters(config, nvme_parameters.get());
+  nvme_parameters_ = nvme_parameters;
+  policy_ = std::make_unique<MasterPolicy>(config, mixed, std::move(nvme_parameters));
   switch (config.stage) {
     case 0: strategy_ = make_data_parallel(model, dp_group, config, *policy_); break;
     case 1:
@@ -101,7 +119,11 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
     for (const auto& t : strategy_->parameters()) {
       if (!model_params.count(t.unsafeGetTensorImpl())) host_shards_.push_back(t);
     }
-    log_offload_param(config.offload_param, host_shards_);
+    // A rank whose disk could not hold its shards stops every data-parallel rank here.
+    if (nvme_parameters_) {
+      agree_on_outcome(*dp_group, "placing the parameter shards on NVMe", [&] { nvme_parameters_->check(); });
+    }
+    log_offload_param(config.offload_param, host_shards_, nvme_parameters_.get());
   }
   if (config.offload_optimizer.enabled()) {
     // The policy's host mode: the strategy's reduced gradient shards go to
@@ -367,10 +389,12 @@ ZeroStats ZeroModel::stats() const {
   for (const auto& t : host_shards_) {  // the strategy counted them as the device's
     const int64_t bytes = static_cast<int64_t>(t.nbytes());
     const int64_t grad = t.grad().defined() ? static_cast<int64_t>(t.grad().nbytes()) : 0;
-    s.host_param_bytes += bytes + grad;
+    s.host_param_bytes += grad;
+    if (!policy_->on_disk(t)) s.host_param_bytes += bytes;
     s.param_bytes -= bytes;
     s.grad_bytes -= grad;
   }
+  if (nvme_parameters_) s.disk_param_bytes = nvme_parameters_->file_bytes();
   return s;
 }
 void ZeroModel::reset_peak() { strategy_->reset_peak(); }

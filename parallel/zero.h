@@ -130,6 +130,7 @@ namespace remat::parallel {
 
 class ShardingStrategy;
 class MasterPolicy;
+class NvmeParameterFile;
 
 // Per-rank bytes, now and over the collectives issued so far.
 struct ZeroStats {
@@ -145,8 +146,11 @@ struct ZeroStats {
   // in host memory (the optimizer's state is the optimizer's to count).
   int64_t host_bytes = 0;
   // offload_param (stage 3): the parameter shards and their gradients held in
-  // host memory (param_bytes and grad_bytes then count the device's only).
+  // host memory (param_bytes and grad_bytes then count the device's only);
+  // with its "nvme", the shards in the file (the page-padded bytes on disk)
+  // in disk_param_bytes instead.
   int64_t host_param_bytes = 0;
+  int64_t disk_param_bytes = 0;
   // Stages 1 and 2: the most gradient bytes held at once (parameters' own,
   // bucket buffers, reductions in flight and the shards'), since reset_peak();
   // stage 3: the most the device held at once of the shards' gradients
@@ -220,12 +224,15 @@ class ZeroModel {
   // of the model's modules called through remat::forward are cast to the
   // compute dtype); `sharded_tp` lists parameters that
   // differ across tensor-parallel ranks (for the gradient norm;
-  // sharded_parameters()).
+  // sharded_parameters()); `nvme_parameters` the file offload_param "nvme"
+  // keeps the shards in (parallel/nvme_parameters.h, opened by the caller so
+  // that a folder problem is known on every rank before any collective).
   // Invalid options (check_zero_options), or a stage or combination that is
   // not implemented, are a ConfigError.
   ZeroModel(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
             std::shared_ptr<Communicator> dp_group, const ZeroOptions& config,
-            const MixedPrecision& mixed, std::vector<at::Tensor> sharded_tp = {});
+            const MixedPrecision& mixed, std::vector<at::Tensor> sharded_tp = {},
+            std::shared_ptr<NvmeParameterFile> nvme_parameters = nullptr);
   ~ZeroModel();
   ZeroModel(const ZeroModel&) = delete;
   ZeroModel& operator=(const ZeroModel&) = delete;
@@ -370,6 +377,7 @@ class ZeroModel {
   std::unique_ptr<MasterPolicy> policy_;
   std::unique_ptr<ShardingStrategy> strategy_;
   std::vector<at::Tensor> host_shards_;        // offload_param: those of parameters() in host memory
+  std::shared_ptr<NvmeParameterFile> nvme_parameters_;  // offload_param "nvme" (the policy's too)
   struct Arrivals;  // take_gradient_arrivals()'s hooks and flags
   // Mixed precision: the modules whose inputs remat::forward casts, and the hook.
   std::vector<std::weak_ptr<torch::nn::Module>> cast_hooked_;

@@ -107,6 +107,34 @@ StateElements stage3_state(const ZeroOptions& options, const MixedPrecision& mix
     }
   }
   s.gradients = stage3_gradients(s.trainable, s.local_trainable);
+  if (options.offload_param.on_nvme()) {
+    // The units' shards placed in order, each kind (trained, frozen) a shard
+    // of its own: in memory while within max_in_cpu, else in the file.
+    std::map<int, std::pair<int64_t, int64_t>> unit_kinds;  // unit -> trained, frozen elements
+    for (const ParameterCount& p : params) {
+      if (p.numel < persistence) continue;
+      (p.trainable ? unit_kinds[p.unit].first : unit_kinds[p.unit].second) += p.numel;
+    }
+    int64_t in_cpu = 0;
+    auto place = [&](int64_t whole) {
+      const int64_t shard = (whole + shard_group - 1) / shard_group;
+      if (shard == 0 || in_cpu + shard <= options.offload_param.max_in_cpu) {
+        in_cpu += shard;
+        return;
+      }
+      s.disk_shards += shard;
+      s.disk_shard_bytes += (4 * shard + 4095) / 4096 * 4096;
+    };
+    for (const auto& [unit, kinds] : unit_kinds) {
+      if (unit < 0) continue;  // the root is flattened last
+      place(kinds.first);
+      place(kinds.second);
+    }
+    if (auto root = unit_kinds.find(-1); root != unit_kinds.end()) {
+      place(root->second.first);
+      place(root->second.second);
+    }
+  }
   if (options.offload_param.enabled()) {
     // The device keeps the persistent parameters and their gradients, and a
     // unit's reduced shard until it is copied into the host shard's gradient.

@@ -40,7 +40,6 @@ std::string check_zero_options(const ZeroOptions& z) {
             " must be >= 0"));
   }
   const OffloadOptimizerOptions& off = z.offload_optimizer;
-  if (const std::string p = offload_device_problem("offload_optimizer", off.device); !p.empty()) add(p);
   const char* off_device = off.on_nvme() ? "nvme" : "cpu";
   if (off.enabled() && z.stage == 0) {
     add(str("'zero_optimization.offload_optimizer.device' = \"", off_device, "\" needs a sharded optimizer: set "
@@ -63,26 +62,20 @@ std::string check_zero_options(const ZeroOptions& z) {
     add(str("'zero_optimization.offload_optimizer.ratio' = ", off.ratio, " must be in [0, 1]"));
   }
   const OffloadParamOptions& op = z.offload_param;
-  if (const std::string p = offload_device_problem("offload_param", op.device); !p.empty()) add(p);
   if (op.enabled() && z.stage != 3) {
-    add(str("'zero_optimization.offload_param.device' = \"cpu\" needs stage 3 (only stage 3 shards the "
+    add(str("'zero_optimization.offload_param.device' = \"", op.on_nvme() ? "nvme" : "cpu", "\" needs stage 3 (only stage 3 shards the "
             "parameters), but zero_optimization.stage is ", z.stage, ": set the stage to 3, or "
             "offload_param.device to \"none\""));
+  }
+  if (op.on_nvme() && (!op.nvme_path || op.nvme_path->empty())) {
+    add("'zero_optimization.offload_param.device' = \"nvme\" needs 'zero_optimization.offload_param.nvme_path': "
+        "a folder on a fast local disk where each rank keeps its parameter shards");
   }
   if (op.buffer_count < 0 || op.buffer_size < 0 || op.max_in_cpu < 0) {
     add(str("'zero_optimization.offload_param': buffer_count (", op.buffer_count, "), buffer_size (",
             op.buffer_size, ") and max_in_cpu (", op.max_in_cpu, ") must be >= 0"));
   }
   return problems;
-}
-
-std::string offload_device_problem(const std::string& section, OffloadDevice device) {
-  if (device != OffloadDevice::kNvme || section == "offload_optimizer") return "";
-  return str("'zero_optimization.", section, ".device' = \"nvme\": offload of ",
-             section == "offload_param" ? "parameters" : "the optimizer", " to NVMe is being built (remat issue "
-             "53) and not yet available; set it to \"cpu\", which keeps ",
-             section == "offload_param" ? "the parameter shards" : "the masters and the optimizer state",
-             " in host memory and works now (or \"none\")");
 }
 
 int64_t stage3_persistence_threshold(const ZeroOptions& options, const MixedPrecision& mixed) {

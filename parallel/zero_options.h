@@ -18,8 +18,9 @@ namespace remat::parallel {
 // optimizer state live (DeepSpeed's zero_optimization.offload_optimizer):
 // kNone on the model's device; kCpu in host memory, the optimizer stepping
 // there (ZeroModel, zero.h); kNvme the same, but the optimizer's state in a
-// file under nvme_path (parallel/nvme_optimizer.h). For offload_param kNvme
-// is named only to be refused.
+// file under nvme_path (parallel/nvme_optimizer.h). For offload_param: kCpu
+// the shards in host memory, kNvme in a file under nvme_path
+// (parallel/nvme_parameters.h).
 enum class OffloadDevice { kNone, kCpu, kNvme };
 // The JSON names of OffloadDevice, by value.
 const std::vector<std::string>& offload_device_names();
@@ -51,18 +52,28 @@ struct OffloadOptimizerOptions {
 // Stage 3's parameter shards in host memory (DeepSpeed's
 // zero_optimization.offload_param): kCpu keeps each unit's float32 shards as
 // host tensors, copied to the device for each gather (zero_stage3.cc); kNvme
-// is named only to be refused.
+// the same tensors mapped from a file under nvme_path, read ahead of each
+// gather (parallel/nvme_parameters.h).
 struct OffloadParamOptions {
   OffloadDevice device = OffloadDevice::kNone;
   // The host shards page-locked, where this LibTorch can pin (a CUDA build);
   // elsewhere ordinary host memory, and a log line says so.
   bool pin_memory = false;
   // DeepSpeed's tuning of its own parameter-offload buffers, accepted so that
-  // a copied config loads: none changes what is computed here (logged when set).
+  // a copied config loads: they change nothing computed here (logged when
+  // set; with kNvme the kernel's page cache stands for the buffers).
   int buffer_count = 5;
   int64_t buffer_size = 100000000;
+  // With kNvme: the shard elements kept in host memory (the first units'),
+  // the rest in the file; DeepSpeed's default, 1e9, keeps a model below a
+  // billion elements per rank wholly in memory.
   int64_t max_in_cpu = 1000000000;
-  bool enabled() const { return device == OffloadDevice::kCpu; }
+  // With kNvme: the folder (on a fast local disk) under which each rank
+  // keeps its file; DeepSpeed's null elsewhere.
+  std::optional<std::string> nvme_path;
+  // The shards are host tensors (kCpu and kNvme).
+  bool enabled() const { return device != OffloadDevice::kNone; }
+  bool on_nvme() const { return device == OffloadDevice::kNvme; }
 };
 
 struct ZeroOptions {
@@ -189,11 +200,6 @@ bool masters_on_host(const ZeroOptions& options, const MixedPrecision& mixed);
 // log line ask this.
 int64_t stage3_persistence_threshold(const ZeroOptions& options, const MixedPrecision& mixed);
 
-// The problem with offloading to `device` in `section` ("offload_optimizer"
-// or "offload_param"): offload_param's "nvme" is refused while it is being
-// built (issue 53), saying what works now; "" where there is none. The
-// config's schema and ZeroOptions' checks say it.
-std::string offload_device_problem(const std::string& section, OffloadDevice device);
 
 // The rules of ZeroOptions alone, written once: an empty string when valid,
 // else every rule broken, one per line, each saying what is wrong and which

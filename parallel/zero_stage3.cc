@@ -2,7 +2,6 @@
 // data-parallel group, gathered around each use and reduce-scattered back.
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
-#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/nn/module.h>
 
 #include <unordered_set>
@@ -89,6 +88,7 @@ class Stage3 final : public ShardingStrategy {
                                      const std::unordered_set<const void*>& tp_sharded);
   void gather(Unit& unit, bool wait);
   void wait_gathered(Unit& unit);
+  void read_ahead(const Unit& unit);
   void free(Unit& unit);
   void reduce(Unit& unit);
   Unit* next_unit(const Unit& unit, int direction);
@@ -365,6 +365,7 @@ void Stage3::track_gathered_units(int delta) {
 
 void Stage3::gather(Unit& unit, bool wait) {
   if (!unit.gathered) {
+    read_ahead(unit);
     unit.gathered = true;
     unit.gathers++;
     track_gathered_units(+1);
@@ -389,8 +390,21 @@ void Stage3::wait_gathered(Unit& unit) {
     if (g.pending) {
       g.pending->wait();
       g.pending = nullptr;
+      policy().release(g.shard);  // offload_param nvme: read again at the next gather or step
     }
   }
+}
+
+void Stage3::read_ahead(const Unit& unit) {
+  // offload_param nvme: the unit after the one being gathered, in the
+  // direction of the pass, is read from disk while this one computes.
+  const int64_t blocks = static_cast<int64_t>(units_.size()) - 1;
+  // The root (units_[blocks]) is gathered before the first block and again
+  // for the head, after which the last block's backward comes.
+  const int64_t i = static_cast<int64_t>(unit.index);
+  const int64_t ahead = unit.module == nullptr ? (in_forward_ ? blocks - 1 : 0) : i + (in_forward_ ? 1 : -1);
+  if (ahead < 0 || ahead > blocks) return;
+  for (const auto& g : units_[ahead]->groups) policy().prefetch(g.shard);
 }
 
 void Stage3::free(Unit& unit) {
@@ -470,42 +484,18 @@ Unit* Stage3::next_unit(const Unit& unit, int direction) {
   return next;
 }
 
-// Whether backpropagating into `x` (the first unit's input) reaches a root
-// parameter through an op whose backward reads the parameter's data. An
-// embedding's backward does not (it needs the indices only); anything else is
-// taken to (a LayerNorm, a linear layer before the first block).
 bool Stage3::root_data_needed_in_backward(const at::Tensor& x) const {
-  if (!x.requires_grad() || x.grad_fn() == nullptr) return false;
   std::unordered_set<const void*> root;
   for (const auto& g : units_.back()->groups) {
     for (const auto& p : g.params) {
       if (p.requires_grad()) root.insert(p.unsafeGetTensorImpl());
     }
   }
-  if (root.empty()) return false;
-  std::vector<torch::autograd::Node*> stack{x.grad_fn().get()};
-  std::unordered_set<torch::autograd::Node*> seen{x.grad_fn().get()};
-  while (!stack.empty()) {
-    torch::autograd::Node* node = stack.back();
-    stack.pop_back();
-    for (const auto& edge : node->next_edges()) {
-      torch::autograd::Node* next = edge.function.get();
-      if (next == nullptr) continue;
-      // Every consumer of a parameter is looked at, not only the first.
-      if (const auto* acc = dynamic_cast<const torch::autograd::AccumulateGrad*>(next)) {
-        if (root.count(acc->variable.unsafeGetTensorImpl()) &&
-            node->name().rfind("EmbeddingBackward", 0) != 0) {
-          return true;
-        }
-        continue;
-      }
-      if (seen.insert(next).second) stack.push_back(next);
-    }
-  }
-  return false;
+  return data_needed_in_backward(x, root);
 }
 
 void Stage3::begin_forward() {
+  policy().release_all();  // offload_param nvme: what the step (or a save) read goes back to disk
   for (const auto& p : persistent_) before_read(p);  // read whole, without a gather
   gather(*units_.back(), /*wait=*/true);
   in_forward_ = true;

@@ -222,19 +222,22 @@ PY
 done
 
 # A ZeRO-Infinity file (infinity_zero3.json: both offloads to "nvme", the aio
-# section tuned): offload_param's "nvme" refused while it is being built (issue
-# 53), named with "cpu" as what works now, the optimizer's "nvme" not among the
-# problems. With offload_param on "cpu" and nvme_path a folder here, the file
-# trains with the optimizer state on disk, bitwise as with both devices "cpu"
-# (where its aio section is said once to have no effect).
+# section tuned, nvme_path /local_nvme). remat-estimate reads it as it is:
+# the moments on disk, no shard there (its max_in_cpu, 1e9, keeps them in
+# memory), and /local_nvme, not on this machine, said and not checked. With
+# both nvme_path a folder here and max_in_cpu 0 the file trains with the
+# optimizer state and the parameter shards on disk, bitwise as with both
+# devices "cpu" (where its aio section is said once to have no effect), and
+# its files are removed.
 inf="$ds_dir/infinity_zero3.json"
 "$estimate" -np 2 --config "$inf" "${small[@]}" >"$tmp/inf.est" 2>&1
 rc=$?
-if [[ $rc -ne 0 ]] && grep -q "offload_param.device' = \"nvme\": offload of parameters to NVMe is being built (remat issue 53) and not yet available; set it to \"cpu\"" "$tmp/inf.est" &&
-    ! grep -q "offload_optimizer.device" "$tmp/inf.est"; then
-  pass "infinity_zero3.json: offload_param's \"nvme\" refused naming issue 53 and \"cpu\", the optimizer's accepted (exit $rc)"
+if [[ $rc -eq 0 ]] && grep -q "its Adam moments on disk (nvme_path): " "$tmp/inf.est" &&
+    ! grep -q "the parameter shards on disk" "$tmp/inf.est" &&
+    grep -q "^disk: nvme_path '/local_nvme' holds the Adam moments [0-9.]* [KM]iB per rank, [0-9.]* [KM]iB for 2 ranks; it is not on this machine (No such file or directory), so its free space is not checked$" "$tmp/inf.est"; then
+  pass "infinity_zero3.json: remat-estimate shows the moments on disk and says /local_nvme is not on this machine (exit $rc)"
 else
-  fail "infinity_zero3.json: offload_param's \"nvme\" refused alone (exit $rc)" "$(cat "$tmp/inf.est")"
+  fail "infinity_zero3.json: remat-estimate (exit $rc)" "$(cat "$tmp/inf.est")"
 fi
 # The file is read alone before any --set: the devices are changed in copies.
 mkdir -p "$tmp/nvme"
@@ -242,8 +245,9 @@ sed 's/"device": "nvme"/"device": "cpu"/' "$inf" >"$tmp/infinity_cpu.json"
 python3 - "$inf" "$tmp/infinity_nvme.json" "$tmp/nvme" <<'PY'
 import json, sys
 c = json.load(open(sys.argv[1]))
-c["zero_optimization"]["offload_param"]["device"] = "cpu"
-c["zero_optimization"]["offload_optimizer"]["nvme_path"] = sys.argv[3]
+for section in ("offload_optimizer", "offload_param"):
+    c["zero_optimization"][section]["nvme_path"] = sys.argv[3]
+c["zero_optimization"]["offload_param"]["max_in_cpu"] = 0
 c["zero_optimization"]["sub_group_size"] = 20000  # several sub-groups on the small model
 json.dump(c, open(sys.argv[2], "w"))
 PY
@@ -256,17 +260,27 @@ if [[ $rc -eq 0 && $aio_lines -eq 1 ]] && finite_losses "$tmp/inf.jsonl"; then
 else
   fail "infinity_zero3.json with the devices \"cpu\" trains (exit $rc, $aio_lines aio lines)" "$(tail -30 "$tmp/inf.out")"
 fi
+"$estimate" -np 2 --config "$tmp/infinity_nvme.json" "${small[@]}" >"$tmp/inf_nvme.est" 2>&1
+est_rc=$?
 REMAT_LOG_LEVEL=info "$run" -np 2 -- "$train" --config "$tmp/infinity_nvme.json" --steps $steps "${small[@]}" \
   --metrics "$tmp/inf_nvme.jsonl" >"$tmp/inf_nvme.out" 2>&1
 rc=$?
 if [[ $rc -eq 0 ]] && grep -q "offload_optimizer nvme: the Adam moments of" "$tmp/inf_nvme.out" &&
+    grep -q "offload_param nvme: \([0-9]*\) of \1 float32 parameter shard elements in '$tmp/nvme/remat-parameters/rank0/rank0.parameters'" "$tmp/inf_nvme.out" &&
     ! grep -q "aio (" "$tmp/inf_nvme.out" &&
     cmp -s <(python3 -c 'import json,sys; [print(repr(json.loads(l)["loss"])) for l in open(sys.argv[1])]' "$tmp/inf.jsonl") \
            <(python3 -c 'import json,sys; [print(repr(json.loads(l)["loss"])) for l in open(sys.argv[1])]' "$tmp/inf_nvme.jsonl") &&
-    [[ -z $(find "$tmp/nvme" -name '*.optimizer') ]]; then
-  pass "infinity_zero3.json with the optimizer on \"nvme\": $steps losses bitwise those of \"cpu\", its files removed"
+    [[ -z $(find "$tmp/nvme" -name '*.optimizer' -o -name '*.parameters') ]]; then
+  pass "infinity_zero3.json with both offloads on \"nvme\": $steps losses bitwise those of \"cpu\", its files removed"
 else
-  fail "infinity_zero3.json with the optimizer on \"nvme\" (exit $rc)" "$(tail -30 "$tmp/inf_nvme.out"; find "$tmp/nvme")"
+  fail "infinity_zero3.json with both offloads on \"nvme\" (exit $rc)" "$(tail -30 "$tmp/inf_nvme.out"; find "$tmp/nvme")"
+fi
+# remat-estimate of the same file: both on disk, the folder's free space checked.
+if [[ $est_rc -eq 0 ]] && grep -q "the parameter shards on disk (offload_param.nvme_path): " "$tmp/inf_nvme.est" &&
+    grep -q "^disk: nvme_path '$tmp/nvme' holds the Adam moments [0-9.]* [KM]iB + the parameter shards [0-9.]* [KM]iB per rank, [0-9.]* [KM]iB for 2 ranks; it has [0-9.]* [KMGT]iB free: fits$" "$tmp/inf_nvme.est"; then
+  pass "infinity_zero3.json with nvme_path here: remat-estimate shows both on disk and checks the free space"
+else
+  fail "infinity_zero3.json with nvme_path here: remat-estimate (exit $est_rc)" "$(cat "$tmp/inf_nvme.est")"
 fi
 
 summary

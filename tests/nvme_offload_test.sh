@@ -9,7 +9,11 @@
 # - nvme_path on tmpfs (memory, O_DIRECT or not by kernel version; a
 #   filesystem refusing it is runtime's async_io_test's, on a ramfs): the I/O
 #   mode said, losses bitwise as on a disk;
-# - a job's files are gone at its end.
+# - a job's files are gone at its end;
+# - offload_param "nvme" beside it (stage 3, both on disk, max_in_cpu 0):
+#   losses bitwise as both on "cpu"; kill -9 mid-step leaves both files of
+#   each rank, which the next run removes (saying so) as it resumes the
+#   step-2 save bitwise; the --memory-trace labels carry the disk's bytes.
 # Prints "[remat-test] N passed, M failed".
 set -uo pipefail
 train="$(realpath "$1")"
@@ -85,6 +89,38 @@ if [[ $rc -eq 0 ]] && grep -q "zero_optimization.sub_group_size 100 is below 102
   pass "sub_group_size 100: the padding of each record said with the file's and the state's bytes; 5 losses bitwise"
 else
   fail "sub_group_size 100 (exit $rc)" "$(grep -i "sub_group\|error" "$tmp/sg100.log" | head -5)"
+fi
+
+# offload_param "nvme" with the optimizer on "nvme" at stage 3: both files on disk.
+both=(--set zero_optimization.stage=3 --set zero_optimization.stage3_param_persistence_threshold=0
+      --set zero_optimization.offload_param.device=nvme --set zero_optimization.offload_param.max_in_cpu=0)
+param_job() { job "$nvme" "${both[@]}" --set zero_optimization.offload_param.nvme_path="$nvme" "$@"; }
+param_files() { find "$nvme" -name '*.parameters' | wc -l; }
+cpu_both=(--set zero_optimization.offload_optimizer.device=cpu --set zero_optimization.offload_param.device=cpu)
+param_job "${cpu_both[@]}" --metrics "$tmp/p_cpu.jsonl" >"$tmp/p_cpu.log" 2>&1
+rc_cpu=$?
+param_job --metrics "$tmp/p_ref.jsonl" --memory-trace "$tmp/p_trace.json" >"$tmp/p_ref.log" 2>&1
+rc=$?
+labels=$(python3 -c 'import json,sys; o=json.load(open(sys.argv[1]))["otherData"]; print(o.get("nvme_parameter_bytes", 0) > 0 and o.get("nvme_state_bytes", 0) > 0)' "$tmp/p_trace.json" 2>&1)
+if [[ $rc_cpu -eq 0 && $rc -eq 0 && $(param_files) -eq 0 && $labels == True ]] &&
+    cmp -s <(losses "$tmp/p_cpu.jsonl") <(losses "$tmp/p_ref.jsonl"); then
+  pass "offload_param and offload_optimizer on nvme at stage 3: 5 losses bitwise as both on cpu, the trace labels carry the disk's bytes, the files removed"
+else
+  fail "offload_param and offload_optimizer on nvme (exit $rc_cpu/$rc, $(param_files) files left, labels $labels)" \
+    "$(tail -8 "$tmp/p_ref.log"; losses "$tmp/p_cpu.jsonl"; losses "$tmp/p_ref.jsonl")"
+fi
+REMAT_FAULT_NVME_KILL=4 param_job --save-dir "$tmp/psv" >"$tmp/p_kill.log" 2>&1
+rc=$?
+left=$(( $(param_files) + $(state_files) ))
+param_job --save-dir "$tmp/psv" --resume "$tmp/psv" --metrics "$tmp/p_resumed.jsonl" >"$tmp/p_resumed.log" 2>&1
+rc2=$?
+removed=$(grep -c "offload_param nvme: removed '.*\.parameters' ([0-9]* bytes), left by a run that ended without cleaning up" "$tmp/p_resumed.log")
+if [[ $rc -ne 0 && $left -eq 4 && $rc2 -eq 0 && $removed -eq 2 && $(param_files) -eq 0 ]] &&
+    cmp -s <(losses "$tmp/p_ref.jsonl" | tail -3) <(losses "$tmp/p_resumed.jsonl"); then
+  pass "offload_param nvme, kill -9 mid-step: both ranks' shard files left, removed by the next run, which resumes steps 3-5 bitwise"
+else
+  fail "offload_param nvme, kill -9 mid-step (exit $rc, $left files left; resume exit $rc2, $removed removals said)" \
+    "$(tail -6 "$tmp/p_kill.log"; tail -8 "$tmp/p_resumed.log"; losses "$tmp/p_ref.jsonl"; losses "$tmp/p_resumed.jsonl")"
 fi
 
 summary

@@ -23,11 +23,6 @@ std::string refusal_text(const std::string& path, const json& value, const std::
              instead.empty() ? std::string() : " (or " + instead + ")");
 }
 
-bool asks_nvme(const json& section) {
-  auto device = section.find("device");
-  return device != section.end() && *device == "nvme";
-}
-
 }  // namespace
 
 // A DeepSpeed key remat recognises but does not implement: named with the
@@ -47,15 +42,6 @@ Field deepspeed_only_unless(const char* name, std::vector<json> off, const char*
   };
   return json_schema::refused(name, message, [off = std::move(off)](const json& value, const json&) {
     return std::find(off.begin(), off.end(), value) != off.end();
-  });
-}
-
-Field nvme_key(const char* name, json off, const std::string& reason) {
-  auto message = [why = reason, first = off.dump()](const std::string& path, const json& value) {
-    return refusal_text(path, value, why, first, "set device to \"cpu\", with which it is ignored");
-  };
-  return json_schema::refused(name, message, [off = std::move(off)](const json& value, const json& section) {
-    return value == off || !asks_nvme(section);
   });
 }
 

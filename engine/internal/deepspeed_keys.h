@@ -26,12 +26,6 @@ json_schema::Field deepspeed_only(const char* name, const char* reason, const ch
 json_schema::Field deepspeed_only_unless(const char* name, std::vector<json_schema::json> off, const char* reason,
                                          const char* instead = "");
 
-// A key of offload to NVMe in an offload section (nvme_path, pipeline_read,
-// ...): it asks for nothing at `off` (DeepSpeed's default) or while the
-// section's device is not "nvme" (DeepSpeed reads it only then); beside
-// device "nvme" it is refused with `reason`, in the same error as the device.
-json_schema::Field nvme_key(const char* name, json_schema::json off, const std::string& reason);
-
 // The top-level sections and keys, and those of zero_optimization.
 std::vector<json_schema::Field> deepspeed_only_top_level();
 std::vector<json_schema::Field> deepspeed_only_zero();

@@ -68,7 +68,9 @@ StateBytes state_bytes(const std::vector<parallel::ParameterCount>& params, int6
   s.comm = e.bucket * eb + s.gathered;
   s.full_trainable = e.trainable * element_bytes;
   // offload_param: float32 shards and gradients on the host (4 bytes each).
-  s.host_params = (e.host_shards + e.host_trainable) * 4;
+  // With its "nvme", the shards past max_in_cpu are on disk instead.
+  s.host_params = (e.host_shards - e.disk_shards + e.host_trainable) * 4;
+  s.disk_params = e.disk_shard_bytes;
   const int64_t state = e.local_trainable * per_opt;
   if (e.optimizer_on_host && config.zero_optimization.offload_optimizer.on_nvme() && per_opt == 8) {
     // The moments on disk, in the buffers on the host.

@@ -28,6 +28,8 @@ struct StateBytes {
   // offload_param (stage 3): the float32 shards and their gradients on the
   // host, and without offload_optimizer the optimizer's state of them.
   int64_t host_params = 0;
+  // offload_param "nvme": the shards' bytes in its file (not in host_params).
+  int64_t disk_params = 0;
   int64_t full_trainable = 0;  // every trainable parameter's bytes (a stage-0 backward's gradients)
 };
 

@@ -162,6 +162,10 @@ StepMetrics StepMeter::finish_step(const StepOutcome& outcome, const ActivationP
     m.offload_param = true;
     m.host_parameter_bytes = share_.zero.host_param_bytes;
   }
+  if (t_.nvme_parameters) {
+    m.nvme_parameters = true;
+    m.nvme_parameter_bytes = share_.zero.disk_param_bytes;
+  }
   if (device_.is_cuda()) read_cuda_allocator(m);
   if (plan != nullptr) m.plan = plan_metrics(*plan);
   return m;
@@ -239,6 +243,7 @@ void StepMeter::finish_trace(const StepMetrics& m) {
   other["mem_peak_bytes"] = m.mem_peak_bytes;
   if (m.offload_optimizer) other["host_optimizer_bytes"] = m.host_optimizer_bytes;
   if (m.offload_param) other["host_parameter_bytes"] = m.host_parameter_bytes;
+  if (m.nvme_parameters) other["nvme_parameter_bytes"] = m.nvme_parameter_bytes;
   if (m.nvme_optimizer) {
     other["nvme_state_bytes"] = m.nvme_state_bytes;
     other["nvme_read_bytes"] = m.nvme_read_bytes;

@@ -59,6 +59,8 @@ struct StepMeterTargets {
   // zero_optimization.offload_param is set: host_parameter_bytes is in the
   // metrics, 0 where every parameter stays whole on the device (persistent).
   bool offload_param = false;
+  // offload_param.device "nvme": nvme_parameter_bytes is in the metrics.
+  bool nvme_parameters = false;
   int rank = 0;
   // A memory timeline's otherData besides the step and its memory metrics.
   nlohmann::json trace_labels = nlohmann::json::object();

@@ -4,25 +4,42 @@
 #include <c10/core/GradMode.h>
 
 #include "parallel/internal/zero_offload.h"
+#include "parallel/nvme_parameters.h"
 #include "runtime/memory_trace.h"
 
 namespace remat::parallel {
 
-MasterPolicy::MasterPolicy(const ZeroOptions& options, const MixedPrecision& mixed)
+MasterPolicy::MasterPolicy(const ZeroOptions& options, const MixedPrecision& mixed,
+                           std::shared_ptr<NvmeParameterFile> nvme_params)
     : mixed_(mixed),
       masters_on_host_(parallel::masters_on_host(options, mixed)),
       masters_pinned_(masters_on_host_ && options.offload_optimizer.pin_memory && can_pin_host_memory()),
       params_on_host_(options.stage == 3 && options.offload_param.enabled()),
-      params_pinned_(params_on_host_ && options.offload_param.pin_memory && can_pin_host_memory()) {}
+      params_pinned_(params_on_host_ && options.offload_param.pin_memory && can_pin_host_memory()),
+      nvme_params_(params_on_host_ ? std::move(nvme_params) : nullptr) {}
 
 MasterPolicy::~MasterPolicy() = default;
 
 at::Tensor MasterPolicy::host_master(const at::Tensor& values) const { return host_copy(values, masters_pinned_); }
 
 at::Tensor MasterPolicy::stage3_shard(const at::Tensor& mine) const {
+  if (nvme_params_) {
+    if (at::Tensor mapped = nvme_params_->place(mine); mapped.defined()) return mapped;
+  }
   if (params_on_host_) return host_copy(mine, params_pinned_);
   return masters_on_host_ ? mine.to(compute_dtype()) : mine.clone();
 }
+
+void MasterPolicy::prefetch(const at::Tensor& shard) const {
+  if (nvme_params_) nvme_params_->prefetch(shard);
+}
+void MasterPolicy::release(const at::Tensor& shard) const {
+  if (nvme_params_) nvme_params_->release(shard);
+}
+void MasterPolicy::release_all() const {
+  if (nvme_params_) nvme_params_->release_all();
+}
+bool MasterPolicy::on_disk(const at::Tensor& shard) const { return nvme_params_ && nvme_params_->on_disk(shard); }
 
 void MasterPolicy::fold_gradient(at::Tensor& copy, at::Tensor& master) const {
   if (!mixed() || !copy.grad().defined()) return;

@@ -11,7 +11,10 @@
 //                      device keeps the 16-bit copies, which the optimizer
 //                      steps through host mode;
 //   params_on_host()   offload_param (stage 3): the shards themselves are
-//                      float32 host tensors.
+//                      float32 host tensors; with its "nvme", those past
+//                      max_in_cpu mapped from a file (nvme_parameters.h),
+//                      which the strategy asks the policy to read ahead of a
+//                      gather (prefetch) and to drop once used (release).
 //
 // Host mode (offload_optimizer, zero_offload.h): ZeroModel starts it once the
 // strategy exists (start_host_mode). The strategies then tell the policy as
@@ -35,10 +38,13 @@
 namespace remat::parallel {
 
 class OptimizerOffload;
+class NvmeParameterFile;
 
 class MasterPolicy {
  public:
-  MasterPolicy(const ZeroOptions& options, const MixedPrecision& mixed);
+  // `nvme_params`: offload_param "nvme"'s file (null otherwise).
+  MasterPolicy(const ZeroOptions& options, const MixedPrecision& mixed,
+               std::shared_ptr<NvmeParameterFile> nvme_params = nullptr);
   ~MasterPolicy();
   MasterPolicy(const MasterPolicy&) = delete;
   MasterPolicy& operator=(const MasterPolicy&) = delete;
@@ -58,6 +64,12 @@ class MasterPolicy {
   // buffer: a float32 host tensor (params_on_host), the 16-bit copy of a
   // host master (masters_on_host), else a float32 device tensor of its own.
   at::Tensor stage3_shard(const at::Tensor& mine) const;
+  // offload_param "nvme": a shard in the file read ahead, or dropped from
+  // memory (nothing for the others); every shard dropped (after a step).
+  void prefetch(const at::Tensor& shard) const;
+  void release(const at::Tensor& shard) const;
+  void release_all() const;
+  bool on_disk(const at::Tensor& shard) const;
   // A compute copy's 16-bit gradient added into its master's, in float32,
   // and dropped (nothing unless mixed(), or where it has none).
   void fold_gradient(at::Tensor& copy, at::Tensor& master) const;
@@ -99,6 +111,7 @@ class MasterPolicy {
   bool params_on_host_ = false, params_pinned_ = false;
   bool last_micro_step_ = false;
   std::unique_ptr<OptimizerOffload> host_;  // host mode only
+  std::shared_ptr<NvmeParameterFile> nvme_params_;
 };
 
 // Whole parameters under the policy (stage 0's; stages 1-2's frozen ones):

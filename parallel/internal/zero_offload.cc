@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <set>
 
+#include "parallel/nvme_parameters.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
 
@@ -31,15 +32,29 @@ at::Tensor host_copy(const at::Tensor& t, bool pinned) {
   return h;
 }
 
-void log_offload_param(const OffloadParamOptions& options, const std::vector<at::Tensor>& shards) {
-  int64_t elements = 0;
-  for (const auto& t : shards) elements += t.numel();
+void log_offload_param(const OffloadParamOptions& options, const std::vector<at::Tensor>& shards,
+                       const NvmeParameterFile* file) {
+  int64_t elements = 0, on_disk = 0;
+  for (const auto& t : shards) {
+    elements += t.numel();
+    if (file != nullptr && file->on_disk(t)) on_disk += t.numel();
+  }
   const bool pinned = options.pin_memory && can_pin_host_memory();  // as the master policy decides
-  log_rank0().info("offload_param: {} float32 parameter shard elements ({} bytes) in host memory{}, copied to the "
-                   "device for each unit's gather", elements, 4 * elements,
-                   pinned                 ? ", pinned"
-                   : options.pin_memory ? " (pin_memory asked, but this LibTorch cannot pin: no CUDA; ordinary host memory)"
-                                        : "");
+  if (file != nullptr) {
+    log_rank0().info("offload_param nvme: {} of {} float32 parameter shard elements in '{}' on rank 0 ({} bytes "
+                     "on disk), read ahead of each unit's gather and dropped from memory once gathered; {} in host "
+                     "memory (max_in_cpu {}){}", on_disk, elements, file->path(), file->file_bytes(),
+                     elements - on_disk, options.max_in_cpu,
+                     on_disk == 0 && elements > 0 ? ": every shard fits within max_in_cpu, so none is on disk; "
+                                                    "lower offload_param.max_in_cpu to put them there"
+                                                  : "");
+  } else {
+    log_rank0().info("offload_param: {} float32 parameter shard elements ({} bytes) in host memory{}, copied to the "
+                     "device for each unit's gather", elements, 4 * elements,
+                     pinned                 ? ", pinned"
+                     : options.pin_memory ? " (pin_memory asked, but this LibTorch cannot pin: no CUDA; ordinary host memory)"
+                                          : "");
+  }
   if (elements == 0) {
     log_rank0().warn("offload_param has nothing to offload: no parameter is sharded (each is below "
                      "zero_optimization.stage3_param_persistence_threshold and stays whole on the device); lower "
@@ -47,10 +62,12 @@ void log_offload_param(const OffloadParamOptions& options, const std::vector<at:
   }
   const OffloadParamOptions d;
   if (options.buffer_count != d.buffer_count || options.buffer_size != d.buffer_size ||
-      options.max_in_cpu != d.max_in_cpu) {
-    log_rank0().info("offload_param: buffer_count {}, buffer_size {}, max_in_cpu {} tune DeepSpeed's own buffers "
-                     "and change nothing here (every shard lives on the host)",
-                     options.buffer_count, options.buffer_size, options.max_in_cpu);
+      (file == nullptr && options.max_in_cpu != d.max_in_cpu)) {
+    log_rank0().info("offload_param: buffer_count {}, buffer_size {}{} tune DeepSpeed's own buffers and change "
+                     "nothing here ({})", options.buffer_count, options.buffer_size,
+                     file == nullptr ? str(", max_in_cpu ", options.max_in_cpu) : std::string(),
+                     file == nullptr ? "every shard lives on the host"
+                                     : "the shards on disk are mapped: the kernel's page cache stands for the buffers");
   }
 }
 

@@ -51,6 +51,8 @@
 
 namespace remat::parallel {
 
+class NvmeParameterFile;
+
 class OptimizerOffload {
  public:
   // `device`: what the stage's optimizer would step (its parameters()); each
@@ -125,8 +127,10 @@ bool can_pin_host_memory();
 // `pinned` (the policy's host masters, offload_param's shards).
 at::Tensor host_copy(const at::Tensor& t, bool pinned);
 
-// offload_param's log lines: the host shards' elements, and DeepSpeed's
-// buffer keys where set (they change nothing here).
-void log_offload_param(const OffloadParamOptions& options, const std::vector<at::Tensor>& shards);
+// offload_param's log lines: the host shards' elements (with "nvme", those
+// in `file` and those kept in memory), and DeepSpeed's buffer keys where set
+// (they change nothing here).
+void log_offload_param(const OffloadParamOptions& options, const std::vector<at::Tensor>& shards,
+                       const NvmeParameterFile* file);
 
 }  // namespace remat::parallel

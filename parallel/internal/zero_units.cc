@@ -1,6 +1,7 @@
 #include "parallel/internal/zero_units.h"
 
 #include <c10/core/CPUAllocator.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/nn/module.h>
 
 #include <map>
@@ -43,6 +44,29 @@ void allocate_storage(const at::Tensor& t, int64_t nbytes) {
   c10::Allocator* allocator = impl->allocator() ? impl->allocator() : c10::GetAllocator(t.device().type());
   impl->set_data_ptr_noswap(allocator->allocate(nbytes));
   impl->set_nbytes(nbytes);
+}
+
+bool data_needed_in_backward(const at::Tensor& x, const std::unordered_set<const void*>& params) {
+  if (!x.requires_grad() || x.grad_fn() == nullptr || params.empty()) return false;
+  std::vector<torch::autograd::Node*> stack{x.grad_fn().get()};
+  std::unordered_set<torch::autograd::Node*> seen{x.grad_fn().get()};
+  while (!stack.empty()) {
+    torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    for (const auto& edge : node->next_edges()) {
+      torch::autograd::Node* next = edge.function.get();
+      if (next == nullptr) continue;
+      // Every consumer of a parameter is looked at, not only the first.
+      if (const auto* acc = dynamic_cast<const torch::autograd::AccumulateGrad*>(next)) {
+        if (params.count(acc->variable.unsafeGetTensorImpl()) && node->name().rfind("EmbeddingBackward", 0) != 0) {
+          return true;
+        }
+        continue;
+      }
+      if (seen.insert(next).second) stack.push_back(next);
+    }
+  }
+  return false;
 }
 
 }  // namespace remat::parallel

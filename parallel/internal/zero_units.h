@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 namespace torch::nn {
@@ -33,5 +34,12 @@ std::vector<UnitParameters> unit_parameters(torch::nn::Module& model,
 // references to the parameters see the data again).
 void release_storage(const at::Tensor& t);
 void allocate_storage(const at::Tensor& t, int64_t nbytes);
+
+// Whether backpropagating into `x` (the first unit's input) reaches one of
+// `params` (by TensorImpl) through an op whose backward reads the
+// parameter's data. An embedding's backward does not (it needs the indices
+// only); anything else is taken to (a LayerNorm, a linear layer before the
+// first block).
+bool data_needed_in_backward(const at::Tensor& x, const std::unordered_set<const void*>& params);
 
 }  // namespace remat::parallel

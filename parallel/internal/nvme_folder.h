@@ -1,0 +1,34 @@
+// A rank's folder under an offload section's nvme_path (internal to
+// parallel/): `nvme_path`/remat-<kind>/rank<R>/, with an exclusive lock on
+// its `lock` file held while the object lives, so that a second job given
+// the same nvme_path is refused at start (naming the folder). The files a
+// run of this rank writes there are named rank<R>.<kind>...; those a crashed
+// run left are removed under the lock, and said. Anything else in the folder
+// is the user's and stays.
+#pragma once
+
+#include <string>
+
+namespace remat::parallel::internal {
+
+class NvmeFolder {
+ public:
+  // `section`: the JSON section named in errors ("offload_optimizer" or
+  // "offload_param"); `kind`: "optimizer" or "parameters"; `holds`: what
+  // each rank keeps there, for the errors ("its optimizer state").
+  NvmeFolder(const std::string& nvme_path, int rank, const std::string& section, const std::string& kind,
+             const std::string& holds);
+  ~NvmeFolder();
+  NvmeFolder(const NvmeFolder&) = delete;
+  NvmeFolder& operator=(const NvmeFolder&) = delete;
+
+  const std::string& path() const { return path_; }
+  // The name of this rank's file of `kind` in the folder, rank<R>.<kind>.
+  const std::string& file_name() const { return file_name_; }
+
+ private:
+  std::string path_, file_name_;
+  int fd_ = -1;
+};
+
+}  // namespace remat::parallel::internal

@@ -1,0 +1,144 @@
+// offload_param "nvme"'s file (parallel/nvme_parameters.h) alone: shards
+// placed past max_in_cpu live in the file, hold their values through being
+// dropped from memory and written (read back from the file), and the ones
+// within it stay in memory; a disk too small is kept for check(), named; the
+// file is removed with the object, and one a crashed run left is removed at
+// start; a disk error on a mapped shard (SIGBUS) ends the process with exit
+// 1 and a message naming the file.
+#include "parallel/nvme_parameters.h"
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "runtime/error.h"
+#include "tests/error_of.h"
+
+namespace remat::parallel {
+namespace {
+
+using ::testing::HasSubstr;
+namespace fs = std::filesystem;
+
+std::string temp_folder(const std::string& name) {
+  const char* base = std::getenv("TEST_TMPDIR");
+  const fs::path dir = (base ? fs::path(base) : fs::temp_directory_path()) /
+                       ("remat_nvme_params_" + std::to_string(::getpid())) / name;
+  fs::create_directories(dir);
+  return dir.string();
+}
+
+// The kilobytes of `t`'s mapping in this process's memory (its Rss in
+// /proc/self/smaps); -1 where it is not a mapping of its own.
+int64_t resident_kib(const at::Tensor& t) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto address = reinterpret_cast<uintptr_t>(t.data_ptr());
+  std::string line;
+  bool inside = false;
+  while (std::getline(smaps, line)) {
+    uintptr_t begin = 0, end = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &begin, &end) == 2) {
+      inside = begin == address;
+      continue;
+    }
+    long kib = 0;
+    if (inside && std::sscanf(line.c_str(), "Rss: %ld kB", &kib) == 1) return kib;
+  }
+  return -1;
+}
+
+TEST(NvmeParameterFile, ShardsPastMaxInCpuLiveInTheFileAndKeepTheirValues) {
+  const std::string dir = temp_folder("place");
+  const fs::path file = fs::path(dir) / "remat-parameters" / "rank3" / "rank3.parameters";
+  at::manual_seed(1);
+  const at::Tensor a = at::randn({1000}), b = at::randn({5000}), c = at::randn({3000}).to(at::kBFloat16);
+  at::Tensor pb, pc;
+  {
+    NvmeParameterFile f({dir, 3, 1500});
+    EXPECT_FALSE(f.place(a).defined()) << "within max_in_cpu: the caller keeps it in memory";
+    pb = f.place(b);
+    pc = f.place(c);
+    ASSERT_TRUE(pb.defined() && pc.defined());
+    EXPECT_TRUE(f.on_disk(pb) && f.on_disk(pc));
+    EXPECT_FALSE(f.on_disk(a));
+    EXPECT_EQ(pb.scalar_type(), at::kFloat);
+    EXPECT_TRUE(at::equal(pb, b));
+    EXPECT_TRUE(at::equal(pc, c.to(at::kFloat)));
+    EXPECT_EQ(f.file_bytes(), 20480 + 12288) << "each shard page-padded";
+    EXPECT_EQ(f.in_cpu_bytes(), 4000);
+    EXPECT_EQ(fs::file_size(file), 32768u);
+    EXPECT_NO_THROW(f.check());
+
+    // Written, dropped from memory, read again from the file.
+    pb.mul_(2);
+    EXPECT_EQ(resident_kib(pb), 20) << "in memory while used";
+    f.release(pb);
+    EXPECT_EQ(resident_kib(pb), 0) << "dropped from this process's memory";
+    EXPECT_TRUE(at::equal(pb, b * 2)) << "the write reached the file";
+    f.prefetch(pc);
+    f.release_all();
+    EXPECT_TRUE(at::equal(pc, c.to(at::kFloat)));
+  }
+  EXPECT_FALSE(fs::exists(file)) << "the file goes with the object";
+  EXPECT_TRUE(at::equal(pb, b * 2)) << "a shard outliving the file keeps its mapping";
+}
+
+TEST(NvmeParameterFile, ADiskTooSmallIsKeptForCheckAndNamed) {
+  const std::string dir = temp_folder("small");
+  NvmeParameterFile f({dir, 0, 0});
+  ::signal(SIGXFSZ, SIG_IGN);
+  rlimit cap{8192, RLIM_INFINITY};
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &cap), 0);
+  const at::Tensor first = f.place(at::ones({1000}));
+  const at::Tensor second = f.place(at::ones({5000}));
+  const at::Tensor third = f.place(at::ones({10}));
+  rlimit none{RLIM_INFINITY, RLIM_INFINITY};
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &none), 0);
+  EXPECT_TRUE(first.defined());
+  EXPECT_FALSE(second.defined()) << "not reserved: the caller keeps it in memory until check() stops the run";
+  EXPECT_FALSE(third.defined()) << "nothing is placed after a problem";
+  const std::string e = testing::error_of<ConfigError>([&] { f.check(); });
+  EXPECT_THAT(e, HasSubstr("rank 0 cannot reserve 24576 bytes for its parameter shards in '" + dir +
+                           "/remat-parameters/rank0/rank0.parameters' (File too large): free space on that disk"));
+}
+
+TEST(NvmeParameterFile, ACrashedRunsFileIsRemovedAndTheUsersStay) {
+  const std::string dir = temp_folder("leftover");
+  const fs::path rank = fs::path(dir) / "remat-parameters" / "rank1";
+  fs::create_directories(rank);
+  std::ofstream(rank / "rank1.parameters") << "stale";
+  std::ofstream(rank / "mine.txt") << "the user's";
+  NvmeParameterFile f({dir, 1, 0});
+  EXPECT_EQ(fs::file_size(rank / "rank1.parameters"), 0u) << "the stale file replaced by this run's";
+  EXPECT_TRUE(fs::exists(rank / "mine.txt"));
+  const std::string e = testing::error_of<ConfigError>([&] { NvmeParameterFile again({dir, 1, 0}); });
+  EXPECT_THAT(e, HasSubstr("zero_optimization.offload_param.nvme_path '" + dir + "' is in use by another job"));
+}
+
+// The file cut short behind the mapping's back: reading the shard is a SIGBUS,
+// which ends the process with exit 1 and a message naming the file.
+TEST(NvmeParameterFileDeathTest, ADiskErrorOnAMappedShardEndsTheRunNamingTheFile) {
+  const std::string dir = temp_folder("sigbus");
+  EXPECT_EXIT(
+      {
+        NvmeParameterFile f({dir, 0, 0});
+        at::Tensor shard = f.place(at::ones({4096}));
+        f.release(shard);
+        ::truncate(f.path().c_str(), 0);
+        std::printf("%f\n", shard.sum().item<double>());
+      },
+      ::testing::ExitedWithCode(1),
+      "remat error: offload_param nvme: a parameter shard mapped from '.*rank0.parameters' could not be read or "
+      "written \\(SIGBUS: a disk error under nvme_path, or the file was cut short");
+}
+
+}  // namespace
+}  // namespace remat::parallel
