@@ -180,6 +180,7 @@ void fill_row(MemoryEstimateRow& r, const StageTerms& t, const MemoryEstimateInp
   r.host_bytes = host;
   r.host_optimizer_bytes = st.host_optimizer;
   r.disk_bytes = st.disk;
+  r.disk_master_bytes = st.disk_masters;
   r.disk_parameter_bytes = st.disk_params;
   r.host_parameter_bytes = st.host_params;
   // The activation phase, or the optimizer's step (the state, the

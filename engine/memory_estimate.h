@@ -109,6 +109,9 @@ struct MemoryEstimateRow {
   // run's metrics report as nvme_state_bytes); host_optimizer_bytes then
   // counts the buffers in place of the moments.
   int64_t disk_bytes = 0;
+  // offload_optimizer.device "nvme": the float32 masters' file (a run's
+  // nvme_master_bytes, within a page a master tensor).
+  int64_t disk_master_bytes = 0;
   // offload_param.device "nvme", stage 3's rows: the parameter shards' bytes
   // in its file (a run's nvme_parameter_bytes), past the max_in_cpu elements
   // kept in host memory (host_parameter_bytes then counts those alone).

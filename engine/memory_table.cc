@@ -113,6 +113,8 @@ std::string MemoryEstimate::line() const {
                                  : std::string(),
              r.disk_bytes > 0 ? str("; its Adam moments on disk (nvme_path): ", mib(r.disk_bytes), " MiB")
                               : std::string(),
+             r.disk_master_bytes > 0 ? str("; its float32 masters on disk: ", mib(r.disk_master_bytes), " MiB")
+                                     : std::string(),
              r.host_parameter_bytes > 0 ? str("; the parameter shards on the host: ", mib(r.host_parameter_bytes), " MiB")
                                         : std::string(),
              r.disk_parameter_bytes > 0
@@ -137,6 +139,7 @@ nlohmann::json MemoryEstimate::to_json() const {
                          {"host_optimizer_bytes", r.host_optimizer_bytes},
                          {"offload_optimizer_peak_bytes", r.offload_optimizer_peak_bytes}});
     if (r.disk_bytes > 0) rows_json.back()["disk_bytes"] = r.disk_bytes;
+    if (r.disk_master_bytes > 0) rows_json.back()["disk_master_bytes"] = r.disk_master_bytes;
     if (r.disk_parameter_bytes > 0) rows_json.back()["disk_parameter_bytes"] = r.disk_parameter_bytes;
     // Written only when the config offloads: other estimates' keys stay as they are.
     if (offload_param) rows_json.back()["host_parameter_bytes"] = r.host_parameter_bytes;

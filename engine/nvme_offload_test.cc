@@ -206,6 +206,12 @@ TEST(NvmeOptimizer, StateIsOnDiskNotInMemoryAndRemovedAtTheEnd) {
   const fs::path mine = fs::path(path) / "remat-optimizer" / str("rank", world()->rank());
   EXPECT_TRUE(fs::exists(mine / "lock"));
   EXPECT_FALSE(fs::exists(mine / str("rank", world()->rank(), ".optimizer"))) << "the state file is removed";
+  // The float32 masters in their own file, out of host memory: the host keeps
+  // their gradients (4 bytes an element), "cpu" masters and gradients (8).
+  EXPECT_GE(m.at("nvme_master_bytes").get<int64_t>(), 4 * run.metrics.back().at("nvme_state_bytes").get<int64_t>() / 8 - 4096);
+  const fs::path masters = fs::path(path) / "remat-masters" / str("rank", world()->rank());
+  EXPECT_TRUE(fs::exists(masters / "lock"));
+  EXPECT_FALSE(fs::exists(masters / str("rank", world()->rank(), ".masters"))) << "the masters' file is removed";
 }
 
 // A save reads the moments from the files; a resume writes them back: the
@@ -274,7 +280,7 @@ TEST(NvmeOptimizer, FolderFaultsAreClearAndLeftoversRemoved) {
   EXPECT_NE(e.find("is not a folder"), std::string::npos) << e;
   s.nvme_path = "/proc/self";  // a folder where nothing can be made, even as root
   e = testing::error_of<ConfigError>([&] { train(s); });
-  EXPECT_NE(e.find("cannot write its folder '/proc/self/remat-optimizer/rank"), std::string::npos) << e;
+  EXPECT_NE(e.find("cannot write its folder '/proc/self/remat-masters/rank"), std::string::npos) << e;
   // A symlink loop is not said to be missing; '~' is not expanded, and said.
   const std::string loop = path + "/loop";
   if (world()->rank() == 0) fs::create_symlink(loop, loop);
@@ -285,8 +291,9 @@ TEST(NvmeOptimizer, FolderFaultsAreClearAndLeftoversRemoved) {
             std::string::npos) << e;
   s.nvme_path = "~/remat_nvme_no_such_folder";
   e = testing::error_of<ConfigError>([&] { train(s); });
-  EXPECT_NE(e.find("does not exist on rank 0: give a folder on a fast local disk (each rank keeps its optimizer state "
-                   "under it); remat does not expand '~': write the home folder out"), std::string::npos) << e;
+  EXPECT_NE(e.find("does not exist on rank 0: give a folder on a fast local disk (each rank keeps its optimizer's "
+                   "float32 masters under it); remat does not expand '~': write the home folder out"),
+            std::string::npos) << e;
   s.nvme_path = "";
   e = testing::error_of<ConfigError>([&] { train(s); });
   EXPECT_NE(e.find("needs 'zero_optimization.offload_optimizer.nvme_path'"), std::string::npos) << e;
@@ -325,16 +332,21 @@ TEST(NvmeOptimizer, FolderFaultsAreClearAndLeftoversRemoved) {
     EXPECT_TRUE(fs::exists(rank0 / "notes.txt")) << "a file remat did not write is not removed";
   }
 
-  // A disk too small for the state file (a file-size limit here: EFBIG, as
-  // ENOSPC would be): refused at start, and the file made for it removed.
+  // A disk too small (a file-size limit here: EFBIG, as ENOSPC would be):
+  // refused at start naming the masters' file, the first reserved (the
+  // moments' file's own refusal is nvme_optimizer_store_test's), and no
+  // state file left.
   ::signal(SIGXFSZ, SIG_IGN);
   rlimit cap{4096, RLIM_INFINITY};
   ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &cap), 0);
   e = testing::error_of<Error>([&] { train(s); });
   rlimit none{RLIM_INFINITY, RLIM_INFINITY};
   ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &none), 0);
-  EXPECT_NE(e.find("cannot size and reserve '" + rank0.string() + "/rank0.optimizer': File too large (EFBIG)"),
+  const fs::path masters0 = fs::path(path) / "remat-masters" / "rank0";
+  EXPECT_NE(e.find("bytes for its optimizer's float32 masters in '" + masters0.string() +
+                   "/rank0.masters' (File too large): free space on that disk, give nvme_path a larger one"),
             std::string::npos) << e;
+  EXPECT_FALSE(fs::exists(masters0 / "rank0.masters")) << "the masters' file goes with the refusal";
   const fs::path mine = fs::path(path) / "remat-optimizer" / str("rank", world()->rank());
   EXPECT_FALSE(fs::exists(mine / str("rank", world()->rank(), ".optimizer"))) << "the unsized file is removed";
 }
@@ -520,8 +532,8 @@ TEST(NvmeParameters, FolderFaultsAreClearAndLeftoversRemoved) {
   EXPECT_NE(e.find("for its parameter shards in '" + rank0.string() + "/rank0.parameters' (File too large)"),
             std::string::npos) << e;
   if (world()->size() > 1) {
-    EXPECT_NE(e.find("(placing the parameter shards on NVMe failed on rank 0 of 2; every rank stops with this "
-                     "error)"), std::string::npos) << e;
+    EXPECT_NE(e.find("(placing tensors on NVMe failed on rank 0 of 2; every rank stops with this error)"),
+              std::string::npos) << e;
   }
 }
 

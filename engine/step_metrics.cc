@@ -75,6 +75,7 @@ nlohmann::json StepMetrics::to_json() const {
   if (nvme_parameters) m["nvme_parameter_bytes"] = nvme_parameter_bytes;
   if (nvme_optimizer) {
     m["nvme_state_bytes"] = nvme_state_bytes;
+    m["nvme_master_bytes"] = nvme_master_bytes;
     m["nvme_read_bytes"] = nvme_read_bytes;
     m["nvme_written_bytes"] = nvme_written_bytes;
     m["nvme_step_ms"] = nvme_step_ms;

@@ -52,6 +52,9 @@ struct StepMetrics {
   // buffers are in host_optimizer_bytes). Written only when `nvme_optimizer`.
   bool nvme_optimizer = false;
   int64_t nvme_state_bytes = 0, nvme_read_bytes = 0, nvme_written_bytes = 0;
+  // And the float32 masters' file (its page-padded bytes on disk; the host
+  // keeps their gradients in host_optimizer_bytes).
+  int64_t nvme_master_bytes = 0;
   double nvme_step_ms = 0;
   // On a CUDA device, LibTorch's caching allocator (runtime/device_memory.h):
   // the bytes in tensors and those it holds from the driver (reserved, the

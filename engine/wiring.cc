@@ -23,7 +23,7 @@
 #include "nn/saved_tensors_hooks.h"
 #include "parallel/layers.h"
 #include "parallel/nvme_optimizer.h"
-#include "parallel/nvme_parameters.h"
+#include "parallel/nvme_tensor_file.h"
 #include "parallel/zero.h"
 #include "rng/rng_tracker.h"
 #include "runtime/agreement.h"
@@ -284,6 +284,34 @@ void Engine::Impl::wire_device(torch::nn::Module& model, const Config& config) {
   device = placed.type();
 }
 
+namespace {
+
+// The NVMe offloads' files (parallel/nvme_tensor_file.h): each rank's folders
+// opened and locked before any collective of ZeroModel's, so that a problem
+// on one rank stops every rank here. Without nvme_path, ZeroModel's check of
+// its options says what is missing.
+parallel::NvmeFiles open_nvme_files(const parallel::ZeroOptions& z, Communicator& world) {
+  parallel::NvmeFiles files;
+  const std::string params_path = z.offload_param.nvme_path.value_or("");
+  const std::string masters_path = z.offload_optimizer.nvme_path.value_or("");
+  const bool params = z.stage == 3 && z.offload_param.on_nvme() && !params_path.empty();
+  const bool masters = z.stage > 0 && z.offload_optimizer.on_nvme() && !masters_path.empty();
+  if (!params && !masters) return files;
+  agree_on_outcome(world, "opening the NVMe offload's files", [&] {
+    if (params) {
+      files.parameters = std::make_shared<parallel::NvmeTensorFile>(
+          parallel::NvmeTensorFileOptions{params_path, world.rank(), z.offload_param.max_in_cpu, "offload_param"});
+    }
+    if (masters) {
+      files.masters = std::make_shared<parallel::NvmeTensorFile>(
+          parallel::NvmeTensorFileOptions{masters_path, world.rank(), 0, "offload_optimizer"});
+    }
+  });
+  return files;
+}
+
+}  // namespace
+
 // Sharding over the data-parallel group; the optimizer steps what the
 // sharding hands it.
 void Engine::Impl::wire_sharding(torch::nn::Module& model, const Config& config,
@@ -295,19 +323,8 @@ void Engine::Impl::wire_sharding(torch::nn::Module& model, const Config& config,
   // wire_loss_scaling; its test seam keeps float32 compute).
   const bool fp16 = config.fp16.enabled && !options.fp16_scaler_at_float32;
   const parallel::MixedPrecision mixed = parallel::mixed_precision(config.bf16, fp16);
-  // offload_param "nvme": each rank's folder opened (and locked) before any
-  // collective, so that a problem on one rank stops every rank here.
-  std::shared_ptr<parallel::NvmeParameterFile> nvme_parameters;
-  // (Without nvme_path, ZeroModel's check of its options says what is missing.)
-  if (zero_options.stage == 3 && zero_options.offload_param.on_nvme() &&
-      !zero_options.offload_param.nvme_path.value_or("").empty()) {
-    agree_on_outcome(*world, "opening the NVMe parameter file", [&] {
-      nvme_parameters = std::make_shared<parallel::NvmeParameterFile>(parallel::NvmeParameterOptions{
-          zero_options.offload_param.nvme_path.value_or(""), world->rank(), zero_options.offload_param.max_in_cpu});
-    });
-  }
   zero = std::make_unique<parallel::ZeroModel>(model, units, layout->dp_group(), zero_options, mixed, sharded,
-                                               nvme_parameters);
+                                               open_nvme_files(zero_options, *world));
   if (zero_options.offload_optimizer.on_nvme()) {
     if (options.optimizer) {
       throw ConfigError("zero_optimization.offload_optimizer.device \"nvme\" keeps remat's Adam state on disk, and "

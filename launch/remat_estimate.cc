@@ -397,8 +397,10 @@ bool disk_verdicts(const Config& config, const MemoryEstimateRow& r, int ranks) 
   const auto& z = config.zero_optimization;
   if (r.disk_bytes > 0) {
     auto& [bytes, what] = needs[z.offload_optimizer.nvme_path.value_or("")];
-    bytes += r.disk_bytes;
-    what = str("the Adam moments ", human_bytes(static_cast<double>(r.disk_bytes)));
+    bytes += r.disk_bytes + r.disk_master_bytes;
+    what = str("the Adam moments ", human_bytes(static_cast<double>(r.disk_bytes)),
+               r.disk_master_bytes > 0 ? " + the masters " + human_bytes(static_cast<double>(r.disk_master_bytes))
+                                       : std::string());
   }
   if (r.disk_parameter_bytes > 0) {
     auto& [bytes, what] = needs[z.offload_param.nvme_path.value_or("")];

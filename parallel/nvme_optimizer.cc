@@ -46,8 +46,7 @@ class NvmeState : public optim::ExternalState {
     store_ = std::make_unique<internal::NvmeOptimizerStore>(options);
     store_->initialize();
     log_rank0().info("offload_optimizer nvme: the Adam moments of {} elements ({} bytes) in '{}' on each rank, "
-                     "streamed through {} host buffers of {} bytes ({}, {} I/O); the masters and their gradients "
-                     "stay in host memory", options_elements(), store_->state_bytes(), folder_.path(),
+                     "streamed through {} host buffers of {} bytes ({}, {} I/O)", options_elements(), store_->state_bytes(), folder_.path(),
                      store_->buffer_count(), store_->host_buffer_bytes() / store_->buffer_count(),
                      io_backend_name(store_->backend()), store_->direct() ? "direct" : "buffered");
     warn_of_padding(nvme);

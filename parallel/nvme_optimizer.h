@@ -1,11 +1,11 @@
 // zero_optimization.offload_optimizer.device "nvme": AdamW and Adam whose
 // moments live in a file on a local disk, one per rank, streamed through a
 // few host buffers at each step (parallel/internal/nvme_optimizer_store.h).
-// The float32 masters and their gradients stay in host memory, as with
-// device "cpu" (the stage copies the masters to the device, and saves, loads
-// and GatheredParameters read and write them there): what leaves memory is
-// the optimizer state, 8 of the 16 bytes per parameter the host holds with
-// "cpu". Steps, saves and loads are bitwise those of device "cpu".
+// The float32 masters it steps are ZeroModel's, mapped from a file of their
+// own (parallel/nvme_tensor_file.h, given to ZeroModel as NvmeFiles::masters),
+// and their gradients stay in host memory: of the 16 bytes per parameter the
+// host holds with "cpu", 12 go to disk (masters 4, moments 8). Steps, saves
+// and loads are bitwise those of device "cpu".
 //
 //   auto optimizer = remat::parallel::make_nvme_optimizer(config.optimizer, zero.parameters(),
 //                                                         {"/local_nvme", rank, sub_group, 4, aio});

@@ -14,7 +14,7 @@
 #include "parallel/internal/master_policy.h"
 #include "parallel/internal/sharding_strategy.h"
 #include "parallel/internal/zero_offload.h"
-#include "parallel/nvme_parameters.h"
+#include "parallel/nvme_tensor_file.h"
 #include "runtime/communicator.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
@@ -64,15 +64,19 @@ void start_from_rank0(torch::nn::Module& model, Communicator& dp) {
   for (auto& w : pending) w->wait();
 }
 
-// offload_param "nvme" at stage 3 comes with its file, and nothing else does.
-void check_nvme_parameters(const ZeroOptions& config, const NvmeParameterFile* file) {
-  const bool params_on_nvme = config.stage == 3 && config.offload_param.on_nvme();
-  if (params_on_nvme == (file != nullptr)) return;
-  throw ConfigError(params_on_nvme ? "ZeroModel: zero_optimization.offload_param.device \"nvme\" keeps the shards "
-                                     "in a file the caller opens: pass a parallel::NvmeParameterFile (made with "
-                                     "this rank's nvme_path) as nvme_parameters"
-                                   : "ZeroModel: nvme_parameters given, but the shards are not on NVMe (stage 3 "
-                                     "with zero_optimization.offload_param.device \"nvme\"): leave it out");
+// Each NVMe offload comes with its file, and nothing else does: offload_param
+// "nvme" at stage 3, offload_optimizer "nvme" at stages 1-3.
+void check_nvme_files(const ZeroOptions& config, const NvmeFiles& nvme) {
+  auto check = [](bool wanted, const NvmeTensorFile* file, const char* section, const char* field) {
+    if (wanted == (file != nullptr)) return;
+    throw ConfigError(wanted ? str("ZeroModel: zero_optimization.", section, ".device \"nvme\" keeps its tensors in "
+                                   "a file the caller opens: pass a parallel::NvmeTensorFile (made with this rank's "
+                                   "nvme_path and section \"", section, "\") as NvmeFiles::", field)
+                             : str("ZeroModel: NvmeFiles::", field, " given, but zero_optimization.", section,
+                                   ".device is not \"nvme\" (or the stage does not offload it): leave it out"));
+  };
+  check(config.stage == 3 && config.offload_param.on_nvme(), nvme.parameters.get(), "offload_param", "parameters");
+  check(config.stage > 0 && config.offload_optimizer.on_nvme(), nvme.masters.get(), "offload_optimizer", "masters");
 }
 
 }  // namespace
@@ -81,7 +85,7 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
                      const std::vector<std::shared_ptr<torch::nn::Module>>& units,
                      std::shared_ptr<Communicator> dp_group, const ZeroOptions& config,
                      const MixedPrecision& mixed, std::vector<at::Tensor> sharded_tp,
-                     std::shared_ptr<NvmeParameterFile> nvme_parameters)
+                     NvmeFiles nvme)
     : stage_(config.stage), optimizer_on_host_(optimizer_on_host(config)), model_(model), dp_group_(dp_group),
       sharded_tp_(std::move(sharded_tp)) {
   if (std::string bad = check_mixed_precision(mixed); !bad.empty()) throw ConfigError(bad);
@@ -103,9 +107,9 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
   if (dp > 1) start_from_rank0(model, *dp_group);
   shard_group_ = groups.shard;
   replicate_group_ = groups.replicate;
-  check_nvme_parameters(config, nvme_parameters.get());
-  nvme_parameters_ = nvme_parameters;
-  policy_ = std::make_unique<MasterPolicy>(config, mixed, std::move(nvme_parameters));
+  check_nvme_files(config, nvme);
+  nvme_ = nvme;
+  policy_ = std::make_unique<MasterPolicy>(config, mixed, std::move(nvme));
   switch (config.stage) {
     case 0: strategy_ = make_data_parallel(model, dp_group, config, *policy_); break;
     case 1:
@@ -120,16 +124,20 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
       if (!model_params.count(t.unsafeGetTensorImpl())) host_shards_.push_back(t);
     }
     // A rank whose disk could not hold its shards stops every data-parallel rank here.
-    if (nvme_parameters_) {
-      agree_on_outcome(*dp_group, "placing the parameter shards on NVMe", [&] { nvme_parameters_->check(); });
-    }
-    log_offload_param(config.offload_param, host_shards_, nvme_parameters_.get());
+    log_offload_param(config.offload_param, host_shards_, nvme_.parameters.get());
   }
   if (config.offload_optimizer.enabled()) {
     // The policy's host mode: the strategy's reduced gradient shards go to
     // the host, the stepped masters come back before the strategy reads them.
     policy_->start_host_mode(strategy_->parameters(), config.offload_optimizer, host_shards_,
                              strategy_->host_masters());
+  }
+  // A rank whose disk could not hold its tensors stops every data-parallel rank here.
+  if (nvme_.parameters || nvme_.masters) {
+    agree_on_outcome(*dp_group, "placing tensors on NVMe", [&] {
+      if (nvme_.parameters) nvme_.parameters->check();
+      if (nvme_.masters) nvme_.masters->check();
+    });
   }
   arrivals_ = std::make_unique<Arrivals>(model);
   if (mixed.enabled()) {
@@ -394,7 +402,8 @@ ZeroStats ZeroModel::stats() const {
     s.param_bytes -= bytes;
     s.grad_bytes -= grad;
   }
-  if (nvme_parameters_) s.disk_param_bytes = nvme_parameters_->file_bytes();
+  if (nvme_.parameters) s.disk_param_bytes = nvme_.parameters->file_bytes();
+  if (nvme_.masters) s.disk_master_bytes = nvme_.masters->file_bytes();
   return s;
 }
 void ZeroModel::reset_peak() { strategy_->reset_peak(); }

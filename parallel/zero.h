@@ -113,6 +113,7 @@
 #include <string>
 #include <vector>
 
+#include "parallel/nvme_tensor_file.h"
 #include "parallel/zero_memory.h"
 #include "parallel/zero_options.h"
 #include "runtime/field_table.h"
@@ -130,7 +131,7 @@ namespace remat::parallel {
 
 class ShardingStrategy;
 class MasterPolicy;
-class NvmeParameterFile;
+
 
 // Per-rank bytes, now and over the collectives issued so far.
 struct ZeroStats {
@@ -151,6 +152,9 @@ struct ZeroStats {
   // in disk_param_bytes instead.
   int64_t host_param_bytes = 0;
   int64_t disk_param_bytes = 0;
+  // offload_optimizer "nvme": the float32 masters' bytes in its file (not in
+  // host_bytes, which keeps their gradients).
+  int64_t disk_master_bytes = 0;
   // Stages 1 and 2: the most gradient bytes held at once (parameters' own,
   // bucket buffers, reductions in flight and the shards'), since reset_peak();
   // stage 3: the most the device held at once of the shards' gradients
@@ -224,15 +228,14 @@ class ZeroModel {
   // of the model's modules called through remat::forward are cast to the
   // compute dtype); `sharded_tp` lists parameters that
   // differ across tensor-parallel ranks (for the gradient norm;
-  // sharded_parameters()); `nvme_parameters` the file offload_param "nvme"
-  // keeps the shards in (parallel/nvme_parameters.h, opened by the caller so
-  // that a folder problem is known on every rank before any collective).
+  // sharded_parameters()); `nvme` the files the NVMe offloads keep their
+  // tensors in, each given exactly when its section's device is "nvme".
   // Invalid options (check_zero_options), or a stage or combination that is
   // not implemented, are a ConfigError.
   ZeroModel(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
             std::shared_ptr<Communicator> dp_group, const ZeroOptions& config,
             const MixedPrecision& mixed, std::vector<at::Tensor> sharded_tp = {},
-            std::shared_ptr<NvmeParameterFile> nvme_parameters = nullptr);
+            NvmeFiles nvme = {});
   ~ZeroModel();
   ZeroModel(const ZeroModel&) = delete;
   ZeroModel& operator=(const ZeroModel&) = delete;
@@ -377,7 +380,7 @@ class ZeroModel {
   std::unique_ptr<MasterPolicy> policy_;
   std::unique_ptr<ShardingStrategy> strategy_;
   std::vector<at::Tensor> host_shards_;        // offload_param: those of parameters() in host memory
-  std::shared_ptr<NvmeParameterFile> nvme_parameters_;  // offload_param "nvme" (the policy's too)
+  NvmeFiles nvme_;  // the NVMe offloads' files (the policy's too)
   struct Arrivals;  // take_gradient_arrivals()'s hooks and flags
   // Mixed precision: the modules whose inputs remat::forward casts, and the hook.
   std::vector<std::weak_ptr<torch::nn::Module>> cast_hooked_;

@@ -123,7 +123,6 @@ StateElements stage3_state(const ZeroOptions& options, const MixedPrecision& mix
         return;
       }
       s.disk_shards += shard;
-      s.disk_shard_bytes += (4 * shard + 4095) / 4096 * 4096;
     };
     for (const auto& [unit, kinds] : unit_kinds) {
       if (unit < 0) continue;  // the root is flattened last
@@ -134,6 +133,7 @@ StateElements stage3_state(const ZeroOptions& options, const MixedPrecision& mix
       place(root->second.first);
       place(root->second.second);
     }
+    s.disk_shard_bytes = (4 * s.disk_shards + 4095) / 4096 * 4096;  // laid end to end, up to the page
   }
   if (options.offload_param.enabled()) {
     // The device keeps the persistent parameters and their gradients, and a

@@ -79,9 +79,9 @@ struct StateElements {
   int64_t host_shards = 0;
   int64_t host_trainable = 0;
   // offload_param "nvme": `disk_shards` of host_shards' elements live in its
-  // file, `disk_shard_bytes` there (each unit's trained and frozen shards
-  // page-padded), past the first max_in_cpu elements kept in memory, units
-  // in the stage's order (the blocks, then the root).
+  // file, `disk_shard_bytes` there (laid end to end, up to the page), past
+  // the first max_in_cpu elements kept in memory, units in the stage's order
+  // (the blocks, then the root; each unit's trained shard, then its frozen one).
   int64_t disk_shards = 0;
   int64_t disk_shard_bytes = 0;
   // optimizer_on_host: the optimizer's state (of local_trainable) is on the

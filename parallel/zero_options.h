@@ -20,7 +20,7 @@ namespace remat::parallel {
 // there (ZeroModel, zero.h); kNvme the same, but the optimizer's state in a
 // file under nvme_path (parallel/nvme_optimizer.h). For offload_param: kCpu
 // the shards in host memory, kNvme in a file under nvme_path
-// (parallel/nvme_parameters.h).
+// (parallel/nvme_tensor_file.h).
 enum class OffloadDevice { kNone, kCpu, kNvme };
 // The JSON names of OffloadDevice, by value.
 const std::vector<std::string>& offload_device_names();
@@ -53,7 +53,7 @@ struct OffloadOptimizerOptions {
 // zero_optimization.offload_param): kCpu keeps each unit's float32 shards as
 // host tensors, copied to the device for each gather (zero_stage3.cc); kNvme
 // the same tensors mapped from a file under nvme_path, read ahead of each
-// gather (parallel/nvme_parameters.h).
+// gather (parallel/nvme_tensor_file.h).
 struct OffloadParamOptions {
   OffloadDevice device = OffloadDevice::kNone;
   // The host shards page-locked, where this LibTorch can pin (a CUDA build);

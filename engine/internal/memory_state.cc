@@ -73,10 +73,13 @@ StateBytes state_bytes(const std::vector<parallel::ParameterCount>& params, int6
   s.disk_params = e.disk_shard_bytes;
   const int64_t state = e.local_trainable * per_opt;
   if (e.optimizer_on_host && config.zero_optimization.offload_optimizer.on_nvme() && per_opt == 8) {
-    // The moments on disk, in the buffers on the host.
+    // The moments on disk, in the buffers on the host; the float32 masters
+    // (the frozen ones' too) mapped from their own file, laid end to end:
+    // the host keeps their gradients.
     const auto [file, buffers] = nvme_file_and_buffers(config, e.local_trainable);
     s.disk = file;
-    s.host_optimizer = e.host_masters * (4 + 4) + buffers + e.host_frozen * 4;
+    s.disk_masters = aligned(4 * (e.host_masters + e.host_frozen));
+    s.host_optimizer = e.host_masters * 4 + buffers;
   } else if (e.optimizer_on_host) {
     s.host_optimizer = e.host_masters * (4 + 4) + state + e.host_frozen * 4;
   } else {

@@ -25,6 +25,9 @@ struct StateBytes {
   // (the moments, each sub-group's arrays padded to 4096); host_optimizer
   // then holds the masters, their gradients and the buffers, not the moments.
   int64_t disk = 0;
+  // offload_optimizer.device "nvme": the float32 masters' file (not in
+  // host_optimizer, which keeps their gradients).
+  int64_t disk_masters = 0;
   // offload_param (stage 3): the float32 shards and their gradients on the
   // host, and without offload_optimizer the optimizer's state of them.
   int64_t host_params = 0;

@@ -154,6 +154,7 @@ StepMetrics StepMeter::finish_step(const StepOutcome& outcome, const ActivationP
     m.nvme_optimizer = true;
     m.host_optimizer_bytes += nvme->buffer_bytes;
     m.nvme_state_bytes = nvme->file_bytes;
+    m.nvme_master_bytes = share_.zero.disk_master_bytes;
     m.nvme_read_bytes = nvme->bytes_read;
     m.nvme_written_bytes = nvme->bytes_written;
     m.nvme_step_ms = 1e3 * nvme->seconds;
@@ -246,6 +247,7 @@ void StepMeter::finish_trace(const StepMetrics& m) {
   if (m.nvme_parameters) other["nvme_parameter_bytes"] = m.nvme_parameter_bytes;
   if (m.nvme_optimizer) {
     other["nvme_state_bytes"] = m.nvme_state_bytes;
+    other["nvme_master_bytes"] = m.nvme_master_bytes;
     other["nvme_read_bytes"] = m.nvme_read_bytes;
     other["nvme_written_bytes"] = m.nvme_written_bytes;
   }

@@ -4,23 +4,28 @@
 #include <c10/core/GradMode.h>
 
 #include "parallel/internal/zero_offload.h"
-#include "parallel/nvme_parameters.h"
+#include "parallel/nvme_tensor_file.h"
 #include "runtime/memory_trace.h"
 
 namespace remat::parallel {
 
-MasterPolicy::MasterPolicy(const ZeroOptions& options, const MixedPrecision& mixed,
-                           std::shared_ptr<NvmeParameterFile> nvme_params)
+MasterPolicy::MasterPolicy(const ZeroOptions& options, const MixedPrecision& mixed, const NvmeFiles& nvme)
     : mixed_(mixed),
       masters_on_host_(parallel::masters_on_host(options, mixed)),
       masters_pinned_(masters_on_host_ && options.offload_optimizer.pin_memory && can_pin_host_memory()),
       params_on_host_(options.stage == 3 && options.offload_param.enabled()),
       params_pinned_(params_on_host_ && options.offload_param.pin_memory && can_pin_host_memory()),
-      nvme_params_(params_on_host_ ? std::move(nvme_params) : nullptr) {}
+      nvme_params_(params_on_host_ ? nvme.parameters : nullptr),
+      nvme_masters_(nvme.masters) {}
 
 MasterPolicy::~MasterPolicy() = default;
 
-at::Tensor MasterPolicy::host_master(const at::Tensor& values) const { return host_copy(values, masters_pinned_); }
+at::Tensor MasterPolicy::host_master(const at::Tensor& values) const {
+  if (nvme_masters_) {
+    if (at::Tensor mapped = nvme_masters_->place(values); mapped.defined()) return mapped.view(values.sizes());
+  }
+  return host_copy(values, masters_pinned_);
+}
 
 at::Tensor MasterPolicy::stage3_shard(const at::Tensor& mine) const {
   if (nvme_params_) {
@@ -56,7 +61,7 @@ void MasterPolicy::fold_gradient(at::Tensor& copy, at::Tensor& master) const {
 void MasterPolicy::start_host_mode(std::vector<at::Tensor> stepped, const OffloadOptimizerOptions& options,
                                    const std::vector<at::Tensor>& host_shards,
                                    const std::vector<at::Tensor>& masters) {
-  host_ = std::make_unique<OptimizerOffload>(std::move(stepped), options, host_shards, masters);
+  host_ = std::make_unique<OptimizerOffload>(std::move(stepped), options, host_shards, masters, nvme_masters_.get());
 }
 
 std::vector<at::Tensor> MasterPolicy::optimizer_tensors(std::vector<at::Tensor> stepped, bool settle) const {
@@ -68,6 +73,7 @@ std::vector<at::Tensor> MasterPolicy::optimizer_tensors(std::vector<at::Tensor> 
 at::Tensor MasterPolicy::host_of(const at::Tensor& device) const { return host_ ? host_->host_of(device) : device; }
 void MasterPolicy::push(bool force) {
   if (host_) host_->push(force);
+  if (nvme_masters_) nvme_masters_->release_all();  // the copies made, the masters go back to disk
 }
 void MasterPolicy::settle() {
   if (host_) host_->settle();

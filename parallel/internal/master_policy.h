@@ -12,7 +12,7 @@
 //                      steps through host mode;
 //   params_on_host()   offload_param (stage 3): the shards themselves are
 //                      float32 host tensors; with its "nvme", those past
-//                      max_in_cpu mapped from a file (nvme_parameters.h),
+//                      max_in_cpu mapped from a file (nvme_tensor_file.h),
 //                      which the strategy asks the policy to read ahead of a
 //                      gather (prefetch) and to drop once used (release).
 //
@@ -38,13 +38,13 @@
 namespace remat::parallel {
 
 class OptimizerOffload;
-class NvmeParameterFile;
+class NvmeTensorFile;
+struct NvmeFiles;
 
 class MasterPolicy {
  public:
-  // `nvme_params`: offload_param "nvme"'s file (null otherwise).
-  MasterPolicy(const ZeroOptions& options, const MixedPrecision& mixed,
-               std::shared_ptr<NvmeParameterFile> nvme_params = nullptr);
+  // `nvme`: the NVMe offloads' files (zero.h; none given: none on NVMe).
+  MasterPolicy(const ZeroOptions& options, const MixedPrecision& mixed, const NvmeFiles& nvme);
   ~MasterPolicy();
   MasterPolicy(const MasterPolicy&) = delete;
   MasterPolicy& operator=(const MasterPolicy&) = delete;
@@ -58,7 +58,8 @@ class MasterPolicy {
   bool params_on_host() const { return params_on_host_; }
 
   // `values` (float32, on the device) copied into a new float32 master in
-  // host memory, pinned where asked and possible (masters_on_host).
+  // host memory, pinned where asked and possible (masters_on_host); with
+  // offload_optimizer "nvme", mapped from its file.
   at::Tensor host_master(const at::Tensor& values) const;
   // Stage 3's shard from this rank's float32 piece `mine` of a unit's flat
   // buffer: a float32 host tensor (params_on_host), the 16-bit copy of a
@@ -111,7 +112,7 @@ class MasterPolicy {
   bool params_on_host_ = false, params_pinned_ = false;
   bool last_micro_step_ = false;
   std::unique_ptr<OptimizerOffload> host_;  // host mode only
-  std::shared_ptr<NvmeParameterFile> nvme_params_;
+  std::shared_ptr<NvmeTensorFile> nvme_params_, nvme_masters_;
 };
 
 // Whole parameters under the policy (stage 0's; stages 1-2's frozen ones):

@@ -10,7 +10,7 @@
 #include <algorithm>
 #include <set>
 
-#include "parallel/nvme_parameters.h"
+#include "parallel/nvme_tensor_file.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
 
@@ -33,7 +33,7 @@ at::Tensor host_copy(const at::Tensor& t, bool pinned) {
 }
 
 void log_offload_param(const OffloadParamOptions& options, const std::vector<at::Tensor>& shards,
-                       const NvmeParameterFile* file) {
+                       const NvmeTensorFile* file) {
   int64_t elements = 0, on_disk = 0;
   for (const auto& t : shards) {
     elements += t.numel();
@@ -71,9 +71,31 @@ void log_offload_param(const OffloadParamOptions& options, const std::vector<at:
   }
 }
 
+// The start's line: where the masters are, how many, pinned or not.
+void OptimizerOffload::log_masters(const OffloadOptimizerOptions& options, int64_t elements, int64_t frozen,
+                                   bool beside_shards, const NvmeTensorFile* file) const {
+  if (file != nullptr) {
+    log_rank0().info("offload_optimizer nvme: {} float32 master elements ({} bytes) in '{}' on rank 0 ({} bytes on "
+                     "disk{}), read by the step and by the copies to the device, then dropped from memory; their "
+                     "gradients in host memory", elements + frozen, 4 * (elements + frozen), file->path(),
+                     file->file_bytes(), !beside_shards ? "" : "; offload_param's shards are masters of their own");
+  } else {
+    log_rank0().info("offload_optimizer: {} float32 master elements ({} bytes){}, their gradients and the optimizer "
+                     "state in host memory{}{}", elements, 4 * elements,
+                     !beside_shards ? "" : " beside offload_param's host shards (stepped where they are)",
+                     pinned_ ? ", pinned"
+                     : options.pin_memory ? " (pin_memory asked, but this LibTorch cannot pin: no CUDA; ordinary host memory)"
+                                          : "",
+                     adopted_ ? str("; the masters there alone", frozen > 0 ? str(" (and ", frozen, " frozen elements')") : "",
+                                    ": the device keeps their 16-bit copies")
+                              : std::string());
+  }
+}
+
 OptimizerOffload::OptimizerOffload(std::vector<at::Tensor> device, const OffloadOptimizerOptions& options,
-                                   const std::vector<at::Tensor>& on_host, const std::vector<at::Tensor>& masters)
-    : device_(std::move(device)) {
+                                   const std::vector<at::Tensor>& on_host, const std::vector<at::Tensor>& masters,
+                                   NvmeTensorFile* file)
+    : device_(std::move(device)), file_(file) {
   pinned_ = options.pin_memory && can_pin_host_memory();
   c10::NoGradGuard no_grad;
   int64_t elements = 0, frozen = 0;
@@ -115,23 +137,20 @@ OptimizerOffload::OptimizerOffload(std::vector<at::Tensor> device, const Offload
     }
     REMAT_CHECK(d.scalar_type() == at::kFloat, "offload_optimizer: a master shard is not float32 (",
                 c10::toString(d.scalar_type()), ")");
-    at::Tensor h = at::empty(d.sizes(), at::TensorOptions().dtype(at::kFloat).device(at::kCPU).pinned_memory(pinned_));
-    h.copy_(d.detach());
+    at::Tensor h = file != nullptr ? file->place(d.detach()) : at::Tensor();
+    if (h.defined()) {
+      h = h.view(d.sizes());
+    } else {
+      h = at::empty(d.sizes(), at::TensorOptions().dtype(at::kFloat).device(at::kCPU).pinned_memory(pinned_));
+      h.copy_(d.detach());
+    }
     h.requires_grad_(true);
     host_.push_back(h);
     grads_.push_back(gradient_buffer(d));
     versions_.push_back(h._version());
     elements += d.numel();
   }
-  log_rank0().info("offload_optimizer: {} float32 master elements ({} bytes){}, their gradients and the optimizer "
-                   "state in host memory{}{}", elements, 4 * elements,
-                   on_host.empty() ? "" : " beside offload_param's host shards (stepped where they are)",
-                   pinned_ ? ", pinned"
-                   : options.pin_memory ? " (pin_memory asked, but this LibTorch cannot pin: no CUDA; ordinary host memory)"
-                                        : "",
-                   adopted_ ? str("; the masters there alone", frozen > 0 ? str(" (and ", frozen, " frozen elements')") : "",
-                                  ": the device keeps their 16-bit copies")
-                            : std::string());
+  log_masters(options, elements, frozen, !on_host.empty(), file);
   if (options.ratio < 1) {
     log_rank0().warn("offload_optimizer.ratio {} asks for that share of the optimizer state on the host; remat "
                      "offloads the whole of it (the device keeps none of the state): leave ratio out, or at 1",
@@ -283,7 +302,7 @@ int64_t OptimizerOffload::host_bytes() const {
   int64_t bytes = 0;
   for (size_t i = 0; i < host_.size(); ++i) {
     if (!offloaded_[i]) continue;
-    bytes += static_cast<int64_t>(host_[i].nbytes());
+    if (file_ == nullptr || !file_->on_disk(host_[i])) bytes += static_cast<int64_t>(host_[i].nbytes());
     if (grads_[i].defined()) bytes += static_cast<int64_t>(grads_[i].nbytes());
   }
   return bytes;

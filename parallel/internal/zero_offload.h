@@ -51,7 +51,7 @@
 
 namespace remat::parallel {
 
-class NvmeParameterFile;
+class NvmeTensorFile;
 
 class OptimizerOffload {
  public:
@@ -63,8 +63,10 @@ class OptimizerOffload {
   // `masters` (the stage's host_masters(), masters_on_host): where defined,
   // the host master of device[i], made by the stage (device[i] is its 16-bit
   // copy), frozen ones too, taken as it is.
+  // `file`: offload_optimizer "nvme"'s, where the masters it makes are mapped from.
   OptimizerOffload(std::vector<at::Tensor> device, const OffloadOptimizerOptions& options,
-                   const std::vector<at::Tensor>& on_host = {}, const std::vector<at::Tensor>& masters = {});
+                   const std::vector<at::Tensor>& on_host = {}, const std::vector<at::Tensor>& masters = {},
+                   NvmeTensorFile* file = nullptr);
   // Waits for the copies in flight (their buffers are then free to go).
   ~OptimizerOffload();
   OptimizerOffload(const OptimizerOffload&) = delete;
@@ -95,12 +97,14 @@ class OptimizerOffload {
   // Drops the gradients on both sides (an abandoned backward).
   void drop_gradients();
 
-  // Host bytes: the masters and their gradient buffers.
+  // Host bytes: the masters (those in host memory) and their gradient buffers.
   int64_t host_bytes() const;
   bool pinned() const { return pinned_; }
 
  private:
   void take(size_t i);
+  void log_masters(const OffloadOptimizerOptions& options, int64_t elements, int64_t frozen, bool beside_shards,
+                   const NvmeTensorFile* file) const;
   // dst (host) <- src: on an accelerator on side_, else at once.
   void copy_to_host(const at::Tensor& src, at::Tensor& dst);
   // device_[i] <- host_[i] on up_ (`waited`: up_ waits for the compute stream once per push).
@@ -118,6 +122,7 @@ class OptimizerOffload {
   bool taken_ = false;
   bool pinned_ = false;
   bool adopted_ = false;  // masters made by the stage (masters_on_host)
+  const NvmeTensorFile* file_ = nullptr;  // offload_optimizer "nvme": where masters may be mapped from
 };
 
 // Whether this LibTorch can pin host memory (a CUDA build with a device).
@@ -131,6 +136,6 @@ at::Tensor host_copy(const at::Tensor& t, bool pinned);
 // in `file` and those kept in memory), and DeepSpeed's buffer keys where set
 // (they change nothing here).
 void log_offload_param(const OffloadParamOptions& options, const std::vector<at::Tensor>& shards,
-                       const NvmeParameterFile* file);
+                       const NvmeTensorFile* file);
 
 }  // namespace remat::parallel

@@ -1,11 +1,11 @@
-// offload_param "nvme"'s file (parallel/nvme_parameters.h) alone: shards
+// offload_param "nvme"'s file (parallel/nvme_tensor_file.h) alone: shards
 // placed past max_in_cpu live in the file, hold their values through being
 // dropped from memory and written (read back from the file), and the ones
 // within it stay in memory; a disk too small is kept for check(), named; the
 // file is removed with the object, and one a crashed run left is removed at
 // start; a disk error on a mapped shard (SIGBUS) ends the process with exit
 // 1 and a message naming the file.
-#include "parallel/nvme_parameters.h"
+#include "parallel/nvme_tensor_file.h"
 
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
@@ -36,8 +36,8 @@ std::string temp_folder(const std::string& name) {
   return dir.string();
 }
 
-// The kilobytes of `t`'s mapping in this process's memory (its Rss in
-// /proc/self/smaps); -1 where it is not a mapping of its own.
+// The kilobytes in this process's memory of the mapping `t` begins (its Rss
+// in /proc/self/smaps); -1 where no mapping begins there.
 int64_t resident_kib(const at::Tensor& t) {
   std::ifstream smaps("/proc/self/smaps");
   const auto address = reinterpret_cast<uintptr_t>(t.data_ptr());
@@ -55,14 +55,14 @@ int64_t resident_kib(const at::Tensor& t) {
   return -1;
 }
 
-TEST(NvmeParameterFile, ShardsPastMaxInCpuLiveInTheFileAndKeepTheirValues) {
+TEST(NvmeTensorFile, ShardsPastMaxInCpuLiveInTheFileAndKeepTheirValues) {
   const std::string dir = temp_folder("place");
   const fs::path file = fs::path(dir) / "remat-parameters" / "rank3" / "rank3.parameters";
   at::manual_seed(1);
-  const at::Tensor a = at::randn({1000}), b = at::randn({5000}), c = at::randn({3000}).to(at::kBFloat16);
+  const at::Tensor a = at::randn({1400}), b = at::randn({5000}), c = at::randn({3000}).to(at::kBFloat16);
   at::Tensor pb, pc;
   {
-    NvmeParameterFile f({dir, 3, 1500});
+    NvmeTensorFile f({dir, 3, 1500});
     EXPECT_FALSE(f.place(a).defined()) << "within max_in_cpu: the caller keeps it in memory";
     pb = f.place(b);
     pc = f.place(c);
@@ -72,16 +72,16 @@ TEST(NvmeParameterFile, ShardsPastMaxInCpuLiveInTheFileAndKeepTheirValues) {
     EXPECT_EQ(pb.scalar_type(), at::kFloat);
     EXPECT_TRUE(at::equal(pb, b));
     EXPECT_TRUE(at::equal(pc, c.to(at::kFloat)));
-    EXPECT_EQ(f.file_bytes(), 20480 + 12288) << "each shard page-padded";
-    EXPECT_EQ(f.in_cpu_bytes(), 4000);
+    EXPECT_EQ(f.file_bytes(), 32768) << "laid end to end (64-byte aligned), the file up to its page";
+    EXPECT_EQ(f.in_cpu_bytes(), 5600);
     EXPECT_EQ(fs::file_size(file), 32768u);
     EXPECT_NO_THROW(f.check());
 
     // Written, dropped from memory, read again from the file.
     pb.mul_(2);
-    EXPECT_EQ(resident_kib(pb), 20) << "in memory while used";
+    EXPECT_EQ(resident_kib(pb), 32) << "both in memory while used";
     f.release(pb);
-    EXPECT_EQ(resident_kib(pb), 0) << "dropped from this process's memory";
+    EXPECT_EQ(resident_kib(pb), 12) << "b's pages (and the one it shares with c) dropped, c's last 3 kept";
     EXPECT_TRUE(at::equal(pb, b * 2)) << "the write reached the file";
     f.prefetch(pc);
     f.release_all();
@@ -91,13 +91,13 @@ TEST(NvmeParameterFile, ShardsPastMaxInCpuLiveInTheFileAndKeepTheirValues) {
   EXPECT_TRUE(at::equal(pb, b * 2)) << "a shard outliving the file keeps its mapping";
 }
 
-TEST(NvmeParameterFile, ADiskTooSmallIsKeptForCheckAndNamed) {
+TEST(NvmeTensorFile, ADiskTooSmallIsKeptForCheckAndNamed) {
   const std::string dir = temp_folder("small");
-  NvmeParameterFile f({dir, 0, 0});
+  NvmeTensorFile f({dir, 0, 0});
   ::signal(SIGXFSZ, SIG_IGN);
   rlimit cap{8192, RLIM_INFINITY};
   ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &cap), 0);
-  const at::Tensor first = f.place(at::ones({1000}));
+  const at::Tensor first = f.place(at::ones({2000}));
   const at::Tensor second = f.place(at::ones({5000}));
   const at::Tensor third = f.place(at::ones({10}));
   rlimit none{RLIM_INFINITY, RLIM_INFINITY};
@@ -106,30 +106,30 @@ TEST(NvmeParameterFile, ADiskTooSmallIsKeptForCheckAndNamed) {
   EXPECT_FALSE(second.defined()) << "not reserved: the caller keeps it in memory until check() stops the run";
   EXPECT_FALSE(third.defined()) << "nothing is placed after a problem";
   const std::string e = testing::error_of<ConfigError>([&] { f.check(); });
-  EXPECT_THAT(e, HasSubstr("rank 0 cannot reserve 24576 bytes for its parameter shards in '" + dir +
+  EXPECT_THAT(e, HasSubstr("rank 0 cannot reserve 28672 bytes for its parameter shards in '" + dir +
                            "/remat-parameters/rank0/rank0.parameters' (File too large): free space on that disk"));
 }
 
-TEST(NvmeParameterFile, ACrashedRunsFileIsRemovedAndTheUsersStay) {
+TEST(NvmeTensorFile, ACrashedRunsFileIsRemovedAndTheUsersStay) {
   const std::string dir = temp_folder("leftover");
   const fs::path rank = fs::path(dir) / "remat-parameters" / "rank1";
   fs::create_directories(rank);
   std::ofstream(rank / "rank1.parameters") << "stale";
   std::ofstream(rank / "mine.txt") << "the user's";
-  NvmeParameterFile f({dir, 1, 0});
+  NvmeTensorFile f({dir, 1, 0});
   EXPECT_EQ(fs::file_size(rank / "rank1.parameters"), 0u) << "the stale file replaced by this run's";
   EXPECT_TRUE(fs::exists(rank / "mine.txt"));
-  const std::string e = testing::error_of<ConfigError>([&] { NvmeParameterFile again({dir, 1, 0}); });
+  const std::string e = testing::error_of<ConfigError>([&] { NvmeTensorFile again({dir, 1, 0}); });
   EXPECT_THAT(e, HasSubstr("zero_optimization.offload_param.nvme_path '" + dir + "' is in use by another job"));
 }
 
 // The file cut short behind the mapping's back: reading the shard is a SIGBUS,
 // which ends the process with exit 1 and a message naming the file.
-TEST(NvmeParameterFileDeathTest, ADiskErrorOnAMappedShardEndsTheRunNamingTheFile) {
+TEST(NvmeTensorFileDeathTest, ADiskErrorOnAMappedShardEndsTheRunNamingTheFile) {
   const std::string dir = temp_folder("sigbus");
   EXPECT_EXIT(
       {
-        NvmeParameterFile f({dir, 0, 0});
+        NvmeTensorFile f({dir, 0, 0});
         at::Tensor shard = f.place(at::ones({4096}));
         f.release(shard);
         ::truncate(f.path().c_str(), 0);
