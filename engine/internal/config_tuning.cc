@@ -75,10 +75,13 @@ void tuning_lines(const Config& c, std::vector<std::string>& out) {
                      aio.thread_count != defaults.thread_count || aio.single_submit != defaults.single_submit ||
                      aio.overlap_events != defaults.overlap_events;
   if (tuned && !c.zero_optimization.offload_optimizer.on_nvme()) {
+    const bool params = c.zero_optimization.offload_param.on_nvme();
     out.push_back(str("aio (block_size ", aio.block_size, ", queue_depth ", aio.queue_depth, ", thread_count ",
                       aio.thread_count, ", single_submit ", yes_no(aio.single_submit), ", overlap_events ",
                       yes_no(aio.overlap_events), ") has no effect in this run: it tunes the I/O of offload to "
-                      "NVMe, and no offload device is \"nvme\""));
+                      "NVMe, ", params ? "which remat streams for offload_optimizer \"nvme\"'s moments only "
+                                         "(offload_param's shards are mapped: the kernel reads and writes them)"
+                                       : "and no offload device is \"nvme\""));
   }
   if (t.prescale_gradients && !*t.prescale_gradients) {
     out.push_back("prescale_gradients = false has no effect in remat: remat averages gradients as it asks, one sum "
