@@ -344,7 +344,8 @@ TEST(NvmeOptimizer, FolderFaultsAreClearAndLeftoversRemoved) {
   ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &none), 0);
   const fs::path masters0 = fs::path(path) / "remat-masters" / "rank0";
   EXPECT_NE(e.find("bytes for its optimizer's float32 masters in '" + masters0.string() +
-                   "/rank0.masters' (File too large): free space on that disk, give nvme_path a larger one"),
+                   "/rank0.masters' (File too large after 4096 bytes): free space on that disk, give nvme_path a "
+                   "larger one"),
             std::string::npos) << e;
   EXPECT_FALSE(fs::exists(masters0 / "rank0.masters")) << "the masters' file goes with the refusal";
   const fs::path mine = fs::path(path) / "remat-optimizer" / str("rank", world()->rank());
@@ -529,8 +530,8 @@ TEST(NvmeParameters, FolderFaultsAreClearAndLeftoversRemoved) {
   rlimit none{RLIM_INFINITY, RLIM_INFINITY};
   ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &none), 0);
   EXPECT_NE(e.find("rank 0 cannot reserve"), std::string::npos) << e;
-  EXPECT_NE(e.find("for its parameter shards in '" + rank0.string() + "/rank0.parameters' (File too large)"),
-            std::string::npos) << e;
+  EXPECT_NE(e.find("for its parameter shards in '" + rank0.string() +
+                   "/rank0.parameters' (File too large after 0 bytes)"), std::string::npos) << e;
   if (world()->size() > 1) {
     EXPECT_NE(e.find("(placing tensors on NVMe failed on rank 0 of 2; every rank stops with this error)"),
               std::string::npos) << e;
