@@ -31,6 +31,10 @@
 #include <string>
 #include <utility>
 
+namespace remat {
+class Communicator;
+}
+
 namespace remat::parallel {
 
 namespace internal {
@@ -66,8 +70,8 @@ class NvmeTensorFile {
   at::Tensor place(const at::Tensor& values);
   // A ConfigError naming the file, the bytes reserved when the disk refused
   // and the bytes the tensors past max_in_cpu need there in all, when a
-  // place() could not reserve its tensor (ZeroModel asks on every
-  // data-parallel rank at once).
+  // place() could not reserve its tensor (ZeroModel asks on every rank of
+  // NvmeFiles::ranks at once).
   void check() const;
   // Whether `t` (a tensor place() returned) lives in the file.
   bool on_disk(const at::Tensor& t) const;
@@ -109,6 +113,11 @@ class NvmeTensorFile {
 // where offload_param's shards are the masters already).
 struct NvmeFiles {
   std::shared_ptr<NvmeTensorFile> parameters, masters;
+  // The ranks that stop together when one cannot place its tensors
+  // (ZeroModel agrees on check() over them): every rank of the job, which
+  // tensor parallelism makes more than the data-parallel group; null:
+  // ZeroModel's data-parallel group.
+  std::shared_ptr<Communicator> ranks;
 };
 
 }  // namespace remat::parallel
