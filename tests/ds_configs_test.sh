@@ -282,5 +282,17 @@ if [[ $est_rc -eq 0 ]] && grep -q "the parameter shards on disk (offload_param.n
 else
   fail "infinity_zero3.json with nvme_path here: remat-estimate (exit $est_rc)" "$(cat "$tmp/inf_nvme.est")"
 fi
+# nvme_path a file, which remat-train refuses at start: remat-estimate says
+# so and exits 2, not "fits" with the free space of the file's disk.
+touch "$tmp/not_a_folder"
+"$estimate" -np 2 --config "$tmp/infinity_nvme.json" "${small[@]}" \
+  --set zero_optimization.offload_param.nvme_path="$tmp/not_a_folder" >"$tmp/inf_file.est" 2>&1
+est_rc=$?
+if [[ $est_rc -eq 2 ]] &&
+    grep -q "^disk: nvme_path '$tmp/not_a_folder' holds the parameter shards [0-9.]* [KM]iB per rank, [0-9.]* [KM]iB for 2 ranks; it is not a folder: give nvme_path a folder on a fast local disk$" "$tmp/inf_file.est"; then
+  pass "nvme_path a file: remat-estimate says it is not a folder and exits 2"
+else
+  fail "nvme_path a file: remat-estimate (exit $est_rc)" "$(cat "$tmp/inf_file.est")"
+fi
 
 summary
