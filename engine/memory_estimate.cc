@@ -199,7 +199,7 @@ StageTerms stage_terms(const MemoryEstimateInputs& in, const Config& config, int
                        int64_t accumulation) {
   std::vector<parallel::ParameterCount> params;
   params.reserve(in.parameters.size());
-  for (const ParameterSize& p : in.parameters) params.push_back({p.numel, p.trainable, p.unit});
+  for (const ParameterSize& p : in.parameters) params.push_back({p.numel, p.trainable, p.unit, p.tp_sharded});
   StageTerms t;
   t.state = internal::state_bytes(params, in.element_bytes, config, stage, group, accumulation);
   t.grads_term = in.gradients_in_activations ? t.state.grads - t.state.full_trainable : t.state.grads;

@@ -44,6 +44,7 @@ struct ParameterSize {
   int64_t numel = 0;
   bool trainable = true;
   int unit = -1;  // its block's index; -1: outside the blocks (the root unit)
+  bool tp_sharded = false;  // split over the tensor-parallel ranks (numel: this rank's part)
 };
 
 // What an estimate is computed from.

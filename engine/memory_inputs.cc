@@ -26,19 +26,23 @@ MemoryEstimateInputs cold_gpt_inputs(const Config& config, int64_t vocab_size, i
   MemoryEstimateInputs in;
   // Parameters (models/gpt.h): the embeddings, per block LayerNorms, qkv,
   // proj, fc1, fc2 (the column-parallel ones split over tp), ln_f and head.
-  auto add = [&](int64_t numel, int unit) { in.parameters.push_back({numel, true, unit}); };
-  add((V + tp - 1) / tp * C, -1);
+  // Those split over tp (split) stage 3 flattens apart from the replicated ones.
+  const bool split = tp > 1;
+  auto add = [&](int64_t numel, int unit, bool sharded = false) {
+    in.parameters.push_back({numel, true, unit, sharded && split});
+  };
+  add((V + tp - 1) / tp * C, -1, true);
   add(T * C, -1);
   for (int u = 0; u < L; ++u) {
-    add(C, u), add(C, u);                      // ln1
-    add(C * 3 * C / tp, u), add(3 * C / tp, u);  // qkv
-    add(C / tp * C, u), add(C, u);             // proj
-    add(C, u), add(C, u);                      // ln2
-    add(C * F, u), add(F, u);                  // fc1
-    add(F * C, u), add(C, u);                  // fc2
+    add(C, u), add(C, u);                                  // ln1
+    add(C * 3 * C / tp, u, true), add(3 * C / tp, u, true);  // qkv
+    add(C / tp * C, u, true), add(C, u);                   // proj
+    add(C, u), add(C, u);                                  // ln2
+    add(C * F, u, true), add(F, u, true);                  // fc1
+    add(F * C, u, true), add(C, u);                        // fc2
   }
-  add(C, -1), add(C, -1);                      // ln_f
-  add(C * ((V + tp - 1) / tp), -1);            // head
+  add(C, -1), add(C, -1);                                  // ln_f
+  add(C * ((V + tp - 1) / tp), -1, true);                  // head
   // Activations, float32, per block (B batch, T time, C width, H heads and F
   // MLP width on this rank): LayerNorm outputs and statistics, q|k|v, the
   // softmax output and the dropped-out probabilities, the attention output,

@@ -52,6 +52,7 @@ struct NvmeSetup {
   int micro_steps = 1;
   int hybrid = 0;
   int ranks = 0;  // the first `ranks` ranks train (0: all)
+  int tp = 1;     // tensor parallel size
   std::vector<std::string> frozen;  // parameters made requires_grad false before initialize
   // offload_param (stage 3): the shards' device, and with "nvme" its folder
   // and the elements kept in memory.
@@ -70,6 +71,7 @@ Config config_of(const NvmeSetup& s) {
   c.optimizer.lr = 1e-2;
   c.optimizer.weight_decay = 0.01;
   c.bf16.enabled = s.bf16;
+  c.tensor_parallel.size = s.tp;
   c.zero_optimization.stage = s.stage;
   c.zero_optimization.reduce_bucket_size = 900;  // several buckets
   c.zero_optimization.stage3_param_persistence_threshold = 40;
@@ -88,8 +90,9 @@ TrainedRun train(const NvmeSetup& s, const std::string& from = "", const std::st
   const int n = s.ranks > 0 ? s.ranks : world()->size();
   auto group = world()->split(world()->rank() < n ? 0 : -1, world()->rank());
   if (world()->rank() >= n) return {};
-  auto layout = std::make_shared<ParallelLayout>(group, ParallelDims::from_world(group->size(), 1));
+  auto layout = std::make_shared<ParallelLayout>(group, ParallelDims::from_world(group->size(), s.tp));
   models::GptOptions o = remat::testing::small_gpt(29, 3, /*dropout=*/0.1);
+  if (s.tp > 1) o.tensor_parallel = layout->tp_group();
   at::manual_seed(9);
   models::Gpt model(o);
   for (const auto& name : s.frozen) model->named_parameters()[name].requires_grad_(false);
@@ -344,7 +347,8 @@ TEST(NvmeOptimizer, FolderFaultsAreClearAndLeftoversRemoved) {
   ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &none), 0);
   const fs::path masters0 = fs::path(path) / "remat-masters" / "rank0";
   EXPECT_NE(e.find("bytes for its optimizer's float32 masters in '" + masters0.string() +
-                   "/rank0.masters' (File too large): free space on that disk, give nvme_path a larger one"),
+                   "/rank0.masters' (File too large after 4096 bytes): free space on that disk, give nvme_path a "
+                   "larger one"),
             std::string::npos) << e;
   EXPECT_FALSE(fs::exists(masters0 / "rank0.masters")) << "the masters' file goes with the refusal";
   const fs::path mine = fs::path(path) / "remat-optimizer" / str("rank", world()->rank());
@@ -529,11 +533,28 @@ TEST(NvmeParameters, FolderFaultsAreClearAndLeftoversRemoved) {
   rlimit none{RLIM_INFINITY, RLIM_INFINITY};
   ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &none), 0);
   EXPECT_NE(e.find("rank 0 cannot reserve"), std::string::npos) << e;
-  EXPECT_NE(e.find("for its parameter shards in '" + rank0.string() + "/rank0.parameters' (File too large)"),
-            std::string::npos) << e;
+  EXPECT_NE(e.find("for its parameter shards in '" + rank0.string() +
+                   "/rank0.parameters' (File too large after 0 bytes)"), std::string::npos) << e;
   if (world()->size() > 1) {
     EXPECT_NE(e.find("(placing tensors on NVMe failed on rank 0 of 2; every rank stops with this error)"),
               std::string::npos) << e;
+  }
+
+  // The same at tensor parallel 2 (each data-parallel group one rank): rank
+  // 1, whose disk holds its shards, stops with rank 0's reason too, rather
+  // than waiting in its next collective until rank 0's exit aborts it.
+  if (world()->size() == 2) {
+    s.tp = 2;
+    if (world()->rank() == 0) {
+      ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &cap), 0);
+    }
+    e = testing::error_of<ConfigError>([&] { train(s); });
+    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &none), 0);
+    EXPECT_NE(e.find("rank 0 cannot reserve"), std::string::npos) << e;
+    EXPECT_NE(e.find("(placing tensors on NVMe failed on rank 0 of 2; every rank stops with this error)"),
+              std::string::npos) << e;
+    EXPECT_FALSE(fs::exists(fs::path(path) / "remat-parameters" / str("rank", world()->rank()) /
+                            str("rank", world()->rank(), ".parameters"))) << "no file left";
   }
 }
 

@@ -290,8 +290,10 @@ namespace {
 // opened and locked before any collective of ZeroModel's, so that a problem
 // on one rank stops every rank here. Without nvme_path, ZeroModel's check of
 // its options says what is missing.
-parallel::NvmeFiles open_nvme_files(const parallel::ZeroOptions& z, Communicator& world) {
+parallel::NvmeFiles open_nvme_files(const parallel::ZeroOptions& z, const std::shared_ptr<Communicator>& ranks) {
+  Communicator& world = *ranks;
   parallel::NvmeFiles files;
+  files.ranks = ranks;  // every rank of the job stops when one cannot place its tensors
   const std::string params_path = z.offload_param.nvme_path.value_or("");
   const std::string masters_path = z.offload_optimizer.nvme_path.value_or("");
   const bool params = z.stage == 3 && z.offload_param.on_nvme() && !params_path.empty();
@@ -324,7 +326,7 @@ void Engine::Impl::wire_sharding(torch::nn::Module& model, const Config& config,
   const bool fp16 = config.fp16.enabled && !options.fp16_scaler_at_float32;
   const parallel::MixedPrecision mixed = parallel::mixed_precision(config.bf16, fp16);
   zero = std::make_unique<parallel::ZeroModel>(model, units, layout->dp_group(), zero_options, mixed, sharded,
-                                               open_nvme_files(zero_options, *world));
+                                               open_nvme_files(zero_options, world));
   if (zero_options.offload_optimizer.on_nvme()) {
     if (options.optimizer) {
       throw ConfigError("zero_optimization.offload_optimizer.device \"nvme\" keeps remat's Adam state on disk, and "

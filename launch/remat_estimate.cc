@@ -31,11 +31,13 @@
 // the ranks); it exits 2 too when the host part does not fit. With
 // offload_optimizer or offload_param on "nvme", a disk line per nvme_path:
 // the bytes the ranks keep there against its free space here (exit 2 when
-// they do not fit; a path not on this machine is said and not checked).
+// they do not fit, or the path is not a folder; a path not on this machine
+// is said and not checked).
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <torch/cuda.h>
 
+#include <sys/stat.h>
 #include <sys/statvfs.h>
 
 #include <cerrno>
@@ -415,6 +417,12 @@ bool disk_verdicts(const Config& config, const MemoryEstimateRow& r, int ranks) 
     struct statvfs fs {};
     if (::statvfs(path.c_str(), &fs) != 0) {
       std::cout << "; it is not on this machine (" << std::strerror(errno) << "), so its free space is not checked\n";
+      continue;
+    }
+    struct stat st {};
+    if (::stat(path.c_str(), &st) == 0 && !S_ISDIR(st.st_mode)) {
+      fits = false;  // remat-train refuses it at start
+      std::cout << "; it is not a folder: give nvme_path a folder on a fast local disk\n";
       continue;
     }
     const double free = static_cast<double>(fs.f_bavail) * static_cast<double>(fs.f_frsize);

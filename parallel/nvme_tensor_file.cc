@@ -137,10 +137,12 @@ NvmeTensorFile::~NvmeTensorFile() {
 at::Tensor NvmeTensorFile::place(const at::Tensor& values) {
   c10::NoGradGuard no_grad;
   const int64_t n = values.numel();
-  if (n == 0 || in_cpu_elements_ + n <= options_.max_in_cpu || !problem_.empty()) {
+  if (n == 0 || in_cpu_elements_ + n <= options_.max_in_cpu) {
     in_cpu_elements_ += n;
     return at::Tensor();
   }
+  needed_end_ = (needed_end_ + 63) / 64 * 64 + n * static_cast<int64_t>(sizeof(float));
+  if (!reserve_error_.empty()) return at::Tensor();  // nothing is placed after a problem
   const int64_t offset = (end_ + 63) / 64 * 64;
   const int64_t end = offset + n * static_cast<int64_t>(sizeof(float));
   const auto page = static_cast<int64_t>(page_bytes());
@@ -158,13 +160,7 @@ at::Tensor NvmeTensorFile::place(const at::Tensor& values) {
       err = errno;
     }
     if (err != 0) {
-      problem_ = str("zero_optimization.", options_.section, ".nvme_path '", options_.nvme_path, "': rank ",
-                     options_.rank, " cannot reserve ", mapped, " bytes for its ",
-                     of_params(options_) ? "parameter shards" : "optimizer's float32 masters", " in '", path_,
-                     "' (", std::strerror(err), "): free space on that disk, give nvme_path a larger one",
-                     of_params(options_) ? ", or raise offload_param.max_in_cpu to keep more of the shards in host "
-                                           "memory"
-                                         : "");
+      reserve_error_ = std::strerror(err);
       return at::Tensor();
     }
     file_bytes_ = mapped;
@@ -177,7 +173,16 @@ at::Tensor NvmeTensorFile::place(const at::Tensor& values) {
 }
 
 void NvmeTensorFile::check() const {
-  if (!problem_.empty()) throw ConfigError(problem_);
+  if (reserve_error_.empty()) return;
+  const auto page = static_cast<int64_t>(page_bytes());
+  throw ConfigError(str("zero_optimization.", options_.section, ".nvme_path '", options_.nvme_path, "': rank ",
+                        options_.rank, " cannot reserve ", (needed_end_ + page - 1) / page * page, " bytes for its ",
+                        of_params(options_) ? "parameter shards" : "optimizer's float32 masters", " in '", path_,
+                        "' (", reserve_error_, " after ", file_bytes_, " bytes): free space on that disk, give "
+                        "nvme_path a larger one",
+                        of_params(options_) ? ", or raise offload_param.max_in_cpu to keep more of the shards in host "
+                                              "memory"
+                                            : ""));
 }
 
 std::pair<char*, size_t> NvmeTensorFile::pages_of(const at::Tensor& t) const {

@@ -31,6 +31,10 @@
 #include <string>
 #include <utility>
 
+namespace remat {
+class Communicator;
+}
+
 namespace remat::parallel {
 
 namespace internal {
@@ -64,8 +68,10 @@ class NvmeTensorFile {
   // disk problem is kept for check(), so that a rank whose disk is full does
   // not leave the others waiting in a collective.
   at::Tensor place(const at::Tensor& values);
-  // A ConfigError naming the file and the bytes when a place() could not
-  // reserve its tensor (ZeroModel asks on every data-parallel rank at once).
+  // A ConfigError naming the file, the bytes reserved when the disk refused
+  // and the bytes the tensors past max_in_cpu need there in all, when a
+  // place() could not reserve its tensor (ZeroModel asks on every rank of
+  // NvmeFiles::ranks at once).
   void check() const;
   // Whether `t` (a tensor place() returned) lives in the file.
   bool on_disk(const at::Tensor& t) const;
@@ -94,7 +100,10 @@ class NvmeTensorFile {
   std::shared_ptr<Mapping> mapping_;
   int64_t end_ = 0;  // bytes placed
   int64_t file_bytes_ = 0, in_cpu_elements_ = 0;
-  std::string problem_;
+  // Where the tensors past max_in_cpu end in the file, counted on after a
+  // problem so that check() says the whole; why the disk refused.
+  int64_t needed_end_ = 0;
+  std::string reserve_error_;
 };
 
 // The files of ZeRO-Infinity's NVMe offload (above),
@@ -104,6 +113,11 @@ class NvmeTensorFile {
 // where offload_param's shards are the masters already).
 struct NvmeFiles {
   std::shared_ptr<NvmeTensorFile> parameters, masters;
+  // The ranks that stop together when one cannot place its tensors
+  // (ZeroModel agrees on check() over them): every rank of the job, which
+  // tensor parallelism makes more than the data-parallel group; null:
+  // ZeroModel's data-parallel group.
+  std::shared_ptr<Communicator> ranks;
 };
 
 }  // namespace remat::parallel

@@ -132,9 +132,12 @@ ZeroModel::ZeroModel(torch::nn::Module& model,
     policy_->start_host_mode(strategy_->parameters(), config.offload_optimizer, host_shards_,
                              strategy_->host_masters());
   }
-  // A rank whose disk could not hold its tensors stops every data-parallel rank here.
+  // A rank whose disk could not hold its tensors stops every rank here: the
+  // files' ranks (the job's, with tensor parallelism more than the
+  // data-parallel group, whose other ranks would wait in their next
+  // collective), else the data-parallel ones.
   if (nvme_.parameters || nvme_.masters) {
-    agree_on_outcome(*dp_group, "placing tensors on NVMe", [&] {
+    agree_on_outcome(nvme_.ranks ? *nvme_.ranks : *dp_group, "placing tensors on NVMe", [&] {
       if (nvme_.parameters) nvme_.parameters->check();
       if (nvme_.masters) nvme_.masters->check();
     });

@@ -1,6 +1,7 @@
 #include "parallel/zero_memory.h"
 
 #include <algorithm>
+#include <array>
 #include <iterator>
 #include <map>
 
@@ -108,31 +109,30 @@ StateElements stage3_state(const ZeroOptions& options, const MixedPrecision& mix
   }
   s.gradients = stage3_gradients(s.trainable, s.local_trainable);
   if (options.offload_param.on_nvme()) {
-    // The units' shards placed in order, each kind (trained, frozen) a shard
-    // of its own: in memory while within max_in_cpu, else in the file.
-    std::map<int, std::pair<int64_t, int64_t>> unit_kinds;  // unit -> trained, frozen elements
+    // The units' shards placed in order, each kind (replicated or split
+    // over the tensor-parallel ranks, trained or frozen: the stage's order)
+    // a shard of its own: in memory while within max_in_cpu, else in the file.
+    std::map<int, std::array<int64_t, 4>> unit_kinds;  // unit -> elements of each kind
     for (const ParameterCount& p : params) {
       if (p.numel < persistence) continue;
-      (p.trainable ? unit_kinds[p.unit].first : unit_kinds[p.unit].second) += p.numel;
+      unit_kinds.try_emplace(p.unit, std::array<int64_t, 4>{});
+      unit_kinds[p.unit][(p.tp_sharded ? 2 : 0) + (p.trainable ? 0 : 1)] += p.numel;
     }
     int64_t in_cpu = 0;
-    auto place = [&](int64_t whole) {
-      const int64_t shard = (whole + shard_group - 1) / shard_group;
-      if (shard == 0 || in_cpu + shard <= options.offload_param.max_in_cpu) {
-        in_cpu += shard;
-        return;
+    auto place = [&](const std::array<int64_t, 4>& kinds) {
+      for (const int64_t whole : kinds) {
+        const int64_t shard = (whole + shard_group - 1) / shard_group;
+        if (shard == 0 || in_cpu + shard <= options.offload_param.max_in_cpu) {
+          in_cpu += shard;
+          continue;
+        }
+        s.disk_shards += shard;
       }
-      s.disk_shards += shard;
     };
     for (const auto& [unit, kinds] : unit_kinds) {
-      if (unit < 0) continue;  // the root is flattened last
-      place(kinds.first);
-      place(kinds.second);
+      if (unit >= 0) place(kinds);  // the root is flattened last
     }
-    if (auto root = unit_kinds.find(-1); root != unit_kinds.end()) {
-      place(root->second.first);
-      place(root->second.second);
-    }
+    if (auto root = unit_kinds.find(-1); root != unit_kinds.end()) place(root->second);
     s.disk_shard_bytes = (4 * s.disk_shards + 4095) / 4096 * 4096;  // laid end to end, up to the page
   }
   if (options.offload_param.enabled()) {

@@ -40,6 +40,9 @@ struct ParameterCount {
   int64_t numel = 0;
   bool trainable = true;
   int unit = -1;  // stage 3's unit: its block's index; -1 outside the blocks (the root unit)
+  // Split over the tensor-parallel ranks: stage 3 flattens these apart from
+  // the replicated ones, each a shard of its own (page-padded on NVMe).
+  bool tp_sharded = false;
 };
 
 // The gradients one rank holds, from the model's trainable amount and this

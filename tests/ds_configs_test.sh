@@ -282,5 +282,41 @@ if [[ $est_rc -eq 0 ]] && grep -q "the parameter shards on disk (offload_param.n
 else
   fail "infinity_zero3.json with nvme_path here: remat-estimate (exit $est_rc)" "$(cat "$tmp/inf_nvme.est")"
 fi
+# At tensor parallel 2 stage 3 flattens each unit's split and replicated
+# parameters apart, each a page-padded shard of its own: the estimate's disk
+# bytes are the run's, with every shard on disk and with max_in_cpu keeping some.
+for mic in 0 3000; do
+  tp_args=(--config "$tmp/infinity_nvme.json" "${small[@]}" --set tensor_parallel.size=2
+           --set zero_optimization.offload_param.max_in_cpu=$mic)
+  "$estimate" -np 2 "${tp_args[@]}" --json "$tmp/tp_$mic.est.json" >"$tmp/tp_$mic.est" 2>&1
+  "$run" -np 2 -- "$train" "${tp_args[@]}" --steps 1 --metrics "$tmp/tp_$mic.jsonl" >"$tmp/tp_$mic.out" 2>&1
+  rc=$?
+  pair=$(python3 - "$tmp/tp_$mic.est.json" "$tmp/tp_$mic.jsonl" <<'PY'
+import json, sys
+row = [r for r in json.load(open(sys.argv[1]))["rows"] if r["configured"]][0]
+run = json.loads(open(sys.argv[2]).readline())
+print(row.get("disk_parameter_bytes", 0), run.get("nvme_parameter_bytes", 0))
+PY
+)
+  read -r est_bytes run_bytes <<<"$pair"
+  if [[ $rc -eq 0 && -n $run_bytes && $run_bytes -gt 0 && $est_bytes == "$run_bytes" ]]; then
+    pass "tensor parallel 2, max_in_cpu $mic: remat-estimate's parameter shards on disk are the run's, $run_bytes bytes"
+  else
+    fail "tensor parallel 2, max_in_cpu $mic: estimate $est_bytes vs run $run_bytes bytes on disk (exit $rc)" \
+      "$(tail -5 "$tmp/tp_$mic.out")"
+  fi
+done
+# nvme_path a file, which remat-train refuses at start: remat-estimate says
+# so and exits 2, not "fits" with the free space of the file's disk.
+touch "$tmp/not_a_folder"
+"$estimate" -np 2 --config "$tmp/infinity_nvme.json" "${small[@]}" \
+  --set zero_optimization.offload_param.nvme_path="$tmp/not_a_folder" >"$tmp/inf_file.est" 2>&1
+est_rc=$?
+if [[ $est_rc -eq 2 ]] &&
+    grep -q "^disk: nvme_path '$tmp/not_a_folder' holds the parameter shards [0-9.]* [KM]iB per rank, [0-9.]* [KM]iB for 2 ranks; it is not a folder: give nvme_path a folder on a fast local disk$" "$tmp/inf_file.est"; then
+  pass "nvme_path a file: remat-estimate says it is not a folder and exits 2"
+else
+  fail "nvme_path a file: remat-estimate (exit $est_rc)" "$(cat "$tmp/inf_file.est")"
+fi
 
 summary

@@ -123,4 +123,14 @@ else
     "$(tail -6 "$tmp/p_kill.log"; tail -8 "$tmp/p_resumed.log"; losses "$tmp/p_ref.jsonl"; losses "$tmp/p_resumed.jsonl")"
 fi
 
+# Nothing sharded (every parameter below the persistence threshold): the
+# warning says to lower the threshold to put the shards on disk, not in host memory.
+param_job --set zero_optimization.stage3_param_persistence_threshold=100000 >"$tmp/p_none.log" 2>&1
+rc=$?
+if [[ $rc -eq 0 ]] && grep -q "offload_param has nothing to offload: no parameter is sharded .* lower the threshold (0 shards every parameter) to keep the shards on disk (past offload_param.max_in_cpu)" "$tmp/p_none.log"; then
+  pass "offload_param nvme with nothing sharded: the warning says how to put the shards on disk"
+else
+  fail "offload_param nvme with nothing sharded (exit $rc)" "$(grep -i "nothing to offload\|error" "$tmp/p_none.log")"
+fi
+
 summary

@@ -58,7 +58,8 @@ void log_offload_param(const OffloadParamOptions& options, const std::vector<at:
   if (elements == 0) {
     log_rank0().warn("offload_param has nothing to offload: no parameter is sharded (each is below "
                      "zero_optimization.stage3_param_persistence_threshold and stays whole on the device); lower "
-                     "the threshold (0 shards every parameter) to keep the shards in host memory");
+                     "the threshold (0 shards every parameter) to keep the shards {}",
+                     file != nullptr ? "on disk (past offload_param.max_in_cpu)" : "in host memory");
   }
   const OffloadParamOptions d;
   if (options.buffer_count != d.buffer_count || options.buffer_size != d.buffer_size ||
