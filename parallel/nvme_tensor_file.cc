@@ -40,6 +40,7 @@ void on_sigbus(int, siginfo_t* info, void*) {
     if (address >= g_ranges[i].begin.load() && address < g_ranges[i].end.load()) {
       const ssize_t written = ::write(STDERR_FILENO, g_ranges[i].message, g_ranges[i].message_size.load());
       (void)written;
+      internal::remove_on_exit_now();
       ::_exit(1);
     }
   }

@@ -1,9 +1,11 @@
 #include "parallel/internal/nvme_folder.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -14,6 +16,64 @@
 namespace remat::parallel::internal {
 
 namespace fs = std::filesystem;
+
+namespace {
+
+// The files removed when a signal ends the process: a fixed table the
+// handler reads without locks (a slot's path is read only while it is live).
+constexpr int kMaxFiles = 64;
+enum SlotState : int { kFree, kClaimed, kLive };
+struct FileSlot {
+  std::atomic<int> state{kFree};
+  char path[4096];
+};
+FileSlot g_files[kMaxFiles];
+struct sigaction g_previous[2];  // SIGTERM's and SIGINT's handlers before remat's
+
+void on_stop(int sig) {
+  remove_on_exit_now();
+  const struct sigaction& previous = g_previous[sig == SIGTERM ? 0 : 1];
+  if (previous.sa_handler != SIG_DFL && previous.sa_handler != SIG_IGN &&
+      (previous.sa_flags & SA_SIGINFO) == 0) {
+    previous.sa_handler(sig);  // a handler of the program's: it decides what follows
+    return;
+  }
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
+
+int track(const std::string& file) {
+  static const bool installed = [] {
+    struct sigaction action {};
+    action.sa_handler = on_stop;
+    sigemptyset(&action.sa_mask);
+    // A signal the process ignores (SIGINT in a background job) stays ignored.
+    const int signals[2] = {SIGTERM, SIGINT};
+    for (int k = 0; k < 2; ++k) {
+      ::sigaction(signals[k], nullptr, &g_previous[k]);
+      if (g_previous[k].sa_handler != SIG_IGN) ::sigaction(signals[k], &action, nullptr);
+    }
+    return true;
+  }();
+  (void)installed;
+  if (file.size() >= sizeof g_files[0].path) return -1;
+  for (int i = 0; i < kMaxFiles; ++i) {
+    int expected = kFree;
+    if (!g_files[i].state.compare_exchange_strong(expected, kClaimed)) continue;
+    std::memcpy(g_files[i].path, file.c_str(), file.size() + 1);
+    g_files[i].state.store(kLive);
+    return i;
+  }
+  return -1;
+}
+
+}  // namespace
+
+void remove_on_exit_now() {
+  for (auto& slot : g_files) {
+    if (slot.state.load() == kLive) ::unlink(slot.path);
+  }
+}
 
 NvmeFolder::NvmeFolder(const std::string& nvme_path, int rank, const std::string& section, const std::string& kind,
                        const std::string& holds) {
@@ -58,9 +118,11 @@ NvmeFolder::NvmeFolder(const std::string& nvme_path, int rank, const std::string
     log().warn("{} nvme: removed '{}' ({} bytes), left by a run that ended without cleaning up", section,
                entry.path().string(), bytes);
   }
+  slot_ = track((fs::path(path_) / file_name_).string());
 }
 
 NvmeFolder::~NvmeFolder() {
+  if (slot_ >= 0) g_files[slot_].state.store(kFree);
   if (fd_ >= 0) ::close(fd_);  // releases the lock
 }
 

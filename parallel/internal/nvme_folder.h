@@ -4,7 +4,11 @@
 // the same nvme_path is refused at start (naming the folder). The files a
 // run of this rank writes there are named rank<R>.<kind>...; those a crashed
 // run left are removed under the lock, and said. Anything else in the folder
-// is the user's and stays.
+// is the user's and stays. While the object lives, a SIGTERM or SIGINT (a
+// Ctrl-C at mpirun, which then stops the ranks with SIGTERM) and a disk error
+// remat turns into an exit (nvme_tensor_file.cc's SIGBUS) remove this rank's
+// file before the process ends (remove_on_exit_now); a kill -9 leaves it to
+// the next run's sweep.
 #pragma once
 
 #include <string>
@@ -29,6 +33,11 @@ class NvmeFolder {
  private:
   std::string path_, file_name_;
   int fd_ = -1;
+  int slot_ = -1;  // in the table of files removed on a signal
 };
+
+// Removes every live folder's file (async-signal-safe: for a signal handler
+// about to end the process).
+void remove_on_exit_now();
 
 }  // namespace remat::parallel::internal
