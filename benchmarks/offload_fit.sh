@@ -69,6 +69,11 @@ fits() {
     >"$out/estimate.log" 2>&1
 }
 
+# peak_of METRICS: the most bytes remat's tracker measured in a step of that run.
+peak_of() {
+  python3 -c 'import json,sys; print(max(json.loads(l)["mem_peak_bytes"] for l in open(sys.argv[1]) if l.strip()))' "$1"
+}
+
 # largest ARGS...: the most layers that fit (0: not even one), doubling then bisecting.
 largest() {
   local lo=0 hi=1
@@ -128,5 +133,21 @@ if case == "disk":
 line += f"; process peak RSS {size(int(open(rss).read().split()[-1]) * 1024)}"
 print(line)
 EOF
+  if [[ $mode == cpu ]]; then
+    # The estimate's pick against the limit as measured (remat's tracked peak):
+    # where it is over, fewer layers in proportion until one is within it.
+    limit=$REMAT_MEMORY_PER_RANK_BYTES
+    l=$layers
+    peak=$(peak_of "$out/$label.jsonl")
+    while ((peak > limit && l > 1)); do
+      l=$((l * limit / peak))
+      ((l < 1)) && l=1
+      "$bin/remat-run" -np 1 -- "$bin/remat-train" --device "$device" --steps "$steps" --metrics "$out/$case-M$l.jsonl" \
+        "${common[@]}" "${args[@]}" --set model.n_layer="$l" >"$out/$case-M$l.log" 2>&1 || { rc=1; break; }
+      peak=$(peak_of "$out/$case-M$l.jsonl")
+    done
+    echo "fit: optimizer on the $case, measured: $l layers train within the limit of $((limit >> 20)) MiB (device peak" \
+         "$((peak >> 20)) MiB measured; the estimate chose $layers)"
+  fi
 done
 exit $rc
