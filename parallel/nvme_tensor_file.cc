@@ -32,8 +32,9 @@ struct MappedRange {
 };
 MappedRange g_ranges[kMaxRanges];
 std::atomic<int> g_range_count{0};
+struct sigaction g_previous_sigbus;  // the process's SIGBUS handler before remat's
 
-void on_sigbus(int, siginfo_t* info, void*) {
+void on_sigbus(int sig, siginfo_t* info, void* context) {
   const auto address = reinterpret_cast<uintptr_t>(info->si_addr);
   const int n = std::min(g_range_count.load(), kMaxRanges);
   for (int i = 0; i < n; ++i) {
@@ -44,7 +45,17 @@ void on_sigbus(int, siginfo_t* info, void*) {
       ::_exit(1);
     }
   }
-  ::signal(SIGBUS, SIG_DFL);  // not a file of remat's: the access faults again, as it would without remat
+  // Not a file of remat's: what handled SIGBUS before remat does (a
+  // program's or a library's handler, Open MPI's backtrace); without one the
+  // access faults again and ends the process, as it would without remat.
+  const struct sigaction& previous = g_previous_sigbus;
+  if ((previous.sa_flags & SA_SIGINFO) != 0) {
+    previous.sa_sigaction(sig, info, context);
+  } else if (previous.sa_handler != SIG_DFL && previous.sa_handler != SIG_IGN) {
+    previous.sa_handler(sig);
+  } else {
+    ::signal(SIGBUS, SIG_DFL);
+  }
 }
 
 int register_range(void* address, size_t bytes, const std::string& message) {
@@ -53,7 +64,7 @@ int register_range(void* address, size_t bytes, const std::string& message) {
     action.sa_sigaction = on_sigbus;
     action.sa_flags = SA_SIGINFO;
     sigemptyset(&action.sa_mask);
-    return ::sigaction(SIGBUS, &action, nullptr) == 0;
+    return ::sigaction(SIGBUS, &action, &g_previous_sigbus) == 0;
   }();
   (void)installed;
   const int slot = g_range_count.fetch_add(1);

@@ -8,7 +8,9 @@
 // Ctrl-C at mpirun, which then stops the ranks with SIGTERM) and a disk error
 // remat turns into an exit (nvme_tensor_file.cc's SIGBUS) remove this rank's
 // file before the process ends (remove_on_exit_now); a kill -9 leaves it to
-// the next run's sweep.
+// the next run's sweep. A handler the program had for SIGTERM or SIGINT is
+// called after the removal (either kind, with its mask and SA_RESTART kept),
+// and decides what follows; without one the signal ends the process.
 #pragma once
 
 #include <string>
