@@ -5,7 +5,8 @@
 // file is removed with the object, and one a crashed run left is removed at
 // start; a disk error on a mapped shard (SIGBUS) ends the process with exit
 // 1 and a message naming the file; the handlers a program had before (SIGTERM,
-// SIGBUS) are still called, with the flags they asked for.
+// SIGBUS) are still called, with the flags they asked for; every signal that
+// ends a rank from outside (SIGUSR1 forwarded by mpirun, SIGHUP...) removes it.
 #include "parallel/nvme_tensor_file.h"
 
 #include <ATen/ATen.h>
@@ -199,6 +200,33 @@ TEST(NvmeTensorFileDeathTest, ASigbusElsewhereGoesToTheProcesssHandler) {
         ::_exit(14);
       },
       ::testing::ExitedWithCode(11), "");
+}
+
+// The signals that end a rank from outside besides SIGTERM and SIGINT:
+// SIGUSR1 and SIGUSR2 (mpirun forwards them to the ranks, a scheduler sends
+// them before the end of a job), SIGHUP, SIGPIPE (mpirun gone). The process ends
+// by the signal as before, and its file is gone (it stayed).
+TEST(NvmeTensorFileDeathTest, EveryEndingSignalRemovesTheFile) {
+  ::testing::GTEST_FLAG(death_test_style) = "threadsafe";
+  for (const int sig : {SIGUSR1, SIGHUP, SIGPIPE}) {
+    // One folder for this process and the death test's (which runs the test
+    // again, under a process id of its own).
+    const char* base = std::getenv("TEST_TMPDIR");
+    const std::string dir =
+        ((base ? fs::path(base) : fs::temp_directory_path()) / ("remat_nvme_signal_" + std::to_string(sig))).string();
+    fs::create_directories(dir);
+    EXPECT_EXIT(
+        {
+          ::signal(sig, SIG_DFL);
+          NvmeTensorFile f({dir, 0, 0, "offload_optimizer"});
+          f.place(at::ones({4096}));
+          ::raise(sig);
+          ::_exit(10);
+        },
+        ::testing::KilledBySignal(sig), "")
+        << strsignal(sig);
+    EXPECT_FALSE(fs::exists(fs::path(dir) / "remat-masters" / "rank0" / "rank0.masters")) << strsignal(sig);
+  }
 }
 
 }  // namespace
