@@ -23,20 +23,21 @@ namespace remat::parallel {
 namespace {
 
 // The files' reserved address ranges, for the SIGBUS handler (which may read
-// only what is lock-free): a range's slot is cleared when it is unmapped.
+// only what is lock-free): a range's slot is cleared when it is unmapped, and
+// taken again by a later file (a process may make any number in turn).
 constexpr int kMaxRanges = 256;
 struct MappedRange {
   std::atomic<uintptr_t> begin{0}, end{0};
   char message[4608];
   std::atomic<size_t> message_size{0};
+  std::atomic<bool> taken{false};
 };
 MappedRange g_ranges[kMaxRanges];
-std::atomic<int> g_range_count{0};
+struct sigaction g_previous_sigbus;  // the process's SIGBUS handler before remat's
 
-void on_sigbus(int, siginfo_t* info, void*) {
+void on_sigbus(int sig, siginfo_t* info, void* context) {
   const auto address = reinterpret_cast<uintptr_t>(info->si_addr);
-  const int n = std::min(g_range_count.load(), kMaxRanges);
-  for (int i = 0; i < n; ++i) {
+  for (int i = 0; i < kMaxRanges; ++i) {
     if (address >= g_ranges[i].begin.load() && address < g_ranges[i].end.load()) {
       const ssize_t written = ::write(STDERR_FILENO, g_ranges[i].message, g_ranges[i].message_size.load());
       (void)written;
@@ -44,7 +45,17 @@ void on_sigbus(int, siginfo_t* info, void*) {
       ::_exit(1);
     }
   }
-  ::signal(SIGBUS, SIG_DFL);  // not a file of remat's: the access faults again, as it would without remat
+  // Not a file of remat's: what handled SIGBUS before remat does (a
+  // program's or a library's handler, Open MPI's backtrace); without one the
+  // access faults again and ends the process, as it would without remat.
+  const struct sigaction& previous = g_previous_sigbus;
+  if ((previous.sa_flags & SA_SIGINFO) != 0) {
+    previous.sa_sigaction(sig, info, context);
+  } else if (previous.sa_handler != SIG_DFL && previous.sa_handler != SIG_IGN) {
+    previous.sa_handler(sig);
+  } else {
+    ::signal(SIGBUS, SIG_DFL);
+  }
 }
 
 int register_range(void* address, size_t bytes, const std::string& message) {
@@ -53,11 +64,14 @@ int register_range(void* address, size_t bytes, const std::string& message) {
     action.sa_sigaction = on_sigbus;
     action.sa_flags = SA_SIGINFO;
     sigemptyset(&action.sa_mask);
-    return ::sigaction(SIGBUS, &action, nullptr) == 0;
+    return ::sigaction(SIGBUS, &action, &g_previous_sigbus) == 0;
   }();
   (void)installed;
-  const int slot = g_range_count.fetch_add(1);
-  if (slot >= kMaxRanges) return -1;
+  int slot = 0;
+  for (bool expected = false; slot < kMaxRanges; ++slot, expected = false) {
+    if (g_ranges[slot].taken.compare_exchange_strong(expected, true)) break;
+  }
+  if (slot == kMaxRanges) return -1;
   MappedRange& r = g_ranges[slot];
   const size_t size = std::min(message.size(), sizeof r.message);
   std::memcpy(r.message, message.data(), size);
@@ -92,7 +106,10 @@ struct NvmeTensorFile::Mapping {
   size_t reserved = 0;
   int slot = -1;
   ~Mapping() {
-    if (slot >= 0) g_ranges[slot].end.store(0);
+    if (slot >= 0) {
+      g_ranges[slot].end.store(0);
+      g_ranges[slot].taken.store(false);
+    }
     if (base != nullptr) ::munmap(base, reserved);
   }
 };

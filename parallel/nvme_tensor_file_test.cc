@@ -4,18 +4,23 @@
 // within it stay in memory; a disk too small is kept for check(), named; the
 // file is removed with the object, and one a crashed run left is removed at
 // start; a disk error on a mapped shard (SIGBUS) ends the process with exit
-// 1 and a message naming the file.
+// 1 and a message naming the file; the handlers a program had before (SIGTERM,
+// SIGBUS) are still called, with the flags they asked for; every signal that
+// ends a rank from outside (SIGUSR1 forwarded by mpirun, SIGHUP...) removes it.
 #include "parallel/nvme_tensor_file.h"
 
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -140,6 +145,105 @@ TEST(NvmeTensorFileDeathTest, ADiskErrorOnAMappedShardEndsTheRunNamingTheFile) {
       ::testing::ExitedWithCode(1),
       "remat error: offload_param nvme: a parameter shard mapped from '.*rank0.parameters' could not be read or "
       "written \\(SIGBUS: a disk error under nvme_path, or the file was cut short");
+}
+
+// What the program's handlers below see: the file, to say whether it was
+// removed before they ran.
+char g_file[4096];
+void exit_7_if_file_removed(int, siginfo_t*, void*) { ::_exit(::access(g_file, F_OK) != 0 ? 7 : 8); }
+void exit_11(int, siginfo_t*, void*) { ::_exit(11); }
+
+void install(int sig, void (*handler)(int, siginfo_t*, void*), int flags) {
+  struct sigaction action {};
+  action.sa_sigaction = handler;
+  action.sa_flags = SA_SIGINFO | flags;
+  sigemptyset(&action.sa_mask);
+  ::sigaction(sig, &action, nullptr);
+}
+
+// Files made and destroyed in turn (an engine per run of a sweep, in one
+// process): a disk error on the 300th is still named. The handler knew the
+// first 256 files' ranges only, and the SIGBUS ended the process bare.
+TEST(NvmeTensorFileDeathTest, ADiskErrorIsNamedAfterManyFilesCameAndWent) {
+  const std::string dir = temp_folder("sigbus_many");
+  EXPECT_EXIT(
+      {
+        for (int i = 0; i < 299; ++i) NvmeTensorFile({dir, 0, 0});
+        NvmeTensorFile f({dir, 0, 0});
+        at::Tensor shard = f.place(at::ones({4096}));
+        f.release(shard);
+        ::truncate(f.path().c_str(), 0);
+        std::printf("%f\n", shard.sum().item<double>());
+      },
+      ::testing::ExitedWithCode(1), "a parameter shard mapped from '.*rank0.parameters' could not be read");
+}
+
+// A program with its own SIGTERM handler (SA_SIGINFO, SA_RESTART): remat's
+// removes the file, then calls it; the program's system calls still restart
+// (remat's handler keeps SA_RESTART). It was not called (the process was
+// killed by the SIGTERM), and SA_RESTART was dropped.
+TEST(NvmeTensorFileDeathTest, AProgramsSigtermHandlerRunsAfterTheFileIsRemoved) {
+  ::testing::GTEST_FLAG(death_test_style) = "threadsafe";  // the handlers installed afresh, in a process of the test's own
+  const std::string dir = temp_folder("sigterm");
+  EXPECT_EXIT(
+      {
+        install(SIGTERM, exit_7_if_file_removed, SA_RESTART);
+        NvmeTensorFile f({dir, 0, 0, "offload_optimizer"});
+        std::strncpy(g_file, f.path().c_str(), sizeof g_file - 1);
+        struct sigaction now {};
+        ::sigaction(SIGTERM, nullptr, &now);
+        if ((now.sa_flags & SA_RESTART) == 0) ::_exit(9);
+        ::raise(SIGTERM);
+        ::_exit(10);
+      },
+      ::testing::ExitedWithCode(7), "");
+}
+
+// A SIGBUS that is not on remat's files (a mapping of the program's, cut
+// short) goes to the handler the process had (a program's, Open MPI's
+// backtrace); it was dropped for the default, which ends the process.
+TEST(NvmeTensorFileDeathTest, ASigbusElsewhereGoesToTheProcesssHandler) {
+  ::testing::GTEST_FLAG(death_test_style) = "threadsafe";
+  const std::string dir = temp_folder("sigbus_elsewhere");
+  EXPECT_EXIT(
+      {
+        install(SIGBUS, exit_11, 0);
+        NvmeTensorFile f({dir, 0, 0});
+        const int fd = ::open((dir + "/the_programs").c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
+        if (fd < 0 || ::ftruncate(fd, 4096) != 0) ::_exit(12);
+        auto* mapped = static_cast<volatile char*>(::mmap(nullptr, 4096, PROT_READ, MAP_SHARED, fd, 0));
+        if (::ftruncate(fd, 0) != 0) ::_exit(13);
+        std::printf("%d\n", mapped[0]);
+        ::_exit(14);
+      },
+      ::testing::ExitedWithCode(11), "");
+}
+
+// The signals that end a rank from outside besides SIGTERM and SIGINT:
+// SIGUSR1 and SIGUSR2 (mpirun forwards them to the ranks, a scheduler sends
+// them before the end of a job), SIGHUP, SIGPIPE (mpirun gone). The process ends
+// by the signal as before, and its file is gone (it stayed).
+TEST(NvmeTensorFileDeathTest, EveryEndingSignalRemovesTheFile) {
+  ::testing::GTEST_FLAG(death_test_style) = "threadsafe";
+  for (const int sig : {SIGUSR1, SIGHUP, SIGPIPE}) {
+    // One folder for this process and the death test's (which runs the test
+    // again, under a process id of its own).
+    const char* base = std::getenv("TEST_TMPDIR");
+    const std::string dir =
+        ((base ? fs::path(base) : fs::temp_directory_path()) / ("remat_nvme_signal_" + std::to_string(sig))).string();
+    fs::create_directories(dir);
+    EXPECT_EXIT(
+        {
+          ::signal(sig, SIG_DFL);
+          NvmeTensorFile f({dir, 0, 0, "offload_optimizer"});
+          f.place(at::ones({4096}));
+          ::raise(sig);
+          ::_exit(10);
+        },
+        ::testing::KilledBySignal(sig), "")
+        << strsignal(sig);
+    EXPECT_FALSE(fs::exists(fs::path(dir) / "remat-masters" / "rank0" / "rank0.masters")) << strsignal(sig);
+  }
 }
 
 }  // namespace

@@ -28,14 +28,24 @@ struct FileSlot {
   char path[4096];
 };
 FileSlot g_files[kMaxFiles];
-struct sigaction g_previous[2];  // SIGTERM's and SIGINT's handlers before remat's
+// The signals that end a process from outside and that remat sees through:
+// a scheduler's or mpirun's stop (SIGTERM, SIGINT, SIGHUP; SIGUSR1 and
+// SIGUSR2, which mpirun forwards to the ranks and which end a process that
+// does not handle them), a CPU-time limit (SIGXCPU), a closed output
+// (SIGPIPE: mpirun gone), a quit (SIGQUIT). Their handlers before remat's.
+constexpr int kEndingSignals[] = {SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2, SIGXCPU, SIGPIPE, SIGQUIT};
+struct sigaction g_previous[NSIG];
 
-void on_stop(int sig) {
+void on_stop(int sig, siginfo_t* info, void* context) {
   remove_on_exit_now();
-  const struct sigaction& previous = g_previous[sig == SIGTERM ? 0 : 1];
-  if (previous.sa_handler != SIG_DFL && previous.sa_handler != SIG_IGN &&
-      (previous.sa_flags & SA_SIGINFO) == 0) {
-    previous.sa_handler(sig);  // a handler of the program's: it decides what follows
+  const struct sigaction& previous = g_previous[sig];
+  // A handler of the program's (either kind): it decides what follows.
+  if ((previous.sa_flags & SA_SIGINFO) != 0) {
+    previous.sa_sigaction(sig, info, context);
+    return;
+  }
+  if (previous.sa_handler != SIG_DFL && previous.sa_handler != SIG_IGN) {
+    previous.sa_handler(sig);
     return;
   }
   ::signal(sig, SIG_DFL);
@@ -44,14 +54,19 @@ void on_stop(int sig) {
 
 int track(const std::string& file) {
   static const bool installed = [] {
-    struct sigaction action {};
-    action.sa_handler = on_stop;
-    sigemptyset(&action.sa_mask);
-    // A signal the process ignores (SIGINT in a background job) stays ignored.
-    const int signals[2] = {SIGTERM, SIGINT};
-    for (int k = 0; k < 2; ++k) {
-      ::sigaction(signals[k], nullptr, &g_previous[k]);
-      if (g_previous[k].sa_handler != SIG_IGN) ::sigaction(signals[k], &action, nullptr);
+    for (const int sig : kEndingSignals) {
+      // A signal the process ignores (SIGINT in a background job, SIGQUIT
+      // under mpirun) stays ignored.
+      ::sigaction(sig, nullptr, &g_previous[sig]);
+      if (g_previous[sig].sa_handler == SIG_IGN) continue;
+      // The program's handler keeps what it asked for: its mask, and the
+      // flags that change the process around it (SA_RESTART: its system
+      // calls go on after the handler returns).
+      struct sigaction action = g_previous[sig];
+      action.sa_sigaction = on_stop;
+      action.sa_flags =
+          SA_SIGINFO | (g_previous[sig].sa_flags & (SA_RESTART | SA_ONSTACK | SA_NODEFER | SA_RESETHAND));
+      ::sigaction(sig, &action, nullptr);
     }
     return true;
   }();

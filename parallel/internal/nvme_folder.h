@@ -4,11 +4,14 @@
 // the same nvme_path is refused at start (naming the folder). The files a
 // run of this rank writes there are named rank<R>.<kind>...; those a crashed
 // run left are removed under the lock, and said. Anything else in the folder
-// is the user's and stays. While the object lives, a SIGTERM or SIGINT (a
-// Ctrl-C at mpirun, which then stops the ranks with SIGTERM) and a disk error
-// remat turns into an exit (nvme_tensor_file.cc's SIGBUS) remove this rank's
-// file before the process ends (remove_on_exit_now); a kill -9 leaves it to
-// the next run's sweep.
+// is the user's and stays. While the object lives, a signal that ends the
+// rank from outside (SIGTERM, SIGINT: a Ctrl-C at mpirun, which then stops
+// the ranks with SIGTERM; SIGUSR1 and SIGUSR2, which mpirun forwards; SIGHUP,
+// SIGQUIT, SIGXCPU, SIGPIPE) and a disk error remat turns into an exit
+// (nvme_tensor_file.cc's SIGBUS) remove this rank's file before the process
+// ends (remove_on_exit_now); a kill -9 leaves it to the next run's sweep. A handler the program had for one of those signals is
+// called after the removal (either kind, with its mask and SA_RESTART kept),
+// and decides what follows; without one the signal ends the process.
 #pragma once
 
 #include <string>
