@@ -113,4 +113,25 @@ done < <(env | sed -n 's/^\(REMAT_[A-Za-z0-9_]*\)=.*/\1/p')
 [[ -n "${OMP_NUM_THREADS:-}" ]] && cmd+=(-x OMP_NUM_THREADS)
 cmd+=("${mpi_args[@]}" "$@")
 echo "remat-run: $(printf '%q ' "${cmd[@]}" | sed 's/ $//')" >&2
+
+# Open MPI 4's mpirun dies of a segmentation fault in its own abort when the
+# reader of its output goes away (`remat-run ... | head`, a `tee` stopped
+# early). Output to a pipe therefore goes through a relay: once the reader is
+# gone the relay ends the job with SIGTERM (the ranks stop as on a
+# scheduler's SIGTERM) and takes in the rest of the output, so that mpirun
+# never writes to a closed pipe. The relay ignores the signals that end a
+# job, so that mpirun's last words still have somewhere to go; after the
+# exec below, $$ is mpirun.
+relay() {
+  trap '' TERM INT HUP QUIT USR1 USR2
+  cat 2>/dev/null && return
+  kill -TERM $$ 2>/dev/null
+  cat >/dev/null
+}
+if [[ -p /dev/stdout && /dev/stdout -ef /dev/stderr ]]; then
+  exec > >(relay) 2>&1
+else
+  [[ -p /dev/stdout ]] && exec > >(relay)
+  [[ -p /dev/stderr ]] && exec 2> >(relay >&2)
+fi
 exec "${cmd[@]}"
