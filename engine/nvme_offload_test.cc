@@ -212,6 +212,16 @@ TEST(NvmeOptimizer, StateIsOnDiskNotInMemoryAndRemovedAtTheEnd) {
   // The float32 masters in their own file, out of host memory: the host keeps
   // their gradients (4 bytes an element), "cpu" masters and gradients (8).
   EXPECT_GE(m.at("nvme_master_bytes").get<int64_t>(), 4 * run.metrics.back().at("nvme_state_bytes").get<int64_t>() / 8 - 4096);
+  // Each step's Adam read and rewrote every master in the file once: half
+  // the moments' bytes (4 an element against 8), the file's padding aside.
+  for (const nlohmann::json& step : run.metrics) {
+    const int64_t read = step.at("nvme_master_read_bytes").get<int64_t>();
+    EXPECT_EQ(step.at("nvme_master_written_bytes").get<int64_t>(), read);
+    EXPECT_LE(2 * read, moments);
+    EXPECT_GE(2 * read, moments - 8 * 64);
+    EXPECT_LE(read, step.at("nvme_master_bytes").get<int64_t>());
+  }
+  EXPECT_EQ(cpu.metrics.back().count("nvme_master_read_bytes"), 0u);
   const fs::path masters = fs::path(path) / "remat-masters" / str("rank", world()->rank());
   EXPECT_TRUE(fs::exists(masters / "lock"));
   EXPECT_FALSE(fs::exists(masters / str("rank", world()->rank(), ".masters"))) << "the masters' file is removed";
@@ -426,6 +436,19 @@ TEST(NvmeParameters, Stage3TrainsBitwiseAsCpu) {
     EXPECT_LT(m.at("host_parameter_bytes").get<int64_t>(), held) << what;
     EXPECT_GE(on_disk + m.at("host_parameter_bytes").get<int64_t>(), held) << what;
     EXPECT_EQ(cpu.metrics.back().count("nvme_parameter_bytes"), 0u) << "a run without it keeps its keys";
+    // Each step rewrote the shards on disk it stepped, and read them for
+    // that and for the gathers: with every shard on disk and trainable, each
+    // is gathered in the forward and the backward of every micro-step, and
+    // the shards' float32 gradients are the bytes it wrote.
+    const int64_t read = m.at("nvme_parameter_read_bytes").get<int64_t>();
+    const int64_t written = m.at("nvme_parameter_written_bytes").get<int64_t>();
+    EXPECT_GT(written, 0) << what;
+    EXPECT_LE(written, on_disk) << what;
+    EXPECT_GE(read, 2 * written) << what;
+    if (c.max_in_cpu == 0 && !c.frozen) {
+      EXPECT_EQ(written, m.at("host_parameter_bytes").get<int64_t>()) << what;
+      EXPECT_GE(read, (1 + 2 * c.micro) * written) << what;
+    }
     const fs::path mine = fs::path(path) / "remat-parameters" / str("rank", world()->rank());
     EXPECT_TRUE(fs::exists(mine / "lock")) << what;
     EXPECT_FALSE(fs::exists(mine / str("rank", world()->rank(), ".parameters"))) << what << ": the file is removed";

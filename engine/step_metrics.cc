@@ -72,10 +72,16 @@ nlohmann::json StepMetrics::to_json() const {
   if (loss_scale > 0) internal::write_fields(loss_scaling_fields(), *this, m);
   if (offload_optimizer) m["host_optimizer_bytes"] = host_optimizer_bytes;
   if (offload_param) m["host_parameter_bytes"] = host_parameter_bytes;
-  if (nvme_parameters) m["nvme_parameter_bytes"] = nvme_parameter_bytes;
+  if (nvme_parameters) {
+    m["nvme_parameter_bytes"] = nvme_parameter_bytes;
+    m["nvme_parameter_read_bytes"] = nvme_parameter_read_bytes;
+    m["nvme_parameter_written_bytes"] = nvme_parameter_written_bytes;
+  }
   if (nvme_optimizer) {
     m["nvme_state_bytes"] = nvme_state_bytes;
     m["nvme_master_bytes"] = nvme_master_bytes;
+    m["nvme_master_read_bytes"] = nvme_master_read_bytes;
+    m["nvme_master_written_bytes"] = nvme_master_written_bytes;
     m["nvme_read_bytes"] = nvme_read_bytes;
     m["nvme_written_bytes"] = nvme_written_bytes;
     m["nvme_step_ms"] = nvme_step_ms;

@@ -45,16 +45,19 @@ struct StepMetrics {
   // offload_param.device "nvme": the shards' bytes in the file on disk (those
   // within max_in_cpu, and the gradients, are in host_parameter_bytes).
   // Written only when `nvme_parameters`.
+  // And the bytes of shards in that file the step read (its gathers, the
+  // optimizer) and rewrote (the optimizer), through the kernel's page cache.
   bool nvme_parameters = false;
-  int64_t nvme_parameter_bytes = 0;
+  int64_t nvme_parameter_bytes = 0, nvme_parameter_read_bytes = 0, nvme_parameter_written_bytes = 0;
   // offload_optimizer.device "nvme": the state file's bytes on disk, and the
   // bytes the step read and wrote there and how long it took (the host
   // buffers are in host_optimizer_bytes). Written only when `nvme_optimizer`.
   bool nvme_optimizer = false;
   int64_t nvme_state_bytes = 0, nvme_read_bytes = 0, nvme_written_bytes = 0;
   // And the float32 masters' file (its page-padded bytes on disk; the host
-  // keeps their gradients in host_optimizer_bytes).
-  int64_t nvme_master_bytes = 0;
+  // keeps their gradients in host_optimizer_bytes), and the bytes of masters
+  // there the step's optimizer read and rewrote, through the page cache.
+  int64_t nvme_master_bytes = 0, nvme_master_read_bytes = 0, nvme_master_written_bytes = 0;
   double nvme_step_ms = 0;
   // On a CUDA device, LibTorch's caching allocator (runtime/device_memory.h):
   // the bytes in tensors and those it holds from the driver (reserved, the

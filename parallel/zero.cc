@@ -270,6 +270,16 @@ void ZeroModel::for_each_full_unit(const std::function<void(FullUnit&)>& fn) {
 }
 
 void ZeroModel::after_step() {
+  // The optimizer read and rewrote each tensor it stepped (those with a gradient).
+  for (const auto& t : policy_->optimizer_tensors(strategy_->parameters(), /*settle=*/false)) {
+    if (!t.grad().defined()) continue;
+    const auto bytes = static_cast<int64_t>(t.nbytes());
+    if (nvme_.parameters && nvme_.parameters->on_disk(t)) {
+      stepped_param_disk_bytes_ += bytes;
+    } else if (nvme_.masters && nvme_.masters->on_disk(t)) {
+      stepped_master_disk_bytes_ += bytes;
+    }
+  }
   policy_->push(true);
   strategy_->sync_parameters();
 }
@@ -407,6 +417,10 @@ ZeroStats ZeroModel::stats() const {
   }
   if (nvme_.parameters) s.disk_param_bytes = nvme_.parameters->file_bytes();
   if (nvme_.masters) s.disk_master_bytes = nvme_.masters->file_bytes();
+  s.disk_param_read_bytes += stepped_param_disk_bytes_;  // the strategy counted its gathers' reads
+  s.disk_param_written_bytes += stepped_param_disk_bytes_;
+  s.disk_master_read_bytes += stepped_master_disk_bytes_;
+  s.disk_master_written_bytes += stepped_master_disk_bytes_;
   return s;
 }
 void ZeroModel::reset_peak() { strategy_->reset_peak(); }

@@ -155,6 +155,14 @@ struct ZeroStats {
   // offload_optimizer "nvme": the float32 masters' bytes in its file (not in
   // host_bytes, which keeps their gradients).
   int64_t disk_master_bytes = 0;
+  // Totals: the bytes of tensors in those files that the work read and
+  // wrote: each gather of a parameter shard on disk reads it; the optimizer
+  // step reads and rewrites each tensor it steps there (shard or master).
+  // The files are mapped, so the kernel does this I/O through its page cache
+  // (a read of a page it still holds does not reach the disk; a rewritten
+  // page is written back on the kernel's schedule).
+  int64_t disk_param_read_bytes = 0, disk_param_written_bytes = 0;
+  int64_t disk_master_read_bytes = 0, disk_master_written_bytes = 0;
   // Stages 1 and 2: the most gradient bytes held at once (parameters' own,
   // bucket buffers, reductions in flight and the shards'), since reset_peak();
   // stage 3: the most the device held at once of the shards' gradients
@@ -189,6 +197,10 @@ inline const FieldTable<ZeroStats>& ZeroStats::fields() {
       {"allgather_bytes", kTotal, &S::allgather_bytes},
       {"reducescatter_bytes", kTotal, &S::reducescatter_bytes},
       {"allreduce_bytes", kTotal, &S::allreduce_bytes},
+      {"disk_param_read_bytes", kTotal, &S::disk_param_read_bytes},
+      {"disk_param_written_bytes", kTotal, &S::disk_param_written_bytes},
+      {"disk_master_read_bytes", kTotal, &S::disk_master_read_bytes},
+      {"disk_master_written_bytes", kTotal, &S::disk_master_written_bytes},
       {"peak_grad_bytes", kPeak, &S::peak_grad_bytes, "grad_peak_bytes"},
       {"reduce_wait_ms", kTotal, &S::reduce_wait_ms, "reduce_wait_ms"},
       {"buckets_reduced", kTotal, &S::buckets_reduced, "buckets_reduced"},
@@ -381,6 +393,8 @@ class ZeroModel {
   std::unique_ptr<ShardingStrategy> strategy_;
   std::vector<at::Tensor> host_shards_;        // offload_param: those of parameters() in host memory
   NvmeFiles nvme_;  // the NVMe offloads' files (the policy's too)
+  // The optimizer steps' reads and writes of tensors in nvme_'s files (ZeroStats's disk_*_bytes).
+  int64_t stepped_param_disk_bytes_ = 0, stepped_master_disk_bytes_ = 0;
   struct Arrivals;  // take_gradient_arrivals()'s hooks and flags
   // Mixed precision: the modules whose inputs remat::forward casts, and the hook.
   std::vector<std::weak_ptr<torch::nn::Module>> cast_hooked_;

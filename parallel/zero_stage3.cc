@@ -376,6 +376,7 @@ void Stage3::gather(Unit& unit, bool wait) {
       }
       MemoryCategoryScope buffers(MemoryCategory::kCommunication);
       before_read(g.shard);  // offload_optimizer: its copy from the host master ended
+      if (policy().on_disk(g.shard)) stats_.disk_param_read_bytes += static_cast<int64_t>(g.shard.nbytes());
       at::Tensor input = g.shard.detach().to(g.full.device(), g.full.scalar_type());  // offload_param: to the device
       g.pending = dp_->allGather(g.full, input);
       stats_.allgather_bytes += g.bytes();

@@ -155,6 +155,8 @@ StepMetrics StepMeter::finish_step(const StepOutcome& outcome, const ActivationP
     m.host_optimizer_bytes += nvme->buffer_bytes;
     m.nvme_state_bytes = nvme->file_bytes;
     m.nvme_master_bytes = share_.zero.disk_master_bytes;
+    m.nvme_master_read_bytes = share_.zero.disk_master_read_bytes;
+    m.nvme_master_written_bytes = share_.zero.disk_master_written_bytes;
     m.nvme_read_bytes = nvme->bytes_read;
     m.nvme_written_bytes = nvme->bytes_written;
     m.nvme_step_ms = 1e3 * nvme->seconds;
@@ -166,6 +168,8 @@ StepMetrics StepMeter::finish_step(const StepOutcome& outcome, const ActivationP
   if (t_.nvme_parameters) {
     m.nvme_parameters = true;
     m.nvme_parameter_bytes = share_.zero.disk_param_bytes;
+    m.nvme_parameter_read_bytes = share_.zero.disk_param_read_bytes;
+    m.nvme_parameter_written_bytes = share_.zero.disk_param_written_bytes;
   }
   if (device_.is_cuda()) read_cuda_allocator(m);
   if (plan != nullptr) m.plan = plan_metrics(*plan);
@@ -244,10 +248,16 @@ void StepMeter::finish_trace(const StepMetrics& m) {
   other["mem_peak_bytes"] = m.mem_peak_bytes;
   if (m.offload_optimizer) other["host_optimizer_bytes"] = m.host_optimizer_bytes;
   if (m.offload_param) other["host_parameter_bytes"] = m.host_parameter_bytes;
-  if (m.nvme_parameters) other["nvme_parameter_bytes"] = m.nvme_parameter_bytes;
+  if (m.nvme_parameters) {
+    other["nvme_parameter_bytes"] = m.nvme_parameter_bytes;
+    other["nvme_parameter_read_bytes"] = m.nvme_parameter_read_bytes;
+    other["nvme_parameter_written_bytes"] = m.nvme_parameter_written_bytes;
+  }
   if (m.nvme_optimizer) {
     other["nvme_state_bytes"] = m.nvme_state_bytes;
     other["nvme_master_bytes"] = m.nvme_master_bytes;
+    other["nvme_master_read_bytes"] = m.nvme_master_read_bytes;
+    other["nvme_master_written_bytes"] = m.nvme_master_written_bytes;
     other["nvme_read_bytes"] = m.nvme_read_bytes;
     other["nvme_written_bytes"] = m.nvme_written_bytes;
   }
