@@ -10,7 +10,9 @@
 #      full checkpointing and activation offloading; at 1 rank stages 1 and 3
 #      with zero_optimization.offload_optimizer (pinned) beside the same runs
 #      without it (losses compared, bitwise or against a control run twice),
-#      stage 2 under bf16 with and without it (the masters on the host alone); a save made on the GPU resumed on the CPU and back; fp16
+#      stage 2 under bf16 with and without it (the masters on the host alone);
+#      ZeRO-Infinity (the optimizer on the disk at stage 1, the optimizer and the
+#      parameters at stage 3) beside "cpu"; a save made on the GPU resumed on the CPU and back; fp16
 #      (fp16.enabled, the loss scaler) at 1 rank;
 #   3. the llama and lora examples, built against the installed remat;
 #   4. benchmarks/gpu_bench.sh: remat beside PyTorch on the same kernels, and
@@ -143,6 +145,12 @@ if any("cuda_peak_reserved_bytes" in r for r in rows):
              f"reserved peak {mib('cuda_peak_reserved_bytes'):.1f} MiB")
 if any("host_optimizer_bytes" in r for r in rows):
     extra += f", optimizer on the host {mib('host_optimizer_bytes'):.1f} MiB"
+if any("nvme_state_bytes" in r for r in rows):
+    disk_ms = statistics.median(r["nvme_step_ms"] for r in rows)
+    extra += (f", on disk: moments {mib('nvme_state_bytes'):.1f} MiB, masters {mib('nvme_master_bytes'):.1f} MiB"
+              f" (NVMe step median {disk_ms:.1f} ms)")
+if any("nvme_parameter_bytes" in r for r in rows):
+    extra += f", parameter shards on disk {mib('nvme_parameter_bytes'):.1f} MiB"
 print(f"train: {label:28s} {len(rows)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, median step {ms:.1f} ms, "
       f"peak {mib('mem_peak_bytes'):.1f} MiB{extra}")
 sys.exit(0 if ok else 1)
@@ -185,10 +193,24 @@ trains() {
   local bf16=(--set bf16.enabled=true --set zero_optimization.stage=2)
   train "np1-$one-zero2-bf16" 1 "$one" "$dev" --steps "$steps" "${ckpt[@]}" "${bf16[@]}"
   train "np1-$one-zero2-bf16-offload" 1 "$one" "$dev" --steps "$steps" "${ckpt[@]}" "${bf16[@]}" "${offload[@]}"
+  # ZeRO-Infinity (docs/memory.md): the optimizer's moments and masters on this
+  # machine's disk at stage 1, and at stage 3 the parameter shards too (every
+  # one past max_in_cpu 0), beside the same runs with "cpu".
+  local nvme=$out/nvme
+  rm -rf "$nvme" && mkdir -p "$nvme"
+  local on_disk=(--set zero_optimization.offload_optimizer.device=nvme
+                 --set "zero_optimization.offload_optimizer.nvme_path=$nvme")
+  train "np1-$one-zero1-nvme" 1 "$one" "$dev" --steps "$steps" --set zero_optimization.stage=1 "${ckpt[@]}" \
+    "${on_disk[@]}"
+  train "np1-$one-zero3-nvme" 1 "$one" "$dev" --steps "$steps" --set zero_optimization.stage=3 "${ckpt[@]}" \
+    "${on_disk[@]}" --set zero_optimization.offload_param.device=nvme \
+    --set "zero_optimization.offload_param.nvme_path=$nvme" --set zero_optimization.offload_param.max_in_cpu=0
   # The same run again: the control for what the GPU's kernels repeat.
   train "np1-$one-zero1-again" 1 "$one" "$dev" --steps "$steps" --set zero_optimization.stage=1 "${ckpt[@]}"
   parity "np1-$one-zero1" "np1-$one-zero1-again" "np1-$one-zero1-offload"
+  parity "np1-$one-zero1" "np1-$one-zero1-again" "np1-$one-zero1-nvme"
   parity "np1-$one-zero3" "" "np1-$one-zero3-offload"
+  parity "np1-$one-zero3-offload-param" "" "np1-$one-zero3-nvme"
   parity "np1-$one-zero2-bf16" "" "np1-$one-zero2-bf16-offload"
   # A save made on the device, resumed on the CPU, and that one resumed on the device.
   local saves=$out/saves
