@@ -9,7 +9,6 @@
 
 #include <unistd.h>
 
-#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <limits>
@@ -35,7 +34,6 @@ namespace fs = std::filesystem;
 using remat::testing::error_of;
 using remat::testing::world;
 using ::testing::HasSubstr;
-using Clock = std::chrono::steady_clock;
 
 // A shared folder for this job (rank 0 names it; emptied first).
 std::string job_dir(const std::string& name) {
@@ -134,8 +132,10 @@ TEST(AsyncSave, SameFilesAsABlockingSaveAndResumesBitwise) {
 
 // The step after a background save does not wait for its write: with the
 // write paused (REMAT_FAULT_SAVE_PAUSE_MS), the save and the next step both
-// return while the file is still being written, the snapshot's host bytes
-// are counted meanwhile, and the save completes at wait_for_saves.
+// return while the file is still being written (pending, not complete: a
+// save that waited for its write would be neither; no wall-clock bound, which
+// a loaded machine can miss), the snapshot's host bytes are counted
+// meanwhile, and the save completes at wait_for_saves.
 TEST(AsyncSave, TrainingGoesOnWhileTheFileIsWritten) {
   const std::string dir = job_dir("overlap");
   Trainer t(2, /*async=*/true);
@@ -143,11 +143,8 @@ TEST(AsyncSave, TrainingGoesOnWhileTheFileIsWritten) {
   constexpr int kPauseMs = 1500;
   {
     ScopedEnv pause(knobs::kFaultSavePauseMs, std::to_string(kPauseMs));
-    const auto start = Clock::now();
     t.engine->save_checkpoint(dir);  // train.async_save
     t.step();
-    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-    EXPECT_LT(ms, kPauseMs) << "the save and the next step waited for the paused write";
     EXPECT_TRUE(t.engine->save_pending()) << "the write (paused " << kPauseMs << " ms) finished before the step returned";
     EXPECT_EQ(latest_step(dir), -1) << "the save is complete before its file is written";
     const int64_t held = t.engine->last_metrics().counter<int64_t>("save_snapshot_bytes");
