@@ -110,6 +110,28 @@ TrainedRun train(const NvmeSetup& s, const std::string& from = "", const std::st
 
 std::string nvme_dir(const std::string& name) { return job_dir("remat_nvme_", name); }
 
+// Saved by 2 ranks with `device` (the optimizer's or the shards') on disk,
+// resumed by 1 with it: the steps after equal the one-rank resume of the same
+// save made with "cpu". Saves go to job folders prefixed `prefix`.
+void expect_two_rank_save_resumes_at_one(const NvmeSetup& whole, parallel::OffloadDevice NvmeSetup::*device,
+                                         const std::string& prefix) {
+  using D = parallel::OffloadDevice;
+  const std::string nvme_save = job_dir(prefix, "dp_nvme"), cpu_save = job_dir(prefix, "dp_cpu");
+  NvmeSetup first = whole;
+  first.steps = 2;
+  first.*device = D::kNvme;
+  train(first, "", nvme_save, 2);
+  first.*device = D::kCpu;
+  train(first, "", cpu_save, 2);
+  NvmeSetup one = whole;
+  one.ranks = 1;
+  one.*device = D::kNvme;
+  const TrainedRun from_nvme = train(one, nvme_save);
+  one.*device = D::kCpu;
+  const TrainedRun from_cpu = train(one, cpu_save);
+  if (world()->rank() == 0) expect_same(from_cpu, from_nvme, "2 ranks -> 1");
+}
+
 TEST(NvmeOptimizer, EveryStageTrainsBitwiseAsCpu) {
   const std::string path = nvme_dir("stages");
   for (int stage : {1, 2, 3}) {
@@ -259,20 +281,7 @@ TEST(NvmeOptimizer, SavesResumeAcrossNvmeCpuAndNone) {
   if (world()->size() > 1) {
     // Saved by 2 ranks with the state on disk, resumed by 1: the step after
     // equals the one-rank resume of the cpu save.
-    const std::string nvme_save = job_dir("remat_nvme_save_", "dp_nvme"), cpu_save = job_dir("remat_nvme_save_", "dp_cpu");
-    NvmeSetup first = whole;
-    first.steps = 2;
-    first.device = D::kNvme;
-    train(first, "", nvme_save, 2);
-    first.device = D::kCpu;
-    train(first, "", cpu_save, 2);
-    NvmeSetup one = whole;
-    one.ranks = 1;
-    one.device = D::kNvme;
-    const TrainedRun from_nvme = train(one, nvme_save);
-    one.device = D::kCpu;
-    const TrainedRun from_cpu = train(one, cpu_save);
-    if (world()->rank() == 0) expect_same(from_cpu, from_nvme, "2 ranks -> 1");
+    expect_two_rank_save_resumes_at_one(whole, &NvmeSetup::device, "remat_nvme_save_");
   }
 }
 
@@ -483,21 +492,7 @@ TEST(NvmeParameters, SavesResumeAcrossNvmeCpuAndNone) {
     }
   }
   if (world()->size() > 1) {
-    const std::string nvme_save = job_dir("remat_nvme_param_save_", "dp_nvme");
-    const std::string cpu_save = job_dir("remat_nvme_param_save_", "dp_cpu");
-    NvmeSetup first = whole;
-    first.steps = 2;
-    first.param_device = D::kNvme;
-    train(first, "", nvme_save, 2);
-    first.param_device = D::kCpu;
-    train(first, "", cpu_save, 2);
-    NvmeSetup one = whole;
-    one.ranks = 1;
-    one.param_device = D::kNvme;
-    const TrainedRun from_nvme = train(one, nvme_save);
-    one.param_device = D::kCpu;
-    const TrainedRun from_cpu = train(one, cpu_save);
-    if (world()->rank() == 0) expect_same(from_cpu, from_nvme, "2 ranks -> 1");
+    expect_two_rank_save_resumes_at_one(whole, &NvmeSetup::param_device, "remat_nvme_param_save_");
   }
 }
 
