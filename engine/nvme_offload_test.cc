@@ -110,12 +110,34 @@ TrainedRun train(const NvmeSetup& s, const std::string& from = "", const std::st
 
 std::string nvme_dir(const std::string& name) { return job_dir("remat_nvme_", name); }
 
-// Saved by 2 ranks with `device` (the optimizer's or the shards') on disk,
-// resumed by 1 with it: the steps after equal the one-rank resume of the same
+// Saved at step 2 of 4 with `device` (the optimizer's or the shards') set as
+// each pair's first, resumed with its second: the last two steps and the
+// final weights equal `whole` trained without a stop. At 2 ranks a save made
+// with it on disk, resumed at 1 rank, equals the one-rank resume of the same
 // save made with "cpu". Saves go to job folders prefixed `prefix`.
-void expect_two_rank_save_resumes_at_one(const NvmeSetup& whole, parallel::OffloadDevice NvmeSetup::*device,
-                                         const std::string& prefix) {
+using DevicePairs = std::vector<std::pair<parallel::OffloadDevice, parallel::OffloadDevice>>;
+void expect_saves_resume(const NvmeSetup& whole, parallel::OffloadDevice NvmeSetup::*device, const DevicePairs& pairs,
+                         const std::string& prefix) {
   using D = parallel::OffloadDevice;
+  const TrainedRun reference = train(whole);
+  for (const auto& [saved, resumed] : pairs) {
+    const std::string what = str(parallel::offload_device_names()[static_cast<int>(saved)], " -> ",
+                                 parallel::offload_device_names()[static_cast<int>(resumed)]);
+    const std::string dir = job_dir(prefix, "s");
+    NvmeSetup first = whole;
+    first.*device = saved;
+    first.steps = 2;
+    train(first, "", dir, 2);
+    NvmeSetup second = whole;
+    second.*device = resumed;
+    const TrainedRun rest = train(second, dir);
+    ASSERT_EQ(rest.losses.size(), 2u) << what;
+    for (size_t i = 0; i < 2; ++i) EXPECT_EQ(rest.losses[i], reference.losses[i + 2]) << what << ", step " << i + 3;
+    for (const auto& [name, value] : reference.final_params) {
+      EXPECT_TRUE(at::equal(value, rest.final_params.at(name))) << what << ": " << name;
+    }
+  }
+  if (world()->size() == 1) return;
   const std::string nvme_save = job_dir(prefix, "dp_nvme"), cpu_save = job_dir(prefix, "dp_cpu");
   NvmeSetup first = whole;
   first.steps = 2;
@@ -253,36 +275,14 @@ TEST(NvmeOptimizer, StateIsOnDiskNotInMemoryAndRemovedAtTheEnd) {
 // run resumed at step 2 of 4 equals the one that never stopped, whichever of
 // nvme, cpu and none saved and resumed, and at 1 rank of 2.
 TEST(NvmeOptimizer, SavesResumeAcrossNvmeCpuAndNone) {
-  const std::string path = nvme_dir("saves");
   using D = parallel::OffloadDevice;
   NvmeSetup whole;
-  whole.nvme_path = path;
+  whole.nvme_path = nvme_dir("saves");
   whole.device = D::kCpu;
-  const TrainedRun reference = train(whole);
-  const std::pair<D, D> pairs[] = {{D::kNvme, D::kNvme}, {D::kNvme, D::kCpu}, {D::kNvme, D::kNone},
-                                   {D::kCpu, D::kNvme}, {D::kNone, D::kNvme}};
-  for (const auto& [saved, resumed] : pairs) {
-    const std::string what = str(parallel::offload_device_names()[static_cast<int>(saved)], " -> ",
-                                 parallel::offload_device_names()[static_cast<int>(resumed)]);
-    const std::string dir = job_dir("remat_nvme_save_", "s");
-    NvmeSetup first = whole;
-    first.device = saved;
-    first.steps = 2;
-    train(first, "", dir, 2);
-    NvmeSetup second = whole;
-    second.device = resumed;
-    const TrainedRun rest = train(second, dir);
-    ASSERT_EQ(rest.losses.size(), 2u) << what;
-    for (size_t i = 0; i < 2; ++i) EXPECT_EQ(rest.losses[i], reference.losses[i + 2]) << what << ", step " << i + 3;
-    for (const auto& [name, value] : reference.final_params) {
-      EXPECT_TRUE(at::equal(value, rest.final_params.at(name))) << what << ": " << name;
-    }
-  }
-  if (world()->size() > 1) {
-    // Saved by 2 ranks with the state on disk, resumed by 1: the step after
-    // equals the one-rank resume of the cpu save.
-    expect_two_rank_save_resumes_at_one(whole, &NvmeSetup::device, "remat_nvme_save_");
-  }
+  expect_saves_resume(whole, &NvmeSetup::device,
+                      {{D::kNvme, D::kNvme}, {D::kNvme, D::kCpu}, {D::kNvme, D::kNone}, {D::kCpu, D::kNvme},
+                       {D::kNone, D::kNvme}},
+                      "remat_nvme_save_");
 }
 
 // The folder's faults, each a ConfigError naming it and what to change; the
@@ -469,31 +469,9 @@ TEST(NvmeParameters, Stage3TrainsBitwiseAsCpu) {
 // none, and a 2-rank nvme save resumed at 1 rank equals the cpu save's.
 TEST(NvmeParameters, SavesResumeAcrossNvmeCpuAndNone) {
   using D = parallel::OffloadDevice;
-  const std::string path = nvme_dir("param_saves");
-  const NvmeSetup whole = param_setup(path, D::kCpu);
-  const TrainedRun reference = train(whole);
-  const std::pair<D, D> pairs[] = {{D::kNvme, D::kNvme}, {D::kNvme, D::kNone}, {D::kNone, D::kNvme},
-                                   {D::kCpu, D::kNvme}};
-  for (const auto& [saved, resumed] : pairs) {
-    const std::string what = str(parallel::offload_device_names()[static_cast<int>(saved)], " -> ",
-                                 parallel::offload_device_names()[static_cast<int>(resumed)]);
-    const std::string dir = job_dir("remat_nvme_param_save_", "s");
-    NvmeSetup first = whole;
-    first.param_device = saved;
-    first.steps = 2;
-    train(first, "", dir, 2);
-    NvmeSetup second = whole;
-    second.param_device = resumed;
-    const TrainedRun rest = train(second, dir);
-    ASSERT_EQ(rest.losses.size(), 2u) << what;
-    for (size_t i = 0; i < 2; ++i) EXPECT_EQ(rest.losses[i], reference.losses[i + 2]) << what << ", step " << i + 3;
-    for (const auto& [name, value] : reference.final_params) {
-      EXPECT_TRUE(at::equal(value, rest.final_params.at(name))) << what << ": " << name;
-    }
-  }
-  if (world()->size() > 1) {
-    expect_two_rank_save_resumes_at_one(whole, &NvmeSetup::param_device, "remat_nvme_param_save_");
-  }
+  expect_saves_resume(param_setup(nvme_dir("param_saves"), D::kCpu), &NvmeSetup::param_device,
+                      {{D::kNvme, D::kNvme}, {D::kNvme, D::kNone}, {D::kNone, D::kNvme}, {D::kCpu, D::kNvme}},
+                      "remat_nvme_param_save_");
 }
 
 // The folder's faults name offload_param's key; a crashed run's file is
