@@ -110,6 +110,22 @@ TrainedRun train(const NvmeSetup& s, const std::string& from = "", const std::st
 
 std::string nvme_dir(const std::string& name) { return job_dir("remat_nvme_", name); }
 
+// train(s)'s ConfigError while rank 0's `folder` is locked as another job's
+// would be: held here by this process, and flock locks per open file
+// description, so the engine's own open is refused as another process's.
+std::string error_while_locked(const fs::path& folder, const NvmeSetup& s) {
+  int fd = -1;
+  if (world()->rank() == 0) {
+    fs::create_directories(folder);
+    fd = ::open((folder / "lock").c_str(), O_RDWR | O_CREAT, 0644);
+    EXPECT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0) << folder;
+  }
+  world()->barrier()->wait();
+  const std::string e = testing::error_of<ConfigError>([&] { train(s); });
+  if (fd >= 0) ::close(fd);
+  return e;
+}
+
 // Saved at step 2 of 4 with `device` (the optimizer's or the shards') set as
 // each pair's first, resumed with its second: the last two steps and the
 // final weights equal `whole` trained without a stop. At 2 ranks a save made
@@ -323,19 +339,9 @@ TEST(NvmeOptimizer, FolderFaultsAreClearAndLeftoversRemoved) {
   // Another job's lock on rank 0's folder (held here by this process).
   s.nvme_path = path;
   const fs::path rank0 = fs::path(path) / "remat-optimizer" / "rank0";
-  int fd = -1;
-  if (world()->rank() == 0) {
-    fs::create_directories(rank0);
-    fd = ::open((rank0 / "lock").c_str(), O_RDWR | O_CREAT, 0644);
-    ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);
-  }
-  world()->barrier()->wait();
-  // flock locks per open file description: the engine's own open is another,
-  // so it is refused as another process's would be.
-  e = testing::error_of<ConfigError>([&] { train(s); });
+  e = error_while_locked(rank0, s);
   EXPECT_NE(e.find("is in use by another job: rank 0's folder '" + rank0.string() + "' is locked"),
             std::string::npos) << e;
-  if (fd >= 0) ::close(fd);
 
   // What a killed run left: removed under the lock, and the run trains.
   // What remat did not write there (a user's saves) stays, folders and files.
@@ -495,17 +501,9 @@ TEST(NvmeParameters, FolderFaultsAreClearAndLeftoversRemoved) {
   s.stage = 3;
 
   const fs::path rank0 = fs::path(path) / "remat-parameters" / "rank0";
-  int fd = -1;
-  if (world()->rank() == 0) {
-    fs::create_directories(rank0);
-    fd = ::open((rank0 / "lock").c_str(), O_RDWR | O_CREAT, 0644);
-    ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);
-  }
-  world()->barrier()->wait();
-  e = testing::error_of<ConfigError>([&] { train(s); });
+  e = error_while_locked(rank0, s);
   EXPECT_NE(e.find("zero_optimization.offload_param.nvme_path '" + path + "' is in use by another job: rank 0's "
                    "folder '" + rank0.string() + "' is locked"), std::string::npos) << e;
-  if (fd >= 0) ::close(fd);
 
   if (world()->rank() == 0) {
     std::ofstream(rank0 / "rank0.parameters") << "stale shards";
