@@ -40,19 +40,30 @@ else
   fail "a run with the state on disk (exit $rc, $(state_files) files left)" "$(tail -20 "$tmp/ref.log")"
 fi
 
-# kill -9 in step 4, after the first sub-group of rank 1's file was written back.
-REMAT_FAULT_NVME_KILL=4 job "$nvme" --save-dir "$tmp/sv" >"$tmp/kill.log" 2>&1
-rc=$?
-left=$(state_files)
-job "$nvme" --save-dir "$tmp/sv" --resume "$tmp/sv" --metrics "$tmp/resumed.jsonl" >"$tmp/resumed.log" 2>&1
-rc2=$?
-removed=$(grep -c "offload_optimizer nvme: removed '.*\.optimizer' ([0-9]* bytes), left by a run that ended without cleaning up" "$tmp/resumed.log")
+# kill_then_resume NAME JOB...: JOB (saving to $tmp/NAME) killed with kill -9
+# in step 4, after the first sub-group of rank 1's state file was written
+# back (REMAT_FAULT_NVME_KILL), then run again resuming its step-2 save, with
+# metrics in $tmp/NAME_resumed.jsonl. Sets rc (the killed job's exit), left
+# (the NVMe files it left), rc2 (the resume's exit); logs $tmp/NAME_kill.log
+# and $tmp/NAME_resumed.log.
+kill_then_resume() {
+  local name=$1
+  shift
+  REMAT_FAULT_NVME_KILL=4 "$@" --save-dir "$tmp/$name" >"$tmp/${name}_kill.log" 2>&1
+  rc=$?
+  left=$(find "$nvme" \( -name '*.optimizer' -o -name '*.parameters' \) | wc -l)
+  "$@" --save-dir "$tmp/$name" --resume "$tmp/$name" --metrics "$tmp/${name}_resumed.jsonl" >"$tmp/${name}_resumed.log" 2>&1
+  rc2=$?
+}
+
+kill_then_resume sv job "$nvme"
+removed=$(grep -c "offload_optimizer nvme: removed '.*\.optimizer' ([0-9]* bytes), left by a run that ended without cleaning up" "$tmp/sv_resumed.log")
 if [[ $rc -ne 0 && $left -eq 2 && $rc2 -eq 0 && $removed -eq 2 && $(state_files) -eq 0 ]] &&
-    cmp -s <(losses "$tmp/ref.jsonl" | tail -3) <(losses "$tmp/resumed.jsonl"); then
+    cmp -s <(losses "$tmp/ref.jsonl" | tail -3) <(losses "$tmp/sv_resumed.jsonl"); then
   pass "kill -9 mid-step: the step-2 save resumes, steps 3-5 bitwise as never stopped, the 2 killed files removed"
 else
   fail "kill -9 mid-step (exit $rc, $left files left; resume exit $rc2, $removed removals said)" \
-    "$(tail -12 "$tmp/kill.log"; tail -12 "$tmp/resumed.log"; losses "$tmp/ref.jsonl"; losses "$tmp/resumed.jsonl")"
+    "$(tail -12 "$tmp/sv_kill.log"; tail -12 "$tmp/sv_resumed.log"; losses "$tmp/ref.jsonl"; losses "$tmp/sv_resumed.jsonl")"
 fi
 
 # The disk fails in step 4: exit 1 naming the step and the file; the save of step 2 resumes.
@@ -101,7 +112,7 @@ param_job "${cpu_both[@]}" --metrics "$tmp/p_cpu.jsonl" >"$tmp/p_cpu.log" 2>&1
 rc_cpu=$?
 param_job --metrics "$tmp/p_ref.jsonl" --memory-trace "$tmp/p_trace.json" >"$tmp/p_ref.log" 2>&1
 rc=$?
-labels=$(python3 -c 'import json,sys; o=json.load(open(sys.argv[1]))["otherData"]; print(o.get("nvme_parameter_bytes", 0) > 0 and o.get("nvme_state_bytes", 0) > 0)' "$tmp/p_trace.json" 2>&1)
+labels=$(python3 -c 'import json,sys; o=json.load(open(sys.argv[1]))["otherData"]; print(all(o.get(k, 0) > 0 for k in ("nvme_parameter_bytes", "nvme_parameter_read_bytes", "nvme_parameter_written_bytes", "nvme_state_bytes")))' "$tmp/p_trace.json" 2>&1)
 if [[ $rc_cpu -eq 0 && $rc -eq 0 && $(param_files) -eq 0 && $labels == True ]] &&
     cmp -s <(losses "$tmp/p_cpu.jsonl") <(losses "$tmp/p_ref.jsonl"); then
   pass "offload_param and offload_optimizer on nvme at stage 3: 5 losses bitwise as both on cpu, the trace labels carry the disk's bytes, the files removed"
@@ -109,18 +120,14 @@ else
   fail "offload_param and offload_optimizer on nvme (exit $rc_cpu/$rc, $(param_files) files left, labels $labels)" \
     "$(tail -8 "$tmp/p_ref.log"; losses "$tmp/p_cpu.jsonl"; losses "$tmp/p_ref.jsonl")"
 fi
-REMAT_FAULT_NVME_KILL=4 param_job --save-dir "$tmp/psv" >"$tmp/p_kill.log" 2>&1
-rc=$?
-left=$(( $(param_files) + $(state_files) ))
-param_job --save-dir "$tmp/psv" --resume "$tmp/psv" --metrics "$tmp/p_resumed.jsonl" >"$tmp/p_resumed.log" 2>&1
-rc2=$?
-removed=$(grep -c "offload_param nvme: removed '.*\.parameters' ([0-9]* bytes), left by a run that ended without cleaning up" "$tmp/p_resumed.log")
+kill_then_resume psv param_job
+removed=$(grep -c "offload_param nvme: removed '.*\.parameters' ([0-9]* bytes), left by a run that ended without cleaning up" "$tmp/psv_resumed.log")
 if [[ $rc -ne 0 && $left -eq 4 && $rc2 -eq 0 && $removed -eq 2 && $(param_files) -eq 0 ]] &&
-    cmp -s <(losses "$tmp/p_ref.jsonl" | tail -3) <(losses "$tmp/p_resumed.jsonl"); then
+    cmp -s <(losses "$tmp/p_ref.jsonl" | tail -3) <(losses "$tmp/psv_resumed.jsonl"); then
   pass "offload_param nvme, kill -9 mid-step: both ranks' shard files left, removed by the next run, which resumes steps 3-5 bitwise"
 else
   fail "offload_param nvme, kill -9 mid-step (exit $rc, $left files left; resume exit $rc2, $removed removals said)" \
-    "$(tail -6 "$tmp/p_kill.log"; tail -8 "$tmp/p_resumed.log"; losses "$tmp/p_ref.jsonl"; losses "$tmp/p_resumed.jsonl")"
+    "$(tail -6 "$tmp/psv_kill.log"; tail -8 "$tmp/psv_resumed.log"; losses "$tmp/p_ref.jsonl"; losses "$tmp/psv_resumed.jsonl")"
 fi
 
 # Nothing sharded (every parameter below the persistence threshold): the
