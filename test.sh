@@ -32,25 +32,45 @@ bazel test //... --test_tag_filters="$filters" --nocache_test_results 2>&1 | tee
   | grep -E '^//|^Executed|^(ERROR|FAILED)'
 test_rc=${PIPESTATUS[0]}
 
-# Add up the "[remat-test] N passed, M failed" line of each target that ran.
 passed=0
 failed=0
+# tally LABEL P F: a line of the summary, P and F added to the totals.
+tally() {
+  printf '  %-48s passed %4d  failed %d\n' "$1" "$2" "$3"
+  passed=$((passed + $2))
+  failed=$((failed + $3))
+}
+# counts_of LOG: "P F" from the last "[remat-test] P passed, F failed" in LOG
+# (anywhere on a line: another rank's output may share it); nothing if none.
+counts_of() {
+  grep -aoE '\[remat-test\] [0-9]+ passed, [0-9]+ failed' "$1" | tail -1 |
+    sed -E 's/.* ([0-9]+) passed, ([0-9]+) failed/\1 \2/'
+}
+# check LABEL LOG COMMAND...: one case, passed when COMMAND exits 0; its
+# output goes to LOG, shown when it fails.
+check() {
+  local label=$1 log=$2
+  shift 2
+  if "$@" >"$log" 2>&1; then
+    tally "$label" 1 0
+  else
+    cat "$log"
+    tally "$label" 0 1
+  fi
+}
+
+# Add up the "[remat-test] N passed, M failed" line of each target that ran.
 echo
 echo "test cases per target:"
 while IFS= read -r file; do
   target="//$(dirname "${file#bazel-testlogs/}" | sed 's|/\([^/]*\)$|:\1|')"
-  # Anywhere on a line: another rank's output may share it.
-  line=$(grep -aoE '\[remat-test\] [0-9]+ passed, [0-9]+ failed' "$file" | tail -1)
-  if [[ -z "$line" ]]; then
+  counts=$(counts_of "$file")
+  if [[ -z "$counts" ]]; then
     echo "  $target  no summary (crashed or timed out): counted as 1 failed"
     failed=$((failed + 1))
     continue
   fi
-  p=$(sed -E 's/.* ([0-9]+) passed, ([0-9]+) failed/\1/' <<<"$line")
-  f=$(sed -E 's/.* ([0-9]+) passed, ([0-9]+) failed/\2/' <<<"$line")
-  printf '  %-48s passed %4d  failed %d\n' "$target" "$p" "$f"
-  passed=$((passed + p))
-  failed=$((failed + f))
+  tally "$target" $counts
 done < <(find -L bazel-testlogs -name test.log -newer "$marker" | sort)
 rm -f "$marker" "$log"
 
@@ -71,37 +91,29 @@ rm -f "$examples_log"
 if { tools/install.sh --prefix "$PWD/build/install" --build-dir build/cmake &&
      cmake -S . -B build/cmake -DREMAT_BUILD_TESTS=ON -DREMAT_BUILD_BENCHMARKS=ON &&
      cmake --build build/cmake -j"$(nproc)"; } >"$cmake_log" 2>&1; then
-  printf '  %-48s passed %4d  failed %d\n' "cmake build and install (tools/install.sh)" 1 0
-  passed=$((passed + 1))
+  tally "cmake build and install (tools/install.sh)" 1 0
   if { cmake -S tests/cmake_consumer -B build/consumer -G Ninja \
          -DCMAKE_PREFIX_PATH="$PWD/build/install" && cmake --build build/consumer &&
        build/consumer/consumer; } >>"$cmake_log" 2>&1; then
-    printf '  %-48s passed %4d  failed %d\n' "find_package(remat) consumer" 1 0
-    passed=$((passed + 1))
+    tally "find_package(remat) consumer" 1 0
   else
     tail -20 "$cmake_log"
-    printf '  %-48s passed %4d  failed %d\n' "find_package(remat) consumer" 0 1
-    failed=$((failed + 1))
+    tally "find_package(remat) consumer" 0 1
   fi
   # The examples (examples/): projects outside remat built against the same
   # install and trained at 2 ranks; each check of the script is a case.
   tests/examples_test.sh "$PWD/build/install" "$PWD/build/examples" >"$examples_log" 2>&1
-  line=$(grep -aoE '\[remat-test\] [0-9]+ passed, [0-9]+ failed' "$examples_log" | tail -1)
-  if [[ -n "$line" ]]; then
-    p=$(sed -E 's/.* ([0-9]+) passed, ([0-9]+) failed/\1/' <<<"$line")
-    f=$(sed -E 's/.* ([0-9]+) passed, ([0-9]+) failed/\2/' <<<"$line")
-    [[ $f -ne 0 ]] && grep -a -A12 '^\[ FAILED \]' "$examples_log" | head -60
-  else
+  counts=$(counts_of "$examples_log")
+  if [[ -z "$counts" ]]; then
     tail -20 "$examples_log"
-    p=0 f=1
+    counts="0 1"
+  elif [[ ${counts#* } -ne 0 ]]; then
+    grep -a -A12 '^\[ FAILED \]' "$examples_log" | head -60
   fi
-  printf '  %-48s passed %4d  failed %d\n' "examples (tests/examples_test.sh)" "$p" "$f"
-  passed=$((passed + p))
-  failed=$((failed + f))
+  tally "examples (tests/examples_test.sh)" $counts
 else
   tail -30 "$cmake_log"
-  printf '  %-48s passed %4d  failed %d\n' "cmake build and install (tools/install.sh)" 0 1
-  failed=$((failed + 1))
+  tally "cmake build and install (tools/install.sh)" 0 1
 fi
 
 # Warning-free project code (what was compiled in this run: cached objects
@@ -110,65 +122,40 @@ build_warnings+=$'\n'$(project_warnings "$cmake_log")
 [[ -f "$examples_log" ]] && build_warnings+=$'\n'$(project_warnings "$examples_log")
 build_warnings=$(sed '/^$/d' <<<"$build_warnings" | sort -u)
 if [[ -z "$build_warnings" ]]; then
-  printf '  %-48s passed %4d  failed %d\n' "no compiler warnings in remat's code" 1 0
-  passed=$((passed + 1))
+  tally "no compiler warnings in remat's code" 1 0
 else
   echo "$build_warnings" | head -20
-  printf '  %-48s passed %4d  failed %d\n' "no compiler warnings in remat's code" 0 1
-  failed=$((failed + 1))
+  tally "no compiler warnings in remat's code" 0 1
 fi
 
 # The floors and walls of docs/architecture.md: no package includes one above
 # it or another's internal headers (the check first proves it catches both).
-if { tools/check_layering.sh --self-test && tools/check_layering.sh; } >"build/layering.log" 2>&1; then
-  printf '  %-48s passed %4d  failed %d\n' "layering (docs/architecture.md)" 1 0
-  passed=$((passed + 1))
-else
-  cat build/layering.log
-  printf '  %-48s passed %4d  failed %d\n' "layering (docs/architecture.md)" 0 1
-  failed=$((failed + 1))
-fi
+check "layering (docs/architecture.md)" build/layering.log \
+  bash -c 'tools/check_layering.sh --self-test && tools/check_layering.sh'
 
 # The rooms of docs/architecture.md: no package's files include each other in a
 # loop (tools/room_exceptions.txt: a private member's internal header); the
 # check first proves it catches one.
-if { tools/check_rooms.py --self-test && tools/check_rooms.py; } >"build/rooms.log" 2>&1; then
-  printf '  %-48s passed %4d  failed %d\n' "rooms (tools/check_rooms.py)" 1 0
-  passed=$((passed + 1))
-else
-  cat build/rooms.log
-  printf '  %-48s passed %4d  failed %d\n' "rooms (tools/check_rooms.py)" 0 1
-  failed=$((failed + 1))
-fi
+check "rooms (tools/check_rooms.py)" build/rooms.log \
+  bash -c 'tools/check_rooms.py --self-test && tools/check_rooms.py'
 
 # The sizes of docs/architecture.md: no function over 80 lines and no class
 # over 300 (library, launch/, benchmarks/), no library file over 720,
 # declarative tables excepted (tools/size_exceptions.txt); the check first
 # proves it catches a long function and a long class.
-if { tools/check_sizes.sh --self-test && tools/check_sizes.sh; } >"build/sizes.log" 2>&1; then
-  printf '  %-48s passed %4d  failed %d\n' "sizes (tools/check_sizes.sh)" 1 0
-  passed=$((passed + 1))
-else
-  cat build/sizes.log
-  printf '  %-48s passed %4d  failed %d\n' "sizes (tools/check_sizes.sh)" 0 1
-  failed=$((failed + 1))
-fi
+check "sizes (tools/check_sizes.sh)" build/sizes.log bash -c 'tools/check_sizes.sh --self-test && tools/check_sizes.sh'
 
 # ASan + UBSan (float-cast-overflow included) over the config parser and its
 # fuzz test; the full sanitizer run is tools/sanitize.sh without --quick.
 tools/sanitize.sh --quick >build/sanitize.log 2>&1
-line=$(grep -aoE '\[remat-test\] [0-9]+ passed, [0-9]+ failed' build/sanitize.log | tail -1)
-if [[ -n "$line" ]]; then
-  p=$(sed -E 's/.* ([0-9]+) passed, ([0-9]+) failed/\1/' <<<"$line")
-  f=$(sed -E 's/.* ([0-9]+) passed, ([0-9]+) failed/\2/' <<<"$line")
-  [[ $f -ne 0 ]] && tail -40 build/sanitize.log
-else
+counts=$(counts_of build/sanitize.log)
+if [[ -z "$counts" ]]; then
   tail -20 build/sanitize.log
-  p=0 f=1
+  counts="0 1"
+elif [[ ${counts#* } -ne 0 ]]; then
+  tail -40 build/sanitize.log
 fi
-printf '  %-48s passed %4d  failed %d\n' "sanitizers (tools/sanitize.sh --quick)" "$p" "$f"
-passed=$((passed + p))
-failed=$((failed + f))
+tally "sanitizers (tools/sanitize.sh --quick)" $counts
 
 if [[ $test_rc -ne 0 && $failed -eq 0 ]]; then
   echo "bazel test failed (exit $test_rc) without a failing case: counted as 1 failed"
