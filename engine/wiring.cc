@@ -6,6 +6,7 @@
 #include <torch/nn/modules/container/modulelist.h>
 
 #include <algorithm>
+#include <map>
 #include <mutex>
 #include <set>
 
@@ -428,8 +429,18 @@ std::unique_ptr<Engine> initialize(std::shared_ptr<torch::nn::Module> model, Con
     }
   }
   try {
+    std::map<const void*, std::string> first_name;  // each parameter's first state-dict name
     for (const auto& item : model->named_parameters()) {
       const at::Tensor& p = item.value();
+      const auto [first, fresh] = first_name.emplace(p.unsafeGetTensorImpl(), item.key());
+      if (!fresh) {
+        throw ConfigError(str("remat::initialize: parameter '", item.key(), "' is the same tensor as '",
+                              first->second, "' (one parameter registered under two names, e.g. tied "
+                              "embeddings): the optimizer, the sharding and the saves take each name for a "
+                              "parameter of its own, which would train it twice over. Register it once and use it "
+                              "in both places in the forward (e.g. the head computes at::linear(h, "
+                              "embed->weight))"));
+      }
       if (p.numel() > 0 && p.has_storage() && p.storage().nbytes() == 0) {
         throw ConfigError(str("remat::initialize: parameter '", item.key(), "' has no storage (", p.numel(),
                               " elements): the model is still sharded by a ZeRO stage 3 that was not gathered "
