@@ -335,6 +335,25 @@ TEST(NvmeOptimizer, FolderFaultsAreClearAndLeftoversRemoved) {
   s.nvme_path = "";
   e = testing::error_of<ConfigError>([&] { train(s); });
   EXPECT_NE(e.find("needs 'zero_optimization.offload_optimizer.nvme_path'"), std::string::npos) << e;
+  // A rank's lock that is a folder, and a rank's folder that is a dangling
+  // symbolic link: each named (they were said as "cannot write its folder
+  // (Is a directory)" and "(File exists)").
+  const std::string odd = path + "/odd";
+  const fs::path odd0 = fs::path(odd) / "remat-masters" / "rank0";
+  if (world()->rank() == 0) fs::create_directories(odd0 / "lock");
+  world()->barrier()->wait();
+  s.nvme_path = odd;
+  e = testing::error_of<ConfigError>([&] { train(s); });
+  EXPECT_NE(e.find("rank 0 cannot open its lock file '" + (odd0 / "lock").string() + "' (Is a directory): give a "
+                   "folder this job can write"), std::string::npos) << e;
+  if (world()->rank() == 0) {
+    fs::remove_all(odd0);
+    fs::create_symlink(path + "/gone", odd0);
+  }
+  world()->barrier()->wait();
+  e = testing::error_of<ConfigError>([&] { train(s); });
+  EXPECT_NE(e.find("rank 0 cannot write its folder '" + odd0.string() + "': it is a symbolic link to '" + path +
+                   "/gone', which does not exist"), std::string::npos) << e;
 
   // Another job's lock on rank 0's folder (held here by this process).
   s.nvme_path = path;

@@ -82,6 +82,18 @@ int track(const std::string& file) {
   return -1;
 }
 
+// Why the rank's folder `path` (`ec`: making it failed) or its `lock` file
+// (`err`: opening it failed) cannot be used, naming the one at fault.
+std::string unwritable(const std::string& path, const std::string& lock, const std::error_code& ec, int err) {
+  std::error_code ignored;
+  if (!ec) return str("cannot open its lock file '", lock, "' (", std::strerror(err), ")");
+  if (fs::is_symlink(fs::symlink_status(path, ignored)) && !fs::exists(path, ignored)) {
+    return str("cannot write its folder '", path, "': it is a symbolic link to '",
+               fs::read_symlink(path, ignored).string(), "', which does not exist");
+  }
+  return str("cannot write its folder '", path, "' (", ec.message(), ")");
+}
+
 }  // namespace
 
 void remove_on_exit_now() {
@@ -111,9 +123,9 @@ NvmeFolder::NvmeFolder(const std::string& nvme_path, int rank, const std::string
   const std::string lock = (fs::path(path_) / "lock").string();
   fd_ = ec ? -1 : ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
   if (fd_ < 0) {
-    const std::string why = ec ? ec.message() : std::strerror(errno);
-    throw ConfigError(str(key, " '", nvme_path, "': rank ", rank, " cannot write its folder '", path_, "' (", why,
-                          "): give a folder this job can write"));
+    const int err = errno;
+    throw ConfigError(str(key, " '", nvme_path, "': rank ", rank, " ", unwritable(path_, lock, ec, err),
+                          ": give a folder this job can write"));
   }
   if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
     ::close(fd_);
