@@ -303,11 +303,12 @@ parallel::NvmeFiles open_nvme_files(const parallel::ZeroOptions& z, const std::s
   agree_on_outcome(world, "opening the NVMe offload's files", [&] {
     if (params) {
       files.parameters = std::make_shared<parallel::NvmeTensorFile>(
-          parallel::NvmeTensorFileOptions{params_path, world.rank(), z.offload_param.max_in_cpu, "offload_param"});
+          parallel::NvmeTensorFileOptions{params_path, world.rank(), z.offload_param.max_in_cpu, "offload_param",
+                                          world.size()});
     }
     if (masters) {
       files.masters = std::make_shared<parallel::NvmeTensorFile>(
-          parallel::NvmeTensorFileOptions{masters_path, world.rank(), 0, "offload_optimizer"});
+          parallel::NvmeTensorFileOptions{masters_path, world.rank(), 0, "offload_optimizer", world.size()});
     }
   });
   return files;
@@ -338,6 +339,7 @@ void Engine::Impl::wire_sharding(torch::nn::Module& model, const Config& config,
       parallel::NvmeOptimizerOptions nvme;
       nvme.nvme_path = config.zero_optimization.offload_optimizer.nvme_path.value_or("");
       nvme.rank = world->rank();
+      nvme.world_size = world->size();
       nvme.sub_group_size = config.deepspeed_tuning.sub_group_size.value_or(nvme.sub_group_size);
       nvme.buffer_count = config.zero_optimization.offload_optimizer.buffer_count;
       nvme.io = config.aio.options();
