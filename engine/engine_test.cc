@@ -942,6 +942,19 @@ TEST(Engine, InitializeNamesWhatIsWrongWithTheModel) {
   EXPECT_NE(error.find("not a torch::nn::ModuleList"), std::string::npos) << error;
   options.blocks = "layers";
   EXPECT_NO_THROW(initialize(model, config_json(0, "full"), options));
+
+  // One parameter registered under two names (tied embeddings): every stage
+  // trained it twice over (stage 0's optimizer stepped it twice, stages 1-3
+  // sharded two copies; stage 3's gathers then failed with "map::at"), so
+  // each is refused, naming both and the fix.
+  for (int stage : {0, 1, 2, 3}) {
+    TinyLm tied;
+    tied->norm->register_parameter("tied", tied->embed->weight);
+    error = error_of<ConfigError>([&] { initialize(tied, config_json(stage, "none"), options); });
+    EXPECT_NE(error.find("parameter 'norm.tied' is the same tensor as 'embed.weight' (one parameter registered under "
+                         "two names, e.g. tied embeddings)"), std::string::npos) << "stage " << stage << ": " << error;
+    EXPECT_NE(error.find("Register it once and use it in both places in the forward"), std::string::npos) << error;
+  }
 }
 
 TEST(Engine, SavingOntoAFileOrLoadingFromAnEmptyOrMissingFolderIsAConfigError) {

@@ -335,6 +335,25 @@ TEST(NvmeOptimizer, FolderFaultsAreClearAndLeftoversRemoved) {
   s.nvme_path = "";
   e = testing::error_of<ConfigError>([&] { train(s); });
   EXPECT_NE(e.find("needs 'zero_optimization.offload_optimizer.nvme_path'"), std::string::npos) << e;
+  // A rank's lock that is a folder, and a rank's folder that is a dangling
+  // symbolic link: each named (they were said as "cannot write its folder
+  // (Is a directory)" and "(File exists)").
+  const std::string odd = path + "/odd";
+  const fs::path odd0 = fs::path(odd) / "remat-masters" / "rank0";
+  if (world()->rank() == 0) fs::create_directories(odd0 / "lock");
+  world()->barrier()->wait();
+  s.nvme_path = odd;
+  e = testing::error_of<ConfigError>([&] { train(s); });
+  EXPECT_NE(e.find("rank 0 cannot open its lock file '" + (odd0 / "lock").string() + "' (Is a directory): give a "
+                   "folder this job can write"), std::string::npos) << e;
+  if (world()->rank() == 0) {
+    fs::remove_all(odd0);
+    fs::create_symlink(path + "/gone", odd0);
+  }
+  world()->barrier()->wait();
+  e = testing::error_of<ConfigError>([&] { train(s); });
+  EXPECT_NE(e.find("rank 0 cannot write its folder '" + odd0.string() + "': it is a symbolic link to '" + path +
+                   "/gone', which does not exist"), std::string::npos) << e;
 
   // Another job's lock on rank 0's folder (held here by this process).
   s.nvme_path = path;
@@ -345,7 +364,24 @@ TEST(NvmeOptimizer, FolderFaultsAreClearAndLeftoversRemoved) {
 
   // What a killed run left: removed under the lock, and the run trains.
   // What remat did not write there (a user's saves) stays, folders and files.
+  // A killed run of more ranks (rank 7 of 8) left its files too: rank 0
+  // removes them under that rank's lock (they stayed, for good, before);
+  // those of a folder another job holds locked (rank 8's, here) stay.
+  const fs::path rank7 = fs::path(path) / "remat-optimizer" / "rank7";
+  const fs::path masters7 = fs::path(path) / "remat-masters" / "rank7";
+  const fs::path rank8 = fs::path(path) / "remat-optimizer" / "rank8";
+  int held8 = -1;
   if (world()->rank() == 0) {
+    for (const fs::path& dir : {rank7, masters7, rank8}) {
+      fs::create_directories(dir);
+      std::ofstream(dir / "lock");
+    }
+    std::ofstream(rank7 / "rank7.optimizer") << "stale state";
+    std::ofstream(masters7 / "rank7.masters") << "stale masters";
+    std::ofstream(rank7 / "notes.txt") << "mine";
+    std::ofstream(rank8 / "rank8.optimizer") << "a live job's";
+    held8 = ::open((rank8 / "lock").c_str(), O_RDWR);
+    ASSERT_EQ(::flock(held8, LOCK_EX | LOCK_NB), 0);
     std::ofstream(rank0 / "rank0.optimizer.crashed") << "stale state";
     fs::create_directories(rank0 / "saves" / "step_00000002");
     std::ofstream(rank0 / "saves" / "step_00000002" / "manifest.json") << "{}";
@@ -358,6 +394,11 @@ TEST(NvmeOptimizer, FolderFaultsAreClearAndLeftoversRemoved) {
   if (world()->rank() == 0) {
     EXPECT_TRUE(fs::exists(rank0 / "saves" / "step_00000002" / "manifest.json")) << "a user's folder is not removed";
     EXPECT_TRUE(fs::exists(rank0 / "notes.txt")) << "a file remat did not write is not removed";
+    EXPECT_FALSE(fs::exists(rank7 / "rank7.optimizer")) << "a larger killed run's state is removed";
+    EXPECT_FALSE(fs::exists(masters7 / "rank7.masters")) << "and its masters";
+    EXPECT_TRUE(fs::exists(rank7 / "notes.txt")) << "a file remat did not write is not removed";
+    EXPECT_TRUE(fs::exists(rank8 / "rank8.optimizer")) << "a folder another job holds is left alone";
+    ::close(held8);
   }
 
   // A disk too small (a file-size limit here: EFBIG, as ENOSPC would be):

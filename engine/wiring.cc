@@ -6,6 +6,7 @@
 #include <torch/nn/modules/container/modulelist.h>
 
 #include <algorithm>
+#include <map>
 #include <mutex>
 #include <set>
 
@@ -302,11 +303,12 @@ parallel::NvmeFiles open_nvme_files(const parallel::ZeroOptions& z, const std::s
   agree_on_outcome(world, "opening the NVMe offload's files", [&] {
     if (params) {
       files.parameters = std::make_shared<parallel::NvmeTensorFile>(
-          parallel::NvmeTensorFileOptions{params_path, world.rank(), z.offload_param.max_in_cpu, "offload_param"});
+          parallel::NvmeTensorFileOptions{params_path, world.rank(), z.offload_param.max_in_cpu, "offload_param",
+                                          world.size()});
     }
     if (masters) {
       files.masters = std::make_shared<parallel::NvmeTensorFile>(
-          parallel::NvmeTensorFileOptions{masters_path, world.rank(), 0, "offload_optimizer"});
+          parallel::NvmeTensorFileOptions{masters_path, world.rank(), 0, "offload_optimizer", world.size()});
     }
   });
   return files;
@@ -337,6 +339,7 @@ void Engine::Impl::wire_sharding(torch::nn::Module& model, const Config& config,
       parallel::NvmeOptimizerOptions nvme;
       nvme.nvme_path = config.zero_optimization.offload_optimizer.nvme_path.value_or("");
       nvme.rank = world->rank();
+      nvme.world_size = world->size();
       nvme.sub_group_size = config.deepspeed_tuning.sub_group_size.value_or(nvme.sub_group_size);
       nvme.buffer_count = config.zero_optimization.offload_optimizer.buffer_count;
       nvme.io = config.aio.options();
@@ -428,8 +431,18 @@ std::unique_ptr<Engine> initialize(std::shared_ptr<torch::nn::Module> model, Con
     }
   }
   try {
+    std::map<const void*, std::string> first_name;  // each parameter's first state-dict name
     for (const auto& item : model->named_parameters()) {
       const at::Tensor& p = item.value();
+      const auto [first, fresh] = first_name.emplace(p.unsafeGetTensorImpl(), item.key());
+      if (!fresh) {
+        throw ConfigError(str("remat::initialize: parameter '", item.key(), "' is the same tensor as '",
+                              first->second, "' (one parameter registered under two names, e.g. tied "
+                              "embeddings): the optimizer, the sharding and the saves take each name for a "
+                              "parameter of its own, which would train it twice over. Register it once and use it "
+                              "in both places in the forward (e.g. the head computes at::linear(h, "
+                              "embed->weight))"));
+      }
       if (p.numel() > 0 && p.has_storage() && p.storage().nbytes() == 0) {
         throw ConfigError(str("remat::initialize: parameter '", item.key(), "' has no storage (", p.numel(),
                               " elements): the model is still sharded by a ZeRO stage 3 that was not gathered "

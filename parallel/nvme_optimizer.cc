@@ -23,7 +23,7 @@ namespace {
 class NvmeState : public optim::ExternalState {
  public:
   NvmeState(const std::vector<at::Tensor>& params, const NvmeOptimizerOptions& nvme)
-      : folder_(nvme.nvme_path, nvme.rank, "offload_optimizer", "optimizer", "its optimizer state") {
+      : folder_(nvme.nvme_path, nvme.rank, "offload_optimizer", "optimizer", "its optimizer state", nvme.world_size) {
     internal::NvmeStoreOptions options;
     options.folder = folder_.path();
     options.rank = nvme.rank;

@@ -34,6 +34,7 @@ namespace remat::parallel {
 struct NvmeOptimizerOptions {
   std::string nvme_path;                // offload_optimizer.nvme_path
   int rank = 0;                         // the world rank: names the folder and file
+  int world_size = 0;                   // the job's ranks: rank 0 sweeps a larger crashed run's files (0: not)
   int64_t sub_group_size = 1000000000;  // zero_optimization.sub_group_size
   int buffer_count = 4;                 // offload_optimizer.buffer_count
   AsyncIoOptions io;                    // the aio section

@@ -119,7 +119,8 @@ NvmeTensorFile::NvmeTensorFile(const NvmeTensorFileOptions& options)
       folder_(std::make_unique<internal::NvmeFolder>(options.nvme_path, options.rank, options.section,
                                                      of_params(options) ? "parameters" : "masters",
                                                      of_params(options) ? "its parameter shards"
-                                                                        : "its optimizer's float32 masters")) {
+                                                                        : "its optimizer's float32 masters",
+                                                     options.world_size)) {
   REMAT_CHECK(options.section == "offload_param" || options.section == "offload_optimizer",
               "NvmeTensorFile: section '", options.section, "' is neither offload_param nor offload_optimizer");
   path_ = (std::filesystem::path(folder_->path()) / folder_->file_name()).string();

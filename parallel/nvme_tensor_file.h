@@ -48,6 +48,7 @@ struct NvmeTensorFileOptions {
   // "offload_param" (the parameter shards, kind "parameters") or
   // "offload_optimizer" (the float32 masters, kind "masters").
   std::string section = "offload_param";
+  int world_size = 0;       // the job's ranks: rank 0 sweeps a larger crashed run's files (0: not)
 };
 
 class NvmeTensorFile {

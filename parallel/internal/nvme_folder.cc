@@ -82,6 +82,52 @@ int track(const std::string& file) {
   return -1;
 }
 
+// Why the rank's folder `path` (`ec`: making it failed) or its `lock` file
+// (`err`: opening it failed) cannot be used, naming the one at fault.
+std::string unwritable(const std::string& path, const std::string& lock, const std::error_code& ec, int err) {
+  std::error_code ignored;
+  if (!ec) return str("cannot open its lock file '", lock, "' (", std::strerror(err), ")");
+  if (fs::is_symlink(fs::symlink_status(path, ignored)) && !fs::exists(path, ignored)) {
+    return str("cannot write its folder '", path, "': it is a symbolic link to '",
+               fs::read_symlink(path, ignored).string(), "', which does not exist");
+  }
+  return str("cannot write its folder '", path, "' (", ec.message(), ")");
+}
+
+// Removes the files of `file_name` (and names it begins) in `folder`, saying
+// so; folders and anything else there are the user's and stay.
+void remove_leftovers(const std::string& folder, const std::string& file_name, const std::string& section) {
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(folder, ec)) {
+    if (entry.path().filename().string().rfind(file_name, 0) != 0) continue;
+    std::error_code size_ec;
+    if (fs::is_directory(entry.symlink_status(size_ec))) continue;  // never made by remat
+    const auto bytes = entry.is_regular_file(size_ec) ? entry.file_size(size_ec) : 0;
+    fs::remove(entry.path(), size_ec);
+    log().warn("{} nvme: removed '{}' ({} bytes), left by a run that ended without cleaning up", section,
+               entry.path().string(), bytes);
+  }
+}
+
+// The folders rank<K> (K >= world_size) under `kind_folder`: a crashed run
+// of more ranks left them; their files go under each one's lock.
+void sweep_ranks_beyond(const fs::path& kind_folder, int world_size, const std::string& kind,
+                        const std::string& section) {
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(kind_folder, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("rank", 0) != 0 || name.size() == 4 ||
+        name.find_first_not_of("0123456789", 4) != std::string::npos || name.size() > 12) {
+      continue;
+    }
+    if (std::stoll(name.substr(4)) < world_size || !fs::is_directory(entry.symlink_status(ec))) continue;
+    const int fd = ::open((entry.path() / "lock").c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) continue;
+    if (::flock(fd, LOCK_EX | LOCK_NB) == 0) remove_leftovers(entry.path().string(), name + "." + kind, section);
+    ::close(fd);
+  }
+}
+
 }  // namespace
 
 void remove_on_exit_now() {
@@ -91,7 +137,7 @@ void remove_on_exit_now() {
 }
 
 NvmeFolder::NvmeFolder(const std::string& nvme_path, int rank, const std::string& section, const std::string& kind,
-                       const std::string& holds) {
+                       const std::string& holds, int world_size) {
   const std::string key = "zero_optimization." + section + ".nvme_path";
   std::error_code ec;
   const fs::file_status status = fs::status(nvme_path, ec);
@@ -111,9 +157,9 @@ NvmeFolder::NvmeFolder(const std::string& nvme_path, int rank, const std::string
   const std::string lock = (fs::path(path_) / "lock").string();
   fd_ = ec ? -1 : ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
   if (fd_ < 0) {
-    const std::string why = ec ? ec.message() : std::strerror(errno);
-    throw ConfigError(str(key, " '", nvme_path, "': rank ", rank, " cannot write its folder '", path_, "' (", why,
-                          "): give a folder this job can write"));
+    const int err = errno;
+    throw ConfigError(str(key, " '", nvme_path, "': rank ", rank, " ", unwritable(path_, lock, ec, err),
+                          ": give a folder this job can write"));
   }
   if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
     ::close(fd_);
@@ -124,15 +170,8 @@ NvmeFolder::NvmeFolder(const std::string& nvme_path, int rank, const std::string
   }
   // Only what a run of this rank writes here (rank<R>.<kind>, and names it
   // begins): anything else in the folder is the user's and stays.
-  for (const auto& entry : fs::directory_iterator(path_, ec)) {
-    if (entry.path().filename().string().rfind(file_name_, 0) != 0) continue;
-    std::error_code size_ec;
-    if (fs::is_directory(entry.symlink_status(size_ec))) continue;  // never made by remat
-    const auto bytes = entry.is_regular_file(size_ec) ? entry.file_size(size_ec) : 0;
-    fs::remove(entry.path(), size_ec);
-    log().warn("{} nvme: removed '{}' ({} bytes), left by a run that ended without cleaning up", section,
-               entry.path().string(), bytes);
-  }
+  remove_leftovers(path_, file_name_, section);
+  if (rank == 0 && world_size > 0) sweep_ranks_beyond(fs::path(path_).parent_path(), world_size, kind, section);
   slot_ = track((fs::path(path_) / file_name_).string());
 }
 

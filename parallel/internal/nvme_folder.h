@@ -12,6 +12,10 @@
 // ends (remove_on_exit_now); a kill -9 leaves it to the next run's sweep. A handler the program had for one of those signals is
 // called after the removal (either kind, with its mask and SA_RESTART kept),
 // and decides what follows; without one the signal ends the process.
+// Rank 0, given the job's `world_size`, also removes what a crashed run of
+// more ranks left in the folders of ranks this job does not have
+// (rank<K>/, K >= world_size), each under that folder's lock (a folder
+// locked by a live job is left alone).
 #pragma once
 
 #include <string>
@@ -23,8 +27,10 @@ class NvmeFolder {
   // `section`: the JSON section named in errors ("offload_optimizer" or
   // "offload_param"); `kind`: "optimizer" or "parameters"; `holds`: what
   // each rank keeps there, for the errors ("its optimizer state").
+  // `world_size`: the job's ranks (0: unknown, nothing beyond this rank's
+  // folder is swept).
   NvmeFolder(const std::string& nvme_path, int rank, const std::string& section, const std::string& kind,
-             const std::string& holds);
+             const std::string& holds, int world_size = 0);
   ~NvmeFolder();
   NvmeFolder(const NvmeFolder&) = delete;
   NvmeFolder& operator=(const NvmeFolder&) = delete;
