@@ -161,8 +161,12 @@ Result run(const RunSetup& s, const std::string& export_to = "") {
   }
   engine->wait_for_saves();
   const nlohmann::json m = engine->last_metrics().to_json();
-  if (s.opt == "nvme") EXPECT_GT(m.value("nvme_state_bytes", int64_t{0}), 0) << "the moments on disk";
-  if (s.param == "nvme") EXPECT_GT(m.value("nvme_parameter_bytes", int64_t{0}), 0) << "shards on disk";
+  if (s.opt == "nvme") {
+    EXPECT_GT(m.value("nvme_state_bytes", int64_t{0}), 0) << "the moments on disk";
+  }
+  if (s.param == "nvme") {
+    EXPECT_GT(m.value("nvme_parameter_bytes", int64_t{0}), 0) << "shards on disk";
+  }
   {
     GatheredParameters gathered(*engine);
     for (const auto& item : model->named_parameters()) r.params[item.key()] = item.value().detach().clone();
