@@ -116,7 +116,8 @@ echo "remat-run: $(printf '%q ' "${cmd[@]}" | sed 's/ $//')" >&2
 
 # Open MPI 4's mpirun dies of a segmentation fault in its own abort when the
 # reader of its output goes away (`remat-run ... | head`, a `tee` stopped
-# early). Output to a pipe therefore goes through a relay: once the reader is
+# early, a service's journal socket closed). Output to a pipe or a socket
+# therefore goes through a relay: once the reader is
 # gone the relay ends the job with SIGTERM (the ranks stop as on a
 # scheduler's SIGTERM) and takes in the rest of the output, so that mpirun
 # never writes to a closed pipe. The relay ignores the signals that end a
@@ -128,10 +129,11 @@ relay() {
   kill -TERM $$ 2>/dev/null
   cat >/dev/null
 }
-if [[ -p /dev/stdout && /dev/stdout -ef /dev/stderr ]]; then
+has_reader() { [[ -p "$1" || -S "$1" ]]; }
+if has_reader /dev/stdout && [[ /dev/stdout -ef /dev/stderr ]]; then
   exec > >(relay) 2>&1
 else
-  [[ -p /dev/stdout ]] && exec > >(relay)
-  [[ -p /dev/stderr ]] && exec 2> >(relay >&2)
+  has_reader /dev/stdout && exec > >(relay)
+  has_reader /dev/stderr && exec 2> >(relay >&2)
 fi
 exec "${cmd[@]}"

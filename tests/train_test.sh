@@ -504,4 +504,30 @@ for into in file pipe; do
   fi
 done
 
+# Output into a socket (a service's journal) is relayed alike: when its
+# reader goes away, mpirun never meets the SIGPIPE it aborted on (Open MPI 4:
+# "SIGPIPE detected on fd 13 - aborting", the abort that crashed).
+socket_head() {
+  python3 - "$run" <<'PY'
+import socket, subprocess, sys, time
+ours, theirs = socket.socketpair()
+job = subprocess.Popen([sys.argv[1], "-np", "2", "--", "seq", "1", "100000000"], stdout=theirs,
+                       stderr=subprocess.PIPE, text=True)
+theirs.close()
+ours.recv(10)
+ours.close()
+start = time.time()
+try:
+    _, err = job.communicate(timeout=60)
+except subprocess.TimeoutExpired:
+    job.kill()
+    _, err = job.communicate()
+news = [l for l in err.splitlines() if not l.startswith("remat-run: mpirun")]
+print(f"exit {job.returncode} after {time.time() - start:.0f} s", *news[:4], sep="\n")
+PY
+}
+got=$(socket_head 2>&1)
+if [[ $got =~ ^exit\ [1-9][0-9]*\ after\ [0-9]\ s$ ]]; then pass "launcher into a socket whose reader goes away: $got"
+else fail "launcher into a socket whose reader goes away ends the job quietly in seconds" "$got"; fi
+
 summary
