@@ -532,4 +532,29 @@ got=$(socket_head 2>&1)
 if [[ $got =~ ^exit\ (-9|[1-9][0-9]*)\ after\ [0-9]\ s$ ]]; then pass "launcher into a socket whose reader goes away: $got"
 else fail "launcher into a socket whose reader goes away ends the job quietly in seconds" "$got"; fi
 
+# A non-blocking pipe (its writer's flags, set by whoever started remat-run)
+# that fills up: mpirun alone dropped the rest of the output and exited 0; the
+# relay ends the job and says why (Open MPI 5's mpirun, done by then, still
+# exits 0).
+nonblocking_pipe() {
+  python3 - "$run" <<'PY'
+import fcntl, os, subprocess, sys, time
+read_end, write_end = os.pipe()
+fcntl.fcntl(write_end, fcntl.F_SETFL, fcntl.fcntl(write_end, fcntl.F_GETFL) | os.O_NONBLOCK)
+job = subprocess.Popen([sys.argv[1], "-np", "2", "--", "seq", "1", "200000"], stdout=write_end,
+                       stderr=subprocess.PIPE, text=True)
+os.close(write_end)
+time.sleep(1)  # a slow reader: the pipe fills
+lines = sum(1 for _ in os.fdopen(read_end, "rb"))
+err = job.stderr.read()
+print(f"exit {job.wait()}, {lines} of 400000 lines", *err.splitlines()[1:3], sep="\n")
+PY
+}
+got=$(nonblocking_pipe 2>&1)
+if [[ $got == *"the rest of its output discarded: the output is a non-blocking pipe"* ]]; then
+  pass "launcher into a full non-blocking pipe says the output was cut short (${got%%$'\n'*})"
+else
+  fail "launcher into a full non-blocking pipe says the output was cut short" "$got"
+fi
+
 summary
