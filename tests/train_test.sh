@@ -507,12 +507,14 @@ done
 # Output into a socket (a service's journal) is relayed alike: when its
 # reader goes away, mpirun never meets the SIGPIPE it aborted on (Open MPI 4:
 # "SIGPIPE detected on fd 13 - aborting", the abort that crashed).
+# (A training job: Open MPI 5's mpirun, ending a job that floods its output
+# such as seq's, at times takes 30 s and a SIGKILL.)
 socket_head() {
-  python3 - "$run" <<'PY'
+  python3 - "$run" "$train" "${small[@]}" <<'PY'
 import socket, subprocess, sys, time
 ours, theirs = socket.socketpair()
-job = subprocess.Popen([sys.argv[1], "-np", "2", "--", "seq", "1", "100000000"], stdout=theirs,
-                       stderr=subprocess.PIPE, text=True)
+job = subprocess.Popen([sys.argv[1], "-np", "2", "--", *sys.argv[2:], "--steps", "1000000"],
+                       stdout=theirs, stderr=subprocess.PIPE, text=True)
 theirs.close()
 ours.recv(10)
 ours.close()
@@ -523,8 +525,8 @@ except subprocess.TimeoutExpired:
     job.kill()
     _, err = job.communicate()
 news = [l for l in err.splitlines() if not l.startswith("remat-run: mpirun")]
-# Nonzero: Open MPI 4's mpirun exits 1 on the relay's SIGTERM, Open MPI 5's
-# dies of a SIGKILL (-9); a segmentation fault (-11) is what it replaces.
+# Nonzero: mpirun exits 1 on the relay's SIGTERM (Open MPI 5's at times dies
+# of a SIGKILL, -9); a segmentation fault (-11) is what the relay prevents.
 print(f"exit {job.returncode} after {time.time() - start:.0f} s", *news[:4], sep="\n")
 PY
 }
