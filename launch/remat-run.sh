@@ -116,22 +116,40 @@ echo "remat-run: $(printf '%q ' "${cmd[@]}" | sed 's/ $//')" >&2
 
 # Open MPI 4's mpirun dies of a segmentation fault in its own abort when the
 # reader of its output goes away (`remat-run ... | head`, a `tee` stopped
-# early). Output to a pipe therefore goes through a relay: once the reader is
+# early, a service's journal socket closed). Output to a pipe or a socket
+# therefore goes through a relay: once the reader is
 # gone the relay ends the job with SIGTERM (the ranks stop as on a
 # scheduler's SIGTERM) and takes in the rest of the output, so that mpirun
 # never writes to a closed pipe. The relay ignores the signals that end a
 # job, so that mpirun's last words still have somewhere to go; after the
-# exec below, $$ is mpirun.
+# exec below, $$ is mpirun. A write that fails while the reader is still
+# there (a non-blocking pipe, full: mpirun alone drops what does not fit and
+# exits 0) ends the job too, and says so: the output is cut short (and the
+# exit status still 0 when the job was over by then).
 relay() {
+  set +e # a relay that stops leaves mpirun to the closed pipe
   trap '' TERM INT HUP QUIT USR1 USR2
-  cat 2>/dev/null && return
+  local why
+  { why=$(LC_ALL=C cat 2>&1 >&3); } 3>&1 && return
+  # cat killed by SIGPIPE (141), or told EPIPE: the reader is gone.
+  if [[ $? -ne 141 && "$why" != *"Broken pipe"* ]]; then
+    local hint=""
+    if [[ "$why" == *"Resource temporarily unavailable"* ]]; then
+      hint=": the output is a non-blocking pipe (the program that started remat-run made it so), which cannot"
+      hint+=" take the job's output whole; give remat-run a file or an ordinary pipe"
+    fi
+    trap '' PIPE
+    echo "remat-run: writing the job's output failed ($why): the job is ended, the rest of its output" \
+         "discarded$hint" >&2 2>/dev/null
+  fi
   kill -TERM $$ 2>/dev/null
   cat >/dev/null
 }
-if [[ -p /dev/stdout && /dev/stdout -ef /dev/stderr ]]; then
+has_reader() { [[ -p "$1" || -S "$1" ]]; }
+if has_reader /dev/stdout && [[ /dev/stdout -ef /dev/stderr ]]; then
   exec > >(relay) 2>&1
 else
-  [[ -p /dev/stdout ]] && exec > >(relay)
-  [[ -p /dev/stderr ]] && exec 2> >(relay >&2)
+  has_reader /dev/stdout && exec > >(relay)
+  has_reader /dev/stderr && exec 2> >(relay >&2)
 fi
 exec "${cmd[@]}"

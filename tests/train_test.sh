@@ -504,4 +504,59 @@ for into in file pipe; do
   fi
 done
 
+# Output into a socket (a service's journal) is relayed alike: when its
+# reader goes away, mpirun never meets the SIGPIPE it aborted on (Open MPI 4:
+# "SIGPIPE detected on fd 13 - aborting", the abort that crashed).
+# (A training job: Open MPI 5's mpirun, ending a job that floods its output
+# such as seq's, at times takes 30 s and a SIGKILL.)
+socket_head() {
+  python3 - "$run" "$train" "${small[@]}" <<'PY'
+import socket, subprocess, sys, time
+ours, theirs = socket.socketpair()
+job = subprocess.Popen([sys.argv[1], "-np", "2", "--", *sys.argv[2:], "--steps", "1000000"],
+                       stdout=theirs, stderr=subprocess.PIPE, text=True)
+theirs.close()
+ours.recv(10)
+ours.close()
+start = time.time()
+try:
+    _, err = job.communicate(timeout=60)
+except subprocess.TimeoutExpired:
+    job.kill()
+    _, err = job.communicate()
+news = [l for l in err.splitlines() if not l.startswith("remat-run: mpirun")]
+# Nonzero: mpirun exits 1 on the relay's SIGTERM (Open MPI 5's at times dies
+# of a SIGKILL, -9); a segmentation fault (-11) is what the relay prevents.
+print(f"exit {job.returncode} after {time.time() - start:.0f} s", *news[:4], sep="\n")
+PY
+}
+got=$(socket_head 2>&1)
+if [[ $got =~ ^exit\ (-9|[1-9][0-9]*)\ after\ [0-9]\ s$ ]]; then pass "launcher into a socket whose reader goes away: $got"
+else fail "launcher into a socket whose reader goes away ends the job quietly in seconds" "$got"; fi
+
+# A non-blocking pipe (its writer's flags, set by whoever started remat-run)
+# that fills up: mpirun alone dropped the rest of the output and exited 0; the
+# relay ends the job and says why (Open MPI 5's mpirun, done by then, still
+# exits 0).
+nonblocking_pipe() {
+  python3 - "$run" <<'PY'
+import fcntl, os, subprocess, sys, time
+read_end, write_end = os.pipe()
+fcntl.fcntl(write_end, fcntl.F_SETFL, fcntl.fcntl(write_end, fcntl.F_GETFL) | os.O_NONBLOCK)
+job = subprocess.Popen([sys.argv[1], "-np", "2", "--", "seq", "1", "200000"], stdout=write_end,
+                       stderr=subprocess.PIPE, text=True)
+os.close(write_end)
+time.sleep(1)  # a slow reader: the pipe fills
+lines = sum(1 for _ in os.fdopen(read_end, "rb"))
+err = job.stderr.read()
+print(f"exit {job.wait()}, {lines} of 400000 lines", *err.splitlines()[1:3], sep="\n")
+PY
+}
+got=$(nonblocking_pipe 2>&1)
+if [[ $got == *"the rest of its output discarded: the output is a non-blocking pipe"* ]]; then
+  pass "launcher into a full non-blocking pipe says the output was cut short (${got%%$'\n'*})"
+else
+  fail "launcher into a full non-blocking pipe says the output was cut short" "$got"
+fi
+
 summary
