@@ -94,6 +94,14 @@ void Engine::Impl::check_forward_order() const {
   }
   REMAT_CHECK(gathered_scopes == 0, "remat::Engine::forward inside a GatheredParameters scope: end the scope "
               "first (a training forward gathers and frees the parameters itself)");
+  // Stages 0-2 would find the loss not requiring grad; stage 3's gathered
+  // units make it require grad, and its steps would train nothing.
+  if (!trains) {
+    throw Error("remat::Engine::forward: no parameter of the model requires grad (every one was frozen when "
+                "remat::initialize wired it), so a training step would change nothing: leave the parameters "
+                "to train with requires_grad before remat::initialize (for a forward without backward, use "
+                "evaluate())");
+  }
 }
 
 // variant auto: the blocks planned for this plan key (a profiling run of

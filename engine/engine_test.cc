@@ -476,6 +476,26 @@ TEST(Engine, ABackwardOfALossBuiltFromTheForwardsLossMatchesAForwardThatReturnsI
   for (int stage : {0, 3}) EXPECT_EQ(run(stage, true), run(stage, false)) << "stage " << stage;
 }
 
+// Every parameter frozen: a training forward is refused alike at every stage
+// (stage 3's gathered units made the loss require grad, and its steps
+// trained nothing, silently); evaluate() still runs.
+TEST(Engine, AModelWithEveryParameterFrozenIsRefusedATrainingForward) {
+  EngineOptions options;
+  options.layout = std::make_shared<ParallelLayout>(testing::world(),
+                                                    ParallelDims::from_world(testing::world()->size(), 1));
+  auto [x, y] = batch(1, 0);
+  for (int stage : {0, 1, 2, 3}) {
+    TinyLm model;
+    for (auto& p : model->parameters()) p.requires_grad_(false);
+    auto engine = initialize(model, config_json(stage, "none"), options);
+    const std::string error = error_of<Error>([&] { engine->forward([&] { return model->loss(x, y); }); });
+    EXPECT_NE(error.find("no parameter of the model requires grad"), std::string::npos) << stage << ": " << error;
+    EXPECT_NE(error.find("use evaluate()"), std::string::npos) << error;
+    const at::Tensor loss = engine->evaluate([&] { return model->loss(x, y); });
+    EXPECT_TRUE(std::isfinite(loss.item<double>())) << "stage " << stage;
+  }
+}
+
 TEST(Engine, ALossBackwardRefusesLeavesTheForwardOpenForTheRightOne) {
   Trainer run(config_json(3, "full"));
   auto [x, y] = batch(1, 0);

@@ -154,6 +154,8 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, EngineO
   if (config_.fp16.enabled) {
     s.loss_scaling = internal::wire_loss_scaling(config_.fp16, s.placed, s.options.fp16_scaler_at_float32);
   }
+  const auto params = model.parameters();
+  s.trains = std::any_of(params.begin(), params.end(), [](const at::Tensor& p) { return p.requires_grad(); });
   const auto sharded = parallel::sharded_parameters(model);
   const std::string blocks = block_path(model, s.options.blocks);
   auto block_list = find_block_list(model, blocks);

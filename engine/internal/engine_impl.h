@@ -68,6 +68,7 @@ struct Engine::Impl {
   at::Device placed{at::kCPU};                    // where the model was placed (Engine::device())
   PolicyOptions policy;
   bool auto_plan = false;
+  bool trains = false;  // some parameter of the model requires grad (at initialize)
   // activation_checkpointing.device_memory_budget_bytes as the planner takes
   // it ("auto" resolved against the model's device); unset without one.
   std::optional<int64_t> device_budget_bytes;
