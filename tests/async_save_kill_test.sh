@@ -85,10 +85,12 @@ done
 
 # Training went on while the files of step 4 were written: the last step
 # (6) was reported before the manifest's pause (a blocking save puts the
-# manifest in place at step 4, before step 5 trains), and both rank files'
-# pauses came before the manifest's. Whether step 6 comes before or after
-# the rank files' pauses depends on how long their serialization takes on a
-# loaded machine, so it is not asserted.
+# manifest in place at step 4, before step 5 trains; a background one once
+# the rank files are written, their pauses 3 s each, which steps 5 and 6 of
+# this model take far less than), and both rank files' pauses came before
+# the manifest's. Whether step 6 comes before or after the rank files'
+# pauses depends on how long their serialization takes on a loaded machine,
+# so it is not asserted.
 line_of() { grep -nE "$1" "$tmp/kill_3.log" | head -1 | cut -d: -f1; }
 order=$(grep -nE '^step 6/6|pausing .*(rank_[01]\.pt|manifest\.json)' "$tmp/kill_3.log" | cut -d: -f1 | tr '\n' ' ')
 step6=$(line_of '^step 6/6'); rank0=$(line_of 'pausing .*rank_0\.pt')
