@@ -270,8 +270,11 @@ void ZeroModel::for_each_full_unit(const std::function<void(FullUnit&)>& fn) {
 }
 
 void ZeroModel::after_step() {
-  // The optimizer read and rewrote each tensor it stepped (those with a gradient).
-  for (const auto& t : policy_->optimizer_tensors(strategy_->parameters(), /*settle=*/false)) {
+  // The optimizer read and rewrote each tensor it stepped (those with a
+  // gradient); only the NVMe offloads' files count them.
+  const bool on_disk = nvme_.parameters || nvme_.masters;
+  for (const auto& t : on_disk ? policy_->optimizer_tensors(strategy_->parameters(), /*settle=*/false)
+                               : std::vector<at::Tensor>{}) {
     if (!t.grad().defined()) continue;
     const auto bytes = static_cast<int64_t>(t.nbytes());
     if (nvme_.parameters && nvme_.parameters->on_disk(t)) {
